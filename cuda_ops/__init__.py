@@ -1,0 +1,23 @@
+"""KV-cache copy ops: torch references and (on CUDA) compiled kernels behind checked wrappers.
+
+`concat_kvcache_with_prefix` gathers, per prefill sequence, its cached context (a pinned prefix
+and/or earlier prefill chunks) from the paged cache and appends its new K/V, producing the
+contiguous varlen K/V a FlashAttention varlen kernel reads. `store_kvcache` writes new K/V into
+the paged cache by slot mapping. `copy_blocks` copies whole cache blocks (copy-on-write of a
+partial prefix tail).
+"""
+from cuda_ops.reference import (
+    concat_kvcache_with_prefix_ref,
+    copy_blocks_ref,
+    store_kvcache_ref,
+)
+from cuda_ops.ops import concat_kvcache_with_prefix, copy_blocks, store_kvcache
+
+__all__ = [
+    "concat_kvcache_with_prefix",
+    "concat_kvcache_with_prefix_ref",
+    "copy_blocks",
+    "copy_blocks_ref",
+    "store_kvcache",
+    "store_kvcache_ref",
+]

@@ -1,0 +1,98 @@
+"""Attention backends. The torch backend runs everywhere and is the oracle for the others.
+
+Batch layout (built by the model runner): the first `num_decode_tokens` tokens are decodes
+(one new token per sequence, attending over its block table); the rest are prefill chunks,
+flattened varlen, each attending over [its cached context + its own new tokens] with causal
+masking aligned bottom-right (query i of a chunk after c cached tokens sees keys [0, c + i]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import cuda_ops
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [Nd, max_blocks] int32, -1 padded
+    decode_context_lens: torch.Tensor  # [Nd] int32, the new token included
+    decode_max_context: int
+    prefill_block_tables: torch.Tensor  # [Np, max_blocks] int32, -1 padded
+    prefill_prefix_lens: torch.Tensor  # [Np] int32: tokens already in the cache (prefix, earlier chunks)
+    prefill_cu_seqlens_q: torch.Tensor  # [Np + 1] int32, offsets within the prefill tokens
+    prefill_q_lens: list[int]
+    prefill_prefix_lens_list: list[int]
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_q_lens)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+        cuda_ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        if meta.num_prefills:
+            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [Nd, Hq, D] -> gather each sequence's context through its block table
+        n, block_size = q.shape[0], k_cache.shape[1]
+        length = meta.decode_max_context
+        num_blocks = -(-length // block_size)
+        tables = meta.decode_block_tables[:, :num_blocks].clamp(min=0).long()  # [Nd, nb]
+        k = k_cache[tables].flatten(1, 2)[:, :length]  # [Nd, L, Hkv, D]
+        v = v_cache[tables].flatten(1, 2)[:, :length]
+        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [Nd, L]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [Nd, Hq, 1, D]
+            k.transpose(1, 2), v.transpose(1, 2),  # [Nd, Hkv, L, D]
+            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        return o.squeeze(2)  # [Nd, Hq, D]
+
+    @staticmethod
+    def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [Tp, Hq, D]; k, v: [Tp, Hkv, D]: the new tokens of every prefill chunk
+        k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
+            k_cache, v_cache, meta.prefill_block_tables, meta.prefill_prefix_lens, k, v,
+            meta.prefill_cu_seqlens_q)  # [Tk, Hkv, D], cu_k: [Np + 1]
+        out = torch.empty_like(q)
+        q_start = k_start = 0
+        for q_len, ctx in zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list):
+            k_len = ctx + q_len
+            qi = q[q_start:q_start + q_len].transpose(0, 1)  # [Hq, q_len, D]
+            ki = k_all[k_start:k_start + k_len].transpose(0, 1)  # [Hkv, k_len, D]
+            vi = v_all[k_start:k_start + k_len].transpose(0, 1)
+            if ctx == 0:
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[q_start:q_start + q_len] = o.transpose(0, 1)
+            q_start += q_len
+            k_start += k_len
+        return out
+
+
+def make_backend(name: str, device: torch.device):
+    """'auto' picks the cuda backend on a GPU, torch elsewhere."""
+    if name == "cuda" and device.type != "cuda":
+        from prefix_service.errors import ConfigError
+        raise ConfigError(f"model.attention_backend: 'cuda' needs a CUDA device, the model is on {device}")
+    if name == "cuda" or (name == "auto" and device.type == "cuda"):
+        from prefix_service.attention_cuda import CudaAttentionBackend
+        return CudaAttentionBackend()
+    return TorchAttentionBackend()

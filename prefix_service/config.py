@@ -1,0 +1,244 @@
+"""YAML service config -> frozen, validated dataclasses (one per concern).
+
+Every key is checked: an unknown key, a wrong type or an out-of-range value raises ConfigError
+naming the key, the value and what is allowed. Relative paths resolve against the config file's
+folder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from prefix_service.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2,
+          "MIB": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4,
+          "TB": 1000**4, "TIB": 1024**4}
+
+
+def parse_size(value: Any, key: str) -> int:
+    """'2GiB', '512MB', 1048576 -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like '2GiB' or a byte count, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(f"{key}: size must be positive, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m:
+            unit = (m.group(2) or "").upper()
+            if unit in _UNITS:
+                n = int(float(m.group(1)) * _UNITS[unit])
+                if n > 0:
+                    return n
+    raise ConfigError(f"{key}: expected a size like '2GiB', '512MiB' or a byte count, got {value!r}")
+
+
+def validate_prefix_name(name: Any) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(
+            f"invalid prefix name {name!r}: use 1-128 characters from letters, digits, '_', '-', '.',"
+            " starting with a letter or digit")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on GPU, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    attention_backend: str = "auto"  # auto: cuda on a GPU, torch elsewhere
+    seed: int = 0  # seeds the generator of requests that give no seed
+
+    def __post_init__(self) -> None:
+        _check_choice("model.dtype", self.dtype, DTYPES)
+        _check_choice("model.device", self.device, DEVICES)
+        _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if not isinstance(self.path, str) or not self.path:
+            raise ConfigError(f"model.path: expected a Hugging Face model directory, got {self.path!r}")
+        if self.max_model_len is not None:
+            _check_int("model.max_model_len", self.max_model_len, 1)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    num_blocks: int | None = None  # overrides kv_cache_memory when set
+    prefix_budget_blocks: int | None = None  # max blocks pinned by templates; default: half the cache
+    enable_prefix: bool = True  # False: requests on a template prefill it like any prompt
+
+    def __post_init__(self) -> None:
+        _check_int("cache.block_size", self.block_size, 1, 4096)
+        _check_int("cache.kv_cache_memory", self.kv_cache_memory, 1)
+        if self.num_blocks is not None:
+            _check_int("cache.num_blocks", self.num_blocks, 1)
+        if self.prefix_budget_blocks is not None:
+            _check_int("cache.prefix_budget_blocks", self.prefix_budget_blocks, 0)
+        if not isinstance(self.enable_prefix, bool):
+            raise ConfigError(f"cache.enable_prefix: expected true or false, got {self.enable_prefix!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running sequences at once
+    max_num_batched_tokens: int = 2048  # tokens per step (decodes + prefill chunks)
+    max_queue: int = 1024  # waiting requests before new ones are refused
+    default_max_tokens: int = 256  # when a request gives max_tokens 0 / None
+    max_tokens_cap: int = 4096  # largest max_tokens a request may ask for
+
+    def __post_init__(self) -> None:
+        _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
+        _check_int("scheduler.max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("scheduler.max_queue", self.max_queue, 1)
+        _check_int("scheduler.default_max_tokens", self.default_max_tokens, 1)
+        _check_int("scheduler.max_tokens_cap", self.max_tokens_cap, 1)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    address: str = "127.0.0.1:50051"
+    admin_token_env: str = "PREFIX_SERVICE_ADMIN_TOKEN"
+    state_file: str | None = None  # run-time templates persist here; default next to the config
+    grace_period_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or ":" not in self.address:
+            raise ConfigError(f"server.address: expected host:port, got {self.address!r}")
+        if not isinstance(self.grace_period_s, (int, float)) or self.grace_period_s < 0:
+            raise ConfigError(f"server.grace_period_s: expected a number >= 0, got {self.grace_period_s!r}")
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    """A template from YAML: exactly one of content, file or system_prompt."""
+    name: str
+    content: str | None = None
+    file: str | None = None
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        validate_prefix_name(self.name)
+        given = [k for k in ("content", "file", "system_prompt") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                f"prefixes[{self.name}]: give exactly one of content, file or system_prompt (got {given or 'none'})")
+
+    def read_text(self) -> str:
+        if self.file is not None:
+            try:
+                return Path(self.file).read_text(encoding="utf-8")
+            except OSError as e:
+                raise ConfigError(f"prefixes[{self.name}].file: cannot read {self.file}: {e}") from e
+        return self.content if self.content is not None else self.system_prompt  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs: model, cache, scheduler."""
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    engine: EngineConfig
+    server: ServerConfig = field(default_factory=ServerConfig)
+    prefixes: tuple[PrefixSpec, ...] = ()
+    source: str | None = None  # the YAML file this came from
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for p in self.prefixes:
+            if p.name in seen:
+                raise ConfigError(f"prefixes: the name {p.name!r} appears twice")
+            seen.add(p.name)
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+
+
+def _check_int(key: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{key}: expected an integer {bound}, got {value!r}")
+
+
+def _build(cls: type, section: str, raw: Any, converters: Mapping[str, Any] | None = None) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{section}: expected a mapping, got {type(raw).__name__}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{section}: unknown key(s) {', '.join(map(str, unknown))}; known keys: {', '.join(known)}")
+    kwargs = dict(raw)
+    for key, conv in (converters or {}).items():
+        if key in kwargs and kwargs[key] is not None:
+            kwargs[key] = conv(kwargs[key], f"{section}.{key}")
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise ConfigError(f"{section}: {e}") from e
+
+
+def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None = None) -> ServiceConfig:
+    """Validate a parsed YAML mapping. Relative paths resolve against base_dir."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("config: expected a mapping at the top level")
+    top = ("model", "cache", "scheduler", "server", "prefixes")
+    unknown = sorted(set(raw) - set(top))
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {', '.join(map(str, unknown))}; known keys: {', '.join(top)}")
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+
+    def resolve(value: Any, key: str) -> Any:
+        if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)):
+            return str((base / value).resolve())
+        return os.path.expanduser(value) if isinstance(value, str) else value
+
+    if "model" not in raw:
+        raise ConfigError("config: the 'model' section (with model.path) is required")
+    model = _build(ModelConfig, "model", raw.get("model"), {"path": resolve})
+    cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": parse_size})
+    scheduler = _build(SchedulerConfig, "scheduler", raw.get("scheduler"))
+    server = _build(ServerConfig, "server", raw.get("server"), {"state_file": resolve})
+    prefixes_raw = raw.get("prefixes") or []
+    if not isinstance(prefixes_raw, list):
+        raise ConfigError("prefixes: expected a list of {name, content | file | system_prompt}")
+    prefixes = []
+    for i, p in enumerate(prefixes_raw):
+        name = p.get("name") if isinstance(p, Mapping) else None
+        prefixes.append(_build(PrefixSpec, f"prefixes[{name or i}]", p, {"file": resolve}))
+    return ServiceConfig(EngineConfig(model, cache, scheduler), server, tuple(prefixes))
+
+
+def load_config(path: str | os.PathLike) -> ServiceConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from e
+    cfg = config_from_dict(raw or {}, base_dir=path.resolve().parent)
+    return dataclasses.replace(cfg, source=str(path.resolve()))

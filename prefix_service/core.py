@@ -1,0 +1,264 @@
+"""EngineCore: one step of the engine, single-threaded. Owns the model runner, the scheduler and
+the prefix manager, validates requests, samples, detokenizes, checks stops and hands each
+request's outputs to its sink. `Engine` (engine.py) drives it from a background thread.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from prefix_service.attention import make_backend
+from prefix_service.block_allocator import BlockAllocator
+from prefix_service.config import EngineConfig
+from prefix_service.detokenizer import IncrementalDetokenizer
+from prefix_service.errors import InvalidRequest, PrefixServiceError, PromptTooLong
+from prefix_service.kv_cache import KVCache
+from prefix_service.model.loader import load_model, load_tokenizer, read_arch, resolve_dtype
+from prefix_service.model_runner import ModelRunner
+from prefix_service.prefix_cache import PrefixCacheManager, PrefixHandle
+from prefix_service.sampler import sample
+from prefix_service.scheduler import Scheduler
+from prefix_service.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
+from prefix_service.sampling_params import SamplingParams
+
+log = logging.getLogger("prefix_service.engine")
+
+Sink = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    sink: Sink | None  # None for a template's warmup prefill
+    detok: IncrementalDetokenizer | None
+    arrival: float
+    on_pinned: Callable[[PrefixHandle | BaseException], None] | None = None
+    source: dict | None = None
+    prefix_name: str | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PrefixServiceError("model.device: 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, mc.path, self.device)
+        self.arch = read_arch(mc.path)
+        max_len = mc.max_model_len or self.arch.max_position_embeddings
+        if self.arch.sliding_window:
+            max_len = min(max_len, self.arch.sliding_window)  # full attention inside the window
+        self.max_model_len = max_len
+        self.tokenizer = load_tokenizer(mc.path)
+        self.model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
+        self.kv_cache = KVCache(self.arch, config.cache, self.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.allocator = BlockAllocator(self.kv_cache.num_blocks)
+        budget = config.cache.prefix_budget_blocks
+        if budget is None:
+            budget = self.kv_cache.num_blocks // 2
+        self.prefixes = PrefixCacheManager(self.allocator, self.block_size, min(budget, self.kv_cache.num_blocks))
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
+        self.backend = make_backend(mc.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = 0
+        self._seed_rng = random.Random(mc.seed)
+        self.eos_token_ids = self._eos_ids()
+        self.stats = {"requests": 0, "prefix_tokens_reused": 0, "generated_tokens": 0, "steps": 0}
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
+                 mc.path, self.device, str(self.dtype).replace("torch.", ""), self.kv_cache.num_blocks,
+                 self.block_size, self.max_model_len, self.backend.name)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        try:
+            import json
+            from pathlib import Path
+            gen = Path(self.config.model.path) / "generation_config.json"
+            if gen.is_file():
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+                ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except (OSError, ValueError):
+            pass
+        return ids
+
+    # --- submission ---------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _check_fits(self, num_tokens: int, what: str) -> None:
+        if num_tokens >= self.max_model_len:
+            raise PromptTooLong(
+                f"{what} has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "
+                f"(prompt plus at least one generated token)")
+        capacity = (self.kv_cache.num_blocks - self.prefixes.num_pinned_blocks) * self.block_size
+        if num_tokens + 1 > capacity:
+            raise PromptTooLong(
+                f"{what} has {num_tokens} tokens but the KV cache has room for {capacity} tokens "
+                f"beside the pinned templates; raise cache.kv_cache_memory")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
+                    sampling: SamplingParams, sink: Sink) -> None:
+        """Validate and queue. Raises InvalidRequest, PromptTooLong or PrefixNotFound."""
+        if request_id in self._tracked:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        sampling.validate(max_tokens_cap=self.config.scheduler.max_tokens_cap, vocab_size=self.arch.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
+        handle = self.prefixes.get(prefix_name) if prefix_name else None
+        use_prefix = handle is not None and self.config.cache.enable_prefix
+        token_ids = (list(handle.token_ids) if handle else []) + list(prompt_ids)
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty and no prefix template was named")
+        self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""))
+        max_tokens = sampling.max_tokens or self.config.scheduler.default_max_tokens
+        generator = None
+        if not sampling.greedy:
+            seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed % 2**63 if seed >= 2**63 else seed)
+        seq = Sequence(request_id, token_ids, sampling, max_tokens, handle if use_prefix else None,
+                       generator, self._arrivals)
+        self._arrivals += 1
+        if use_prefix:
+            self.prefixes.acquire(handle)
+        elif handle is not None:
+            handle.requests_served += 1
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
+        self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
+        self.scheduler.add(seq)
+        self.stats["requests"] += 1
+
+    def add_prefix(self, name: str, token_ids: list[int], source: dict,
+                   on_pinned: Callable[[PrefixHandle | BaseException], None]) -> None:
+        """Queue a template's warmup prefill; on_pinned gets the handle (or the error) when done."""
+        if not token_ids:
+            raise InvalidRequest(f"prefix template {name!r} is empty")
+        self._check_fits(len(token_ids), f"prefix template {name!r}")
+        self.prefixes.reserve(name, len(token_ids))
+        request_id = f"prefix-warmup:{name}:{self._arrivals}"
+        seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), 1, None, None, self._arrivals,
+                       prefill_only=True)
+        self._arrivals += 1
+        self._tracked[request_id] = _Tracked(seq, None, None, time.perf_counter(), on_pinned, source, name)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return False
+        self._finish(tracked, FinishReason.ABORT)
+        return True
+
+    def abort_all(self, error: BaseException | None = None) -> None:
+        for tracked in list(self._tracked.values()):
+            self._finish(tracked, FinishReason.ABORT, error=error)
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        if out.unschedulable is not None:
+            tracked = self._tracked[out.unschedulable.request_id]
+            log.warning("request %s does not fit in the KV cache even alone; ending it",
+                        out.unschedulable.request_id)
+            err = PromptTooLong(f"request {out.unschedulable.request_id} outgrew the KV cache "
+                                f"({self.kv_cache.num_blocks} blocks); raise cache.kv_cache_memory")
+            self._finish(tracked, FinishReason.LENGTH, error=err if out.unschedulable.num_output_tokens == 0 else None)
+        if out.is_empty:
+            return
+        self.stats["steps"] += 1
+        logits, sample_seqs = self.runner.execute(out)
+        completed_warmups = []
+        for s in out.scheduled:
+            if s.seq.prefill_only and s.completes_prompt:
+                completed_warmups.append(s.seq)
+            s.seq.num_computed_tokens += s.num_new_tokens
+        for seq in completed_warmups:
+            self._pin_warmup(self._tracked[seq.request_id])
+        if logits is None:
+            return
+        now = time.perf_counter()
+        for seq, token in zip(sample_seqs, sample(logits, sample_seqs)):
+            self._append_token(self._tracked[seq.request_id], token, now)
+
+    def _pin_warmup(self, tracked: _Tracked) -> None:
+        seq = tracked.seq
+        handle = self.prefixes.pin(tracked.prefix_name, seq.token_ids, seq.block_table, tracked.source or {})
+        self.scheduler.finish(seq, FinishReason.STOP)  # the pin keeps the blocks
+        del self._tracked[seq.request_id]
+        if tracked.on_pinned:
+            tracked.on_pinned(handle)
+
+    def _append_token(self, tracked: _Tracked, token: int, now: float) -> None:
+        seq = tracked.seq
+        seq.token_ids.append(token)
+        self.stats["generated_tokens"] += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = None
+        p = seq.sampling
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = FinishReason.STOP
+            text = ""
+        else:
+            text, hit_stop = tracked.detok.add(token)
+            if hit_stop:
+                reason = FinishReason.STOP
+        if reason is None and (seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is None:
+            tracked.sink(RequestOutput(seq.request_id, text, [token]))
+        else:
+            self._finish(tracked, reason, text=text, token_ids=[token])
+
+    def _finish(self, tracked: _Tracked, reason: FinishReason, *, text: str = "", token_ids: list[int] | None = None,
+                error: BaseException | None = None) -> None:
+        seq = tracked.seq
+        reused = seq.num_prefix_tokens_reused
+        self.scheduler.finish(seq, reason)
+        del self._tracked[seq.request_id]
+        if tracked.sink is None:  # a warmup that did not complete
+            self.prefixes.cancel(tracked.prefix_name)
+            if tracked.on_pinned:
+                tracked.on_pinned(error or PrefixServiceError(f"warmup of prefix template {tracked.prefix_name!r} was aborted"))
+            return
+        self.stats["prefix_tokens_reused"] += reused
+        if tracked.detok is not None:
+            text += tracked.detok.flush()
+        ttft = None if seq.first_token_time is None else (seq.first_token_time - tracked.arrival) * 1000
+        tracked.sink(RequestOutput(
+            seq.request_id, text, token_ids or [], finished=True, finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens, prefix_tokens=reused,
+            completion_tokens=seq.num_output_tokens, ttft_ms=ttft, error=error))
+
+    # --- introspection -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Allocator invariants, and every block's count equals the references its holders claim."""
+        expected = self.prefixes.held_refs()
+        for b, c in self.scheduler.held_refs().items():
+            expected[b] = expected.get(b, 0) + c
+        self.allocator.check_integrity(expected)
+        if any(s.status is SeqStatus.FINISHED for s in self.scheduler.running):
+            raise AssertionError("a finished sequence is still running")
+
+    def kv_stats(self) -> dict:
+        return {"num_blocks": self.allocator.num_blocks, "used": self.allocator.num_used,
+                "free": self.allocator.num_free, "pinned": self.prefixes.num_pinned_blocks,
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "preemptions": self.scheduler.num_preemptions}

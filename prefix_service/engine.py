@@ -1,0 +1,244 @@
+"""Engine: the Python API. A background thread runs the step loop and is the only thread that
+touches EngineCore; callers reach it through a command queue (add, abort, prefix admin,
+introspection) answered with futures. `generate` blocks; `generate_stream` is an async iterator
+safe to call from many coroutines.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, TypeVar
+
+from prefix_service.config import EngineConfig, ServiceConfig
+from prefix_service.core import EngineCore
+from prefix_service.errors import EngineStopped, QueueFull
+from prefix_service.prefix_cache import PrefixHandle, PrefixInfo
+from prefix_service.sequence import FinishReason, GenerateRequest, RequestOutput
+
+log = logging.getLogger("prefix_service.engine")
+T = TypeVar("T")
+
+
+@dataclass
+class GenerateResult:
+    """A finished request: all of its text and token ids."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    prefix_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | ServiceConfig) -> None:
+        if isinstance(config, ServiceConfig):
+            config = config.engine
+        self.config = config
+        self.core = EngineCore(config)
+        self.tokenizer = self.core.tokenizer
+        self._commands: deque[tuple[Callable[[EngineCore], object], concurrent.futures.Future]] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="prefix-service-engine", daemon=True)
+        self._thread.start()
+
+    # --- the loop thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._commands and not self.core.has_work() and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._commands:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, fut in commands:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.core))
+                    except BaseException as e:  # handed to the caller
+                        fut.set_exception(e)
+            if self.core.has_work():
+                try:
+                    self.core.step()
+                except Exception as e:  # a bug or a device error: fail what is in flight, keep serving
+                    log.exception("engine step failed; aborting in-flight requests")
+                    self.core.abort_all(error=e)
+        self.core.abort_all(error=EngineStopped("the engine shut down"))
+
+    def _call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self._stopping:
+                raise EngineStopped("the engine is shut down")
+            self._commands.append((fn, fut))
+            self._wake.notify()
+        return fut
+
+    def _run(self, fn: Callable[[EngineCore], T]) -> T:
+        return self._call(fn).result()
+
+    # --- prefixes -----------------------------------------------------------------------------
+    def tokenize_prefix(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def add_prefix(self, name: str, text: str | None = None, *, token_ids: list[int] | None = None,
+                   source: dict | None = None) -> PrefixInfo:
+        """Tokenize, prefill and pin a template. Blocks until it is pinned. Raises PrefixExists,
+        PrefixBudgetExceeded, PromptTooLong or InvalidRequest."""
+        from prefix_service.config import validate_prefix_name
+        from prefix_service.errors import ConfigError, InvalidRequest
+        try:
+            validate_prefix_name(name)
+        except ConfigError as e:
+            raise InvalidRequest(str(e)) from None
+        if token_ids is None:
+            if text is None:
+                raise InvalidRequest("add_prefix needs text or token_ids")
+            token_ids = self.tokenize_prefix(text)
+        source = source if source is not None else ({"content": text} if text is not None else {})
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def on_pinned(result: PrefixHandle | BaseException) -> None:
+            if isinstance(result, BaseException):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
+
+        self._run(lambda core: core.add_prefix(name, list(token_ids), source, on_pinned))
+        handle = done.result()
+        return PrefixInfo(handle.name, handle.num_tokens, handle.num_blocks, handle.requests_served,
+                          handle.active_requests, dict(handle.source))
+
+    def remove_prefix(self, name: str) -> bool:
+        """Unregister a template. True if its blocks were freed now, False if deferred until the
+        requests using it finish. Raises PrefixNotFound."""
+        return self._run(lambda core: core.prefixes.remove(name))
+
+    def list_prefixes(self) -> list[PrefixInfo]:
+        return self._run(lambda core: core.prefixes.list())
+
+    def get_prefix(self, name: str) -> PrefixHandle:
+        return self._run(lambda core: core.prefixes.get(name))
+
+    # --- generation ---------------------------------------------------------------------------
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            if req.prompt is not None:
+                from prefix_service.errors import InvalidRequest
+                raise InvalidRequest("give prompt or prompt_token_ids, not both")
+            return list(req.prompt_token_ids)
+        # with a prefix the prompt continues it: no special tokens (no second BOS)
+        return self.tokenizer.encode(req.prompt or "", add_special_tokens=not req.prefix_name)
+
+    def submit(self, req: GenerateRequest, sink: Callable[[RequestOutput], None]) -> str:
+        """Queue a request; sink receives its outputs from the loop thread. Returns its id.
+        Raises the validation error (InvalidRequest, PromptTooLong, PrefixNotFound, QueueFull)."""
+        request_id = req.request_id or uuid.uuid4().hex
+        prompt_ids = self._prompt_ids(req)
+        max_queue = self.config.scheduler.max_queue
+
+        def add(core: EngineCore) -> None:
+            if len(core.scheduler.waiting) >= max_queue:
+                raise QueueFull(f"the waiting queue is full ({max_queue} requests); retry later")
+            core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink)
+
+        self._run(add)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """End a request (its last output has finish reason ABORT) and free its blocks."""
+        try:
+            return self._run(lambda core: core.abort(request_id))
+        except EngineStopped:
+            return False
+
+    def generate(self, requests: list[GenerateRequest] | GenerateRequest) -> list[GenerateResult]:
+        """Run requests to completion, batched together. Raises the first request's validation
+        error before any runs (the others are aborted)."""
+        if isinstance(requests, GenerateRequest):
+            requests = [requests]
+        collectors = [_Collector() for _ in requests]
+        ids: list[str] = []
+        try:
+            for req, col in zip(requests, collectors):
+                ids.append(self.submit(req, col))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        return [col.result() for col in collectors]
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per step with new text; the last has finished=True. Closing the
+        iterator early (or cancelling the task) aborts the request and frees its blocks."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        request_id = await loop.run_in_executor(None, self.submit, req, sink)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if out.error is not None:
+                    finished = True
+                    raise out.error
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # --- introspection and lifecycle ------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self._run(lambda core: core.check_integrity())
+
+    def kv_stats(self) -> dict:
+        return self._run(lambda core: core.kv_stats())
+
+    def shutdown(self) -> None:
+        """Stop the loop; requests still in flight end with an EngineStopped error."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class _Collector:
+    """Gathers one request's outputs for the blocking API."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._parts: list[RequestOutput] = []
+
+    def __call__(self, out: RequestOutput) -> None:
+        self._parts.append(out)
+        if out.finished:
+            self._done.set()
+
+    def result(self) -> GenerateResult:
+        self._done.wait()
+        last = self._parts[-1]
+        if last.error is not None:
+            raise last.error
+        return GenerateResult(
+            last.request_id, "".join(p.text for p in self._parts), [t for p in self._parts for t in p.token_ids],
+            last.finish_reason, last.prompt_tokens, last.prefix_tokens, last.completion_tokens, last.ttft_ms)

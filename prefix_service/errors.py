@@ -1,0 +1,45 @@
+"""Exceptions raised by the engine. Each maps to one gRPC status code at the API."""
+from __future__ import annotations
+
+
+class PrefixServiceError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ConfigError(PrefixServiceError, ValueError):
+    """A config value is missing, unknown or out of range."""
+
+
+class ModelLoadError(PrefixServiceError):
+    """The model directory is incomplete or holds an unsupported architecture."""
+
+
+class InvalidRequest(PrefixServiceError, ValueError):
+    """A request field is invalid (bad sampling values, empty input, ...)."""
+
+
+class PromptTooLong(InvalidRequest):
+    """The prompt (prefix included) does not fit the model's context or the KV cache."""
+
+
+class PrefixNotFound(PrefixServiceError, KeyError):
+    """No prefix template has this name."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "prefix not found"
+
+
+class PrefixExists(PrefixServiceError):
+    """A prefix template with this name already exists."""
+
+
+class PrefixBudgetExceeded(PrefixServiceError):
+    """Pinning this template would exceed the prefix budget (or the free KV blocks)."""
+
+
+class QueueFull(PrefixServiceError):
+    """The waiting queue is at its configured bound."""
+
+
+class EngineStopped(PrefixServiceError):
+    """The engine is shut down (or shutting down) and accepts no new work."""

@@ -1,0 +1,74 @@
+"""Model runner: the only place that turns a SchedulerOutput into device tensors and runs the model."""
+from __future__ import annotations
+
+import torch
+
+import cuda_ops
+from prefix_service.attention import AttentionMetadata
+from prefix_service.kv_cache import KVCache
+from prefix_service.model.llama import LlamaForCausalLM
+from prefix_service.scheduler import SchedulerOutput
+from prefix_service.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    def _tensor(self, data, dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device="cpu").to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max((len(s.block_table) for s in seqs), default=0)
+        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        return self._tensor(rows, torch.int32).view(len(seqs), width)
+
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run one step. Returns logits [N, vocab] (float32) for the sequences whose chunk reaches
+        their last token (prefill-only warmups excluded), and those sequences in order."""
+        if out.copies:  # copy-on-write of partial prefix tail blocks, before anything is written
+            cuda_ops.copy_blocks(self.kv_cache.k, self.kv_cache.v, self._tensor(out.copies, torch.int64))
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decodes, prefills = [], []
+        logit_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        B = self.block_size
+        for s in out.scheduled:  # decodes come first in the scheduler's order
+            seq, start = s.seq, s.seq.num_computed_tokens
+            end = start + s.num_new_tokens
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [seq.block_table[p // B] * B + p % B for p in range(start, end)]
+            (decodes if s.num_new_tokens == 1 and start > 0 and not prefills else prefills).append(s)
+            if s.completes_prompt and not seq.prefill_only:
+                logit_rows.append(len(ids) - 1)
+                sample_seqs.append(seq)
+        q_lens = [s.num_new_tokens for s in prefills]
+        ctx = [s.seq.num_computed_tokens for s in prefills]
+        cu_q = [0]
+        for n in q_lens:
+            cu_q.append(cu_q[-1] + n)
+        dec_ctx = [s.seq.num_computed_tokens + 1 for s in decodes]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_tables([s.seq for s in decodes]),
+            decode_context_lens=self._tensor(dec_ctx, torch.int32),
+            decode_max_context=max(dec_ctx, default=0),
+            prefill_block_tables=self._block_tables([s.seq for s in prefills]),
+            prefill_prefix_lens=self._tensor(ctx, torch.int32),
+            prefill_cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            prefill_q_lens=q_lens,
+            prefill_prefix_lens_list=ctx,
+        )
+        hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64),
+                            self.backend, self.kv_cache.layers(), meta)  # [T, hidden]
+        if not logit_rows:
+            return None, []
+        return self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)]), sample_seqs

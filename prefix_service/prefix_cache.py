@@ -1,0 +1,146 @@
+"""PrefixCacheManager: the one owner of named, pinned prefixes.
+
+A template is tokenized once, prefilled through the engine like any request, and its block
+table pinned: the manager holds one reference on each of its blocks, so the allocator never
+frees them and (since requests write only to their own blocks) nothing writes them while the
+template exists. Removal unregisters the name at once; the pin is dropped when the last
+request that uses the template finishes (deferred removal).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NewType
+
+from prefix_service.block_allocator import BlockAllocator, BlockId
+from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
+
+PrefixName = NewType("PrefixName", str)
+
+
+@dataclass(eq=False)
+class PrefixHandle:
+    name: PrefixName
+    token_ids: tuple[int, ...]
+    block_table: tuple[BlockId, ...]  # ceil(len / block_size) blocks; the last may be partial
+    source: dict = field(default_factory=dict)  # how it was defined: {"content": ...} or {"system_prompt": ...}
+    created_at: float = field(default_factory=time.time)
+    requests_served: int = 0
+    active_requests: int = 0  # unfinished requests (waiting or running) that continue it
+    removed: bool = False  # unregistered; blocks freed when active_requests reaches 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_table)
+
+
+@dataclass(frozen=True)
+class PrefixInfo:
+    """A read-only snapshot for listing."""
+    name: str
+    num_tokens: int
+    num_blocks: int
+    requests_served: int
+    active_requests: int
+    source: dict
+
+
+class PrefixCacheManager:
+    def __init__(self, allocator: BlockAllocator, block_size: int, budget_blocks: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.budget_blocks = budget_blocks
+        self._handles: dict[str, PrefixHandle] = {}
+        self._pending: dict[str, int] = {}  # name -> blocks reserved while its warmup prefill runs
+        self._detached: list[PrefixHandle] = []  # removed but still in use
+
+    # --- lookup -----------------------------------------------------------------------------
+    def get(self, name: str) -> PrefixHandle:
+        handle = self._handles.get(name)
+        if handle is None:
+            known = ", ".join(sorted(self._handles)) or "none"
+            raise PrefixNotFound(f"no prefix template named {name!r} (known: {known})")
+        return handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._handles
+
+    def list(self) -> list[PrefixInfo]:
+        return [PrefixInfo(h.name, h.num_tokens, h.num_blocks, h.requests_served, h.active_requests, dict(h.source))
+                for h in sorted(self._handles.values(), key=lambda h: h.created_at)]
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(h.num_blocks for h in self._all_pinned())
+
+    def _all_pinned(self) -> list[PrefixHandle]:
+        return list(self._handles.values()) + self._detached
+
+    # --- add --------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def reserve(self, name: str, num_tokens: int) -> None:
+        """Claim the name and budget before the template's prefill runs."""
+        if name in self._handles or name in self._pending:
+            raise PrefixExists(f"a prefix template named {name!r} already exists; remove it first")
+        need = self.blocks_for(num_tokens)
+        used = self.num_pinned_blocks + sum(self._pending.values())
+        if used + need > self.budget_blocks:
+            raise PrefixBudgetExceeded(
+                f"prefix template {name!r} needs {need} blocks ({num_tokens} tokens) but the prefix budget "
+                f"has {self.budget_blocks - used} of {self.budget_blocks} blocks left; raise "
+                f"cache.prefix_budget_blocks or remove a template")
+        self._pending[name] = need
+
+    def cancel(self, name: str) -> None:
+        self._pending.pop(name, None)
+
+    def pin(self, name: str, token_ids: list[int], block_table: list[BlockId], source: dict) -> PrefixHandle:
+        """Take one reference on each block of a finished warmup prefill and register the name."""
+        if self._pending.pop(name, None) is None:
+            raise RuntimeError(f"pin of {name!r} without reserve")
+        assert len(block_table) == self.blocks_for(len(token_ids)), "block table does not cover the prefix"
+        self.allocator.incref(block_table)
+        handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), source)
+        self._handles[name] = handle
+        return handle
+
+    # --- use by requests ---------------------------------------------------------------------
+    def acquire(self, handle: PrefixHandle) -> None:
+        handle.active_requests += 1
+        handle.requests_served += 1
+
+    def release(self, handle: PrefixHandle) -> None:
+        handle.active_requests -= 1
+        if handle.removed and handle.active_requests == 0:
+            self._unpin(handle)
+
+    # --- remove -----------------------------------------------------------------------------
+    def remove(self, name: str) -> bool:
+        """Unregister now; free the pin now if unused, else when its last request ends.
+        Returns True if the blocks were freed at once, False if the free is deferred."""
+        handle = self.get(name)
+        del self._handles[name]
+        handle.removed = True
+        if handle.active_requests == 0:
+            self.allocator.free(handle.block_table)
+            return True
+        self._detached.append(handle)
+        return False
+
+    def _unpin(self, handle: PrefixHandle) -> None:
+        self._detached.remove(handle)
+        self.allocator.free(handle.block_table)
+
+    # --- integrity --------------------------------------------------------------------------
+    def held_refs(self) -> dict[BlockId, int]:
+        refs: dict[BlockId, int] = {}
+        for h in self._all_pinned():
+            for b in h.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        return refs

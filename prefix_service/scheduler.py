@@ -1,0 +1,222 @@
+"""Scheduler: continuous batching with a per-step token budget.
+
+Each step: running sequences with one uncomputed token (decodes) first, oldest first; then
+running sequences part-way through their prompt (chunked prefill); then waiting requests in
+FCFS order while the budget, `max_num_seqs` and free blocks allow. When a decode needs a block
+and none is free, the newest running sequence is preempted (its own blocks freed, recomputed
+later); pinned prefix blocks are never touched. Output is plain CPU data; the model runner
+builds the tensors.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from prefix_service.block_allocator import BlockAllocator, BlockId
+from prefix_service.config import SchedulerConfig
+from prefix_service.prefix_cache import PrefixCacheManager
+from prefix_service.sequence import FinishReason, Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens [num_computed, num_computed + num_new_tokens) run this step
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this chunk reaches the last token, so its logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes (1 token) first, then prefills
+    copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # copy-on-write, before the step
+    preempted: list[Sequence] = field(default_factory=list)
+    unschedulable: Sequence | None = None  # set when nothing could run: the engine ends it
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, prefixes: PrefixCacheManager,
+                 block_size: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.prefixes = prefixes
+        self.block_size = block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the newest
+        self.num_preemptions = 0
+
+    # --- queue ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    # --- blocks -----------------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def _attach_prefix(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
+        """Start a waiting sequence's block table. With a prefix of length P, it reuses R tokens
+        (R = P, or P - 1 when the prompt adds nothing, so one token is computed for logits):
+
+            block_table: [ shared full blocks: R // B | own copy of block R // B if R % B | own ... ]
+
+        Returns False (nothing changed) if the copy-on-write block cannot be allocated."""
+        handle = seq.prefix
+        if handle is None:
+            return True
+        reuse = handle.num_tokens if len(seq.token_ids) > handle.num_tokens else handle.num_tokens - 1
+        num_shared, tail = divmod(reuse, self.block_size)
+        if tail and self.allocator.num_free < 1:
+            return False
+        shared = list(handle.block_table[:num_shared])
+        self.allocator.incref(shared)
+        seq.block_table = shared
+        seq.num_shared_blocks = num_shared
+        if tail:
+            (own,) = self.allocator.allocate(1)
+            copies.append((handle.block_table[num_shared], own))
+            seq.block_table.append(own)
+        seq.num_computed_tokens = reuse
+        seq.num_prefix_tokens_reused = reuse
+        return True
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_shared_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Recompute preemption: drop the sequence's KV; it re-enters the queue at the front."""
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    # --- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # 1. decodes, oldest first; preempt the newest running sequence for blocks
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+                continue
+            need = self._blocks_needed(seq, 1)
+            while need > self.allocator.num_free:
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.block_table += self.allocator.allocate(need)
+            out.scheduled.append(ScheduledSeq(seq, 1))
+            scheduled_ids.add(id(seq))
+            budget -= 1
+
+        # 2. running sequences part-way through their prompt (chunked prefill); newer ones
+        #    yield their blocks to older ones
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING or id(seq) in scheduled_ids or seq.num_uncomputed <= 1:
+                continue
+            want = min(seq.num_uncomputed, budget)
+            n = self._fit_chunk(seq, want)
+            while n == 0:
+                victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids and s is not seq), None)
+                if victim is None:
+                    break
+                self._preempt(victim, out)
+                n = self._fit_chunk(seq, want)
+            if n == 0:
+                break
+            seq.block_table += self.allocator.allocate(self._blocks_needed(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+
+        # 3. waiting requests, FCFS: never skip ahead of one that does not fit
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._attach_prefix(seq, out.copies):
+                break
+            n = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
+            if n == 0:
+                if seq.prefix is not None and seq.block_table:
+                    # undo the attach; a pending copy into the freed block is dropped with it
+                    own = set(seq.own_blocks)
+                    out.copies[:] = [c for c in out.copies if c[1] not in own]
+                self._free_blocks(seq)
+                break
+            self.waiting.popleft()
+            seq.block_table += self.allocator.allocate(self._blocks_needed(seq, n))
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled_ids.add(id(seq))
+            budget -= n
+
+        if not out.scheduled:
+            # Nothing could run: the oldest sequence does not fit in the cache even alone.
+            stuck = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
+            out.unschedulable = stuck
+        return out
+
+    def _fit_chunk(self, seq: Sequence, n: int) -> int:
+        """The largest chunk <= n whose blocks are free now."""
+        free_slots = self.allocator.num_free * self.block_size
+        slack = len(seq.block_table) * self.block_size - seq.num_computed_tokens  # room in own blocks
+        return max(0, min(n, slack + free_slots))
+
+    # --- after the step ---------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence (finished, aborted or failed): free its blocks, release its prefix."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            return
+        self._free_blocks(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.prefix is not None:
+            self.prefixes.release(seq.prefix)
+
+    def held_refs(self) -> dict[BlockId, int]:
+        refs: dict[BlockId, int] = {}
+        for seq in self.running + list(self.waiting):
+            for b in seq.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        return refs

@@ -1,0 +1,104 @@
+"""Requests as the caller gives them, and sequences as the scheduler tracks them."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefix_service.block_allocator import BlockId
+from prefix_service.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefix_service.prefix_cache import PrefixHandle
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request. Give `prompt` (text) or `prompt_token_ids`; with `prefix_name`
+    the request continues that pinned template (the prompt is tokenized without special tokens)."""
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix_name: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller or the server
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new text and token ids since the last output.
+    `finished` is set on the last one, with its reason and usage."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0  # prefix included
+    prefix_tokens: int = 0  # prompt tokens whose KV came from a pinned prefix
+    completion_tokens: int = 0
+    ttft_ms: float | None = None
+    error: BaseException | None = None
+
+
+class Sequence:
+    """A request's scheduling state. Owned by the scheduler; the runner only reads it.
+
+    token_ids:  [0, prefix_len) prefix | [prefix_len, num_prompt_tokens) prompt | outputs
+    KV state:   [0, num_computed_tokens) in the cache through block_table | the rest uncomputed
+    block_table[:num_shared_blocks] are the prefix's pinned full blocks (read-only, shared);
+    every later block is the sequence's own (the first may be a copy of the prefix tail).
+    """
+
+    def __init__(self, request_id: str, token_ids: list[int], sampling: SamplingParams, max_tokens: int,
+                 prefix: PrefixHandle | None, generator: torch.Generator | None, arrival: int,
+                 prefill_only: bool = False) -> None:
+        self.request_id = request_id
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.prefix = prefix
+        self.generator = generator
+        self.arrival = arrival
+        self.prefill_only = prefill_only  # a template's warmup: prefill, keep the blocks, no sampling
+        self.status = SeqStatus.WAITING
+        self.block_table: list[BlockId] = []
+        self.num_shared_blocks = 0
+        self.num_computed_tokens = 0
+        self.num_prefix_tokens_reused = 0  # set at admission; reported in usage
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.first_token_time: float | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def own_blocks(self) -> list[BlockId]:
+        return self.block_table[self.num_shared_blocks:]
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={len(self.token_ids)}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
