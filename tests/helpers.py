@@ -1,0 +1,44 @@
+"""Test helpers that drive the engine and Hugging Face transformers on the same token ids."""
+from __future__ import annotations
+
+import torch
+
+from prefix_service import GenerateRequest, SamplingParams
+
+
+def greedy(max_tokens: int = 32, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def run_ids(engine, ids, prefix=None, max_tokens=32, **kw) -> list[int]:
+    req = GenerateRequest(prompt_token_ids=list(ids), prefix_name=prefix, sampling=greedy(max_tokens, **kw))
+    return engine.generate([req])[0].token_ids
+
+
+def engine_last_logits(engine, ids: list[int], prefix: str | None = None) -> torch.Tensor:
+    """Last-position logits [vocab] through the engine's own scheduler and runner."""
+    def probe(core):
+        core.add_request("logits-probe", list(ids), prefix, SamplingParams(max_tokens=1), lambda out: None)
+        try:
+            logits = None
+            while logits is None:
+                out = core.scheduler.schedule()
+                logits, _ = core.runner.execute(out)
+                for s in out.scheduled:
+                    s.seq.num_computed_tokens += s.num_new_tokens
+            return logits[0].clone()
+        finally:
+            core.abort("logits-probe")
+    return engine._run(probe)
+
+
+def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float32) -> tuple[list[int], torch.Tensor]:
+    """HF generate (greedy, no EOS stop) -> (new token ids, last prompt position logits)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = hf(x).logits[0, -1].float()
+        out = hf.generate(x, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(x))
+    return out[0, len(ids):].tolist(), logits

@@ -1,0 +1,59 @@
+"""The async streaming API: many coroutines at once, cancellation frees blocks."""
+import asyncio
+
+from helpers import greedy, run_ids
+from prefix_service import GenerateRequest
+
+
+def _ids(k):
+    return [(19 * i + k) % 500 + 3 for i in range(4 + k % 7)]
+
+
+def test_many_concurrent_streams_equal_blocking_results(make_engine):
+    engine = make_engine(block_size=4)
+    engine.add_prefix("p", token_ids=_ids(100) * 2)
+    reqs = [GenerateRequest(prompt_token_ids=_ids(k), prefix_name="p" if k % 2 else None, sampling=greedy(16))
+            for k in range(24)]
+
+    async def consume(req):
+        text, ids, last = "", [], None
+        async for out in engine.generate_stream(req):
+            text, ids, last = text + out.text, ids + out.token_ids, out
+        return text, ids, last
+
+    async def main():
+        return await asyncio.gather(*(consume(r) for r in reqs))
+
+    results = asyncio.run(main())
+    expected = engine.generate(reqs)
+    for (text, ids, last), exp in zip(results, expected):
+        assert (text, ids) == (exp.text, exp.token_ids)
+        assert last.finished and last.completion_tokens == 16
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(make_engine):
+    engine = make_engine(block_size=4)
+
+    async def main():
+        stream = engine.generate_stream(GenerateRequest(prompt_token_ids=_ids(1), sampling=greedy(500)))
+        async for out in stream:
+            if not out.finished:
+                break
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert engine.kv_stats()["used"] == 0
+    assert run_ids(engine, _ids(1), max_tokens=8)  # still serving
+
+
+def test_stream_raises_validation_errors(make_engine):
+    import pytest
+    from prefix_service import PrefixNotFound
+    engine = make_engine()
+
+    async def main():
+        async for _ in engine.generate_stream(GenerateRequest(prompt="x", prefix_name="nope")):
+            pass
+
+    with pytest.raises(PrefixNotFound):
+        asyncio.run(main())

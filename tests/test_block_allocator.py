@@ -1,0 +1,44 @@
+"""Block allocator: exact ids, reference counts and the integrity check."""
+import pytest
+
+from prefix_service.block_allocator import BlockAllocator, OutOfBlocks
+
+
+def test_allocate_free_exact_ids_and_counts():
+    a = BlockAllocator(4)
+    assert a.allocate(2) == [0, 1]
+    assert (a.ref_count(0), a.ref_count(1), a.num_free) == (1, 1, 2)
+    a.incref([1])
+    assert a.ref_count(1) == 2
+    a.free([0, 1])
+    # block 0 is free again; block 1 still held once
+    assert (a.ref_count(0), a.ref_count(1), a.num_free) == (0, 1, 3)
+    assert a.allocate(2) == [2, 3]  # FIFO free list: freed blocks are reused last
+    assert a.allocate(1) == [0]
+    a.check_integrity({1: 1, 2: 1, 3: 1, 0: 1})
+
+
+def test_free_in_reverse_order_reuses_tail_last():
+    a = BlockAllocator(3)
+    blocks = a.allocate(3)
+    a.free(blocks)
+    assert a.allocate(3) == [2, 1, 0]
+
+
+def test_errors_and_integrity_violations():
+    a = BlockAllocator(2)
+    with pytest.raises(OutOfBlocks):
+        a.allocate(3)
+    (b,) = a.allocate(1)
+    a.free([b])
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free([b])
+    with pytest.raises(RuntimeError, match="incref of free block"):
+        a.incref([b])
+    a.check_integrity()
+    a.allocate(1)
+    with pytest.raises(AssertionError, match="disagree"):
+        a.check_integrity({})  # a referenced block that no holder claims
+    a._free.append(a._free[0])  # corrupt: a block listed twice
+    with pytest.raises(AssertionError, match="twice"):
+        a.check_integrity()

@@ -1,0 +1,79 @@
+"""YAML config: every key validated, errors name the key, the value and what is allowed."""
+import pytest
+
+from prefix_service.config import ConfigError, config_from_dict, load_config, parse_size
+
+
+def test_full_config_roundtrip(tmp_path):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "intent.txt").write_text("classify")
+    path = tmp_path / "svc.yaml"
+    path.write_text("""
+model: {path: models/m, dtype: float32, device: cpu}
+cache: {block_size: 16, kv_cache_memory: 2GiB, prefix_budget_blocks: 100}
+scheduler: {max_num_seqs: 8, max_num_batched_tokens: 512, max_queue: 10}
+prefixes:
+  - {name: intent_classifier, file: prompts/intent.txt}
+  - {name: table_qa, content: "You are a helpful assistant"}
+""")
+    cfg = load_config(path)
+    assert cfg.engine.model.path == str((tmp_path / "models" / "m").resolve())
+    assert cfg.engine.cache.kv_cache_memory == 2 * 1024**3
+    assert cfg.engine.scheduler.max_num_seqs == 8
+    assert [p.name for p in cfg.prefixes] == ["intent_classifier", "table_qa"]
+    assert cfg.prefixes[0].read_text() == "classify"
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"model": {"path": "m"}, "cahce": {}}, r"unknown key\(s\) cahce; known keys: model, cache, scheduler"),
+    ({"model": {"path": "m", "dtyp": "float32"}}, r"model: unknown key\(s\) dtyp; known keys: path, dtype"),
+    ({"model": {"path": "m", "dtype": "int8"}}, r"model.dtype: 'int8' is not one of auto, float32"),
+    ({"model": {"path": "m"}, "cache": {"block_size": 0}}, r"cache.block_size: expected an integer in \[1, 4096\]"),
+    ({"model": {"path": "m"}, "cache": {"kv_cache_memory": "lots"}}, "cache.kv_cache_memory: expected a size"),
+    ({"model": {"path": "m"}, "scheduler": {"max_num_seqs": "8"}}, "scheduler.max_num_seqs: expected an integer"),
+    ({"model": {"path": "m"}, "prefixes": [{"name": "a", "content": "x", "file": "y"}]}, "exactly one of"),
+    ({"model": {"path": "m"}, "prefixes": [{"name": "a b", "content": "x"}]}, "invalid prefix name 'a b'"),
+    ({"model": {"path": "m"}, "prefixes": [{"name": "a", "content": "x"}, {"name": "a", "content": "y"}]},
+     "appears twice"),
+    ({"cache": {}}, "the 'model' section"),
+])
+def test_errors_name_the_key(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(raw)
+
+
+def test_sizes():
+    assert parse_size("512MiB", "k") == 512 * 1024**2
+    assert parse_size("1.5GB", "k") == 1_500_000_000
+    assert parse_size(4096, "k") == 4096
+    for bad in ("-1GiB", 0, True, "2 parsecs"):
+        with pytest.raises(ConfigError):
+            parse_size(bad, "k")
+
+
+def test_model_load_errors(tmp_path, llama_dir):
+    import json
+    import shutil
+
+    from prefix_service.errors import ModelLoadError
+    from prefix_service.model.loader import load_model, load_tokenizer, read_arch
+    import torch
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        read_arch(tmp_path)
+    bad = tmp_path / "gpt2"
+    shutil.copytree(llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*supported: LlamaForCausalLM, Mistral"):
+        read_arch(bad)
+    noweights = tmp_path / "noweights"
+    shutil.copytree(llama_dir, noweights)
+    for f in noweights.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_model(noweights, torch.float32, torch.device("cpu"), 64)
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        load_tokenizer(notok)

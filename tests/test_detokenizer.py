@@ -1,0 +1,32 @@
+"""Incremental detokenization never emits half a character and loses nothing."""
+from transformers import AutoTokenizer
+
+from prefix_service.detokenizer import IncrementalDetokenizer
+
+TEXT = "héllo 東京 😀 naïve café — données 🚀 société ß€"
+
+
+def test_streamed_text_equals_full_decode_and_never_splits_a_character(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    prompt = tok.encode("the quick brown fox")
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the test text must split a character across tokens"
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.add(i)[0] for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some tokens had to wait for the rest of their character
+    assert "".join(deltas) + detok.flush() == TEXT
+
+
+def test_stop_string_across_tokens_is_held_back_and_cut(tokenizer_dir):
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = tok.encode("the quick brown fox jumps over", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=("fox jum",))
+    emitted, hit = "", False
+    for i in ids:
+        delta, hit = detok.add(i)
+        emitted += delta
+        if hit:
+            break
+    assert hit and emitted == "the quick brown "
+    assert "fox" not in emitted

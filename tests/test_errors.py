@@ -1,0 +1,86 @@
+"""Every bad input is a dedicated exception with a message that names the problem, and leaves
+the engine intact (the fixture checks integrity afterwards)."""
+import pytest
+
+from helpers import greedy, run_ids
+from prefix_service import (GenerateRequest, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
+                            PrefixNotFound, PromptTooLong, SamplingParams)
+
+
+def test_unknown_prefix(make_engine):
+    engine = make_engine()
+    engine.add_prefix("known", token_ids=[5, 6, 7])
+    with pytest.raises(PrefixNotFound, match=r"no prefix template named 'nope' \(known: known\)"):
+        engine.generate([GenerateRequest(prompt="hi", prefix_name="nope")])
+
+
+def test_duplicate_name(make_engine):
+    engine = make_engine()
+    engine.add_prefix("p", token_ids=[5, 6, 7])
+    with pytest.raises(PrefixExists, match="'p' already exists"):
+        engine.add_prefix("p", token_ids=[8, 9])
+
+
+def test_prefix_over_budget(make_engine):
+    engine = make_engine(block_size=4, prefix_budget_blocks=3)
+    engine.add_prefix("a", token_ids=list(range(3, 11)))  # 2 blocks
+    with pytest.raises(PrefixBudgetExceeded, match=r"needs 2 blocks \(5 tokens\).*1 of 3 blocks left"):
+        engine.add_prefix("b", token_ids=list(range(3, 8)))
+    assert [p.name for p in engine.list_prefixes()] == ["a"]
+    engine.add_prefix("c", token_ids=[3, 4])  # 1 block still fits
+
+
+def test_prompt_over_max_length(make_engine):
+    engine = make_engine(max_model_len=32)
+    with pytest.raises(PromptTooLong, match="40 tokens; the model's context is 32"):
+        run_ids(engine, list(range(3, 43)))
+    engine.add_prefix("p", token_ids=list(range(3, 23)))
+    with pytest.raises(PromptTooLong, match="with prefix 'p'"):
+        run_ids(engine, list(range(3, 15)), prefix="p")
+    with pytest.raises(PromptTooLong, match="prefix template 'big'"):
+        engine.add_prefix("big", token_ids=list(range(3, 40)))
+
+
+def test_prompt_larger_than_cache(make_engine):
+    engine = make_engine(block_size=4, num_blocks=8)
+    with pytest.raises(PromptTooLong, match="room for 32 tokens"):
+        run_ids(engine, list(range(3, 43)))
+
+
+@pytest.mark.parametrize("params,match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=10**9), "exceeds the configured cap"),
+    (dict(seed=-1), "seed"),
+    (dict(stop=("",)), "stop strings"),
+    (dict(stop_token_ids=(10**6,)), "stop_token_ids"),
+])
+def test_invalid_sampling(params, match, make_engine):
+    engine = make_engine()
+    with pytest.raises(InvalidRequest, match=match):
+        engine.generate([GenerateRequest(prompt="hello", sampling=SamplingParams(**params))])
+
+
+def test_invalid_inputs(make_engine):
+    engine = make_engine()
+    with pytest.raises(InvalidRequest, match="prompt is empty"):
+        engine.generate([GenerateRequest(prompt_token_ids=[])])
+    with pytest.raises(InvalidRequest, match=r"token ids must be in \[0, 512\)"):
+        engine.generate([GenerateRequest(prompt_token_ids=[1, 99999])])
+    with pytest.raises(InvalidRequest, match="invalid prefix name"):
+        engine.add_prefix("bad name!", token_ids=[1, 2])
+    with pytest.raises(InvalidRequest, match="is empty"):
+        engine.add_prefix("empty", token_ids=[])
+
+
+def test_bad_request_in_a_batch_runs_nothing(make_engine):
+    engine = make_engine()
+    good = GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=greedy(50))
+    bad = GenerateRequest(prompt_token_ids=[5], prefix_name="missing")
+    with pytest.raises(PrefixNotFound):
+        engine.generate([good, bad])
+    assert engine.kv_stats()["used"] == 0

@@ -1,0 +1,83 @@
+"""Sampling and stop conditions: seeds, top-k/top-p, max_tokens, EOS, stop ids and stop strings."""
+import pytest
+
+from helpers import greedy, run_ids
+from prefix_service import FinishReason, GenerateRequest, SamplingParams
+
+PROMPT = [9, 40, 77, 120, 301, 17]
+
+
+def sampled(seed=None, **kw):
+    return SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True, **kw)
+
+
+def test_same_seed_same_output_whatever_else_is_in_the_batch(make_engine):
+    engine = make_engine()
+    alone = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=sampled(1234))])[0].token_ids
+    others = [GenerateRequest(prompt_token_ids=[5 + k] * (3 + k), sampling=sampled(k)) for k in range(5)]
+    batch = engine.generate(others[:2] + [GenerateRequest(prompt_token_ids=PROMPT, sampling=sampled(1234))]
+                            + others[2:])
+    assert batch[2].token_ids == alone
+    different = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=sampled(4321))])[0].token_ids
+    assert different != alone  # 20 draws at temperature 1 over 512 tokens
+
+
+def test_seeded_output_survives_preemption(make_engine):
+    """A preempted request recomputes its KV but keeps its generator: same draws."""
+    calm = make_engine(num_blocks=256)
+    ref = calm.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=sampled(7))])[0].token_ids
+    tight = make_engine(num_blocks=14, block_size=4)
+    reqs = [GenerateRequest(prompt_token_ids=PROMPT, sampling=sampled(7))] + [
+        GenerateRequest(prompt_token_ids=[5 + k] * 6, sampling=sampled(k)) for k in range(4)]
+    outs = tight.generate(reqs)
+    assert tight.kv_stats()["preemptions"] > 0
+    assert outs[0].token_ids == ref
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(make_engine):
+    engine = make_engine()
+    expected = run_ids(engine, PROMPT, max_tokens=20)
+    for params in (sampled(3, top_k=1), sampled(3, top_p=1e-6)):
+        assert engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=params)])[0].token_ids == expected
+
+
+def test_top_k_restricts_to_k_most_likely(make_engine):
+    from helpers import engine_last_logits
+    engine = make_engine()
+    logits = engine_last_logits(engine, PROMPT)
+    top3 = set(logits.topk(3).indices.tolist())
+    firsts = {engine.generate([GenerateRequest(prompt_token_ids=PROMPT,
+                                               sampling=SamplingParams(max_tokens=1, temperature=5.0, top_k=3,
+                                                                       seed=s))])[0].token_ids[0]
+              for s in range(30)}
+    assert firsts <= top3 and len(firsts) > 1
+
+
+def test_max_tokens_is_length(make_engine):
+    engine = make_engine()
+    out = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(7))])[0]
+    assert (len(out.token_ids), out.completion_tokens, out.finish_reason) == (7, 7, FinishReason.LENGTH)
+
+
+def test_stop_token_ids_and_eos(make_engine):
+    engine = make_engine()
+    expected = run_ids(engine, PROMPT, max_tokens=20)
+    stop_at = next(i for i in range(3, 20) if expected[i] not in expected[:i])
+    out = engine.generate([GenerateRequest(prompt_token_ids=PROMPT,
+                                           sampling=greedy(20, stop_token_ids=(expected[stop_at],)))])[0]
+    assert out.token_ids == expected[:stop_at + 1] and out.finish_reason == FinishReason.STOP
+    # the same token as the model's EOS: stops unless ignore_eos
+    engine._run(lambda core: core.eos_token_ids.add(expected[stop_at]))
+    eos = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=20))])[0]
+    assert eos.token_ids == expected[:stop_at + 1] and eos.finish_reason == FinishReason.STOP
+    assert run_ids(engine, PROMPT, max_tokens=20) == expected  # ignore_eos=True runs on
+
+
+def test_stop_string_cuts_text(make_engine):
+    engine = make_engine()
+    full = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(30))])[0].text
+    assert len(full) > 12
+    stop = full[8:11]
+    cut = full.index(stop)
+    out = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(30, stop=(stop, "never-seen")))])[0]
+    assert out.text == full[:cut] and out.finish_reason == FinishReason.STOP
