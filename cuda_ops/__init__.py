@@ -4,8 +4,10 @@
 and/or earlier prefill chunks) from the paged cache and appends its new K/V, producing the
 contiguous varlen K/V a FlashAttention varlen kernel reads. `store_kvcache` writes new K/V into
 the paged cache by slot mapping. `copy_blocks` copies whole cache blocks (copy-on-write of a
-partial prefix tail).
+partial prefix tail). `cuda_ops_available()` says whether the kernels can run here (CUDA torch
+and a GPU); `load_cuda_ops()` compiles them on first use.
 """
+from cuda_ops.build import cuda_ops_available, load_cuda_ops
 from cuda_ops.reference import (
     concat_kvcache_with_prefix_ref,
     copy_blocks_ref,
@@ -18,6 +20,8 @@ __all__ = [
     "concat_kvcache_with_prefix_ref",
     "copy_blocks",
     "copy_blocks_ref",
+    "cuda_ops_available",
+    "load_cuda_ops",
     "store_kvcache",
     "store_kvcache_ref",
 ]
