@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import cuda_ops
+from cuda_ops.paged_decode import paged_decode_attention_ref
 
 
 @dataclass
@@ -27,6 +28,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor  # [Np + 1] int32, offsets within the prefill tokens
     prefill_q_lens: list[int]
     prefill_prefix_lens_list: list[int]
+    prefill_max_q: int = 0
+    prefill_max_k: int = 0
+    prefill_total_k: int = 0  # sum of context + new tokens: the concat output's rows, known on the host
 
     @property
     def num_prefills(self) -> int:
@@ -49,26 +53,22 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [Nd, Hq, D] -> gather each sequence's context through its block table
-        n, block_size = q.shape[0], k_cache.shape[1]
-        length = meta.decode_max_context
-        num_blocks = -(-length // block_size)
-        tables = meta.decode_block_tables[:, :num_blocks].clamp(min=0).long()  # [Nd, nb]
-        k = k_cache[tables].flatten(1, 2)[:, :length]  # [Nd, L, Hkv, D]
-        v = v_cache[tables].flatten(1, 2)[:, :length]
-        mask = torch.arange(length, device=q.device)[None, :] < meta.decode_context_lens[:, None]  # [Nd, L]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [Nd, Hq, 1, D]
-            k.transpose(1, 2), v.transpose(1, 2),  # [Nd, Hkv, L, D]
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-        return o.squeeze(2)  # [Nd, Hq, D]
+        # q: [Nd, Hq, D]: gather each sequence's context through its block table, then SDPA
+        return paged_decode_attention_ref(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                          meta.decode_max_context, scale)
+
+    @classmethod
+    def _prefill(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [Tp, Hq, D]; k, v: [Tp, Hkv, D]: the new tokens of every prefill chunk
+        k_all, v_all, _ = cuda_ops.concat_kvcache_with_prefix(
+            k_cache, v_cache, meta.prefill_block_tables, meta.prefill_prefix_lens, k, v,
+            meta.prefill_cu_seqlens_q, total_k=meta.prefill_total_k)  # [Tk, Hkv, D]
+        return cls.attend_varlen(q, k_all, v_all, meta, scale)
 
     @staticmethod
-    def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [Tp, Hq, D]; k, v: [Tp, Hkv, D]: the new tokens of every prefill chunk
-        k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
-            k_cache, v_cache, meta.prefill_block_tables, meta.prefill_prefix_lens, k, v,
-            meta.prefill_cu_seqlens_q)  # [Tk, Hkv, D], cu_k: [Np + 1]
+    def attend_varlen(q, k_all, v_all, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Per prefill sequence, SDPA of its new queries over its contiguous [context + new] K/V,
+        causal aligned bottom-right. q: [Tq, Hq, D]; k_all, v_all: [Tk, Hkv, D]."""
         out = torch.empty_like(q)
         q_start = k_start = 0
         for q_len, ctx in zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list):

@@ -66,6 +66,9 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._tensor(cu_q, torch.int32),
             prefill_q_lens=q_lens,
             prefill_prefix_lens_list=ctx,
+            prefill_max_q=max(q_lens, default=0),
+            prefill_max_k=max((a + b for a, b in zip(q_lens, ctx)), default=0),
+            prefill_total_k=sum(q_lens) + sum(ctx),
         )
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64),
                             self.backend, self.kv_cache.layers(), meta)  # [T, hidden]

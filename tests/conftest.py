@@ -12,6 +12,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import models  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU tensors; the variable must be set before
+    # triton is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 
