@@ -7,6 +7,7 @@ folder.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,7 +21,10 @@ from prefix_service.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ADDRESS_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2,
           "MIB": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4,
@@ -62,8 +66,10 @@ class ModelConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     attention_backend: str = "auto"  # auto: cuda on a GPU, torch elsewhere
     seed: int = 0  # seeds the generator of requests that give no seed
+    load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
 
     def __post_init__(self) -> None:
+        _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.device", self.device, DEVICES)
         _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -110,16 +116,55 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    address: str = "127.0.0.1:50051"
-    admin_token_env: str = "PREFIX_SERVICE_ADMIN_TOKEN"
-    state_file: str | None = None  # run-time templates persist here; default next to the config
-    grace_period_s: float = 10.0
+    """The gRPC server (prefix_service/server/)."""
+    address: str = "127.0.0.1:50051"  # host:port to listen on; port 0 picks a free one
+    admin_token_env: str = "PREFIX_SERVICE_ADMIN_TOKEN"  # env var holding the admin token
+    state_file: str | None = None  # run-time templates persist here; default <config stem>.state.json
+    grace_period_s: float = 10.0  # on SIGTERM/SIGINT: time in-flight requests get to finish
+    enable_admin: bool = True  # serve the PrefixAdmin service
+    enable_reflection: bool = True  # serve gRPC server reflection (for grpcurl and friends)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.address, str) or ":" not in self.address:
-            raise ConfigError(f"server.address: expected host:port, got {self.address!r}")
-        if not isinstance(self.grace_period_s, (int, float)) or self.grace_period_s < 0:
-            raise ConfigError(f"server.grace_period_s: expected a number >= 0, got {self.grace_period_s!r}")
+        split_address(self.address)
+        if not isinstance(self.admin_token_env, str) or not _ENV_RE.match(self.admin_token_env):
+            raise ConfigError(f"server.admin_token_env: expected an environment variable name like "
+                              f"PREFIX_SERVICE_ADMIN_TOKEN, got {self.admin_token_env!r}")
+        if self.state_file is not None and (not isinstance(self.state_file, str) or not self.state_file):
+            raise ConfigError(f"server.state_file: expected a file path, got {self.state_file!r}")
+        if isinstance(self.grace_period_s, bool) or not isinstance(self.grace_period_s, (int, float)) \
+                or not 0 <= self.grace_period_s <= 3600:
+            raise ConfigError(f"server.grace_period_s: expected seconds in [0, 3600], got {self.grace_period_s!r}")
+        for key in ("enable_admin", "enable_reflection"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"server.{key}: expected true or false, got {getattr(self, key)!r}")
+
+    @property
+    def host(self) -> str:
+        return split_address(self.address)[0]
+
+    @property
+    def port(self) -> int:
+        return split_address(self.address)[1]
+
+    @property
+    def is_loopback(self) -> bool:
+        """True if the address only accepts connections from this machine."""
+        host = self.host
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+
+
+def split_address(address: Any) -> tuple[str, int]:
+    """'127.0.0.1:50051' -> ('127.0.0.1', 50051); '[::1]:0' -> ('::1', 0)."""
+    m = _ADDRESS_RE.match(address) if isinstance(address, str) else None
+    if m is None or not 0 <= int(m.group("port")) <= 65535:
+        raise ConfigError(f"server.address: expected host:port (e.g. 127.0.0.1:50051, 0.0.0.0:50051, "
+                          f"[::1]:50051; port 0 picks a free one), got {address!r}")
+    return m.group("v6") or m.group("host"), int(m.group("port"))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from prefix_service.config import EngineConfig
 from prefix_service.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import InvalidRequest, PrefixServiceError, PromptTooLong
 from prefix_service.kv_cache import KVCache
-from prefix_service.model.loader import load_model, load_tokenizer, read_arch, resolve_dtype
+from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
 from prefix_service.model_runner import ModelRunner
 from prefix_service.prefix_cache import PrefixCacheManager, PrefixHandle
 from prefix_service.sampler import sample
@@ -62,7 +62,10 @@ class EngineCore:
             max_len = min(max_len, self.arch.sliding_window)  # full attention inside the window
         self.max_model_len = max_len
         self.tokenizer = load_tokenizer(mc.path)
-        self.model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
+        if mc.load_format == "dummy":
+            self.model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
+        else:
+            self.model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
         self.kv_cache = KVCache(self.arch, config.cache, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.kv_cache.num_blocks)

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import models  # noqa: E402
+from prefix_service import synthetic as models  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():

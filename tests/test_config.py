@@ -77,3 +77,19 @@ def test_model_load_errors(tmp_path, llama_dir):
     notok.mkdir()
     with pytest.raises(ModelLoadError, match="no tokenizer files"):
         load_tokenizer(notok)
+
+
+def test_dummy_load_format_runs_without_weight_files(tmp_path, tokenizer_dir, make_engine):
+    """load_format: dummy serves a config-only directory with random weights (benchmarks)."""
+    from helpers import run_ids
+    from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
+    from prefix_service.synthetic import build_config_only
+    model_dir = build_config_only(tmp_path / "m", tokenizer_dir, "qwen2", num_hidden_layers=3)
+    assert not list(model_dir.glob("*.safetensors"))
+    cfg = EngineConfig(ModelConfig(path=str(model_dir), device="cpu", load_format="dummy"),
+                       CacheConfig(block_size=4, num_blocks=64))
+    with Engine(cfg) as engine:
+        assert engine.core.model.arch.num_layers == 3 and engine.core.model.arch.qkv_bias
+        out = run_ids(engine, [5, 6, 7, 8], max_tokens=5)
+        assert len(out) == 5 and out == run_ids(engine, [5, 6, 7, 8], max_tokens=5)
+        engine.check_integrity()

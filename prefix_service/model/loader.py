@@ -100,6 +100,22 @@ def _hf_to_ours(name: str) -> tuple[str, str | None]:
     return name, None
 
 
+def dummy_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device,
+                max_positions: int, seed: int = 0) -> LlamaForCausalLM:
+    """Random weights of the directory's architecture, made on the device (no weight files read)."""
+    arch = read_arch(model_dir)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(arch, max_positions)
+    finally:
+        torch.set_default_dtype(default)
+    model.rotary = RotaryEmbedding(arch, max_positions).to(device)
+    return model.eval()
+
+
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device,
                max_positions: int) -> LlamaForCausalLM:
     path = Path(model_dir)

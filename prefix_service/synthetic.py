@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face models and a small trained BPE tokenizer, built locally for tests."""
+"""Synthetic models for tests and benchmarks: a small BPE tokenizer trained locally, random-weight
+Hugging Face models of any Llama-family shape, and config-only directories for `load_format: dummy`."""
 from __future__ import annotations
 
 import os
@@ -69,6 +70,25 @@ def build_model(path: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **ove
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(str(path), safe_serialization=True)
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def build_config_only(path: Path, tokenizer_dir: Path, arch: str = "llama", **shape) -> Path:
+    """A model directory with config.json and a tokenizer but no weights: serve it with
+    model.load_format = dummy (random weights made on the device)."""
+    import shutil
+    cfg = tiny_config(arch, shape.pop("vocab_size", VOCAB_SIZE), **shape)
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                          "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(path))
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, path / f.name)
     return path

@@ -1,0 +1,21 @@
+"""scripts/bench_gpu.py runs end to end (tiny shape on CPU) and writes the JSON it documents."""
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "bench_gpu.py"
+
+
+def test_bench_gpu_smoke_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gpu.json"
+    assert bench.main(["--device", "cpu", "--shape", "tiny", "--requests", "2", "--decode-batches", "1,3",
+                       "--decode-tokens", "6", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert {"machine", "date", "git_commit", "ceilings", "ttft", "decode"} <= set(r)
+    assert [t["system"] for t in r["ttft"]] == ["engine_prefix", "engine_no_prefix"]
+    assert all(t["ttft_p50_ms"] > 0 and t["roofline_ms"] > 0 for t in r["ttft"])
+    assert {(d["batch"], d["with_prefix"]) for d in r["decode"]} == {(1, True), (1, False), (3, True), (3, False)}
+    assert all(d["decode_tok_s"] > 0 for d in r["decode"])
