@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import cuda_ops
 from cuda_ops.paged_decode import paged_decode_attention_ref
+from prefix_service.cascade import CascadeDecode, cascade_decode
 
 
 @dataclass
@@ -31,6 +32,7 @@ class AttentionMetadata:
     prefill_max_q: int = 0
     prefill_max_k: int = 0
     prefill_total_k: int = 0  # sum of context + new tokens: the concat output's rows, known on the host
+    decode_cascade: CascadeDecode | None = None  # decodes grouped by shared prefix blocks (2+ per group)
 
     @property
     def num_prefills(self) -> int:
@@ -53,7 +55,10 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [Nd, Hq, D]: gather each sequence's context through its block table, then SDPA
+        # q: [Nd, Hq, D]. Sequences sharing a pinned prefix attend to it once, together; otherwise
+        # gather each sequence's context through its block table, then SDPA.
+        if meta.decode_cascade is not None:
+            return cascade_decode(q, k_cache, v_cache, meta.decode_cascade, scale)
         return paged_decode_attention_ref(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                                           meta.decode_max_context, scale)
 

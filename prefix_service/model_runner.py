@@ -5,6 +5,7 @@ import torch
 
 import cuda_ops
 from prefix_service.attention import AttentionMetadata
+from prefix_service.cascade import CascadeDecode, PrefixGroup
 from prefix_service.kv_cache import KVCache
 from prefix_service.model.llama import LlamaForCausalLM
 from prefix_service.scheduler import SchedulerOutput
@@ -26,6 +27,29 @@ class ModelRunner:
         width = max((len(s.block_table) for s in seqs), default=0)
         rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
         return self._tensor(rows, torch.int32).view(len(seqs), width)
+
+    def _cascade(self, seqs: list[Sequence], ctx: list[int]) -> CascadeDecode | None:
+        """Group decoding sequences by the pinned prefix blocks they share (2+ per group)."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if seq.prefix is not None and seq.num_shared_blocks > 0:
+                groups.setdefault((id(seq.prefix), seq.num_shared_blocks), []).append(i)
+        groups = {key: rows for key, rows in groups.items() if len(rows) >= 2}
+        if not groups:
+            return None
+        shared = [0] * len(seqs)
+        for (_, n_shared), rows in groups.items():
+            for i in rows:
+                shared[i] = n_shared
+        suffix_lens = [c - n * self.block_size for c, n in zip(ctx, shared)]
+        width = max(len(seq.block_table) - n for seq, n in zip(seqs, shared))
+        tables = [seq.block_table[n:] + [-1] * (width - len(seq.block_table) + n) for seq, n in zip(seqs, shared)]
+        return CascadeDecode(
+            groups=[PrefixGroup(self._tensor(seqs[rows[0]].block_table[:n], torch.int64),
+                                self._tensor(rows, torch.int64)) for (_, n), rows in groups.items()],
+            suffix_block_tables=self._tensor(tables, torch.int32).view(len(seqs), width),
+            suffix_lens=self._tensor(suffix_lens, torch.int32),
+            max_suffix=max(suffix_lens))
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run one step. Returns logits [N, vocab] (float32) for the sequences whose chunk reaches
@@ -70,6 +94,7 @@ class ModelRunner:
             prefill_max_k=max((a + b for a, b in zip(q_lens, ctx)), default=0),
             prefill_total_k=sum(q_lens) + sum(ctx),
         )
+        meta.decode_cascade = self._cascade([s.seq for s in decodes], dec_ctx)
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64),
                             self.backend, self.kv_cache.layers(), meta)  # [T, hidden]
         if not logit_rows:
