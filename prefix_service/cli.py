@@ -1,0 +1,220 @@
+"""The `prefix-service` command: run the server, call it, manage its prefix templates."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+ADDRESS_ENV = "PREFIX_SERVICE_ADDRESS"
+TOKEN_ENV = "PREFIX_SERVICE_ADMIN_TOKEN"
+
+EPILOG = """\
+examples:
+  # serve the default config (SmolLM2-135M-Instruct and two templates)
+  prefix-service prepare-model
+  prefix-service serve --config configs/default.yaml
+
+  # generate, continuing a pinned template (only the prompt is prefilled)
+  prefix-service generate --prefix intent_classifier --max-tokens 8 $'Message: "I was charged twice"\\nIntent:'
+  prefix-service generate --prefix table_qa --max-tokens 48 $'Q: Which flight to Newark was cancelled?\\nA:'
+  # chat: the prompt becomes a user message rendered with the model's chat template
+  prefix-service generate --chat 'What is the capital of France?'
+
+  # manage templates at run time (persisted across restarts)
+  prefix-service prefix add faq --file docs/faq.md
+  prefix-service prefix add support_bot --system-prompt 'You are a polite support agent.'
+  prefix-service prefix list
+  prefix-service prefix remove faq
+
+environment:
+  PREFIX_SERVICE_ADDRESS      default --address (127.0.0.1:50051)
+  PREFIX_SERVICE_ADMIN_TOKEN  default --token for the prefix commands; the server reads its
+                              token from the variable named by server.admin_token_env
+"""
+
+
+def _default_address() -> str:
+    return os.environ.get(ADDRESS_ENV) or "127.0.0.1:50051"
+
+
+def _add_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=_default_address(),
+                   help=f"server host:port (default: ${ADDRESS_ENV} or 127.0.0.1:50051)")
+
+
+def _add_token(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+                   help=f"admin token, sent as 'authorization: Bearer <token>' (default: ${TOKEN_ENV})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefix-service", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="LLM generation with operator-named, pinned KV-cache prefixes: long shared prompt "
+                    "prefixes are prefilled once at startup and every request continues one of them.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the gRPC server", description="Load the model, pin every template of "
+                       "the config, serve until SIGTERM/SIGINT (then drain for server.grace_period_s).")
+    p.add_argument("--config", required=True, metavar="FILE", help="YAML service config, e.g. configs/default.yaml")
+    p.add_argument("--address", help="override server.address (host:port; port 0 picks a free one)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    p = sub.add_parser("generate", help="stream a completion to stdout (usage to stderr)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n  prefix-service generate --prefix table_qa --max-tokens 32 'Q: ...\\nA:'\n"
+                              "  echo 'Tell me a joke' | prefix-service generate --chat -\n")
+    p.add_argument("prompt", metavar="PROMPT", help="text continuing the prefix ('-' reads stdin)")
+    p.add_argument("--prefix", metavar="NAME", help="pinned template to continue (default: none)")
+    p.add_argument("--chat", action="store_true",
+                   help="send PROMPT as a user message through the model's chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before PROMPT")
+    p.add_argument("--max-tokens", type=int, default=0, metavar="N", help="default: the server's configured default")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=0.0, metavar="P", help="0 (default) means 1.0")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default) means no limit")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline for the whole call")
+    _add_address(p)
+
+    p = sub.add_parser("prefix", help="add, list or remove prefix templates (admin API)")
+    psub = p.add_subparsers(dest="prefix_command", required=True, metavar="ACTION")
+    a = psub.add_parser("add", help="prefill and pin a template (persisted across restarts)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="examples:\n  prefix-service prefix add faq --file faq.md\n"
+                               "  prefix-service prefix add bot --system-prompt 'You are terse.'\n")
+    a.add_argument("name", metavar="NAME")
+    src = a.add_mutually_exclusive_group(required=True)
+    src.add_argument("--file", metavar="F", help="raw text from this file")
+    src.add_argument("--content", metavar="TEXT", help="raw text")
+    src.add_argument("--system-prompt", metavar="TEXT",
+                     help="a system message rendered with the model's chat template (for --chat requests)")
+    lst = psub.add_parser("list", help="list the pinned templates")
+    lst.add_argument("--json", action="store_true", help="one JSON object per template")
+    rm = psub.add_parser("remove", help="unregister a template (blocks freed when its requests finish)")
+    rm.add_argument("name", metavar="NAME")
+    for q in (a, lst, rm):
+        _add_address(q)
+        _add_token(q)
+
+    sub.add_parser("prepare-model", add_help=False,
+                   help="convert the bundled SmolLM2-135M-Instruct into a model directory (once)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["prepare-model"]:
+        from prefix_service.prepare_model import main as prepare_main
+        return prepare_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    import grpc
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _prefix(args)
+    except grpc.RpcError as e:
+        code = e.code()
+        hint = ""
+        if code == grpc.StatusCode.UNAVAILABLE and "connect" in (e.details() or "").lower():
+            hint = f"\n(is a server running at {args.address}? start one with: prefix-service serve --config FILE)"
+        print(f"error: {code.name}: {e.details()}{hint}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from prefix_service.config import load_config
+    from prefix_service.errors import PrefixServiceError
+    from prefix_service.server import serve
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+        if args.address:
+            config = dataclasses.replace(config, server=dataclasses.replace(config.server, address=args.address))
+        asyncio.run(serve(config))
+    except (PrefixServiceError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from prefix_service.client import PrefixServiceClient
+    from prefix_service.proto import prefix_service_pb2 as pb
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    messages = None
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        prompt = ""
+    elif args.system:
+        print("error: --system needs --chat", file=sys.stderr)
+        return 2
+    last = None
+    with PrefixServiceClient(args.address) as client:
+        for msg in client.generate(prompt, args.prefix, messages=messages, max_tokens=args.max_tokens,
+                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                   seed=args.seed, stop=args.stop, timeout=args.timeout):
+            sys.stdout.write(msg.text)
+            sys.stdout.flush()
+            last = msg
+    sys.stdout.write("\n")
+    if last is not None:
+        u = last.usage
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(f"[{reason}] prompt {u.prompt_tokens} tokens ({u.prefix_tokens} reused from the prefix), "
+              f"{u.completion_tokens} completion tokens, ttft {u.ttft_ms:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def _prefix(args: argparse.Namespace) -> int:
+    from prefix_service.client import PrefixServiceClient
+
+    with PrefixServiceClient(args.address, token=args.token) as client:
+        if args.prefix_command == "add":
+            content = args.content
+            if args.file:
+                try:
+                    with open(args.file, encoding="utf-8") as f:
+                        content = f.read()
+                except OSError as e:
+                    print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
+                    return 2
+            t = client.add_prefix(args.name, content, system_prompt=args.system_prompt)
+            print(f"added {t.name}: {t.num_tokens} tokens, {t.num_blocks} blocks pinned")
+        elif args.prefix_command == "list":
+            templates = client.list_prefixes()
+            if args.json:
+                for t in templates:
+                    print(json.dumps({"name": t.name, "num_tokens": t.num_tokens, "num_blocks": t.num_blocks,
+                                      "requests_served": t.requests_served, "active_requests": t.active_requests,
+                                      "origin": t.origin, "kind": t.kind}))
+            else:
+                rows = [("NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND")] + [
+                    (t.name, str(t.num_tokens), str(t.num_blocks), str(t.requests_served), str(t.active_requests),
+                     t.origin, t.kind) for t in templates]
+                widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+                for r in rows:
+                    print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        else:
+            resp = client.remove_prefix(args.name)
+            print(f"removed {args.name}" + (" (its blocks are freed when the requests using it finish)"
+                                             if resp.deferred else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

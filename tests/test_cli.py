@@ -1,0 +1,193 @@
+"""The `prefix-service` command: generate and prefix admin in-process against a test server, serve
+as a subprocess stopped by SIGTERM, help text and error exits."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from server_fixtures import DOCUMENT, SYSTEM_PROMPT, TOKEN_ENV, ServerThread, build_tiny_model, make_config
+
+from prefix_service import GenerateRequest, SamplingParams
+from prefix_service.cli import main
+from prefix_service.config import PrefixSpec
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("cli-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    os.environ.pop(TOKEN_ENV, None)
+    cfg = make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),
+                                           PrefixSpec("sys", system_prompt=SYSTEM_PROMPT)),
+                      state_file=tmp_path_factory.mktemp("cli-state") / "state.json")
+    st = ServerThread(cfg).start()
+    yield st
+    st.stop()
+
+
+@pytest.fixture(autouse=True)
+def _integrity(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").check_clean()
+
+
+def test_generate_streams_the_engines_output(server, capsys):
+    assert main(["generate", "--address", server.address, "--prefix", "doc", "--max-tokens", "9", " the order"]) == 0
+    out, err = capsys.readouterr()
+    ref = server.engine.generate(GenerateRequest(prompt=" the order", prefix_name="doc",
+                                                 sampling=SamplingParams(max_tokens=9)))[0]
+    assert out == ref.text + "\n"
+    prefix_len = server.engine.get_prefix("doc").num_tokens
+    assert re.search(rf"\[(length|stop)\] prompt {ref.prompt_tokens} tokens \({prefix_len} reused from the prefix\), "
+                     rf"{ref.completion_tokens} completion tokens, ttft \d+ ms", err), err
+
+
+def test_generate_chat_with_system_message(server, capsys):
+    assert main(["generate", "--address", server.address, "--chat", "--system", SYSTEM_PROMPT, "--max-tokens", "5",
+                 "refund please"]) == 0
+    via_system = capsys.readouterr().out
+    assert main(["generate", "--address", server.address, "--chat", "--prefix", "sys", "--max-tokens", "5",
+                 "refund please"]) == 0
+    out, err = capsys.readouterr()
+    assert out == via_system  # the pinned system prompt gives the same answer
+    assert f"({server.engine.get_prefix('sys').num_tokens} reused" in err
+
+
+def test_generate_reads_stdin(server, capsys, monkeypatch):
+    import io
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" the order"))
+    assert main(["generate", "--address", server.address, "--prefix", "doc", "--max-tokens", "4", "-"]) == 0
+    ref = server.engine.generate(GenerateRequest(prompt=" the order", prefix_name="doc",
+                                                 sampling=SamplingParams(max_tokens=4)))[0]
+    assert capsys.readouterr().out == ref.text + "\n"
+
+
+def test_generate_errors_exit_1(server, capsys):
+    assert main(["generate", "--address", server.address, "--prefix", "nope", "x"]) == 1
+    assert "error: NOT_FOUND: no prefix template named 'nope'" in capsys.readouterr().err
+    assert main(["generate", "--address", server.address, "--temperature", "-2", "x"]) == 1
+    assert "error: INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+def test_generate_without_a_server_says_so(capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["generate", "--address", f"127.0.0.1:{port}", "--timeout", "3", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "error: UNAVAILABLE" in err and "is a server running" in err
+
+
+def test_prefix_add_list_remove(server, capsys, tmp_path):
+    f = tmp_path / "faq.txt"
+    f.write_text("the answer is in the account page")
+    assert main(["prefix", "add", "faq", "--file", str(f), "--address", server.address]) == 0
+    assert re.match(r"added faq: \d+ tokens, \d+ blocks pinned", capsys.readouterr().out)
+    assert main(["prefix", "add", "bot", "--system-prompt", "be terse", "--address", server.address]) == 0
+    assert main(["prefix", "add", "raw", "--content", "the weather", "--address", server.address]) == 0
+    capsys.readouterr()
+    assert main(["prefix", "list", "--address", server.address]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND"]
+    assert [row.split()[0] for row in table[1:]] == ["doc", "sys", "faq", "bot", "raw"]
+    assert table[4].split()[-2:] == ["admin", "system_prompt"]
+    assert main(["prefix", "list", "--json", "--address", server.address]) == 0
+    assert '"name": "doc"' in capsys.readouterr().out
+    for name in ("faq", "bot", "raw"):
+        assert main(["prefix", "remove", name, "--address", server.address]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "removed faq"
+    assert main(["prefix", "remove", "faq", "--address", server.address]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert main(["prefix", "add", "x", "--file", str(tmp_path / "missing.txt"), "--address", server.address]) == 2
+
+
+def test_prefix_commands_send_the_token(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(TOKEN_ENV, "cli-secret")
+    st = ServerThread(make_config(model_dir, state_file=tmp_path / "s.json")).start()
+    try:
+        assert main(["prefix", "list", "--address", st.address]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert main(["prefix", "list", "--address", st.address, "--token", "wrong"]) == 1
+        assert "PERMISSION_DENIED" in capsys.readouterr().err
+        assert main(["prefix", "list", "--address", st.address, "--token", "cli-secret"]) == 0
+        # the default token comes from PREFIX_SERVICE_ADMIN_TOKEN, read when the parser is built
+        monkeypatch.setenv("PREFIX_SERVICE_ADMIN_TOKEN", "cli-secret")
+        assert main(["prefix", "add", "t", "--content", "the weather", "--address", st.address]) == 0
+        st.check_clean()
+    finally:
+        st.stop()
+
+
+def test_help_teaches(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for needle in ("examples:", "serve --config configs/default.yaml", "generate --prefix", "prefix add",
+                   "prefix list", "prefix remove", "prepare-model", "PREFIX_SERVICE_ADMIN_TOKEN"):
+        assert needle in out
+    for sub in (["generate"], ["prefix", "add"], ["serve"]):
+        with pytest.raises(SystemExit):
+            main([*sub, "--help"])
+        assert "usage: prefix-service" in capsys.readouterr().out
+
+
+def test_prepare_model_is_dispatched(monkeypatch):
+    seen = []
+    import prefix_service.prepare_model as pm
+    monkeypatch.setattr(pm, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["prepare-model", "--quiet", "--force"]) == 0
+    assert seen == [["--quiet", "--force"]]
+
+
+def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(DOCUMENT)
+    cfg_file = tmp_path / "svc.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "model": {"path": str(model_dir), "device": "cpu"},
+        "cache": {"block_size": 4, "num_blocks": 128},
+        "server": {"address": "127.0.0.1:0", "admin_token_env": TOKEN_ENV, "grace_period_s": 5},
+        "prefixes": [{"name": "doc", "file": "doc.txt"}],
+    }))
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    proc = subprocess.Popen([sys.executable, "-m", "prefix_service", "serve", "--config", str(cfg_file)],
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    lines = []
+    try:
+        deadline = time.monotonic() + 60
+        port = None
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"SERVING on 127\.0\.0\.1:(\d+)", line)
+            port = m and int(m.group(1))
+        assert port, "".join(lines)
+        assert any("prefix template 'doc' (config) pinned" in l and " ms" in l for l in lines)
+        assert main(["generate", "--address", f"127.0.0.1:{port}", "--prefix", "doc", "--max-tokens", "3", " the"]) == 0
+        assert "reused from the prefix" in capsys.readouterr().err
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[1]
+        assert proc.returncode == 0, rest
+        assert "SIGTERM: draining" in rest and "stopped" in rest
+        assert (tmp_path / "svc.state.json").exists() is False  # nothing added at run time, nothing written
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,83 @@
+"""The committed stubs: regenerated from proto/prefix_service.proto they are byte-identical, they
+import on old protobuf runtimes (no gencode version check above setup.cfg's floor), and the
+contract names of docs/DESIGN (services, RPCs, fields) are all there."""
+from __future__ import annotations
+
+import configparser
+import re
+from pathlib import Path
+
+import pytest
+
+from prefix_service.proto import prefix_service_pb2 as pb
+from prefix_service.proto.regenerate import GENERATED, PINNED_GRPCIO_TOOLS, generate
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_PROTO = REPO / "prefix_service" / "proto"
+
+
+def _requirements(section: str, key: str) -> list[str]:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    return [line.strip() for line in cfg[section][key].splitlines() if line.strip()]
+
+
+def test_pin_matches_setup_cfg():
+    assert f"grpcio-tools=={PINNED_GRPCIO_TOOLS}" in _requirements("options.extras_require", "test")
+
+
+def test_regenerated_stubs_match_the_committed_ones(tmp_path):
+    from importlib.metadata import version
+    installed = version("grpcio-tools")
+    if installed != PINNED_GRPCIO_TOOLS:
+        pytest.fail(f"grpcio-tools {installed} is installed; the stubs are generated with {PINNED_GRPCIO_TOOLS} "
+                    f"(pip install -e '.[test]')")
+    for path in generate(tmp_path):
+        committed = PACKAGE_PROTO / path.name
+        assert path.read_bytes() == committed.read_bytes(), (
+            f"{committed.relative_to(REPO)} is stale: run python -m prefix_service.proto.regenerate")
+    assert sorted(p.name for p in (tmp_path / "prefix_service" / "proto").iterdir()) == sorted(GENERATED)
+
+
+def test_no_runtime_version_check_above_the_protobuf_floor():
+    floor = next(r for r in _requirements("options", "install_requires") if r.startswith("protobuf"))
+    floor_version = tuple(int(x) for x in re.search(r">=([\d.]+)", floor).group(1).split("."))
+    src = (PACKAGE_PROTO / "prefix_service_pb2.py").read_text()
+    m = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+)", src)
+    if m is not None:  # gencode from protoc >= 26 demands a runtime at least this new
+        assert tuple(map(int, m.groups())) <= floor_version, f"gencode needs protobuf {m.groups()}, floor is {floor}"
+    grpc_src = (PACKAGE_PROTO / "prefix_service_pb2_grpc.py").read_text()
+    assert "GRPC_GENERATED_VERSION" not in grpc_src  # no grpcio floor hidden in the stubs
+    assert "from prefix_service.proto import prefix_service_pb2" in grpc_src
+
+
+def test_contract_names():
+    services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
+    assert pb.DESCRIPTOR.package == "prefix_service.v1"
+    assert services == {"Generation": ["Generate"],
+                        "PrefixAdmin": ["AddPrefixTemplate", "RemovePrefixTemplate", "ListPrefixTemplates"]}
+    gen = pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name["Generate"]
+    from google.protobuf import descriptor_pb2
+    method = descriptor_pb2.MethodDescriptorProto()
+    gen.CopyToProto(method)
+    assert (method.output_type, method.server_streaming, method.client_streaming) == \
+        (".prefix_service.v1.GenerateResponse", True, False)
+    fields = {name: [f.name for f in msg.fields] for name, msg in pb.DESCRIPTOR.message_types_by_name.items()}
+    expected = {
+        "SamplingParams": ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"],
+        "GenerateRequest": ["prefix_name", "prompt", "sampling", "request_id", "messages"],
+        "ChatMessage": ["role", "content"],
+        "Usage": ["prompt_tokens", "prefix_tokens", "completion_tokens", "ttft_ms"],
+        "GenerateResponse": ["text", "token_ids", "finish_reason", "usage", "request_id"],
+        "AddPrefixTemplateRequest": ["name", "content", "system_prompt"],
+        "PrefixTemplate": ["name", "num_tokens", "num_blocks", "requests_served"],
+        "RemovePrefixTemplateRequest": ["name"],
+        "RemovePrefixTemplateResponse": ["deferred"],
+        "ListPrefixTemplatesRequest": [],
+        "ListPrefixTemplatesResponse": ["templates"],
+    }
+    for name, names in expected.items():
+        assert fields[name][:len(names)] == names, name
+    assert pb.SamplingParams.DESCRIPTOR.fields_by_name["seed"].has_presence
+    assert [v.name for v in pb.FinishReason.DESCRIPTOR.values] == [
+        "FINISH_REASON_UNSPECIFIED", "FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_ABORT"]
