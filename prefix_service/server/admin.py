@@ -1,0 +1,80 @@
+"""PrefixAdmin servicer: authorize, convert, call the TemplateRegistry off the event loop, map
+errors. An add returns once the template is prefilled and pinned (cancelling the call does not
+stop it)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+import grpc
+
+from prefix_service.errors import InvalidRequest
+from prefix_service.proto import prefix_service_pb2 as pb
+from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
+from prefix_service.server.auth import AdminAuth
+from prefix_service.server.convert import template_to_proto
+from prefix_service.server.runtime import Runtime
+from prefix_service.server.status import abort
+from prefix_service.server.store import TemplateSource
+
+log = logging.getLogger("prefix_service.server")
+
+
+def _mapped(method):
+    """Turn any exception of an admin handler into its status code."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to a status (INTERNAL for the unexpected)
+            await abort(context, e)
+    return wrapper
+
+
+def source_from_proto(request: pb.AddPrefixTemplateRequest) -> TemplateSource:
+    if bool(request.content) == bool(request.system_prompt):
+        raise InvalidRequest("give exactly one of content (raw text) or system_prompt (a system message "
+                             "rendered through the model's chat template)")
+    return TemplateSource(request.name, request.content or None, request.system_prompt or None, origin="admin")
+
+
+class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
+    def __init__(self, runtime: Runtime, auth: AdminAuth) -> None:
+        self.runtime = runtime
+        self.auth = auth
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.runtime.executor, fn, *args)
+
+    def _registry(self, context: grpc.aio.ServicerContext):
+        self.auth.check(context.invocation_metadata())
+        return self.runtime.require_ready()[1]
+
+    @_mapped
+    async def AddPrefixTemplate(self, request, context):
+        registry = self._registry(context)
+        src = source_from_proto(request)
+        t0 = time.perf_counter()
+        info = await self._call(registry.add, src)
+        log.info("prefix template %r added (%s): %d tokens, %d blocks, %.0f ms", info.name,
+                 "system_prompt" if src.system_prompt is not None else "content", info.num_tokens,
+                 info.num_blocks, (time.perf_counter() - t0) * 1000)
+        return template_to_proto(info, "admin")
+
+    @_mapped
+    async def RemovePrefixTemplate(self, request, context):
+        registry = self._registry(context)
+        freed = await self._call(registry.remove, request.name)
+        log.info("prefix template %r removed%s", request.name,
+                 "" if freed else " (its blocks are freed when the requests using it finish)")
+        return pb.RemovePrefixTemplateResponse(deferred=not freed)
+
+    @_mapped
+    async def ListPrefixTemplates(self, request, context):
+        registry = self._registry(context)
+        items = await self._call(registry.list)
+        return pb.ListPrefixTemplatesResponse(templates=[template_to_proto(i, origin) for i, origin in items])

@@ -1,0 +1,64 @@
+"""Proto messages <-> engine types. Proto3 defaults carry meaning here: temperature 0 is greedy,
+top_p 0 means 1.0, top_k 0 means no limit, max_tokens 0 means the configured default, an unset
+seed means random."""
+from __future__ import annotations
+
+from prefix_service.errors import InvalidRequest
+from prefix_service.prefix_cache import PrefixInfo
+from prefix_service.proto import prefix_service_pb2 as pb
+from prefix_service.sampling_params import SamplingParams
+from prefix_service.sequence import FinishReason, RequestOutput
+
+MAX_REQUEST_ID_CHARS = 128
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """Range checks are the engine's (SamplingParams.validate); only defaults are filled here."""
+    return SamplingParams(
+        max_tokens=p.max_tokens or None,
+        temperature=float(p.temperature),
+        top_p=float(p.top_p) if p.top_p != 0 else 1.0,
+        top_k=int(p.top_k),
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
+        ignore_eos=bool(p.ignore_eos),
+    )
+
+
+def check_request_id(request_id: str) -> str:
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters "
+                             f"(or empty to have one generated), got {request_id[:40]!r}...")
+    return request_id
+
+
+def messages_from_proto(messages) -> list[dict[str, str]]:
+    out = []
+    for i, m in enumerate(messages):
+        if not m.role:
+            raise InvalidRequest(f"messages[{i}].role is empty; use system, user or assistant")
+        out.append({"role": m.role, "content": m.content})
+    return out
+
+
+def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, request_id=out.request_id)
+    if out.finished:
+        msg.finish_reason = _FINISH[out.finish_reason]
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens,
+                                    completion_tokens=out.completion_tokens, ttft_ms=out.ttft_ms or 0.0))
+    return msg
+
+
+def template_to_proto(info: PrefixInfo, origin: str) -> pb.PrefixTemplate:
+    return pb.PrefixTemplate(
+        name=info.name, num_tokens=info.num_tokens, num_blocks=info.num_blocks,
+        requests_served=info.requests_served, active_requests=info.active_requests, origin=origin,
+        kind="system_prompt" if "system_prompt" in info.source else "content")

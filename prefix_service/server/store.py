@@ -1,0 +1,115 @@
+"""TemplateStore: the templates added through the admin API, persisted to a JSON state file.
+
+Every save writes the whole list to a temp file in the same folder, fsyncs it, renames it over
+the state file (atomic on POSIX) and fsyncs the folder, so a crash at any point leaves either
+the old or the new file, never a torn one. Leftover temp files of a crashed write are ignored
+(and removed) at load.
+
+    {"version": 1, "templates": [{"name": "faq", "content": "..."},
+                                 {"name": "bot", "system_prompt": "..."}]}
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from prefix_service.config import validate_prefix_name
+from prefix_service.errors import ConfigError
+
+log = logging.getLogger("prefix_service.server")
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TemplateSource:
+    """How a template is defined: exactly one of content (raw text) or system_prompt."""
+    name: str
+    content: str | None = None
+    system_prompt: str | None = None
+    origin: str = "admin"  # "config" (the YAML file) or "admin" (added at run time)
+
+    def to_json(self) -> dict:
+        key = "content" if self.content is not None else "system_prompt"
+        return {"name": self.name, key: getattr(self, key)}
+
+
+class StateFileError(ConfigError):
+    """The state file exists but cannot be read as a template list."""
+
+
+class TemplateStore:
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    def _temp_prefix(self) -> str:
+        return f".{self.path.name}.tmp-"
+
+    def load(self) -> list[TemplateSource]:
+        for stale in self.path.parent.glob(self._temp_prefix() + "*"):  # a write that never finished
+            log.warning("ignoring %s, left by an interrupted write of %s", stale, self.path.name)
+            stale.unlink(missing_ok=True)
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StateFileError(f"cannot read the template state file {self.path}: {e}") from e
+        fix = "fix it, or move it away to start without the templates added at run time"
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise StateFileError(f"the template state file {self.path} is not valid JSON ({e}); {fix}") from None
+        if not isinstance(data, dict) or data.get("version") != STATE_VERSION \
+                or not isinstance(data.get("templates"), list):
+            raise StateFileError(f"the template state file {self.path} is not a version-{STATE_VERSION} "
+                                 f"template list; {fix}")
+        out = []
+        for i, entry in enumerate(data["templates"]):
+            keys = set(entry) if isinstance(entry, dict) else set()
+            if not ({"name"} < keys <= {"name", "content", "system_prompt"}) or len(keys) != 2 \
+                    or not all(isinstance(v, str) for v in entry.values()):
+                raise StateFileError(f"{self.path}: templates[{i}] must be {{name, content}} or "
+                                     f"{{name, system_prompt}} with string values; {fix}")
+            try:
+                validate_prefix_name(entry["name"])
+            except ConfigError as e:
+                raise StateFileError(f"{self.path}: templates[{i}]: {e}") from None
+            out.append(TemplateSource(entry["name"], entry.get("content"), entry.get("system_prompt")))
+        return out
+
+    def save(self, templates: Iterable[TemplateSource]) -> None:
+        """Atomically replace the state file with this list. Raises OSError."""
+        data = {"version": STATE_VERSION, "templates": [t.to_json() for t in templates]}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=self._temp_prefix(), dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,88 @@
+"""TemplateRegistry: adds, removes and lists prefix templates on the engine, remembers where
+each came from (the YAML config or the admin API) and keeps the admin ones in the TemplateStore.
+
+Its methods block (an add prefills the template); the servicers call them from worker threads.
+Adds and removes run one at a time (admin changes are rare; a remove racing an add of the same
+name could otherwise leave the file out of step), so the state file always holds exactly the
+admin templates the engine has. Listing does not wait for them.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+from prefix_service.engine import Engine
+from prefix_service.errors import InvalidRequest
+from prefix_service.prefix_cache import PrefixInfo
+from prefix_service.server.chat import system_prompt_ids
+from prefix_service.server.status import PersistError
+from prefix_service.server.store import TemplateSource, TemplateStore
+
+log = logging.getLogger("prefix_service.server")
+
+
+class TemplateRegistry:
+    def __init__(self, engine: Engine, store: TemplateStore | None) -> None:
+        self.engine = engine
+        self.store = store  # None: admin templates live until the process ends
+        self._origins: dict[str, str] = {}
+        self._admin: dict[str, TemplateSource] = {}  # what the state file holds, in insertion order
+        self._lock = threading.Lock()  # guards _origins and _admin
+        self._mutate = threading.Lock()  # one add or remove at a time
+
+    def add(self, src: TemplateSource, *, persist: bool = True) -> PrefixInfo:
+        """Tokenize, prefill and pin; then (for admin templates) persist. Raises the engine's
+        errors (PrefixExists, PrefixBudgetExceeded, PromptTooLong, InvalidRequest) or PersistError."""
+        with self._mutate:
+            return self._add(src, persist)
+
+    def _add(self, src: TemplateSource, persist: bool) -> PrefixInfo:
+        if (src.content is None) == (src.system_prompt is None):
+            raise InvalidRequest(f"template {src.name!r}: give exactly one of content or system_prompt")
+        if src.system_prompt is not None:
+            ids = system_prompt_ids(self.engine.tokenizer, src.system_prompt)
+            info = self.engine.add_prefix(src.name, token_ids=ids, source={"system_prompt": src.system_prompt})
+        else:
+            if not src.content:
+                raise InvalidRequest(f"template {src.name!r}: content is empty")
+            info = self.engine.add_prefix(src.name, src.content)
+        with self._lock:
+            self._origins[src.name] = src.origin
+            if src.origin == "admin":
+                self._admin[src.name] = src
+                if persist:
+                    try:
+                        self._save()
+                    except OSError as e:
+                        del self._admin[src.name], self._origins[src.name]
+                        self.engine.remove_prefix(src.name)
+                        raise PersistError(f"template {src.name!r} was not added: cannot write the state "
+                                           f"file {self.store.path}: {e}") from e
+        return info
+
+    def remove(self, name: str) -> bool:
+        """Unregister. True if the blocks were freed now, False if deferred until the requests
+        using it finish. Raises PrefixNotFound or PersistError."""
+        with self._mutate, self._lock:
+            freed = self.engine.remove_prefix(name)
+            self._origins.pop(name, None)
+            if self._admin.pop(name, None) is not None:
+                try:
+                    self._save()
+                except OSError as e:
+                    raise PersistError(f"template {name!r} was removed, but the state file {self.store.path} "
+                                       f"could not be updated ({e}); it will come back at the next start") from e
+        return freed
+
+    def list(self) -> list[tuple[PrefixInfo, str]]:
+        infos = self.engine.list_prefixes()
+        with self._lock:
+            return [(info, self._origins.get(info.name, "admin")) for info in infos]
+
+    def origin(self, name: str) -> str:
+        with self._lock:
+            return self._origins.get(name, "admin")
+
+    def _save(self) -> None:
+        if self.store is not None:
+            self.store.save(self._admin.values())
