@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import cuda_ops
-from cuda_ops.paged_decode import paged_decode_attention_ref
-from prefix_service.cascade import CascadeDecode, cascade_decode
+from prefix_service.cascade import CascadeDecode, attend_paged, cascade_decode
 
 
 @dataclass
@@ -56,11 +55,12 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [Nd, Hq, D]. Sequences sharing a pinned prefix attend to it once, together; otherwise
-        # gather each sequence's context through its block table, then SDPA.
+        # each gathers its context through its block table.
         if meta.decode_cascade is not None:
             return cascade_decode(q, k_cache, v_cache, meta.decode_cascade, scale)
-        return paged_decode_attention_ref(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                          meta.decode_max_context, scale)
+        out, _ = attend_paged(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                              meta.decode_max_context, scale)
+        return out
 
     @classmethod
     def _prefill(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -31,20 +31,25 @@ class CascadeDecode:
 
 
 def attend_paged(q, k_cache, v_cache, block_tables, lens, max_len: int, scale: float):
-    """Each row's query over its own blocks. q: [N, Hq, D] -> (out [N, Hq, D], lse [N, Hq] float32)."""
+    """Each row's query over its own blocks. q: [N, Hq, D] -> (out [N, Hq, D], lse [N, Hq] float32).
+    One bmm per kv head over strided views of the gathered K/V (no transposing copy)."""
     n, hq, d = q.shape
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
     nb = -(-max_len // bs)
     idx = block_tables[:, :nb].clamp(min=0).long().flatten()
-    k = k_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len].transpose(1, 2)  # [N, Hkv, L, D]
-    v = v_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len].transpose(1, 2)
-    qg = q.view(n, hkv, hq // hkv, d)  # [N, Hkv, G, D]
-    s = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [N, Hkv, G, L]
-    pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [N, L]
-    s.masked_fill_(pad[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [N, Hkv, G]
-    out = torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), v)  # [N, Hkv, G, D]
-    return out.reshape(n, hq, d), lse.reshape(n, hq)
+    k = k_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len]  # [N, L, Hkv, D]
+    v = v_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len]
+    qg = q.view(n, hkv, g, d)
+    pad = (torch.arange(max_len, device=q.device)[None, :] >= lens[:, None])[:, None, :]  # [N, 1, L]
+    out = torch.empty(n, hkv, g, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n, hkv, g, dtype=torch.float32, device=q.device)
+    for h in range(hkv):
+        s = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).float() * scale  # [N, G, L]
+        s.masked_fill_(pad, float("-inf"))
+        lse[:, h] = torch.logsumexp(s, dim=-1)
+        out[:, h] = torch.bmm(torch.exp(s - lse[:, h, :, None]).to(v.dtype), v[:, :, h])  # [N, G, D]
+    return out.view(n, hq, d), lse.view(n, hq)
 
 
 def attend_shared(q, k_cache, v_cache, block_ids, scale: float):
