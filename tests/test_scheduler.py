@@ -1,0 +1,167 @@
+"""Scheduler and block accounting on plain CPU data: exact block ids, reference counts, copies."""
+import threading
+
+import pytest
+
+from helpers import greedy, run_ids
+from prefix_service import GenerateRequest
+from prefix_service.block_allocator import BlockAllocator
+from prefix_service.config import SchedulerConfig
+from prefix_service.prefix_cache import PrefixCacheManager
+from prefix_service.sampling_params import SamplingParams
+from prefix_service.scheduler import Scheduler
+from prefix_service.sequence import FinishReason, Sequence, SeqStatus
+
+B = 4
+
+
+def setup(num_blocks=16, budget=2048, max_seqs=8):
+    alloc = BlockAllocator(num_blocks)
+    prefixes = PrefixCacheManager(alloc, B, budget_blocks=8)
+    return alloc, prefixes, Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+                                      alloc, prefixes, B)
+
+
+def seq(rid, ids, prefix=None):
+    return Sequence(rid, ids, SamplingParams(max_tokens=4), 4, prefix, None, 0)
+
+
+def pin(alloc, prefixes, name, n_tokens):
+    prefixes.reserve(name, n_tokens)
+    blocks = alloc.allocate(-(-n_tokens // B))
+    handle = prefixes.pin(name, list(range(n_tokens)), blocks, {})
+    alloc.free(blocks)  # the warmup sequence lets go; the pin keeps one reference
+    return handle
+
+
+def test_prefix_attach_shares_full_blocks_and_copies_the_tail():
+    alloc, prefixes, sched = setup()
+    handle = pin(alloc, prefixes, "p", 10)  # blocks [0, 1, 2]: 2 full + a tail of 2 tokens
+    assert handle.block_table == (0, 1, 2)
+    s = seq("a", list(range(10)) + [7, 8, 9], handle)
+    prefixes.acquire(handle)
+    sched.add(s)
+    out = sched.schedule()
+    # [ 0 1 | shared, pinned ]  [ 3: own copy of block 2, tokens 8..11 ] [ 4: token 12 ]
+    assert s.block_table == [0, 1, 3, 4] and s.num_shared_blocks == 2
+    assert out.copies == [(2, 3)]
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 3)]
+    assert s.num_computed_tokens == 10 and s.num_prefix_tokens_reused == 10
+    assert [alloc.ref_count(b) for b in (0, 1, 2, 3, 4)] == [2, 2, 1, 1, 1]
+    sched.finish(s, FinishReason.STOP)
+    assert [alloc.ref_count(b) for b in (0, 1, 2, 3, 4)] == [1, 1, 1, 0, 0]
+    assert handle.active_requests == 0 and handle.requests_served == 1
+
+
+def test_block_aligned_prefix_needs_no_copy():
+    alloc, prefixes, sched = setup()
+    handle = pin(alloc, prefixes, "p", 8)
+    s = seq("a", list(range(8)) + [1], handle)
+    prefixes.acquire(handle)
+    sched.add(s)
+    out = sched.schedule()
+    assert out.copies == [] and s.block_table == [0, 1, 2] and s.num_shared_blocks == 2
+
+
+def test_decodes_first_then_chunked_prefill_then_fcfs():
+    alloc, prefixes, sched = setup(num_blocks=64, budget=6)
+    a, b, c = seq("a", [1] * 5), seq("b", [2] * 9), seq("c", [3] * 2)
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()  # a: 5 tokens, b: first 1 token of 9
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 5), ("b", 1)]
+    for x in out.scheduled:
+        x.seq.num_computed_tokens += x.num_new_tokens
+    a.token_ids.append(42)  # a sampled its first token: now a decode
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 5)]
+
+
+def test_preemption_takes_the_newest_and_spares_pinned_blocks():
+    alloc, prefixes, sched = setup(num_blocks=6)
+    handle = pin(alloc, prefixes, "p", 4)  # block 0, pinned
+    old, new = seq("old", [1] * 4), seq("new", list(range(4)) + [5, 6, 7, 8], handle)
+    prefixes.acquire(handle)
+    sched.add(old)
+    sched.add(new)
+    out = sched.schedule()
+    for x in out.scheduled:
+        x.seq.num_computed_tokens += x.num_new_tokens
+        x.seq.token_ids.append(9)
+    # old: [1] (4 tokens + 1 sampled), new: [0 | 2] ... fill the cache so old's next block is missing
+    hog = alloc.allocate(alloc.num_free)
+    out = sched.schedule()
+    assert out.preempted == [new] and new.status is SeqStatus.WAITING and new.block_table == []
+    assert alloc.ref_count(0) == 1  # the pin survives
+    assert [x.seq.request_id for x in out.scheduled] == ["old"]
+    alloc.free(hog)
+    for s in (old, new):
+        sched.finish(s, FinishReason.ABORT)
+    alloc.check_integrity(prefixes.held_refs())
+
+
+def test_max_num_seqs_bounds_running_requests(make_engine):
+    engine = make_engine(max_num_seqs=2)
+    peak = []
+
+    def watch(core):
+        peak.append(len(core.scheduler.running))
+
+    reqs = [GenerateRequest(prompt_token_ids=[5 + k, 6, 7], sampling=greedy(8)) for k in range(5)]
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            engine._run(watch)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    outs = engine.generate(reqs)
+    done.set()
+    t.join()
+    assert max(peak) == 2
+    assert [o.token_ids for o in outs] == [run_ids(engine, r.prompt_token_ids, max_tokens=8) for r in reqs]
+
+
+def test_abort_a_waiting_request(make_engine):
+    engine = make_engine(max_num_seqs=1)
+    got = {}
+    long = engine.submit(GenerateRequest(prompt_token_ids=[5, 6], sampling=greedy(200)), lambda o: None)
+    waiting = engine.submit(GenerateRequest(prompt_token_ids=[7, 8], sampling=greedy(5)),
+                            lambda o: got.setdefault("last", o))
+    assert engine.kv_stats()["waiting"] == 1
+    assert engine.abort(waiting) is True
+    assert got["last"].finished and got["last"].finish_reason == FinishReason.ABORT
+    assert got["last"].completion_tokens == 0
+    assert engine.abort(long) and engine.abort("no-such-request") is False
+
+
+def test_cache_size_follows_the_memory_budget(llama_dir):
+    import torch
+    from prefix_service.config import CacheConfig
+    from prefix_service.kv_cache import KVCache, block_bytes
+    from prefix_service.model.loader import read_arch
+    arch = read_arch(llama_dir)
+    per_block = block_bytes(arch, 4, torch.float32)
+    assert per_block == 2 * arch.num_layers * 4 * arch.num_kv_heads * arch.head_dim * 4
+    cache = KVCache(arch, CacheConfig(block_size=4, kv_cache_memory=per_block * 37 + 5), torch.float32, torch.device("cpu"))
+    assert cache.num_blocks == 37 and tuple(cache.k[0].shape) == (37, 4, arch.num_kv_heads, arch.head_dim)
+    from prefix_service.errors import ConfigError
+    with pytest.raises(ConfigError, match="holds 1 blocks"):
+        KVCache(arch, CacheConfig(block_size=4, kv_cache_memory=per_block), torch.float32, torch.device("cpu"))
+
+
+def test_missing_weight_is_named(llama_dir, tmp_path):
+    import shutil
+    import torch
+    from safetensors.torch import load_file, save_file
+    from prefix_service.errors import ModelLoadError
+    from prefix_service.model.loader import load_model
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    (f,) = broken.glob("*.safetensors")
+    state = load_file(str(f))
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(f))
+    with pytest.raises(ModelLoadError, match=r"layers.1.mlp.gate_up_proj.weight is missing parts \['up_proj'\]"):
+        load_model(broken, torch.float32, torch.device("cpu"), 64)
