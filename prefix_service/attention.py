@@ -62,12 +62,15 @@ class TorchAttentionBackend:
                               meta.decode_max_context, scale)
         return out
 
-    @classmethod
-    def _prefill(cls, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [Tp, Hq, D]; k, v: [Tp, Hkv, D]: the new tokens of every prefill chunk
-        k_all, v_all, _ = cuda_ops.concat_kvcache_with_prefix(
+        k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
             k_cache, v_cache, meta.prefill_block_tables, meta.prefill_prefix_lens, k, v,
             meta.prefill_cu_seqlens_q, total_k=meta.prefill_total_k)  # [Tk, Hkv, D]
+        return self._attend_prefill(q, k_all, v_all, cu_k, meta, scale)
+
+    @classmethod
+    def _attend_prefill(cls, q, k_all, v_all, cu_k, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return cls.attend_varlen(q, k_all, v_all, meta, scale)
 
     @staticmethod

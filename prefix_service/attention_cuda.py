@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 
-import cuda_ops
 from cuda_ops.paged_decode import paged_decode_attention, paged_decode_attention_ref, triton_available
 from prefix_service.attention import AttentionMetadata, TorchAttentionBackend
 
@@ -96,24 +95,13 @@ def pick_decode() -> tuple[str, DecodeFn]:
     return ("triton_paged", decode_triton) if triton_available() else ("gather_sdpa", decode_gather_sdpa)
 
 
-class CudaAttentionBackend:
+class CudaAttentionBackend(TorchAttentionBackend):
+    """The torch backend's flow (store, then decode and prefill) with the GPU implementations:
+    cuda_ops kernels for store and concat (dispatched by device), a FlashAttention varlen prefill
+    and a paged decode kernel."""
     name = "cuda"
 
     def __init__(self, prefill: tuple[str, PrefillFn] | None = None, decode: tuple[str, DecodeFn] | None = None):
-        self.prefill_name, self._prefill = prefill or pick_prefill()
+        self.prefill_name, self._attend_prefill = prefill or pick_prefill()
         self.decode_name, self._decode = decode or pick_decode()
         log.info("cuda attention backend: prefill %s, decode %s", self.prefill_name, self.decode_name)
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
-        cuda_ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        nd = meta.num_decode_tokens
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        if meta.num_prefills:
-            k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
-                k_cache, v_cache, meta.prefill_block_tables, meta.prefill_prefix_lens, k[nd:], v[nd:],
-                meta.prefill_cu_seqlens_q, total_k=meta.prefill_total_k)  # [Tk, Hkv, D]
-            out[nd:] = self._prefill(q[nd:], k_all, v_all, cu_k, meta, scale)
-        return out
