@@ -51,8 +51,8 @@ def _kernel(interpret: bool):
         stride_qn, stride_qh,  # q: [N, Hq, D], last stride 1
         stride_kb, stride_kt, stride_kh,  # caches: [num_blocks, BS, Hkv, D], last stride 1
         stride_bt,  # block_tables: [N, max_blocks]
-        scale, blocks_per_split,
-        NUM_KV: tl.constexpr, NSPLIT: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+        scale, blocks_per_split, num_kv, num_splits,
+        G: tl.constexpr, GP: tl.constexpr,
         BS: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -87,7 +87,7 @@ def _kernel(interpret: bool):
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
-        part = (seq * NUM_KV + kvh) * NSPLIT + split
+        part = (seq * num_kv + kvh) * num_splits + split
         tl.store(acc_ptr + (part * GP + offs_g[:, None]) * BD + offs_d[None, :], acc)
         tl.store(m_ptr + part * GP + offs_g, m_i)
         tl.store(l_ptr + part * GP + offs_g, l_i)
@@ -127,8 +127,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_
     kernel[(n, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), scale, per_split,
-        NUM_KV=hkv, NSPLIT=splits, G=g, GP=gp, BS=bs, BT=bt, D=d, BD=bd)
+        block_tables.stride(0), scale, per_split, hkv, splits,
+        G=g, GP=gp, BS=bs, BT=bt, D=d, BD=bd)
     # combine the splits: out = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M)
     m_max = m.amax(dim=2, keepdim=True)  # [N, Hkv, 1, GP]
     w = torch.exp(m - m_max)  # empty splits have m = -inf -> weight 0
