@@ -35,8 +35,8 @@ def concat_kvcache_with_prefix_ref(
             n_blocks = (p + block_size - 1) // block_size
             blocks = block_tables[i, :n_blocks].to(torch.int64)
             # [n_blocks * block_size, H, D] -> first p rows
-            k_parts.append(k_cache[blocks].flatten(0, 1)[:p])
-            v_parts.append(v_cache[blocks].flatten(0, 1)[:p])
+            k_parts.append(k_cache.index_select(0, blocks).flatten(0, 1)[:p])
+            v_parts.append(v_cache.index_select(0, blocks).flatten(0, 1)[:p])
         k_parts.append(k_new[cu_q[i] : cu_q[i + 1]])
         v_parts.append(v_new[cu_q[i] : cu_q[i + 1]])
     if not k_parts:

@@ -45,6 +45,25 @@ class BlockAllocator:
             self._ref_counts[b] = 1
         return blocks
 
+    def allocate_contiguous(self, n: int) -> list[BlockId] | None:
+        """n free blocks with consecutive ids (count 1 each), the lowest such run; None if no run
+        of n is free. Used for a template's warmup, so its pinned KV is one slice of the cache."""
+        if n <= 0 or n > len(self._free):
+            return None
+        free = sorted(self._free)
+        run_start = 0
+        for i in range(1, len(free) + 1):
+            if i == len(free) or free[i] != free[i - 1] + 1:
+                if i - run_start >= n:
+                    blocks = free[run_start:run_start + n]
+                    taken = set(blocks)
+                    self._free = deque(b for b in self._free if b not in taken)
+                    for b in blocks:
+                        self._ref_counts[b] = 1
+                    return blocks
+                run_start = i
+        return None
+
     def incref(self, blocks: Iterable[BlockId]) -> None:
         for b in blocks:
             if self._ref_counts[b] <= 0:

@@ -2,7 +2,8 @@
 
 Decoding sequences that continue the same pinned prefix share its full blocks. Instead of
 gathering the prefix KV once per sequence, the queries of the whole group attend to it once, as
-one dense matmul; each sequence then attends to its own suffix (its copy-on-write tail, user and
+one dense matmul (reading the blocks in place when they are consecutive, as a template's warmup
+allocates them); each sequence then attends to its own suffix (its copy-on-write tail, user and
 generated tokens), and the two partial softmaxes are merged by their log-sum-exp:
 
     out = (o_prefix * e^(lse_prefix - m) + o_suffix * e^(lse_suffix - m)) / (e^(lse_prefix - m) + e^(lse_suffix - m))
@@ -19,7 +20,8 @@ import torch
 @dataclass
 class PrefixGroup:
     block_ids: torch.Tensor  # [nb] int64: the shared full blocks, in order
-    rows: torch.Tensor  # [n] int64: rows of the decode batch that share them (n >= 2)
+    rows: torch.Tensor  # [n] int64: rows of the decode batch that share them
+    first_block: int | None = None  # set when block_ids are consecutive: the KV is a slice, no gather
 
 
 @dataclass
@@ -52,13 +54,18 @@ def attend_paged(q, k_cache, v_cache, block_tables, lens, max_len: int, scale: f
     return out.view(n, hq, d), lse.view(n, hq)
 
 
-def attend_shared(q, k_cache, v_cache, block_ids, scale: float):
+def attend_shared(q, k_cache, v_cache, group: PrefixGroup, scale: float):
     """All rows' queries over one shared run of full blocks. q: [n, Hq, D] -> (out, lse)."""
     n, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
-    k = k_cache.index_select(0, block_ids).flatten(0, 1)  # [Lp, Hkv, D]
-    v = v_cache.index_select(0, block_ids).flatten(0, 1)
+    if group.first_block is not None:  # consecutive blocks: a view of the cache
+        end = group.first_block + group.block_ids.shape[0]
+        k = k_cache[group.first_block:end].flatten(0, 1)  # [Lp, Hkv, D]
+        v = v_cache[group.first_block:end].flatten(0, 1)
+    else:
+        k = k_cache.index_select(0, group.block_ids).flatten(0, 1)
+        v = v_cache.index_select(0, group.block_ids).flatten(0, 1)
     qg = q.view(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d)  # [Hkv, n*G, D]
     s = torch.matmul(qg, k.permute(1, 2, 0)).float() * scale  # [Hkv, n*G, Lp]
     lse = torch.logsumexp(s, dim=-1)  # [Hkv, n*G]
@@ -80,7 +87,7 @@ def cascade_decode(q, k_cache, v_cache, cascade: CascadeDecode, scale: float) ->
     out, lse = attend_paged(q, k_cache, v_cache, cascade.suffix_block_tables, cascade.suffix_lens,
                             cascade.max_suffix, scale)
     for group in cascade.groups:
-        o_p, lse_p = attend_shared(q.index_select(0, group.rows), k_cache, v_cache, group.block_ids, scale)
+        o_p, lse_p = attend_shared(q.index_select(0, group.rows), k_cache, v_cache, group, scale)
         rows = group.rows
         out[rows] = merge(o_p, lse_p, out.index_select(0, rows), lse.index_select(0, rows))
     return out

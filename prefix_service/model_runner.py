@@ -29,24 +29,32 @@ class ModelRunner:
         return self._tensor(rows, torch.int32).view(len(seqs), width)
 
     def _cascade(self, seqs: list[Sequence], ctx: list[int]) -> CascadeDecode | None:
-        """Group decoding sequences by the pinned prefix blocks they share (2+ per group)."""
+        """Group decoding sequences by the pinned prefix blocks they share. A group pays off with
+        two or more sequences (one read of the prefix instead of several), or with one when the
+        blocks are consecutive (read in place instead of gathered)."""
         groups: dict[tuple[int, int], list[int]] = {}
         for i, seq in enumerate(seqs):
             if seq.prefix is not None and seq.num_shared_blocks > 0:
                 groups.setdefault((id(seq.prefix), seq.num_shared_blocks), []).append(i)
-        groups = {key: rows for key, rows in groups.items() if len(rows) >= 2}
-        if not groups:
+        chosen = []
+        for rows in groups.values():
+            seq = seqs[rows[0]]
+            blocks = seq.block_table[:seq.num_shared_blocks]
+            consecutive = blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+            if len(rows) >= 2 or consecutive:
+                chosen.append((rows, blocks, blocks[0] if consecutive else None))
+        if not chosen:
             return None
         shared = [0] * len(seqs)
-        for (_, n_shared), rows in groups.items():
+        for rows, blocks, _ in chosen:
             for i in rows:
-                shared[i] = n_shared
+                shared[i] = len(blocks)
         suffix_lens = [c - n * self.block_size for c, n in zip(ctx, shared)]
         width = max(len(seq.block_table) - n for seq, n in zip(seqs, shared))
         tables = [seq.block_table[n:] + [-1] * (width - len(seq.block_table) + n) for seq, n in zip(seqs, shared)]
         return CascadeDecode(
-            groups=[PrefixGroup(self._tensor(seqs[rows[0]].block_table[:n], torch.int64),
-                                self._tensor(rows, torch.int64)) for (_, n), rows in groups.items()],
+            groups=[PrefixGroup(self._tensor(blocks, torch.int64), self._tensor(rows, torch.int64), first)
+                    for rows, blocks, first in chosen],
             suffix_block_tables=self._tensor(tables, torch.int32).view(len(seqs), width),
             suffix_lens=self._tensor(suffix_lens, torch.int32),
             max_suffix=max(suffix_lens))

@@ -34,7 +34,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes (1 token) first, then prefills
     copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # copy-on-write, before the step
     preempted: list[Sequence] = field(default_factory=list)
-    unschedulable: Sequence | None = None  # set when nothing could run: the engine ends it
+    unschedulable: list[Sequence] = field(default_factory=list)  # cannot fit even alone: the engine ends them
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +76,17 @@ class Scheduler:
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def _start_blocks(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
+        """A waiting sequence's first blocks: the prefix it continues, or for a template's warmup
+        its whole prompt as one run of consecutive blocks when one is free (its pinned KV is then
+        a plain slice of the cache, which attention reads without a gather)."""
+        if seq.prefill_only and not seq.block_table:
+            run = self.allocator.allocate_contiguous(-(-len(seq.token_ids) // self.block_size))
+            if run is not None:
+                seq.block_table = run
+            return True
+        return self._attach_prefix(seq, copies)
 
     def _attach_prefix(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
         """Start a waiting sequence's block table. With a prefix of length P, it reuses R tokens
@@ -132,6 +143,10 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
             need = self._blocks_needed(seq, 1)
+            if need > self.allocator.num_free and len(seq.own_blocks) + need > self._capacity():
+                # Preempting it would only recompute it into the same wall, forever.
+                out.unschedulable.append(seq)
+                continue
             while need > self.allocator.num_free:
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
                 self._preempt(victim, out)
@@ -169,12 +184,12 @@ class Scheduler:
         # 3. waiting requests, FCFS: never skip ahead of one that does not fit
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self._attach_prefix(seq, out.copies):
+            if not self._start_blocks(seq, out.copies):
                 break
             n = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
             if n == 0:
-                if seq.prefix is not None and seq.block_table:
-                    # undo the attach; a pending copy into the freed block is dropped with it
+                if seq.block_table:
+                    # undo the start; a pending copy into a freed block is dropped with it
                     own = set(seq.own_blocks)
                     out.copies[:] = [c for c in out.copies if c[1] not in own]
                 self._free_blocks(seq)
@@ -187,11 +202,16 @@ class Scheduler:
             scheduled_ids.add(id(seq))
             budget -= n
 
-        if not out.scheduled:
+        if not out.scheduled and not out.unschedulable:
             # Nothing could run: the oldest sequence does not fit in the cache even alone.
             stuck = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
-            out.unschedulable = stuck
+            if stuck is not None:
+                out.unschedulable.append(stuck)
         return out
+
+    def _capacity(self) -> int:
+        """Blocks a sequence could own if it ran alone: every block no template pins."""
+        return self.allocator.num_blocks - self.prefixes.num_pinned_blocks
 
     def _fit_chunk(self, seq: Sequence, n: int) -> int:
         """The largest chunk <= n whose blocks are free now."""

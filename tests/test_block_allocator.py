@@ -42,3 +42,14 @@ def test_errors_and_integrity_violations():
     a._free.append(a._free[0])  # corrupt: a block listed twice
     with pytest.raises(AssertionError, match="twice"):
         a.check_integrity()
+
+
+def test_allocate_contiguous_takes_the_lowest_free_run():
+    a = BlockAllocator(10)
+    held = a.allocate(10)
+    a.free([held[i] for i in (1, 2, 4, 5, 6, 8)])  # free: 1 2 | 4 5 6 | 8
+    assert a.allocate_contiguous(4) is None
+    assert a.allocate_contiguous(3) == [4, 5, 6]
+    assert a.allocate_contiguous(2) == [1, 2]
+    assert a.num_free == 1 and a.ref_count(5) == 1
+    a.check_integrity()

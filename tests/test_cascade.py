@@ -10,13 +10,18 @@ from prefix_service.cascade import CascadeDecode, PrefixGroup, cascade_decode
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("bs", [1, 4, 16])
-def test_cascade_equals_full_attention(dtype, tol, bs):
+@pytest.mark.parametrize("consecutive", [False, True], ids=["gathered", "in-place"])
+def test_cascade_equals_full_attention(dtype, tol, bs, consecutive):
     g = torch.Generator().manual_seed(bs)
     hq, hkv, d, nblocks = 6, 2, 32, 200
     kc = torch.randn(nblocks, bs, hkv, d, generator=g).to(dtype)
     vc = torch.randn(nblocks, bs, hkv, d, generator=g).to(dtype)
-    free = iter(torch.randperm(nblocks, generator=g).tolist())
-    prefixes = [[next(free) for _ in range(n)] for n in (3, 5)]  # two shared prefixes (full blocks)
+    if consecutive:  # prefixes at blocks 0-2 and 3-7, read as slices of the cache
+        prefixes = [[0, 1, 2], [3, 4, 5, 6, 7]]
+        free = iter((8 + torch.randperm(nblocks - 8, generator=g)).tolist())
+    else:
+        free = iter(torch.randperm(nblocks, generator=g).tolist())
+        prefixes = [[next(free) for _ in range(n)] for n in (3, 5)]  # two shared prefixes (full blocks)
     # rows: (prefix index or None, own tokens)
     rows = [(0, 1), (0, bs + 2), (1, 3), (None, 2 * bs + 1), (1, 1), (0, 5)]
     tables, ctx, suffix_tables, suffix_lens = [], [], [], []
@@ -33,8 +38,8 @@ def test_cascade_equals_full_attention(dtype, tol, bs):
     st = torch.tensor([t + [-1] * (sw - len(t)) for t in suffix_tables], dtype=torch.int32)
     q = torch.randn(len(rows), hq, d, generator=g).to(dtype)
     cascade = CascadeDecode(
-        groups=[PrefixGroup(torch.tensor(prefixes[p]), torch.tensor([i for i, r in enumerate(rows) if r[0] == p]))
-                for p in (0, 1)],
+        groups=[PrefixGroup(torch.tensor(prefixes[p]), torch.tensor([i for i, r in enumerate(rows) if r[0] == p]),
+                            prefixes[p][0] if consecutive else None) for p in (0, 1)],
         suffix_block_tables=st, suffix_lens=torch.tensor(suffix_lens, dtype=torch.int32), max_suffix=max(suffix_lens))
     ref = paged_decode_attention_ref(q, kc, vc, bt, torch.tensor(ctx, dtype=torch.int32), max(ctx), d ** -0.5)
     out = cascade_decode(q, kc, vc, cascade, d ** -0.5)
@@ -61,3 +66,9 @@ def test_engine_uses_cascade_for_shared_prefix_batches(make_engine, monkeypatch)
     outs = engine.generate([GenerateRequest(prompt_token_ids=u, prefix_name="p", sampling=greedy(12)) for u in users])
     assert [o.token_ids for o in outs] == expected
     assert calls and max(calls) == len(users)
+    # the warmup pinned the template in consecutive blocks, so even a lone request reads it in place
+    table = engine.get_prefix("p").block_table
+    assert list(table) == list(range(table[0], table[0] + len(table)))
+    calls.clear()
+    assert run_ids(engine, users[0], prefix="p", max_tokens=12) == expected[0]
+    assert calls and set(calls) == {1}
