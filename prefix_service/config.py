@@ -22,9 +22,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_ADDRESS_RE = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})$")
+_ADDRESS_RE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})")  # fullmatch
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2,
           "MIB": 1024**2, "G": 1000**3, "GB": 1000**3, "GIB": 1024**3, "T": 1000**4,
@@ -51,7 +51,7 @@ def parse_size(value: Any, key: str) -> int:
 
 
 def validate_prefix_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConfigError(
             f"invalid prefix name {name!r}: use 1-128 characters from letters, digits, '_', '-', '.',"
             " starting with a letter or digit")
@@ -105,6 +105,7 @@ class SchedulerConfig:
     max_queue: int = 1024  # waiting requests before new ones are refused
     default_max_tokens: int = 256  # when a request gives max_tokens 0 / None
     max_tokens_cap: int = 4096  # largest max_tokens a request may ask for
+    max_prompt_tokens: int | None = None  # most tokens a request may add after its template; None: no cap
 
     def __post_init__(self) -> None:
         _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
@@ -112,6 +113,8 @@ class SchedulerConfig:
         _check_int("scheduler.max_queue", self.max_queue, 1)
         _check_int("scheduler.default_max_tokens", self.default_max_tokens, 1)
         _check_int("scheduler.max_tokens_cap", self.max_tokens_cap, 1)
+        if self.max_prompt_tokens is not None:
+            _check_int("scheduler.max_prompt_tokens", self.max_prompt_tokens, 1)
 
 
 @dataclass(frozen=True)
@@ -123,9 +126,29 @@ class ServerConfig:
     grace_period_s: float = 10.0  # on SIGTERM/SIGINT: time in-flight requests get to finish
     enable_admin: bool = True  # serve the PrefixAdmin service
     enable_reflection: bool = True  # serve gRPC server reflection (for grpcurl and friends)
+    admin_address: str | None = None  # serve PrefixAdmin here instead of on `address`
+    metrics_address: str | None = None  # host:port of the Prometheus endpoint (/metrics); unset: off
+    tls_cert_file: str | None = None  # PEM certificate chain: TLS on every address (with tls_key_file)
+    tls_key_file: str | None = None  # PEM private key of tls_cert_file
+    max_template_bytes: int = 1 << 20  # largest template text (UTF-8 bytes), from the config or the admin API
 
     def __post_init__(self) -> None:
         split_address(self.address)
+        for key in ("admin_address", "metrics_address"):
+            value = getattr(self, key)
+            if value is not None:
+                split_address(value, f"server.{key}")
+                if value == self.address and split_address(value)[1] != 0:
+                    raise ConfigError(f"server.{key}: {value!r} is server.address itself; give another port "
+                                      f"(or leave it unset)")
+        for key in ("tls_cert_file", "tls_key_file"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"server.{key}: expected a PEM file path, got {value!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("server.tls_cert_file and server.tls_key_file go together: give both (TLS on every "
+                              "address) or neither (plaintext)")
+        _check_int("server.max_template_bytes", self.max_template_bytes, 1)
         if not isinstance(self.admin_token_env, str) or not _ENV_RE.match(self.admin_token_env):
             raise ConfigError(f"server.admin_token_env: expected an environment variable name like "
                               f"PREFIX_SERVICE_ADMIN_TOKEN, got {self.admin_token_env!r}")
@@ -149,20 +172,36 @@ class ServerConfig:
     @property
     def is_loopback(self) -> bool:
         """True if the address only accepts connections from this machine."""
-        host = self.host
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback_host(self.host)
+
+    @property
+    def admin_bind_address(self) -> str:
+        """Where PrefixAdmin is served: admin_address, else the main address."""
+        return self.admin_address or self.address
+
+    @property
+    def admin_is_loopback(self) -> bool:
+        return is_loopback_host(split_address(self.admin_bind_address)[0])
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
 
-def split_address(address: Any) -> tuple[str, int]:
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_address(address: Any, key: str = "server.address") -> tuple[str, int]:
     """'127.0.0.1:50051' -> ('127.0.0.1', 50051); '[::1]:0' -> ('::1', 0)."""
-    m = _ADDRESS_RE.match(address) if isinstance(address, str) else None
+    m = _ADDRESS_RE.fullmatch(address) if isinstance(address, str) else None
     if m is None or not 0 <= int(m.group("port")) <= 65535:
-        raise ConfigError(f"server.address: expected host:port (e.g. 127.0.0.1:50051, 0.0.0.0:50051, "
+        raise ConfigError(f"{key}: expected host:port (e.g. 127.0.0.1:50051, 0.0.0.0:50051, "
                           f"[::1]:50051; port 0 picks a free one), got {address!r}")
     return m.group("v6") or m.group("host"), int(m.group("port"))
 
@@ -264,14 +303,29 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     model = _build(ModelConfig, "model", raw.get("model"), {"path": resolve})
     cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": parse_size})
     scheduler = _build(SchedulerConfig, "scheduler", raw.get("scheduler"))
-    server = _build(ServerConfig, "server", raw.get("server"), {"state_file": resolve})
+    server = _build(ServerConfig, "server", raw.get("server"),
+                    {"state_file": resolve, "tls_cert_file": resolve, "tls_key_file": resolve,
+                     "max_template_bytes": parse_size})
     prefixes_raw = raw.get("prefixes") or []
     if not isinstance(prefixes_raw, list):
         raise ConfigError("prefixes: expected a list of {name, content | file | system_prompt}")
+
+    def inside_base(value: Any, key: str) -> Any:
+        """A template file resolves against the config's folder and must stay inside it (symlinks
+        followed), so a config cannot be pointed at arbitrary files of the machine."""
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key}: expected a file path relative to the config file, got {value!r}")
+        path = Path(resolve(value, key)).resolve()
+        folder = base.resolve()
+        if not path.is_relative_to(folder):
+            raise ConfigError(f"{key}: {value!r} resolves to {path}, outside the config file's folder {folder}; "
+                              f"template files must be in that folder or below it")
+        return str(path)
+
     prefixes = []
     for i, p in enumerate(prefixes_raw):
         name = p.get("name") if isinstance(p, Mapping) else None
-        prefixes.append(_build(PrefixSpec, f"prefixes[{name or i}]", p, {"file": resolve}))
+        prefixes.append(_build(PrefixSpec, f"prefixes[{name or i}]", p, {"file": inside_base}))
     return ServiceConfig(EngineConfig(model, cache, scheduler), server, tuple(prefixes))
 
 

@@ -16,7 +16,7 @@ from prefix_service.attention import make_backend
 from prefix_service.block_allocator import BlockAllocator
 from prefix_service.config import EngineConfig
 from prefix_service.detokenizer import IncrementalDetokenizer
-from prefix_service.errors import InvalidRequest, PrefixServiceError, PromptTooLong
+from prefix_service.errors import CacheExhausted, InvalidRequest, PrefixServiceError, PromptTooLong, QueueFull
 from prefix_service.kv_cache import KVCache
 from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
 from prefix_service.model_runner import ModelRunner
@@ -104,32 +104,47 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _check_fits(self, num_tokens: int, what: str) -> None:
+    def _check_fits(self, num_tokens: int, what: str, shared_tokens: int = 0) -> None:
+        """Context, then KV capacity: tokens in shared (pinned) prefix blocks take no own block."""
         if num_tokens >= self.max_model_len:
             raise PromptTooLong(
                 f"{what} has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "
                 f"(prompt plus at least one generated token)")
         capacity = (self.kv_cache.num_blocks - self.prefixes.num_pinned_blocks) * self.block_size
-        if num_tokens + 1 > capacity:
-            raise PromptTooLong(
-                f"{what} has {num_tokens} tokens but the KV cache has room for {capacity} tokens "
-                f"beside the pinned templates; raise cache.kv_cache_memory")
+        if num_tokens - shared_tokens + 1 > capacity:
+            raise CacheExhausted(
+                f"{what} has {num_tokens - shared_tokens} tokens of its own but the KV cache has room for "
+                f"{capacity} tokens beside the pinned templates, so it could never run; shorten it, or raise "
+                f"cache.kv_cache_memory (server operator)")
 
     def add_request(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
                     sampling: SamplingParams, sink: Sink) -> None:
-        """Validate and queue. Raises InvalidRequest, PromptTooLong or PrefixNotFound."""
+        """Validate and queue. Raises InvalidRequest, PromptTooLong (CacheExhausted), PrefixNotFound or
+        QueueFull (when scheduler.max_queue requests wait already)."""
         if request_id in self._tracked:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         sampling.validate(max_tokens_cap=self.config.scheduler.max_tokens_cap, vocab_size=self.arch.vocab_size)
         bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
+        cap = self.config.scheduler.max_prompt_tokens
+        if cap is not None and len(prompt_ids) > cap:
+            raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap} "
+                                f"per request after the prefix template (scheduler.max_prompt_tokens)")
         handle = self.prefixes.get(prefix_name) if prefix_name else None
         use_prefix = handle is not None and self.config.cache.enable_prefix
         token_ids = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not token_ids:
             raise InvalidRequest("the prompt is empty and no prefix template was named")
-        self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""))
+        shared = 0
+        if use_prefix:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
+            reuse = handle.num_tokens if prompt_ids else handle.num_tokens - 1
+            shared = reuse // self.block_size * self.block_size
+        self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
+        max_queue = self.config.scheduler.max_queue  # checked after validation: a bad request hears why
+        if len(self.scheduler.waiting) >= max_queue:
+            raise QueueFull(f"the waiting queue is full ({max_queue} requests wait already, scheduler.max_queue); "
+                            f"retry later with backoff")
         max_tokens = sampling.max_tokens or self.config.scheduler.default_max_tokens
         generator = None
         if not sampling.greedy:
@@ -176,13 +191,15 @@ class EngineCore:
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
         out = self.scheduler.schedule()
-        if out.unschedulable is not None:
-            tracked = self._tracked[out.unschedulable.request_id]
-            log.warning("request %s does not fit in the KV cache even alone; ending it",
-                        out.unschedulable.request_id)
-            err = PromptTooLong(f"request {out.unschedulable.request_id} outgrew the KV cache "
-                                f"({self.kv_cache.num_blocks} blocks); raise cache.kv_cache_memory")
-            self._finish(tracked, FinishReason.LENGTH, error=err if out.unschedulable.num_output_tokens == 0 else None)
+        for stuck in out.unschedulable:
+            # Ended, never retried: with no output yet it fails (CacheExhausted, RESOURCE_EXHAUSTED at
+            # the API); with output it finishes with LENGTH, like a request that reaches the context.
+            log.warning("request %s does not fit in the KV cache even alone; ending it", stuck.request_id)
+            err = CacheExhausted(f"request {stuck.request_id} needs more KV blocks than the cache has beside the "
+                                 f"pinned templates ({self.kv_cache.num_blocks} blocks in all); shorten the prompt, "
+                                 f"or raise cache.kv_cache_memory (server operator)")
+            self._finish(self._tracked[stuck.request_id], FinishReason.LENGTH,
+                         error=err if stuck.num_output_tokens == 0 else None)
         if out.is_empty:
             return
         self.stats["steps"] += 1

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable, TypeVar
 
 from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.core import EngineCore
-from prefix_service.errors import EngineStopped, QueueFull
+from prefix_service.errors import EngineStopped
 from prefix_service.prefix_cache import PrefixHandle, PrefixInfo
 from prefix_service.sequence import FinishReason, GenerateRequest, RequestOutput
 
@@ -144,14 +144,7 @@ class Engine:
         Raises the validation error (InvalidRequest, PromptTooLong, PrefixNotFound, QueueFull)."""
         request_id = req.request_id or uuid.uuid4().hex
         prompt_ids = self._prompt_ids(req)
-        max_queue = self.config.scheduler.max_queue
-
-        def add(core: EngineCore) -> None:
-            if len(core.scheduler.waiting) >= max_queue:
-                raise QueueFull(f"the waiting queue is full ({max_queue} requests); retry later")
-            core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink)
-
-        self._run(add)
+        self._run(lambda core: core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink))
         return request_id
 
     def abort(self, request_id: str) -> bool:

@@ -19,7 +19,13 @@ class InvalidRequest(PrefixServiceError, ValueError):
 
 
 class PromptTooLong(InvalidRequest):
-    """The prompt (prefix included) does not fit the model's context or the KV cache."""
+    """The prompt (prefix included) does not fit the model's context or the KV cache, or is longer
+    than scheduler.max_prompt_tokens."""
+
+
+class CacheExhausted(PromptTooLong):
+    """The request cannot fit in the KV cache even running alone beside the pinned templates: a
+    capacity limit of this server rather than of the model (RESOURCE_EXHAUSTED at the API)."""
 
 
 class PrefixNotFound(PrefixServiceError, KeyError):
