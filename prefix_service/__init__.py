@@ -12,14 +12,14 @@ _EXPORTS = {
     "CacheConfig": "config", "EngineConfig": "config", "ModelConfig": "config", "SchedulerConfig": "config",
     "ServiceConfig": "config", "load_config": "config",
     "Engine": "engine", "GenerateResult": "engine",
-    "InvalidRequest": "errors", "PrefixBudgetExceeded": "errors", "PrefixExists": "errors",
+    "CacheExhausted": "errors", "InvalidRequest": "errors", "PrefixBudgetExceeded": "errors", "PrefixExists": "errors",
     "PrefixNotFound": "errors", "PrefixServiceError": "errors", "PromptTooLong": "errors",
     "SamplingParams": "sampling_params",
     "FinishReason": "sequence", "GenerateRequest": "sequence", "RequestOutput": "sequence",
 }
 
 __all__ = [
-    "CacheConfig", "Engine", "EngineConfig", "FinishReason", "GenerateRequest", "GenerateResult",
+    "CacheConfig", "CacheExhausted", "Engine", "EngineConfig", "FinishReason", "GenerateRequest", "GenerateResult",
     "InvalidRequest", "ModelConfig", "PrefixBudgetExceeded", "PrefixExists", "PrefixNotFound",
     "PrefixServiceError", "PromptTooLong", "RequestOutput", "SamplingParams", "SchedulerConfig",
     "ServiceConfig", "load_config",
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from prefix_service.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServiceConfig,
                                        load_config)
     from prefix_service.engine import Engine, GenerateResult
-    from prefix_service.errors import (InvalidRequest, PrefixBudgetExceeded, PrefixExists, PrefixNotFound,
-                                       PrefixServiceError, PromptTooLong)
+    from prefix_service.errors import (CacheExhausted, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
+                                       PrefixNotFound, PrefixServiceError, PromptTooLong)
     from prefix_service.sampling_params import SamplingParams
     from prefix_service.sequence import FinishReason, GenerateRequest, RequestOutput
 

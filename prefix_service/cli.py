@@ -11,6 +11,7 @@ from typing import Sequence
 
 ADDRESS_ENV = "PREFIX_SERVICE_ADDRESS"
 TOKEN_ENV = "PREFIX_SERVICE_ADMIN_TOKEN"
+TLS_CA_ENV = "PREFIX_SERVICE_TLS_CA"
 
 EPILOG = """\
 examples:
@@ -34,6 +35,7 @@ environment:
   PREFIX_SERVICE_ADDRESS      default --address (127.0.0.1:50051)
   PREFIX_SERVICE_ADMIN_TOKEN  default --token for the prefix commands; the server reads its
                               token from the variable named by server.admin_token_env
+  PREFIX_SERVICE_TLS_CA       default --tls-ca (a server with server.tls_cert_file set)
 """
 
 
@@ -44,6 +46,13 @@ def _default_address() -> str:
 def _add_address(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=_default_address(),
                    help=f"server host:port (default: ${ADDRESS_ENV} or 127.0.0.1:50051)")
+
+
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls", action="store_true", help="connect with TLS, checking the server's certificate "
+                   "against the system's trusted roots (implied by --tls-ca)")
+    p.add_argument("--tls-ca", metavar="PEM", default=os.environ.get(TLS_CA_ENV) or None,
+                   help=f"connect with TLS, trusting this CA (or self-signed) certificate (default: ${TLS_CA_ENV})")
 
 
 def _add_token(p: argparse.ArgumentParser) -> None:
@@ -81,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline for the whole call")
     _add_address(p)
+    _add_tls(p)
 
     p = sub.add_parser("prefix", help="add, list or remove prefix templates (admin API)")
     psub = p.add_subparsers(dest="prefix_command", required=True, metavar="ACTION")
@@ -100,10 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("name", metavar="NAME")
     for q in (a, lst, rm):
         _add_address(q)
+        _add_tls(q)
         _add_token(q)
 
     sub.add_parser("prepare-model", add_help=False,
                    help="convert the bundled SmolLM2-135M-Instruct into a model directory (once)")
+    sub.add_parser("bench", add_help=False,  # options: prefix_service/bench/main.py
+                   help="benchmark named prefixes vs no prefix, transformers and the gRPC server")
     return parser
 
 
@@ -112,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["prepare-model"]:
         from prefix_service.prepare_model import main as prepare_main
         return prepare_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from prefix_service.bench.main import main as bench_main
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
@@ -127,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             hint = f"\n(is a server running at {args.address}? start one with: prefix-service serve --config FILE)"
         print(f"error: {code.name}: {e.details()}{hint}", file=sys.stderr)
         return 1
+    except OSError as e:  # e.g. an unreadable --tls-ca file
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
@@ -164,7 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
         print("error: --system needs --chat", file=sys.stderr)
         return 2
     last = None
-    with PrefixServiceClient(args.address) as client:
+    with PrefixServiceClient(args.address, tls=args.tls, tls_ca_file=args.tls_ca) as client:
         for msg in client.generate(prompt, args.prefix, messages=messages, max_tokens=args.max_tokens,
                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                    seed=args.seed, stop=args.stop, timeout=args.timeout):
@@ -183,7 +202,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _prefix(args: argparse.Namespace) -> int:
     from prefix_service.client import PrefixServiceClient
 
-    with PrefixServiceClient(args.address, token=args.token) as client:
+    with PrefixServiceClient(args.address, token=args.token, tls=args.tls, tls_ca_file=args.tls_ca) as client:
         if args.prefix_command == "add":
             content = args.content
             if args.file:

@@ -3,6 +3,9 @@
     with PrefixServiceClient("127.0.0.1:50051") as client:
         for msg in client.generate("Question: ...", prefix="table_qa", max_tokens=64):
             print(msg.text, end="", flush=True)
+
+A server with TLS: PrefixServiceClient("host:50051", tls_ca_file="ca.pem") (or tls=True when its
+certificate chains to a root the system trusts).
 """
 from __future__ import annotations
 
@@ -16,10 +19,23 @@ from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 
+def make_channel(address: str, *, tls: bool = False, tls_ca_file: str | None = None) -> grpc.Channel:
+    """A plaintext channel, or TLS when tls is true or a CA file is given (without one the
+    system's trusted roots check the server's certificate)."""
+    if not tls and tls_ca_file is None:
+        return grpc.insecure_channel(address)
+    roots = None
+    if tls_ca_file is not None:
+        with open(tls_ca_file, "rb") as f:
+            roots = f.read()
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots))
+
+
 class PrefixServiceClient:
-    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None, *, tls: bool = False,
+                 tls_ca_file: str | None = None) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = make_channel(address, tls=tls, tls_ca_file=tls_ca_file)
         self._generation = pb_grpc.GenerationStub(self._channel)
         self._admin = pb_grpc.PrefixAdminStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()

@@ -3,12 +3,13 @@ thread on 127.0.0.1 (random free port), and sync gRPC clients for it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -36,12 +37,16 @@ def build_tiny_model(root: Path) -> Path:
 def make_config(model_dir: Path, *, prefixes: tuple[PrefixSpec, ...] = (), state_file: Path | None = None,
                 num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 64, max_queue: int = 1024,
                 prefix_budget_blocks: int | None = None, grace_period_s: float = 5.0,
-                source: str | None = None, **server: Any) -> ServiceConfig:
+                source: str | None = None, max_num_batched_tokens: int = 512, max_tokens_cap: int = 4096,
+                default_max_tokens: int = 256, max_prompt_tokens: int | None = None,
+                **server: Any) -> ServiceConfig:
     return ServiceConfig(
         EngineConfig(ModelConfig(path=str(model_dir), dtype="float32", device="cpu"),
                      CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                  prefix_budget_blocks=prefix_budget_blocks),
-                     SchedulerConfig(max_num_seqs=max_num_seqs, max_queue=max_queue, max_num_batched_tokens=512)),
+                     SchedulerConfig(max_num_seqs=max_num_seqs, max_queue=max_queue,
+                                     max_num_batched_tokens=max_num_batched_tokens, max_tokens_cap=max_tokens_cap,
+                                     default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens)),
         ServerConfig(**{"address": "127.0.0.1:0", "admin_token_env": TOKEN_ENV,
                         "state_file": str(state_file) if state_file else None, "grace_period_s": grace_period_s,
                         **server}),
@@ -130,10 +135,13 @@ class ServerThread:
 
 
 class Clients:
-    """Sync stubs on one channel."""
+    """Sync stubs on one channel (TLS when given the server's certificate)."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, root_certificates: bytes | None = None) -> None:
+        if root_certificates is None:
+            self.channel = grpc.insecure_channel(address)
+        else:
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
         self.generation = pb_grpc.GenerationStub(self.channel)
         self.admin = pb_grpc.PrefixAdminStub(self.channel)
 
@@ -171,3 +179,82 @@ def slow_steps(engine, seconds: float) -> Callable[[], None]:
 
 def with_server(config: ServiceConfig, **changes: Any) -> ServiceConfig:
     return dataclasses.replace(config, server=dataclasses.replace(config.server, **changes))
+
+
+@contextlib.contextmanager
+def started_servers(model_dir: Path, tmp_path: Path, monkeypatch, *,
+                    prefixes: tuple[PrefixSpec, ...] = ()) -> Iterator[Callable[..., ServerThread]]:
+    """The body of a `make_server` fixture: make_server(token=None, warmup_hook=None, **config)
+    starts a ServerThread (make_config's keys; `prefixes` by default); after the test each one is
+    checked (check_clean: integrity, no request or block left) and stopped."""
+    started: list[ServerThread] = []
+
+    def factory(token: str | None = None, warmup_hook: Any = None, **kwargs: Any) -> ServerThread:
+        if token is None:
+            monkeypatch.delenv(TOKEN_ENV, raising=False)
+        else:
+            monkeypatch.setenv(TOKEN_ENV, token)
+        kwargs.setdefault("prefixes", prefixes)
+        kwargs.setdefault("state_file", tmp_path / f"state{len(started)}.json")
+        st = ServerThread(make_config(kwargs.pop("model", model_dir), **kwargs), warmup_hook=warmup_hook)
+        started.append(st)
+        return st.start()
+
+    try:
+        yield factory
+    finally:
+        try:
+            for st in started:
+                if st.engine is not None:
+                    st.check_clean()
+        finally:
+            for st in started:
+                st.stop()
+
+
+def self_signed_cert(folder: Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> tuple[Path, Path]:
+    """A fresh self-signed certificate (EC P-256) for these names and IPs: (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])])
+    sans = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    folder.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run what starts inside (engine threads included: each thread takes the count when it first
+    runs an op) on n intra-op threads. The server tests put a server, its gRPC threads and many
+    clients in one process on a 2-core machine; a second intra-op thread for a tiny model then
+    mostly spins (OpenMP waits actively) and slows every engine step many times over."""
+    import torch
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

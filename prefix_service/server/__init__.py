@@ -1,5 +1,5 @@
 """The gRPC server (package prefix_service.v1): Generation and PrefixAdmin, plus the standard
-health and reflection services.
+health and reflection services and an optional Prometheus endpoint.
 
     app.py         PrefixServer: start order, graceful stop, signals
     generation.py  Generate: convert, submit, stream, abort on cancel
@@ -8,8 +8,27 @@ health and reflection services.
     store.py       the state file (atomic writes)
     warmup.py      pin every template before SERVING
     chat.py        chat messages through the model's chat template
+    metrics.py     Prometheus series and the per-request log line;  tls.py  certificate and key
+    wire.py        service registration; undecodable requests -> INVALID_ARGUMENT
     convert.py     proto <-> engine types;  status.py  exceptions -> status codes
+
+The names below load on first use, so that importing one module (e.g. the state file's store)
+does not import the engine and torch.
 """
-from prefix_service.server.app import PrefixServer, serve, state_path
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["PrefixServer", "serve", "state_path"]
+
+if TYPE_CHECKING:
+    from prefix_service.server.app import PrefixServer, serve, state_path
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'prefix_service.server' has no attribute {name!r}")
+    value = getattr(importlib.import_module("prefix_service.server.app"), name)
+    globals()[name] = value
+    return value

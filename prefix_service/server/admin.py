@@ -18,6 +18,7 @@ from prefix_service.server.convert import template_to_proto
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import abort
 from prefix_service.server.store import TemplateSource
+from prefix_service.server.wire import check_decoded
 
 log = logging.getLogger("prefix_service.server")
 
@@ -50,13 +51,15 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.runtime.executor, fn, *args)
 
-    def _registry(self, context: grpc.aio.ServicerContext):
+    def _registry(self, request, context: grpc.aio.ServicerContext):
+        """Authorize first (a stranger learns nothing, not even that a request was malformed)."""
         self.auth.check(context.invocation_metadata())
+        check_decoded(request)
         return self.runtime.require_ready()[1]
 
     @_mapped
     async def AddPrefixTemplate(self, request, context):
-        registry = self._registry(context)
+        registry = self._registry(request, context)
         src = source_from_proto(request)
         t0 = time.perf_counter()
         info = await self._call(registry.add, src)
@@ -67,7 +70,7 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
 
     @_mapped
     async def RemovePrefixTemplate(self, request, context):
-        registry = self._registry(context)
+        registry = self._registry(request, context)
         freed = await self._call(registry.remove, request.name)
         log.info("prefix template %r removed%s", request.name,
                  "" if freed else " (its blocks are freed when the requests using it finish)")
@@ -75,6 +78,6 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
 
     @_mapped
     async def ListPrefixTemplates(self, request, context):
-        registry = self._registry(context)
+        registry = self._registry(request, context)
         items = await self._call(registry.list)
         return pb.ListPrefixTemplatesResponse(templates=[template_to_proto(i, origin) for i, origin in items])

@@ -1,8 +1,8 @@
 """PrefixServer: the process around the servicers. Start order:
 
-    check admin exposure, read the state file  (fail fast, before anything heavy)
-    bind and start gRPC; health NOT_SERVING   (probes answer during startup)
-    load the engine, warm up every template   (YAML first, then the state file's)
+    check admin exposure, TLS files, the state file   (fail fast, before anything heavy)
+    bind and start gRPC (and server.admin_address, the metrics endpoint); health NOT_SERVING
+    load the engine, warm up every template            (YAML first, then the state file's)
     health SERVING
 
 Stop (SIGTERM/SIGINT, or stop()): health NOT_SERVING, refuse new calls, give in-flight calls
@@ -23,20 +23,20 @@ from grpc_reflection.v1alpha import reflection
 
 from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
-from prefix_service.proto import prefix_service_pb2 as pb
-from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
 from prefix_service.server.admin import PrefixAdminServicer
-from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_token
+from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_token, warn_cleartext_token
 from prefix_service.server.generation import GenerationServicer
+from prefix_service.server.metrics import ServiceMetrics
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.store import TemplateSource, TemplateStore
 from prefix_service.server.templates import TemplateRegistry
+from prefix_service.server.tls import TlsFiles, load_tls
 from prefix_service.server.warmup import WarmupHook, warm_up
+from prefix_service.server.wire import ADMIN_SERVICE, GENERATION_SERVICE, add_admin, add_generation
 
 log = logging.getLogger("prefix_service.server")
 
-GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["PrefixAdmin"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 def state_path(config: ServiceConfig) -> Path | None:
@@ -54,14 +54,18 @@ class PrefixServer:
                  warmup_hook: WarmupHook | None = None) -> None:
         self.config = config
         self.runtime = Runtime()
+        self.metrics = ServiceMetrics(self.runtime)
         self._engine_factory = engine_factory
         self._warmup_hook = warmup_hook
         self._grpc: grpc.aio.Server | None = None
+        self._admin_grpc: grpc.aio.Server | None = None  # only with server.admin_address
         self._health = health.aio.HealthServicer()
-        self._generation = GenerationServicer(self.runtime)
+        self._generation = GenerationServicer(self.runtime, self.metrics)
         self._stopped = asyncio.Event()
         self._stopping = False
-        self.port: int | None = None
+        self.port: int | None = None  # generation (and admin without server.admin_address)
+        self.admin_port: int | None = None  # where PrefixAdmin listens; None when disabled
+        self.metrics_port: int | None = None  # the Prometheus endpoint; None when off
 
     @property
     def engine(self) -> Engine | None:
@@ -75,11 +79,30 @@ class PrefixServer:
         for name in ["", *self.services]:
             await self._health.set(name, status)
 
+    def _grpc_server(self, services: list[str]) -> grpc.aio.Server:
+        """A grpc.aio server with health (one servicer shared by every address) and reflection."""
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        if self.config.server.enable_reflection:
+            reflection.enable_server_reflection([*services, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+        return server
+
+    @staticmethod
+    def _bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
+        try:
+            if tls is None:
+                return server.add_insecure_port(address)
+            return server.add_secure_port(address, tls.grpc_credentials())
+        except RuntimeError as e:
+            raise OSError(f"cannot listen on {address}: {e} (is another server using the port?)") from None
+
     async def start(self) -> int:
         """Bind, load, warm up; returns the bound port once health reports SERVING."""
         cfg = self.config.server
         token = read_token(cfg)
         check_admin_exposure(cfg, token)
+        warn_cleartext_token(cfg, token)
+        tls = load_tls(cfg)
         path = state_path(self.config)
         store = TemplateStore(path) if path is not None else None
         restored = store.load() if store is not None else []
@@ -87,24 +110,31 @@ class PrefixServer:
             log.warning("no state file (server.state_file is unset and the config has no file): templates "
                         "added at run time will not survive a restart")
 
-        self._grpc = grpc.aio.server()
-        pb_grpc.add_GenerationServicer_to_server(self._generation, self._grpc)
+        separate_admin = cfg.enable_admin and cfg.admin_address is not None
+        self._grpc = self._grpc_server([GENERATION_SERVICE] if separate_admin else self.services)
+        add_generation(self._generation, self._grpc)
         if cfg.enable_admin:
-            pb_grpc.add_PrefixAdminServicer_to_server(PrefixAdminServicer(self.runtime, AdminAuth(token)), self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        if cfg.enable_reflection:
-            reflection.enable_server_reflection(
-                [*self.services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME], self._grpc)
+            if separate_admin:
+                self._admin_grpc = self._grpc_server([ADMIN_SERVICE])
+            add_admin(PrefixAdminServicer(self.runtime, AdminAuth(token)), self._admin_grpc or self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._bind(self._grpc, cfg.address, tls)
+        if self._admin_grpc is not None:
+            self.admin_port = self._bind(self._admin_grpc, cfg.admin_bind_address, tls)
+        elif cfg.enable_admin:
+            self.admin_port = self.port
         try:
-            self.port = self._grpc.add_insecure_port(cfg.address)
-        except RuntimeError as e:
-            raise OSError(f"cannot listen on {cfg.address}: {e} (is another server using the port?)") from None
-        await self._grpc.start()
-        log.info("listening on %s:%d (health NOT_SERVING until warmup ends); admin %s", cfg.host, self.port,
-                 "disabled" if not cfg.enable_admin else "needs a bearer token" if token else "open on loopback")
-        try:
+            await self._grpc.start()
+            if self._admin_grpc is not None:
+                await self._admin_grpc.start()
+            if cfg.metrics_address:
+                self.metrics_port = self.metrics.serve(cfg.metrics_address, tls and tls.cert_file,
+                                                       tls and tls.key_file)
+            admin = "disabled" if not cfg.enable_admin else (
+                f"on port {self.admin_port}, " + ("needs a bearer token" if token else "open on loopback"))
+            metrics = "off" if self.metrics_port is None else f"on port {self.metrics_port} (/metrics)"
+            log.info("listening on %s:%d (%s; health NOT_SERVING until warmup ends); admin %s; metrics %s",
+                     cfg.host, self.port, "TLS" if tls else "plaintext", admin, metrics)
             pinned = await self._load_and_warm(store, restored)
         except BaseException:
             await self.stop(grace=0)
@@ -118,7 +148,7 @@ class PrefixServer:
         loop = asyncio.get_running_loop()
         self.runtime.phase = "loading the model"
         self.runtime.engine = await loop.run_in_executor(self.runtime.executor, self._engine_factory, self.config)
-        self.runtime.registry = TemplateRegistry(self.runtime.engine, store)
+        self.runtime.registry = TemplateRegistry(self.runtime.engine, store, self.config.server.max_template_bytes)
         configured = [TemplateSource(p.name, content=None if p.system_prompt is not None else p.read_text(),
                                      system_prompt=p.system_prompt, origin="config")
                       for p in self.config.prefixes]
@@ -136,8 +166,8 @@ class PrefixServer:
         self.runtime.phase = "shutting down"
         try:
             await self._health.enter_graceful_shutdown()
-            if self._grpc is not None:
-                await self._grpc.stop(grace)
+            servers = [s for s in (self._grpc, self._admin_grpc) if s is not None]
+            await asyncio.gather(*(s.stop(grace) for s in servers))
             await self._generation.drain_aborts()
         finally:
             engine = self.runtime.engine
@@ -145,11 +175,13 @@ class PrefixServer:
             if engine is not None:
                 await asyncio.get_running_loop().run_in_executor(self.runtime.executor, engine.shutdown)
             self.runtime.executor.shutdown(wait=False)
+            self.metrics.stop()
             self._stopped.set()
             log.info("stopped")
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
 
 
 async def serve(config: ServiceConfig, **kwargs) -> None:
@@ -182,7 +214,9 @@ async def serve(config: ServiceConfig, **kwargs) -> None:
         waiter.cancel()
         start.result()  # startup errors propagate
         example = f"--prefix {config.prefixes[0].name} " if config.prefixes else ""
-        log.info("try: prefix-service generate --address %s:%d %s'Hello'", config.server.host, server.port, example)
+        tls = "--tls-ca CERT.pem " if config.server.tls else ""
+        log.info("try: prefix-service generate --address %s:%d %s%s'Hello'", config.server.host, server.port, tls,
+                 example)
         await signalled.wait()
         await server.stop()
     finally:

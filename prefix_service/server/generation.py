@@ -1,9 +1,11 @@
 """Generation servicer: convert the request, submit it to the engine, stream its outputs, map
 errors to status codes. A call that ends early (client cancel, deadline, server shutdown) aborts
-its request, which frees the request's KV blocks."""
+its request, which frees the request's KV blocks, whether it was waiting or running. Every call
+ends in its RequestTrace (metrics and the request's log line)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import AsyncIterator
 
@@ -17,8 +19,12 @@ from prefix_service.sequence import GenerateRequest, RequestOutput
 from prefix_service.server.chat import chat_prompt_ids
 from prefix_service.server.convert import (check_request_id, messages_from_proto, output_to_proto,
                                            sampling_from_proto)
+from prefix_service.server.metrics import RequestTrace, ServiceMetrics
 from prefix_service.server.runtime import Runtime
-from prefix_service.server.status import abort
+from prefix_service.server.status import status_for
+from prefix_service.server.wire import check_decoded
+
+log = logging.getLogger("prefix_service.server")
 
 
 def build_request(engine: Engine, request: pb.GenerateRequest, request_id: str) -> GenerateRequest:
@@ -38,46 +44,62 @@ def build_request(engine: Engine, request: pb.GenerateRequest, request_id: str) 
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, metrics: ServiceMetrics) -> None:
         self.runtime = runtime
+        self.metrics = metrics
         self._aborts: set[asyncio.Task] = set()  # keeps fire-and-forget aborts alive
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        try:
-            engine, _ = self.runtime.require_ready()
-            request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
-        except PrefixServiceError as e:
-            await abort(context, e)
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(out: RequestOutput) -> None:  # called on the engine thread
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-        def submit() -> None:
-            engine.submit(build_request(engine, request, request_id), sink)
-
-        submitted = loop.run_in_executor(self.runtime.executor, submit)
+        trace = self.metrics.trace(request.prefix_name if isinstance(request, pb.GenerateRequest) else "")
+        submitted: asyncio.Future | None = None
+        request_id = ""
         done = False  # the engine holds nothing for this call any more
         try:
+            try:
+                check_decoded(request)
+                engine, _ = self.runtime.require_ready()
+                request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
+            except PrefixServiceError as e:
+                await _fail(context, trace, e)
+            trace.request_id = request_id
+            loop = asyncio.get_running_loop()
+            outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+            def sink(out: RequestOutput) -> None:  # called on the engine thread
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+            def submit() -> None:
+                engine.submit(build_request(engine, request, request_id), sink)
+
+            submitted = loop.run_in_executor(self.runtime.executor, submit)
             try:
                 await asyncio.shield(submitted)  # a cancel here must not lose track of the submission
             except Exception as e:  # refused: nothing was queued
                 done = True
-                await abort(context, e)
+                await _fail(context, trace, e)
             while True:
                 out = await outputs.get()
                 if out.error is not None:
                     done = True
-                    await abort(context, out.error)
+                    await _fail(context, trace, out.error)
+                trace.output(out)
                 done = out.finished
                 yield output_to_proto(out)
                 if done:
+                    trace.code = grpc.StatusCode.OK
                     return
+        except Exception:
+            if trace.code is None:  # a bug; grpc answers UNKNOWN
+                trace.code = grpc.StatusCode.UNKNOWN
+            raise
         finally:
-            if not done:
+            if submitted is not None and not done:
                 self._abort_later(engine, submitted, request_id)
+            try:
+                trace.end(context)
+            except Exception:  # noqa: BLE001 - bookkeeping must never change the call's outcome
+                log.exception("recording request %s failed", request_id or "(no id)")
 
     def _abort_later(self, engine: Engine, submitted: asyncio.Future, request_id: str) -> None:
         """Abort once the submission has landed, without blocking the event loop."""
@@ -96,3 +118,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         """Wait for pending aborts (before the engine shuts down)."""
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
+
+
+async def _fail(context: grpc.aio.ServicerContext, trace: RequestTrace, exc: BaseException) -> None:
+    """End the call with exc's status code, noted in the trace. Never returns."""
+    trace.code, message = status_for(exc)
+    await context.abort(trace.code, message)

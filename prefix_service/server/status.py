@@ -1,15 +1,18 @@
 """Map exceptions to gRPC status codes. The message is the exception's own: it is written to
-say what was wrong and what to do, so the caller gets it verbatim."""
+say what was wrong and what to do, so the caller gets it verbatim (cut to MAX_DETAILS_CHARS: it
+may quote a client's input, and status details travel in a size-limited trailer)."""
 from __future__ import annotations
 
 import logging
 
 import grpc
 
-from prefix_service.errors import (EngineStopped, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
-                                   PrefixNotFound, PrefixServiceError, QueueFull)
+from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixBudgetExceeded,
+                                   PrefixExists, PrefixNotFound, PrefixServiceError, QueueFull)
 
 log = logging.getLogger("prefix_service.server")
+
+MAX_DETAILS_CHARS = 1000
 
 
 class ServerNotReady(PrefixServiceError):
@@ -32,10 +35,11 @@ class PersistError(PrefixServiceError):
     """The state file could not be written."""
 
 
-# First match wins: subclasses before their bases (PromptTooLong is an InvalidRequest).
+# First match wins: subclasses before their bases (CacheExhausted is a PromptTooLong, an InvalidRequest).
 _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PrefixNotFound, grpc.StatusCode.NOT_FOUND),
     (PrefixExists, grpc.StatusCode.ALREADY_EXISTS),
+    (CacheExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (PrefixBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -47,13 +51,18 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
+def _details(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= MAX_DETAILS_CHARS else text[:MAX_DETAILS_CHARS - 3] + "..."
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     for cls, code in _CODES:
         if isinstance(exc, cls):
-            return code, str(exc)
+            return code, _details(exc)
     if isinstance(exc, PrefixServiceError):
-        log.error("request failed: %s", exc)
-        return grpc.StatusCode.INTERNAL, str(exc)
+        log.error("request failed: %s", _details(exc))
+        return grpc.StatusCode.INTERNAL, _details(exc)
     log.error("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the server log has the details"
 

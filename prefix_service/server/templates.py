@@ -22,23 +22,30 @@ log = logging.getLogger("prefix_service.server")
 
 
 class TemplateRegistry:
-    def __init__(self, engine: Engine, store: TemplateStore | None) -> None:
+    def __init__(self, engine: Engine, store: TemplateStore | None, max_template_bytes: int = 1 << 20) -> None:
         self.engine = engine
         self.store = store  # None: admin templates live until the process ends
+        self.max_template_bytes = max_template_bytes
         self._origins: dict[str, str] = {}
         self._admin: dict[str, TemplateSource] = {}  # what the state file holds, in insertion order
         self._lock = threading.Lock()  # guards _origins and _admin
         self._mutate = threading.Lock()  # one add or remove at a time
 
     def add(self, src: TemplateSource, *, persist: bool = True) -> PrefixInfo:
-        """Tokenize, prefill and pin; then (for admin templates) persist. Raises the engine's
-        errors (PrefixExists, PrefixBudgetExceeded, PromptTooLong, InvalidRequest) or PersistError."""
+        """Tokenize, prefill and pin; then (for admin templates) persist. Raises InvalidRequest
+        (also for a text over max_template_bytes), the engine's errors (PrefixExists,
+        PrefixBudgetExceeded, PromptTooLong, CacheExhausted) or PersistError."""
         with self._mutate:
             return self._add(src, persist)
 
     def _add(self, src: TemplateSource, persist: bool) -> PrefixInfo:
         if (src.content is None) == (src.system_prompt is None):
             raise InvalidRequest(f"template {src.name!r}: give exactly one of content or system_prompt")
+        text = src.content if src.content is not None else src.system_prompt
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_template_bytes:
+            raise InvalidRequest(f"template {src.name!r} is {size} bytes; templates may have at most "
+                                 f"{self.max_template_bytes} bytes (server.max_template_bytes)")
         if src.system_prompt is not None:
             ids = system_prompt_ids(self.engine.tokenizer, src.system_prompt)
             info = self.engine.add_prefix(src.name, token_ids=ids, source={"system_prompt": src.system_prompt})
@@ -78,6 +85,11 @@ class TemplateRegistry:
         infos = self.engine.list_prefixes()
         with self._lock:
             return [(info, self._origins.get(info.name, "admin")) for info in infos]
+
+    def known(self, name: str) -> bool:
+        """True if a template of this name is registered. Called on the event loop, so it takes no
+        lock (the holders of _lock may wait on the engine or an fsync): one dict lookup is atomic."""
+        return name in self._origins
 
     def origin(self, name: str) -> str:
         with self._lock:

@@ -1,0 +1,185 @@
+"""The Prometheus endpoint (scraped over loopback) and the one log line per request: counts by
+template and status code, latency histograms, engine gauges read at scrape time."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, build_tiny_model, collect,
+                             greedy_request, make_config, slow_steps, started_servers, torch_threads)
+
+from prefix_service.config import PrefixSpec
+from prefix_service.proto import prefix_service_pb2 as pb
+
+
+TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("metrics-model"))
+
+
+@pytest.fixture
+def make_server(model_dir, tmp_path, monkeypatch):
+    with started_servers(model_dir, tmp_path, monkeypatch, prefixes=TEMPLATES) as factory:
+        yield factory
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of the endpoint's text exposition."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def fails(stream) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        collect(stream)
+    return info.value.code()
+
+
+def test_endpoint_is_off_unless_configured(make_server):
+    assert make_server().server.metrics_port is None
+
+
+def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    st = make_server(metrics_address="127.0.0.1:0")
+    c = Clients(st.address)
+    for _ in range(3):
+        collect(c.generation.Generate(greedy_request(" the order", "doc", max_tokens=5)))
+    collect(c.generation.Generate(greedy_request(" the order", "", max_tokens=1)))
+    assert fails(c.generation.Generate(greedy_request(" hi", "no-such-template"))) == grpc.StatusCode.NOT_FOUND
+    assert fails(c.generation.Generate(greedy_request(" hi", "doc", temperature=-1.0))) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    undo = slow_steps(st.engine, 0.01)
+    try:
+        call = c.generation.Generate(greedy_request(" the", "sys", max_tokens=400))
+        next(call)
+        call.cancel()
+        assert fails(c.generation.Generate(greedy_request(" the", "sys", max_tokens=400), timeout=0.3)) == \
+            grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        undo()
+    st.check_clean()
+
+    m = scrape(st.server.metrics_port)
+    req = "prefix_service_requests_total"
+    assert value(m, req, prefix="doc", code="OK") == 3
+    assert value(m, req, prefix="_none", code="OK") == 1
+    assert value(m, req, prefix="_unknown", code="NOT_FOUND") == 1  # a client's name is never a label
+    assert value(m, req, prefix="doc", code="INVALID_ARGUMENT") == 1
+    assert value(m, req, prefix="sys", code="CANCELLED") == 1
+    assert value(m, req, prefix="sys", code="DEADLINE_EXCEEDED") == 1
+    assert not any(dict(k[1]).get("prefix") == "no-such-template" for k in m)
+
+    # latency histograms: e2e and TPOT for finished requests, TTFT for every first token
+    assert value(m, "prefix_service_e2e_latency_seconds_count", prefix="doc") == 3
+    assert value(m, "prefix_service_tpot_seconds_count", prefix="doc") == 3
+    assert value(m, "prefix_service_tpot_seconds_count", prefix="_none") == 0  # one token: no TPOT
+    assert value(m, "prefix_service_ttft_seconds_count", prefix="doc") == 3
+    assert value(m, "prefix_service_ttft_seconds_count", prefix="sys") >= 1  # the cancelled one had a token
+    assert value(m, "prefix_service_e2e_latency_seconds_count", prefix="sys") == 0
+    assert 0 < value(m, "prefix_service_ttft_seconds_sum", prefix="doc") < \
+        value(m, "prefix_service_e2e_latency_seconds_sum", prefix="doc")
+    assert value(m, "prefix_service_e2e_latency_seconds_bucket", prefix="doc", le="+Inf") == 3
+
+    doc_tokens = st.engine.get_prefix("doc").num_tokens
+    assert value(m, "prefix_service_prefix_tokens_reused_total", prefix="doc") == 3 * doc_tokens
+    assert value(m, "prefix_service_completion_tokens_total", prefix="doc") == 15
+
+    stats = st.engine.kv_stats()
+    assert value(m, "prefix_service_ready") == 1
+    assert value(m, "prefix_service_kv_blocks_total") == stats["num_blocks"] == 256
+    assert value(m, "prefix_service_kv_blocks_used") == value(m, "prefix_service_kv_blocks_pinned") == \
+        stats["pinned"] > 0
+    assert value(m, "prefix_service_kv_blocks_free") == stats["free"] == 256 - stats["pinned"]
+    assert value(m, "prefix_service_queue_length") == 0
+    assert value(m, "prefix_service_running_requests") == 0
+    assert value(m, "prefix_service_preemptions_total") == stats["preemptions"]
+    assert value(m, "prefix_service_templates") == 2
+    assert value(m, "prefix_service_template_tokens", prefix="doc") == doc_tokens
+    # requests accepted on the template: the bad-sampling one was refused before
+    assert value(m, "prefix_service_template_requests_served_total", prefix="doc") == 3
+
+    # one JSON log line per request, without the prompt
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+    assert len(lines) == 8
+    ok = [line for line in lines if line["code"] == "OK" and line["prefix"] == "doc"]
+    assert len(ok) == 3
+    for line in ok:
+        assert line["request_id"] and line["finish_reason"] == "length"
+        assert (line["prompt_tokens"], line["prefix_tokens"], line["completion_tokens"]) == \
+            (doc_tokens + 2, doc_tokens, 5)
+        assert 0 < line["ttft_ms"] <= line["latency_ms"]
+    codes = sorted(line["code"] for line in lines)
+    assert codes == sorted(["OK"] * 4 + ["NOT_FOUND", "INVALID_ARGUMENT", "CANCELLED", "DEADLINE_EXCEEDED"])
+    assert "the order" not in caplog.text
+
+
+def test_engine_gauges_while_requests_wait(make_server):
+    st = make_server(metrics_address="127.0.0.1:0", max_num_seqs=1)
+    c = Clients(st.address)
+    undo = slow_steps(st.engine, 0.01)
+    try:
+        calls = [c.generation.Generate(greedy_request(" the", "doc", max_tokens=300)) for _ in range(3)]
+        deadline = time.monotonic() + 5  # whichever landed first runs; the other two wait
+        while st.engine.kv_stats()["waiting"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        m = scrape(st.server.metrics_port)
+        assert value(m, "prefix_service_queue_length") == 2
+        assert value(m, "prefix_service_running_requests") == 1
+        assert value(m, "prefix_service_kv_blocks_used") > value(m, "prefix_service_kv_blocks_pinned")
+        assert value(m, "prefix_service_template_active_requests", prefix="doc") == 3
+        for call in calls:
+            call.cancel()
+    finally:
+        undo()
+
+
+def test_metrics_before_ready_and_after_stop(model_dir):
+    seen = {}
+
+    def hook(src) -> None:  # during warmup the endpoint answers, with ready 0
+        seen.setdefault("warmup", scrape(st.server.metrics_port))
+
+    st = ServerThread(make_config(model_dir, prefixes=TEMPLATES, metrics_address="127.0.0.1:0"), warmup_hook=hook)
+    try:
+        st.start()
+        assert value(seen["warmup"], "prefix_service_ready") == 0
+        port = st.server.metrics_port
+        assert value(scrape(port), "prefix_service_ready") == 1
+        st.check_clean()
+    finally:
+        st.stop()
+    with pytest.raises(OSError):
+        scrape(port)
+
+
+def test_chat_requests_count_on_their_template(make_server):
+    st = make_server(metrics_address="127.0.0.1:0")
+    c = Clients(st.address)
+    req = pb.GenerateRequest(prefix_name="sys", messages=[pb.ChatMessage(role="user", content="refund")],
+                             sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+    last = collect(c.generation.Generate(req))[2]
+    m = scrape(st.server.metrics_port)
+    assert value(m, "prefix_service_requests_total", prefix="sys", code="OK") == 1
+    assert value(m, "prefix_service_prefix_tokens_reused_total", prefix="sys") == last.usage.prefix_tokens > 0
