@@ -81,15 +81,17 @@ class TorchAttentionBackend:
         q_start = k_start = 0
         for q_len, ctx in zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list):
             k_len = ctx + q_len
-            qi = q[q_start:q_start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-            ki = k_all[k_start:k_start + k_len].transpose(0, 1)  # [Hkv, k_len, D]
-            vi = v_all[k_start:k_start + k_len].transpose(0, 1)
+            # a leading batch axis: on CPU, SDPA takes its flash kernel only for 4-D inputs (3-D ones
+            # fall back to the unfused math path, 2-4x slower on long prompts)
+            qi = q[q_start:q_start + q_len].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+            ki = k_all[k_start:k_start + k_len].transpose(0, 1)[None]  # [1, Hkv, k_len, D]
+            vi = v_all[k_start:k_start + k_len].transpose(0, 1)[None]
             if ctx == 0:
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
                 mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[q_start:q_start + q_len] = o.transpose(0, 1)
+            out[q_start:q_start + q_len] = o[0].transpose(0, 1)
             q_start += q_len
             k_start += k_len
         return out
