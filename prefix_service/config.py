@@ -67,9 +67,12 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto: cuda on a GPU, torch elsewhere
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
+    num_threads: int | None = None  # torch intra-op threads for this process; None: torch's default
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
+        if self.num_threads is not None:
+            _check_int("model.num_threads", self.num_threads, 1)
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.device", self.device, DEVICES)
         _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)

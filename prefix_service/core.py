@@ -54,6 +54,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
+        if mc.num_threads is not None:
+            torch.set_num_threads(mc.num_threads)  # process-wide: one engine per process
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, mc.path, self.device)
         self.arch = read_arch(mc.path)

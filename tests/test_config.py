@@ -93,3 +93,17 @@ def test_dummy_load_format_runs_without_weight_files(tmp_path, tokenizer_dir, ma
         out = run_ids(engine, [5, 6, 7, 8], max_tokens=5)
         assert len(out) == 5 and out == run_ids(engine, [5, 6, 7, 8], max_tokens=5)
         engine.check_integrity()
+
+
+def test_num_threads_is_validated_and_applied(make_engine, llama_dir):
+    import torch
+    from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
+    with pytest.raises(ConfigError, match="model.num_threads: expected an integer >= 1"):
+        ModelConfig(path="m", num_threads=0)
+    before = torch.get_num_threads()
+    try:
+        with Engine(EngineConfig(ModelConfig(path=str(llama_dir), device="cpu", num_threads=1),
+                                 CacheConfig(num_blocks=16))):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
