@@ -7,7 +7,7 @@ masking aligned bottom-right (query i of a chunk after c cached tokens sees keys
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,21 @@ class AttentionMetadata:
     prefill_total_k: int = 0  # sum of context + new tokens: the concat output's rows, known on the host
     decode_cascade: CascadeDecode | None = None  # decodes grouped by shared prefix blocks (2+ per group)
 
+    _masks: dict = field(default_factory=dict, repr=False)
+
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_q_lens)
+
+    def causal_mask(self, q_len: int, ctx: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive bottom-right causal mask [q_len, ctx + q_len], built once per step for all layers."""
+        key = (q_len, ctx, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            keep = torch.ones(q_len, ctx + q_len, dtype=torch.bool, device=device).tril(diagonal=ctx)
+            mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+            self._masks[key] = mask
+        return mask
 
 
 class TorchAttentionBackend:
@@ -89,8 +101,8 @@ class TorchAttentionBackend:
             if ctx == 0:
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=meta.causal_mask(q_len, ctx, q.dtype, q.device),
+                                                   scale=scale, enable_gqa=True)
             out[q_start:q_start + q_len] = o[0].transpose(0, 1)
             q_start += q_len
             k_start += k_len
