@@ -1,0 +1,179 @@
+"""`prefix-service bench` / `scripts/bench_prefix.py`: our engine with and without named prefixes,
+transformers baselines and the gRPC server, on the same model, machine and token ids.
+
+Prints a table, writes JSON (schema: docs/benchmarks.md) and a p99-latency-vs-QPS plot.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from prefix_service.bench import report
+from prefix_service.bench.plan import FULL, MODES, QUICK, ClosedSpec, Plan, with_overrides
+from prefix_service.bench.systems import SYSTEMS
+from prefix_service.bench.workloads import WORKLOADS
+
+REPO = Path(__file__).resolve().parents[2]
+DESCRIPTION = ("Benchmark operator-named prefixes: our engine with and without them, transformers baselines and "
+               "the gRPC server, on the same model, machine and token ids. Prints a table, writes JSON and a plot.")
+
+EPILOG = """\
+examples:
+  prefix-service bench --quick                      # all systems, intent + no_shared, under 3 minutes
+  prefix-service bench --json bench_out/full.json   # the full run of docs/benchmarks.md
+  prefix-service bench --systems engine_prefix,engine_no_prefix --workloads intent --concurrency 1,16
+"""
+
+
+def _names(value: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad) or '(none)'}; choose from {', '.join(allowed)}")
+    return names
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {value!r}")
+    return out
+
+
+def _floats(value: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        out = ()
+    if not out or min(out) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers separated by commas, got {value!r}")
+    return tuple(sorted(out))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefix-service bench", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p.add_argument("--quick", action="store_true", help="a small plan (under 3 minutes on 2 CPU cores)")
+    p.add_argument("--config", default=str(REPO / "configs" / "default.yaml"),
+                   help="service config whose model, cache and scheduler every system uses (default: %(default)s)")
+    p.add_argument("--model", help="override model.path of the config")
+    p.add_argument("--json", default="bench_out/bench_prefix.json", metavar="PATH", help="default: %(default)s")
+    p.add_argument("--plot", metavar="PATH", help="PNG of p99 latency vs offered QPS (default: the JSON path, .png)")
+    p.add_argument("--markdown", metavar="PATH", help="also write the tables as markdown (for docs/benchmarks.md)")
+    p.add_argument("--workloads", type=lambda v: _names(v, WORKLOADS, "workload"), help=",".join(WORKLOADS))
+    p.add_argument("--systems", type=lambda v: _names(v, SYSTEMS, "system"), help=",".join(SYSTEMS))
+    g = p.add_argument_group("modes")
+    g.add_argument("--modes", type=lambda v: _names(v, MODES, "mode"), help=",".join(MODES) + " (default: all)")
+    g.add_argument("--warmup", type=int, dest="warmup_requests", metavar="N", help="untimed requests per system")
+    g.add_argument("--single-requests", type=int, metavar="N", help="single mode: requests per system and workload")
+    g.add_argument("--concurrency", type=_ints, metavar="LIST", help="closed loop on the intent workload, e.g. 1,4,16,64")
+    g.add_argument("--closed-min-requests", type=int, metavar="N", help="requests per closed-loop run (at least)")
+    g.add_argument("--closed-rounds", type=int, metavar="N", help="closed loop: requests per client")
+    g.add_argument("--qps", type=_floats, metavar="LIST", help="open loop: offered rates, tried in increasing order")
+    g.add_argument("--open-duration-s", type=float, metavar="S", help="open loop: seconds of arrivals per rate")
+    g.add_argument("--open-timeout-s", type=float, metavar="S", help="open loop: deadline of each request")
+    g.add_argument("--slo-ms", type=float, metavar="MS", help="p99 end-to-end latency SLO (default 2000)")
+    g = p.add_argument_group("workload sizes")
+    g.add_argument("--prompt-tokens", type=int, metavar="N", help="intent: user prompt tokens (default 100)")
+    g.add_argument("--total-tokens", type=int, metavar="N", help="ratio_0_32, no_shared: prompt tokens (default 1000)")
+    g.add_argument("--output-tokens", type=int, metavar="N", help="generated tokens per request (default 30)")
+    g.add_argument("--max-prefix-tokens", type=int, metavar="N", help="cut the templates to at most N tokens")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    base = QUICK if args.quick else FULL
+    sizes = dataclasses.replace(base.sizes, **{k: v for k, v in dict(
+        prompt_tokens=args.prompt_tokens, total_tokens=args.total_tokens, output_tokens=args.output_tokens,
+        max_prefix_tokens=args.max_prefix_tokens).items() if v is not None})
+    closed = base.closed
+    if args.concurrency:
+        closed = (ClosedSpec("intent", args.concurrency),) + tuple(c for c in closed if c.workload != "intent")
+    return with_overrides(base, workloads=args.workloads, systems=args.systems, modes=args.modes, sizes=sizes,
+                          closed=closed,
+                          warmup_requests=args.warmup_requests, single_requests=args.single_requests,
+                          single_by_workload=() if args.single_requests is not None else None,
+                          closed_min_requests=args.closed_min_requests, closed_rounds=args.closed_rounds,
+                          qps=args.qps, open_duration_s=args.open_duration_s, open_timeout_s=args.open_timeout_s,
+                          slo_ms=args.slo_ms)
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import grpc
+    import torch
+    import transformers
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "grpcio": grpc.__version__,
+            "load_average_start": list(os.getloadavg())}
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() + ("+uncommitted" if dirty.stdout.strip() else "")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    plan = plan_from_args(args)
+    from prefix_service.bench.session import run
+    started, machine = time.monotonic(), machine_info()
+    result = run(plan, args.config, model_path=args.model, progress=not args.no_progress)
+    out = {"machine": {**machine, "load_average_end": list(os.getloadavg())},
+           "model": result["model"], "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "git_commit": git_commit(), "command": " ".join(["prefix-service bench", *(argv if argv is not None else sys.argv[1:])]),
+           "duration_s": round(time.monotonic() - started, 1), "plan": _plan_json(plan),
+           "workloads": result["workloads"], "records": result["records"],
+           "targets": report.evaluate_targets(result["records"]), **result["extra"]}
+    report.write_json(args.json, out)
+    if args.markdown:
+        Path(args.markdown).write_text(report.markdown(out), encoding="utf-8")
+    plot = args.plot or str(Path(args.json).with_suffix(".png"))
+    plotted = report.plot_open_loop(plot, result["records"], plan.slo_ms, f"{Path(out['model']['path']).name}, "
+                                    f"{out['machine']['cpu_count']} CPU cores")
+    print(report.records_table(result["records"]))
+    if any(r["mode"] == "open_loop" for r in result["records"]):
+        print(f"\nopen loop (SLO: p99 end-to-end < {plan.slo_ms:.0f} ms)")
+        print(report.open_loop_table(result["records"]))
+    print("\ntargets")
+    print(report.targets_table(out["targets"]))
+    print(f"\nJSON: {args.json}" + (f"\nplot: {plot}" if plotted else "") + f"\ntook {out['duration_s']:.0f} s")
+    return 0
+
+
+def _plan_json(plan: Plan) -> dict:
+    d = dataclasses.asdict(plan)
+    d["single_by_workload"] = dict(plan.single_by_workload)
+    d["caps"] = dict(plan.caps)
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Per-request timings and the summary measures of one run.
+
+Every time is `time.perf_counter()` in the benchmark process, taken by the client: `start` just
+before the request is handed to the system (so queueing inside the system counts), `first` when
+the first generated token reaches the client, `end` when the last one does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class Timing:
+    start: float
+    first: float | None = None
+    end: float | None = None
+    output_tokens: int = 0
+    error: str | None = None  # set when the request failed or was cut off (open loop)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.end is not None
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first is None else (self.first - self.start) * 1000
+
+    @property
+    def e2e_ms(self) -> float | None:
+        return None if self.end is None else (self.end - self.start) * 1000
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first is None or self.end is None or self.output_tokens < 2:
+            return None
+        return (self.end - self.first) * 1000 / (self.output_tokens - 1)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(timings: list[Timing], wall_s: float) -> dict:
+    """The record fields of one run: latency percentiles over the requests that finished, and
+    throughput over the run's wall time."""
+    done = [t for t in timings if t.ok]
+    ttft = [t.ttft_ms for t in done if t.ttft_ms is not None]
+    tpot = [t.tpot_ms for t in done if t.tpot_ms is not None]
+    e2e = [t.e2e_ms for t in done]
+    out_tokens = sum(t.output_tokens for t in done)
+    return {
+        "num_requests": len(timings),
+        "num_failed": len(timings) - len(done),
+        "ttft_p50_ms": _round(percentile(ttft, 50)),
+        "ttft_p99_ms": _round(percentile(ttft, 99)),
+        "tpot_p50_ms": _round(percentile(tpot, 50)),
+        "e2e_p50_ms": _round(percentile(e2e, 50)),
+        "e2e_p99_ms": _round(percentile(e2e, 99)),
+        "output_tok_s": _round(out_tokens / wall_s if wall_s > 0 else None, 3),
+        "req_s": _round(len(done) / wall_s if wall_s > 0 else None, 4),
+        "wall_s": _round(wall_s, 3),
+    }
+
+
+def _round(x: float | None, digits: int = 1) -> float | None:
+    return None if x is None else round(x, digits)

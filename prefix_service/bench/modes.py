@@ -1,0 +1,117 @@
+"""The three load modes. Each returns timings (and, for the open loop, one summary per offered rate).
+
+single       one request at a time, the systems taking turns request by request (so a noisy
+             neighbour on the machine slows all of them alike)
+closed_loop  `concurrency` client threads, each sending its next request when the last one ends
+open_loop    Poisson arrivals at a fixed offered rate for a fixed time; every request has a
+             deadline, and one that misses it counts as a failure (its latency exceeds the SLO)
+"""
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from prefix_service.bench.metrics import Timing, percentile, summarize
+from prefix_service.bench.systems import PeakSampler, System, now
+from prefix_service.bench.workloads import BenchRequest, Workload
+
+Tick = Callable[[], None]  # called once per finished request (the progress bar)
+
+
+@dataclass
+class RunResult:
+    timings: list[Timing]
+    wall_s: float
+    peak_kv_blocks: int | None
+
+
+def run_single(systems: list[System], workload: Workload, requests: list[BenchRequest],
+               samplers: dict[str, PeakSampler], tick: Tick) -> dict[str, RunResult]:
+    """Every request on every system, in turns. Wall time of a system = the sum of its latencies."""
+    timings: dict[str, list[Timing]] = {s.name: [] for s in systems}
+    for req in requests:
+        for system in systems:
+            with samplers[system.name]:
+                timings[system.name].append(system.run(workload, req))
+            tick()
+    return {s.name: RunResult(timings[s.name], sum((t.e2e_ms or 0) for t in timings[s.name]) / 1000,
+                              samplers[s.name].peak) for s in systems}
+
+
+def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequest], concurrency: int,
+                    sampler: PeakSampler, tick: Tick) -> RunResult:
+    """`concurrency` clients share the request list; wall time runs from the first send to the last answer."""
+    todo = list(reversed(requests))
+    lock = threading.Lock()
+    timings: list[Timing] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                req = todo.pop()
+            t = system.run(workload, req)
+            with lock:
+                timings.append(t)
+            tick()
+
+    with sampler:
+        start = now()
+        threads = [threading.Thread(target=client, name=f"bench-client-{i}") for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = now() - start
+    return RunResult(timings, wall, sampler.peak)
+
+
+def poisson_arrivals(qps: float, duration_s: float, seed: int, min_requests: int) -> list[float]:
+    """Arrival offsets (s) of a Poisson process at `qps` over `duration_s` (at least min_requests)."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while True:
+        t += rng.expovariate(qps)
+        if t > duration_s and len(out) >= min_requests:
+            return out
+        out.append(t)
+
+
+def run_open_loop_point(system: System, workload: Workload, requests: list[BenchRequest], arrivals: list[float],
+                        timeout_s: float, tick: Tick) -> RunResult:
+    """Send requests[i] at arrivals[i] (one thread each), wait for all (each bounded by timeout_s)."""
+    timings: list[Timing | None] = [None] * len(arrivals)
+
+    def send(i: int) -> None:
+        timings[i] = system.run(workload, requests[i], timeout_s=timeout_s)
+        tick()
+
+    threads = []
+    start = now()
+    for i, offset in enumerate(arrivals):
+        delay = start + offset - now()
+        if delay > 0:
+            threading.Event().wait(delay)
+        th = threading.Thread(target=send, args=(i,), name=f"bench-arrival-{i}", daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return RunResult([t for t in timings if t is not None], now() - start, None)
+
+
+def open_loop_summary(result: RunResult, offered_qps: float, slo_ms: float) -> dict:
+    """One point of the latency-vs-load curve. A failed request (deadline missed) counts as an
+    infinite latency, so p99 under the SLO means at least 99% of the requests finished within it."""
+    point = {"offered_qps": offered_qps, **summarize(result.timings, result.wall_s)}
+    p99 = percentile([t.e2e_ms if t.ok else _MISSED for t in result.timings], 99)
+    missed = p99 is None or p99 >= _MISSED / 2
+    point["e2e_p99_ms"] = None if missed else round(p99, 1)  # None: more than 1% missed the deadline
+    point["under_slo"] = not missed and p99 < slo_ms
+    return point
+
+
+_MISSED = 1e12  # the latency a request that missed its deadline counts with

@@ -1,0 +1,186 @@
+"""Runs a Plan: builds the systems, warms them up, runs the three modes and makes one record per
+system x workload x mode x concurrency.
+
+Request indices: every run draws its requests from its own index range, the same range for every
+system, so all systems see the same token ids and no system sees one prompt twice (which would
+let generate_batch's automatic prefix sharing reuse a whole prompt). Warm-ups use negative indices.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Callable
+
+from prefix_service.bench import modes
+from prefix_service.bench.metrics import summarize
+from prefix_service.bench.plan import Plan
+from prefix_service.bench.systems import PeakSampler, System
+from prefix_service.bench.workloads import Workload
+from prefix_service.config import EngineConfig
+
+log = logging.getLogger("prefix_service.bench")
+
+SINGLE_BASE, CLOSED_BASE, OPEN_BASE = 0, 10_000, 1_000_000
+
+
+def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workload], tokenizer,
+                  stack: contextlib.ExitStack, status: Callable[[str], None]) -> list[System]:
+    """The plan's systems, in the plan's order; each is closed by `stack`."""
+    from prefix_service.bench.systems.engine import EngineSystem
+    built: dict[str, System] = {}
+    names = plan.systems
+    for use_prefix, name in ((True, "engine_prefix"), (False, "engine_no_prefix")):
+        if name in names:
+            status(f"loading {name}")
+            built[name] = stack.enter_context(contextlib.closing(EngineSystem(engine_config, use_prefix)))
+    if {"hf_generate", "hf_prompt_cache"} & set(names):
+        import threading
+        from prefix_service.bench.systems.hf import HFGenerate, load_hf_model
+        status("loading the transformers model")
+        model, lock = load_hf_model(engine_config.model.path, *_device_dtype(engine_config)), threading.Lock()
+        for cache, name in ((False, "hf_generate"), (True, "hf_prompt_cache")):
+            if name in names:
+                built[name] = HFGenerate(model, tokenizer, cache, lock)
+    if "hf_generate_batch" in names:
+        from prefix_service.bench.systems.hf import HFGenerateBatch, load_hf_model
+        status("starting transformers continuous batching")
+        cfg = engine_config
+        capacity = _engine_capacity_tokens(built, cfg)
+        built["hf_generate_batch"] = stack.enter_context(contextlib.closing(HFGenerateBatch(
+            load_hf_model(cfg.model.path, *_device_dtype(cfg)), page_size=plan.hf_page_size, num_blocks=max(1, capacity // plan.hf_page_size),
+            max_batch_tokens=cfg.scheduler.max_num_batched_tokens, max_requests=cfg.scheduler.max_num_seqs,
+            output_tokens=plan.sizes.output_tokens)))
+    if {"grpc_prefix", "grpc_no_prefix"} & set(names):
+        from prefix_service.bench.systems.grpc import GrpcSystem, ServerProcess
+        status("starting the gRPC server (model load + template warmup)")
+        server = ServerProcess(engine_config, workloads)
+        stack.callback(server.stop)
+        for use_prefix, name in ((True, "grpc_prefix"), (False, "grpc_no_prefix")):
+            if name in names:
+                built[name] = stack.enter_context(contextlib.closing(GrpcSystem(server, use_prefix)))
+    return [built[n] for n in names]
+
+
+def _device_dtype(cfg: EngineConfig):
+    from prefix_service.core import resolve_device
+    from prefix_service.model.loader import resolve_dtype
+    device = resolve_device(cfg.model.device)
+    return device, resolve_dtype(cfg.model.dtype, cfg.model.path, device)
+
+
+def _engine_capacity_tokens(built: dict[str, System], cfg: EngineConfig) -> int:
+    """Token slots of our KV cache, so generate_batch gets the same amount of cache."""
+    engine = next((s for s in built.values() if hasattr(s, "engine")), None)
+    if engine is not None:
+        return engine.engine.kv_stats()["num_blocks"] * cfg.cache.block_size
+    return (cfg.cache.num_blocks or 2048) * cfg.cache.block_size  # no engine in this run: a fixed size
+
+
+class Runner:
+    def __init__(self, plan: Plan, systems: list[System], workloads: dict[str, Workload],
+                 tick: Callable[[], None], status: Callable[[str], None],
+                 expect_more: Callable[[int], None] = lambda n: None) -> None:
+        self.plan = plan
+        self.systems = systems
+        self.workloads = workloads
+        self.tick = tick
+        self.status = status
+        self.expect_more = expect_more  # the progress bar's total grows by n
+        self.records: list[dict] = []
+        self.samplers = {s.name: PeakSampler(s.kv_blocks_used) for s in systems}
+
+    def _record(self, system: System, workload: Workload, mode: str, concurrency: int | None,
+                result: modes.RunResult, **extra) -> dict:
+        rec = {"system": system.name, "workload": workload.name, "mode": mode, "concurrency": concurrency,
+               **summarize(result.timings, result.wall_s), "max_qps_under_slo": None,
+               "peak_kv_blocks": result.peak_kv_blocks, "load_1m": round(os.getloadavg()[0], 2), **extra}
+        errors = sorted({t.error for t in result.timings if t.error})
+        if errors:
+            rec["errors"] = errors[:5]
+        self.records.append(rec)
+        return rec
+
+    def prepare(self) -> None:
+        for workload in self.workloads.values():
+            for system in self.systems:
+                if system.supports(workload):
+                    self.status(f"{system.name}: preparing {workload.name}")
+                    system.prepare(workload)
+        first = next(iter(self.workloads.values()))
+        for system in self.systems:
+            self.status(f"{system.name}: warm-up")
+            for i in range(self.plan.warmup_requests):
+                system.run(first, first.request(-2 - i))
+                self.tick()
+
+    def single(self) -> None:
+        for workload in self.workloads.values():
+            systems = [s for s in self.systems if s.supports(workload)]
+            requests = [workload.request(SINGLE_BASE + i) for i in range(self.plan.single_requests_for(workload.name))]
+            self.status(f"single: {workload.name}")
+            samplers = {s.name: PeakSampler(s.kv_blocks_used) for s in systems}
+            for name, result in modes.run_single(systems, workload, requests, samplers, self.tick).items():
+                self._record(next(s for s in systems if s.name == name), workload, "single", 1, result)
+
+    def closed_loop(self) -> None:
+        for k, spec in enumerate(self.plan.closed):
+            workload = self.workloads.get(spec.workload)
+            if workload is None:
+                continue
+            for j, c in enumerate(spec.concurrencies):
+                base = CLOSED_BASE + 10_000 * k + 1000 * j
+                requests = [workload.request(base + i) for i in range(self.plan.closed_requests(c))]
+                for system in self.systems:
+                    if not system.supports(workload) or not self.plan.closed_allows(spec, system.name, c):
+                        continue
+                    self.status(f"closed loop: {system.name} {workload.name} c={c}")
+                    result = modes.run_closed_loop(system, workload, requests, c, PeakSampler(system.kv_blocks_used),
+                                                   self.tick)
+                    self._record(system, workload, "closed_loop", c, result)
+
+    def open_loop(self) -> None:
+        plan = self.plan
+        for name in plan.open_workloads:
+            workload = self.workloads.get(name)
+            if workload is None:
+                continue
+            for system in self.systems:
+                if system.name not in plan.open_systems or not system.supports(workload):
+                    continue
+                points, results = [], []
+                for j, qps in enumerate(plan.qps):
+                    arrivals = modes.poisson_arrivals(qps, plan.open_duration_s, seed=j, min_requests=plan.open_min_requests)
+                    if j >= plan.min_points:
+                        self.expect_more(plan.open_requests(qps))
+                    base = OPEN_BASE + 10_000 * j
+                    requests = [workload.request(base + i) for i in range(len(arrivals))]
+                    self.status(f"open loop: {system.name} {name} {qps:g} QPS ({len(arrivals)} requests)")
+                    result = modes.run_open_loop_point(system, workload, requests, arrivals, plan.open_timeout_s,
+                                                       self.tick)
+                    points.append(modes.open_loop_summary(result, qps, plan.slo_ms))
+                    results.append(result)
+                    if len(points) >= plan.min_points and not self._keeps_up(points):
+                        break
+                self._open_record(system, workload, points, results)
+
+    def _keeps_up(self, points: list[dict]) -> bool:
+        """Go on to the next rate? While under the SLO, or while no request missed its deadline
+        and p99 stays within open_stop_factor x the p99 at the first rate."""
+        last, first = points[-1], points[0]
+        if last["under_slo"]:
+            return True
+        if last["e2e_p99_ms"] is None or first["e2e_p99_ms"] is None:
+            return False
+        return last["e2e_p99_ms"] <= self.plan.open_stop_factor * first["e2e_p99_ms"]
+
+    def _open_record(self, system: System, workload: Workload, points: list[dict], results: list) -> None:
+        """Measures at the highest rate under the SLO (all rates up to it were under it too), or at the
+        lowest rate tried when none was."""
+        ok = 0
+        while ok < len(points) and points[ok]["under_slo"]:
+            ok += 1
+        at = max(ok - 1, 0)
+        self._record(system, workload, "open_loop", None, results[at], slo_ms=self.plan.slo_ms,
+                     measured_at_qps=points[at]["offered_qps"], e2e_p99_ms=points[at]["e2e_p99_ms"],
+                     max_qps_under_slo=points[ok - 1]["offered_qps"] if ok else 0.0, points=points)

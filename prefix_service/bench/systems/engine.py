@@ -1,0 +1,71 @@
+"""Our Engine, in process: the same token ids with a named prefix or without one."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+from prefix_service.bench.metrics import Timing
+from prefix_service.bench.systems import System, now
+from prefix_service.bench.workloads import BenchRequest, Workload
+from prefix_service.config import EngineConfig
+from prefix_service.engine import Engine
+from prefix_service.sampling_params import SamplingParams
+from prefix_service.sequence import GenerateRequest, RequestOutput
+
+
+class EngineSystem(System):
+    """engine_prefix: prefix support on, requests name the workload's pinned template.
+    engine_no_prefix: cache.enable_prefix false, requests carry prefix ids + prompt ids."""
+
+    def __init__(self, config: EngineConfig, use_prefix: bool) -> None:
+        self.uses_prefix = use_prefix
+        self.name = "engine_prefix" if use_prefix else "engine_no_prefix"
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix=use_prefix))
+        self.engine = Engine(config)
+        self._pinned: set[str] = set()
+
+    def prepare(self, workload: Workload) -> None:
+        if self.uses_prefix and workload.has_prefix and workload.prefix_name not in self._pinned:
+            self.engine.add_prefix(workload.prefix_name, token_ids=list(workload.prefix_ids))
+            self._pinned.add(workload.prefix_name)
+
+    def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
+        by_name = self.uses_prefix and workload.has_prefix
+        request = GenerateRequest(
+            prompt_token_ids=list(req.prompt_ids) if by_name else workload.full_ids(req),
+            prefix_name=workload.prefix_name if by_name else None,
+            sampling=SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True))
+        timing = Timing(start=now())
+        done = threading.Event()
+
+        def sink(out: RequestOutput) -> None:  # on the engine's loop thread: keep it short
+            t = now()
+            if out.token_ids:
+                if timing.first is None:
+                    timing.first = t
+                timing.output_tokens += len(out.token_ids)
+            if out.finished:
+                timing.end = t
+                if out.error is not None:
+                    timing.error = f"{type(out.error).__name__}: {out.error}"
+                done.set()
+
+        try:
+            request_id = self.engine.submit(request, sink)
+        except Exception as e:  # refused: counts as a failed request
+            timing.error = f"{type(e).__name__}: {e}"
+            return timing
+        if not done.wait(timeout_s):
+            self.engine.abort(request_id)
+            done.wait()
+            timing.error = timing.error or f"no answer within {timeout_s:.0f} s"
+        return timing
+
+    def kv_blocks_used(self) -> int | None:
+        return self.engine.kv_stats()["used"]
+
+    def kv_blocks_pinned(self) -> int:
+        return self.engine.kv_stats()["pinned"]
+
+    def close(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,133 @@
+"""Our real gRPC server, in its own process (`python -m prefix_service serve`), called through
+prefix_service.client from this one, so the numbers include protobuf, HTTP/2, the servicer's
+asyncio loop and tokenization of the text.
+
+The API takes text, not token ids: a prefix request sends the prompt text, a no-prefix request
+sends prefix text + prompt text. The workload checked that these tokenize to exactly the ids the
+other systems get, and every answer's usage (prompt and prefix tokens) is checked again here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+
+from prefix_service.bench.metrics import Timing
+from prefix_service.bench.systems import System, now
+from prefix_service.bench.workloads import BenchRequest, Workload
+from prefix_service.client import PrefixServiceClient
+from prefix_service.config import EngineConfig
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`prefix-service serve` on a config written from the benchmark's engine config, with the
+    workloads' prefixes as templates; started, waited on until health reports SERVING, stopped."""
+
+    def __init__(self, engine_config: EngineConfig, workloads: list[Workload], start_timeout_s: float = 900) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="bench-grpc-")
+        folder = Path(self._dir.name)
+        self.address = f"127.0.0.1:{_free_port()}"
+        config = {
+            "model": dataclasses.asdict(engine_config.model),
+            "cache": dataclasses.asdict(engine_config.cache),
+            "scheduler": dataclasses.asdict(engine_config.scheduler),
+            "server": {"address": self.address, "state_file": str(folder / "state.json"), "grace_period_s": 1},
+            "prefixes": [{"name": w.prefix_name, "content": w.prefix_text} for w in workloads if w.has_prefix],
+        }
+        config_path = folder / "bench.yaml"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        self.log_path = folder / "server.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "prefix_service", "serve", "--config", str(config_path),
+                                      "--log-level", "WARNING"], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ))
+        try:
+            self._wait_serving(start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_serving(self, timeout_s: float) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the gRPC server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.5)
+        raise TimeoutError(f"the gRPC server did not report SERVING within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        self._dir.cleanup()
+
+
+class GrpcSystem(System):
+    def __init__(self, server: ServerProcess, use_prefix: bool) -> None:
+        self.server = server
+        self.uses_prefix = use_prefix
+        self.name = "grpc_prefix" if use_prefix else "grpc_no_prefix"
+        self.client = PrefixServiceClient(server.address)  # one channel, shared by all threads
+        self.usage_mismatches = 0  # answers whose token counts differ from the ids the others get
+
+    def supports(self, workload: Workload) -> bool:
+        return workload.has_prefix or not self.uses_prefix
+
+    def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
+        by_name = self.uses_prefix and workload.has_prefix
+        text = req.prompt_text if by_name else workload.full_text(req)
+        timing = Timing(start=now())
+        try:
+            for msg in self.client.generate(text, workload.prefix_name if by_name else None,
+                                            max_tokens=workload.output_tokens, ignore_eos=True, timeout=timeout_s):
+                t = now()
+                if msg.token_ids:
+                    if timing.first is None:
+                        timing.first = t
+                    timing.output_tokens += len(msg.token_ids)
+                if msg.finish_reason:
+                    timing.end = t
+                    self._check_usage(workload, req, msg.usage, by_name)
+        except grpc.RpcError as e:
+            timing.error = f"{e.code().name}: {e.details()}"
+        return timing
+
+    def _check_usage(self, workload: Workload, req: BenchRequest, usage, by_name: bool) -> None:
+        want_prompt = len(workload.prefix_ids) + len(req.prompt_ids)
+        if usage.prompt_tokens != want_prompt or (by_name and usage.prefix_tokens != len(workload.prefix_ids)):
+            self.usage_mismatches += 1
+
+    def close(self) -> None:
+        self.client.close()

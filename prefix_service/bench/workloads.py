@@ -1,0 +1,195 @@
+"""The four benchmark workloads, as token ids every system receives unchanged.
+
+Each workload is tokenized once with the model's tokenizer. A request is (prompt text, prompt
+ids) continuing the workload's prefix; the no-prefix systems get `prefix_ids + prompt_ids`.
+Every request is checked at build time so that text and ids agree on both paths the service
+takes (the gRPC API takes text only):
+
+    encode(prompt_text, add_special_tokens=False)            == prompt_ids
+    encode(prefix_text + prompt_text, add_special_tokens=True) == prefix_ids + prompt_ids
+
+  intent      the intent-classifier template + `\\nMessage: "..."\\nIntent:` of exactly
+              `prompt_tokens` tokens
+  doc_qa      the departures-board template (a long markdown table) + a short `\\nQ: ...\\nA:`
+  ratio_0_32  a prefix of ~0.32 x `total_tokens` (the classifier template's first lines) + a
+              user segment so that prefix : prompt = 0.32 : 1
+  no_shared   `total_tokens` of text unique to each request, no prefix at all
+
+Templates are the files of configs/prompts/ with their trailing blank lines reduced to one newline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from prefix_service.bench import corpus
+
+WORKLOADS = ("intent", "doc_qa", "ratio_0_32", "no_shared")
+PREFIX_NAMES = {"intent": "intent_classifier", "doc_qa": "table_qa", "ratio_0_32": "ratio_0_32_prefix"}
+PROMPTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "prompts"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    prompt_tokens: int = 100  # intent: the user segment
+    total_tokens: int = 1000  # ratio_0_32 and no_shared: the whole prompt
+    output_tokens: int = 30  # every workload (EOS ignored, so every request makes exactly this many)
+    max_prefix_tokens: int | None = None  # cut the templates (at a line end) to at most this many tokens
+    ratio: float = 0.32  # ratio_0_32: prefix tokens / total prompt tokens
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt_text: str  # what follows the prefix (the whole prompt when there is none)
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass
+class Workload:
+    name: str
+    prefix_name: str | None
+    prefix_text: str
+    prefix_ids: tuple[int, ...]
+    output_tokens: int
+    make_text: Callable[[int], str]  # request index -> prompt text
+    encode: Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> ids
+    _cache: dict[int, BenchRequest] = field(default_factory=dict, repr=False)
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.prefix_name is not None
+
+    def request(self, index: int) -> BenchRequest:
+        req = self._cache.get(index)
+        if req is None:
+            text = self.make_text(index)
+            ids = tuple(self.encode(text, not self.has_prefix))
+            if self.has_prefix and tuple(self.encode(self.prefix_text + text, True)) != self.prefix_ids + ids:
+                raise ValueError(f"workload {self.name}: request {index} tokenizes differently after the prefix "
+                                 f"than alone; the text sent through gRPC would not match the ids")
+            req = self._cache[index] = BenchRequest(index, text, ids)
+        return req
+
+    def full_ids(self, req: BenchRequest) -> list[int]:
+        return list(self.prefix_ids) + list(req.prompt_ids)
+
+    def full_text(self, req: BenchRequest) -> str:
+        return self.prefix_text + req.prompt_text
+
+    def describe(self, sample: int = 8) -> dict:
+        lens = [len(self.request(i).prompt_ids) for i in range(sample)]
+        return {"prefix_name": self.prefix_name, "prefix_tokens": len(self.prefix_ids),
+                "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens), "output_tokens": self.output_tokens}
+
+
+def cut_to_tokens(text: str, max_tokens: int | None, count: Callable[[str], int]) -> str:
+    """The longest run of whole lines of `text` within max_tokens (whole words, then a newline,
+    when even the first line is longer)."""
+    if max_tokens is None or count(text) <= max_tokens:
+        return text
+    kept = ""
+    for line in text.splitlines(keepends=True):
+        if count(kept + line) > max_tokens:
+            break
+        kept += line
+    if kept:
+        return kept
+    words = text.split(" ")
+    lo, hi = 0, len(words)  # largest k with count(words[:k] + "\n") <= max_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(" ".join(words[:mid]) + "\n") <= max_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        raise ValueError(f"max_prefix_tokens={max_tokens} is too small for even one word of the template")
+    return " ".join(words[:lo]) + "\n"
+
+
+def fit_text(count: Callable[[str], int], head: str, body: Iterator[str], tail: str, n: int) -> str:
+    """head + words from `body` joined by spaces + tail, with exactly n tokens (count() of the whole).
+
+    Words are added on an estimate (each word's own count: a byte-level tokenizer splits at the
+    space before a word, so counts add up), then the whole text is counted exactly and topped up
+    with one-token fillers, dropping words where no filler adds exactly one token."""
+    def compose(p: list[str]) -> str:
+        return head + " ".join(p) + tail
+
+    parts: list[str] = []
+    estimate = count(compose([]))
+    if estimate > n:
+        raise ValueError(f"cannot fit a prompt in {n} tokens: the fixed text alone is longer")
+    for sentence in body:
+        words = sentence.split(" ")
+        step = count(" " + sentence)
+        if estimate + step <= n:
+            parts += words
+            estimate += step
+            continue
+        for word in words:  # the sentence that overflows: as many words as fit
+            step = count(" " + word)
+            if estimate + step > n:
+                break
+            parts.append(word)
+            estimate += step
+        break
+    for _ in range(4 * n):
+        have = count(compose(parts))
+        if have == n:
+            return compose(parts)
+        if have < n:
+            filler = next((f for f in ("ok", "yes", "a", "I", ".") if count(compose(parts + [f])) == have + 1), None)
+            if filler is not None:
+                parts.append(filler)
+                continue
+        if not parts:
+            break
+        parts.pop()
+    raise ValueError(f"cannot make a prompt of exactly {n} tokens with this tokenizer")
+
+
+def build_workload(name: str, tokenizer, sizes: Sizes = Sizes(), prompts_dir: Path = PROMPTS_DIR) -> Workload:
+    def encode(text: str, special: bool) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=special)
+
+    def count_after_prefix(text: str) -> int:
+        return len(encode(text, False))
+
+    intent_text = (prompts_dir / "intent_classifier.txt").read_text(encoding="utf-8")
+    out = sizes.output_tokens
+    if name == "intent":
+        prefix = _one_newline(cut_to_tokens(intent_text, sizes.max_prefix_tokens, count_after_prefix))
+        make = lambda i: fit_text(count_after_prefix, '\nMessage: "', corpus.sentences(f"intent-{i}"),
+                                  '"\nIntent:', sizes.prompt_tokens)
+    elif name == "doc_qa":
+        doc = (prompts_dir / "lisbon_departures.md").read_text(encoding="utf-8")
+        prefix = _one_newline(cut_to_tokens(doc, sizes.max_prefix_tokens, count_after_prefix))
+        dests = corpus.destinations(prefix)
+        make = lambda i: f"\nQ: {corpus.question(i, dests)}\nA:"
+    elif name == "ratio_0_32":
+        budget = round(sizes.ratio * sizes.total_tokens)
+        if sizes.max_prefix_tokens is not None:
+            budget = min(budget, sizes.max_prefix_tokens)
+        prefix = _one_newline(cut_to_tokens(intent_text, budget, count_after_prefix))
+        prefix_len = len(encode(prefix, True))
+        user_len = round(prefix_len / sizes.ratio) - prefix_len
+        make = lambda i: fit_text(count_after_prefix, '\nMessage: "', corpus.sentences(f"ratio-{i}"),
+                                  '"\nIntent:', user_len)
+    elif name == "no_shared":
+        def count_alone(text: str) -> int:
+            return len(encode(text, True))
+        return Workload(name, None, "", (), out,
+                        lambda i: fit_text(count_alone, f"Support ticket {1000 + i}: ", corpus.sentences(f"none-{i}"),
+                                           "\nSummary:", sizes.total_tokens), encode)
+    else:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return Workload(name, PREFIX_NAMES[name], prefix, tuple(encode(prefix, True)), out, make, encode)
+
+
+def _one_newline(text: str) -> str:
+    """End a template with exactly one newline: a run of trailing newlines tokenizes as one token
+    alone but splits when text follows, which would break ids == encode(prefix + prompt)."""
+    return text.rstrip() + "\n"

@@ -1,0 +1,61 @@
+"""scripts/bench_prefix.py end to end on a tiny random model: every system, every mode, a couple of
+requests each; checks the JSON schema of docs/benchmarks.md and that the plot is written."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "bench_prefix.py"
+SYSTEMS = {"engine_prefix", "engine_no_prefix", "hf_generate", "hf_prompt_cache", "hf_generate_batch",
+           "grpc_prefix", "grpc_no_prefix"}
+RECORD_KEYS = {"system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
+               "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "max_qps_under_slo", "peak_kv_blocks"}
+
+
+def test_bench_prefix_smoke(tmp_path, llama_dir, capsys):
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"model: {{path: {llama_dir}, device: cpu}}\n"
+                      "cache: {block_size: 4, num_blocks: 256}\n"
+                      "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 256}\n")
+    spec = importlib.util.spec_from_file_location("bench_prefix", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--config", str(config), "--json", str(out), "--no-progress",
+                       "--workloads", "intent,no_shared", "--max-prefix-tokens", "60", "--prompt-tokens", "30",
+                       "--total-tokens", "90", "--output-tokens", "4", "--warmup", "0", "--single-requests", "2",
+                       "--concurrency", "2", "--closed-min-requests", "2", "--qps", "4,8",
+                       "--open-duration-s", "0.5", "--open-timeout-s", "30"]) == 0
+
+    report = json.loads(out.read_text())
+    assert {"machine", "model", "date", "git_commit", "records", "targets"} <= set(report)
+    records = report["records"]
+    for r in records:
+        assert RECORD_KEYS <= set(r), r
+        assert r["system"] in SYSTEMS and r["workload"] in {"intent", "no_shared"}
+        assert r["mode"] in {"single", "closed_loop", "open_loop"}
+        assert r["num_failed"] == 0, r
+        assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["e2e_p99_ms"] >= r["e2e_p50_ms"]
+        assert (r["peak_kv_blocks"] is not None) == r["system"].startswith("engine_")
+    by_mode = {m: {(r["system"], r["workload"]) for r in records if r["mode"] == m}
+               for m in ("single", "closed_loop", "open_loop")}
+    assert {s for s, w in by_mode["single"] if w == "intent"} == SYSTEMS
+    assert {s for s, w in by_mode["single"] if w == "no_shared"} == SYSTEMS - {"hf_prompt_cache", "grpc_prefix"}
+    closed = {(r["workload"], r["concurrency"]) for r in records if r["mode"] == "closed_loop"}
+    assert closed == {("intent", 2), ("no_shared", 4)}  # the plan's regression check runs at 4
+    assert by_mode["open_loop"] == {("grpc_prefix", "intent"), ("grpc_no_prefix", "intent")}
+    for r in records:
+        if r["mode"] == "open_loop":
+            assert r["concurrency"] is None and r["max_qps_under_slo"] in (0.0, 4.0, 8.0)
+            assert [p["offered_qps"] for p in r["points"]] == [4.0, 8.0]
+        else:
+            assert r["max_qps_under_slo"] is None
+    assert report["grpc_usage_mismatches"] == {"grpc_prefix": 0, "grpc_no_prefix": 0}
+    assert {t["target"] for t in report["targets"]} and all("met" in t for t in report["targets"])
+
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "engine_prefix" in printed and "targets" in printed
