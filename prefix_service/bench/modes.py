@@ -1,7 +1,7 @@
 """The three load modes. Each returns timings (and, for the open loop, one summary per offered rate).
 
 single       one request at a time, the systems taking turns request by request (so a noisy
-             neighbour on the machine slows all of them alike)
+             neighbour on the machine slows all of them alike), the order rotating each round
 closed_loop  `concurrency` client threads, each sending its next request when the last one ends
 open_loop    Poisson arrivals at a fixed offered rate for a fixed time; every request has a
              deadline, and one that misses it counts as a failure (its latency exceeds the SLO)
@@ -29,10 +29,12 @@ class RunResult:
 
 def run_single(systems: list[System], workload: Workload, requests: list[BenchRequest],
                samplers: dict[str, PeakSampler], tick: Tick) -> dict[str, RunResult]:
-    """Every request on every system, in turns. Wall time of a system = the sum of its latencies."""
+    """Every request on every system, in turns; each round starts one system later, so that no
+    system always follows the same one. Wall time of a system = the sum of its latencies."""
     timings: dict[str, list[Timing]] = {s.name: [] for s in systems}
-    for req in requests:
-        for system in systems:
+    for i, req in enumerate(requests):
+        k = i % len(systems)
+        for system in systems[k:] + systems[:k]:
             with samplers[system.name]:
                 timings[system.name].append(system.run(workload, req))
             tick()
