@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+CPU_LINEARS = ("auto", "onednn", "blas")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ADDRESS_RE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})")  # fullmatch
@@ -68,9 +69,11 @@ class ModelConfig:
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads for this process; None: torch's default
+    cpu_linear: str = "auto"  # on CPU: onednn (weights packed at load), blas (F.linear); auto: onednn where it works
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("model.cpu_linear", self.cpu_linear, CPU_LINEARS)
         if self.num_threads is not None:
             _check_int("model.num_threads", self.num_threads, 1)
         _check_choice("model.dtype", self.dtype, DTYPES)

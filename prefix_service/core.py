@@ -19,6 +19,7 @@ from prefix_service.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import CacheExhausted, InvalidRequest, PrefixServiceError, PromptTooLong, QueueFull
 from prefix_service.kv_cache import KVCache
 from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
+from prefix_service.model.packed_linear import onednn_linear_available
 from prefix_service.model_runner import ModelRunner
 from prefix_service.prefix_cache import PrefixCacheManager, PrefixHandle
 from prefix_service.sampler import sample
@@ -68,6 +69,7 @@ class EngineCore:
             self.model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
         else:
             self.model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
+        self.cpu_linear = self._pack_linears(mc.cpu_linear)
         self.kv_cache = KVCache(self.arch, config.cache, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.kv_cache.num_blocks)
@@ -83,9 +85,27 @@ class EngineCore:
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
         self.stats = {"requests": 0, "prefix_tokens_reused": 0, "generated_tokens": 0, "steps": 0}
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s%s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.kv_cache.num_blocks,
-                 self.block_size, self.max_model_len, self.backend.name)
+                 self.block_size, self.max_model_len, self.backend.name,
+                 f", linear {self.cpu_linear}" if self.cpu_linear else "")
+
+    def _pack_linears(self, choice: str) -> str | None:
+        """model.cpu_linear: on a CPU, pack the weights for oneDNN unless told not to or it cannot
+        run here. Returns the implementation in use ('onednn' or 'blas'); None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        if choice == "blas":
+            return "blas"
+        reason = onednn_linear_available(self.dtype)
+        if reason is not None:
+            if choice == "onednn":
+                raise PrefixServiceError(f"model.cpu_linear: onednn was asked for, but {reason}; "
+                                         f"use auto or blas")
+            log.info("linear layers on BLAS (F.linear): %s", reason)
+            return "blas"
+        self.model.pack_for_cpu()
+        return "onednn"
 
     def _eos_ids(self) -> set[int]:
         ids = set()

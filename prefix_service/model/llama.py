@@ -170,6 +170,17 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions)
+        self.packed_head: nn.Module | None = None  # the tied lm_head in oneDNN's layout (pack_for_cpu)
+
+    def pack_for_cpu(self) -> int:
+        """Hold every linear layer's weight, and a tied lm_head's, in oneDNN's packed layout
+        (packed_linear.py). Returns the number of layers packed."""
+        from prefix_service.model.packed_linear import PackedLinear, pack_linears
+        count = pack_linears(self)
+        if self.lm_head is None:
+            self.packed_head = PackedLinear(self.embed_tokens.weight, None)
+            count += 1
+        return count
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, kv_caches, meta) -> torch.Tensor:
@@ -183,5 +194,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] in float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
