@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import cuda_ops
-from prefix_service.cascade import CascadeDecode, attend_paged, cascade_decode
+from prefix_service.cascade import CPU_FLASH, CascadeDecode, attend, attend_paged, cascade_decode, merge
 
 
 @dataclass
@@ -31,9 +31,13 @@ class AttentionMetadata:
     prefill_max_q: int = 0
     prefill_max_k: int = 0
     prefill_total_k: int = 0  # sum of context + new tokens: the concat output's rows, known on the host
+    # per prefill: (first block, number of blocks) of the leading run of its context's full blocks that
+    # are consecutive in the cache (a template pinned by its warmup); (0, 0) when there is none
+    prefill_ctx_runs: list[tuple[int, int]] = field(default_factory=list)
     decode_cascade: CascadeDecode | None = None  # decodes grouped by shared prefix blocks (2+ per group)
 
     _masks: dict = field(default_factory=dict, repr=False)
+    decode_cache: dict = field(default_factory=dict, repr=False)  # attend_paged's gather index and mask
 
     @property
     def num_prefills(self) -> int:
@@ -55,14 +59,24 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
-        cuda_ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
+        if not meta.num_prefills:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        if not nd:
+            return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
-        if meta.num_prefills:
-            out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
+        out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, scale)
         return out
+
+    @staticmethod
+    def _store(k, v, k_cache, v_cache, slot_mapping) -> None:
+        if k_cache.device.type == "cpu":  # every new token has a slot (the runner emits no -1): a plain row copy
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        else:
+            cuda_ops.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -71,15 +85,56 @@ class TorchAttentionBackend:
         if meta.decode_cascade is not None:
             return cascade_decode(q, k_cache, v_cache, meta.decode_cascade, scale)
         out, _ = attend_paged(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                              meta.decode_max_context, scale)
+                              meta.decode_max_context, scale, meta.decode_cache)
         return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [Tp, Hq, D]; k, v: [Tp, Hkv, D]: the new tokens of every prefill chunk
+        if q.device.type == "cpu" and CPU_FLASH is not None:
+            return self._prefill_split(q, k, v, k_cache, v_cache, meta, scale)
         k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
             k_cache, v_cache, meta.prefill_block_tables, meta.prefill_prefix_lens, k, v,
             meta.prefill_cu_seqlens_q, total_k=meta.prefill_total_k)  # [Tk, Hkv, D]
         return self._attend_prefill(q, k_all, v_all, cu_k, meta, scale)
+
+    @staticmethod
+    def _prefill_split(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Per prefill sequence, its new queries over (a) the leading run of its context held in
+        consecutive full blocks (a pinned template: read in place, every key visible) and (b) the
+        rest of its context, gathered, then its new tokens (causal, bottom-right); the two merged by
+        log-sum-exp. With no such run, (b) alone is the whole attention."""
+        out = torch.empty_like(q)
+        bs, hkv, d = k_cache.shape[1:]
+        hq = q.shape[1]
+        g = hq // hkv
+        start = 0
+        for i, (q_len, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list)):
+            first, n_run = meta.prefill_ctx_runs[i]
+            rest = ctx - n_run * bs
+            qi, ki, vi = q[start:start + q_len], k[start:start + q_len], v[start:start + q_len]
+            if rest:  # context after the run: gathered, in front of the new tokens
+                blocks = meta.prefill_block_tables[i, n_run:-(-ctx // bs)].long()
+                ki = torch.cat([k_cache.index_select(0, blocks).flatten(0, 1)[:rest], ki])
+                vi = torch.cat([v_cache.index_select(0, blocks).flatten(0, 1)[:rest], vi])
+            mask = meta.causal_mask(q_len, rest, q.dtype, q.device) if rest else None
+            q4, k4, v4 = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
+            if not n_run:
+                o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=mask is None,
+                                                   scale=scale, enable_gqa=True)
+                out[start:start + q_len] = o[0].transpose(0, 1)
+            else:
+                o_b, lse_b = attend(q4, k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1), mask, scale,
+                                    causal=mask is None)  # [1, Hq, q_len, D], [1, Hq, q_len]
+                k_run = k_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, run, D]
+                v_run = v_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]
+                # the query heads of one KV head as the query rows of one attention: no K/V repeat
+                qf = qi.view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * q_len, d)
+                o_a, lse_a = attend(qf, k_run, v_run, None, scale)
+                out[start:start + q_len] = merge(
+                    o_a.reshape(hq, q_len, d).transpose(0, 1), lse_a.reshape(hq, q_len).transpose(0, 1),
+                    o_b[0].transpose(0, 1), lse_b[0].transpose(0, 1))
+            start += q_len
+        return out
 
     @classmethod
     def _attend_prefill(cls, q, k_all, v_all, cu_k, meta: AttentionMetadata, scale: float) -> torch.Tensor:

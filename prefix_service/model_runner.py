@@ -59,6 +59,16 @@ class ModelRunner:
             suffix_lens=self._tensor(suffix_lens, torch.int32),
             max_suffix=max(suffix_lens))
 
+    @staticmethod
+    def _leading_run(block_table: list[int], full_blocks: int) -> tuple[int, int]:
+        """(first block, length) of the consecutive run that starts the first `full_blocks` blocks."""
+        if not full_blocks:
+            return 0, 0
+        first, n = block_table[0], 1
+        while n < full_blocks and block_table[n] == first + n:
+            n += 1
+        return first, n
+
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Run one step. Returns logits [N, vocab] (float32) for the sequences whose chunk reaches
         their last token (prefill-only warmups excluded), and those sequences in order."""
@@ -103,6 +113,7 @@ class ModelRunner:
             prefill_total_k=sum(q_lens) + sum(ctx),
         )
         meta.decode_cascade = self._cascade([s.seq for s in decodes], dec_ctx)
+        meta.prefill_ctx_runs = [self._leading_run(s.seq.block_table, c // B) for s, c in zip(prefills, ctx)]
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64),
                             self.backend, self.kv_cache.layers(), meta)  # [T, hidden]
         if not logit_rows:
