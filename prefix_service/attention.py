@@ -107,9 +107,10 @@ class TorchAttentionBackend:
         bs, hkv, d = k_cache.shape[1:]
         hq = q.shape[1]
         g = hq // hkv
+        runs = meta.prefill_ctx_runs or [(0, 0)] * meta.num_prefills  # none given: gather every context
         start = 0
         for i, (q_len, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list)):
-            first, n_run = meta.prefill_ctx_runs[i]
+            first, n_run = runs[i]
             rest = ctx - n_run * bs
             qi, ki, vi = q[start:start + q_len], k[start:start + q_len], v[start:start + q_len]
             if rest:  # context after the run: gathered, in front of the new tokens

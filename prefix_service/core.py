@@ -102,7 +102,7 @@ class EngineCore:
             if choice == "onednn":
                 raise PrefixServiceError(f"model.cpu_linear: onednn was asked for, but {reason}; "
                                          f"use auto or blas")
-            log.info("linear layers on BLAS (F.linear): %s", reason)
+            log.warning("model.cpu_linear auto: linear layers on BLAS (F.linear), as %s", reason)
             return "blas"
         self.model.pack_for_cpu()
         return "onednn"
