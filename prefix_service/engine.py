@@ -42,15 +42,31 @@ class Engine:
         if isinstance(config, ServiceConfig):
             config = config.engine
         self.config = config
-        self.core = EngineCore(config)
-        self.tokenizer = self.core.tokenizer
         self._commands: deque[tuple[Callable[[EngineCore], object], concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="prefix-service-engine", daemon=True)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(config, built), name="prefix-service-engine",
+                                        daemon=True)
         self._thread.start()
+        self.core: EngineCore = built.result()  # the model load's error, if any, is raised here
+        self.tokenizer = self.core.tokenizer
 
     # --- the loop thread ----------------------------------------------------------------------
+    def _main(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
+        # The loop thread also builds the EngineCore, so that all of the engine's torch work (loading,
+        # packing, every step) runs on one thread. torch's CPU kernels run on OpenMP, which keeps one
+        # pool of worker threads per thread that starts parallel work; once a process has more of
+        # them than cores, GNU OpenMP's workers stop spin-waiting between operations, and a decode
+        # step of many small operations became ~1.5x slower on a 2-core machine.
+        try:
+            self.core = EngineCore(config)
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(self.core)
+        self._loop()
+
     def _loop(self) -> None:
         while True:
             with self._wake:

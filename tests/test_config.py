@@ -103,7 +103,8 @@ def test_num_threads_is_validated_and_applied(make_engine, llama_dir):
     before = torch.get_num_threads()
     try:
         with Engine(EngineConfig(ModelConfig(path=str(llama_dir), device="cpu", num_threads=1),
-                                 CacheConfig(num_blocks=16))):
-            assert torch.get_num_threads() == 1
+                                 CacheConfig(num_blocks=16))) as engine:
+            # applied on the engine's thread, where all of its torch work runs
+            assert engine._run(lambda core: torch.get_num_threads()) == 1
     finally:
         torch.set_num_threads(before)

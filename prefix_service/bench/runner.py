@@ -26,31 +26,36 @@ SINGLE_BASE, CLOSED_BASE, OPEN_BASE = 0, 10_000, 1_000_000
 
 def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workload], tokenizer,
                   stack: contextlib.ExitStack, status: Callable[[str], None]) -> list[System]:
-    """The plan's systems, in the plan's order; each is closed by `stack`."""
-    from prefix_service.bench.systems.engine import EngineSystem
+    """The plan's systems, in the plan's order; each is closed by `stack`. The in-process ones run in
+    child processes of their own (systems/hosted.py says why); the gRPC server is one too."""
+    from prefix_service.bench.systems.hosted import HostedSystem, HostProcess
     built: dict[str, System] = {}
     names = plan.systems
+
+    def host(label: str, factory, args: tuple, serial: bool) -> None:
+        proc = HostProcess(label, factory, args, serial)
+        stack.callback(proc.stop)
+        for name in proc.systems:
+            built[name] = HostedSystem(proc, name)
+
     for use_prefix, name in ((True, "engine_prefix"), (False, "engine_no_prefix")):
         if name in names:
             status(f"loading {name}")
-            built[name] = stack.enter_context(contextlib.closing(EngineSystem(engine_config, use_prefix)))
-    if {"hf_generate", "hf_prompt_cache"} & set(names):
-        import threading
-        from prefix_service.bench.systems.hf import HFGenerate, load_hf_model
+            host(name, _engine_group, (engine_config, use_prefix), serial=False)
+    device, dtype = _device_dtype(engine_config)
+    threads = engine_config.model.num_threads
+    hf = [n for n in ("hf_generate", "hf_prompt_cache") if n in names]
+    if hf:
         status("loading the transformers model")
-        model, lock = load_hf_model(engine_config.model.path, *_device_dtype(engine_config)), threading.Lock()
-        for cache, name in ((False, "hf_generate"), (True, "hf_prompt_cache")):
-            if name in names:
-                built[name] = HFGenerate(model, tokenizer, cache, lock)
+        host("hf_generate", _hf_group, (engine_config.model.path, device, dtype, threads, tuple(hf)), serial=True)
     if "hf_generate_batch" in names:
-        from prefix_service.bench.systems.hf import HFGenerateBatch, load_hf_model
         status("starting transformers continuous batching")
         cfg = engine_config
         capacity = _engine_capacity_tokens(built, cfg)
-        built["hf_generate_batch"] = stack.enter_context(contextlib.closing(HFGenerateBatch(
-            load_hf_model(cfg.model.path, *_device_dtype(cfg)), page_size=plan.hf_page_size, num_blocks=max(1, capacity // plan.hf_page_size),
-            max_batch_tokens=cfg.scheduler.max_num_batched_tokens, max_requests=cfg.scheduler.max_num_seqs,
-            output_tokens=plan.sizes.output_tokens)))
+        options = dict(page_size=plan.hf_page_size, num_blocks=max(1, capacity // plan.hf_page_size),
+                       max_batch_tokens=cfg.scheduler.max_num_batched_tokens, max_requests=cfg.scheduler.max_num_seqs,
+                       output_tokens=plan.sizes.output_tokens)
+        host("hf_generate_batch", _hf_batch_group, (cfg.model.path, device, dtype, threads, options), serial=False)
     if {"grpc_prefix", "grpc_no_prefix"} & set(names):
         from prefix_service.bench.systems.grpc import GrpcSystem, ServerProcess
         status("starting the gRPC server (model load + template warmup)")
@@ -62,6 +67,35 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
     return [built[n] for n in names]
 
 
+# Group factories: run in the child process (module-level, so that they pickle by name).
+def _engine_group(engine_config: EngineConfig, use_prefix: bool) -> dict[str, System]:
+    from prefix_service.bench.systems.engine import EngineSystem
+    system = EngineSystem(engine_config, use_prefix)
+    return {system.name: system}
+
+
+def _hf_group(path: str, device, dtype, threads: int | None, names: tuple[str, ...]) -> dict[str, System]:
+    import threading
+
+    import torch
+
+    from prefix_service.bench.systems.hf import HFGenerate, load_hf_model
+    from prefix_service.model.loader import load_tokenizer
+    if threads:
+        torch.set_num_threads(threads)  # the engine's model.num_threads, so both compute alike
+    model, tokenizer, lock = load_hf_model(path, device, dtype), load_tokenizer(path), threading.Lock()
+    return {name: HFGenerate(model, tokenizer, name == "hf_prompt_cache", lock) for name in names}
+
+
+def _hf_batch_group(path: str, device, dtype, threads: int | None, options: dict) -> dict[str, System]:
+    import torch
+
+    from prefix_service.bench.systems.hf import HFGenerateBatch, load_hf_model
+    if threads:
+        torch.set_num_threads(threads)
+    return {"hf_generate_batch": HFGenerateBatch(load_hf_model(path, device, dtype), **options)}
+
+
 def _device_dtype(cfg: EngineConfig):
     from prefix_service.core import resolve_device
     from prefix_service.model.loader import resolve_dtype
@@ -71,9 +105,9 @@ def _device_dtype(cfg: EngineConfig):
 
 def _engine_capacity_tokens(built: dict[str, System], cfg: EngineConfig) -> int:
     """Token slots of our KV cache, so generate_batch gets the same amount of cache."""
-    engine = next((s for s in built.values() if hasattr(s, "engine")), None)
-    if engine is not None:
-        return engine.engine.kv_stats()["num_blocks"] * cfg.cache.block_size
+    blocks = next((s.kv_num_blocks for s in built.values() if getattr(s, "kv_num_blocks", None)), None)
+    if blocks is not None:
+        return blocks * cfg.cache.block_size
     return (cfg.cache.num_blocks or 2048) * cfg.cache.block_size  # no engine in this run: a fixed size
 
 

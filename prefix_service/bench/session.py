@@ -46,8 +46,8 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
             getattr(runner, mode)()
         status("done")
         extra = {}
-        kv_blocks = next((s.engine.kv_stats()["num_blocks"] for s in systems if hasattr(s, "engine")), None)
-        pinned = {s.name: s.kv_blocks_pinned() for s in systems if hasattr(s, "kv_blocks_pinned")}
+        kv_blocks = next((s.kv_num_blocks for s in systems if getattr(s, "kv_num_blocks", None)), None)
+        pinned = {s.name: s.kv_blocks_pinned() for s in systems if getattr(s, "kv_num_blocks", None)}
         if pinned:
             extra["pinned_kv_blocks_at_end"] = pinned
         mismatches = {s.name: s.usage_mismatches for s in systems if hasattr(s, "usage_mismatches")}
