@@ -68,7 +68,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto: cuda on a GPU, torch elsewhere
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
-    num_threads: int | None = None  # torch intra-op threads for this process; None: torch's default
+    num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
     cpu_linear: str = "auto"  # on CPU: onednn (weights packed at load), blas (F.linear); auto: onednn where it works
 
     def __post_init__(self) -> None:

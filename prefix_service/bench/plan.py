@@ -5,7 +5,7 @@ model takes seconds; the full plan (about 25 minutes there) spends that time whe
 comparisons are:
 
   * single mode: every system on every workload (a system with nothing to show on a workload,
-    e.g. a prefix cache without a prefix, is left out); 8 requests each on intent and 3 on
+    e.g. a prefix cache without a prefix, is left out); 12 requests each on intent and 6 on
     no_shared (the targets), 2 on the others.
   * closed loop: intent at concurrency 1, 4, 16, 64, and no_shared (the regression check) at 4
     for the engine with prefix support on and off. `caps` stops a system at a concurrency:
@@ -48,7 +48,7 @@ class Plan:
     sizes: Sizes = field(default_factory=Sizes)
     warmup_requests: int = 1  # per system, untimed, before anything is measured
     single_requests: int = 2  # per system and workload, unless single_by_workload says otherwise
-    single_by_workload: Pairs = (("intent", 8), ("no_shared", 3))
+    single_by_workload: Pairs = (("intent", 12), ("no_shared", 6))
     closed: tuple[ClosedSpec, ...] = (ClosedSpec("intent", (1, 4, 16, 64)),
                                       ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix")))
     closed_min_requests: int = 2
