@@ -89,7 +89,7 @@ def main() -> int:
                     fn()
                     times[way].append(time.perf_counter() - t)
             b, o = statistics.median(times["blas"]), statistics.median(times["onednn"])
-            results.append({"rows": rows, "blas_ms": round(b * 1e3, 2), "onednn_ms": round(o * 1e3, 2),
+            results.append({"rows": rows, "blas_ms": round(b * 1e3, 4), "onednn_ms": round(o * 1e3, 4),
                             "speedup": round(b / o, 2), "blas_gb_s": round(weight_bytes / b / 1e9, 1),
                             "onednn_gb_s": round(weight_bytes / o / 1e9, 1)})
             r = results[-1]
