@@ -30,8 +30,9 @@ class ModelRunner:
 
     def _cascade(self, seqs: list[Sequence], ctx: list[int]) -> CascadeDecode | None:
         """Group decoding sequences by the pinned prefix blocks they share. A group pays off with
-        two or more sequences (one read of the prefix instead of several), or with one when the
-        blocks are consecutive (read in place instead of gathered)."""
+        two or more sequences (one read of the prefix instead of several; read in place when the
+        blocks are consecutive). A lone sequence gathers its whole context instead: one attention
+        over it costs less than two and a merge (measured on CPU: 26.7 vs 28.6 ms a step)."""
         groups: dict[tuple[int, int], list[int]] = {}
         for i, seq in enumerate(seqs):
             if seq.prefix is not None and seq.num_shared_blocks > 0:
@@ -41,7 +42,7 @@ class ModelRunner:
             seq = seqs[rows[0]]
             blocks = seq.block_table[:seq.num_shared_blocks]
             consecutive = blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-            if len(rows) >= 2 or consecutive:
+            if len(rows) >= 2:
                 chosen.append((rows, blocks, blocks[0] if consecutive else None))
         if not chosen:
             return None
