@@ -13,7 +13,7 @@ import cuda_ops
 import prefix_service.cascade as cascade_mod
 from cuda_ops.paged_decode import paged_decode_attention_ref
 from helpers import greedy
-from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig, SchedulerConfig
+from prefix_service import Engine, GenerateRequest, ModelConfig
 from prefix_service import synthetic as models
 from prefix_service.attention import AttentionMetadata, TorchAttentionBackend
 from prefix_service.cascade import CascadeDecode, PrefixGroup, attend, cascade_decode
@@ -101,28 +101,12 @@ def test_pack_linears_replaces_nested_layers():
 # --- model.cpu_linear on an engine ---------------------------------------------------------------
 
 @pytest.fixture
-def build_engine():
-    """build_engine(model_dir, cpu_linear) -> Engine on CPU (block size 4); integrity-checked and
-    shut down after the test."""
-    engines: list[Engine] = []
-
+def build_engine(make_engine):
+    """build_engine(model_dir, cpu_linear) -> Engine on CPU (block size 4), through `make_engine`:
+    integrity-checked and shut down after the test."""
     def factory(model_dir, cpu_linear: str, dtype: str = "float32") -> Engine:
-        cfg = EngineConfig(ModelConfig(path=str(model_dir), dtype=dtype, device="cpu", cpu_linear=cpu_linear),
-                           CacheConfig(block_size=4, num_blocks=160), SchedulerConfig(max_num_batched_tokens=512))
-        engine = Engine(cfg)
-        engines.append(engine)
-        return engine
-
-    yield factory
-    try:
-        for engine in engines:
-            engine.check_integrity()
-            stats = engine.kv_stats()
-            assert stats["running"] == 0 and stats["waiting"] == 0, f"requests left behind: {stats}"
-            assert stats["used"] == stats["pinned"], f"blocks leaked: {stats}"
-    finally:
-        for engine in engines:
-            engine.shutdown()
+        return make_engine(model_dir, cpu_linear=cpu_linear, dtype=dtype, num_blocks=160, max_num_batched_tokens=512)
+    return factory
 
 
 @pytest.fixture(scope="module")
