@@ -107,9 +107,12 @@ class ServerThread:
 
     def stop(self, grace: float | None = 0.0, wait: bool = True) -> None:
         """Stop as SIGTERM would (grace None: the configured grace period)."""
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+        if self._loop is not None and self._stop is not None and self._thread.is_alive() and self._error is None:
             self._stop_grace = grace
-            self._loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # the loop closed after the check: the thread is already ending
+                pass
         if wait:
             self._thread.join(60)
 
