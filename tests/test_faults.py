@@ -13,8 +13,7 @@ import time
 import grpc
 import pytest
 
-from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, build_tiny_model, collect, greedy_request,
-                             slow_steps, started_servers, torch_threads)
+from server_fixtures import DOCUMENT, SYSTEM_PROMPT, Clients, collect, greedy_request, slow_steps, started_servers
 
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.config import PrefixSpec
@@ -26,15 +25,7 @@ TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_promp
 WORDS = "the order price refund shipping account table row value music weather".split()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("faults-model"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
@@ -170,6 +161,9 @@ def test_kv_exhaustion_200_concurrent(make_server):
     outgrows = greedy_request(" the table row" * 50, max_tokens=40)  # fits, then outgrows the whole cache
     requests = [outgrows if i % 10 == 0 else never_fits if i % 20 == 3 else
                 greedy_request(prompts[i % 12], "small", max_tokens=8) for i in range(200)]
+    # the outgrowing ones go out first, so that some of them are admitted before the queue fills
+    # (arrival order across channels is not the send order; sent last, all could be refused)
+    requests.sort(key=lambda r: r is not outgrows)
     distinct = {r.SerializeToString(): r for r in requests if r is not never_fits}
     references = {key: collect(c.generation.Generate(r)) for key, r in distinct.items()}
     template_reference = collect(c.generation.Generate(greedy_request(" the order", "small", max_tokens=12)))[1]
