@@ -37,6 +37,22 @@ def model_dirs(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny model the server tests serve (server_fixtures.build_tiny_model), built once."""
+    from server_fixtures import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("server-model"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A server test module on one intra-op thread (server_fixtures.torch_threads says why); such a
+    module says `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    from server_fixtures import torch_threads
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> Path:
     return model_dirs["llama"]
 

@@ -8,22 +8,13 @@ import time
 import grpc
 import pytest
 
-from server_fixtures import (DOCUMENT, Clients, build_tiny_model, collect, greedy_request, slow_steps,
-                             started_servers, torch_threads)
+from server_fixtures import DOCUMENT, Clients, collect, greedy_request, slow_steps, started_servers
 
 from prefix_service.config import PrefixSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("admission-model"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cuda_ops.paged_decode import paged_decode_attention, paged_decode_attention_ref, triton_available
-from helpers import greedy, hf_greedy, run_ids
+from helpers import greedy, run_ids
 from prefix_service import GenerateRequest
 
 needs_triton = pytest.mark.skipif(not triton_available() or os.environ.get("TRITON_INTERPRET") != "1",

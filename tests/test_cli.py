@@ -13,18 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server_fixtures import DOCUMENT, SYSTEM_PROMPT, TOKEN_ENV, ServerThread, build_tiny_model, make_config
+from server_fixtures import DOCUMENT, SYSTEM_PROMPT, TOKEN_ENV, ServerThread, make_config
 
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.cli import main
 from prefix_service.config import PrefixSpec
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("cli-model"))
 
 
 @pytest.fixture(scope="module")

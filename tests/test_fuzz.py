@@ -13,8 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, build_tiny_model, collect,
-                             greedy_request, make_config, torch_threads)
+from server_fixtures import DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config
 
 from prefix_service.config import PrefixSpec
 from prefix_service.proto import prefix_service_pb2 as pb
@@ -41,10 +40,7 @@ i32 = st.one_of(st.integers(-3, 50), st.integers(-2**31, 2**31 - 1), st.integers
 floats = st.one_of(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.5, -0.0]), st.floats(allow_nan=True, allow_infinity=True))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def mixed(draw, tame, wild):
@@ -126,9 +122,8 @@ def expected(req: pb.GenerateRequest, tokenizer) -> set:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = build_tiny_model(tmp_path_factory.mktemp("fuzz-model"))
-    st_ = ServerThread(make_config(model, prefixes=(PrefixSpec("doc", content=DOCUMENT),
+def server(model_dir, tmp_path_factory):
+    st_ = ServerThread(make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),
                                                     PrefixSpec("sys", system_prompt=SYSTEM_PROMPT)),
                                    state_file=tmp_path_factory.mktemp("fuzz-state") / "state.json",
                                    max_tokens_cap=CAP, default_max_tokens=DEFAULT_MAX_TOKENS,

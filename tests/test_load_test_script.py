@@ -11,23 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from server_fixtures import DOCUMENT, ServerThread, build_tiny_model, make_config, torch_threads
+from server_fixtures import DOCUMENT, ServerThread, make_config
 
 from prefix_service.config import PrefixSpec
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = build_tiny_model(tmp_path_factory.mktemp("load-model"))
-    st = ServerThread(make_config(model, prefixes=(PrefixSpec("doc", content=DOCUMENT),), max_queue=4,
+def server(model_dir):
+    st = ServerThread(make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),), max_queue=4,
                                   max_num_seqs=2)).start()
     yield st
     st.check_clean()

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, build_tiny_model, collect,
-                             greedy_request, make_config, slow_steps, started_servers, torch_threads)
+from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config,
+                             slow_steps, started_servers)
 
 from prefix_service.config import PrefixSpec
 from prefix_service.proto import prefix_service_pb2 as pb
@@ -21,15 +21,7 @@ from prefix_service.proto import prefix_service_pb2 as pb
 TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("metrics-model"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture

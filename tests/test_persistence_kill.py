@@ -20,8 +20,7 @@ import grpc
 import pytest
 import yaml
 
-from server_fixtures import (DOCUMENT, Clients, ServerThread, build_tiny_model, collect, greedy_request,
-                             make_config, torch_threads)
+from server_fixtures import DOCUMENT, Clients, ServerThread, collect, greedy_request, make_config
 
 from prefix_service.config import PrefixSpec
 from prefix_service.proto import prefix_service_pb2 as pb
@@ -56,20 +55,12 @@ while True:
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def content_for(name: str) -> str:
     n = int(name[1:])
     return " ".join(WORDS[(n + i) % 11] for i in range(3 + n % 9))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("kill-model"))
 
 
 def test_state_file_survives_20_kills_mid_write(tmp_path, model_dir):

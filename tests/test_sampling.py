@@ -1,5 +1,4 @@
 """Sampling and stop conditions: seeds, top-k/top-p, max_tokens, EOS, stop ids and stop strings."""
-import pytest
 
 from helpers import greedy, run_ids
 from prefix_service import FinishReason, GenerateRequest, SamplingParams

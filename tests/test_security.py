@@ -11,8 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from server_fixtures import (DOCUMENT, Clients, build_tiny_model, collect, greedy_request, self_signed_cert,
-                             started_servers, torch_threads)
+from server_fixtures import DOCUMENT, Clients, collect, greedy_request, self_signed_cert, started_servers
 
 from prefix_service.config import PrefixSpec, ServerConfig, config_from_dict, load_config, validate_prefix_name
 from prefix_service.errors import ConfigError
@@ -24,15 +23,7 @@ from prefix_service.server.status import PermissionDenied
 TEMPLATES = (PrefixSpec("doc", content=DOCUMENT),)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with torch_threads(1):
-        yield
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("security-model"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")

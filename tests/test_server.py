@@ -13,19 +13,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, build_tiny_model, collect,
-                             greedy_request, make_config, slow_steps)
+from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config,
+                             slow_steps)
 
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.config import PrefixSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
 TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("server-model"))
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import os
 import grpc
 import pytest
 
-from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, TOKEN_ENV, Clients, ServerThread, build_tiny_model, collect,
-                             greedy_request, make_config, slow_steps)
+from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request,
+                             make_config, slow_steps)
 
 from prefix_service.config import PrefixSpec, ServerConfig
 from prefix_service.errors import ConfigError
@@ -19,11 +19,6 @@ from prefix_service.server.status import PermissionDenied, Unauthenticated
 from prefix_service.server.store import StateFileError, TemplateSource, TemplateStore
 
 FAQ = "the answer to every question about refund and shipping is in the account page " * 3
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("admin-model"))
 
 
 @pytest.fixture
