@@ -18,6 +18,13 @@ class Timing:
     output_tokens: int = 0
     error: str | None = None  # set when the request failed or was cut off (open loop)
 
+    def add_tokens(self, count: int, at: float) -> None:
+        """`count` streamed tokens arrived at `at`; the first arrival with any is the first token."""
+        if count:
+            if self.first is None:
+                self.first = at
+            self.output_tokens += count
+
     @property
     def ok(self) -> bool:
         return self.error is None and self.end is not None

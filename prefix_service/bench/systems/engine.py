@@ -40,10 +40,7 @@ class EngineSystem(System):
 
         def sink(out: RequestOutput) -> None:  # on the engine's loop thread: keep it short
             t = now()
-            if out.token_ids:
-                if timing.first is None:
-                    timing.first = t
-                timing.output_tokens += len(out.token_ids)
+            timing.add_tokens(len(out.token_ids), t)
             if out.finished:
                 timing.end = t
                 if out.error is not None:

@@ -113,10 +113,7 @@ class GrpcSystem(System):
             for msg in self.client.generate(text, workload.prefix_name if by_name else None,
                                             max_tokens=workload.output_tokens, ignore_eos=True, timeout=timeout_s):
                 t = now()
-                if msg.token_ids:
-                    if timing.first is None:
-                        timing.first = t
-                    timing.output_tokens += len(msg.token_ids)
+                timing.add_tokens(len(msg.token_ids), t)
                 if msg.finish_reason:
                     timing.end = t
                     self._check_usage(workload, req, msg.usage, by_name)
