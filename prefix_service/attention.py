@@ -36,8 +36,9 @@ class AttentionMetadata:
     prefill_ctx_runs: list[tuple[int, int]] = field(default_factory=list)
     decode_cascade: CascadeDecode | None = None  # decodes grouped by shared prefix blocks (2+ per group)
 
-    _masks: dict = field(default_factory=dict, repr=False)
-    decode_cache: dict = field(default_factory=dict, repr=False)  # attend_paged's gather index and mask
+    # tensors derived from the above once per step and shared by all layers: causal masks (keyed by
+    # shape), attend_paged's gather index and padding mask, the gathered-context block ids per prefill
+    cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_prefills(self) -> int:
@@ -46,11 +47,11 @@ class AttentionMetadata:
     def causal_mask(self, q_len: int, ctx: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive bottom-right causal mask [q_len, ctx + q_len], built once per step for all layers."""
         key = (q_len, ctx, dtype)
-        mask = self._masks.get(key)
+        mask = self.cache.get(key)
         if mask is None:
             keep = torch.ones(q_len, ctx + q_len, dtype=torch.bool, device=device).tril(diagonal=ctx)
             mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-            self._masks[key] = mask
+            self.cache[key] = mask
         return mask
 
 
@@ -85,7 +86,7 @@ class TorchAttentionBackend:
         if meta.decode_cascade is not None:
             return cascade_decode(q, k_cache, v_cache, meta.decode_cascade, scale)
         out, _ = attend_paged(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                              meta.decode_max_context, scale, meta.decode_cache)
+                              meta.decode_max_context, scale, meta.cache)
         return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -114,7 +115,9 @@ class TorchAttentionBackend:
             rest = ctx - n_run * bs
             qi, ki, vi = q[start:start + q_len], k[start:start + q_len], v[start:start + q_len]
             if rest:  # context after the run: gathered, in front of the new tokens
-                blocks = meta.prefill_block_tables[i, n_run:-(-ctx // bs)].long()
+                blocks = meta.cache.get(("rest_blocks", i))
+                if blocks is None:
+                    blocks = meta.cache[("rest_blocks", i)] = meta.prefill_block_tables[i, n_run:-(-ctx // bs)].long()
                 ki = torch.cat([k_cache.index_select(0, blocks).flatten(0, 1)[:rest], ki])
                 vi = torch.cat([v_cache.index_select(0, blocks).flatten(0, 1)[:rest], vi])
             mask = meta.causal_mask(q_len, rest, q.dtype, q.device) if rest else None
