@@ -127,16 +127,16 @@ class TorchAttentionBackend:
                                                    scale=scale, enable_gqa=True)
                 out[start:start + q_len] = o[0].transpose(0, 1)
             else:
-                o_b, lse_b = attend(q4, k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1), mask, scale,
-                                    causal=mask is None)  # [1, Hq, q_len, D], [1, Hq, q_len]
+                o_b, lse_b = attend(q4, k4, v4, mask, scale, causal=mask is None)  # [1, Hq, q_len, D], [1, Hq, q_len]
                 k_run = k_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, run, D]
                 v_run = v_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]
-                # the query heads of one KV head as the query rows of one attention: no K/V repeat
+                # the query heads of one KV head as the query rows of one attention (one read of the run
+                # per KV head). Its rows come out in (KV head, head in group, token) order: o_b's order.
                 qf = qi.view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * q_len, d)
                 o_a, lse_a = attend(qf, k_run, v_run, None, scale)
-                out[start:start + q_len] = merge(
-                    o_a.reshape(hq, q_len, d).transpose(0, 1), lse_a.reshape(hq, q_len).transpose(0, 1),
-                    o_b[0].transpose(0, 1), lse_b[0].transpose(0, 1))
+                o = merge(o_a[0].unflatten(1, (g, q_len)), lse_a[0].unflatten(1, (g, q_len)),
+                          o_b[0].unflatten(0, (hkv, g)), lse_b[0].unflatten(0, (hkv, g)))  # [Hkv, G, q_len, D]
+                out[start:start + q_len].view(q_len, hkv, g, d).copy_(o.permute(2, 0, 1, 3))
             start += q_len
         return out
 

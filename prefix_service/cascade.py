@@ -38,11 +38,14 @@ CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu
 
 
 def attend(q, k, v, mask, scale: float, causal: bool = False):
-    """Softmax attention that also returns its log-sum-exp. q: [B, H, M, D]; k, v: [B, H, L, D] (strided
-    views are fine); mask: additive, broadcastable to [B, H, M, L], or None; causal: top-left aligned
-    (M == L) -> (out [B, H, M, D], lse [B, H, M] float32)."""
-    if q.device.type == "cpu" and CPU_FLASH is not None:
+    """Softmax attention that also returns its log-sum-exp. q: [B, H, M, D]; k, v: [B, Hkv, L, D] with H a
+    multiple of Hkv (grouped query heads: head h reads KV head h // (H / Hkv)); strided views are fine;
+    mask: additive, broadcastable to [B, H, M, L], or None; causal: top-left aligned (M == L)
+    -> (out [B, H, M, D], lse [B, H, M] float32)."""
+    if q.device.type == "cpu" and CPU_FLASH is not None:  # the kernel maps query heads to KV heads itself
         return CPU_FLASH(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    if k.shape[1] != q.shape[1]:
+        k, v = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if mask is not None:
         s = s + mask
@@ -96,8 +99,8 @@ def attend_shared(q, k_cache, v_cache, group: PrefixGroup, scale: float):
 
 
 def merge(out_a, lse_a, out_b, lse_b):
-    """Combine two attentions over disjoint key sets. out: [n, H, D]; lse: [n, H].
-    The weight of a is e^lse_a / (e^lse_a + e^lse_b) = sigmoid(lse_a - lse_b)."""
+    """Combine two attentions over disjoint key sets. out: [..., D]; lse: out's shape without D
+    (e.g. [n, H, D] and [n, H]). The weight of a is e^lse_a / (e^lse_a + e^lse_b) = sigmoid(lse_a - lse_b)."""
     w = torch.sigmoid(lse_a - lse_b)[..., None]
     return torch.lerp(out_b.float(), out_a.float(), w).to(out_a.dtype)
 

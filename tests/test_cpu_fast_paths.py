@@ -203,14 +203,16 @@ def _softmax_ref(q, k, v, mask, scale, causal):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("case", ["plain", "mask", "causal"])
-def test_attend_flash_math_and_reference_agree(monkeypatch, dtype, tol, case):
+@pytest.mark.parametrize("hkv", [6, 2], ids=["mha", "gqa"])
+def test_attend_flash_math_and_reference_agree(monkeypatch, dtype, tol, case, hkv):
     g = torch.Generator().manual_seed(3)
-    b, h, m, d = 2, 3, 9, 32
+    b, h, m, d = 2, 6, 9, 32
     n = m if case == "causal" else 21
     q = torch.randn(b, h, m, d, generator=g).to(dtype)
-    # K and V as strided views ([B, L, H, D] transposed), as the callers pass them
-    k = torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2)
-    v = torch.randn(b, n, h, d, generator=g).to(dtype).transpose(1, 2)
+    # K and V as strided views ([B, L, Hkv, D] transposed), as the callers pass them; with GQA, query
+    # head i reads KV head i // (h / hkv)
+    k = torch.randn(b, n, hkv, d, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(b, n, hkv, d, generator=g).to(dtype).transpose(1, 2)
     mask = None
     if case == "mask":  # additive, broadcast over heads: some finite biases, some keys hidden per row
         mask = torch.randn(b, 1, m, n, generator=g)
@@ -220,7 +222,8 @@ def test_attend_flash_math_and_reference_agree(monkeypatch, dtype, tol, case):
     causal = case == "causal"
     scale = d ** -0.5
     lse_tol = 1e-5 if dtype == torch.float32 else 2e-2
-    want_out, want_lse = _softmax_ref(q, k, v, mask, scale, causal)
+    want_out, want_lse = _softmax_ref(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1),
+                                      mask, scale, causal)
     results = {}
     for path in ("flash", "math"):
         if path == "math":
