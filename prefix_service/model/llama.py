@@ -125,13 +125,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, backend, kv_cache, meta) -> torch.Tensor:
         # x: [T, hidden]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, Hq + Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_norm is not None:  # Qwen3: q and k have their own norms, before the rotation
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
+        # one rotation for the q and k heads together (the same positions): half the small operations
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, Hq, D], [T, Hkv, D] (row-strided views)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
