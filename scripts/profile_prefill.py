@@ -1,0 +1,210 @@
+"""Where a prefill's time goes, with the named prefix and without it, in the engine's own steps.
+
+One EngineCore runs in this process and thread. A template of --prefix-tokens random ids is pinned;
+then requests of --prompt-tokens ids run one at a time, taking turns: (a) naming the template, so
+only the prompt is computed over the pinned KV, and (b) the same ids with no prefix, all of them
+computed. For each: time to first token (median and min over --runs), and, from torch's profiler
+over --profile-runs more, the time in linear layers, in attention kernels, and in everything else
+(small operators, the scheduler, Python), the last being the wall time minus the first two.
+
+Next to the times, each path's FLOPs (linear layers: 2 x tokens x weights; attention: 4 x heads x
+head_dim x the keys each query sees). Their quotient is the TTFT ratio a prefix would give if both
+paths ran at the same FLOP rate with no fixed cost per step; the measured ratio falls short of it
+by the short path's lower efficiency (fewer rows per matmul, the same per-step overhead).
+
+    python scripts/profile_prefill.py --json bench_out/profile_prefill.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
+from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
+from prefix_service.core import EngineCore  # noqa: E402
+from prefix_service.sampling_params import SamplingParams  # noqa: E402
+
+TEMPLATE = "profile_prefill"
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm")  # packed oneDNN, F.linear (BLAS)
+ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::logsumexp")  # the math fallback's kernels
+
+
+def kind_of(op_name: str) -> str:
+    if op_name in LINEAR_OPS:
+        return "linear"
+    if "attention" in op_name or op_name in ATTENTION_OPS:
+        return "attention"
+    return "other"
+
+
+def flops(arch, tokens: int, context: int) -> dict:
+    """FLOPs of one prefill of `tokens` new tokens after `context` cached ones (logits for one row)."""
+    d, hq, hkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
+    per_layer = (arch.hidden_size * (hq + 2 * hkv) * d + hq * d * arch.hidden_size
+                 + 3 * arch.hidden_size * arch.intermediate_size)
+    linear = 2 * tokens * arch.num_layers * per_layer + 2 * arch.hidden_size * arch.vocab_size
+    keys_seen = tokens * context + tokens * (tokens + 1) // 2  # query i sees context + i + 1 keys
+    attention = 4 * hq * d * keys_seen * arch.num_layers
+    return {"linear_flop": linear, "attention_flop": attention, "flop": linear + attention}
+
+
+def engine_config(args) -> EngineConfig:
+    if args.model:
+        cfg = EngineConfig(ModelConfig(path=args.model, load_format=args.load_format), CacheConfig())
+    else:
+        cfg = load_config(args.config).engine
+    # room for one request with the whole template in one step, whatever the config says
+    need = args.prefix_tokens + args.prompt_tokens + 1
+    sched = cfg.scheduler
+    if sched.max_num_batched_tokens < need:
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(sched, max_num_batched_tokens=need))
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix=True))
+
+
+class Runner:
+    def __init__(self, core: EngineCore, prefix_ids: list[int]) -> None:
+        self.core = core
+        self.prefix_ids = prefix_ids
+        self.count = 0
+
+    def pin(self) -> None:
+        result = {}
+        self.core.add_prefix(TEMPLATE, self.prefix_ids, {}, lambda r: result.setdefault("r", r))
+        while self.core.has_work():
+            self.core.step()
+        if isinstance(result.get("r"), BaseException):
+            raise result["r"]
+
+    def ttft(self, prompt_ids: list[int], by_name: bool) -> float:
+        """Seconds from submit to the first token, stepping the engine here."""
+        first: list[float] = []
+        errors: list[str] = []
+
+        def sink(out) -> None:
+            if out.token_ids and not first:
+                first.append(time.perf_counter())
+            if out.error is not None:
+                errors.append(str(out.error))
+
+        self.count += 1
+        ids = prompt_ids if by_name else self.prefix_ids + prompt_ids
+        start = time.perf_counter()
+        self.core.add_request(f"profile-{self.count}", ids, TEMPLATE if by_name else None,
+                              SamplingParams(max_tokens=1, ignore_eos=True), sink)
+        while self.core.has_work():
+            self.core.step()
+        if errors or not first:
+            raise RuntimeError(f"the request failed: {errors or 'no token'}")
+        return first[0] - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
+                                                    "default.yaml"), help="service YAML (its engine part is used)")
+    p.add_argument("--model", help="a model directory instead of the config's (default cache settings)")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="with --model")
+    p.add_argument("--prefix-tokens", type=int, default=900)
+    p.add_argument("--prompt-tokens", type=int, default=100)
+    p.add_argument("--runs", type=int, default=10, help="timed requests per path")
+    p.add_argument("--profile-runs", type=int, default=3, help="profiled requests per path")
+    p.add_argument("--threads", type=int, help="torch threads (default: the config's, else torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.prefix_tokens < 1 or args.prompt_tokens < 1 or args.runs < 1 or args.profile_runs < 0:
+        p.error("--prefix-tokens, --prompt-tokens and --runs must be >= 1, --profile-runs >= 0")
+
+    cfg = engine_config(args)
+    if args.threads:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=args.threads))
+    print(f"loading {cfg.model.path} ...", flush=True)
+    core = EngineCore(cfg)
+    arch = core.arch
+    rng = random.Random(args.seed)
+    runner = Runner(core, [rng.randrange(arch.vocab_size) for _ in range(args.prefix_tokens)])
+    runner.pin()
+    prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.prompt_tokens)]
+               for _ in range(2 + args.runs + args.profile_runs)]
+    paths = {"prefix": True, "no_prefix": False}
+    for prompt in prompts[:2]:  # warm-up
+        for by_name in paths.values():
+            runner.ttft(prompt, by_name)
+
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for i, prompt in enumerate(prompts[2:2 + args.runs]):
+        order = list(paths.items()) if i % 2 == 0 else list(paths.items())[::-1]
+        for name, by_name in order:  # in turns, so a slow spell of the machine hits both paths
+            times[name].append(runner.ttft(prompt, by_name))
+
+    split: dict[str, dict[str, float]] = {name: {"linear": 0.0, "attention": 0.0} for name in paths}
+    if args.profile_runs:
+        for name, by_name in paths.items():
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for prompt in prompts[2 + args.runs:]:
+                    runner.ttft(prompt, by_name)
+            for event in prof.key_averages():
+                kind = kind_of(event.key)
+                if kind != "other":
+                    split[name][kind] += event.self_cpu_time_total / 1e3 / args.profile_runs  # ms per request
+    core.check_integrity()
+
+    results = []
+    for name, by_name in paths.items():
+        tokens = args.prompt_tokens if by_name else args.prefix_tokens + args.prompt_tokens
+        context = args.prefix_tokens if by_name else 0
+        f = flops(arch, tokens, context)
+        p50, best = statistics.median(times[name]) * 1e3, min(times[name]) * 1e3
+        row = {"path": name, "tokens": tokens, "context": context, "ttft_p50_ms": round(p50, 2),
+               "ttft_min_ms": round(best, 2), **f, "gflop": round(f["flop"] / 1e9, 3),
+               "gflop_s_p50": round(f["flop"] / p50 / 1e6, 1)}
+        if args.profile_runs:
+            lin, att = split[name]["linear"], split[name]["attention"]
+            row.update(linear_ms=round(lin, 2), attention_ms=round(att, 2), other_ms=round(p50 - lin - att, 2),
+                       linear_gflop_s=round(f["linear_flop"] / lin / 1e6, 1) if lin else None,
+                       attention_gflop_s=round(f["attention_flop"] / att / 1e6, 1) if att else None)
+        results.append(row)
+    pre, full = results
+    ratio = {"ttft_p50": round(full["ttft_p50_ms"] / pre["ttft_p50_ms"], 2),
+             "ttft_min": round(full["ttft_min_ms"] / pre["ttft_min_ms"], 2),
+             "flop_bound": round(full["flop"] / pre["flop"], 2)}
+
+    print(f"{os.path.basename(str(cfg.model.path).rstrip('/'))}: {arch.num_layers} layers, {core.device}, "
+          f"{torch.get_num_threads()} threads; template {args.prefix_tokens} tokens, prompt {args.prompt_tokens}, "
+          f"{args.runs} requests per path")
+    head = f"{'path':<10} {'tokens':>6} {'TTFT p50':>9} {'min':>8} {'GFLOP':>7} {'GFLOP/s':>8}"
+    if args.profile_runs:
+        head += f" {'linear ms':>10} {'(GFLOP/s)':>9} {'attention ms':>13} {'(GFLOP/s)':>9} {'other ms':>9}"
+    print(head)
+    for r in results:
+        line = (f"{r['path']:<10} {r['tokens']:>6} {r['ttft_p50_ms']:>9.1f} {r['ttft_min_ms']:>8.1f} "
+                f"{r['gflop']:>7.1f} {r['gflop_s_p50']:>8.1f}")
+        if args.profile_runs:
+            line += (f" {r['linear_ms']:>10.1f} {r['linear_gflop_s'] or 0:>9.1f} {r['attention_ms']:>13.1f} "
+                     f"{r['attention_gflop_s'] or 0:>9.1f} {r['other_ms']:>9.1f}")
+        print(line)
+    print(f"TTFT ratio no_prefix / prefix: {ratio['ttft_p50']:.2f}x at the medians, {ratio['ttft_min']:.2f}x at the "
+          f"minimums; {ratio['flop_bound']:.2f}x at equal FLOP rates (the FLOP ratio)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump({"machine": machine_info(), "model": str(cfg.model.path), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "git_commit": git_commit(), "threads": torch.get_num_threads(),
+                       "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens, "runs": args.runs,
+                       "profile_runs": args.profile_runs, "results": results, "ratio": ratio}, fh, indent=2)
+        print(f"JSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

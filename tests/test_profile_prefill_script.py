@@ -1,0 +1,63 @@
+"""scripts/profile_prefill.py on a tiny model: both paths run, the FLOP counts match the weights, the
+profile finds the linear and attention kernels, and the table and JSON agree."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "profile_prefill.py"
+
+
+def _linear_weights(model_dir: Path) -> tuple[int, int]:
+    """(weights of the decoder layers' linear layers, weights of the output head), from the checkpoint."""
+    layers = head = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                shape = st.get_slice(name).get_shape()
+                if ".layers." in name and name.endswith("proj.weight"):
+                    layers += shape[0] * shape[1]
+                elif name in ("lm_head.weight", "model.embed_tokens.weight") and not head:
+                    head = shape[0] * shape[1]  # tied or not, the head has the embedding's shape
+    return layers, head
+
+
+def test_profile_prefill_script(llama_dir, tmp_path):
+    out = tmp_path / "profile.json"
+    prefix, prompt = 40, 8
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--prefix-tokens", str(prefix),
+                           "--prompt-tokens", str(prompt), "--runs", "2", "--profile-runs", "1", "--threads", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    cfg = json.loads((llama_dir / "config.json").read_text())
+    layers_w, head_w = _linear_weights(llama_dir)
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    rows = {r["path"]: r for r in data["results"]}
+    assert set(rows) == {"prefix", "no_prefix"}
+    for path, tokens, context in (("prefix", prompt, prefix), ("no_prefix", prefix + prompt, 0)):
+        r = rows[path]
+        assert (r["tokens"], r["context"]) == (tokens, context)
+        assert r["linear_flop"] == pytest.approx(2 * tokens * layers_w + 2 * head_w, rel=1e-3)
+        keys = sum(context + i + 1 for i in range(tokens))
+        want_attn = 4 * cfg["num_attention_heads"] * head_dim * keys * cfg["num_hidden_layers"]
+        assert r["attention_flop"] == want_attn
+        assert 0 < r["ttft_min_ms"] <= r["ttft_p50_ms"]
+        assert r["linear_ms"] > 0 and r["attention_ms"] > 0  # the profile saw both kinds of kernel
+    ratio = data["ratio"]
+    assert ratio["flop_bound"] == pytest.approx(rows["no_prefix"]["flop"] / rows["prefix"]["flop"], rel=0.01)
+    assert ratio["ttft_p50"] == pytest.approx(rows["no_prefix"]["ttft_p50_ms"] / rows["prefix"]["ttft_p50_ms"],
+                                              rel=0.01)
+    assert data["threads"] == 1 and data["prefix_tokens"] == prefix and data["git_commit"]
+    assert "TTFT ratio no_prefix / prefix" in proc.stdout and "JSON:" in proc.stdout
+
+
+def test_profile_prefill_script_rejects_bad_counts(llama_dir):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--prompt-tokens", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--prompt-tokens" in proc.stderr
