@@ -59,3 +59,19 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "engine_prefix" in printed and "targets" in printed
+
+
+def test_closed_loop_request_counts():
+    from prefix_service.bench.plan import FULL, with_overrides
+    specs = {s.workload: s for s in FULL.closed}
+    # the no_shared regression check sends 4 rounds at c=4; intent one round per client
+    assert FULL.closed_requests(4, specs["no_shared"]) == 16
+    assert FULL.closed_requests(4, specs["intent"]) == 4
+    assert FULL.closed_requests(1, specs["intent"]) == FULL.closed_min_requests == 2
+    more = with_overrides(FULL, closed_rounds=8)  # --closed-rounds raises every spec, never lowers one
+    assert more.closed_requests(4, specs["no_shared"]) == 32 and more.closed_requests(4, specs["intent"]) == 32
+    intent_only = with_overrides(FULL, workloads=("intent",), systems=("engine_prefix",), modes=("closed_loop",))
+    assert intent_only.expected_requests() == 1 + 2 + 4 + 16 + 64  # warm-up + c=1, 4, 16, 64
+    no_shared = with_overrides(FULL, workloads=("no_shared",), systems=("engine_prefix", "engine_no_prefix"),
+                               modes=("closed_loop",))
+    assert no_shared.expected_requests() == 2 * (1 + 16)

@@ -8,12 +8,14 @@ comparisons are:
     e.g. a prefix cache without a prefix, is left out); 12 requests each on intent and 6 on
     no_shared (the targets), 2 on the others.
   * closed loop: intent at concurrency 1, 4, 16, 64, and no_shared (the regression check) at 4
-    for the engine with prefix support on and off. `caps` stops a system at a concurrency:
+    for the engine with prefix support on and off, 4 rounds of requests (one burst of 4 requests
+    moved the on/off throughput ratio by +-17% from run to run on the 2-core machine). `caps` stops a system at a concurrency:
     hf_generate and hf_prompt_cache serve one request at a time (more clients only queue on
     their lock: the same throughput, longer waits) and stop at 4; the no-prefix systems and
     generate_batch stop at 16 (64 concurrent 1,000-token prefills, or generate_batch's slow CPU
     decode, take many minutes here and add nothing the 16 point does not show).
-    A run sends max(closed_min_requests, concurrency x closed_rounds) requests.
+    A run sends max(closed_min_requests, concurrency x max(closed_rounds, the spec's min_rounds))
+    requests.
   * open loop: through the gRPC server, with and without the prefix, the rates of `qps` in
     increasing order while p99 latency stays under the SLO, or under `open_stop_factor` x the
     p99 at the first rate with no request missing its deadline (so the curve shows where each
@@ -38,6 +40,7 @@ class ClosedSpec:
     workload: str
     concurrencies: tuple[int, ...]
     systems: tuple[str, ...] = ()  # () = every system of the plan
+    min_rounds: int = 1  # requests per client at least, whatever the plan's closed_rounds
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class Plan:
     single_requests: int = 2  # per system and workload, unless single_by_workload says otherwise
     single_by_workload: Pairs = (("intent", 12), ("no_shared", 6))
     closed: tuple[ClosedSpec, ...] = (ClosedSpec("intent", (1, 4, 16, 64)),
-                                      ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix")))
+                                      ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix"), min_rounds=4))
     closed_min_requests: int = 2
     closed_rounds: int = 1
     caps: Pairs = (("hf_generate", 4), ("hf_prompt_cache", 4), ("engine_no_prefix", 16), ("grpc_no_prefix", 16),
@@ -69,8 +72,9 @@ class Plan:
     def single_requests_for(self, workload: str) -> int:
         return dict(self.single_by_workload).get(workload, self.single_requests)
 
-    def closed_requests(self, concurrency: int) -> int:
-        return max(self.closed_min_requests, concurrency * self.closed_rounds)
+    def closed_requests(self, concurrency: int, spec: ClosedSpec | None = None) -> int:
+        rounds = max(self.closed_rounds, spec.min_rounds if spec else 1)
+        return max(self.closed_min_requests, concurrency * rounds)
 
     def closed_allows(self, spec: ClosedSpec, system: str, concurrency: int) -> bool:
         if spec.systems and system not in spec.systems:
@@ -84,7 +88,7 @@ class Plan:
         n = len(self.systems) * (self.warmup_requests + singles)
         for spec in self.closed:
             if spec.workload in self.workloads and "closed_loop" in self.modes:
-                n += sum(self.closed_requests(c) * sum(self.closed_allows(spec, s, c) for s in self.systems)
+                n += sum(self.closed_requests(c, spec) * sum(self.closed_allows(spec, s, c) for s in self.systems)
                          for c in spec.concurrencies)
         per_rate = [self.open_requests(q) for q in self.qps[:self.min_points]]
         open_workloads = [w for w in self.open_workloads if w in self.workloads and "open_loop" in self.modes]

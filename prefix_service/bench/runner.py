@@ -164,7 +164,7 @@ class Runner:
                 continue
             for j, c in enumerate(spec.concurrencies):
                 base = CLOSED_BASE + 10_000 * k + 1000 * j
-                requests = [workload.request(base + i) for i in range(self.plan.closed_requests(c))]
+                requests = [workload.request(base + i) for i in range(self.plan.closed_requests(c, spec))]
                 for system in self.systems:
                     if not system.supports(workload) or not self.plan.closed_allows(spec, system.name, c):
                         continue
