@@ -1,7 +1,7 @@
 """What one benchmark run measures: the full plan, the --quick plan, and the request counts.
 
 The machine this was written for has 2 CPU cores, where a 1,000-token prefill of the default
-model takes seconds; the full plan (about 16 minutes there) spends that time where the
+model takes seconds; the full plan (about 20 minutes there) spends that time where the
 comparisons are:
 
   * single mode: every system on every workload (a system with nothing to show on a workload,
