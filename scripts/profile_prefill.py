@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
-            json.dump({"machine": machine_info(), "model": str(cfg.model.path), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                       "git_commit": git_commit(), "threads": torch.get_num_threads(),
+            json.dump({"machine": machine_info(), "model": str(cfg.model.path),
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(), "threads": torch.get_num_threads(),
                        "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens, "runs": args.runs,
                        "profile_runs": args.profile_runs, "results": results, "ratio": ratio}, fh, indent=2)
         print(f"JSON: {args.json}")

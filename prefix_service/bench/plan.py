@@ -9,11 +9,12 @@ comparisons are:
     no_shared (the targets), 2 on the others.
   * closed loop: intent at concurrency 1, 4, 16, 64, and no_shared (the regression check) at 4
     for the engine with prefix support on and off, 4 rounds of requests (one burst of 4 requests
-    moved the on/off throughput ratio by +-17% from run to run on the 2-core machine). `caps` stops a system at a concurrency:
-    hf_generate and hf_prompt_cache serve one request at a time (more clients only queue on
-    their lock: the same throughput, longer waits) and stop at 4; the no-prefix systems and
-    generate_batch stop at 16 (64 concurrent 1,000-token prefills, or generate_batch's slow CPU
-    decode, take many minutes here and add nothing the 16 point does not show).
+    moved the on/off throughput ratio by +-17% from run to run on the 2-core machine).
+    `caps` stops a system at a concurrency: hf_generate and hf_prompt_cache serve one request
+    at a time (more clients only queue on their lock: the same throughput, longer waits) and
+    stop at 4; the no-prefix systems and generate_batch stop at 16 (64 concurrent 1,000-token
+    prefills, or generate_batch's slow CPU decode, take many minutes here and add nothing the 16
+    point does not show).
     A run sends max(closed_min_requests, concurrency x max(closed_rounds, the spec's min_rounds))
     requests.
   * open loop: through the gRPC server, with and without the prefix, the rates of `qps` in
@@ -53,7 +54,8 @@ class Plan:
     single_requests: int = 2  # per system and workload, unless single_by_workload says otherwise
     single_by_workload: Pairs = (("intent", 12), ("no_shared", 6))
     closed: tuple[ClosedSpec, ...] = (ClosedSpec("intent", (1, 4, 16, 64)),
-                                      ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix"), min_rounds=4))
+                                      ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix"),
+                                                 min_rounds=4))
     closed_min_requests: int = 2
     closed_rounds: int = 1
     caps: Pairs = (("hf_generate", 4), ("hf_prompt_cache", 4), ("engine_no_prefix", 16), ("grpc_no_prefix", 16),
