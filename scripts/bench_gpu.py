@@ -68,14 +68,9 @@ def device_ceilings(device: torch.device, dtype: torch.dtype) -> dict:
 
 def roofline_ms(arch, n_new: int, n_ctx: int, dtype: torch.dtype, ceilings: dict) -> float:
     """Lower bound for a forward of n_new tokens after n_ctx cached tokens: max(FLOP time, weight-read time)."""
-    h, layers, hd = arch.hidden_size, arch.num_layers, arch.head_dim
-    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size
-    matmul_params = layers * per_layer + h * arch.vocab_size / max(n_new, 1)  # lm_head only for the last token
-    flops = 2 * matmul_params * n_new
-    flops += 4 * layers * q * sum(n_ctx + i + 1 for i in range(n_new))  # QK^T and PV, causal
+    flops = sum(arch.forward_flops(n_new, n_ctx))  # the lm_head only for the last token
     elem = torch.tensor([], dtype=dtype).element_size()
-    weight_bytes = (layers * per_layer + 2 * h * arch.vocab_size) * elem
+    weight_bytes = (arch.num_layers * arch.layer_linear_params + 2 * arch.hidden_size * arch.vocab_size) * elem
     return 1000 * max(flops / (ceilings["matmul_tflops"] * 1e12), weight_bytes / (ceilings["copy_gbps"] * 1e9))
 
 

@@ -47,17 +47,6 @@ def kind_of(op_name: str) -> str:
     return "other"
 
 
-def flops(arch, tokens: int, context: int) -> dict:
-    """FLOPs of one prefill of `tokens` new tokens after `context` cached ones (logits for one row)."""
-    d, hq, hkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
-    per_layer = (arch.hidden_size * (hq + 2 * hkv) * d + hq * d * arch.hidden_size
-                 + 3 * arch.hidden_size * arch.intermediate_size)
-    linear = 2 * tokens * arch.num_layers * per_layer + 2 * arch.hidden_size * arch.vocab_size
-    keys_seen = tokens * context + tokens * (tokens + 1) // 2  # query i sees context + i + 1 keys
-    attention = 4 * hq * d * keys_seen * arch.num_layers
-    return {"linear_flop": linear, "attention_flop": attention, "flop": linear + attention}
-
-
 def engine_config(args) -> EngineConfig:
     if args.model:
         cfg = EngineConfig(ModelConfig(path=args.model, load_format=args.load_format), CacheConfig())
@@ -163,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, by_name in paths.items():
         tokens = args.prompt_tokens if by_name else args.prefix_tokens + args.prompt_tokens
         context = args.prefix_tokens if by_name else 0
-        f = flops(arch, tokens, context)
+        linear, attention = arch.forward_flops(tokens, context)
+        f = {"linear_flop": linear, "attention_flop": attention, "flop": linear + attention}
         p50, best = statistics.median(times[name]) * 1e3, min(times[name]) * 1e3
         row = {"path": name, "tokens": tokens, "context": context, "ttft_p50_ms": round(p50, 2),
                "ttft_min_ms": round(best, 2), **f, "gflop": round(f["flop"] / 1e9, 3),

@@ -35,6 +35,20 @@ class ModelArch:
     qk_norm: bool  # Qwen3
     sliding_window: int | None  # Mistral; we cap the context to it (full attention inside)
 
+    @property
+    def layer_linear_params(self) -> int:
+        """Weights of one decoder layer's linear layers (q, k, v, o, gate, up, down), biases aside."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.hidden_size * (q + 2 * kv) + q * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+
+    def forward_flops(self, new_tokens: int, context: int) -> tuple[int, int]:
+        """(linear, attention) FLOPs of one forward of `new_tokens` tokens after `context` cached ones,
+        with logits for one row: 2 x tokens x weights, and QK^T plus PV for the keys each query sees
+        (query i sees context + i + 1 of them)."""
+        linear = 2 * new_tokens * self.num_layers * self.layer_linear_params + 2 * self.hidden_size * self.vocab_size
+        keys_seen = new_tokens * context + new_tokens * (new_tokens + 1) // 2
+        return linear, 4 * self.num_layers * self.num_heads * self.head_dim * keys_seen
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
