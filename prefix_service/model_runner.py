@@ -39,11 +39,12 @@ class ModelRunner:
                 groups.setdefault((id(seq.prefix), seq.num_shared_blocks), []).append(i)
         chosen = []
         for rows in groups.values():
+            if len(rows) < 2:
+                continue
             seq = seqs[rows[0]]
             blocks = seq.block_table[:seq.num_shared_blocks]
             consecutive = blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-            if len(rows) >= 2:
-                chosen.append((rows, blocks, blocks[0] if consecutive else None))
+            chosen.append((rows, blocks, blocks[0] if consecutive else None))
         if not chosen:
             return None
         shared = [0] * len(seqs)
