@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import cuda_ops
 from prefix_service.cascade import CPU_FLASH, CascadeDecode, attend, attend_paged, cascade_decode, merge
+from prefix_service.packed_prefix import PackedPrefixKV, attend_packed
 
 
 @dataclass
@@ -35,6 +36,9 @@ class AttentionMetadata:
     # are consecutive in the cache (a template pinned by its warmup); (0, 0) when there is none
     prefill_ctx_runs: list[tuple[int, int]] = field(default_factory=list)
     decode_cascade: CascadeDecode | None = None  # decodes grouped by shared prefix blocks (2+ per group)
+    # per prefill (empty: none at all): its template's full blocks packed for the CPU (packed_prefix.py)
+    # when it continues such a template; they stand in for the leading run
+    prefill_packed: list[PackedPrefixKV | None] = field(default_factory=list)
 
     # tensors derived from the above once per step and shared by all layers: causal masks (keyed by
     # shape), attend_paged's gather index and padding mask, the gathered-context block ids per prefill
@@ -103,15 +107,17 @@ class TorchAttentionBackend:
         """Per prefill sequence, its new queries over (a) the leading run of its context held in
         consecutive full blocks (a pinned template: read in place, every key visible) and (b) the
         rest of its context, gathered, then its new tokens (causal, bottom-right); the two merged by
-        log-sum-exp. With no such run, (b) alone is the whole attention."""
+        log-sum-exp. With no such run, (b) alone is the whole attention. A sequence whose template
+        is packed (meta.prefill_packed) reads (a) from the packed copy."""
         out = torch.empty_like(q)
         bs, hkv, d = k_cache.shape[1:]
         hq = q.shape[1]
         g = hq // hkv
         runs = meta.prefill_ctx_runs or [(0, 0)] * meta.num_prefills  # none given: gather every context
+        packed = meta.prefill_packed or [None] * meta.num_prefills
         start = 0
         for i, (q_len, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list)):
-            first, n_run = runs[i]
+            first, n_run = runs[i] if packed[i] is None else (0, packed[i].num_blocks)
             rest = ctx - n_run * bs
             qi, ki, vi = q[start:start + q_len], k[start:start + q_len], v[start:start + q_len]
             if rest:  # context after the run: gathered, in front of the new tokens
@@ -128,12 +134,15 @@ class TorchAttentionBackend:
                 out[start:start + q_len] = o[0].transpose(0, 1)
             else:
                 o_b, lse_b = attend(q4, k4, v4, mask, scale, causal=mask is None)  # [1, Hq, q_len, D], [1, Hq, q_len]
-                k_run = k_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, run, D]
-                v_run = v_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]
                 # the query heads of one KV head as the query rows of one attention (one read of the run
                 # per KV head). Its rows come out in (KV head, head in group, token) order: o_b's order.
                 qf = qi.view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * q_len, d)
-                o_a, lse_a = attend(qf, k_run, v_run, None, scale)
+                if packed[i] is not None:  # the template's blocks from their packed copy
+                    o_a, lse_a = attend_packed(qf, *packed[i].layer(k_cache), scale)
+                else:
+                    k_run = k_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]  # [1, Hkv, run, D]
+                    v_run = v_cache[first:first + n_run].flatten(0, 1).transpose(0, 1)[None]
+                    o_a, lse_a = attend(qf, k_run, v_run, None, scale)
                 o = merge(o_a[0].unflatten(1, (g, q_len)), lse_a[0].unflatten(1, (g, q_len)),
                           o_b[0].unflatten(0, (hkv, g)), lse_b[0].unflatten(0, (hkv, g)))  # [Hkv, G, q_len, D]
                 out[start:start + q_len].view(q_len, hkv, g, d).copy_(o.permute(2, 0, 1, 3))

@@ -92,6 +92,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory when set
     prefix_budget_blocks: int | None = None  # max blocks pinned by templates; default: half the cache
     enable_prefix: bool = True  # False: requests on a template prefill it like any prompt
+    pack_prefix_kv: bool = True  # CPU, float32: templates' K/V also held packed for prefill attention
 
     def __post_init__(self) -> None:
         _check_int("cache.block_size", self.block_size, 1, 4096)
@@ -100,8 +101,9 @@ class CacheConfig:
             _check_int("cache.num_blocks", self.num_blocks, 1)
         if self.prefix_budget_blocks is not None:
             _check_int("cache.prefix_budget_blocks", self.prefix_budget_blocks, 0)
-        if not isinstance(self.enable_prefix, bool):
-            raise ConfigError(f"cache.enable_prefix: expected true or false, got {self.enable_prefix!r}")
+        for key in ("enable_prefix", "pack_prefix_kv"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"cache.{key}: expected true or false, got {getattr(self, key)!r}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from prefix_service.kv_cache import KVCache
 from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
 from prefix_service.model.packed_linear import onednn_linear_available
 from prefix_service.model_runner import ModelRunner
+from prefix_service.packed_prefix import packed_prefix_available
 from prefix_service.prefix_cache import PrefixCacheManager, PrefixHandle
 from prefix_service.sampler import sample
 from prefix_service.scheduler import Scheduler
@@ -80,6 +81,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
         self.backend = make_backend(mc.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
+        self.pack_prefix_kv = self._packs_prefix_kv(config.cache.pack_prefix_kv)
+        if self.pack_prefix_kv:
+            self.prefixes.on_free = self.runner.drop_prefix
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = 0
         self._seed_rng = random.Random(mc.seed)
@@ -106,6 +110,16 @@ class EngineCore:
             return "blas"
         self.model.pack_for_cpu()
         return "onednn"
+
+    def _packs_prefix_kv(self, wanted: bool) -> bool:
+        """cache.pack_prefix_kv: where it applies (CPU, float32, oneDNN), pinned templates' K/V
+        are also held packed for prefill attention (packed_prefix.py)."""
+        if not wanted:
+            return False
+        reason = packed_prefix_available(self.device, self.dtype)
+        if reason is not None:
+            log.debug("cache.pack_prefix_kv: templates' K/V not packed, as %s", reason)
+        return reason is None
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -242,6 +256,12 @@ class EngineCore:
     def _pin_warmup(self, tracked: _Tracked) -> None:
         seq = tracked.seq
         handle = self.prefixes.pin(tracked.prefix_name, seq.token_ids, seq.block_table, tracked.source or {})
+        if self.pack_prefix_kv:
+            start = time.perf_counter()
+            packed = self.runner.pack_prefix(handle)
+            if packed is not None:
+                log.info("prefix template %r: K/V of its %d full blocks packed for CPU attention (%.1f MiB, %.0f ms)",
+                         handle.name, packed.num_blocks, packed.nbytes / 2**20, (time.perf_counter() - start) * 1e3)
         self.scheduler.finish(seq, FinishReason.STOP)  # the pin keeps the blocks
         del self._tracked[seq.request_id]
         if tracked.on_pinned:
@@ -296,6 +316,9 @@ class EngineCore:
         for b, c in self.scheduler.held_refs().items():
             expected[b] = expected.get(b, 0) + c
         self.allocator.check_integrity(expected)
+        pinned = set(self.prefixes.pinned_handles())
+        if any(handle not in pinned for handle in self.runner.packed_prefixes):
+            raise AssertionError("a packed template copy outlived its template's blocks")
         if any(s.status is SeqStatus.FINISHED for s in self.scheduler.running):
             raise AssertionError("a finished sequence is still running")
 

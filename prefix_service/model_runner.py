@@ -8,6 +8,8 @@ from prefix_service.attention import AttentionMetadata
 from prefix_service.cascade import CascadeDecode, PrefixGroup
 from prefix_service.kv_cache import KVCache
 from prefix_service.model.llama import LlamaForCausalLM
+from prefix_service.packed_prefix import PackedPrefixKV
+from prefix_service.prefix_cache import PrefixHandle
 from prefix_service.scheduler import SchedulerOutput
 from prefix_service.sequence import Sequence
 
@@ -19,6 +21,26 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv_cache.block_size
+        self.packed_prefixes: dict[PrefixHandle, PackedPrefixKV] = {}  # CPU: templates' K/V packed (pack_prefix)
+
+    def pack_prefix(self, handle: PrefixHandle) -> PackedPrefixKV | None:
+        """Hold a pinned template's full blocks a second time, packed for CPU prefill attention
+        (packed_prefix.py); requests that continue it read them there. None if it has no full block."""
+        full = handle.num_tokens // self.block_size
+        if not full:
+            return None
+        packed = self.packed_prefixes[handle] = PackedPrefixKV(self.kv_cache.layers(), list(handle.block_table[:full]))
+        return packed
+
+    def drop_prefix(self, handle: PrefixHandle) -> None:
+        """Forget a template's packed copy: before its blocks are freed."""
+        self.packed_prefixes.pop(handle, None)
+
+    def _packed_for(self, seq: Sequence) -> PackedPrefixKV | None:
+        # only when the sequence shares all of the packed blocks (a prompt that adds nothing shares one
+        # block fewer: its last template token is computed again, in its own block)
+        packed = self.packed_prefixes.get(seq.prefix) if seq.prefix is not None else None
+        return packed if packed is not None and seq.num_shared_blocks == packed.num_blocks else None
 
     def _tensor(self, data, dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device="cpu").to(self.device, non_blocking=True)
@@ -116,6 +138,8 @@ class ModelRunner:
         )
         meta.decode_cascade = self._cascade([s.seq for s in decodes], dec_ctx)
         meta.prefill_ctx_runs = [self._leading_run(s.seq.block_table, c // B) for s, c in zip(prefills, ctx)]
+        if self.packed_prefixes:
+            meta.prefill_packed = [self._packed_for(s.seq) for s in prefills]
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64),
                             self.backend, self.kv_cache.layers(), meta)  # [T, hidden]
         if not logit_rows:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Callable, NewType
 
 from prefix_service.block_allocator import BlockAllocator, BlockId
 from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
@@ -57,6 +57,7 @@ class PrefixCacheManager:
         self._handles: dict[str, PrefixHandle] = {}
         self._pending: dict[str, int] = {}  # name -> blocks reserved while its warmup prefill runs
         self._detached: list[PrefixHandle] = []  # removed but still in use
+        self.on_free: Callable[[PrefixHandle], None] | None = None  # told just before a template's blocks are freed
 
     # --- lookup -----------------------------------------------------------------------------
     def get(self, name: str) -> PrefixHandle:
@@ -79,6 +80,10 @@ class PrefixCacheManager:
 
     def _all_pinned(self) -> list[PrefixHandle]:
         return list(self._handles.values()) + self._detached
+
+    def pinned_handles(self) -> list[PrefixHandle]:
+        """Every template whose blocks are held: registered, or removed but still in use."""
+        return self._all_pinned()
 
     # --- add --------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -128,13 +133,18 @@ class PrefixCacheManager:
         del self._handles[name]
         handle.removed = True
         if handle.active_requests == 0:
-            self.allocator.free(handle.block_table)
+            self._free(handle)
             return True
         self._detached.append(handle)
         return False
 
     def _unpin(self, handle: PrefixHandle) -> None:
         self._detached.remove(handle)
+        self._free(handle)
+
+    def _free(self, handle: PrefixHandle) -> None:
+        if self.on_free is not None:
+            self.on_free(handle)
         self.allocator.free(handle.block_table)
 
     # --- integrity --------------------------------------------------------------------------
