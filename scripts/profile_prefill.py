@@ -3,9 +3,11 @@
 One EngineCore runs in this process and thread. A template of --prefix-tokens random ids is pinned;
 then requests of --prompt-tokens ids run one at a time, taking turns: (a) naming the template, so
 only the prompt is computed over the pinned KV, and (b) the same ids with no prefix, all of them
-computed. For each: time to first token (median and min over --runs), and, from torch's profiler
-over --profile-runs more, the time in linear layers, in attention kernels, and in everything else
-(small operators, the scheduler, Python), the last being the wall time minus the first two.
+computed. Where the template's K/V is packed (cache.pack_prefix_kv), (a) also runs with the packed
+copy set aside (path prefix_flash), in the same turns. For each: time to first token (median and
+min over --runs), and, from torch's profiler over --profile-runs more, the time in linear layers,
+in attention (the packed copy's products included), and in everything else (small operators, the
+scheduler, Python), the last being the wall time minus the first two.
 
 Next to the times, each path's FLOPs (linear layers: 2 x tokens x weights; attention: 4 x heads x
 head_dim x the keys each query sees). Their quotient is the TTFT ratio a prefix would give if both
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
 from prefix_service.core import EngineCore  # noqa: E402
+from prefix_service.packed_prefix import PROFILE_SCOPE as PACKED_SCOPE  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
 TEMPLATE = "profile_prefill"
@@ -45,6 +48,17 @@ def kind_of(op_name: str) -> str:
     if "attention" in op_name or op_name in ATTENTION_OPS:
         return "attention"
     return "other"
+
+
+def kind_in_context(event) -> str:
+    """An operator's kind, where one run inside the packed-template attention (whose products are
+    oneDNN linear calls) counts as attention."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == PACKED_SCOPE:
+            return "attention"
+        parent = parent.cpu_parent
+    return "attention" if event.name == PACKED_SCOPE else kind_of(event.name)
 
 
 def engine_config(args) -> EngineConfig:
@@ -74,8 +88,16 @@ class Runner:
         if isinstance(result.get("r"), BaseException):
             raise result["r"]
 
-    def ttft(self, prompt_ids: list[int], by_name: bool) -> float:
-        """Seconds from submit to the first token, stepping the engine here."""
+    def ttft(self, prompt_ids: list[int], by_name: bool, packed: bool = True) -> float:
+        """Seconds from submit to the first token, stepping the engine here. packed=False sets the
+        template's packed K/V copy (cache.pack_prefix_kv) aside for this request."""
+        if not packed:
+            kept = dict(self.core.runner.packed_prefixes)
+            self.core.runner.packed_prefixes.clear()
+            try:
+                return self.ttft(prompt_ids, by_name)
+            finally:
+                self.core.runner.packed_prefixes.update(kept)
         first: list[float] = []
         errors: list[str] = []
 
@@ -125,31 +147,35 @@ def main(argv: list[str] | None = None) -> int:
     runner.pin()
     prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.prompt_tokens)]
                for _ in range(2 + args.runs + args.profile_runs)]
-    paths = {"prefix": True, "no_prefix": False}
+    # path: (names the template, reads its packed copy); with the template packed, the same requests
+    # also run with the copy set aside (prefix_flash): what the packing buys, in the same turns
+    paths = {"prefix": (True, True), "no_prefix": (False, True)}
+    if core.runner.packed_prefixes:
+        paths["prefix_flash"] = (True, False)
     for prompt in prompts[:2]:  # warm-up
-        for by_name in paths.values():
-            runner.ttft(prompt, by_name)
+        for by_name, packed in paths.values():
+            runner.ttft(prompt, by_name, packed)
 
     times: dict[str, list[float]] = {name: [] for name in paths}
     for i, prompt in enumerate(prompts[2:2 + args.runs]):
         order = list(paths.items()) if i % 2 == 0 else list(paths.items())[::-1]
-        for name, by_name in order:  # in turns, so a slow spell of the machine hits both paths
-            times[name].append(runner.ttft(prompt, by_name))
+        for name, (by_name, packed) in order:  # in turns, so a slow spell of the machine hits every path
+            times[name].append(runner.ttft(prompt, by_name, packed))
 
     split: dict[str, dict[str, float]] = {name: {"linear": 0.0, "attention": 0.0} for name in paths}
     if args.profile_runs:
-        for name, by_name in paths.items():
+        for name, (by_name, packed) in paths.items():
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for prompt in prompts[2 + args.runs:]:
-                    runner.ttft(prompt, by_name)
-            for event in prof.key_averages():
-                kind = kind_of(event.key)
+                    runner.ttft(prompt, by_name, packed)
+            for event in prof.events():
+                kind = kind_in_context(event)
                 if kind != "other":
                     split[name][kind] += event.self_cpu_time_total / 1e3 / args.profile_runs  # ms per request
     core.check_integrity()
 
     results = []
-    for name, by_name in paths.items():
+    for name, (by_name, _) in paths.items():
         tokens = args.prompt_tokens if by_name else args.prefix_tokens + args.prompt_tokens
         context = args.prefix_tokens if by_name else 0
         linear, attention = arch.forward_flops(tokens, context)
@@ -164,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
                        linear_gflop_s=round(f["linear_flop"] / lin / 1e6, 1) if lin else None,
                        attention_gflop_s=round(f["attention_flop"] / att / 1e6, 1) if att else None)
         results.append(row)
-    pre, full = results
+    pre, full = results[:2]
     ratio = {"ttft_p50": round(full["ttft_p50_ms"] / pre["ttft_p50_ms"], 2),
              "ttft_min": round(full["ttft_min_ms"] / pre["ttft_min_ms"], 2),
              "flop_bound": round(full["flop"] / pre["flop"], 2)}
+    if len(results) > 2:
+        ratio["packing_p50"] = round(results[2]["ttft_p50_ms"] / pre["ttft_p50_ms"], 3)
 
     print(f"{os.path.basename(str(cfg.model.path).rstrip('/'))}: {arch.num_layers} layers, {core.device}, "
           f"{torch.get_num_threads()} threads; template {args.prefix_tokens} tokens, prompt {args.prompt_tokens}, "
@@ -185,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"TTFT ratio no_prefix / prefix: {ratio['ttft_p50']:.2f}x at the medians, {ratio['ttft_min']:.2f}x at the "
           f"minimums; {ratio['flop_bound']:.2f}x at equal FLOP rates (the FLOP ratio)")
+    if "packing_p50" in ratio:
+        print(f"the template's packed K/V (cache.pack_prefix_kv): TTFT p50 {results[2]['ttft_p50_ms']:.1f} ms without "
+              f"it, {pre['ttft_p50_ms']:.1f} with it ({ratio['packing_p50']:.3f}x)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
