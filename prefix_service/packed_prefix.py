@@ -8,8 +8,8 @@ the fused flash kernel do on their small blocks. The rest of the context (the
 template's partial tail block, earlier chunks) and the new tokens are attended as before (flash,
 causal), and the two parts merged by their log-sum-exp.
 
-Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory; packing
-takes a few milliseconds per MiB when the template is pinned. CPU and float32 only.
+Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory, and the
+packing when the template is pinned (SmolLM2-135M, 2,224 tokens: 98 MiB in 54 ms). CPU, float32.
 """
 from __future__ import annotations
 
