@@ -4,9 +4,9 @@ A request that continues a template attends, at every layer, over the template's
 which do not change while the template is pinned. The two products of that attention, scores =
 Q K^T and out = P V, are matrix products against fixed operands: held in oneDNN's layout, as the
 linear layers' weights are (packed_linear.py), they run without the per-call packing that BLAS and
-the fused flash kernel do on their small blocks. The rest of the context (the
-template's partial tail block, earlier chunks) and the new tokens are attended as before (flash,
-causal), and the two parts merged by their log-sum-exp.
+the fused flash kernel do on their small blocks. The rest of the context (the template's partial
+tail block, earlier chunks) and the new tokens are attended as before (flash, causal), and the two
+parts merged by their log-sum-exp.
 
 Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory, and the
 packing when the template is pinned (SmolLM2-135M, 2,224 tokens: 98 MiB in 54 ms). CPU, float32.
