@@ -43,8 +43,7 @@ class PackedPrefixKV:
         if not block_ids:
             raise ValueError("a packed prefix needs at least one full block")
         self.num_blocks = len(block_ids)
-        self.block_size = kv_layers[0][0].shape[1]
-        self.num_tokens = self.num_blocks * self.block_size
+        self.num_tokens = self.num_blocks * kv_layers[0][0].shape[1]  # full blocks of block_size tokens
         idx = torch.tensor(block_ids, dtype=torch.int64)
         reorder = torch.ops.mkldnn._reorder_linear_weight
         self._layers: dict[int, tuple[list, list]] = {}
