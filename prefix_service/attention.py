@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import cuda_ops
+from prefix_service import cpu_attention
 from prefix_service.cascade import CPU_FLASH, CascadeDecode, attend, attend_paged, cascade_decode, merge
 from prefix_service.packed_prefix import PackedPrefixKV, attend_packed
 
@@ -60,7 +61,14 @@ class AttentionMetadata:
 
 
 class TorchAttentionBackend:
+    """native: CPU prefill attention in the native kernel (cpu_attention.py), float32 only; decode
+    attention and every other device stay on torch."""
     name = "torch"
+    native = False
+
+    def __init__(self, native: bool = False) -> None:
+        self.native = native
+        self.name = "torch+native" if native else "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
@@ -95,12 +103,39 @@ class TorchAttentionBackend:
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [Tp, Hq, D]; k, v: [Tp, Hkv, D]: the new tokens of every prefill chunk
+        if self.native and q.device.type == "cpu":
+            return self._prefill_native(q, k, v, k_cache, v_cache, meta, scale)
         if q.device.type == "cpu" and CPU_FLASH is not None:
             return self._prefill_split(q, k, v, k_cache, v_cache, meta, scale)
         k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
             k_cache, v_cache, meta.prefill_block_tables, meta.prefill_prefix_lens, k, v,
             meta.prefill_cu_seqlens_q, total_k=meta.prefill_total_k)  # [Tk, Hkv, D]
         return self._attend_prefill(q, k_all, v_all, cu_k, meta, scale)
+
+    @staticmethod
+    def _prefill_native(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Per prefill sequence, one call of the native kernel: its new queries over its packed
+        template (meta.prefill_packed, every key visible), then the rest of its context, gathered
+        from its blocks, and its new tokens (causal, bottom-right), in one softmax."""
+        out = q.new_empty(q.shape)  # dense rows, whatever q's row stride
+        bs = k_cache.shape[1]
+        packed = meta.prefill_packed or [None] * meta.num_prefills
+        start = 0
+        for i, (q_len, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list)):
+            template = packed[i].layer(k_cache) if packed[i] is not None else None
+            skip = packed[i].num_blocks if packed[i] is not None else 0
+            rest = ctx - skip * bs
+            ki, vi = k[start:start + q_len], v[start:start + q_len]
+            if rest:  # context after the template's packed blocks: gathered, in front of the new tokens
+                blocks = meta.cache.get(("rest_blocks", i))
+                if blocks is None:
+                    blocks = meta.cache[("rest_blocks", i)] = meta.prefill_block_tables[i, skip:-(-ctx // bs)].long()
+                ki = torch.cat([k_cache.index_select(0, blocks).flatten(0, 1)[:rest], ki])
+                vi = torch.cat([v_cache.index_select(0, blocks).flatten(0, 1)[:rest], vi])
+            cpu_attention.prefill_attention(q[start:start + q_len], ki, vi, scale, out=out[start:start + q_len],
+                                            template=template)
+            start += q_len
+        return out
 
     @staticmethod
     def _prefill_split(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -177,12 +212,13 @@ class TorchAttentionBackend:
         return out
 
 
-def make_backend(name: str, device: torch.device):
-    """'auto' picks the cuda backend on a GPU, torch elsewhere."""
+def make_backend(name: str, device: torch.device, native: bool = False):
+    """'auto' picks the cuda backend on a GPU, torch elsewhere; native: the torch backend's CPU
+    prefill attention in the native kernel (the caller checked cpu_attention.available())."""
     if name == "cuda" and device.type != "cuda":
         from prefix_service.errors import ConfigError
         raise ConfigError(f"model.attention_backend: 'cuda' needs a CUDA device, the model is on {device}")
     if name == "cuda" or (name == "auto" and device.type == "cuda"):
         from prefix_service.attention_cuda import CudaAttentionBackend
         return CudaAttentionBackend()
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(native=native and device.type == "cpu")

@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 CPU_LINEARS = ("auto", "onednn", "blas")
+CPU_ATTENTIONS = ("auto", "native", "torch")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ADDRESS_RE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})")  # fullmatch
@@ -70,10 +71,12 @@ class ModelConfig:
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
     cpu_linear: str = "auto"  # on CPU: onednn (weights packed at load), blas (F.linear); auto: onednn where it works
+    cpu_attention: str = "auto"  # on CPU: native (cpu_attention.py) or torch prefill attention; auto: native where it builds
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
         _check_choice("model.cpu_linear", self.cpu_linear, CPU_LINEARS)
+        _check_choice("model.cpu_attention", self.cpu_attention, CPU_ATTENTIONS)
         if self.num_threads is not None:
             _check_int("model.num_threads", self.num_threads, 1)
         _check_choice("model.dtype", self.dtype, DTYPES)

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from prefix_service import cpu_attention
 from prefix_service.attention import make_backend
 from prefix_service.block_allocator import BlockAllocator
 from prefix_service.config import EngineConfig
@@ -79,7 +80,8 @@ class EngineCore:
             budget = self.kv_cache.num_blocks // 2
         self.prefixes = PrefixCacheManager(self.allocator, self.block_size, min(budget, self.kv_cache.num_blocks))
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
-        self.backend = make_backend(mc.attention_backend, self.device)
+        self.cpu_attention = self._cpu_attention(mc.cpu_attention)
+        self.backend = make_backend(mc.attention_backend, self.device, native=self.cpu_attention == "native")
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         self.pack_prefix_kv = self._packs_prefix_kv(config.cache.pack_prefix_kv)
         if self.pack_prefix_kv:
@@ -92,7 +94,7 @@ class EngineCore:
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s%s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.kv_cache.num_blocks,
                  self.block_size, self.max_model_len, self.backend.name,
-                 f", linear {self.cpu_linear}" if self.cpu_linear else "")
+                 f", linear {self.cpu_linear}, attention {self.cpu_attention}" if self.cpu_linear else "")
 
     def _pack_linears(self, choice: str) -> str | None:
         """model.cpu_linear: on a CPU, pack the weights for oneDNN unless told not to or it cannot
@@ -111,12 +113,33 @@ class EngineCore:
         self.model.pack_for_cpu()
         return "onednn"
 
+    def _cpu_attention(self, choice: str) -> str | None:
+        """model.cpu_attention: on a CPU in float32, prefill attention in the native kernel
+        (cpu_attention.py) unless told not to or it cannot be built here. Returns 'native' or
+        'torch'; None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        if choice == "torch":
+            return "torch"
+        reason = cpu_attention.available()
+        if reason is None and self.dtype != torch.float32:
+            reason = f"the model runs in {str(self.dtype).replace('torch.', '')}, and the kernel is float32"
+        if reason is None and self.arch.head_dim not in cpu_attention.HEAD_SIZES:
+            reason = f"head size {self.arch.head_dim} is not a multiple of 16 up to 256"
+        if reason is not None:
+            if choice == "native":
+                raise PrefixServiceError(f"model.cpu_attention: native was asked for, but {reason}; use auto or torch")
+            log.warning("model.cpu_attention auto: prefill attention on torch's kernels, as %s", reason)
+            return "torch"
+        return "native"
+
     def _packs_prefix_kv(self, wanted: bool) -> bool:
-        """cache.pack_prefix_kv: where it applies (CPU, float32, oneDNN), pinned templates' K/V
-        are also held packed for prefill attention (packed_prefix.py)."""
+        """cache.pack_prefix_kv: where it applies (CPU, float32; oneDNN unless the native kernel
+        reads them), pinned templates' K/V are also held packed for prefill attention
+        (packed_prefix.py)."""
         if not wanted:
             return False
-        reason = packed_prefix_available(self.device, self.dtype)
+        reason = packed_prefix_available(self.device, self.dtype, native=self.cpu_attention == "native")
         if reason is not None:
             log.debug("cache.pack_prefix_kv: templates' K/V not packed, as %s", reason)
         return reason is None

@@ -29,7 +29,8 @@ class ModelRunner:
         full = handle.num_tokens // self.block_size
         if not full:
             return None
-        packed = self.packed_prefixes[handle] = PackedPrefixKV(self.kv_cache.layers(), list(handle.block_table[:full]))
+        packed = self.packed_prefixes[handle] = PackedPrefixKV(self.kv_cache.layers(), list(handle.block_table[:full]),
+                                                               native=getattr(self.backend, "native", False))
         return packed
 
     def drop_prefix(self, handle: PrefixHandle) -> None:

@@ -4,10 +4,11 @@ One EngineCore runs in this process and thread. A template of --prefix-tokens ra
 then requests of --prompt-tokens ids run one at a time, taking turns: (a) naming the template, so
 only the prompt is computed over the pinned KV, and (b) the same ids with no prefix, all of them
 computed. Where the template's K/V is packed (cache.pack_prefix_kv), (a) also runs with the packed
-copy set aside (path prefix_flash), in the same turns. For each: time to first token (median and
-min over --runs), and, from torch's profiler over --profile-runs more, the time in linear layers,
-in attention (the packed copy's products included), and in everything else (small operators, the
-scheduler, Python), the last being the wall time minus the first two.
+copy set aside (path prefix_unpacked), in the same turns. For each: time to first token (median
+and min over --runs), and, from torch's profiler over --profile-runs more, the time in linear
+layers, in attention (the packed copy's products and the native kernel included), and in
+everything else (small operators, the scheduler, Python), the last being the wall time minus the
+first two.
 
 Next to the times, each path's FLOPs (linear layers: 2 x tokens x weights; attention: 4 x heads x
 head_dim x the keys each query sees). Their quotient is the TTFT ratio a prefix would give if both
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
 from prefix_service.core import EngineCore  # noqa: E402
+from prefix_service.cpu_attention import PROFILE_SCOPE as NATIVE_SCOPE  # noqa: E402
 from prefix_service.packed_prefix import PROFILE_SCOPE as PACKED_SCOPE  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
@@ -52,13 +54,13 @@ def kind_of(op_name: str) -> str:
 
 def kind_in_context(event) -> str:
     """An operator's kind, where one run inside the packed-template attention (whose products are
-    oneDNN linear calls) counts as attention."""
+    oneDNN linear calls) counts as attention, and so does the native kernel's scope."""
     parent = event.cpu_parent
     while parent is not None:
         if parent.name == PACKED_SCOPE:
             return "attention"
         parent = parent.cpu_parent
-    return "attention" if event.name == PACKED_SCOPE else kind_of(event.name)
+    return "attention" if event.name in (PACKED_SCOPE, NATIVE_SCOPE) else kind_of(event.name)
 
 
 def engine_config(args) -> EngineConfig:
@@ -148,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.prompt_tokens)]
                for _ in range(2 + args.runs + args.profile_runs)]
     # path: (names the template, reads its packed copy); with the template packed, the same requests
-    # also run with the copy set aside (prefix_flash): what the packing buys, in the same turns
+    # also run with the copy set aside (prefix_unpacked): what the packing buys, in the same turns
     paths = {"prefix": (True, True), "no_prefix": (False, True)}
     if core.runner.packed_prefixes:
-        paths["prefix_flash"] = (True, False)
+        paths["prefix_unpacked"] = (True, False)
     for prompt in prompts[:2]:  # warm-up
         for by_name, packed in paths.values():
             runner.ttft(prompt, by_name, packed)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import greedy, run_ids
-from prefix_service import GenerateRequest
+from prefix_service import GenerateRequest, cpu_attention
 from prefix_service.attention import TorchAttentionBackend
 from prefix_service.config import CacheConfig, ConfigError
 from prefix_service.packed_prefix import PackedPrefixKV, attend_packed, packed_prefix_available
@@ -16,8 +16,10 @@ from prefix_service.packed_prefix import PackedPrefixKV, attend_packed, packed_p
 from test_cpu_fast_paths import _prefill_meta
 
 BLOCK = 4
-needs_packing = pytest.mark.skipif(packed_prefix_available(torch.device("cpu"), torch.float32) is not None,
+needs_packing = pytest.mark.skipif(packed_prefix_available(torch.device("cpu"), torch.float32, native=False) is not None,
                                    reason="this torch build cannot run oneDNN linears on this CPU")
+needs_native = pytest.mark.skipif(cpu_attention.available() is not None,
+                                  reason=f"no native CPU attention here: {cpu_attention.available()}")
 
 
 def ids_of(n, salt=0):
@@ -78,31 +80,39 @@ def test_prefill_split_with_a_packed_template_equals_without(count_packed):
 
 @pytest.fixture
 def count_packed(monkeypatch):
-    """Counts the prefill attentions that read a packed template."""
+    """Counts the prefill attentions that read a packed template (oneDNN's layout or the native
+    kernel's), by their query rows: new tokens x query heads per KV head."""
     import prefix_service.attention as attention_mod
     calls = []
-    real = attention_mod.attend_packed
+    real, real_native = attention_mod.attend_packed, cpu_attention.prefill_attention
 
     def counting(q, *args):
-        calls.append(q.shape[2])  # query rows: new tokens x query heads per KV head
+        calls.append(q.shape[2])
         return real(q, *args)
+
+    def counting_native(q, k, v, scale, out=None, template=None):
+        if template is not None:
+            calls.append(q.shape[0] * q.shape[1] // k.shape[1])
+        return real_native(q, k, v, scale, out=out, template=template)
     monkeypatch.setattr(attention_mod, "attend_packed", counting)
+    monkeypatch.setattr(cpu_attention, "prefill_attention", counting_native)
     return calls
 
 
 @needs_packing
+@pytest.mark.parametrize("attention", ["torch", pytest.param("native", marks=needs_native)])
 @pytest.mark.parametrize("prefix_len", [BLOCK, 3 * BLOCK + 2])
-def test_engine_tokens_with_packed_template_equal_without(prefix_len, make_engine, count_packed):
+def test_engine_tokens_with_packed_template_equal_without(prefix_len, attention, make_engine, count_packed):
     full = ids_of(prefix_len + 11)
-    plain = make_engine(block_size=BLOCK, pack_prefix_kv=False)
+    plain = make_engine(block_size=BLOCK, pack_prefix_kv=False, cpu_attention=attention)
     plain.add_prefix("p", token_ids=full[:prefix_len])
     expected = run_ids(plain, full)
     assert run_ids(plain, full[prefix_len:], prefix="p") == expected
     assert count_packed == []  # packing off: never used
 
-    engine = make_engine(block_size=BLOCK)
+    engine = make_engine(block_size=BLOCK, cpu_attention=attention)
     engine.add_prefix("p", token_ids=full[:prefix_len])
-    assert engine._run(lambda core: len(core.runner.packed_prefixes)) == 1
+    assert engine._run(lambda core: [p.native for p in core.runner.packed_prefixes.values()]) == [attention == "native"]
     assert run_ids(engine, full[prefix_len:], prefix="p") == expected
     arch = engine._run(lambda core: core.arch)
     assert count_packed == [11 * arch.num_heads // arch.num_kv_heads] * arch.num_layers  # the prompt, every layer
@@ -121,8 +131,9 @@ def test_engine_tokens_with_packed_template_equal_without(prefix_len, make_engin
 
 
 @needs_packing
-def test_packed_copy_dropped_with_the_template_blocks(make_engine):
-    engine = make_engine(block_size=BLOCK)
+@pytest.mark.parametrize("attention", ["torch", pytest.param("native", marks=needs_native)])
+def test_packed_copy_dropped_with_the_template_blocks(attention, make_engine):
+    engine = make_engine(block_size=BLOCK, cpu_attention=attention)
     packed = lambda: engine._run(lambda core: sorted(h.name for h in core.runner.packed_prefixes))  # noqa: E731
     engine.add_prefix("a", token_ids=ids_of(9))
     engine.add_prefix("b", token_ids=ids_of(3, salt=1))  # no full block: nothing to pack
@@ -159,5 +170,5 @@ def test_pack_prefix_kv_config_is_checked():
 
 
 def test_packing_applies_to_float32_cpu_caches_only():
-    assert "not the CPU" in packed_prefix_available(torch.device("meta"), torch.float32)
-    assert "bfloat16" in packed_prefix_available(torch.device("cpu"), torch.bfloat16)
+    assert "not the CPU" in packed_prefix_available(torch.device("meta"), torch.float32, native=False)
+    assert "bfloat16" in packed_prefix_available(torch.device("cpu"), torch.bfloat16, native=False)

@@ -1,0 +1,172 @@
+"""Native CPU prefill attention (csrc/cpu_attention.cpp), built on first use, called through ctypes.
+
+torch's CPU flash kernel does its products with the BLAS torch links, block by block; on small
+head sizes and on CPUs MKL does not tune for, that runs at a fraction of the machine's FLOP rate
+(docs/benchmarks.md). This kernel makes a prefill's scores 64 keys at a time in AVX-512
+registers, exponentiates them with a polynomial exp, and accumulates P V in the same pass, for
+all query heads of a KV head together, in one OpenMP parallel region on torch's own threads.
+A pinned template's keys may come packed at pin time (PackedPrefixKV), so a request that
+continues it reads them without any per-call reordering.
+
+The library is compiled with the system C++ compiler (`CXX`, else `c++`/`g++`), `-march=native`,
+into `$PREFIX_SERVICE_CACHE_DIR` (default `~/.cache/prefix_service`), keyed by the source, the
+compiler and the CPU; about two seconds, once per machine. `available()` says why it cannot be
+used (no compiler, no AVX-512, a failed build), and the engine then keeps torch's kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("prefix_service.engine")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+PROFILE_SCOPE = "prefix_service::cpu_attention"  # the kernel's calls, named in a torch profile
+PANEL = 16  # keys per K panel: the layout of pack_keys, as the kernel reads it
+HEAD_SIZES = range(16, 257, 16)  # head sizes the kernel takes
+
+_ERRORS = {1: "the library was built without AVX-512", 2: "unsupported head size or head counts",
+           3: "out of memory"}
+
+
+class NativeAttentionError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PREFIX_SERVICE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "prefix_service"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            lines = [ln for ln in fh if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _build(cxx: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"cpu_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run([cxx, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            raise NativeAttentionError(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
+    log.info("built %s in %s", SOURCE.name, target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the native kernel is built for x86-64 Linux, not {platform.system()} {platform.machine()}"
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found (set CXX)"
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+    except (NativeAttentionError, OSError) as exc:
+        return None, str(exc)
+    if lib.ps_isa() != 512:
+        return None, "this CPU has no AVX-512"
+    f = lib.ps_prefill_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    f.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, i32, ptr, i64, ptr, i64, i32]
+    f.restype = i32
+    return lib, None
+
+
+def available() -> str | None:
+    """None when the native kernel can be used here, else the reason."""
+    return _load()[1]
+
+
+def pack_keys(k: torch.Tensor) -> torch.Tensor:
+    """k [R, Hkv, D] -> the kernel's template K layout [Hkv, ceil(R/16), D, 16], zero-padded."""
+    r, hkv, d = k.shape
+    pad = -r % PANEL
+    if pad:
+        k = torch.cat([k, k.new_zeros(pad, hkv, d)])
+    return k.view(-1, PANEL, hkv, d).permute(2, 0, 3, 1).contiguous()
+
+
+def pack_values(v: torch.Tensor) -> torch.Tensor:
+    """v [R, Hkv, D] -> the kernel's template V layout [Hkv, R, D]."""
+    return v.transpose(0, 1).contiguous()
+
+
+def _rows(x: torch.Tensor, name: str) -> int:
+    """Row stride (in elements) of a [N, H, D] float32 CPU tensor whose heads are dense."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
+        raise NativeAttentionError(f"{name}: a float32 CPU tensor [N, H, D] is needed, got {x.dtype} {tuple(x.shape)}"
+                                   f" on {x.device}")
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise NativeAttentionError(f"{name}: its heads must be dense (strides {x.stride()})")
+    return x.stride(0)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      out: torch.Tensor | None = None,
+                      template: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """Attention of one sequence's new tokens.
+
+    q: [M, Hq, D]; k, v: [C, Hkv, D], the keys after the template (the rest of the context, then
+    the M new tokens; query i sees the first C - M + i + 1); template: (K panels, V rows, R) from
+    pack_keys/pack_values, R keys every query sees, in front of k/v. Rows may be strided (views
+    of a fused projection); heads must be dense. Returns out [M, Hq, D]."""
+    lib, reason = _load()
+    if lib is None:
+        raise NativeAttentionError(reason)
+    m, hq, d = q.shape
+    c, hkv = k.shape[0], k.shape[1]
+    if v.shape != k.shape or k.shape[2] != d or c < m:
+        raise NativeAttentionError(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if out is None:
+        out = torch.empty(m, hq, d, dtype=q.dtype)
+    qs, ks, vs, os_ = _rows(q, "q"), _rows(k, "k"), _rows(v, "v"), _rows(out, "out")
+    if template is None:
+        kt = vt = None
+        r = 0
+    else:
+        kt, vt, r = template
+        if kt.shape != (hkv, -(-r // PANEL), d, PANEL) or vt.shape != (hkv, r, d) or not (
+                kt.is_contiguous() and vt.is_contiguous()):
+            raise NativeAttentionError(f"template layout: K {tuple(kt.shape)}, V {tuple(vt.shape)} for {r} keys")
+    with torch.profiler.record_function(PROFILE_SCOPE):
+        code = lib.ps_prefill_attention(
+            q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
+            kt.data_ptr() if kt is not None else None, vt.data_ptr() if vt is not None else None, r,
+            k.data_ptr(), ks, v.data_ptr(), vs, c)
+    if code:
+        raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
+    return out

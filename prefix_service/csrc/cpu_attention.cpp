@@ -1,0 +1,262 @@
+// Prefill attention for one sequence on the CPU, float32, AVX-512.
+//
+// The new tokens' queries attend over two key segments, in one online softmax:
+//   A: a pinned template's first R keys, every one visible, held packed at pin time
+//      (K as panels of 16 keys [Hkv][ceil(R/16)][D][16], V as rows [Hkv][R][D]);
+//   B: the C keys after it (the rest of the cached context, then the new tokens), row-strided
+//      [C][Hkv][D] as they lie in memory; query i (of M) sees the first C - M + i + 1 of them.
+// With R = 0 it is plain causal attention over the context and the new tokens.
+//
+// Work is split over (KV head, block of 6 query rows), the query heads of one KV head taken
+// together so each K/V read serves all of them; all in one OpenMP parallel region (the runtime
+// torch itself uses, so the same threads). Scores are made 64 keys at a time in registers
+// (6 rows x 4 panels), exponentiated with a polynomial exp, and P V accumulated into each
+// row's output, rescaled when its running maximum moves. Built at first use by
+// prefix_service/cpu_attention.py with -march=native; without AVX-512 it builds only ps_isa().
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+
+extern "C" int ps_isa() {
+#if defined(__AVX512F__)
+  return 512;
+#else
+  return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+namespace {
+
+constexpr int KP = 16;        // keys per panel (one vector)
+constexpr int KC = 64;        // keys per chunk (4 panels)
+constexpr int MR = 6;         // query rows per tile
+constexpr int MAX_D = 256;    // largest head size handled
+
+// e^x, x <= 0 (scores minus their row maximum): range reduction by ln 2, a degree-7 polynomial
+// (Cephes' expf coefficients), then scale by 2^n. Inputs below -87 are clamped (e^-87 ~ 1.6e-38).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// S[r][0 : 16 NP] = Qs[r] . K for NP panels of 16 keys (panel j at kp + j * D * KP).
+template <int NP>
+inline void qk_tile(const float* qs, int d_len, const float* kp, float* s) {
+  __m512 acc[MR][NP];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int d = 0; d < d_len; ++d) {
+    __m512 kv[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) kv[j] = _mm512_loadu_ps(kp + (int64_t)j * d_len * KP + d * KP);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 qb = _mm512_set1_ps(qs[r * MAX_D + d]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(qb, kv[j], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(s + r * KC + j * KP, acc[r][j]);
+}
+
+// O[r][c0 : c0 + 16 NV] = alpha[r] * O[r][...] + sum_j P[r][j] V[j][...], j < nk.
+template <int NV>
+inline void pv_tile(const float* p, int nk, const float* v, int64_t v_stride, float* o, const float* alpha) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * MAX_D + c * KP), a);
+  }
+  for (int j = 0; j < nk; ++j) {
+    const float* vj = v + j * v_stride;
+    __m512 vv[NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vj + c * KP);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r * KC + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * MAX_D + c * KP, acc[r][c]);
+}
+
+inline void qk_any(int np, const float* qs, int d_len, const float* kp, float* s) {
+  switch (np) {
+    case 1: qk_tile<1>(qs, d_len, kp, s); break;
+    case 2: qk_tile<2>(qs, d_len, kp, s); break;
+    case 3: qk_tile<3>(qs, d_len, kp, s); break;
+    default: qk_tile<4>(qs, d_len, kp, s); break;
+  }
+}
+
+inline void pv_any(const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len, const float* alpha) {
+  for (int c0 = 0; c0 < d_len; c0 += 4 * KP) {  // the head's columns, 64 at a time
+    switch ((d_len - c0) >= 4 * KP ? 4 : (d_len - c0) / KP) {
+      case 1: pv_tile<1>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      case 2: pv_tile<2>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      case 3: pv_tile<3>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      default: pv_tile<4>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+    }
+  }
+}
+
+// The state of one tile of MR query rows.
+struct Tile {
+  alignas(64) float qs[MR * MAX_D];  // scaled queries
+  alignas(64) float o[MR * MAX_D];   // unnormalised output
+  alignas(64) float s[MR * KC];      // scores, then probabilities, of one chunk
+  float m[MR], l[MR], alpha[MR];
+};
+
+// One chunk of nk <= KC keys: K panels at kp, V rows at v (stride v_stride); row r sees the first
+// valid[r] of them.
+inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, int64_t v_stride, const int* valid) {
+  qk_any((nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0; r < MR; ++r) {
+    float* s = t.s + r * KC;
+    const int n = valid[r];
+    if (n <= 0) {  // nothing visible in this chunk: state unchanged
+      t.alpha[r] = 1.0f;
+      std::memset(s, 0, sizeof(float) * KC);
+      continue;
+    }
+    __m512 mx = neg_inf;
+    for (int j = 0; j < KC; j += KP) {
+      const __mmask16 keep = n - j >= KP ? (__mmask16)0xFFFF : n - j <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n - j)) - 1);
+      mx = _mm512_mask_max_ps(mx, keep, mx, _mm512_loadu_ps(s + j));
+    }
+    const float m_new = std::fmax(t.m[r], _mm512_reduce_max_ps(mx));
+    t.alpha[r] = std::exp(t.m[r] - m_new);  // 0 on the first chunk (m = -inf)
+    const __m512 mb = _mm512_set1_ps(m_new);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < KC; j += KP) {
+      const __mmask16 keep = n - j >= KP ? (__mmask16)0xFFFF : n - j <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n - j)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mb)));
+      _mm512_storeu_ps(s + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    t.l[r] = t.l[r] * t.alpha[r] + _mm512_reduce_add_ps(sum);
+    t.m[r] = m_new;
+  }
+  pv_any(t.s, nk, v, v_stride, t.o, d_len, t.alpha);
+}
+
+}  // namespace
+#endif
+
+// Returns 0, or a nonzero code: 1 no AVX-512 in this build, 2 unsupported head size, 3 out of memory.
+extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                                    int m_len, int hq, int hkv, int d_len, float scale,
+                                    const float* kt, const float* vt, int r_len,
+                                    const float* kr, int64_t kr_stride, const float* vr, int64_t vr_stride,
+                                    int c_len) {
+#if !defined(__AVX512F__)
+  (void)q; (void)q_stride; (void)out; (void)out_stride; (void)m_len; (void)hq; (void)hkv; (void)d_len;
+  (void)scale; (void)kt; (void)vt; (void)r_len; (void)kr; (void)kr_stride; (void)vr; (void)vr_stride; (void)c_len;
+  return 1;
+#else
+  if (d_len <= 0 || d_len > MAX_D || d_len % KP != 0 || hkv <= 0 || hq % hkv != 0) return 2;
+  const int g = hq / hkv;
+  const int rows = m_len * g;                    // per KV head, in (token, head in group) order
+  const int tiles = (rows + MR - 1) / MR;
+  const int c_panels = (c_len + KP - 1) / KP;
+  const int64_t panel_floats = (int64_t)d_len * KP;
+  // segment B's keys as panels, made once per call by all threads
+  float* kb = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * (size_t)(hkv * (int64_t)c_panels * panel_floats + KP)));
+  if (kb == nullptr) return 3;
+  const int r_panels = (r_len + KP - 1) / KP;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t hp = 0; hp < (int64_t)hkv * c_panels; ++hp) {
+      const int h = (int)(hp / c_panels), pnl = (int)(hp % c_panels);
+      float* dst = kb + hp * panel_floats;
+      for (int k = 0; k < KP; ++k) {
+        const int key = pnl * KP + k;
+        if (key < c_len) {
+          const float* src = kr + key * kr_stride + (int64_t)h * d_len;
+          for (int d = 0; d < d_len; ++d) dst[d * KP + k] = src[d];
+        } else {
+          for (int d = 0; d < d_len; ++d) dst[d * KP + k] = 0.0f;
+        }
+      }
+    }
+    Tile t;
+    int valid[MR];
+    int tok[MR];
+#pragma omp for schedule(static, 1)
+    for (int64_t task = 0; task < (int64_t)hkv * tiles; ++task) {
+      const int h = (int)(task / tiles), r0 = (int)(task % tiles) * MR;
+      int last_visible = 0;  // segment B keys seen by the tile's last row
+      for (int r = 0; r < MR; ++r) {
+        const int row = r0 + r < rows ? r0 + r : rows - 1;  // a padding row repeats the last one
+        tok[r] = row / g;
+        const float* src = q + tok[r] * q_stride + (int64_t)(h * g + row % g) * d_len;
+        for (int d = 0; d < d_len; ++d) t.qs[r * MAX_D + d] = src[d] * scale;
+        std::memset(t.o + r * MAX_D, 0, sizeof(float) * d_len);
+        t.m[r] = -std::numeric_limits<float>::infinity();
+        t.l[r] = 0.0f;
+        const int visible = c_len - m_len + tok[r] + 1;
+        if (visible > last_visible) last_visible = visible;
+      }
+      const float* kt_h = kt + (int64_t)h * r_panels * panel_floats;
+      const float* vt_h = vt + (int64_t)h * r_len * d_len;
+      for (int c0 = 0; c0 < r_len; c0 += KC) {  // A: every key visible
+        const int nk = r_len - c0 < KC ? r_len - c0 : KC;
+        for (int r = 0; r < MR; ++r) valid[r] = nk;
+        chunk(t, d_len, kt_h + (int64_t)(c0 / KP) * panel_floats, nk, vt_h + (int64_t)c0 * d_len, d_len, valid);
+      }
+      const float* kb_h = kb + (int64_t)h * c_panels * panel_floats;
+      for (int c0 = 0; c0 < last_visible; c0 += KC) {  // B: causal
+        const int nk = last_visible - c0 < KC ? last_visible - c0 : KC;
+        for (int r = 0; r < MR; ++r) {
+          const int n = c_len - m_len + tok[r] + 1 - c0;
+          valid[r] = n < 0 ? 0 : n > nk ? nk : n;
+        }
+        chunk(t, d_len, kb_h + (int64_t)(c0 / KP) * panel_floats, nk, vr + c0 * vr_stride + (int64_t)h * d_len,
+              vr_stride, valid);
+      }
+      for (int r = 0; r < MR && r0 + r < rows; ++r) {
+        const int row = r0 + r;
+        float* dst = out + tok[r] * out_stride + (int64_t)(h * g + row % g) * d_len;
+        const float inv = 1.0f / t.l[r];
+        for (int d = 0; d < d_len; ++d) dst[d] = t.o[r * MAX_D + d] * inv;
+      }
+    }
+  }
+  std::free(kb);
+  return 0;
+#endif
+}

@@ -1,0 +1,219 @@
+"""The native CPU prefill attention (cpu_attention.py): it builds wherever a compiler and AVX-512
+are present; it equals attention computed in float64, for templates, context and causal new tokens
+of any length and layout; its result does not depend on the thread count; it shares torch's
+OpenMP runtime; bad input gets a clear error; a prefill step through it equals torch's; the engine
+uses it by default and gives the same tokens as with torch's kernels."""
+import shutil
+
+import pytest
+import torch
+
+from helpers import run_ids
+from prefix_service import cpu_attention
+from prefix_service.attention import TorchAttentionBackend
+from prefix_service.config import ConfigError, ModelConfig
+from prefix_service.errors import PrefixServiceError
+from prefix_service.packed_prefix import PackedPrefixKV
+
+from test_cpu_fast_paths import _prefill_meta
+
+REASON = cpu_attention.available()
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU attention here: {REASON}")
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return any(line.startswith("flags") and " avx512f" in line for line in fh)
+    except OSError:
+        return False
+
+
+def test_kernel_is_available_wherever_it_can_be_built():
+    """A compiler and an AVX-512 CPU: the kernel must build and load (a skip elsewhere must not hide
+    a broken build here); otherwise the reason names what is missing."""
+    if cpu_attention._compiler() is not None and _cpu_has_avx512():
+        assert REASON is None
+    else:
+        assert REASON and ("compiler" in REASON or "AVX-512" in REASON or "x86-64" in REASON)
+
+
+def reference(q, k, v, scale, kt=None, vt=None):
+    """float64 softmax attention: query i of M sees the template's keys and the first C - M + i + 1 of k."""
+    m, hq, _ = q.shape
+    g = hq // k.shape[1]
+    if kt is not None:
+        k, v = torch.cat([kt, k]), torch.cat([vt, v])
+    n = k.shape[0]
+    scores = torch.einsum("mhd,nhd->hmn", q.double(), k.repeat_interleave(g, 1).double()) * scale
+    scores = scores.masked_fill(~torch.ones(m, n, dtype=torch.bool).tril(n - m), float("-inf"))
+    return torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v.repeat_interleave(g, 1).double())
+
+
+def make_case(m, r, rest, hq, hkv, d, seed=0, magnitude=1.0):
+    """q, k, v as views of one fused projection (strided rows), `rest` context keys in front of the
+    new ones, and a template of r keys."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(m, hq + 2 * hkv, d, generator=g) * magnitude
+    q, k_new, v_new = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    k = torch.cat([torch.randn(rest, hkv, d, generator=g), k_new]) if rest else k_new
+    v = torch.cat([torch.randn(rest, hkv, d, generator=g), v_new]) if rest else v_new
+    kt, vt = torch.randn(r, hkv, d, generator=g) * magnitude, torch.randn(r, hkv, d, generator=g)
+    return q, k, v, kt, vt
+
+
+@needs_native
+@pytest.mark.parametrize("m,r,rest,hq,hkv,d", [
+    (100, 896, 4, 9, 3, 64),  # the benchmark's shape: a template's full blocks, its tail, the prompt
+    (1, 64, 0, 4, 2, 64),  # one new token
+    (7, 0, 0, 4, 2, 64),  # no context: plain causal
+    (300, 0, 0, 9, 3, 64),  # causal over several chunks of keys
+    (33, 50, 3, 8, 8, 128),  # no grouping, a template not a multiple of 16, head size 128
+    (5, 17, 21, 6, 3, 32),
+    (13, 0, 70, 4, 1, 16),  # one KV head, context without a template
+    (2, 5, 0, 12, 4, 80),  # head size not a multiple of 64
+])
+def test_matches_float64_attention(m, r, rest, hq, hkv, d):
+    q, k, v, kt, vt = make_case(m, r, rest, hq, hkv, d, seed=m + r)
+    template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), r) if r else None
+    got = cpu_attention.prefill_attention(q, k, v, d ** -0.5, template=template)
+    want = reference(q, k, v, d ** -0.5, kt if r else None, vt if r else None)
+    assert got.shape == (m, hq, d) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max().item() < 2e-6
+
+
+@needs_native
+def test_peaked_and_flat_scores():
+    """Large scores (a softmax close to one-hot, the polynomial exp's range clamped far below the
+    maximum) and zero scores (uniform weights) both match."""
+    for magnitude in (12.0, 0.0):
+        q, k, v, kt, vt = make_case(20, 40, 5, 4, 2, 64, seed=3, magnitude=magnitude)
+        template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 40)
+        got = cpu_attention.prefill_attention(q, k, v, 64 ** -0.5, template=template)
+        want = reference(q, k, v, 64 ** -0.5, kt, vt)
+        assert torch.isfinite(got).all()
+        assert (got.double() - want).abs().max().item() < 2e-5 * max(1.0, want.abs().max().item())
+
+
+@needs_native
+def test_result_does_not_depend_on_the_thread_count():
+    q, k, v, kt, vt = make_case(50, 64, 9, 6, 2, 64, seed=5)
+    template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.prefill_attention(q, k, v, 0.125, template=template)
+        torch.set_num_threads(max(2, threads))
+        many = cpu_attention.prefill_attention(q, k, v, 0.125, template=template)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each query tile is one thread's work, in one order
+
+
+@needs_native
+def test_shares_torchs_openmp_runtime():
+    """The library runs on the OpenMP runtime torch loaded, not a second one with its own threads."""
+    cpu_attention.prefill_attention(*make_case(4, 0, 0, 2, 1, 16)[:3], 0.25)
+    with open("/proc/self/maps") as fh:
+        gomp = {line.split()[-1] for line in fh if "libgomp" in line}
+    assert len(gomp) <= 1, gomp
+
+
+@needs_native
+def test_writes_into_a_given_output_and_leaves_the_rest():
+    q, k, v, _, _ = make_case(6, 0, 2, 4, 2, 32, seed=8)
+    out = torch.full((10, 4, 32), 7.0)
+    got = cpu_attention.prefill_attention(q, k, v, 0.2, out=out[2:8])
+    assert got.data_ptr() == out[2:8].data_ptr()
+    assert (out[2:8].double() - reference(q, k, v, 0.2)).abs().max().item() < 2e-6
+    assert (out[:2] == 7).all() and (out[8:] == 7).all()
+
+
+@needs_native
+def test_bad_input_is_refused_with_a_clear_error():
+    q, k, v, kt, vt = make_case(4, 16, 0, 4, 2, 16)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="float32"):
+        cpu_attention.prefill_attention(q.double(), k, v, 0.25)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="dense"):
+        cpu_attention.prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 0.25)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="shapes"):
+        cpu_attention.prefill_attention(q, k[:3], v[:3], 0.25)  # fewer keys than queries
+    with pytest.raises(cpu_attention.NativeAttentionError, match="template layout"):
+        cpu_attention.prefill_attention(q, k, v, 0.25, template=(kt, vt, 16))  # not packed
+    q8, k8, v8, _, _ = make_case(3, 0, 0, 2, 1, 8)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="head size"):
+        cpu_attention.prefill_attention(q8, k8, v8, 0.3)
+
+
+def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch):
+    cxx = cpu_attention._compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    bad = tmp_path / "cpu_attention.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", bad)
+    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(cpu_attention.NativeAttentionError, match="compiling cpu_attention.cpp failed: .*error"):
+        cpu_attention._build(cxx)
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
+
+
+def test_build_goes_to_the_cache_dir_and_is_reused(tmp_path, monkeypatch):
+    cxx = cpu_attention._compiler()
+    if cxx is None or shutil.which(cxx) is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path))
+    first = cpu_attention._build(cxx)
+    assert first.parent == tmp_path and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert cpu_attention._build(cxx) == first and first.stat().st_mtime_ns == stamp  # not built again
+
+
+@needs_native
+def test_prefill_step_through_the_kernel_equals_torch():
+    """One step, six prefills (as test_packed_prefix's): the native path, with the template packed
+    in its layout for the sequences that continue it, equals torch's split prefill."""
+    g = torch.Generator().manual_seed(4)
+    bs, hq, hkv, d = 4, 6, 2, 16
+    kc, vc = torch.randn(80, bs, hkv, d, generator=g), torch.randn(80, bs, hkv, d, generator=g)
+    template = [10, 11, 12]
+    seqs = [(template + [30], 3 * bs + 2, 5), (template + [31, 32], 4 * bs + 1, 3), ([40, 41], bs + 1, 4),
+            (template, 3 * bs, 2), ([50], 0, 6), (template + [33], 3 * bs + 3, 1)]
+    tq = sum(n for _, _, n in seqs)
+    qkv = torch.randn(tq, hq + 2 * hkv, d, generator=g)  # strided rows, as the model's projection gives
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    want = TorchAttentionBackend._prefill_split(q, k, v, kc, vc, _prefill_meta(seqs, bs), d ** -0.5)
+    native = TorchAttentionBackend(native=True)
+    assert native.name == "torch+native"
+    got_plain = native._prefill_native(q, k, v, kc, vc, _prefill_meta(seqs, bs), d ** -0.5)
+    meta = _prefill_meta(seqs, bs)
+    packed = PackedPrefixKV([(kc, vc)], template, native=True)
+    meta.prefill_packed = [packed if t[:3] == template else None for t, _, _ in seqs]
+    got_packed = native._prefill_native(q, k, v, kc, vc, meta, d ** -0.5)
+    assert (got_plain - want).abs().max().item() < 1e-5
+    assert (got_packed - want).abs().max().item() < 1e-5
+
+
+@needs_native
+def test_engine_uses_it_by_default_and_gives_torchs_tokens(make_engine):
+    ids = [(31 * i + 11) % 500 + 3 for i in range(40)]
+    torch_engine = make_engine(block_size=4, cpu_attention="torch")
+    native_engine = make_engine(block_size=4)
+    assert torch_engine._run(lambda core: core.backend.name) == "torch"
+    assert native_engine._run(lambda core: (core.cpu_attention, core.backend.name)) == ("native", "torch+native")
+    for engine in (torch_engine, native_engine):
+        engine.add_prefix("t", token_ids=ids[:30])
+    want = run_ids(torch_engine, ids)
+    assert run_ids(native_engine, ids) == want  # no prefix: causal over all 40
+    assert run_ids(native_engine, ids[30:], prefix="t") == want  # over the packed template
+    assert run_ids(torch_engine, ids[30:], prefix="t") == want
+
+
+def test_cpu_attention_config(make_engine, monkeypatch):
+    with pytest.raises(ConfigError, match="model.cpu_attention"):
+        ModelConfig(path="m", cpu_attention="fast")
+    monkeypatch.setattr(cpu_attention, "available", lambda: "no C++ compiler found (set CXX)")
+    with pytest.raises(PrefixServiceError, match="cpu_attention: native was asked for, but no C\\+\\+ compiler"):
+        make_engine(cpu_attention="native")
+    engine = make_engine()  # auto: falls back to torch's kernels, and says why in the log
+    assert engine._run(lambda core: (core.cpu_attention, core.backend.name)) == ("torch", "torch")
