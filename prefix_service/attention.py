@@ -40,6 +40,7 @@ class AttentionMetadata:
     # per prefill (empty: none at all): its template's full blocks packed for the CPU (packed_prefix.py)
     # when it continues such a template; they stand in for the leading run
     prefill_packed: list[PackedPrefixKV | None] = field(default_factory=list)
+    decode_packed: list[PackedPrefixKV | None] = field(default_factory=list)  # the same, per decode
 
     # tensors derived from the above once per step and shared by all layers: causal masks (keyed by
     # shape), attend_paged's gather index and padding mask, the gathered-context block ids per prefill
@@ -91,12 +92,17 @@ class TorchAttentionBackend:
         else:
             cuda_ops.store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [Nd, Hq, D]. Sequences sharing a pinned prefix attend to it once, together; otherwise
-        # each gathers its context through its block table.
+        # each gathers its context through its block table (the native kernel: reads it in place,
+        # and a packed template from its packed copy).
         if meta.decode_cascade is not None:
             return cascade_decode(q, k_cache, v_cache, meta.decode_cascade, scale)
+        if self.native and q.device.type == "cpu":
+            packed = meta.decode_packed
+            templates = [p.layer(k_cache) if p is not None else None for p in packed] if any(packed) else None
+            return cpu_attention.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, scale, templates=templates)
         out, _ = attend_paged(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                               meta.decode_max_context, scale, meta.cache)
         return out

@@ -71,7 +71,7 @@ class ModelConfig:
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
     cpu_linear: str = "auto"  # on CPU: onednn (weights packed at load), blas (F.linear); auto: onednn where it works
-    cpu_attention: str = "auto"  # on CPU: native (cpu_attention.py) or torch prefill attention; auto: native where it builds
+    cpu_attention: str = "auto"  # on CPU: native (cpu_attention.py) or torch attention; auto: native where it builds
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)

@@ -103,6 +103,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     f.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, i32, ptr, i64, ptr, i64, i32]
     f.restype = i32
+    f = lib.ps_decode_attention
+    f.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr]
+    f.restype = i32
     return lib, None
 
 
@@ -167,6 +170,54 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
             q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
             kt.data_ptr() if kt is not None else None, vt.data_ptr() if vt is not None else None, r,
             k.data_ptr(), ks, v.data_ptr(), vs, c)
+    if code:
+        raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     templates: list[tuple[torch.Tensor, torch.Tensor, int] | None] | None = None) -> torch.Tensor:
+    """Attention of N decoding sequences' new tokens over their paged cache.
+
+    q: [N, Hq, D] (rows may be strided); k_cache, v_cache: [blocks, block_size, Hkv, D], the new
+    tokens' K/V already stored; block_tables: int32 [N, W]; context_lens: int32 [N], the new token
+    included; templates: per sequence None or (K panels, V rows, R) of pack_keys/pack_values, R a
+    multiple of the block size: its first R / block_size blocks are read from there. Returns out."""
+    lib, reason = _load()
+    if lib is None:
+        raise NativeAttentionError(reason)
+    n, hq, d = q.shape
+    _, bs, hkv, dk = k_cache.shape
+    if (v_cache.shape != k_cache.shape or dk != d or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
+        raise NativeAttentionError(f"the cache must be two contiguous float32 [blocks, block_size, Hkv, {d}] tensors, "
+                                   f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n
+            or block_tables.stride(1) != 1 or context_lens.dtype != torch.int32 or context_lens.shape != (n,)
+            or not context_lens.is_contiguous()):
+        raise NativeAttentionError(f"block_tables int32 [{n}, W] and context_lens int32 [{n}] are needed")
+    if out is None:
+        out = torch.empty(n, hq, d, dtype=q.dtype)
+    qs, os_ = _rows(q, "q"), _rows(out, "out")
+    skip = kt_ptrs = vt_ptrs = None
+    if templates is not None and any(t is not None for t in templates):
+        if len(templates) != n:
+            raise NativeAttentionError(f"{len(templates)} templates for {n} sequences")
+        for t in templates:
+            if t is not None and (t[2] % bs or t[0].shape != (hkv, -(-t[2] // PANEL), d, PANEL)
+                                  or t[1].shape != (hkv, t[2], d)):
+                raise NativeAttentionError(f"template layout: K {tuple(t[0].shape)}, V {tuple(t[1].shape)} for {t[2]} "
+                                           f"keys in blocks of {bs}")
+        skip = torch.tensor([t[2] // bs if t is not None else 0 for t in templates], dtype=torch.int32)
+        kt_ptrs = torch.tensor([t[0].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
+        vt_ptrs = torch.tensor([t[1].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
+    with torch.profiler.record_function(PROFILE_SCOPE):
+        code = lib.ps_decode_attention(
+            q.data_ptr(), qs, out.data_ptr(), os_, n, hq, hkv, d, scale, k_cache.data_ptr(), v_cache.data_ptr(), bs,
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+            skip.data_ptr() if skip is not None else None, kt_ptrs.data_ptr() if kt_ptrs is not None else None,
+            vt_ptrs.data_ptr() if vt_ptrs is not None else None)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out

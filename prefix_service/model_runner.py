@@ -137,10 +137,12 @@ class ModelRunner:
             prefill_max_k=max((a + b for a, b in zip(q_lens, ctx)), default=0),
             prefill_total_k=sum(q_lens) + sum(ctx),
         )
-        meta.decode_cascade = self._cascade([s.seq for s in decodes], dec_ctx)
+        if not getattr(self.backend, "native", False):  # the native kernel reads each context in place: faster
+            meta.decode_cascade = self._cascade([s.seq for s in decodes], dec_ctx)  # than grouping (c=4-64)
         meta.prefill_ctx_runs = [self._leading_run(s.seq.block_table, c // B) for s, c in zip(prefills, ctx)]
         if self.packed_prefixes:
             meta.prefill_packed = [self._packed_for(s.seq) for s in prefills]
+            meta.decode_packed = [self._packed_for(s.seq) for s in decodes]
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64),
                             self.backend, self.kv_cache.layers(), meta)  # [T, hidden]
         if not logit_rows:

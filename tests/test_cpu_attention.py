@@ -1,15 +1,16 @@
-"""The native CPU prefill attention (cpu_attention.py): it builds wherever a compiler and AVX-512
-are present; it equals attention computed in float64, for templates, context and causal new tokens
-of any length and layout; its result does not depend on the thread count; it shares torch's
-OpenMP runtime; bad input gets a clear error; a prefill step through it equals torch's; the engine
-uses it by default and gives the same tokens as with torch's kernels."""
+"""The native CPU attention (cpu_attention.py): it builds wherever a compiler and AVX-512 are
+present; prefill and decode equal attention computed in float64, for templates, context and causal
+new tokens of any length and layout, and paged caches in any block order; the result does not
+depend on the thread count; it shares torch's OpenMP runtime; bad input gets a clear error; a
+prefill step through it equals torch's; the engine uses it by default and gives the same tokens as
+with torch's kernels."""
 import shutil
 
 import pytest
 import torch
 
-from helpers import run_ids
-from prefix_service import cpu_attention
+from helpers import greedy, run_ids
+from prefix_service import GenerateRequest, cpu_attention
 from prefix_service.attention import TorchAttentionBackend
 from prefix_service.config import ConfigError, ModelConfig
 from prefix_service.errors import PrefixServiceError
@@ -217,3 +218,95 @@ def test_cpu_attention_config(make_engine, monkeypatch):
         make_engine(cpu_attention="native")
     engine = make_engine()  # auto: falls back to torch's kernels, and says why in the log
     assert engine._run(lambda core: (core.cpu_attention, core.backend.name)) == ("torch", "torch")
+
+
+def paged_case(lens, bs, hq, hkv, d, seed=0):
+    """A cache in shuffled blocks, each sequence's table, and its keys/values in order."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-n // bs) for n in lens]
+    num_blocks = sum(widths) + 3
+    kc, vc = torch.randn(num_blocks, bs, hkv, d, generator=g), torch.randn(num_blocks, bs, hkv, d, generator=g)
+    order = torch.randperm(num_blocks, generator=g)[:sum(widths)].tolist()
+    tables = torch.full((len(lens), max(widths) + 1), -1, dtype=torch.int32)
+    rows = []
+    for i, w in enumerate(widths):
+        blocks, order = order[:w], order[w:]
+        tables[i, :w] = torch.tensor(blocks, dtype=torch.int32)
+        rows.append(blocks)
+    q = torch.randn(len(lens), hq + 2 * hkv, d, generator=g)[:, :hq]  # strided rows
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), rows
+
+
+@needs_native
+@pytest.mark.parametrize("bs,hq,hkv,d", [(16, 9, 3, 64), (4, 8, 1, 16), (5, 16, 2, 128), (16, 4, 4, 32)])
+def test_decode_matches_float64_attention(bs, hq, hkv, d):
+    lens = [1, bs, 3 * bs + 1, 70, 129]
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=bs + d)
+    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, d ** -0.5)
+    for i, n in enumerate(lens):  # the one new token sees every key of its context
+        k = kc[rows[i]].flatten(0, 1)[:n]
+        v = vc[rows[i]].flatten(0, 1)[:n]
+        want = reference(q[i:i + 1], k, v, d ** -0.5)
+        assert (got[i:i + 1].double() - want).abs().max().item() < 2e-6, i
+
+
+@needs_native
+def test_decode_over_packed_templates():
+    """Sequences whose first blocks are a packed template read those from the packed copy (here a
+    copy of different values, so reading the cache instead would show), the rest in place."""
+    bs, hq, hkv, d = 4, 6, 2, 32
+    lens = [3 * bs + 2, 2 * bs, 9]
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=11)
+    g = torch.Generator().manual_seed(12)
+    kt, vt = torch.randn(2 * bs, hkv, d, generator=g), torch.randn(2 * bs, hkv, d, generator=g)
+    template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 2 * bs)
+    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.2, templates=[template, template, None])
+    for i, n in enumerate(lens):
+        k, v = kc[rows[i]].flatten(0, 1)[:n], vc[rows[i]].flatten(0, 1)[:n]
+        if i < 2:
+            k, v = torch.cat([kt, k[2 * bs:]]), torch.cat([vt, v[2 * bs:]])
+        assert (got[i:i + 1].double() - reference(q[i:i + 1], k, v, 0.2)).abs().max().item() < 2e-6, i
+
+
+@needs_native
+def test_decode_bad_input_is_refused():
+    q, kc, vc, tables, ctx, _ = paged_case([5, 9], 4, 4, 2, 16)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="contiguous float32"):
+        cpu_attention.decode_attention(q, kc.double(), vc, tables, ctx, 0.25)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="int32"):
+        cpu_attention.decode_attention(q, kc, vc, tables.long(), ctx, 0.25)
+    kt = cpu_attention.pack_keys(torch.randn(6, 2, 16))
+    with pytest.raises(cpu_attention.NativeAttentionError, match="template layout"):  # 6 keys: not whole blocks
+        cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.25,
+                                       templates=[(kt, cpu_attention.pack_values(torch.randn(6, 2, 16)), 6), None])
+
+
+@needs_native
+def test_engine_decodes_a_shared_template_batch_through_the_kernel(make_engine, monkeypatch):
+    """Requests on one packed template decode through the kernel, each over the packed copy (no
+    cascade grouping), with the torch backend's tokens."""
+    import prefix_service.attention as attention
+    cascades, templated = [], []
+    real_cascade, real_decode = attention.cascade_decode, cpu_attention.decode_attention
+
+    def counting_cascade(q, *args):
+        cascades.append(q.shape[0])
+        return real_cascade(q, *args)
+
+    def counting_decode(q, *args, templates=None, **kw):
+        templated.append(sum(t is not None for t in templates) if templates else 0)
+        return real_decode(q, *args, templates=templates, **kw)
+    monkeypatch.setattr(attention, "cascade_decode", counting_cascade)
+    monkeypatch.setattr(cpu_attention, "decode_attention", counting_decode)
+    prefix = [(3 * i + 7) % 500 + 3 for i in range(23)]
+    users = [[(5 * i + k) % 500 + 3 for i in range(2 + k)] for k in range(5)]
+    torch_engine = make_engine(block_size=4, cpu_attention="torch")
+    torch_engine.add_prefix("p", token_ids=prefix)
+    batch = [GenerateRequest(prompt_token_ids=u, prefix_name="p", sampling=greedy(12)) for u in users]
+    want = [o.token_ids for o in torch_engine.generate(batch)]
+    assert cascades  # the torch backend groups them
+    cascades.clear()
+    engine = make_engine(block_size=4)
+    engine.add_prefix("p", token_ids=prefix)
+    assert [o.token_ids for o in engine.generate(batch)] == want
+    assert not cascades and max(templated) == len(users)

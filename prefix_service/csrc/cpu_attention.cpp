@@ -131,6 +131,11 @@ inline void pv_any(const float* p, int nk, const float* v, int64_t v_stride, flo
   }
 }
 
+// A mask of the first n of 16 lanes (all for n >= 16, none for n <= 0).
+inline __mmask16 first_lanes(int n) {
+  return n >= KP ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
 // The state of one tile of MR query rows.
 struct Tile {
   alignas(64) float qs[MR * MAX_D];  // scaled queries
@@ -154,7 +159,7 @@ inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, i
     }
     __m512 mx = neg_inf;
     for (int j = 0; j < KC; j += KP) {
-      const __mmask16 keep = n - j >= KP ? (__mmask16)0xFFFF : n - j <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n - j)) - 1);
+      const __mmask16 keep = first_lanes(n - j);
       mx = _mm512_mask_max_ps(mx, keep, mx, _mm512_loadu_ps(s + j));
     }
     const float m_new = std::fmax(t.m[r], _mm512_reduce_max_ps(mx));
@@ -162,7 +167,7 @@ inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, i
     const __m512 mb = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < KC; j += KP) {
-      const __mmask16 keep = n - j >= KP ? (__mmask16)0xFFFF : n - j <= 0 ? (__mmask16)0 : (__mmask16)((1u << (n - j)) - 1);
+      const __mmask16 keep = first_lanes(n - j);
       const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mb)));
       _mm512_storeu_ps(s + j, e);
       sum = _mm512_add_ps(sum, e);
@@ -194,7 +199,8 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   const int c_panels = (c_len + KP - 1) / KP;
   const int64_t panel_floats = (int64_t)d_len * KP;
   // segment B's keys as panels, made once per call by all threads
-  float* kb = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * (size_t)(hkv * (int64_t)c_panels * panel_floats + KP)));
+  const size_t kb_bytes = sizeof(float) * (size_t)(hkv * (int64_t)c_panels * panel_floats + KP);  // a multiple of 64
+  float* kb = static_cast<float*>(std::aligned_alloc(64, kb_bytes));
   if (kb == nullptr) return 3;
   const int r_panels = (r_len + KP - 1) / KP;
 #pragma omp parallel
@@ -258,5 +264,99 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   }
   std::free(kb);
   return 0;
+#endif
+}
+
+// Decode attention: n_seq sequences, one new token each, over their paged cache
+// (k_cache/v_cache [blocks][block_size][Hkv][D], the new token's K/V already stored). Sequence n
+// sees context_lens[n] tokens through its block table; where kt_ptrs[n] is not 0 its first
+// skip_blocks[n] blocks come instead from a packed template (the layout of segment A above).
+// Work is split over (sequence, KV head, tile of query heads); cache keys are gathered 64 at a
+// time into panels in a per-thread buffer.
+extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
+                                   int n_seq, int hq, int hkv, int d_len, float scale,
+                                   const float* k_cache, const float* v_cache, int block_size,
+                                   const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
+                                   const int32_t* skip_blocks, const int64_t* kt_ptrs, const int64_t* vt_ptrs) {
+#if !defined(__AVX512F__)
+  (void)q; (void)q_stride; (void)out; (void)out_stride; (void)n_seq; (void)hq; (void)hkv; (void)d_len;
+  (void)scale; (void)k_cache; (void)v_cache; (void)block_size; (void)block_tables; (void)table_stride;
+  (void)context_lens; (void)skip_blocks; (void)kt_ptrs; (void)vt_ptrs;
+  return 1;
+#else
+  if (d_len <= 0 || d_len > MAX_D || d_len % KP != 0 || hkv <= 0 || hq % hkv != 0) return 2;
+  const int g = hq / hkv;
+  const int tiles = (g + MR - 1) / MR;  // tiles of query heads per KV head
+  const int64_t slot_stride = (int64_t)hkv * d_len;
+  const int64_t block_floats = (int64_t)block_size * slot_stride;
+  const int64_t panel_floats = (int64_t)d_len * KP;
+  int status = 0;
+#pragma omp parallel
+  {
+    float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
+    float* vbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
+    if (kbuf == nullptr || vbuf == nullptr) {
+#pragma omp atomic write
+      status = 3;
+    }
+    Tile t;
+    int valid[MR];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < (int64_t)n_seq * hkv * tiles; ++task) {
+      if (kbuf == nullptr || vbuf == nullptr) continue;
+      const int n = (int)(task / ((int64_t)hkv * tiles));
+      const int h = (int)((task / tiles) % hkv);
+      const int g0 = (int)(task % tiles) * MR;
+      for (int r = 0; r < MR; ++r) {
+        const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
+        const float* src = q + n * q_stride + (int64_t)(h * g + gg) * d_len;
+        for (int d = 0; d < d_len; ++d) t.qs[r * MAX_D + d] = src[d] * scale;
+        std::memset(t.o + r * MAX_D, 0, sizeof(float) * d_len);
+        t.m[r] = -std::numeric_limits<float>::infinity();
+        t.l[r] = 0.0f;
+      }
+      int first = 0;  // first cache token to read
+      if (kt_ptrs != nullptr && kt_ptrs[n] != 0) {
+        const int r_len = skip_blocks[n] * block_size;
+        const int r_panels = (r_len + KP - 1) / KP;
+        const float* kt_h = reinterpret_cast<const float*>(kt_ptrs[n]) + (int64_t)h * r_panels * panel_floats;
+        const float* vt_h = reinterpret_cast<const float*>(vt_ptrs[n]) + (int64_t)h * r_len * d_len;
+        for (int c0 = 0; c0 < r_len; c0 += KC) {
+          const int nk = r_len - c0 < KC ? r_len - c0 : KC;
+          for (int r = 0; r < MR; ++r) valid[r] = nk;
+          chunk(t, d_len, kt_h + (int64_t)(c0 / KP) * panel_floats, nk, vt_h + (int64_t)c0 * d_len, d_len, valid);
+        }
+        first = r_len;
+      }
+      const int ctx = context_lens[n];
+      const int32_t* table = block_tables + n * table_stride;
+      for (int c0 = first; c0 < ctx; c0 += KC) {
+        const int nk = ctx - c0 < KC ? ctx - c0 : KC;
+        for (int j = 0; j < nk; ++j) {
+          const int tok = c0 + j;
+          const int64_t base = (int64_t)table[tok / block_size] * block_floats
+                               + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
+          float* kp = kbuf + (j / KP) * panel_floats + j % KP;
+          const float* ks = k_cache + base;
+          for (int d = 0; d < d_len; ++d) kp[d * KP] = ks[d];
+          std::memcpy(vbuf + (int64_t)j * d_len, v_cache + base, sizeof(float) * d_len);
+        }
+        for (int j = nk; j % KP != 0; ++j) {  // the last panel's unused keys
+          float* kp = kbuf + (j / KP) * panel_floats + j % KP;
+          for (int d = 0; d < d_len; ++d) kp[d * KP] = 0.0f;
+        }
+        for (int r = 0; r < MR; ++r) valid[r] = nk;
+        chunk(t, d_len, kbuf, nk, vbuf, d_len, valid);
+      }
+      for (int r = 0; r < MR && g0 + r < g; ++r) {
+        float* dst = out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len;
+        const float inv = 1.0f / t.l[r];
+        for (int d = 0; d < d_len; ++d) dst[d] = t.o[r * MAX_D + d] * inv;
+      }
+    }
+    std::free(kbuf);
+    std::free(vbuf);
+  }
+  return status;
 #endif
 }
