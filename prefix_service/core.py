@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from prefix_service import cpu_attention
+from prefix_service import cpu_attention, hostmem
 from prefix_service.attention import make_backend
 from prefix_service.block_allocator import BlockAllocator
 from prefix_service.config import EngineConfig
@@ -60,6 +60,8 @@ class EngineCore:
         if mc.num_threads is not None:
             torch.set_num_threads(mc.num_threads)  # process-wide: one engine per process
         self.device = resolve_device(mc.device)
+        if self.device.type == "cpu":  # activations are host memory: no page faults on reuse (hostmem.py)
+            hostmem.keep_freed_memory()
         self.dtype = resolve_dtype(mc.dtype, mc.path, self.device)
         self.arch = read_arch(mc.path)
         max_len = mc.max_model_len or self.arch.max_position_embeddings

@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=10, help="timed requests per path")
     p.add_argument("--profile-runs", type=int, default=3, help="profiled requests per path")
     p.add_argument("--threads", type=int, help="torch threads (default: the config's, else torch's)")
+    p.add_argument("--cpu-attention", choices=("auto", "native", "torch"),
+                   help="model.cpu_attention (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -141,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine_config(args)
     if args.threads:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=args.threads))
+    if args.cpu_attention:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cpu_attention=args.cpu_attention))
     print(f"loading {cfg.model.path} ...", flush=True)
     core = EngineCore(cfg)
     arch = core.arch
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio["packing_p50"] = round(results[2]["ttft_p50_ms"] / pre["ttft_p50_ms"], 3)
 
     print(f"{os.path.basename(str(cfg.model.path).rstrip('/'))}: {arch.num_layers} layers, {core.device}, "
-          f"{torch.get_num_threads()} threads; template {args.prefix_tokens} tokens, prompt {args.prompt_tokens}, "
+          f"{torch.get_num_threads()} threads, attention {core.cpu_attention or core.backend.name}; template {args.prefix_tokens} tokens, prompt {args.prompt_tokens}, "
           f"{args.runs} requests per path")
     head = f"{'path':<10} {'tokens':>6} {'TTFT p50':>9} {'min':>8} {'GFLOP':>7} {'GFLOP/s':>8}"
     if args.profile_runs:
@@ -223,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine_info(), "model": str(cfg.model.path),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(), "threads": torch.get_num_threads(),
+                       "cpu_attention": core.cpu_attention,
                        "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens, "runs": args.runs,
                        "profile_runs": args.profile_runs, "results": results, "ratio": ratio}, fh, indent=2)
         print(f"JSON: {args.json}")

@@ -35,6 +35,8 @@ def test_profile_prefill_script(llama_dir, tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
+    from prefix_service import cpu_attention
+    assert data["cpu_attention"] == ("native" if cpu_attention.available() is None else "torch")  # the default, auto
     cfg = json.loads((llama_dir / "config.json").read_text())
     layers_w, head_w = _linear_weights(llama_dir)
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
