@@ -351,4 +351,6 @@ class EngineCore:
         return {"num_blocks": self.allocator.num_blocks, "used": self.allocator.num_used,
                 "free": self.allocator.num_free, "pinned": self.prefixes.num_pinned_blocks,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "preemptions": self.scheduler.num_preemptions}
+                "preemptions": self.scheduler.num_preemptions,
+                # host memory of pinned templates' packed K/V copies (packed_prefix.py), outside the KV cache
+                "packed_prefix_bytes": sum(p.nbytes for p in self.runner.packed_prefixes.values())}

@@ -1,17 +1,18 @@
-"""Pinned templates' K and V held a second time in a layout made for CPU prefill attention.
+"""Pinned templates' K and V held a second time in a layout made for CPU attention.
 
 A request that continues a template attends, at every layer, over the template's keys and values,
 which do not change while the template is pinned. Held once more, reordered at pin time, they are
 read by each request without per-call packing. Two layouts, one per CPU attention:
 
 * native (cpu_attention.py, model.cpu_attention): K as panels of 16 keys, V as rows, per KV head;
-  the kernel attends over them and the rest of the context in one pass.
+  the kernel attends over them and the rest of the context in one pass, in prefill and decode.
 * oneDNN (torch attention): K_h and V_h^T per KV head, each packed as a linear layer's weight is
   (packed_linear.py); `attend_packed` computes scores = Q K^T and out = P V with them, and the
   rest of the context and the new tokens are attended as before (flash, causal), the two parts
   merged by their log-sum-exp.
 
-Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory, and the
+Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory (reported
+as kv_stats()["packed_prefix_bytes"] and the metric prefix_service_packed_template_bytes), and the
 packing when the template is pinned (SmolLM2-135M, 2,224 tokens: 98 MiB in 54 ms). CPU, float32.
 """
 from __future__ import annotations

@@ -138,6 +138,9 @@ def test_packed_copy_dropped_with_the_template_blocks(attention, make_engine):
     engine.add_prefix("a", token_ids=ids_of(9))
     engine.add_prefix("b", token_ids=ids_of(3, salt=1))  # no full block: nothing to pack
     assert packed() == ["a"]
+    arch = engine._run(lambda core: core.arch)
+    # 2 full blocks of 4 tokens, K and V of every layer, float32
+    assert engine.kv_stats()["packed_prefix_bytes"] == 2 * 2 * BLOCK * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
     assert engine.remove_prefix("a") is True  # unused: freed at once, and its packed copy with it
     assert packed() == []
 
@@ -162,6 +165,7 @@ def test_packed_copy_dropped_with_the_template_blocks(attention, make_engine):
             threading.Event().wait(0.01)
     assert packed() == []
     assert engine.kv_stats()["pinned"] == 1  # "b" alone
+    assert engine.kv_stats()["packed_prefix_bytes"] == 0
 
 
 def test_pack_prefix_kv_config_is_checked():
