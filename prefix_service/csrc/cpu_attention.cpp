@@ -178,6 +178,30 @@ inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, i
   pv_any(t.s, nk, v, v_stride, t.o, d_len, t.alpha);
 }
 
+// Row r of a tile starts: its scaled query from src, an empty output and softmax state.
+inline void start_row(Tile& t, int r, const float* src, int d_len, float scale) {
+  for (int d = 0; d < d_len; ++d) t.qs[r * MAX_D + d] = src[d] * scale;
+  std::memset(t.o + r * MAX_D, 0, sizeof(float) * d_len);
+  t.m[r] = -std::numeric_limits<float>::infinity();
+  t.l[r] = 0.0f;
+}
+
+// Every row of the tile over a packed template's r_len keys, all visible (K panels at kt_h, V rows at vt_h).
+inline void attend_template(Tile& t, int d_len, const float* kt_h, const float* vt_h, int r_len) {
+  int valid[MR];
+  for (int c0 = 0; c0 < r_len; c0 += KC) {
+    const int nk = r_len - c0 < KC ? r_len - c0 : KC;
+    for (int r = 0; r < MR; ++r) valid[r] = nk;
+    chunk(t, d_len, kt_h + (int64_t)(c0 / KP) * d_len * KP, nk, vt_h + (int64_t)c0 * d_len, d_len, valid);
+  }
+}
+
+// Row r's normalised output into dst.
+inline void store_row(const Tile& t, int r, float* dst, int d_len) {
+  const float inv = 1.0f / t.l[r];
+  for (int d = 0; d < d_len; ++d) dst[d] = t.o[r * MAX_D + d] * inv;
+}
+
 }  // namespace
 #endif
 
@@ -229,21 +253,12 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
       for (int r = 0; r < MR; ++r) {
         const int row = r0 + r < rows ? r0 + r : rows - 1;  // a padding row repeats the last one
         tok[r] = row / g;
-        const float* src = q + tok[r] * q_stride + (int64_t)(h * g + row % g) * d_len;
-        for (int d = 0; d < d_len; ++d) t.qs[r * MAX_D + d] = src[d] * scale;
-        std::memset(t.o + r * MAX_D, 0, sizeof(float) * d_len);
-        t.m[r] = -std::numeric_limits<float>::infinity();
-        t.l[r] = 0.0f;
+        start_row(t, r, q + tok[r] * q_stride + (int64_t)(h * g + row % g) * d_len, d_len, scale);
         const int visible = c_len - m_len + tok[r] + 1;
         if (visible > last_visible) last_visible = visible;
       }
-      const float* kt_h = kt + (int64_t)h * r_panels * panel_floats;
-      const float* vt_h = vt + (int64_t)h * r_len * d_len;
-      for (int c0 = 0; c0 < r_len; c0 += KC) {  // A: every key visible
-        const int nk = r_len - c0 < KC ? r_len - c0 : KC;
-        for (int r = 0; r < MR; ++r) valid[r] = nk;
-        chunk(t, d_len, kt_h + (int64_t)(c0 / KP) * panel_floats, nk, vt_h + (int64_t)c0 * d_len, d_len, valid);
-      }
+      if (r_len > 0)  // A: every key visible
+        attend_template(t, d_len, kt + (int64_t)h * r_panels * panel_floats, vt + (int64_t)h * r_len * d_len, r_len);
       const float* kb_h = kb + (int64_t)h * c_panels * panel_floats;
       for (int c0 = 0; c0 < last_visible; c0 += KC) {  // B: causal
         const int nk = last_visible - c0 < KC ? last_visible - c0 : KC;
@@ -254,12 +269,8 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
         chunk(t, d_len, kb_h + (int64_t)(c0 / KP) * panel_floats, nk, vr + c0 * vr_stride + (int64_t)h * d_len,
               vr_stride, valid);
       }
-      for (int r = 0; r < MR && r0 + r < rows; ++r) {
-        const int row = r0 + r;
-        float* dst = out + tok[r] * out_stride + (int64_t)(h * g + row % g) * d_len;
-        const float inv = 1.0f / t.l[r];
-        for (int d = 0; d < d_len; ++d) dst[d] = t.o[r * MAX_D + d] * inv;
-      }
+      for (int r = 0; r < MR && r0 + r < rows; ++r)
+        store_row(t, r, out + tok[r] * out_stride + (int64_t)(h * g + (r0 + r) % g) * d_len, d_len);
     }
   }
   std::free(kb);
@@ -309,23 +320,14 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       const int g0 = (int)(task % tiles) * MR;
       for (int r = 0; r < MR; ++r) {
         const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
-        const float* src = q + n * q_stride + (int64_t)(h * g + gg) * d_len;
-        for (int d = 0; d < d_len; ++d) t.qs[r * MAX_D + d] = src[d] * scale;
-        std::memset(t.o + r * MAX_D, 0, sizeof(float) * d_len);
-        t.m[r] = -std::numeric_limits<float>::infinity();
-        t.l[r] = 0.0f;
+        start_row(t, r, q + n * q_stride + (int64_t)(h * g + gg) * d_len, d_len, scale);
       }
       int first = 0;  // first cache token to read
       if (kt_ptrs != nullptr && kt_ptrs[n] != 0) {
         const int r_len = skip_blocks[n] * block_size;
         const int r_panels = (r_len + KP - 1) / KP;
-        const float* kt_h = reinterpret_cast<const float*>(kt_ptrs[n]) + (int64_t)h * r_panels * panel_floats;
-        const float* vt_h = reinterpret_cast<const float*>(vt_ptrs[n]) + (int64_t)h * r_len * d_len;
-        for (int c0 = 0; c0 < r_len; c0 += KC) {
-          const int nk = r_len - c0 < KC ? r_len - c0 : KC;
-          for (int r = 0; r < MR; ++r) valid[r] = nk;
-          chunk(t, d_len, kt_h + (int64_t)(c0 / KP) * panel_floats, nk, vt_h + (int64_t)c0 * d_len, d_len, valid);
-        }
+        attend_template(t, d_len, reinterpret_cast<const float*>(kt_ptrs[n]) + (int64_t)h * r_panels * panel_floats,
+                        reinterpret_cast<const float*>(vt_ptrs[n]) + (int64_t)h * r_len * d_len, r_len);
         first = r_len;
       }
       const int ctx = context_lens[n];
@@ -348,11 +350,8 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         for (int r = 0; r < MR; ++r) valid[r] = nk;
         chunk(t, d_len, kbuf, nk, vbuf, d_len, valid);
       }
-      for (int r = 0; r < MR && g0 + r < g; ++r) {
-        float* dst = out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len;
-        const float inv = 1.0f / t.l[r];
-        for (int d = 0; d < d_len; ++d) dst[d] = t.o[r * MAX_D + d] * inv;
-      }
+      for (int r = 0; r < MR && g0 + r < g; ++r)
+        store_row(t, r, out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len, d_len);
     }
     std::free(kbuf);
     std::free(vbuf);
