@@ -62,8 +62,8 @@ class AttentionMetadata:
 
 
 class TorchAttentionBackend:
-    """native: CPU prefill attention in the native kernel (cpu_attention.py), float32 only; decode
-    attention and every other device stay on torch."""
+    """native: CPU prefill and decode attention in the native kernel (cpu_attention.py), float32
+    only; every other device stays on torch's kernels."""
     name = "torch"
     native = False
 
@@ -119,25 +119,32 @@ class TorchAttentionBackend:
         return self._attend_prefill(q, k_all, v_all, cu_k, meta, scale)
 
     @staticmethod
+    def _after_context(i: int, skip: int, ctx: int, ki, vi, k_cache, v_cache, meta: AttentionMetadata):
+        """Prefill i's keys and values after its first `skip` blocks: the rest of its context
+        (`ctx` tokens in all), gathered from its blocks, in front of its new tokens' ki, vi."""
+        bs = k_cache.shape[1]
+        rest = ctx - skip * bs
+        if not rest:
+            return ki, vi
+        blocks = meta.cache.get(("rest_blocks", i))  # the same for every layer of the step
+        if blocks is None:
+            blocks = meta.cache[("rest_blocks", i)] = meta.prefill_block_tables[i, skip:-(-ctx // bs)].long()
+        return (torch.cat([k_cache.index_select(0, blocks).flatten(0, 1)[:rest], ki]),
+                torch.cat([v_cache.index_select(0, blocks).flatten(0, 1)[:rest], vi]))
+
+    @staticmethod
     def _prefill_native(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Per prefill sequence, one call of the native kernel: its new queries over its packed
         template (meta.prefill_packed, every key visible), then the rest of its context, gathered
         from its blocks, and its new tokens (causal, bottom-right), in one softmax."""
         out = q.new_empty(q.shape)  # dense rows, whatever q's row stride
-        bs = k_cache.shape[1]
         packed = meta.prefill_packed or [None] * meta.num_prefills
         start = 0
         for i, (q_len, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list)):
             template = packed[i].layer(k_cache) if packed[i] is not None else None
             skip = packed[i].num_blocks if packed[i] is not None else 0
-            rest = ctx - skip * bs
-            ki, vi = k[start:start + q_len], v[start:start + q_len]
-            if rest:  # context after the template's packed blocks: gathered, in front of the new tokens
-                blocks = meta.cache.get(("rest_blocks", i))
-                if blocks is None:
-                    blocks = meta.cache[("rest_blocks", i)] = meta.prefill_block_tables[i, skip:-(-ctx // bs)].long()
-                ki = torch.cat([k_cache.index_select(0, blocks).flatten(0, 1)[:rest], ki])
-                vi = torch.cat([v_cache.index_select(0, blocks).flatten(0, 1)[:rest], vi])
+            ki, vi = TorchAttentionBackend._after_context(i, skip, ctx, k[start:start + q_len], v[start:start + q_len],
+                                                          k_cache, v_cache, meta)
             cpu_attention.prefill_attention(q[start:start + q_len], ki, vi, scale, out=out[start:start + q_len],
                                             template=template)
             start += q_len
@@ -160,13 +167,9 @@ class TorchAttentionBackend:
         for i, (q_len, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list)):
             first, n_run = runs[i] if packed[i] is None else (0, packed[i].num_blocks)
             rest = ctx - n_run * bs
-            qi, ki, vi = q[start:start + q_len], k[start:start + q_len], v[start:start + q_len]
-            if rest:  # context after the run: gathered, in front of the new tokens
-                blocks = meta.cache.get(("rest_blocks", i))
-                if blocks is None:
-                    blocks = meta.cache[("rest_blocks", i)] = meta.prefill_block_tables[i, n_run:-(-ctx // bs)].long()
-                ki = torch.cat([k_cache.index_select(0, blocks).flatten(0, 1)[:rest], ki])
-                vi = torch.cat([v_cache.index_select(0, blocks).flatten(0, 1)[:rest], vi])
+            qi = q[start:start + q_len]
+            ki, vi = TorchAttentionBackend._after_context(i, n_run, ctx, k[start:start + q_len], v[start:start + q_len],
+                                                          k_cache, v_cache, meta)
             mask = meta.causal_mask(q_len, rest, q.dtype, q.device) if rest else None
             q4, k4, v4 = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
             if not n_run:
@@ -220,7 +223,7 @@ class TorchAttentionBackend:
 
 def make_backend(name: str, device: torch.device, native: bool = False):
     """'auto' picks the cuda backend on a GPU, torch elsewhere; native: the torch backend's CPU
-    prefill attention in the native kernel (the caller checked cpu_attention.available())."""
+    attention in the native kernel (the caller checked cpu_attention.available())."""
     if name == "cuda" and device.type != "cuda":
         from prefix_service.errors import ConfigError
         raise ConfigError(f"model.attention_backend: 'cuda' needs a CUDA device, the model is on {device}")

@@ -116,8 +116,8 @@ class EngineCore:
         return "onednn"
 
     def _cpu_attention(self, choice: str) -> str | None:
-        """model.cpu_attention: on a CPU in float32, prefill attention in the native kernel
-        (cpu_attention.py) unless told not to or it cannot be built here. Returns 'native' or
+        """model.cpu_attention: on a CPU in float32, prefill and decode attention in the native
+        kernel (cpu_attention.py) unless told not to or it cannot be built here. Returns 'native' or
         'torch'; None on a GPU."""
         if self.device.type != "cpu":
             return None
@@ -131,13 +131,13 @@ class EngineCore:
         if reason is not None:
             if choice == "native":
                 raise PrefixServiceError(f"model.cpu_attention: native was asked for, but {reason}; use auto or torch")
-            log.warning("model.cpu_attention auto: prefill attention on torch's kernels, as %s", reason)
+            log.warning("model.cpu_attention auto: attention on torch's kernels, as %s", reason)
             return "torch"
         return "native"
 
     def _packs_prefix_kv(self, wanted: bool) -> bool:
         """cache.pack_prefix_kv: where it applies (CPU, float32; oneDNN unless the native kernel
-        reads them), pinned templates' K/V are also held packed for prefill attention
+        reads them), pinned templates' K/V are also held packed for CPU attention
         (packed_prefix.py)."""
         if not wanted:
             return False

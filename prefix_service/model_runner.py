@@ -24,7 +24,7 @@ class ModelRunner:
         self.packed_prefixes: dict[PrefixHandle, PackedPrefixKV] = {}  # CPU: templates' K/V packed (pack_prefix)
 
     def pack_prefix(self, handle: PrefixHandle) -> PackedPrefixKV | None:
-        """Hold a pinned template's full blocks a second time, packed for CPU prefill attention
+        """Hold a pinned template's full blocks a second time, packed for CPU attention
         (packed_prefix.py); requests that continue it read them there. None if it has no full block."""
         full = handle.num_tokens // self.block_size
         if not full:
@@ -137,9 +137,10 @@ class ModelRunner:
             prefill_max_k=max((a + b for a, b in zip(q_lens, ctx)), default=0),
             prefill_total_k=sum(q_lens) + sum(ctx),
         )
-        if not getattr(self.backend, "native", False):  # the native kernel reads each context in place: faster
-            meta.decode_cascade = self._cascade([s.seq for s in decodes], dec_ctx)  # than grouping (c=4-64)
-        meta.prefill_ctx_runs = [self._leading_run(s.seq.block_table, c // B) for s, c in zip(prefills, ctx)]
+        if not getattr(self.backend, "native", False):  # the native kernel reads each context in place
+            # (faster than cascade grouping at 4-64 sequences) and takes no leading runs
+            meta.decode_cascade = self._cascade([s.seq for s in decodes], dec_ctx)
+            meta.prefill_ctx_runs = [self._leading_run(s.seq.block_table, c // B) for s, c in zip(prefills, ctx)]
         if self.packed_prefixes:
             meta.prefill_packed = [self._packed_for(s.seq) for s in prefills]
             meta.decode_packed = [self._packed_for(s.seq) for s in decodes]

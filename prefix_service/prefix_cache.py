@@ -76,14 +76,11 @@ class PrefixCacheManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(h.num_blocks for h in self._all_pinned())
-
-    def _all_pinned(self) -> list[PrefixHandle]:
-        return list(self._handles.values()) + self._detached
+        return sum(h.num_blocks for h in self.pinned_handles())
 
     def pinned_handles(self) -> list[PrefixHandle]:
         """Every template whose blocks are held: registered, or removed but still in use."""
-        return self._all_pinned()
+        return list(self._handles.values()) + self._detached
 
     # --- add --------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -150,7 +147,7 @@ class PrefixCacheManager:
     # --- integrity --------------------------------------------------------------------------
     def held_refs(self) -> dict[BlockId, int]:
         refs: dict[BlockId, int] = {}
-        for h in self._all_pinned():
+        for h in self.pinned_handles():
             for b in h.block_table:
                 refs[b] = refs.get(b, 0) + 1
         return refs
