@@ -22,7 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
-CPU_LINEARS = ("auto", "onednn", "blas")
+CPU_LINEARS = ("auto", "native", "onednn", "blas")
 CPU_ATTENTIONS = ("auto", "native", "torch")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -70,7 +70,9 @@ class ModelConfig:
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
-    cpu_linear: str = "auto"  # on CPU: onednn (weights packed at load), blas (F.linear); auto: onednn where it works
+    # on CPU: native (cpu_linear.py) or onednn, weights packed at load, or blas (F.linear);
+    # auto: native where it builds and the model is float32, else onednn where it works, else blas
+    cpu_linear: str = "auto"
     cpu_attention: str = "auto"  # on CPU: native (cpu_attention.py) or torch attention; auto: native where it builds
 
     def __post_init__(self) -> None:

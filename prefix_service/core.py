@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from prefix_service import cpu_attention, hostmem
+from prefix_service import cpu_attention, cpu_linear, hostmem
 from prefix_service.attention import make_backend
 from prefix_service.block_allocator import BlockAllocator
 from prefix_service.config import EngineConfig
@@ -99,21 +99,29 @@ class EngineCore:
                  f", linear {self.cpu_linear}, attention {self.cpu_attention}" if self.cpu_linear else "")
 
     def _pack_linears(self, choice: str) -> str | None:
-        """model.cpu_linear: on a CPU, pack the weights for oneDNN unless told not to or it cannot
-        run here. Returns the implementation in use ('onednn' or 'blas'); None on a GPU."""
+        """model.cpu_linear: on a CPU, pack the weights for the native kernel (cpu_linear.py) or
+        oneDNN unless told not to; auto takes the first of the two that runs here. Returns the
+        implementation in use ('native', 'onednn' or 'blas'); None on a GPU."""
         if self.device.type != "cpu":
             return None
         if choice == "blas":
             return "blas"
-        reason = onednn_linear_available(self.dtype)
-        if reason is not None:
-            if choice == "onednn":
-                raise PrefixServiceError(f"model.cpu_linear: onednn was asked for, but {reason}; "
-                                         f"use auto or blas")
-            log.warning("model.cpu_linear auto: linear layers on BLAS (F.linear), as %s", reason)
-            return "blas"
-        self.model.pack_for_cpu()
-        return "onednn"
+        reasons = {}
+        for kind, check in (("native", cpu_linear.available), ("onednn", onednn_linear_available)):
+            if choice not in ("auto", kind):
+                continue
+            reason = check(self.dtype)
+            if reason is None:
+                if reasons:
+                    log.info("model.cpu_linear auto: linear layers on %s, as native: %s", kind, reasons["native"])
+                self.model.pack_for_cpu(kind)
+                return kind
+            if choice == kind:
+                raise PrefixServiceError(f"model.cpu_linear: {kind} was asked for, but {reason}; use auto or blas")
+            reasons[kind] = reason
+        log.warning("model.cpu_linear auto: linear layers on BLAS (F.linear), as %s",
+                    "; ".join(f"{k}: {r}" for k, r in reasons.items()))
+        return "blas"
 
     def _cpu_attention(self, choice: str) -> str | None:
         """model.cpu_attention: on a CPU in float32, prefill and decode attention in the native

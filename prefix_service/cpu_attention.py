@@ -8,30 +8,15 @@ all query heads of a KV head together, in one OpenMP parallel region on torch's 
 A pinned template's keys may come packed at pin time (PackedPrefixKV), so a request that
 continues it reads them without any per-call reordering.
 
-The library is compiled with the system C++ compiler (`CXX`, else `c++`/`g++`), `-march=native`,
-into `$PREFIX_SERVICE_CACHE_DIR` (default `~/.cache/prefix_service`), keyed by the source, the
-compiler and the CPU; about two seconds, once per machine. `available()` says why it cannot be
-used (no compiler, no AVX-512, a failed build), and the engine then keeps torch's kernels.
+It lives in the native library (native.py), built on first use with the system C++ compiler;
+`available()` says why it cannot be used, and the engine then keeps torch's kernels.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger("prefix_service.engine")
+from prefix_service import native
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PROFILE_SCOPE = "prefix_service::cpu_attention"  # the kernel's calls, named in a torch profile
 PANEL = 16  # keys per K panel: the layout of pack_keys, as the kernel reads it
 HEAD_SIZES = range(16, 257, 16)  # head sizes the kernel takes
@@ -44,74 +29,9 @@ class NativeAttentionError(RuntimeError):
     pass
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("PREFIX_SERVICE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "prefix_service"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_signature() -> str:
-    """The CPU's model and flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            lines = [ln for ln in fh if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _build(cxx: str) -> Path:
-    source = SOURCE.read_bytes()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"cpu_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                              check=False)
-        if proc.returncode != 0:
-            raise NativeAttentionError(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
-    log.info("built %s in %s", SOURCE.name, target)
-    return target
-
-
-@functools.lru_cache(maxsize=None)
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"the native kernel is built for x86-64 Linux, not {platform.system()} {platform.machine()}"
-    cxx = _compiler()
-    if cxx is None:
-        return None, "no C++ compiler found (set CXX)"
-    try:
-        lib = ctypes.CDLL(str(_build(cxx)))
-    except (NativeAttentionError, OSError) as exc:
-        return None, str(exc)
-    if lib.ps_isa() != 512:
-        return None, "this CPU has no AVX-512"
-    f = lib.ps_prefill_attention
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    f.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, i32, ptr, i64, ptr, i64, i32]
-    f.restype = i32
-    f = lib.ps_decode_attention
-    f.argtypes = [ptr, i64, ptr, i64, i32, i32, i32, i32, ctypes.c_float, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr]
-    f.restype = i32
-    return lib, None
-
-
 def available() -> str | None:
     """None when the native kernel can be used here, else the reason."""
-    return _load()[1]
+    return native.load()[1]
 
 
 def pack_keys(k: torch.Tensor) -> torch.Tensor:
@@ -147,7 +67,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     the M new tokens; query i sees the first C - M + i + 1); template: (K panels, V rows, R) from
     pack_keys/pack_values, R keys every query sees, in front of k/v. Rows may be strided (views
     of a fused projection); heads must be dense. Returns out [M, Hq, D]."""
-    lib, reason = _load()
+    lib, reason = native.load()
     if lib is None:
         raise NativeAttentionError(reason)
     m, hq, d = q.shape
@@ -165,11 +85,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         if kt.shape != (hkv, -(-r // PANEL), d, PANEL) or vt.shape != (hkv, r, d) or not (
                 kt.is_contiguous() and vt.is_contiguous()):
             raise NativeAttentionError(f"template layout: K {tuple(kt.shape)}, V {tuple(vt.shape)} for {r} keys")
-    with torch.profiler.record_function(PROFILE_SCOPE):
-        code = lib.ps_prefill_attention(
-            q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
-            kt.data_ptr() if kt is not None else None, vt.data_ptr() if vt is not None else None, r,
-            k.data_ptr(), ks, v.data_ptr(), vs, c)
+    code = native.call(
+        lib.ps_prefill_attention, PROFILE_SCOPE, q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
+        kt.data_ptr() if kt is not None else None, vt.data_ptr() if vt is not None else None, r,
+        k.data_ptr(), ks, v.data_ptr(), vs, c)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out
@@ -184,7 +103,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tokens' K/V already stored; block_tables: int32 [N, W]; context_lens: int32 [N], the new token
     included; templates: per sequence None or (K panels, V rows, R) of pack_keys/pack_values, R a
     multiple of the block size: its first R / block_size blocks are read from there. Returns out."""
-    lib, reason = _load()
+    lib, reason = native.load()
     if lib is None:
         raise NativeAttentionError(reason)
     n, hq, d = q.shape
@@ -212,12 +131,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         skip = torch.tensor([t[2] // bs if t is not None else 0 for t in templates], dtype=torch.int32)
         kt_ptrs = torch.tensor([t[0].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
         vt_ptrs = torch.tensor([t[1].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
-    with torch.profiler.record_function(PROFILE_SCOPE):
-        code = lib.ps_decode_attention(
-            q.data_ptr(), qs, out.data_ptr(), os_, n, hq, hkv, d, scale, k_cache.data_ptr(), v_cache.data_ptr(), bs,
-            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
-            skip.data_ptr() if skip is not None else None, kt_ptrs.data_ptr() if kt_ptrs is not None else None,
-            vt_ptrs.data_ptr() if vt_ptrs is not None else None)
+    code = native.call(
+        lib.ps_decode_attention, PROFILE_SCOPE,
+        q.data_ptr(), qs, out.data_ptr(), os_, n, hq, hkv, d, scale, k_cache.data_ptr(), v_cache.data_ptr(), bs,
+        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
+        skip.data_ptr() if skip is not None else None, kt_ptrs.data_ptr() if kt_ptrs is not None else None,
+        vt_ptrs.data_ptr() if vt_ptrs is not None else None)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out

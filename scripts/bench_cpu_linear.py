@@ -1,10 +1,13 @@
-"""CPU linear layers: `F.linear` (the BLAS torch links, MKL in the x86 wheels) against the same layers
-with their weights packed once for oneDNN (`model.cpu_linear: onednn`, prefix_service/model/packed_linear.py).
+"""CPU linear layers three ways: `F.linear` (the BLAS torch links, MKL in the x86 wheels), the same
+layers with their weights packed once for oneDNN (`model.cpu_linear: onednn`,
+prefix_service/model/packed_linear.py), and packed for the native kernel (`model.cpu_linear:
+native`, prefix_service/cpu_linear.py).
 
 One pass runs every linear layer of the model's decoder stack (fused qkv, o, fused gate_up, down)
 once on an input of N rows, with each layer's own weights, as a forward does: the weights stream
-from memory, as they do in serving. The two ways alternate pass by pass; the table gives the
-median pass time and the weight bytes read per second, for N = 1 (a decode step) up to a long prefill.
+from memory, as they do in serving. The ways alternate pass by pass; the table gives the median
+pass time, the FLOP rate and the weight bytes read per second, for N = 1 (a decode step) up to a
+long prefill.
 
     python scripts/bench_cpu_linear.py --json bench_out/cpu_linear.json
 """
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from prefix_service import cpu_linear  # noqa: E402
 from prefix_service.model.packed_linear import PackedLinear, onednn_linear_available  # noqa: E402
 
 
@@ -52,53 +56,60 @@ def main() -> int:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    reason = onednn_linear_available(torch.float32)
-    if reason:
-        print(f"oneDNN linears are not available here: {reason}", file=sys.stderr)
-        return 1
     shapes, num_layers, name = layer_shapes(args.model)
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=gen) / i ** 0.5 for o, i in shapes] for _ in range(num_layers)]
-    packed = [[PackedLinear(w, None) for w in layer] for layer in weights]
     weight_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+    layers: dict[str, list] = {"blas": [[(lambda x, w=w: F.linear(x, w), w.shape[1]) for w in layer]
+                                        for layer in weights]}
+    for way, check, cls in (("onednn", onednn_linear_available, PackedLinear),
+                            ("native", cpu_linear.available, cpu_linear.NativeLinear)):
+        reason = check(torch.float32)
+        if reason:
+            print(f"{way}: not available here ({reason})", file=sys.stderr)
+            continue
+        layers[way] = [[(cls(w, None), w.shape[1]) for w in layer] for layer in weights]
+    ways = list(layers)
 
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
     print(f"{name}: {num_layers} layers x {len(shapes)} linears, {weight_bytes / 1e6:.0f} MB of float32 weights, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'rows':>6} {'F.linear ms':>12} {'oneDNN ms':>10} {'speed-up':>9} {'F.linear GB/s':>14} {'oneDNN GB/s':>12}")
+          f"{torch.get_num_threads()} threads; ms a pass (GFLOP/s, GB/s of weights)")
+    print(f"{'rows':>6} " + " ".join(f"{way + ' ms':>26}" for way in ways)
+          + "".join(f" {way + ' vs blas':>16}" for way in ways[1:]))
     with torch.inference_mode():
         for rows in rows_list:
             xs = {i: torch.randn(rows, i, generator=gen) for _, i in shapes}
 
-            def blas() -> None:
-                for layer in weights:
-                    for w in layer:
-                        F.linear(xs[w.shape[1]], w)
+            def run(way: str) -> None:
+                for layer in layers[way]:
+                    for fn, fan_in in layer:
+                        fn(xs[fan_in])
 
-            def onednn() -> None:
-                for layer in packed:
-                    for lin in layer:
-                        lin(xs[lin.in_features])
-
-            times = {"blas": [], "onednn": []}
-            blas(), onednn()  # warm
+            times: dict[str, list[float]] = {way: [] for way in ways}
+            for way in ways:  # warm
+                run(way)
             for _ in range(args.passes):
-                for way, fn in (("blas", blas), ("onednn", onednn)):
+                for way in ways:
                     t = time.perf_counter()
-                    fn()
+                    run(way)
                     times[way].append(time.perf_counter() - t)
-            b, o = statistics.median(times["blas"]), statistics.median(times["onednn"])
-            results.append({"rows": rows, "blas_ms": round(b * 1e3, 4), "onednn_ms": round(o * 1e3, 4),
-                            "speedup": round(b / o, 2), "blas_gb_s": round(weight_bytes / b / 1e9, 1),
-                            "onednn_gb_s": round(weight_bytes / o / 1e9, 1)})
-            r = results[-1]
-            print(f"{rows:>6} {r['blas_ms']:>12.1f} {r['onednn_ms']:>10.1f} {r['speedup']:>8.2f}x "
-                  f"{r['blas_gb_s']:>14.1f} {r['onednn_gb_s']:>12.1f}")
+            flop = 2 * rows * weight_bytes / 4
+            r: dict = {"rows": rows}
+            for way in ways:
+                med = statistics.median(times[way])
+                r.update({f"{way}_ms": round(med * 1e3, 4), f"{way}_gflop_s": round(flop / med / 1e9, 1),
+                          f"{way}_gb_s": round(weight_bytes / med / 1e9, 1)})
+            for way in ways[1:]:
+                r[f"{way}_speedup"] = round(r["blas_ms"] / r[f"{way}_ms"], 2)
+            results.append(r)
+            print(f"{rows:>6} " + " ".join(f"{r[way + '_ms']:>9.1f} ({r[way + '_gflop_s']:>6.1f}, {r[way + '_gb_s']:>5.1f})"
+                                          for way in ways)
+                  + "".join(f" {r[way + '_speedup']:>15.2f}x" for way in ways[1:]))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"model": name, "layers": num_layers, "weight_bytes": weight_bytes,
+            json.dump({"model": name, "layers": num_layers, "weight_bytes": weight_bytes, "ways": ways,
                        "threads": torch.get_num_threads(), "torch": torch.__version__,
                        "cpu": platform.processor() or platform.machine(),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, f, indent=2)

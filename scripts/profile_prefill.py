@@ -36,11 +36,13 @@ from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
 from prefix_service.core import EngineCore  # noqa: E402
 from prefix_service.cpu_attention import PROFILE_SCOPE as NATIVE_SCOPE  # noqa: E402
+from prefix_service.cpu_linear import PROFILE_SCOPE as NATIVE_LINEAR_SCOPE  # noqa: E402
 from prefix_service.packed_prefix import PROFILE_SCOPE as PACKED_SCOPE  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
 TEMPLATE = "profile_prefill"
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm")  # packed oneDNN, F.linear (BLAS)
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm",  # packed oneDNN, F.linear (BLAS)
+              NATIVE_LINEAR_SCOPE)  # the native kernel
 ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::logsumexp")  # the math fallback's kernels
 
 
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch threads (default: the config's, else torch's)")
     p.add_argument("--cpu-attention", choices=("auto", "native", "torch"),
                    help="model.cpu_attention (default: the config's)")
+    p.add_argument("--cpu-linear", choices=("auto", "native", "onednn", "blas"),
+                   help="model.cpu_linear (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -145,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=args.threads))
     if args.cpu_attention:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cpu_attention=args.cpu_attention))
+    if args.cpu_linear:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cpu_linear=args.cpu_linear))
     print(f"loading {cfg.model.path} ...", flush=True)
     core = EngineCore(cfg)
     arch = core.arch
@@ -204,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio["packing_p50"] = round(results[2]["ttft_p50_ms"] / pre["ttft_p50_ms"], 3)
 
     print(f"{os.path.basename(str(cfg.model.path).rstrip('/'))}: {arch.num_layers} layers, {core.device}, "
-          f"{torch.get_num_threads()} threads, attention {core.cpu_attention or core.backend.name}; template {args.prefix_tokens} tokens, prompt {args.prompt_tokens}, "
+          f"{torch.get_num_threads()} threads, attention {core.cpu_attention or core.backend.name}, linear "
+          f"{core.cpu_linear or 'torch'}; template {args.prefix_tokens} tokens, prompt {args.prompt_tokens}, "
           f"{args.runs} requests per path")
     head = f"{'path':<10} {'tokens':>6} {'TTFT p50':>9} {'min':>8} {'GFLOP':>7} {'GFLOP/s':>8}"
     if args.profile_runs:
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine_info(), "model": str(cfg.model.path),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(), "threads": torch.get_num_threads(),
-                       "cpu_attention": core.cpu_attention,
+                       "cpu_attention": core.cpu_attention, "cpu_linear": core.cpu_linear,
                        "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens, "runs": args.runs,
                        "profile_runs": args.profile_runs, "results": results, "ratio": ratio}, fh, indent=2)
         print(f"JSON: {args.json}")

@@ -42,3 +42,12 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float3
         out = hf.generate(x, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
                           attention_mask=torch.ones_like(x))
     return out[0, len(ids):].tolist(), logits
+
+
+def cpu_has_avx512() -> bool:
+    """The CPU reports AVX-512 Foundation (what the native CPU kernels need)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return any(line.startswith("flags") and " avx512f" in line for line in fh)
+    except OSError:
+        return False

@@ -1,16 +1,14 @@
 """The native CPU attention (cpu_attention.py): it builds wherever a compiler and AVX-512 are
 present; prefill and decode equal attention computed in float64, for templates, context and causal
 new tokens of any length and layout, and paged caches in any block order; the result does not
-depend on the thread count; it shares torch's OpenMP runtime; bad input gets a clear error; a
-prefill step through it equals torch's; the engine uses it by default and gives the same tokens as
+depend on the thread count; it shares torch's OpenMP runtime; bad input gets a clear error (the
+library's build: test_cpu_linear.py); a prefill step through it equals torch's; the engine uses it by default and gives the same tokens as
 with torch's kernels."""
-import shutil
-
 import pytest
 import torch
 
-from helpers import greedy, run_ids
-from prefix_service import GenerateRequest, cpu_attention
+from helpers import cpu_has_avx512, greedy, run_ids
+from prefix_service import GenerateRequest, cpu_attention, native
 from prefix_service.attention import TorchAttentionBackend
 from prefix_service.config import ConfigError, ModelConfig
 from prefix_service.errors import PrefixServiceError
@@ -22,21 +20,11 @@ REASON = cpu_attention.available()
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU attention here: {REASON}")
 
 
-def _cpu_has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return any(line.startswith("flags") and " avx512f" in line for line in fh)
-    except OSError:
-        return False
-
-
-def test_kernel_is_available_wherever_it_can_be_built():
-    """A compiler and an AVX-512 CPU: the kernel must build and load (a skip elsewhere must not hide
-    a broken build here); otherwise the reason names what is missing."""
-    if cpu_attention._compiler() is not None and _cpu_has_avx512():
+def test_kernel_is_available_wherever_the_native_library_is():
+    """The kernel is in the native library, which must build wherever it can (test_cpu_linear.py)."""
+    assert REASON == native.load()[1]
+    if native.compiler() is not None and cpu_has_avx512():
         assert REASON is None
-    else:
-        assert REASON and ("compiler" in REASON or "AVX-512" in REASON or "x86-64" in REASON)
 
 
 def reference(q, k, v, scale, kt=None, vt=None):
@@ -144,30 +132,6 @@ def test_bad_input_is_refused_with_a_clear_error():
     q8, k8, v8, _, _ = make_case(3, 0, 0, 2, 1, 8)
     with pytest.raises(cpu_attention.NativeAttentionError, match="head size"):
         cpu_attention.prefill_attention(q8, k8, v8, 0.3)
-
-
-def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch):
-    cxx = cpu_attention._compiler()
-    if cxx is None:
-        pytest.skip("no C++ compiler")
-    bad = tmp_path / "cpu_attention.cpp"
-    bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", bad)
-    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="compiling cpu_attention.cpp failed: .*error"):
-        cpu_attention._build(cxx)
-    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
-
-
-def test_build_goes_to_the_cache_dir_and_is_reused(tmp_path, monkeypatch):
-    cxx = cpu_attention._compiler()
-    if cxx is None or shutil.which(cxx) is None:
-        pytest.skip("no C++ compiler")
-    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path))
-    first = cpu_attention._build(cxx)
-    assert first.parent == tmp_path and first.suffix == ".so"
-    stamp = first.stat().st_mtime_ns
-    assert cpu_attention._build(cxx) == first and first.stat().st_mtime_ns == stamp  # not built again
 
 
 @needs_native

@@ -157,15 +157,17 @@ def test_onednn_engine_generates_like_blas(build_engine, model_dirs, tied_llama_
     assert got_ids == want_ids
 
 
-def test_cpu_linear_auto_picks_onednn(build_engine, llama_dir):
+def test_cpu_linear_auto_picks_onednn_without_the_native_kernel(build_engine, llama_dir, monkeypatch):
     need_onednn(torch.float32)
+    from prefix_service import cpu_linear
+    monkeypatch.setattr(cpu_linear, "available", lambda dtype: "no C++ compiler found (set CXX)")
     assert build_engine(llama_dir, "auto").core.cpu_linear == "onednn"
 
 
 # --- model.cpu_linear config and fallbacks -------------------------------------------------------
 
 def test_cpu_linear_config_rejects_unknown_value():
-    with pytest.raises(ConfigError, match=r"model\.cpu_linear: 'fast' is not one of auto, onednn, blas"):
+    with pytest.raises(ConfigError, match=r"model\.cpu_linear: 'fast' is not one of auto, native, onednn, blas"):
         config_from_dict({"model": {"path": "m", "cpu_linear": "fast"}})
     with pytest.raises(ConfigError, match=r"model\.cpu_linear"):
         ModelConfig(path="m", cpu_linear="fast")
@@ -175,8 +177,10 @@ def test_cpu_linear_config_rejects_unknown_value():
 
 def test_cpu_linear_without_onednn(build_engine, llama_dir, monkeypatch):
     import prefix_service.core as core
+    from prefix_service import cpu_linear
     reason = "this test's torch pretends to have no oneDNN"
     monkeypatch.setattr(core, "onednn_linear_available", lambda dtype: reason)
+    monkeypatch.setattr(cpu_linear, "available", lambda dtype: "no C++ compiler found (set CXX)")
     with pytest.raises(PrefixServiceError, match=f"model.cpu_linear: onednn was asked for, but {reason}"):
         build_engine(llama_dir, "onednn")
     auto = build_engine(llama_dir, "auto")

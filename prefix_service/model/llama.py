@@ -185,15 +185,21 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions)
-        self.packed_head: nn.Module | None = None  # the tied lm_head in oneDNN's layout (pack_for_cpu)
+        self.packed_head: nn.Module | None = None  # the tied lm_head, packed for a CPU kernel (pack_for_cpu)
 
-    def pack_for_cpu(self) -> int:
-        """Hold every linear layer's weight, and a tied lm_head's, in oneDNN's packed layout
-        (packed_linear.py). Returns the number of layers packed."""
-        from prefix_service.model.packed_linear import PackedLinear, pack_linears
-        count = pack_linears(self)
+    def pack_for_cpu(self, kind: str = "onednn") -> int:
+        """Hold every linear layer's weight, and a tied lm_head's, packed for a CPU kernel: kind
+        'onednn' (packed_linear.py) or 'native' (cpu_linear.py). Returns the number of layers packed."""
+        if kind == "native":
+            from prefix_service.cpu_linear import NativeLinear as packed_cls
+        elif kind == "onednn":
+            from prefix_service.model.packed_linear import PackedLinear as packed_cls
+        else:
+            raise ValueError(f"unknown CPU linear kind {kind!r}: native or onednn")
+        from prefix_service.model.packed_linear import pack_linears
+        count = pack_linears(self, packed_cls)
         if self.lm_head is None:
-            self.packed_head = PackedLinear(self.embed_tokens.weight, None)
+            self.packed_head = packed_cls(self.embed_tokens.weight, None)
             count += 1
         return count
 

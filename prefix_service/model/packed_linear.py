@@ -65,12 +65,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear (in place). Returns how many."""
+def pack_linears(model: nn.Module, packed_cls: type = PackedLinear) -> int:
+    """Replace every nn.Linear in `model` by packed_cls(weight, bias) (in place; PackedLinear, or
+    cpu_linear.NativeLinear). Returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
+                setattr(module, name, packed_cls(child.weight, child.bias))
                 count += 1
     return count

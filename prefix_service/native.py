@@ -1,0 +1,119 @@
+"""The native CPU library (csrc/*.cpp): built on first use, loaded through ctypes.
+
+One shared library holds the CPU kernels that torch's own do not serve well on small products:
+prefill and decode attention (cpu_attention.py) and linear layers (cpu_linear.py). It is compiled
+with the system C++ compiler (`CXX`, else `c++`/`g++`/`clang++`), `-march=native`, into
+`$PREFIX_SERVICE_CACHE_DIR` (default `~/.cache/prefix_service`), keyed by the sources, the compiler
+and the CPU; a few seconds, once per machine. The kernels run on torch's OpenMP runtime (the same
+libgomp, the same threads). `load()` says why the library cannot be used (not x86-64 Linux, no
+compiler, a failed build, no AVX-512), and the engine then keeps torch's kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("prefix_service.engine")
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+# name: (argument types, return type) of each function the library exports
+SIGNATURES = {
+    "ps_isa": ([], _i32),
+    "ps_prefill_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
+                              _ptr, _i64, _i32], _i32),
+    "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
+                             _ptr, _ptr, _ptr, _ptr], _i32),
+    "ps_linear_panel_width": ([], _i32),
+    "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
+}
+
+
+class NativeBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PREFIX_SERVICE_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "prefix_service"
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and flags (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            lines = [ln for ln in fh if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """Compile `sources` into one library in cache_dir() (or find it there); its path."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    parts = [p.read_bytes() for p in sources] + [version.encode(), " ".join(FLAGS).encode(),
+                                                 _cpu_signature().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = cache_dir() / f"prefix_service_native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        proc = subprocess.run([cxx, *FLAGS, "-o", str(built), *map(str, sources)], capture_output=True, text=True,
+                              check=False)
+        if proc.returncode != 0:
+            names = ", ".join(p.name for p in sources)
+            raise NativeBuildError(f"compiling {names} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
+    log.info("built the native CPU kernels in %s", target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None) where it builds and the CPU has AVX-512, else (None, the reason)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"the native kernels are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
+    cxx = compiler()
+    if cxx is None:
+        return None, "no C++ compiler found (set CXX)"
+    try:
+        lib = ctypes.CDLL(str(build(cxx)))
+    except (NativeBuildError, OSError) as exc:
+        return None, str(exc)
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    if lib.ps_isa() != 512:
+        return None, "this CPU has no AVX-512"
+    return lib, None
+
+
+def call(fn, scope: str, *args) -> int:
+    """fn(*args), inside a torch profiler scope named `scope` while a profiler runs (the scope
+    costs ~10 us a call even when none does, as much as a small kernel call)."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(scope):
+            return fn(*args)
+    return fn(*args)

@@ -1,0 +1,179 @@
+"""The native CPU linear layers (cpu_linear.py): they equal x W^T + b computed in float64 for any
+row count, output width (partial panels, partial groups) and input width, strided rows and both
+ways of sharing the work among threads; a row's result is the same bit for bit whatever the other
+rows of the call and the thread count; bad input gets a clear error; the engine picks them by
+default where they build and gives the same tokens as with BLAS; the shared native library's
+build (native.py) reports a compiler error and is cached."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import cpu_has_avx512
+from prefix_service import cpu_linear, native
+from prefix_service.config import ConfigError, ModelConfig, config_from_dict
+from prefix_service.errors import PrefixServiceError
+from prefix_service.model.packed_linear import PackedLinear
+
+from test_cpu_fast_paths import _generate
+
+REASON = cpu_linear.available(torch.float32)
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU linear here: {REASON}")
+
+
+def test_kernel_is_available_wherever_it_can_be_built():
+    """A compiler and an AVX-512 CPU: the kernel must build and load (a skip elsewhere must not hide
+    a broken build here); otherwise the reason names what is missing."""
+    if native.compiler() is not None and cpu_has_avx512():
+        assert REASON is None
+    else:
+        assert REASON and ("compiler" in REASON or "AVX-512" in REASON or "x86-64" in REASON)
+    assert "float32" in cpu_linear.available(torch.bfloat16)
+
+
+def case(m, n, k, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5,
+            torch.randn(n, generator=g) if bias else None)
+
+
+def reference(x, w, b):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def close(got, want):
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+    assert err <= 2e-5 * max(1.0, want.abs().max().item()), err
+
+
+def test_pack_weight_layout():
+    w = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    p = cpu_linear.pack_weight(w)
+    assert p.shape == (2, 3, 16) and p.is_contiguous()
+    assert torch.equal(p[0], w[:16].t()) and torch.equal(p[1, :, :4], w[16:].t())
+    assert not p[1, :, 4:].any()  # columns past N are zeros
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 100, 301])
+@pytest.mark.parametrize("n,k", [(1, 7), (16, 64), (17, 33), (50, 8), (64, 576), (200, 96), (1000, 64)])
+def test_equals_float64(m, n, k):
+    """Row tails (M mod 6), panel tails (N mod 16), groups of 1-4 panels, by panels or by rows."""
+    x, w, b = case(m, n, k, bias=(m + n) % 2 == 0, seed=m * 1000 + n)
+    close(cpu_linear.NativeLinear(w, b)(x), reference(x, w, b))
+
+
+@needs_native
+def test_large_inputs_in_row_chunks():
+    """x larger than a row chunk (1 MiB): the rows run in chunks over the same panels."""
+    x, w, b = case(700, 96, 1536, seed=3)
+    close(cpu_linear.NativeLinear(w, b)(x), reference(x, w, b))
+
+
+@needs_native
+def test_strided_rows_leading_dims_and_out():
+    x, w, b = case(9, 40, 24)
+    wide = torch.randn(9, 50)
+    wide[:, 3:27] = x
+    strided = wide[:, 3:27]
+    assert not strided.is_contiguous()
+    layer = cpu_linear.NativeLinear(w, b)
+    close(layer(strided), reference(x, w, b))
+    close(layer(x.view(3, 3, 24)).view(9, 40), reference(x, w, b))
+    out = torch.full((9, 48), 7.0)
+    cpu_linear.linear(x, layer.packed, 40, layer.bias, out=out[:, :40])
+    close(out[:, :40], reference(x, w, b))
+    assert (out[:, 40:] == 7.0).all()  # nothing written past the row's N outputs
+    assert layer(x[:0]).shape == (0, 40)
+
+
+@needs_native
+@pytest.mark.parametrize("n", [48, 900])  # work split by rows (few panels) and by panels
+def test_rows_do_not_depend_on_the_batch_or_threads(n):
+    x, w, b = case(150, n, 80, seed=5)
+    layer = cpu_linear.NativeLinear(w, b)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(layer(x[37:38]), two[37:38])  # alone, as in decode
+    assert torch.equal(layer(x[11:20]), two[11:20])
+
+
+@needs_native
+def test_bad_input_is_refused():
+    x, w, b = case(4, 20, 8)
+    layer = cpu_linear.NativeLinear(w, b)
+    with pytest.raises(cpu_linear.NativeLinearError, match="float32 CPU tensor"):
+        cpu_linear.linear(x.double(), layer.packed, 20)
+    with pytest.raises(cpu_linear.NativeLinearError, match="dense rows"):
+        cpu_linear.linear(x.t().contiguous().t(), layer.packed, 20)
+    with pytest.raises(cpu_linear.NativeLinearError, match="does not hold 33 x 8"):
+        cpu_linear.linear(x, layer.packed, 33)
+    with pytest.raises(cpu_linear.NativeLinearError, match="does not hold 20 x 9"):
+        cpu_linear.linear(torch.randn(4, 9), layer.packed, 20)
+    with pytest.raises(cpu_linear.NativeLinearError, match="bias"):
+        cpu_linear.linear(x, layer.packed, 20, bias=torch.zeros(19))
+    with pytest.raises(cpu_linear.NativeLinearError, match="out"):
+        cpu_linear.linear(x, layer.packed, 20, out=torch.empty(4, 19))
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("which", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_engine_on_native_linears_generates_like_blas(make_engine, model_dirs, which):
+    blas = make_engine(model_dirs[which], cpu_linear="blas", num_blocks=160)
+    fast = make_engine(model_dirs[which], cpu_linear="auto", num_blocks=160)
+    assert fast._run(lambda core: core.cpu_linear) == "native"
+    modules = list(fast._run(lambda core: core.model).modules())
+    assert any(isinstance(m, cpu_linear.NativeLinear) for m in modules)
+    assert not any(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in modules)
+    got = _generate(fast)
+    assert all(len(ids) == 24 for ids in got)
+    assert got == _generate(blas)
+
+
+def test_config_and_fallbacks(make_engine, monkeypatch):
+    with pytest.raises(ConfigError, match=r"model\.cpu_linear: 'fast' is not one of auto, native, onednn, blas"):
+        ModelConfig(path="m", cpu_linear="fast")
+    assert config_from_dict({"model": {"path": "m", "cpu_linear": "native"}}).engine.model.cpu_linear == "native"
+    import prefix_service.core as core
+    monkeypatch.setattr(cpu_linear, "available", lambda dtype: "no C++ compiler found (set CXX)")
+    with pytest.raises(PrefixServiceError, match=r"model.cpu_linear: native was asked for, but no C\+\+ compiler"):
+        make_engine(cpu_linear="native")
+    assert make_engine()._run(lambda c: c.cpu_linear) in ("onednn", "blas")  # auto: the next that runs
+    monkeypatch.setattr(core, "onednn_linear_available", lambda dtype: "no oneDNN in this torch")
+    assert make_engine()._run(lambda c: c.cpu_linear) == "blas"
+
+
+# --- the native library's build (native.py) -------------------------------------------------------
+
+def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch):
+    cxx = native.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(native.NativeBuildError, match="compiling cpu_attention.cpp, broken.cpp failed: .*error"):
+        native.build(cxx, (native.SOURCES[0], bad))
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
+
+
+def test_build_goes_to_the_cache_dir_and_is_reused(tmp_path, monkeypatch):
+    cxx = native.compiler()
+    if cxx is None or shutil.which(cxx) is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path))
+    first = native.build(cxx)
+    assert first.parent == tmp_path and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert native.build(cxx) == first and first.stat().st_mtime_ns == stamp  # not built again
