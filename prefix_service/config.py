@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 CPU_LINEARS = ("auto", "native", "onednn", "blas")
 CPU_ATTENTIONS = ("auto", "native", "torch")
+CPU_ELEMENTWISE = ("auto", "native", "torch")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ADDRESS_RE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})")  # fullmatch
@@ -74,11 +75,15 @@ class ModelConfig:
     # auto: native where it builds and the model is float32, else onednn where it works, else blas
     cpu_linear: str = "auto"
     cpu_attention: str = "auto"  # on CPU: native (cpu_attention.py) or torch attention; auto: native where it builds
+    # on CPU: norms, rotary embedding and gated activation in native kernels (cpu_elementwise.py) or
+    # torch's operators; auto: native where the library builds and the model is float32
+    cpu_elementwise: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
         _check_choice("model.cpu_linear", self.cpu_linear, CPU_LINEARS)
         _check_choice("model.cpu_attention", self.cpu_attention, CPU_ATTENTIONS)
+        _check_choice("model.cpu_elementwise", self.cpu_elementwise, CPU_ELEMENTWISE)
         if self.num_threads is not None:
             _check_int("model.num_threads", self.num_threads, 1)
         _check_choice("model.dtype", self.dtype, DTYPES)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from prefix_service import cpu_attention, cpu_linear, hostmem
+from prefix_service import cpu_attention, cpu_elementwise, cpu_linear, hostmem
 from prefix_service.attention import make_backend
 from prefix_service.block_allocator import BlockAllocator
 from prefix_service.config import EngineConfig
@@ -74,6 +74,7 @@ class EngineCore:
         else:
             self.model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
         self.cpu_linear = self._pack_linears(mc.cpu_linear)
+        self.cpu_elementwise = self._cpu_elementwise(mc.cpu_elementwise)
         self.kv_cache = KVCache(self.arch, config.cache, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.kv_cache.num_blocks)
@@ -96,7 +97,8 @@ class EngineCore:
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s%s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.kv_cache.num_blocks,
                  self.block_size, self.max_model_len, self.backend.name,
-                 f", linear {self.cpu_linear}, attention {self.cpu_attention}" if self.cpu_linear else "")
+                 f", linear {self.cpu_linear}, attention {self.cpu_attention}, element-wise {self.cpu_elementwise}"
+                 if self.cpu_linear else "")
 
     def _pack_linears(self, choice: str) -> str | None:
         """model.cpu_linear: on a CPU, pack the weights for the native kernel (cpu_linear.py) or
@@ -122,6 +124,24 @@ class EngineCore:
         log.warning("model.cpu_linear auto: linear layers on BLAS (F.linear), as %s",
                     "; ".join(f"{k}: {r}" for k, r in reasons.items()))
         return "blas"
+
+    def _cpu_elementwise(self, choice: str) -> str | None:
+        """model.cpu_elementwise: on a CPU in float32, the layers' norms, rotary embedding and gated
+        activation in the native kernels (cpu_elementwise.py) unless told not to or the library
+        cannot be built here. Returns 'native' or 'torch'; None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        if choice == "torch":
+            return "torch"
+        reason = cpu_elementwise.available(self.dtype)
+        if reason is not None:
+            if choice == "native":
+                raise PrefixServiceError(f"model.cpu_elementwise: native was asked for, but {reason}; "
+                                         f"use auto or torch")
+            log.warning("model.cpu_elementwise auto: element-wise work on torch's operators, as %s", reason)
+            return "torch"
+        self.model.fused_elementwise = True
+        return "native"
 
     def _cpu_attention(self, choice: str) -> str | None:
         """model.cpu_attention: on a CPU in float32, prefill and decode attention in the native

@@ -25,10 +25,7 @@ class NativeLinearError(RuntimeError):
 
 def available(dtype: torch.dtype) -> str | None:
     """None when linear layers of `dtype` can run in the native kernel here, else the reason."""
-    reason = native.load()[1]
-    if reason is None and dtype != torch.float32:
-        reason = f"the model runs in {str(dtype).replace('torch.', '')}, and the kernel is float32"
-    return reason
+    return native.unavailable(dtype)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

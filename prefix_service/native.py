@@ -1,7 +1,8 @@
 """The native CPU library (csrc/*.cpp): built on first use, loaded through ctypes.
 
 One shared library holds the CPU kernels that torch's own do not serve well on small products:
-prefill and decode attention (cpu_attention.py) and linear layers (cpu_linear.py). It is compiled
+prefill and decode attention (cpu_attention.py), linear layers (cpu_linear.py) and a layer's
+element-wise work (cpu_elementwise.py). It is compiled
 with the system C++ compiler (`CXX`, else `c++`/`g++`/`clang++`), `-march=native`, into
 `$PREFIX_SERVICE_CACHE_DIR` (default `~/.cache/prefix_service`), keyed by the sources, the compiler
 and the CPU; a few seconds, once per machine. The kernels run on torch's OpenMP runtime (the same
@@ -26,7 +27,8 @@ import torch
 log = logging.getLogger("prefix_service.engine")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp")
+SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp")
+HEADERS = (CSRC / "simd_math.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -39,6 +41,9 @@ SIGNATURES = {
                              _ptr, _ptr, _ptr, _ptr], _i32),
     "ps_linear_panel_width": ([], _i32),
     "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
+    "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
+    "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
+    "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
 }
 
 
@@ -69,9 +74,10 @@ def _cpu_signature() -> str:
 
 
 def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
-    """Compile `sources` into one library in cache_dir() (or find it there); its path."""
+    """Compile `sources` into one library in cache_dir() (or find it there); its path. The key
+    covers the sources, the headers beside them, the compiler and the CPU."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [p.read_bytes() for p in sources] + [version.encode(), " ".join(FLAGS).encode(),
+    parts = [p.read_bytes() for p in (*sources, *HEADERS)] + [version.encode(), " ".join(FLAGS).encode(),
                                                  _cpu_signature().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"prefix_service_native-{key}.so"
@@ -88,6 +94,14 @@ def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
         os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
     log.info("built the native CPU kernels in %s", target)
     return target
+
+
+def unavailable(dtype: torch.dtype) -> str | None:
+    """None when the library's float32 kernels can serve a model of `dtype` here, else the reason."""
+    reason = load()[1]
+    if reason is None and dtype != torch.float32:
+        reason = f"the model runs in {str(dtype).replace('torch.', '')}, and the native kernels are float32"
+    return reason
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,8 @@
 #endif
 #include <omp.h>
 
+#include "simd_math.h"
+
 extern "C" int ps_isa() {
 #if defined(__AVX512F__)
   return 512;
@@ -40,23 +42,7 @@ constexpr int KC = 64;        // keys per chunk (4 panels)
 constexpr int MR = 6;         // query rows per tile
 constexpr int MAX_D = 256;    // largest head size handled
 
-// e^x, x <= 0 (scores minus their row maximum): range reduction by ln 2, a degree-7 polynomial
-// (Cephes' expf coefficients), then scale by 2^n. Inputs below -87 are clamped (e^-87 ~ 1.6e-38).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using ps::exp_ps;  // scores minus their row maximum: x <= 0
 
 // S[r][0 : 16 NP] = Qs[r] . K for NP panels of 16 keys (panel j at kp + j * D * KP).
 template <int NP>

@@ -6,6 +6,7 @@ K/V into the paged cache and attends over it; the model never touches block tabl
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -99,7 +100,8 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_positions, head_dim] float32, the attention scaling applied."""
         if self._cache is None or self._cache[0].device != device:
             pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = pos[:, None] * self.inv_freq.to(device)[None, :]  # [P, D/2]
@@ -108,7 +110,7 @@ class RotaryEmbedding(nn.Module):
         return self._cache
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self._tables(positions.device)
+        cos, sin = self.tables(positions.device)
         return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]  # [T, 1, D]
 
 
@@ -136,8 +138,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = arch.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, backend, kv_cache, meta) -> torch.Tensor:
-        # x: [T, hidden]
+    def forward(self, x, rotate, backend, kv_cache, meta) -> torch.Tensor:
+        # x: [T, hidden]; rotate: the forward's rotary embedding, applied to [T, heads, D]
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, Hq + Hkv, D]
@@ -145,7 +147,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: q and k have their own norms, before the rotation
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         # one rotation for the q and k heads together (the same positions): half the small operations
-        qk = apply_rope(qk, cos, sin)
+        qk = rotate(qk)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, Hq, D], [T, Hkv, D] (row-strided views)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -162,6 +164,10 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from prefix_service import cpu_elementwise
+        return self.down_proj(cpu_elementwise.silu_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
@@ -171,9 +177,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x, cos, sin, backend, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, kv_cache, meta)
+    def forward(self, x, rotate, backend, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotate, backend, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, pending, rotate, backend, kv_cache, meta) -> torch.Tensor:
+        """The same layer on the native element-wise kernels. x [T, hidden] is the residual stream,
+        updated in place: `pending` (the previous layer's MLP output, or None) is added to it by this
+        layer's first norm, and this layer's MLP output is returned for the next one to add."""
+        from prefix_service.cpu_elementwise import add_rms_norm
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h = add_rms_norm(x, pending, norm1.weight, norm1.eps)
+        h = add_rms_norm(x, self.self_attn(h, rotate, backend, kv_cache, meta), norm2.weight, norm2.eps)
+        return self.mlp.forward_fused(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -186,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions)
         self.packed_head: nn.Module | None = None  # the tied lm_head, packed for a CPU kernel (pack_for_cpu)
+        self.fused_elementwise = False  # norms, rotary, activation on the native CPU kernels (cpu_elementwise.py)
 
     def pack_for_cpu(self, kind: str = "onednn") -> int:
         """Hold every linear layer's weight, and a tied lm_head's, packed for a CPU kernel: kind
@@ -207,9 +224,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, backend, kv_caches, meta) -> torch.Tensor:
         # input_ids, positions: [T]; returns hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
+        if self.fused_elementwise:
+            from prefix_service import cpu_elementwise
+            rotate = cpu_elementwise.Rotation(positions, *self.rotary.tables(x.device))
+            pending = None  # each layer's MLP output, added to x by the next norm
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                pending = layer.forward_fused(x, pending, rotate, backend, kv_cache, meta)
+            return cpu_elementwise.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
         cos, sin = self.rotary(positions, x.dtype)
+        rotate = functools.partial(apply_rope, cos=cos, sin=sin)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, backend, kv_cache, meta)
+            x = layer(x, rotate, backend, kv_cache, meta)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -1,0 +1,152 @@
+"""The native element-wise kernels (cpu_elementwise.py): the fused residual add and RMSNorm, the
+gated activation and the rotary embedding equal their torch formulas computed in float64, for
+widths that are not multiples of the vector, strided rows and any positions; a row's result does
+not depend on the thread count; bad input gets a clear error; an engine on them gives the same
+tokens as on torch's operators, for every architecture, and falls back where they cannot run."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefix_service import cpu_elementwise as ce
+from prefix_service.config import ConfigError, ModelConfig
+from prefix_service.errors import PrefixServiceError
+from prefix_service.model.llama import apply_rope
+
+from test_cpu_fast_paths import _generate
+
+REASON = ce.available(torch.float32)
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels here: {REASON}")
+
+
+def close(got, want, tol=2e-6):
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+    assert err <= tol * max(1.0, want.abs().max().item()), err
+
+
+def rand(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def rotary_tables(positions, dim, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat([ang, ang], -1)
+    return emb.cos().float().contiguous(), emb.sin().float().contiguous()
+
+
+@needs_native
+@pytest.mark.parametrize("t", [1, 7, 100])
+@pytest.mark.parametrize("d", [16, 40, 576])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_equals_float64(t, d, with_residual):
+    x, r, w = rand(t, d, seed=1, scale=3.0), rand(t, d, seed=2), rand(d, seed=3)
+    stream = x.clone()
+    out = ce.add_rms_norm(stream, r if with_residual else None, w, 1e-5)
+    h = x.double() + (r.double() if with_residual else 0)
+    close(stream, h.float().double(), tol=1e-7)  # the residual stream, updated in place
+    close(out, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double())
+
+
+@needs_native
+def test_add_rms_norm_on_strided_rows():
+    wide, r, w = rand(9, 70, seed=4), rand(9, 50, seed=5), rand(50, seed=6)
+    x = wide[:, 10:60]
+    want = (x.double() + r.double())
+    out = ce.add_rms_norm(x, r, w, 1e-6)
+    close(wide[:, 10:60], want.float().double(), tol=1e-7)
+    assert torch.equal(wide[:, :10], rand(9, 70, seed=4)[:, :10])  # nothing written outside the rows
+    close(out, want * torch.rsqrt(want.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double())
+
+
+@needs_native
+@pytest.mark.parametrize("t,inter", [(1, 16), (5, 40), (100, 1536)])
+def test_silu_mul_equals_float64(t, inter):
+    gate_up = rand(t, 2 * inter, seed=7, scale=4.0)
+    gate_up[0, :4] = torch.tensor([-100.0, -30.0, 30.0, 100.0])  # the exp's clamped range
+    g, u = gate_up.double().split(inter, -1)
+    close(ce.silu_mul(gate_up), F.silu(g) * u)
+
+
+@needs_native
+@pytest.mark.parametrize("dim", [16, 40, 64, 128])
+def test_rotation_equals_apply_rope(dim):
+    """q and k heads as a strided view of a fused projection, rotated in place at any positions."""
+    t, hq, hkv = 11, 3, 2
+    qkv = rand(t, (hq + 2 * hkv) * dim, seed=8)
+    qk = qkv[:, :(hq + hkv) * dim].view(t, hq + hkv, dim)
+    v_before = qkv[:, (hq + hkv) * dim:].clone()
+    positions = torch.tensor([0, 1, 2, 900, 901, 77, 5, 4095, 3, 1000, 42])
+    cos, sin = rotary_tables(4096, dim)
+    want = apply_rope(qk.double(), cos.double()[positions][:, None], sin.double()[positions][:, None])
+    got = ce.Rotation(positions, cos, sin)(qk)
+    assert got.data_ptr() == qk.data_ptr()  # in place
+    close(qk, want)
+    assert torch.equal(qkv[:, (hq + hkv) * dim:], v_before)  # v untouched
+
+
+@needs_native
+def test_results_do_not_depend_on_the_thread_count():
+    x, r, w, gu = rand(400, 576, seed=9), rand(400, 576, seed=10), rand(576, seed=11), rand(400, 3072, seed=12)
+    qk = rand(400, 12, 64, seed=13)
+    cos, sin = rotary_tables(512, 64)
+    rot = ce.Rotation(torch.arange(400), cos, sin)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            xs, q = x.clone(), qk.clone()
+            outs.append((ce.add_rms_norm(xs, r, w, 1e-5), xs, ce.silu_mul(gu), rot(q)))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@needs_native
+def test_bad_input_is_refused():
+    x, w = rand(4, 32), rand(32)
+    with pytest.raises(ce.NativeElementwiseError, match="float32 CPU tensor"):
+        ce.add_rms_norm(x.double(), None, w, 1e-5)
+    with pytest.raises(ce.NativeElementwiseError, match="rows must be dense"):
+        ce.add_rms_norm(x.t().contiguous().t(), None, w, 1e-5)
+    with pytest.raises(ce.NativeElementwiseError, match="does not match"):
+        ce.add_rms_norm(x, rand(4, 31), w, 1e-5)
+    with pytest.raises(ce.NativeElementwiseError, match="weight"):
+        ce.add_rms_norm(x, None, rand(31), 1e-5)
+    with pytest.raises(ce.NativeElementwiseError, match="even width"):
+        ce.silu_mul(rand(4, 33))
+    cos, sin = rotary_tables(16, 8)
+    with pytest.raises(ce.NativeElementwiseError, match="out of the tables' range"):
+        ce.Rotation(torch.tensor([0, 16]), cos, sin)
+    with pytest.raises(ce.NativeElementwiseError, match="int64"):
+        ce.Rotation(torch.tensor([0, 1], dtype=torch.int32), cos, sin)
+    with pytest.raises(ce.NativeElementwiseError, match="does not match"):
+        ce.Rotation(torch.tensor([0, 1]), cos, sin)(rand(3, 2, 8))
+    with pytest.raises(ce.NativeElementwiseError, match="table"):
+        ce.Rotation(torch.tensor([0]), cos[:, :7].contiguous(), sin[:, :7].contiguous())
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "qwen3"])
+def test_engine_on_native_elementwise_generates_like_torch(make_engine, model_dirs, which):
+    plain = make_engine(model_dirs[which], cpu_linear="blas", num_blocks=160, cpu_elementwise="torch")
+    fused = make_engine(model_dirs[which], cpu_linear="blas", num_blocks=160, cpu_elementwise="auto")
+    assert fused._run(lambda core: (core.cpu_elementwise, core.model.fused_elementwise)) == ("native", True)
+    got = _generate(fused)
+    assert all(len(ids) == 24 for ids in got)
+    assert got == _generate(plain)
+
+
+def test_config_and_fallbacks(make_engine, monkeypatch):
+    with pytest.raises(ConfigError, match=r"model\.cpu_elementwise: 'fast' is not one of auto, native, torch"):
+        ModelConfig(path="m", cpu_elementwise="fast")
+    assert make_engine(cpu_elementwise="torch")._run(lambda c: (c.cpu_elementwise, c.model.fused_elementwise)) == (
+        "torch", False)
+    monkeypatch.setattr(ce, "available", lambda dtype: "no C++ compiler found (set CXX)")
+    with pytest.raises(PrefixServiceError, match=r"cpu_elementwise: native was asked for, but no C\+\+ compiler"):
+        make_engine(cpu_elementwise="native")
+    assert make_engine()._run(lambda c: (c.cpu_elementwise, c.model.fused_elementwise)) == ("torch", False)
