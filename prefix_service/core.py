@@ -125,43 +125,43 @@ class EngineCore:
                     "; ".join(f"{k}: {r}" for k, r in reasons.items()))
         return "blas"
 
-    def _cpu_elementwise(self, choice: str) -> str | None:
-        """model.cpu_elementwise: on a CPU in float32, the layers' norms, rotary embedding and gated
-        activation in the native kernels (cpu_elementwise.py) unless told not to or the library
-        cannot be built here. Returns 'native' or 'torch'; None on a GPU."""
+    def _native_or_torch(self, key: str, choice: str, reason: Callable[[], str | None], torch_side: str) -> str | None:
+        """A model.<key> choice between a native CPU kernel and torch's: 'native' unless told 'torch'
+        or reason() says why it cannot run here (an error where 'native' was asked for, else a
+        warning naming what runs instead: `torch_side`). None on a GPU."""
         if self.device.type != "cpu":
             return None
         if choice == "torch":
             return "torch"
-        reason = cpu_elementwise.available(self.dtype)
-        if reason is not None:
-            if choice == "native":
-                raise PrefixServiceError(f"model.cpu_elementwise: native was asked for, but {reason}; "
-                                         f"use auto or torch")
-            log.warning("model.cpu_elementwise auto: element-wise work on torch's operators, as %s", reason)
-            return "torch"
-        self.model.fused_elementwise = True
-        return "native"
+        why = reason()
+        if why is None:
+            return "native"
+        if choice == "native":
+            raise PrefixServiceError(f"model.{key}: native was asked for, but {why}; use auto or torch")
+        log.warning("model.%s auto: %s, as %s", key, torch_side, why)
+        return "torch"
+
+    def _cpu_elementwise(self, choice: str) -> str | None:
+        """model.cpu_elementwise: on a CPU in float32, the layers' norms, rotary embedding and gated
+        activation in the native kernels (cpu_elementwise.py) unless told not to or the library
+        cannot be built here. Returns 'native' or 'torch'; None on a GPU."""
+        kind = self._native_or_torch("cpu_elementwise", choice, lambda: cpu_elementwise.available(self.dtype),
+                                     "element-wise work on torch's operators")
+        self.model.fused_elementwise = kind == "native"
+        return kind
 
     def _cpu_attention(self, choice: str) -> str | None:
         """model.cpu_attention: on a CPU in float32, prefill and decode attention in the native
         kernel (cpu_attention.py) unless told not to or it cannot be built here. Returns 'native' or
         'torch'; None on a GPU."""
-        if self.device.type != "cpu":
-            return None
-        if choice == "torch":
-            return "torch"
-        reason = cpu_attention.available()
-        if reason is None and self.dtype != torch.float32:
-            reason = f"the model runs in {str(self.dtype).replace('torch.', '')}, and the kernel is float32"
-        if reason is None and self.arch.head_dim not in cpu_attention.HEAD_SIZES:
-            reason = f"head size {self.arch.head_dim} is not a multiple of 16 up to 256"
-        if reason is not None:
-            if choice == "native":
-                raise PrefixServiceError(f"model.cpu_attention: native was asked for, but {reason}; use auto or torch")
-            log.warning("model.cpu_attention auto: attention on torch's kernels, as %s", reason)
-            return "torch"
-        return "native"
+        def reason() -> str | None:
+            why = cpu_attention.available()
+            if why is None and self.dtype != torch.float32:
+                why = f"the model runs in {str(self.dtype).replace('torch.', '')}, and the kernel is float32"
+            if why is None and self.arch.head_dim not in cpu_attention.HEAD_SIZES:
+                why = f"head size {self.arch.head_dim} is not a multiple of 16 up to 256"
+            return why
+        return self._native_or_torch("cpu_attention", choice, reason, "attention on torch's kernels")
 
     def _packs_prefix_kv(self, wanted: bool) -> bool:
         """cache.pack_prefix_kv: where it applies (CPU, float32; oneDNN unless the native kernel
