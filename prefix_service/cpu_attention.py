@@ -67,9 +67,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     the M new tokens; query i sees the first C - M + i + 1); template: (K panels, V rows, R) from
     pack_keys/pack_values, R keys every query sees, in front of k/v. Rows may be strided (views
     of a fused projection); heads must be dense. Returns out [M, Hq, D]."""
-    lib, reason = native.load()
-    if lib is None:
-        raise NativeAttentionError(reason)
+    lib = native.require(NativeAttentionError)
     m, hq, d = q.shape
     c, hkv = k.shape[0], k.shape[1]
     if v.shape != k.shape or k.shape[2] != d or c < m:
@@ -103,9 +101,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tokens' K/V already stored; block_tables: int32 [N, W]; context_lens: int32 [N], the new token
     included; templates: per sequence None or (K panels, V rows, R) of pack_keys/pack_values, R a
     multiple of the block size: its first R / block_size blocks are read from there. Returns out."""
-    lib, reason = native.load()
-    if lib is None:
-        raise NativeAttentionError(reason)
+    lib = native.require(NativeAttentionError)
     n, hq, d = q.shape
     _, bs, hkv, dk = k_cache.shape
     if (v_cache.shape != k_cache.shape or dk != d or not (k_cache.is_contiguous() and v_cache.is_contiguous())

@@ -26,11 +26,13 @@ def available(dtype: torch.dtype) -> str | None:
     return native.unavailable(dtype)
 
 
-def _lib():
-    lib, reason = native.load()
-    if lib is None:
-        raise NativeElementwiseError(reason)
-    return lib
+def _call(name: str, *args) -> None:
+    """Run the library's `name`, torch's thread count last; a nonzero status is an error."""
+    code = native.call(getattr(native.require(NativeElementwiseError), name), PROFILE_SCOPE, *args,
+                       torch.get_num_threads())
+    if code:
+        raise NativeElementwiseError(f"{name} failed with status {code} "
+                                     f"(1: no AVX-512 in this build, 2: odd head size)")
 
 
 def _rows(x: torch.Tensor, name: str, dims: int = 2) -> int:
@@ -41,7 +43,8 @@ def _rows(x: torch.Tensor, name: str, dims: int = 2) -> int:
     inner = 1
     for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
         if size > 1 and stride != inner:
-            raise NativeElementwiseError(f"{name}: its rows must be dense (shape {tuple(x.shape)}, strides {x.stride()})")
+            raise NativeElementwiseError(f"{name}: its rows must be dense (shape {tuple(x.shape)}, "
+                                         f"strides {x.stride()})")
         inner *= size
     return x.stride(0)
 
@@ -58,10 +61,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if weight.shape != (d,) or weight.dtype != torch.float32 or not weight.is_contiguous():
         raise NativeElementwiseError(f"weight: float32 [{d}] is needed, got {weight.dtype} {tuple(weight.shape)}")
     out = torch.empty(t, d, dtype=torch.float32)
-    lib = _lib()
-    native.call(lib.ps_add_rms_norm, PROFILE_SCOPE, x.data_ptr(), lx,
-                residual.data_ptr() if residual is not None else None, lr, weight.data_ptr(), eps, out.data_ptr(), d,
-                t, d, torch.get_num_threads())
+    _call("ps_add_rms_norm", x.data_ptr(), lx, residual.data_ptr() if residual is not None else None, lr,
+          weight.data_ptr(), eps, out.data_ptr(), d, t, d)
     return out
 
 
@@ -72,8 +73,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if two_i % 2:
         raise NativeElementwiseError(f"gate_up: an even width [gate | up] is needed, got {two_i}")
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    native.call(_lib().ps_silu_mul, PROFILE_SCOPE, gate_up.data_ptr(), ld, out.data_ptr(), two_i // 2, t, two_i // 2,
-                torch.get_num_threads())
+    _call("ps_silu_mul", gate_up.data_ptr(), ld, out.data_ptr(), two_i // 2, t, two_i // 2)
     return out
 
 
@@ -102,6 +102,5 @@ class Rotation:
         if t != self.positions.shape[0] or d != self.cos.shape[1]:
             raise NativeElementwiseError(f"x {tuple(x.shape)} does not match {self.positions.shape[0]} positions of "
                                          f"head size {self.cos.shape[1]}")
-        native.call(_lib().ps_rope, PROFILE_SCOPE, x.data_ptr(), ld, t, h, d, self.positions.data_ptr(),
-                    self.cos.data_ptr(), self.sin.data_ptr(), torch.get_num_threads())
+        _call("ps_rope", x.data_ptr(), ld, t, h, d, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr())
         return x

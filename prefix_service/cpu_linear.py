@@ -38,30 +38,42 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (rows may be strided) @ W.T + bias, W held as pack_weight(W) -> [M, N] float32."""
-    lib, reason = native.load()
-    if lib is None:
-        raise NativeLinearError(reason)
+def _check_x(x: torch.Tensor) -> None:
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
         raise NativeLinearError(f"x: a float32 CPU tensor [M, K] with dense rows is needed, got {x.dtype} "
                                 f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
-    m, k = x.shape
-    n = out_features
+
+
+def _check_weight(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
     if packed.shape != (-(-n // PANEL), k, PANEL) or not packed.is_contiguous():
         raise NativeLinearError(f"packed weight {tuple(packed.shape)} does not hold {n} x {k}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise NativeLinearError(f"bias: float32 [{n}] is needed, got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _run(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The kernel call, its operands checked by the caller."""
+    lib = native.require(NativeLinearError)
+    args = (x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), n,
+            bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if native.call(lib.ps_linear, PROFILE_SCOPE, *args):
+        raise NativeLinearError("the library was built without AVX-512")
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (rows may be strided) @ W.T + bias, W held as pack_weight(W) -> [M, N] float32."""
+    native.require(NativeLinearError)
+    _check_x(x)
+    m, k = x.shape
+    n = out_features
+    _check_weight(packed, n, k, bias)
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise NativeLinearError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
-    args = (x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, bias.data_ptr() if bias is not None else None,
-            out.data_ptr(), out.stride(0), torch.get_num_threads())
-    if native.call(lib.ps_linear, PROFILE_SCOPE, *args):
-        raise NativeLinearError("the library was built without AVX-512")
-    return out
+    return _run(x, packed, n, bias, out)
 
 
 class NativeLinear(nn.Module):
@@ -74,13 +86,16 @@ class NativeLinear(nn.Module):
         self.register_buffer("packed", pack_weight(weight), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous(),
                              persistent=False)
+        _check_weight(self.packed, self.out_features, self.in_features, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        return linear(x2, self.packed, self.out_features, self.bias).view(*lead, self.out_features)
+        _check_x(x2)  # the weight and bias were checked once, when packed
+        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        return _run(x2, self.packed, self.out_features, self.bias, out).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -2,10 +2,10 @@
 
 One shared library holds the CPU kernels that torch's own do not serve well on small products:
 prefill and decode attention (cpu_attention.py), linear layers (cpu_linear.py) and a layer's
-element-wise work (cpu_elementwise.py). It is compiled
-with the system C++ compiler (`CXX`, else `c++`/`g++`/`clang++`), `-march=native`, into
-`$PREFIX_SERVICE_CACHE_DIR` (default `~/.cache/prefix_service`), keyed by the sources, the compiler
-and the CPU; a few seconds, once per machine. The kernels run on torch's OpenMP runtime (the same
+element-wise work (cpu_elementwise.py). It is compiled with the system C++ compiler (`CXX`, else
+`c++`/`g++`/`clang++`), `-march=native`, into `$PREFIX_SERVICE_CACHE_DIR` (default
+`~/.cache/prefix_service`), keyed by the sources, the compiler and the CPU; a few seconds, once
+per machine. The kernels run on torch's OpenMP runtime (the same
 libgomp, the same threads). `load()` says why the library cannot be used (not x86-64 Linux, no
 compiler, a failed build, no AVX-512), and the engine then keeps torch's kernels.
 """
@@ -39,7 +39,6 @@ SIGNATURES = {
                               _ptr, _i64, _i32], _i32),
     "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
                              _ptr, _ptr, _ptr, _ptr], _i32),
-    "ps_linear_panel_width": ([], _i32),
     "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
@@ -77,8 +76,8 @@ def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
     """Compile `sources` into one library in cache_dir() (or find it there); its path. The key
     covers the sources, the headers beside them, the compiler and the CPU."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [p.read_bytes() for p in (*sources, *HEADERS)] + [version.encode(), " ".join(FLAGS).encode(),
-                                                 _cpu_signature().encode()]
+    parts = [p.read_bytes() for p in (*sources, *HEADERS)]
+    parts += [version.encode(), " ".join(FLAGS).encode(), _cpu_signature().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     target = cache_dir() / f"prefix_service_native-{key}.so"
     if target.exists():
@@ -94,6 +93,14 @@ def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
         os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
     log.info("built the native CPU kernels in %s", target)
     return target
+
+
+def require(error: type[Exception]) -> ctypes.CDLL:
+    """The library, or `error` with the reason it cannot be used here."""
+    lib, reason = load()
+    if lib is None:
+        raise error(reason)
+    return lib
 
 
 def unavailable(dtype: torch.dtype) -> str | None:

@@ -12,8 +12,8 @@
 // any cache (a model is larger than the caches; the previous layers pushed this one out), and at
 // a few hundred rows the hardware prefetcher leaves the first row tile of each group waiting on
 // memory; so while a group is computed, the next group's panels are prefetched into L2, a few
-// lines per step spread evenly over the group's row tiles. Built with cpu_attention.cpp into one
-// library by prefix_service/native.py; without AVX-512 ps_linear returns 1.
+// lines per step spread evenly over the group's row tiles. Built into the native library by
+// prefix_service/native.py; without AVX-512 ps_linear returns 1.
 #include <cstdint>
 
 #if defined(__AVX512F__)
@@ -120,8 +120,6 @@ void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const float* 
 
 }  // namespace
 #endif
-
-extern "C" int ps_linear_panel_width() { return 16; }
 
 // y = x W^T + bias. x: M rows of K floats, ldx apart; wp: W packed [ceil(N/16)][K][16]; bias: N
 // floats or null; y: M rows of N floats, ldy apart. threads: the OpenMP team size (torch's).

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefix_service import cpu_elementwise
 from prefix_service.errors import ModelLoadError
 
 
@@ -165,7 +166,6 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        from prefix_service import cpu_elementwise
         return self.down_proj(cpu_elementwise.silu_mul(self.gate_up_proj(x)))
 
 
@@ -185,10 +185,9 @@ class DecoderLayer(nn.Module):
         """The same layer on the native element-wise kernels. x [T, hidden] is the residual stream,
         updated in place: `pending` (the previous layer's MLP output, or None) is added to it by this
         layer's first norm, and this layer's MLP output is returned for the next one to add."""
-        from prefix_service.cpu_elementwise import add_rms_norm
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        h = add_rms_norm(x, pending, norm1.weight, norm1.eps)
-        h = add_rms_norm(x, self.self_attn(h, rotate, backend, kv_cache, meta), norm2.weight, norm2.eps)
+        h = cpu_elementwise.add_rms_norm(x, pending, norm1.weight, norm1.eps)
+        h = cpu_elementwise.add_rms_norm(x, self.self_attn(h, rotate, backend, kv_cache, meta), norm2.weight, norm2.eps)
         return self.mlp.forward_fused(h)
 
 
@@ -225,7 +224,6 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T]; returns hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.fused_elementwise:
-            from prefix_service import cpu_elementwise
             rotate = cpu_elementwise.Rotation(positions, *self.rotary.tables(x.device))
             pending = None  # each layer's MLP output, added to x by the next norm
             for layer, kv_cache in zip(self.layers, kv_caches):
