@@ -62,8 +62,8 @@ class AttentionMetadata:
 
 
 class TorchAttentionBackend:
-    """native: CPU prefill and decode attention in the native kernel (cpu_attention.py), float32
-    only; every other device stays on torch's kernels."""
+    """native: CPU prefill and decode attention, and the K/V store, in the native kernel
+    (cpu_attention.py), float32 only; every other device stays on torch's kernels."""
     name = "torch"
     native = False
 
@@ -73,6 +73,8 @@ class TorchAttentionBackend:
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+        if self.native and q.device.type == "cpu":
+            return self._forward_native(q, k, v, k_cache, v_cache, meta, scale)
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if not meta.num_prefills:
@@ -98,19 +100,12 @@ class TorchAttentionBackend:
         # and a packed template from its packed copy).
         if meta.decode_cascade is not None:
             return cascade_decode(q, k_cache, v_cache, meta.decode_cascade, scale)
-        if self.native and q.device.type == "cpu":
-            packed = meta.decode_packed
-            templates = [p.layer(k_cache) if p is not None else None for p in packed] if any(packed) else None
-            return cpu_attention.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, scale, templates=templates)
         out, _ = attend_paged(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                               meta.decode_max_context, scale, meta.cache)
         return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [Tp, Hq, D]; k, v: [Tp, Hkv, D]: the new tokens of every prefill chunk
-        if self.native and q.device.type == "cpu":
-            return self._prefill_native(q, k, v, k_cache, v_cache, meta, scale)
         if q.device.type == "cpu" and CPU_FLASH is not None:
             return self._prefill_split(q, k, v, k_cache, v_cache, meta, scale)
         k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
@@ -133,21 +128,33 @@ class TorchAttentionBackend:
                 torch.cat([v_cache.index_select(0, blocks).flatten(0, 1)[:rest], vi]))
 
     @staticmethod
-    def _prefill_native(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Per prefill sequence, one call of the native kernel: its new queries over its packed
-        template (meta.prefill_packed, every key visible), then the rest of its context, gathered
-        from its blocks, and its new tokens (causal, bottom-right), in one softmax."""
+    def _forward_native(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The native kernel (CPU): each call also stores its tokens' new K/V into their slots.
+        Decodes: one call for all of them, each reading its context in place (a template from its
+        packed copy). Prefills: one call per sequence, its new queries over its packed template
+        (meta.prefill_packed, every key visible), then the rest of its context, read through its
+        block table, and its new tokens (causal, bottom-right), in one softmax."""
         out = q.new_empty(q.shape)  # dense rows, whatever q's row stride
+        nd = meta.num_decode_tokens
+        slots = meta.slot_mapping
+        if nd:
+            packed = meta.decode_packed
+            templates = [p.layer(k_cache) if p is not None else None for p in packed] if any(packed) else None
+            cpu_attention.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                           scale, out=out[:nd], templates=templates,
+                                           new_kv=(k[:nd], v[:nd], slots[:nd]))
         packed = meta.prefill_packed or [None] * meta.num_prefills
-        start = 0
+        bs = k_cache.shape[1]
+        start = nd
         for i, (q_len, ctx) in enumerate(zip(meta.prefill_q_lens, meta.prefill_prefix_lens_list)):
+            end = start + q_len
             template = packed[i].layer(k_cache) if packed[i] is not None else None
-            skip = packed[i].num_blocks if packed[i] is not None else 0
-            ki, vi = TorchAttentionBackend._after_context(i, skip, ctx, k[start:start + q_len], v[start:start + q_len],
-                                                          k_cache, v_cache, meta)
-            cpu_attention.prefill_attention(q[start:start + q_len], ki, vi, scale, out=out[start:start + q_len],
-                                            template=template)
-            start += q_len
+            first = packed[i].num_blocks * bs if packed[i] is not None else 0  # context tokens in the template
+            cpu_attention.prefill_attention(q[start:end], k[start:end], v[start:end], scale, out=out[start:end],
+                                            template=template, cache=(k_cache, v_cache),
+                                            block_table=meta.prefill_block_tables[i], cached=(first, ctx - first),
+                                            slots=slots[start:end])
+            start = end
         return out
 
     @staticmethod

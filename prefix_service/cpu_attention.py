@@ -6,7 +6,9 @@ head sizes and on CPUs MKL does not tune for, that runs at a fraction of the mac
 registers, exponentiates them with a polynomial exp, and accumulates P V in the same pass, for
 all query heads of a KV head together, in one OpenMP parallel region on torch's own threads.
 A pinned template's keys may come packed at pin time (PackedPrefixKV), so a request that
-continues it reads them without any per-call reordering.
+continues it reads them without any per-call reordering. The rest of a context is read through
+the sequence's block table, and the new tokens' K/V can be stored into their cache slots by the
+same call, so a layer's attention needs no torch operation around it.
 
 It lives in the native library (native.py), built on first use with the system C++ compiler;
 `available()` says why it cannot be used, and the engine then keeps torch's kernels.
@@ -22,7 +24,7 @@ PANEL = 16  # keys per K panel: the layout of pack_keys, as the kernel reads it
 HEAD_SIZES = range(16, 257, 16)  # head sizes the kernel takes
 
 _ERRORS = {1: "the library was built without AVX-512", 2: "unsupported head size or head counts",
-           3: "out of memory"}
+           3: "out of memory", 4: "a slot or block id outside the cache"}
 
 
 class NativeAttentionError(RuntimeError):
@@ -58,19 +60,37 @@ def _rows(x: torch.Tensor, name: str) -> int:
     return x.stride(0)
 
 
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> None:
+    if (v_cache.shape != k_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != d
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
+        raise NativeAttentionError(f"the cache must be two contiguous float32 [blocks, block_size, Hkv, {d}] tensors, "
+                                   f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+
+
+def _check_slots(slots: torch.Tensor, n: int) -> None:
+    if slots.dtype != torch.int64 or slots.shape != (n,) or not slots.is_contiguous():
+        raise NativeAttentionError(f"slots: int64 [{n}] is needed, got {slots.dtype} {tuple(slots.shape)}")
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       out: torch.Tensor | None = None,
-                      template: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+                      template: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                      cache: tuple[torch.Tensor, torch.Tensor] | None = None, block_table: torch.Tensor | None = None,
+                      cached: tuple[int, int] = (0, 0), slots: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one sequence's new tokens.
 
-    q: [M, Hq, D]; k, v: [C, Hkv, D], the keys after the template (the rest of the context, then
-    the M new tokens; query i sees the first C - M + i + 1); template: (K panels, V rows, R) from
-    pack_keys/pack_values, R keys every query sees, in front of k/v. Rows may be strided (views
-    of a fused projection); heads must be dense. Returns out [M, Hq, D]."""
+    q: [M, Hq, D]; template: (K panels, V rows, R) from pack_keys/pack_values, R keys every query
+    sees, first; cached = (start, L): then the sequence's cached tokens [start, start + L), read
+    from cache = (k_cache, v_cache) [blocks, block_size, Hkv, D] through block_table (int32 [W]);
+    then k, v: [N, Hkv, D], N >= M (the new tokens' own K/V, after any further context); query i
+    sees all of those but the last M - i - 1. slots (int64 [N]): k and v are also written into
+    these slots of the cache, as a layer stores its new tokens. Rows may be strided (views of a
+    fused projection); heads must be dense. Returns out [M, Hq, D]."""
     lib = native.require(NativeAttentionError)
     m, hq, d = q.shape
-    c, hkv = k.shape[0], k.shape[1]
-    if v.shape != k.shape or k.shape[2] != d or c < m:
+    n, hkv = k.shape[0], k.shape[1]
+    if v.shape != k.shape or k.shape[2] != d or n < m:
         raise NativeAttentionError(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if out is None:
         out = torch.empty(m, hq, d, dtype=q.dtype)
@@ -83,10 +103,33 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         if kt.shape != (hkv, -(-r // PANEL), d, PANEL) or vt.shape != (hkv, r, d) or not (
                 kt.is_contiguous() and vt.is_contiguous()):
             raise NativeAttentionError(f"template layout: K {tuple(kt.shape)}, V {tuple(vt.shape)} for {r} keys")
+    start, length = cached
+    kc = vc = None
+    blocks = bs = width = 0
+    if cache is not None:
+        kc, vc = cache
+        _check_cache(kc, vc, d)
+        blocks, bs = kc.shape[0], kc.shape[1]
+        if kc.shape[2] != hkv:
+            raise NativeAttentionError(f"the cache holds {kc.shape[2]} KV heads, k has {hkv}")
+    if length:
+        if kc is None or block_table is None:
+            raise NativeAttentionError("cached tokens need the cache and a block table")
+        if block_table.dtype != torch.int32 or block_table.dim() != 1 or block_table.stride(0) != 1:
+            raise NativeAttentionError(f"block_table: int32 [W] is needed, got {block_table.dtype} "
+                                       f"{tuple(block_table.shape)}")
+        width = block_table.shape[0]
+    if slots is not None:
+        if kc is None:
+            raise NativeAttentionError("storing into slots needs the cache")
+        _check_slots(slots, n)
     code = native.call(
         lib.ps_prefill_attention, PROFILE_SCOPE, q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
         kt.data_ptr() if kt is not None else None, vt.data_ptr() if vt is not None else None, r,
-        k.data_ptr(), ks, v.data_ptr(), vs, c)
+        k.data_ptr(), ks, v.data_ptr(), vs, n,
+        kc.data_ptr() if kc is not None else None, vc.data_ptr() if vc is not None else None, blocks, bs,
+        block_table.data_ptr() if length else None, width, start, length,
+        slots.data_ptr() if slots is not None else None)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out
@@ -94,20 +137,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     templates: list[tuple[torch.Tensor, torch.Tensor, int] | None] | None = None) -> torch.Tensor:
+                     templates: list[tuple[torch.Tensor, torch.Tensor, int] | None] | None = None,
+                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of N decoding sequences' new tokens over their paged cache.
 
     q: [N, Hq, D] (rows may be strided); k_cache, v_cache: [blocks, block_size, Hkv, D], the new
-    tokens' K/V already stored; block_tables: int32 [N, W]; context_lens: int32 [N], the new token
+    tokens' K/V already stored, or new_kv = (k, v, slots): k, v [N, Hkv, D] written first into
+    the slots (int64 [N]); block_tables: int32 [N, W]; context_lens: int32 [N], the new token
     included; templates: per sequence None or (K panels, V rows, R) of pack_keys/pack_values, R a
     multiple of the block size: its first R / block_size blocks are read from there. Returns out."""
     lib = native.require(NativeAttentionError)
     n, hq, d = q.shape
-    _, bs, hkv, dk = k_cache.shape
-    if (v_cache.shape != k_cache.shape or dk != d or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
-        raise NativeAttentionError(f"the cache must be two contiguous float32 [blocks, block_size, Hkv, {d}] tensors, "
-                                   f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _check_cache(k_cache, v_cache, d)
+    blocks, bs, hkv, _ = k_cache.shape
     if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n
             or block_tables.stride(1) != 1 or context_lens.dtype != torch.int32 or context_lens.shape != (n,)
             or not context_lens.is_contiguous()):
@@ -127,12 +169,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         skip = torch.tensor([t[2] // bs if t is not None else 0 for t in templates], dtype=torch.int32)
         kt_ptrs = torch.tensor([t[0].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
         vt_ptrs = torch.tensor([t[1].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
+    kn = vn = slots = None
+    if new_kv is not None:
+        kn, vn, slots = new_kv
+        if kn.shape != (n, hkv, d) or vn.shape != kn.shape:
+            raise NativeAttentionError(f"new K/V: [{n}, {hkv}, {d}] are needed, got {tuple(kn.shape)} and {tuple(vn.shape)}")
+        _check_slots(slots, n)
     code = native.call(
         lib.ps_decode_attention, PROFILE_SCOPE,
         q.data_ptr(), qs, out.data_ptr(), os_, n, hq, hkv, d, scale, k_cache.data_ptr(), v_cache.data_ptr(), bs,
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
         skip.data_ptr() if skip is not None else None, kt_ptrs.data_ptr() if kt_ptrs is not None else None,
-        vt_ptrs.data_ptr() if vt_ptrs is not None else None)
+        vt_ptrs.data_ptr() if vt_ptrs is not None else None,
+        kn.data_ptr() if kn is not None else None, _rows(kn, "k") if kn is not None else 0,
+        vn.data_ptr() if vn is not None else None, _rows(vn, "v") if vn is not None else 0,
+        slots.data_ptr() if slots is not None else None, blocks)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out

@@ -136,27 +136,109 @@ def test_bad_input_is_refused_with_a_clear_error():
 
 @needs_native
 def test_prefill_step_through_the_kernel_equals_torch():
-    """One step, six prefills (as test_packed_prefix's): the native path, with the template packed
-    in its layout for the sequences that continue it, equals torch's split prefill."""
+    """One step, six prefills (as test_packed_prefix's), through the backends' forward: the native
+    path (the new K/V stored and each context read through its block table by the kernel; the
+    template packed in its layout for the sequences that continue it) equals torch's split
+    prefill, in its output and in the cache it leaves."""
     g = torch.Generator().manual_seed(4)
     bs, hq, hkv, d = 4, 6, 2, 16
     kc, vc = torch.randn(80, bs, hkv, d, generator=g), torch.randn(80, bs, hkv, d, generator=g)
     template = [10, 11, 12]
-    seqs = [(template + [30], 3 * bs + 2, 5), (template + [31, 32], 4 * bs + 1, 3), ([40, 41], bs + 1, 4),
-            (template, 3 * bs, 2), ([50], 0, 6), (template + [33], 3 * bs + 3, 1)]
+    contexts = [(template + [30], 3 * bs + 2, 5), (template + [31, 32], 4 * bs + 1, 3), ([40, 41], bs + 1, 4),
+                (template, 3 * bs, 2), ([50], 0, 6), (template + [33], 3 * bs + 3, 1)]
+    fresh = iter(range(60, 80))  # each sequence's own blocks for its new tokens
+    seqs = [(t + [next(fresh) for _ in range(-(-(c + n) // bs) - len(t))], c, n) for t, c, n in contexts]
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, c, n in seqs for p in range(c, c + n)])
     tq = sum(n for _, _, n in seqs)
     qkv = torch.randn(tq, hq + 2 * hkv, d, generator=g)  # strided rows, as the model's projection gives
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-    want = TorchAttentionBackend._prefill_split(q, k, v, kc, vc, _prefill_meta(seqs, bs), d ** -0.5)
+
+    def step(backend, packed: bool):
+        meta = _prefill_meta(seqs, bs)
+        meta.slot_mapping = slots
+        kc_, vc_ = kc.clone(), vc.clone()
+        if packed:
+            blocks = PackedPrefixKV([(kc_, vc_)], template, native=backend.native)
+            meta.prefill_packed = [blocks if t[:3] == template and c >= 3 * bs else None for t, c, _ in seqs]
+        return backend.forward(q, k, v, kc_, vc_, meta, d ** -0.5), kc_, vc_
+
+    want, want_k, want_v = step(TorchAttentionBackend(), packed=False)
     native = TorchAttentionBackend(native=True)
     assert native.name == "torch+native"
-    got_plain = native._prefill_native(q, k, v, kc, vc, _prefill_meta(seqs, bs), d ** -0.5)
-    meta = _prefill_meta(seqs, bs)
-    packed = PackedPrefixKV([(kc, vc)], template, native=True)
-    meta.prefill_packed = [packed if t[:3] == template else None for t, _, _ in seqs]
-    got_packed = native._prefill_native(q, k, v, kc, vc, meta, d ** -0.5)
-    assert (got_plain - want).abs().max().item() < 1e-5
-    assert (got_packed - want).abs().max().item() < 1e-5
+    for packed in (False, True):
+        got, got_k, got_v = step(native, packed)
+        assert (got - want).abs().max().item() < 1e-5
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@needs_native
+@pytest.mark.parametrize("r,cached,m", [(0, 0, 7), (32, 9, 20), (0, 70, 5), (16, 0, 1), (48, 16, 64)])
+def test_prefill_reads_context_through_its_block_table_and_stores_new_kv(r, cached, m):
+    """The cached part of segment B comes from a paged cache in shuffled blocks, starting after the
+    template's tokens; the new tokens' K/V go into their slots (bitwise) in the same call, and
+    nothing else of the cache changes."""
+    bs, hq, hkv, d = 4, 6, 2, 32
+    g = torch.Generator().manual_seed(r + cached + m)
+    n_blocks = -(-(r + cached + m) // bs)
+    kc, vc = torch.randn(n_blocks + 5, bs, hkv, d, generator=g), torch.randn(n_blocks + 5, bs, hkv, d, generator=g)
+    table = torch.randperm(n_blocks + 5, generator=g)[:n_blocks].to(torch.int32)
+    positions = range(r, r + cached)  # the context after the template
+    ctx_k = torch.stack([kc[table[p // bs], p % bs] for p in positions]) if cached else kc.new_zeros(0, hkv, d)
+    ctx_v = torch.stack([vc[table[p // bs], p % bs] for p in positions]) if cached else vc.new_zeros(0, hkv, d)
+    qkv = torch.randn(m, hq + 2 * hkv, d, generator=g)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    kt, vt = torch.randn(r, hkv, d, generator=g), torch.randn(r, hkv, d, generator=g)
+    template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), r) if r else None
+    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(r + cached, r + cached + m)])
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.view(-1, hkv, d)[slots], want_v.view(-1, hkv, d)[slots] = k, v
+    got = cpu_attention.prefill_attention(q, k, v, d ** -0.5, template=template, cache=(kc, vc), block_table=table,
+                                          cached=(r, cached), slots=slots)
+    want = reference(q, torch.cat([ctx_k, k]), torch.cat([ctx_v, v]), d ** -0.5, kt if r else None, vt if r else None)
+    assert (got.double() - want).abs().max().item() < 2e-6
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+@needs_native
+def test_decode_stores_the_new_tokens_before_it_reads():
+    """new_kv: the kernel writes each sequence's new K/V into its slot (the last of its context)
+    and attends over it; the same as storing first and calling without it."""
+    bs, hq, hkv, d = 4, 6, 2, 32
+    lens = [1, 6, 13]
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=21)
+    g = torch.Generator().manual_seed(22)
+    k, v = torch.randn(3, hkv, d, generator=g), torch.randn(3, hkv, d, generator=g)
+    slots = torch.tensor([rows[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k.view(-1, hkv, d)[slots], want_v.view(-1, hkv, d)[slots] = k, v
+    want = cpu_attention.decode_attention(q, want_k, want_v, tables, ctx, 0.2)
+    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.2, new_kv=(k, v, slots))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert torch.equal(got, want)
+
+
+@needs_native
+def test_stores_and_block_tables_outside_the_cache_are_refused():
+    """A slot or block id past the cache is an error before anything is written."""
+    bs, hkv, d = 4, 2, 16
+    kc, vc = torch.zeros(3, bs, hkv, d), torch.zeros(3, bs, hkv, d)
+    q, k, v = torch.randn(2, 4, d), torch.randn(2, hkv, d), torch.randn(2, hkv, d)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
+        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 12]))
+    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
+        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1, 3], dtype=torch.int32),
+                                        cached=(0, 6))
+    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):  # past the table's end
+        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1], dtype=torch.int32),
+                                        cached=(2, 4))
+    with pytest.raises(cpu_attention.NativeAttentionError, match="block table"):
+        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), cached=(0, 3))
+    with pytest.raises(cpu_attention.NativeAttentionError, match="slots: int64"):
+        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 1], dtype=torch.int32))
+    tables, ctx = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32)
+    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
+        cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.25, new_kv=(k, v, torch.tensor([-1, 4])))
+    assert not kc.any() and not vc.any()
 
 
 @needs_native

@@ -90,10 +90,10 @@ def count_packed(monkeypatch):
         calls.append(q.shape[2])
         return real(q, *args)
 
-    def counting_native(q, k, v, scale, out=None, template=None):
+    def counting_native(q, k, v, scale, template=None, **kw):
         if template is not None:
             calls.append(q.shape[0] * q.shape[1] // k.shape[1])
-        return real_native(q, k, v, scale, out=out, template=template)
+        return real_native(q, k, v, scale, template=template, **kw)
     monkeypatch.setattr(attention_mod, "attend_packed", counting)
     monkeypatch.setattr(cpu_attention, "prefill_attention", counting_native)
     return calls

@@ -3,9 +3,12 @@
 // The new tokens' queries attend over two key segments, in one online softmax:
 //   A: a pinned template's first R keys, every one visible, held packed at pin time
 //      (K as panels of 16 keys [Hkv][ceil(R/16)][D][16], V as rows [Hkv][R][D]);
-//   B: the C keys after it (the rest of the cached context, then the new tokens), row-strided
-//      [C][Hkv][D] as they lie in memory; query i (of M) sees the first C - M + i + 1 of them.
-// With R = 0 it is plain causal attention over the context and the new tokens.
+//   B: the C keys after it: the L cached ones that follow the template, read from the paged
+//      cache through the sequence's block table, then N >= M keys given row-strided [N][Hkv][D]
+//      (the new tokens' own, as the projection left them); query i (of M) sees the first
+//      C - M + i + 1.
+// With R = 0 and L = 0 it is plain causal attention over the given keys. The given K/V can be
+// written into their cache slots by the same call (the store every layer makes).
 //
 // Work is split over (KV head, block of 6 query rows), the query heads of one KV head taken
 // together so each K/V read serves all of them; all in one OpenMP parallel region (the runtime
@@ -188,33 +191,85 @@ inline void store_row(const Tile& t, int r, float* dst, int d_len) {
   for (int d = 0; d < d_len; ++d) dst[d] = t.o[r * MAX_D + d] * inv;
 }
 
+// Writes n rows of K and V (rows k_stride / v_stride apart, Hkv x D floats each) into the
+// cache's slots (block * block_size + offset; slot_floats = Hkv x D). Rows are split over the
+// team's threads; call from inside a parallel region.
+inline void store_rows(const float* k, int64_t k_stride, const float* v, int64_t v_stride, int n,
+                       const int64_t* slots, float* k_cache, float* v_cache, int64_t slot_floats) {
+#pragma omp for schedule(static) nowait
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(k_cache + slots[i] * slot_floats, k + i * k_stride, sizeof(float) * slot_floats);
+    std::memcpy(v_cache + slots[i] * slot_floats, v + i * v_stride, sizeof(float) * slot_floats);
+  }
+}
+
+// True when every slot lies in a cache of num_slots slots.
+inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
+  for (int i = 0; i < n; ++i)
+    if (slots[i] < 0 || slots[i] >= num_slots) return false;
+  return true;
+}
+
 }  // namespace
 #endif
 
-// Returns 0, or a nonzero code: 1 no AVX-512 in this build, 2 unsupported head size, 3 out of memory.
+// Returns 0, or a nonzero code: 1 no AVX-512 in this build, 2 unsupported head size, 3 out of
+// memory, 4 a slot or block id outside the cache.
+//
+// q [M][Hq][D] rows q_stride apart; out likewise; kt/vt: segment A (r_len keys, or null with 0);
+// kn/vn: kn_len >= M keys and values [kn_len][Hkv][D] after the cached part (the new tokens' own),
+// rows kn_stride / vn_stride apart; k_cache/v_cache
+// [num_blocks][block_size][Hkv][D]; segment B's cached part: tokens [l_start, l_start + l_len) of
+// the sequence, through block_table (table_len ids); slots: kn_len cache slots to store kn/vn in, or null.
 extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                     int m_len, int hq, int hkv, int d_len, float scale,
                                     const float* kt, const float* vt, int r_len,
-                                    const float* kr, int64_t kr_stride, const float* vr, int64_t vr_stride,
-                                    int c_len) {
+                                    const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride, int kn_len,
+                                    float* k_cache, float* v_cache, int num_blocks, int block_size,
+                                    const int32_t* block_table, int table_len, int l_start, int l_len,
+                                    const int64_t* slots) {
 #if !defined(__AVX512F__)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)m_len; (void)hq; (void)hkv; (void)d_len;
-  (void)scale; (void)kt; (void)vt; (void)r_len; (void)kr; (void)kr_stride; (void)vr; (void)vr_stride; (void)c_len;
+  (void)scale; (void)kt; (void)vt; (void)r_len; (void)kn; (void)kn_stride; (void)vn; (void)vn_stride; (void)kn_len;
+  (void)k_cache; (void)v_cache; (void)num_blocks; (void)block_size; (void)block_table; (void)table_len;
+  (void)l_start; (void)l_len; (void)slots;
   return 1;
 #else
-  if (d_len <= 0 || d_len > MAX_D || d_len % KP != 0 || hkv <= 0 || hq % hkv != 0) return 2;
+  if (d_len <= 0 || d_len > MAX_D || d_len % KP != 0 || hkv <= 0 || hq % hkv != 0 || kn_len < m_len) return 2;
+  const int64_t slot_floats = (int64_t)hkv * d_len;
+  if (slots != nullptr && !slots_fit(slots, kn_len, (int64_t)num_blocks * block_size)) return 4;
+  if (l_len > 0) {  // the cached part's blocks
+    if (l_start < 0 || block_size <= 0 || (int64_t)(l_start + l_len - 1) / block_size >= table_len) return 4;
+    for (int b = l_start / block_size; b <= (l_start + l_len - 1) / block_size; ++b)
+      if (block_table[b] < 0 || block_table[b] >= num_blocks) return 4;
+  }
   const int g = hq / hkv;
+  const int c_len = l_len + kn_len;              // segment B: cached part, then kn's keys
   const int rows = m_len * g;                    // per KV head, in (token, head in group) order
   const int tiles = (rows + MR - 1) / MR;
   const int c_panels = (c_len + KP - 1) / KP;
   const int64_t panel_floats = (int64_t)d_len * KP;
-  // segment B's keys as panels, made once per call by all threads
+  // segment B's keys as panels [Hkv][c_panels][D][16] and its values as rows [Hkv][C][D], made
+  // once per call by all threads
   const size_t kb_bytes = sizeof(float) * (size_t)(hkv * (int64_t)c_panels * panel_floats + KP);  // a multiple of 64
+  const size_t vb_bytes = sizeof(float) * (size_t)(((int64_t)hkv * c_len * d_len + KP - 1) / KP * KP);
   float* kb = static_cast<float*>(std::aligned_alloc(64, kb_bytes));
-  if (kb == nullptr) return 3;
+  float* vb = static_cast<float*>(std::aligned_alloc(64, vb_bytes > 0 ? vb_bytes : 64));
+  if (kb == nullptr || vb == nullptr) {
+    std::free(kb);
+    std::free(vb);
+    return 3;
+  }
+  // segment B's key j: a cached token's row (through the block table) or a new token's
+  const auto key_row = [&](const float* cache, const float* fresh, int64_t fresh_stride, int j) -> const float* {
+    if (j >= l_len) return fresh + (int64_t)(j - l_len) * fresh_stride;
+    const int tok = l_start + j;
+    return cache + ((int64_t)block_table[tok / block_size] * block_size + tok % block_size) * slot_floats;
+  };
   const int r_panels = (r_len + KP - 1) / KP;
 #pragma omp parallel
   {
+    if (slots != nullptr) store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, k_cache, v_cache, slot_floats);
 #pragma omp for schedule(static)
     for (int64_t hp = 0; hp < (int64_t)hkv * c_panels; ++hp) {
       const int h = (int)(hp / c_panels), pnl = (int)(hp % c_panels);
@@ -222,8 +277,10 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
       for (int k = 0; k < KP; ++k) {
         const int key = pnl * KP + k;
         if (key < c_len) {
-          const float* src = kr + key * kr_stride + (int64_t)h * d_len;
+          const float* src = key_row(k_cache, kn, kn_stride, key) + (int64_t)h * d_len;
           for (int d = 0; d < d_len; ++d) dst[d * KP + k] = src[d];
+          std::memcpy(vb + ((int64_t)h * c_len + key) * d_len, key_row(v_cache, vn, vn_stride, key) + (int64_t)h * d_len,
+                      sizeof(float) * d_len);
         } else {
           for (int d = 0; d < d_len; ++d) dst[d * KP + k] = 0.0f;
         }
@@ -246,39 +303,44 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
       if (r_len > 0)  // A: every key visible
         attend_template(t, d_len, kt + (int64_t)h * r_panels * panel_floats, vt + (int64_t)h * r_len * d_len, r_len);
       const float* kb_h = kb + (int64_t)h * c_panels * panel_floats;
+      const float* vb_h = vb + (int64_t)h * c_len * d_len;
       for (int c0 = 0; c0 < last_visible; c0 += KC) {  // B: causal
         const int nk = last_visible - c0 < KC ? last_visible - c0 : KC;
         for (int r = 0; r < MR; ++r) {
           const int n = c_len - m_len + tok[r] + 1 - c0;
           valid[r] = n < 0 ? 0 : n > nk ? nk : n;
         }
-        chunk(t, d_len, kb_h + (int64_t)(c0 / KP) * panel_floats, nk, vr + c0 * vr_stride + (int64_t)h * d_len,
-              vr_stride, valid);
+        chunk(t, d_len, kb_h + (int64_t)(c0 / KP) * panel_floats, nk, vb_h + (int64_t)c0 * d_len, d_len, valid);
       }
       for (int r = 0; r < MR && r0 + r < rows; ++r)
         store_row(t, r, out + tok[r] * out_stride + (int64_t)(h * g + (r0 + r) % g) * d_len, d_len);
     }
   }
   std::free(kb);
+  std::free(vb);
   return 0;
 #endif
 }
 
 // Decode attention: n_seq sequences, one new token each, over their paged cache
-// (k_cache/v_cache [blocks][block_size][Hkv][D], the new token's K/V already stored). Sequence n
+// (k_cache/v_cache [blocks][block_size][Hkv][D]; the new tokens' K/V already stored, or stored
+// first from kn/vn into `slots` when slots is not null; num_blocks bounds the slots). Sequence n
 // sees context_lens[n] tokens through its block table; where kt_ptrs[n] is not 0 its first
 // skip_blocks[n] blocks come instead from a packed template (the layout of segment A above).
 // Work is split over (sequence, KV head, tile of query heads); cache keys are gathered 64 at a
 // time into panels in a per-thread buffer.
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                    int n_seq, int hq, int hkv, int d_len, float scale,
-                                   const float* k_cache, const float* v_cache, int block_size,
+                                   float* k_cache, float* v_cache, int block_size,
                                    const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
-                                   const int32_t* skip_blocks, const int64_t* kt_ptrs, const int64_t* vt_ptrs) {
+                                   const int32_t* skip_blocks, const int64_t* kt_ptrs, const int64_t* vt_ptrs,
+                                   const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
+                                   const int64_t* slots, int num_blocks) {
 #if !defined(__AVX512F__)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)n_seq; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)k_cache; (void)v_cache; (void)block_size; (void)block_tables; (void)table_stride;
-  (void)context_lens; (void)skip_blocks; (void)kt_ptrs; (void)vt_ptrs;
+  (void)context_lens; (void)skip_blocks; (void)kt_ptrs; (void)vt_ptrs; (void)kn; (void)kn_stride; (void)vn;
+  (void)vn_stride; (void)slots; (void)num_blocks;
   return 1;
 #else
   if (d_len <= 0 || d_len > MAX_D || d_len % KP != 0 || hkv <= 0 || hq % hkv != 0) return 2;
@@ -287,9 +349,14 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   const int64_t slot_stride = (int64_t)hkv * d_len;
   const int64_t block_floats = (int64_t)block_size * slot_stride;
   const int64_t panel_floats = (int64_t)d_len * KP;
+  if (slots != nullptr && !slots_fit(slots, n_seq, (int64_t)num_blocks * block_size)) return 4;
   int status = 0;
 #pragma omp parallel
   {
+    if (slots != nullptr) {  // the new tokens' K/V first: each sequence reads its own
+      store_rows(kn, kn_stride, vn, vn_stride, n_seq, slots, k_cache, v_cache, slot_stride);
+#pragma omp barrier
+    }
     float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
     float* vbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
     if (kbuf == nullptr || vbuf == nullptr) {
