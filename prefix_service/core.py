@@ -75,6 +75,7 @@ class EngineCore:
             self.model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
         self.cpu_linear = self._pack_linears(mc.cpu_linear)
         self.cpu_elementwise = self._cpu_elementwise(mc.cpu_elementwise)
+        self.layer_blocks = self._layer_blocks()
         self.kv_cache = KVCache(self.arch, config.cache, self.dtype, self.device)
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.kv_cache.num_blocks)
@@ -98,7 +99,7 @@ class EngineCore:
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.kv_cache.num_blocks,
                  self.block_size, self.max_model_len, self.backend.name,
                  f", linear {self.cpu_linear}, attention {self.cpu_attention}, element-wise {self.cpu_elementwise}"
-                 if self.cpu_linear else "")
+                 f"{' (layer blocks)' if self.layer_blocks else ''}" if self.cpu_linear else "")
 
     def _pack_linears(self, choice: str) -> str | None:
         """model.cpu_linear: on a CPU, pack the weights for the native kernel (cpu_linear.py) or
@@ -149,6 +150,17 @@ class EngineCore:
                                      "element-wise work on torch's operators")
         self.model.fused_elementwise = kind == "native"
         return kind
+
+    def _layer_blocks(self) -> bool:
+        """With the linear layers and the element-wise work both native, each layer's work around
+        attention runs as two native calls (cpu_layer.py). Whether it does; where it cannot, why
+        is logged."""
+        if self.cpu_linear != "native" or self.cpu_elementwise != "native":
+            return False
+        why = self.model.use_layer_blocks()
+        if why is not None:
+            log.info("layers run kernel by kernel, as %s", why)
+        return why is None
 
     def _cpu_attention(self, choice: str) -> str | None:
         """model.cpu_attention: on a CPU in float32, prefill and decode attention in the native

@@ -27,7 +27,7 @@ import torch
 log = logging.getLogger("prefix_service.engine")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp")
+SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp", CSRC / "cpu_layer.cpp")
 HEADERS = (CSRC / "simd_math.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
@@ -43,6 +43,9 @@ SIGNATURES = {
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
+    "ps_layer_qkv": ([_ptr, _i64, _ptr, _i32, _i32, _ptr, _f32, _ptr, _i32, _ptr, _i32, _i32, _ptr, _ptr, _ptr, _ptr,
+                      _i32], _i32),
+    "ps_layer_mlp": ([_ptr, _i64, _i32, _i32, _ptr, _ptr, _i64, _i32, _ptr, _f32, _ptr, _i32, _ptr, _ptr, _i32], _i32),
 }
 
 
@@ -131,10 +134,15 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
+def profiling() -> bool:
+    """Whether a torch profiler is recording in this thread."""
+    return torch._C._autograd._profiler_enabled()
+
+
 def call(fn, scope: str, *args) -> int:
     """fn(*args), inside a torch profiler scope named `scope` while a profiler runs (the scope
     costs ~10 us a call even when none does, as much as a small kernel call)."""
-    if torch._C._autograd._profiler_enabled():
+    if profiling():
         with torch.profiler.record_function(scope):
             return fn(*args)
     return fn(*args)

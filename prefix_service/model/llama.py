@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefix_service import cpu_elementwise
+from prefix_service import cpu_elementwise, native
 from prefix_service.errors import ModelLoadError
 
 
@@ -139,19 +139,25 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = arch.head_dim ** -0.5
 
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused projection [T, q + 2 kv] as q and k heads [T, Hq + Hkv, D] and v heads
+        [T, Hkv, D]: views, rows strided."""
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        return (qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def attend(self, qk, v, backend, kv_cache, meta) -> torch.Tensor:
+        """Attention of the rotated q and k heads and v -> the heads' outputs [T, Hq * D]."""
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, Hq, D], [T, Hkv, D] (row-strided views)
+        return backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
+
     def forward(self, x, rotate, backend, kv_cache, meta) -> torch.Tensor:
         # x: [T, hidden]; rotate: the forward's rotary embedding, applied to [T, heads, D]
-        qkv = self.qkv_proj(x)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)  # [T, Hq + Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = self.heads(self.qkv_proj(x))  # [T, Hq + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:  # Qwen3: q and k have their own norms, before the rotation
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         # one rotation for the q and k heads together (the same positions): half the small operations
-        qk = rotate(qk)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, Hq, D], [T, Hkv, D] (row-strided views)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(self.attend(rotate(qk), v, backend, kv_cache, meta))
 
 
 class MLP(nn.Module):
@@ -176,6 +182,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
+        self.blocks = None  # cpu_layer.LayerBlocks: forward_fused's work around attention in two native calls
 
     def forward(self, x, rotate, backend, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotate, backend, kv_cache, meta)
@@ -185,9 +192,13 @@ class DecoderLayer(nn.Module):
         """The same layer on the native element-wise kernels. x [T, hidden] is the residual stream,
         updated in place: `pending` (the previous layer's MLP output, or None) is added to it by this
         layer's first norm, and this layer's MLP output is returned for the next one to add."""
+        attn = self.self_attn
+        if self.blocks is not None and not native.profiling():  # (profiled: kernel by kernel, each timed)
+            qk, v = attn.heads(self.blocks.qkv(x, pending, rotate))
+            return self.blocks.mlp(attn.attend(qk, v, backend, kv_cache, meta), x)
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         h = cpu_elementwise.add_rms_norm(x, pending, norm1.weight, norm1.eps)
-        h = cpu_elementwise.add_rms_norm(x, self.self_attn(h, rotate, backend, kv_cache, meta), norm2.weight, norm2.eps)
+        h = cpu_elementwise.add_rms_norm(x, attn(h, rotate, backend, kv_cache, meta), norm2.weight, norm2.eps)
         return self.mlp.forward_fused(h)
 
 
@@ -218,6 +229,17 @@ class LlamaForCausalLM(nn.Module):
             self.packed_head = packed_cls(self.embed_tokens.weight, None)
             count += 1
         return count
+
+    def use_layer_blocks(self) -> str | None:
+        """Run each layer's work around attention as two native calls (cpu_layer.py), where its
+        linear layers are native and the element-wise work is fused. None when bound, else why not."""
+        from prefix_service.cpu_layer import LayerBlocks, unsupported
+        why = "the element-wise work is not fused" if not self.fused_elementwise else None
+        why = why or next((w for w in map(unsupported, self.layers) if w is not None), None)
+        if why is None:
+            for layer in self.layers:
+                layer.blocks = LayerBlocks(layer)
+        return why
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, kv_caches, meta) -> torch.Tensor:
