@@ -96,8 +96,7 @@ class TorchAttentionBackend:
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [Nd, Hq, D]. Sequences sharing a pinned prefix attend to it once, together; otherwise
-        # each gathers its context through its block table (the native kernel: reads it in place,
-        # and a packed template from its packed copy).
+        # each gathers its context through its block table (the native kernel: _forward_native).
         if meta.decode_cascade is not None:
             return cascade_decode(q, k_cache, v_cache, meta.decode_cascade, scale)
         out, _ = attend_paged(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
