@@ -86,6 +86,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
         self.cpu_attention = self._cpu_attention(mc.cpu_attention)
         self.backend = make_backend(mc.attention_backend, self.device, native=self.cpu_attention == "native")
+        self.decoder_stack = self._decoder_stack()
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
         self.pack_prefix_kv = self._packs_prefix_kv(config.cache.pack_prefix_kv)
         if self.pack_prefix_kv:
@@ -99,7 +100,8 @@ class EngineCore:
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.kv_cache.num_blocks,
                  self.block_size, self.max_model_len, self.backend.name,
                  f", linear {self.cpu_linear}, attention {self.cpu_attention}, element-wise {self.cpu_elementwise}"
-                 f"{' (layer blocks)' if self.layer_blocks else ''}" if self.cpu_linear else "")
+                 f"{' (decoder stack)' if self.decoder_stack else ' (layer blocks)' if self.layer_blocks else ''}"
+                 if self.cpu_linear else "")
 
     def _pack_linears(self, choice: str) -> str | None:
         """model.cpu_linear: on a CPU, pack the weights for the native kernel (cpu_linear.py) or
@@ -161,6 +163,14 @@ class EngineCore:
         if why is not None:
             log.info("layers run kernel by kernel, as %s", why)
         return why is None
+
+    def _decoder_stack(self) -> bool:
+        """With layer blocks and the native attention kernel, a forward's layers run as one native
+        call (cpu_layer.DecoderStack). Whether they do."""
+        if not (self.layer_blocks and getattr(self.backend, "native", False)):
+            return False
+        self.model.use_decoder_stack(self.kv_cache.layers())
+        return True
 
     def _cpu_attention(self, choice: str) -> str | None:
         """model.cpu_attention: on a CPU in float32, prefill and decode attention in the native

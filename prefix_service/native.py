@@ -46,6 +46,9 @@ SIGNATURES = {
     "ps_layer_qkv": ([_ptr, _i64, _ptr, _i32, _i32, _ptr, _f32, _ptr, _i32, _ptr, _i32, _i32, _ptr, _ptr, _ptr, _ptr,
                       _i32], _i32),
     "ps_layer_mlp": ([_ptr, _i64, _i32, _i32, _ptr, _ptr, _i64, _i32, _ptr, _f32, _ptr, _i32, _ptr, _ptr, _i32], _i32),
+    "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
+                          _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
+                          _i32], _i32),
 }
 
 

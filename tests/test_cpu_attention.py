@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import cpu_has_avx512, greedy, run_ids
-from prefix_service import GenerateRequest, cpu_attention, native
+from prefix_service import GenerateRequest, cpu_attention, cpu_layer, native
 from prefix_service.attention import TorchAttentionBackend
 from prefix_service.config import ConfigError, ModelConfig
 from prefix_service.errors import PrefixServiceError
@@ -342,8 +342,14 @@ def test_engine_decodes_a_shared_template_batch_through_the_kernel(make_engine, 
     def counting_decode(q, *args, templates=None, **kw):
         templated.append(sum(t is not None for t in templates) if templates else 0)
         return real_decode(q, *args, templates=templates, **kw)
+    def counting_stack(self, x, rotate, meta):  # the decoder stack makes the same kernel calls from C++
+        if meta.num_decode_tokens:
+            templated.append(sum(p is not None for p in meta.decode_packed))
+        return real_stack(self, x, rotate, meta)
+    real_stack = cpu_layer.DecoderStack.forward
     monkeypatch.setattr(attention, "cascade_decode", counting_cascade)
     monkeypatch.setattr(cpu_attention, "decode_attention", counting_decode)
+    monkeypatch.setattr(cpu_layer.DecoderStack, "forward", counting_stack)
     prefix = [(3 * i + 7) % 500 + 3 for i in range(23)]
     users = [[(5 * i + k) % 500 + 3 for i in range(2 + k)] for k in range(5)]
     torch_engine = make_engine(block_size=4, cpu_attention="torch")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import greedy, run_ids
-from prefix_service import GenerateRequest, cpu_attention
+from prefix_service import GenerateRequest, cpu_attention, cpu_layer
 from prefix_service.attention import TorchAttentionBackend
 from prefix_service.config import CacheConfig, ConfigError
 from prefix_service.packed_prefix import PackedPrefixKV, attend_packed, packed_prefix_available
@@ -94,8 +94,15 @@ def count_packed(monkeypatch):
         if template is not None:
             calls.append(q.shape[0] * q.shape[1] // k.shape[1])
         return real_native(q, k, v, scale, template=template, **kw)
+    def counting_stack(self, x, rotate, meta):  # the decoder stack calls the native kernel from C++, every layer
+        for q_len, packed in zip(meta.prefill_q_lens, meta.prefill_packed or []):
+            if packed is not None:
+                calls.extend([q_len * self.hq // self.hkv] * len(self.layers))
+        return real_stack(self, x, rotate, meta)
+    real_stack = cpu_layer.DecoderStack.forward
     monkeypatch.setattr(attention_mod, "attend_packed", counting)
     monkeypatch.setattr(cpu_attention, "prefill_attention", counting_native)
+    monkeypatch.setattr(cpu_layer.DecoderStack, "forward", counting_stack)
     return calls
 
 

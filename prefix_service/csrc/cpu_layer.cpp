@@ -63,3 +63,87 @@ extern "C" int ps_layer_mlp(const float* attn, int64_t ld_attn, int rows, int at
   if (code == 0) code = ps_linear(act.p, inter, rows, inter, wdown, hidden, nullptr, out, hidden, threads);
   return code;
 }
+
+extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int m_len,
+                                    int hq, int hkv, int d_len, float scale, const float* kt, const float* vt,
+                                    int r_len, const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
+                                    int kn_len, float* k_cache, float* v_cache, int num_blocks, int block_size,
+                                    const int32_t* block_table, int table_len, int l_start, int l_len,
+                                    const int64_t* slots);
+extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int n_seq,
+                                   int hq, int hkv, int d_len, float scale, float* k_cache, float* v_cache,
+                                   int block_size, const int32_t* block_tables, int64_t table_stride,
+                                   const int32_t* context_lens, const int32_t* skip_blocks, const int64_t* kt_ptrs,
+                                   const int64_t* vt_ptrs, const float* kn, int64_t kn_stride, const float* vn,
+                                   int64_t vn_stride, const int64_t* slots, int num_blocks);
+
+// A whole decoder stack over one step, each layer the calls of the kernel-by-kernel path in its order
+// with its arguments (ps_layer_qkv, then attention, then ps_layer_mlp), so the results are the same
+// bit for bit; what it saves is the Python and ctypes work between them, the same for every step.
+//
+// x [rows][hidden] (dense): the residual stream, updated in place; pending [rows][hidden] receives the
+// last layer's MLP output (the final norm adds it to x). Per layer l: weights[l] = {input norm w, q/k/v
+// panels, q/k/v bias or 0, post-attention norm w, o panels, gate|up panels, down panels}, eps[l] = the
+// two norms' eps, caches[l] = {k_cache, v_cache} [num_blocks][block_size][hkv][head_dim].
+// The step's rows: first n_dec decodes (one token each: dec_tables [n_dec] rows dec_stride apart,
+// dec_ctx the new token included, dec_skip the blocks each reads from its packed template, or null
+// when none has one), then n_pre prefills (pre_info [n_pre][3] = {new tokens, cached context
+// tokens, of those the leading ones in a packed template}, their block tables pre_tables [n_pre]
+// rows pre_stride apart, pre_width wide). templates: null, or [n_dec + n_pre][layers][2] = the
+// packed template's K panels and V rows of each sequence's layer (0: none). slots: each row's cache
+// slot. Returns 0 or the first failing kernel's status (cpu_attention.py names them).
+extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, const int64_t* weights, const float* eps,
+                                const int64_t* caches, int num_blocks, int block_size, int hq, int hkv, int head_dim,
+                                int inter, float scale, const int64_t* positions, const float* cos_table,
+                                const float* sin_table, const int64_t* slots, int n_dec, const int32_t* dec_tables,
+                                int64_t dec_stride, const int32_t* dec_ctx, const int32_t* dec_skip, int n_pre,
+                                const int32_t* pre_info, const int32_t* pre_tables, int64_t pre_stride,
+                                int pre_width, const int64_t* templates, float* pending, int threads) {
+  const int q_size = hq * head_dim, kv_size = hkv * head_dim, n_qkv = q_size + 2 * kv_size;
+  Buffer qkv(rows, n_qkv), attn(rows, q_size);
+  if (!(qkv.p && attn.p)) return 3;
+  int64_t* kt = nullptr;  // the decodes' template pointers of one layer
+  if (n_dec > 0 && dec_skip != nullptr) {
+    kt = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 2 * (size_t)n_dec));
+    if (kt == nullptr) return 3;
+  }
+  int code = 0;
+  for (int l = 0; l < layers && code == 0; ++l) {
+    const int64_t* w = weights + 7 * (int64_t)l;
+    float* k_cache = reinterpret_cast<float*>(caches[2 * l]);
+    float* v_cache = reinterpret_cast<float*>(caches[2 * l + 1]);
+    const auto f = [](int64_t p) { return reinterpret_cast<const float*>(p); };
+    code = ps_layer_qkv(x, hidden, l == 0 ? nullptr : pending, rows, hidden, f(w[0]), eps[2 * l], f(w[1]), n_qkv,
+                        f(w[2]), hq + hkv, head_dim, positions, cos_table, sin_table, qkv.p, threads);
+    if (code == 0 && n_dec > 0) {
+      if (kt != nullptr)
+        for (int n = 0; n < n_dec; ++n) {
+          kt[n] = templates[((int64_t)n * layers + l) * 2];
+          kt[n_dec + n] = templates[((int64_t)n * layers + l) * 2 + 1];
+        }
+      code = ps_decode_attention(qkv.p, n_qkv, attn.p, q_size, n_dec, hq, hkv, head_dim, scale, k_cache, v_cache,
+                                 block_size, dec_tables, dec_stride, dec_ctx, dec_skip, kt,
+                                 kt != nullptr ? kt + n_dec : nullptr, qkv.p + q_size, n_qkv,
+                                 qkv.p + q_size + kv_size, n_qkv, slots, num_blocks);
+    }
+    int64_t start = n_dec;
+    for (int i = 0; i < n_pre && code == 0; ++i) {
+      const int q_len = pre_info[3 * i], ctx = pre_info[3 * i + 1], first = pre_info[3 * i + 2];
+      const int64_t* t = templates != nullptr ? templates + ((int64_t)(n_dec + i) * layers + l) * 2 : nullptr;
+      const float* row = qkv.p + start * n_qkv;
+      const bool rest = ctx > first;  // context after the template, read through the block table
+      code = ps_prefill_attention(row, n_qkv, attn.p + start * q_size, q_size, q_len, hq, hkv, head_dim, scale,
+                                  t != nullptr && t[0] != 0 ? f(t[0]) : nullptr,
+                                  t != nullptr && t[0] != 0 ? f(t[1]) : nullptr, first, row + q_size, n_qkv,
+                                  row + q_size + kv_size, n_qkv, q_len, k_cache, v_cache, num_blocks, block_size,
+                                  rest ? pre_tables + i * pre_stride : nullptr, rest ? pre_width : 0, first,
+                                  ctx - first, slots + start);
+      start += q_len;
+    }
+    if (code == 0)
+      code = ps_layer_mlp(attn.p, q_size, rows, q_size, f(w[4]), x, hidden, hidden, f(w[3]), eps[2 * l + 1], f(w[5]),
+                          inter, f(w[6]), pending, threads);
+  }
+  std::free(kt);
+  return code;
+}

@@ -213,6 +213,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(arch, max_positions)
         self.packed_head: nn.Module | None = None  # the tied lm_head, packed for a CPU kernel (pack_for_cpu)
         self.fused_elementwise = False  # norms, rotary, activation on the native CPU kernels (cpu_elementwise.py)
+        self.stack = None  # cpu_layer.DecoderStack: every layer in one native call (use_decoder_stack)
 
     def pack_for_cpu(self, kind: str = "onednn") -> int:
         """Hold every linear layer's weight, and a tied lm_head's, packed for a CPU kernel: kind
@@ -241,15 +242,27 @@ class LlamaForCausalLM(nn.Module):
                 layer.blocks = LayerBlocks(layer)
         return why
 
+    def use_decoder_stack(self, kv_caches) -> None:
+        """With layer blocks bound (use_layer_blocks), run every layer of a forward, attention
+        included, in one native call (cpu_layer.DecoderStack) whenever the forward is given these
+        KV caches (per layer (k, v)) and an attention backend on the native kernel."""
+        from prefix_service.cpu_layer import DecoderStack
+        self.stack = DecoderStack(self.layers, kv_caches)
+
     @torch.inference_mode()
     def forward(self, input_ids, positions, backend, kv_caches, meta) -> torch.Tensor:
         # input_ids, positions: [T]; returns hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
         if self.fused_elementwise:
             rotate = cpu_elementwise.Rotation(positions, *self.rotary.tables(x.device))
-            pending = None  # each layer's MLP output, added to x by the next norm
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                pending = layer.forward_fused(x, pending, rotate, backend, kv_cache, meta)
+            stack = self.stack
+            if (stack is not None and getattr(backend, "native", False) and stack.serves(kv_caches)
+                    and not native.profiling()):  # (profiled: layer by layer, kernel by kernel, each timed)
+                pending = stack.forward(x, rotate, meta)
+            else:
+                pending = None  # each layer's MLP output, added to x by the next norm
+                for layer, kv_cache in zip(self.layers, kv_caches):
+                    pending = layer.forward_fused(x, pending, rotate, backend, kv_cache, meta)
             return cpu_elementwise.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
         cos, sin = self.rotary(positions, x.dtype)
         rotate = functools.partial(apply_rope, cos=cos, sin=sin)
