@@ -162,6 +162,20 @@ class DecoderStack:
         return len(kv_layers) == len(self.kv_layers) and all(
             k is bk and v is bv for (k, v), (bk, bv) in zip(kv_layers, self.kv_layers))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block dst = block src in every layer's K and V cache, for each (src, dst) pair: the
+        copy-on-write of a template's partial last block, one native call for all layers. The
+        destinations must be distinct from each other and from every source."""
+        dst = [d for _, d in pairs]
+        if len(set(dst)) != len(dst) or set(dst) & {s for s, _ in pairs}:
+            raise NativeLayerError(f"copy_blocks: the destinations must be distinct from each other and from the "
+                                   f"sources, got {pairs}")
+        k = self.kv_layers[0][0]
+        flat = torch.tensor(pairs, dtype=torch.int64).view(-1)
+        _status(native.require(NativeLayerError).ps_copy_blocks(
+            self.caches.data_ptr(), len(self.layers), self.num_blocks, k[0].numel(), flat.data_ptr(), len(pairs)),
+            "ps_copy_blocks")
+
     def template_pointers(self, packed) -> torch.Tensor:
         """[layers, 2]: a PackedPrefixKV's K panels and V rows per layer, as this stack reads them."""
         if not packed.native:

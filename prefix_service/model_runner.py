@@ -21,6 +21,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.block_size = kv_cache.block_size
+        self.kv_layers = kv_cache.layers()  # per layer (k, v): the same tensors for the engine's life
         self.packed_prefixes: dict[PrefixHandle, PackedPrefixKV] = {}  # CPU: templates' K/V packed (pack_prefix)
 
     def pack_prefix(self, handle: PrefixHandle) -> PackedPrefixKV | None:
@@ -98,7 +99,11 @@ class ModelRunner:
         """Run one step. Returns logits [N, vocab] (float32) for the sequences whose chunk reaches
         their last token (prefill-only warmups excluded), and those sequences in order."""
         if out.copies:  # copy-on-write of partial prefix tail blocks, before anything is written
-            cuda_ops.copy_blocks(self.kv_cache.k, self.kv_cache.v, self._tensor(out.copies, torch.int64))
+            stack = self.model.stack
+            if stack is not None and stack.serves(self.kv_layers):  # one native call for all layers
+                stack.copy_blocks(out.copies)
+            else:
+                cuda_ops.copy_blocks(self.kv_cache.k, self.kv_cache.v, self._tensor(out.copies, torch.int64))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -145,7 +150,7 @@ class ModelRunner:
             meta.prefill_packed = [self._packed_for(s.seq) for s in prefills]
             meta.decode_packed = [self._packed_for(s.seq) for s in decodes]
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64),
-                            self.backend, self.kv_cache.layers(), meta)  # [T, hidden]
+                            self.backend, self.kv_layers, meta)  # [T, hidden]
         if not logit_rows:
             return None, []
         return self.model.compute_logits(hidden[self._tensor(logit_rows, torch.int64)]), sample_seqs

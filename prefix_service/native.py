@@ -49,6 +49,7 @@ SIGNATURES = {
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
                           _i32], _i32),
+    "ps_copy_blocks": ([_ptr, _i32, _i32, _i64, _ptr, _i32], _i32),
 }
 
 

@@ -242,3 +242,30 @@ def test_decoder_stack_refuses_bad_input_and_leaves_the_cache(llama_dir):
 def _with(meta, **changes):
     import dataclasses
     return dataclasses.replace(meta, **changes)
+
+
+@needs_native
+def test_decoder_stack_copies_blocks_in_every_layer(llama_dir):
+    """The copy-on-write of a template's partial last block: one native call for all layers, the
+    same as copying block by block; bad pairs are refused with nothing copied."""
+    model = native_model(llama_dir)
+    assert model.use_layer_blocks() is None
+    arch = model.arch
+    caches = [(torch.randn(7, BS, arch.num_kv_heads, arch.head_dim), torch.randn(7, BS, arch.num_kv_heads, arch.head_dim))
+              for _ in model.layers]
+    model.use_decoder_stack(caches)
+    want = [(k.clone(), v.clone()) for k, v in caches]
+    for k, v in want:
+        for src, dst in ((2, 5), (3, 0)):
+            k[dst], v[dst] = k[src], v[src]
+    model.stack.copy_blocks([(2, 5), (3, 0)])
+    for (k, v), (k0, v0) in zip(caches, want):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    with pytest.raises(cpu_layer.NativeLayerError, match="status 4"):
+        model.stack.copy_blocks([(1, 6), (2, 7)])  # block 7: outside the cache
+    with pytest.raises(cpu_layer.NativeLayerError, match="distinct"):
+        model.stack.copy_blocks([(1, 4), (2, 4)])
+    with pytest.raises(cpu_layer.NativeLayerError, match="distinct"):
+        model.stack.copy_blocks([(1, 4), (4, 6)])
+    for (k, v), (k0, v0) in zip(caches, want):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -6,6 +6,7 @@
 // prefix_service/native.py.
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 
 extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float* wp, int N, const float* bias,
                          float* y, int64_t ldy, int threads);
@@ -146,4 +147,20 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
   }
   std::free(kt);
   return code;
+}
+
+// Copy whole blocks in every layer (the copy-on-write of a template's partial last block): for each
+// of n_pairs pairs {src, dst}, block dst of each cache = block src. caches: [layers][2] = {k, v},
+// each [num_blocks][block_floats]. Returns 4 (nothing copied) when a block id is outside the cache.
+extern "C" int ps_copy_blocks(const int64_t* caches, int layers, int num_blocks, int64_t block_floats,
+                              const int64_t* pairs, int n_pairs) {
+  for (int p = 0; p < 2 * n_pairs; ++p)
+    if (pairs[p] < 0 || pairs[p] >= num_blocks) return 4;
+  for (int l = 0; l < 2 * layers; ++l) {
+    float* cache = reinterpret_cast<float*>(caches[l]);
+    for (int p = 0; p < n_pairs; ++p)
+      std::memcpy(cache + pairs[2 * p + 1] * block_floats, cache + pairs[2 * p] * block_floats,
+                  sizeof(float) * (size_t)block_floats);
+  }
+  return 0;
 }
