@@ -8,7 +8,9 @@ copy set aside (path prefix_unpacked), in the same turns. For each: time to firs
 and min over --runs), and, from torch's profiler over --profile-runs more, the time in linear
 layers, in attention (the packed copy's products and the native kernel included), and in
 everything else (small operators, the scheduler, Python), the last being the wall time minus the
-first two.
+first two. Under the profiler the layers run kernel by kernel (the decoder stack and the layer
+blocks of cpu_layer.py step aside so that each kernel is timed on its own), so "other" is that
+path's; the timed runs take the engine's usual path.
 
 Next to the times, each path's FLOPs (linear layers: 2 x tokens x weights; attention: 4 x heads x
 head_dim x the keys each query sees). Their quotient is the TTFT ratio a prefix would give if both
