@@ -75,3 +75,53 @@ def test_closed_loop_request_counts():
     no_shared = with_overrides(FULL, workloads=("no_shared",), systems=("engine_prefix", "engine_no_prefix"),
                                modes=("closed_loop",))
     assert no_shared.expected_requests() == 2 * (1 + 16)
+
+
+def test_closed_loop_in_turns_alternates_the_systems_bursts():
+    """The no_shared regression check: the first half of the requests system by system, the second
+    half in reverse order, one record per system over all of its requests."""
+    import threading
+
+    from prefix_service.bench.metrics import Timing
+    from prefix_service.bench.plan import FULL, ClosedSpec, with_overrides
+    from prefix_service.bench.runner import Runner
+    from prefix_service.bench.systems import System, now
+
+    assert {s.workload: s.in_turns for s in FULL.closed} == {"intent": False, "no_shared": True}
+    log, lock = [], threading.Lock()
+
+    class Fake(System):
+        def __init__(self, name):
+            self.name = name
+
+        def supports(self, workload):
+            return True
+
+        def run(self, workload, req, timeout_s=None):
+            with lock:
+                log.append((self.name, req.index))
+            t = Timing(start=now())
+            t.add_tokens(3, now())
+            t.end = now()
+            return t
+
+        def kv_blocks_used(self):
+            return 7 if self.name == "a" else None
+
+    class Workload:
+        name = "no_shared"
+
+        def request(self, index):
+            return type("Req", (), {"index": index})()
+
+    plan = with_overrides(FULL, closed=(ClosedSpec("no_shared", (2,), ("a", "b"), min_rounds=4, in_turns=True),),
+                          systems=("a", "b"))
+    runner = Runner(plan, [Fake("a"), Fake("b")], {"no_shared": Workload()}, tick=lambda: None, status=lambda s: None)
+    runner.closed_loop()
+    bursts = [log[i][0] for i in range(0, len(log), 4)]
+    assert bursts == ["a", "b", "b", "a"]  # 8 requests: two halves of 4, at concurrency 2
+    for name in ("a", "b"):
+        assert sorted(i for n, i in log if n == name) == sorted({i for _, i in log})  # every request, once
+    records = {r["system"]: r for r in runner.records}
+    assert set(records) == {"a", "b"} and all(r["num_requests"] == 8 and r["num_failed"] == 0 and r["in_turns"] for r in records.values())
+    assert records["a"]["peak_kv_blocks"] == 7 and records["b"]["peak_kv_blocks"] is None

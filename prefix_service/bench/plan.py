@@ -42,6 +42,9 @@ class ClosedSpec:
     concurrencies: tuple[int, ...]
     systems: tuple[str, ...] = ()  # () = every system of the plan
     min_rounds: int = 1  # requests per client at least, whatever the plan's closed_rounds
+    # the systems' bursts in turns: the requests in two halves, the first half system by system in
+    # plan order, the second in reverse order, one record per system over both (runner.py says why)
+    in_turns: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class Plan:
     single_by_workload: Pairs = (("intent", 12), ("no_shared", 6))
     closed: tuple[ClosedSpec, ...] = (ClosedSpec("intent", (1, 4, 16, 64)),
                                       ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix"),
-                                                 min_rounds=4))
+                                                 min_rounds=4, in_turns=True))
     closed_min_requests: int = 2
     closed_rounds: int = 1
     caps: Pairs = (("hf_generate", 4), ("hf_prompt_cache", 4), ("engine_no_prefix", 16), ("grpc_no_prefix", 16),
