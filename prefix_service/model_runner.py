@@ -30,7 +30,7 @@ class ModelRunner:
         full = handle.num_tokens // self.block_size
         if not full:
             return None
-        packed = self.packed_prefixes[handle] = PackedPrefixKV(self.kv_cache.layers(), list(handle.block_table[:full]),
+        packed = self.packed_prefixes[handle] = PackedPrefixKV(self.kv_layers, list(handle.block_table[:full]),
                                                                native=getattr(self.backend, "native", False))
         return packed
 
