@@ -64,22 +64,32 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys):
 def test_closed_loop_request_counts():
     from prefix_service.bench.plan import FULL, with_overrides
     specs = {s.workload: s for s in FULL.closed}
-    # the no_shared regression check sends 4 rounds at c=4; intent one round per client
-    assert FULL.closed_requests(4, specs["no_shared"]) == 16
+    # the no_shared regression check sends 8 rounds at c=4; intent one round per client
+    assert FULL.closed_requests(4, specs["no_shared"]) == 32
     assert FULL.closed_requests(4, specs["intent"]) == 4
     assert FULL.closed_requests(1, specs["intent"]) == FULL.closed_min_requests == 2
-    more = with_overrides(FULL, closed_rounds=8)  # --closed-rounds raises every spec, never lowers one
-    assert more.closed_requests(4, specs["no_shared"]) == 32 and more.closed_requests(4, specs["intent"]) == 32
+    more = with_overrides(FULL, closed_rounds=10)  # --closed-rounds raises every spec, never lowers one
+    assert more.closed_requests(4, specs["no_shared"]) == 40 and more.closed_requests(4, specs["intent"]) == 40
+    fewer = with_overrides(FULL, closed_rounds=2)
+    assert fewer.closed_requests(4, specs["no_shared"]) == 32 and fewer.closed_requests(4, specs["intent"]) == 8
     intent_only = with_overrides(FULL, workloads=("intent",), systems=("engine_prefix",), modes=("closed_loop",))
     assert intent_only.expected_requests() == 1 + 2 + 4 + 16 + 64  # warm-up + c=1, 4, 16, 64
     no_shared = with_overrides(FULL, workloads=("no_shared",), systems=("engine_prefix", "engine_no_prefix"),
                                modes=("closed_loop",))
-    assert no_shared.expected_requests() == 2 * (1 + 16)
+    assert no_shared.expected_requests() == 2 * (1 + 32)
+
+
+def test_closed_spec_turns_are_zero_or_at_least_two():
+    from prefix_service.bench.plan import ClosedSpec
+    for bad in (1, -2):
+        with pytest.raises(ValueError, match="turns is 0"):
+            ClosedSpec("no_shared", (4,), turns=bad)
+    assert ClosedSpec("no_shared", (4,), turns=2).turns == 2 and ClosedSpec("intent", (4,)).turns == 0
 
 
 def test_closed_loop_in_turns_alternates_the_systems_bursts():
-    """The no_shared regression check: the first half of the requests system by system, the second
-    half in reverse order, one record per system over all of its requests."""
+    """The no_shared regression check: the requests in turns, each turn system by system, the order
+    mirrored on every other turn, one record per system over all of its requests."""
     import threading
 
     from prefix_service.bench.metrics import Timing
@@ -87,7 +97,7 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
     from prefix_service.bench.runner import Runner
     from prefix_service.bench.systems import System, now
 
-    assert {s.workload: s.in_turns for s in FULL.closed} == {"intent": False, "no_shared": True}
+    assert {s.workload: s.turns for s in FULL.closed} == {"intent": 0, "no_shared": 4}
     log, lock = [], threading.Lock()
 
     class Fake(System):
@@ -114,14 +124,17 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
         def request(self, index):
             return type("Req", (), {"index": index})()
 
-    plan = with_overrides(FULL, closed=(ClosedSpec("no_shared", (2,), ("a", "b"), min_rounds=4, in_turns=True),),
+    plan = with_overrides(FULL, closed=(ClosedSpec("no_shared", (2,), ("a", "b"), min_rounds=6, turns=3),),
                           systems=("a", "b"))
     runner = Runner(plan, [Fake("a"), Fake("b")], {"no_shared": Workload()}, tick=lambda: None, status=lambda s: None)
     runner.closed_loop()
-    bursts = [log[i][0] for i in range(0, len(log), 4)]
-    assert bursts == ["a", "b", "b", "a"]  # 8 requests: two halves of 4, at concurrency 2
+    bursts = [(log[i][0], sorted(j for _, j in log[i:i + 4])) for i in range(0, len(log), 4)]
+    turn = [sorted({j for _, j in log})[k:k + 4] for k in (0, 4, 8)]  # 12 requests: three turns of 4, at c=2
+    assert bursts == [("a", turn[0]), ("b", turn[0]), ("b", turn[1]), ("a", turn[1]), ("a", turn[2]), ("b", turn[2])]
     for name in ("a", "b"):
         assert sorted(i for n, i in log if n == name) == sorted({i for _, i in log})  # every request, once
     records = {r["system"]: r for r in runner.records}
-    assert set(records) == {"a", "b"} and all(r["num_requests"] == 8 and r["num_failed"] == 0 and r["in_turns"] for r in records.values())
+    assert set(records) == {"a", "b"}
+    assert all(r["num_requests"] == 12 and r["num_failed"] == 0 and r["in_turns"] and r["turns"] == 3
+               for r in records.values())
     assert records["a"]["peak_kv_blocks"] == 7 and records["b"]["peak_kv_blocks"] is None

@@ -5,11 +5,13 @@ model takes seconds; the full plan (about 20 minutes there) spends that time whe
 comparisons are:
 
   * single mode: every system on every workload (a system with nothing to show on a workload,
-    e.g. a prefix cache without a prefix, is left out); 12 requests each on intent and 6 on
+    e.g. a prefix cache without a prefix, is left out); 12 requests each on intent and
     no_shared (the targets), 2 on the others.
   * closed loop: intent at concurrency 1, 4, 16, 64, and no_shared (the regression check) at 4
-    for the engine with prefix support on and off, 4 rounds of requests (one burst of 4 requests
-    moved the on/off throughput ratio by +-17% from run to run on the 2-core machine).
+    for the engine with prefix support on and off: 8 rounds of requests (32), in 4 turns of 8
+    per engine, A B B A A B B A. On the 2-core machine one burst of 8 such requests took 13.8 to
+    17.3 s within a few minutes on two identical engines, so a 5% check needs many requests, in
+    short turns that share the machine's slow spells.
     `caps` stops a system at a concurrency: hf_generate and hf_prompt_cache serve one request
     at a time (more clients only queue on their lock: the same throughput, longer waits) and
     stop at 4; the no-prefix systems and generate_batch stop at 16 (64 concurrent 1,000-token
@@ -42,9 +44,15 @@ class ClosedSpec:
     concurrencies: tuple[int, ...]
     systems: tuple[str, ...] = ()  # () = every system of the plan
     min_rounds: int = 1  # requests per client at least, whatever the plan's closed_rounds
-    # the systems' bursts in turns: the requests in two halves, the first half system by system in
-    # plan order, the second in reverse order, one record per system over both (runner.py says why)
-    in_turns: bool = False
+    # the systems' bursts in turns: 0, each system's requests in one burst; n >= 2, the requests in n
+    # equal parts, each part system by system, in plan order then in reverse on every other part
+    # (A B, B A, A B, ...), one record per system over all its parts (runner.py says why)
+    turns: int = 0
+
+    def __post_init__(self) -> None:
+        if self.turns < 0 or self.turns == 1:
+            raise ValueError(f"ClosedSpec({self.workload!r}): turns is 0 (one burst per system) or at least 2, "
+                             f"got {self.turns}")
 
 
 @dataclass(frozen=True)
@@ -55,10 +63,10 @@ class Plan:
     sizes: Sizes = field(default_factory=Sizes)
     warmup_requests: int = 1  # per system, untimed, before anything is measured
     single_requests: int = 2  # per system and workload, unless single_by_workload says otherwise
-    single_by_workload: Pairs = (("intent", 12), ("no_shared", 6))
+    single_by_workload: Pairs = (("intent", 12), ("no_shared", 12))
     closed: tuple[ClosedSpec, ...] = (ClosedSpec("intent", (1, 4, 16, 64)),
                                       ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix"),
-                                                 min_rounds=4, in_turns=True))
+                                                 min_rounds=8, turns=4))
     closed_min_requests: int = 2
     closed_rounds: int = 1
     caps: Pairs = (("hf_generate", 4), ("hf_prompt_cache", 4), ("engine_no_prefix", 16), ("grpc_no_prefix", 16),

@@ -167,8 +167,8 @@ class Runner:
                 requests = [workload.request(base + i) for i in range(self.plan.closed_requests(c, spec))]
                 systems = [s for s in self.systems
                            if s.supports(workload) and self.plan.closed_allows(spec, s.name, c)]
-                if spec.in_turns:
-                    self._closed_in_turns(systems, workload, requests, c)
+                if spec.turns:
+                    self._closed_in_turns(systems, workload, requests, c, spec.turns)
                     continue
                 for system in systems:
                     self.status(f"closed loop: {system.name} {workload.name} c={c}")
@@ -176,18 +176,28 @@ class Runner:
                                                    self.tick)
                     self._record(system, workload, "closed_loop", c, result)
 
-    def _closed_in_turns(self, systems: list[System], workload: Workload, requests: list, c: int) -> None:
-        """A closed loop whose systems' bursts take turns: the first half of the requests system by
-        system in plan order, the second half in reverse order (A B, then B A), each system's record
-        over both halves (wall time: the sum of its two). The closed loop runs one system's burst
-        after another's, and on a shared 2-core VM the burst that goes first was measured ~2-4%
-        slower than the same burst second (engine_prefix and engine_no_prefix on no_shared, the same
-        code path, in both orders): more than the resolution a 5% regression check needs."""
-        half = len(requests) // 2
+    def _closed_in_turns(self, systems: list[System], workload: Workload, requests: list, c: int, turns: int) -> None:
+        """A closed loop whose systems' bursts take turns: the requests in `turns` equal parts, each
+        part system by system, in plan order on even parts and in reverse on odd ones (A B, B A, A B,
+        B A), each system's record over all of its parts (wall time: the sum of its parts').
+
+        Why: on a shared 2-core VM, one system's whole burst after the other's made the one that went
+        first ~2-4% slower (engine_prefix and engine_no_prefix on no_shared, the same code path, in
+        both orders), and the machine's speed drifts over minutes (a burst of 8 requests took 13.8 to
+        17.3 s within a few minutes on two identical engines): more than the resolution a 5%
+        regression check needs. Short turns in mirrored order put both systems through the same
+        spells, and a linear drift cancels over each A B B A."""
+        if turns < 2 or len(requests) < turns:
+            raise ValueError(f"a closed loop in turns needs at least 2 turns and a request per turn "
+                             f"(turns={turns}, {len(requests)} requests)")
+        size = -(-len(requests) // turns)
         parts: dict[str, list[modes.RunResult]] = {s.name: [] for s in systems}
-        for batch, order in ((requests[:half], systems), (requests[half:], systems[::-1])):
-            for system in order:
-                self.status(f"closed loop: {system.name} {workload.name} c={c} (in turns)")
+        for k in range(turns):
+            batch = requests[k * size:(k + 1) * size]
+            if not batch:
+                break
+            for system in (systems if k % 2 == 0 else systems[::-1]):
+                self.status(f"closed loop: {system.name} {workload.name} c={c} (turn {k + 1}/{turns})")
                 parts[system.name].append(modes.run_closed_loop(system, workload, batch, c,
                                                                 PeakSampler(system.kv_blocks_used), self.tick))
         for system in systems:
@@ -195,7 +205,7 @@ class Runner:
             peaks = [r.peak_kv_blocks for r in runs if r.peak_kv_blocks is not None]
             self._record(system, workload, "closed_loop", c,
                          modes.RunResult([t for r in runs for t in r.timings], sum(r.wall_s for r in runs),
-                                         max(peaks) if peaks else None), in_turns=True)
+                                         max(peaks) if peaks else None), in_turns=True, turns=len(runs))
 
     def open_loop(self) -> None:
         plan = self.plan
