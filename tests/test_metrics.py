@@ -131,12 +131,15 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
 def test_engine_gauges_while_requests_wait(make_server):
     st = make_server(metrics_address="127.0.0.1:0", max_num_seqs=1)
     c = Clients(st.address)
-    undo = slow_steps(st.engine, 0.01)
+    # whichever request lands first runs, for 300 steps of at least 50 ms (15 s: the other two are
+    # surely queued before it ends, also on a slow machine); the other two wait
+    undo = slow_steps(st.engine, 0.05)
     try:
         calls = [c.generation.Generate(greedy_request(" the", "doc", max_tokens=300)) for _ in range(3)]
-        deadline = time.monotonic() + 5  # whichever landed first runs; the other two wait
+        deadline = time.monotonic() + 15
         while st.engine.kv_stats()["waiting"] < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert st.engine.kv_stats()["waiting"] == 2, "the two later requests did not queue behind the first"
         m = scrape(st.server.metrics_port)
         assert value(m, "prefix_service_queue_length") == 2
         assert value(m, "prefix_service_running_requests") == 1
