@@ -24,6 +24,7 @@ class BlockAllocator:
         # FIFO free list: a freed block goes to the back, so recently freed blocks are
         # reused last (their bytes are easier to inspect when debugging).
         self._free: deque[BlockId] = deque(BlockId(i) for i in range(num_blocks))
+        self.peak_used = 0  # the most blocks in use at once since the last reset_peak()
 
     @property
     def num_free(self) -> int:
@@ -32,6 +33,13 @@ class BlockAllocator:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the blocks in use now."""
+        self.peak_used = self.num_used
+
+    def _note_peak(self) -> None:
+        self.peak_used = max(self.peak_used, self.num_used)
 
     def ref_count(self, block: BlockId) -> int:
         return self._ref_counts[block]
@@ -43,6 +51,7 @@ class BlockAllocator:
         blocks = [self._free.popleft() for _ in range(n)]
         for b in blocks:
             self._ref_counts[b] = 1
+        self._note_peak()
         return blocks
 
     def allocate_contiguous(self, n: int) -> list[BlockId] | None:
@@ -60,6 +69,7 @@ class BlockAllocator:
                     self._free = deque(b for b in self._free if b not in taken)
                     for b in blocks:
                         self._ref_counts[b] = 1
+                    self._note_peak()
                     return blocks
                 run_start = i
         return None

@@ -397,8 +397,13 @@ class EngineCore:
         if any(s.status is SeqStatus.FINISHED for s in self.scheduler.running):
             raise AssertionError("a finished sequence is still running")
 
+    def reset_kv_peak(self) -> None:
+        """Start kv_stats()["peak_used"] over from the blocks in use now."""
+        self.allocator.reset_peak()
+
     def kv_stats(self) -> dict:
         return {"num_blocks": self.allocator.num_blocks, "used": self.allocator.num_used,
+                "peak_used": self.allocator.peak_used,  # most in use at once since reset_kv_peak()
                 "free": self.allocator.num_free, "pinned": self.prefixes.num_pinned_blocks,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "preemptions": self.scheduler.num_preemptions,

@@ -214,7 +214,14 @@ class Engine:
         self._run(lambda core: core.check_integrity())
 
     def kv_stats(self) -> dict:
+        """KV blocks: num_blocks, used (pinned templates included), peak_used (the most used at once
+        since reset_kv_peak or the start), free, pinned; running, waiting, preemptions; the bytes of
+        the templates' packed copies."""
         return self._run(lambda core: core.kv_stats())
+
+    def reset_kv_peak(self) -> None:
+        """Start kv_stats()["peak_used"] over from the blocks in use now (a benchmark's window)."""
+        self._run(lambda core: core.reset_kv_peak())
 
     def shutdown(self) -> None:
         """Stop the loop; requests still in flight end with an EngineStopped error."""

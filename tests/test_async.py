@@ -42,8 +42,14 @@ def test_closing_a_stream_aborts_and_frees_blocks(make_engine):
         await stream.aclose()
 
     asyncio.run(main())
-    assert engine.kv_stats()["used"] == 0
+    stats = engine.kv_stats()
+    assert stats["used"] == 0 and stats["peak_used"] > 0  # the stream held blocks; all are back
+    engine.reset_kv_peak()
+    assert engine.kv_stats()["peak_used"] == 0
     assert run_ids(engine, _ids(1), max_tokens=8)  # still serving
+    # the most in use at once since the reset: that request's KV, its prompt and the first 7 of its 8
+    # tokens (the last one is sampled, never stored), in blocks of 4
+    assert engine.kv_stats()["peak_used"] == -(-(len(_ids(1)) + 7) // 4)
 
 
 def test_stream_raises_validation_errors(make_engine):

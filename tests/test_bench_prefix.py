@@ -115,8 +115,11 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
             t.end = now()
             return t
 
-        def kv_blocks_used(self):
-            return 7 if self.name == "a" else None
+        def kv_peak_start(self):
+            return self.name == "a"
+
+        def kv_blocks_peak(self):
+            return 7
 
     class Workload:
         name = "no_shared"

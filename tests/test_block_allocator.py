@@ -53,3 +53,23 @@ def test_allocate_contiguous_takes_the_lowest_free_run():
     assert a.allocate_contiguous(2) == [1, 2]
     assert a.num_free == 1 and a.ref_count(5) == 1
     a.check_integrity()
+
+
+def test_peak_used_is_the_high_water_mark_since_reset():
+    a = BlockAllocator(8)
+    assert a.peak_used == 0
+    first = a.allocate(3)
+    a.free(first[:2])
+    assert (a.num_used, a.peak_used) == (1, 3)  # freeing never lowers the mark
+    a.incref(first[2:])  # sharing a block uses no new one
+    assert a.peak_used == 3
+    a.reset_peak()
+    assert a.peak_used == 1  # starts again from the blocks in use now
+    run = a.allocate_contiguous(4)
+    assert run is not None and a.peak_used == 5
+    a.free(run)
+    a.allocate(2)
+    assert (a.num_used, a.peak_used) == (3, 5)
+    with pytest.raises(OutOfBlocks):
+        a.allocate(6)
+    assert a.peak_used == 5  # a refused allocation takes nothing

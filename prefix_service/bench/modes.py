@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from prefix_service.bench.metrics import Timing, percentile, summarize
-from prefix_service.bench.systems import PeakSampler, System, now
+from prefix_service.bench.systems import KVPeak, System, now
 from prefix_service.bench.workloads import BenchRequest, Workload
 
 Tick = Callable[[], None]  # called once per finished request (the progress bar)
@@ -28,22 +28,22 @@ class RunResult:
 
 
 def run_single(systems: list[System], workload: Workload, requests: list[BenchRequest],
-               samplers: dict[str, PeakSampler], tick: Tick) -> dict[str, RunResult]:
+               peaks: dict[str, KVPeak], tick: Tick) -> dict[str, RunResult]:
     """Every request on every system, in turns; each round starts one system later, so that no
     system always follows the same one. Wall time of a system = the sum of its latencies."""
     timings: dict[str, list[Timing]] = {s.name: [] for s in systems}
     for i, req in enumerate(requests):
         k = i % len(systems)
         for system in systems[k:] + systems[:k]:
-            with samplers[system.name]:
+            with peaks[system.name]:
                 timings[system.name].append(system.run(workload, req))
             tick()
     return {s.name: RunResult(timings[s.name], sum((t.e2e_ms or 0) for t in timings[s.name]) / 1000,
-                              samplers[s.name].peak) for s in systems}
+                              peaks[s.name].peak) for s in systems}
 
 
 def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequest], concurrency: int,
-                    sampler: PeakSampler, tick: Tick) -> RunResult:
+                    peak_window: KVPeak, tick: Tick) -> RunResult:
     """`concurrency` clients share the request list; wall time runs from the first send to the last answer."""
     todo = list(reversed(requests))
     lock = threading.Lock()
@@ -60,7 +60,7 @@ def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequ
                 timings.append(t)
             tick()
 
-    with sampler:
+    with peak_window:
         start = now()
         threads = [threading.Thread(target=client, name=f"bench-client-{i}") for i in range(concurrency)]
         for t in threads:
@@ -68,7 +68,7 @@ def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequ
         for t in threads:
             t.join()
         wall = now() - start
-    return RunResult(timings, wall, sampler.peak)
+    return RunResult(timings, wall, peak_window.peak)
 
 
 def poisson_arrivals(qps: float, duration_s: float, seed: int, min_requests: int) -> list[float]:

@@ -15,7 +15,7 @@ from typing import Callable
 from prefix_service.bench import modes
 from prefix_service.bench.metrics import summarize
 from prefix_service.bench.plan import Plan
-from prefix_service.bench.systems import PeakSampler, System
+from prefix_service.bench.systems import KVPeak, System
 from prefix_service.bench.workloads import Workload
 from prefix_service.config import EngineConfig
 
@@ -122,7 +122,6 @@ class Runner:
         self.status = status
         self.expect_more = expect_more  # the progress bar's total grows by n
         self.records: list[dict] = []
-        self.samplers = {s.name: PeakSampler(s.kv_blocks_used) for s in systems}
 
     def _record(self, system: System, workload: Workload, mode: str, concurrency: int | None,
                 result: modes.RunResult, **extra) -> dict:
@@ -153,8 +152,8 @@ class Runner:
             systems = [s for s in self.systems if s.supports(workload)]
             requests = [workload.request(SINGLE_BASE + i) for i in range(self.plan.single_requests_for(workload.name))]
             self.status(f"single: {workload.name}")
-            samplers = {s.name: PeakSampler(s.kv_blocks_used) for s in systems}
-            for name, result in modes.run_single(systems, workload, requests, samplers, self.tick).items():
+            peaks = {s.name: KVPeak(s) for s in systems}
+            for name, result in modes.run_single(systems, workload, requests, peaks, self.tick).items():
                 self._record(next(s for s in systems if s.name == name), workload, "single", 1, result)
 
     def closed_loop(self) -> None:
@@ -172,7 +171,7 @@ class Runner:
                     continue
                 for system in systems:
                     self.status(f"closed loop: {system.name} {workload.name} c={c}")
-                    result = modes.run_closed_loop(system, workload, requests, c, PeakSampler(system.kv_blocks_used),
+                    result = modes.run_closed_loop(system, workload, requests, c, KVPeak(system),
                                                    self.tick)
                     self._record(system, workload, "closed_loop", c, result)
 
@@ -199,7 +198,7 @@ class Runner:
             for system in (systems if k % 2 == 0 else systems[::-1]):
                 self.status(f"closed loop: {system.name} {workload.name} c={c} (turn {k + 1}/{turns})")
                 parts[system.name].append(modes.run_closed_loop(system, workload, batch, c,
-                                                                PeakSampler(system.kv_blocks_used), self.tick))
+                                                                KVPeak(system), self.tick))
         for system in systems:
             runs = parts[system.name]
             peaks = [r.peak_kv_blocks for r in runs if r.peak_kv_blocks is not None]

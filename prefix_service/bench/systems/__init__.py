@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
@@ -37,49 +36,40 @@ class System:
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         raise NotImplementedError
 
-    def kv_blocks_used(self) -> int | None:
-        """KV blocks in use now (pinned prefixes included); None where the system cannot say."""
+    def kv_peak_start(self) -> bool:
+        """Start a window for kv_blocks_peak; False where the system cannot count its KV blocks."""
+        return False
+
+    def kv_blocks_peak(self) -> int | None:
+        """The most KV blocks in use at once (pinned prefixes included) since kv_peak_start; None
+        where the system cannot say."""
         return None
 
     def close(self) -> None:
         pass
 
 
-class PeakSampler:
-    """Samples a gauge from a background thread while active; `peak` is the highest value seen.
-    Re-entrant across runs: start()/stop() around each timed section, peak accumulates."""
+class KVPeak:
+    """The most KV blocks a system had in use at once over the timed sections it wraps (`with
+    KVPeak(system):` around each; `peak` accumulates over them, None where the system cannot say).
+    The engine keeps the high-water mark itself (BlockAllocator.peak_used), read once before and
+    once after each section: nothing polls the system while it serves the requests being timed."""
 
-    def __init__(self, read: Callable[[], int | None], interval_s: float = 0.05) -> None:
-        self._read = read
-        self._interval = interval_s
+    def __init__(self, system: System) -> None:
+        self._system = system
+        self._on = False
         self.peak: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
-    def _sample(self) -> None:
-        value = self._read()
-        if value is not None:
-            self.peak = value if self.peak is None else max(self.peak, value)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self._interval)
-
-    def __enter__(self) -> PeakSampler:
-        if self._read() is None:  # the system cannot report: no thread
-            return self
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="bench-kv-sampler", daemon=True)
-        self._thread.start()
+    def __enter__(self) -> KVPeak:
+        self._on = self._system.kv_peak_start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-            self._sample()
+        if self._on:
+            value = self._system.kv_blocks_peak()
+            if value is not None:
+                self.peak = value if self.peak is None else max(self.peak, value)
+            self._on = False
 
 
 def now() -> float:

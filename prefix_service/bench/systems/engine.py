@@ -58,8 +58,12 @@ class EngineSystem(System):
             timing.error = timing.error or f"no answer within {timeout_s:.0f} s"
         return timing
 
-    def kv_blocks_used(self) -> int | None:
-        return self.engine.kv_stats()["used"]
+    def kv_peak_start(self) -> bool:
+        self.engine.reset_kv_peak()
+        return True
+
+    def kv_blocks_peak(self) -> int | None:
+        return self.engine.kv_stats()["peak_used"]
 
     def kv_blocks_pinned(self) -> int:
         return self.engine.kv_stats()["pinned"]

@@ -196,8 +196,11 @@ class HostedSystem(System):
         timing.start = start
         return timing
 
-    def kv_blocks_used(self) -> int | None:
-        return self._host.call(self.name, "kv_blocks_used") if self.kv_num_blocks is not None else None
+    def kv_peak_start(self) -> bool:
+        return self.kv_num_blocks is not None and self._host.call(self.name, "kv_peak_start")
+
+    def kv_blocks_peak(self) -> int | None:
+        return self._host.call(self.name, "kv_blocks_peak") if self.kv_num_blocks is not None else None
 
     def kv_blocks_pinned(self) -> int | None:
         return self._host.call(self.name, "kv_blocks_pinned") if self.kv_num_blocks is not None else None
