@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 from prefix_service.bench.metrics import Timing
 from prefix_service.bench.workloads import BenchRequest, Workload
