@@ -15,7 +15,7 @@ _EXPORTS = {
     "CacheExhausted": "errors", "InvalidRequest": "errors", "PrefixBudgetExceeded": "errors", "PrefixExists": "errors",
     "PrefixNotFound": "errors", "PrefixServiceError": "errors", "PromptTooLong": "errors",
     "SamplingParams": "sampling_params",
-    "FinishReason": "sequence", "GenerateRequest": "sequence", "RequestOutput": "sequence",
+    "FinishReason": "engine.sequence", "GenerateRequest": "engine.sequence", "RequestOutput": "engine.sequence",
 }
 
 __all__ = [
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from prefix_service.errors import (CacheExhausted, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
                                        PrefixNotFound, PrefixServiceError, PromptTooLong)
     from prefix_service.sampling_params import SamplingParams
-    from prefix_service.sequence import FinishReason, GenerateRequest, RequestOutput
+    from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput
 
 
 def __getattr__(name: str) -> Any:

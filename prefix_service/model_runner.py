@@ -9,9 +9,9 @@ from prefix_service.cascade import CascadeDecode, PrefixGroup
 from prefix_service.kv_cache import KVCache
 from prefix_service.model.llama import LlamaForCausalLM
 from prefix_service.packed_prefix import PackedPrefixKV
-from prefix_service.prefix_cache import PrefixHandle
-from prefix_service.scheduler import SchedulerOutput
-from prefix_service.sequence import Sequence
+from prefix_service.engine.prefix_cache import PrefixHandle
+from prefix_service.engine.scheduler import SchedulerOutput
+from prefix_service.engine.sequence import Sequence
 
 
 class ModelRunner:

@@ -1,7 +1,7 @@
 """Block allocator: exact ids, reference counts and the integrity check."""
 import pytest
 
-from prefix_service.block_allocator import BlockAllocator, OutOfBlocks
+from prefix_service.engine.block_allocator import BlockAllocator, OutOfBlocks
 
 
 def test_allocate_free_exact_ids_and_counts():

@@ -176,7 +176,7 @@ def test_cpu_linear_config_rejects_unknown_value():
 
 
 def test_cpu_linear_without_onednn(build_engine, llama_dir, monkeypatch):
-    import prefix_service.core as core
+    import prefix_service.engine.core as core
     from prefix_service import cpu_linear
     reason = "this test's torch pretends to have no oneDNN"
     monkeypatch.setattr(core, "onednn_linear_available", lambda dtype: reason)

@@ -145,7 +145,7 @@ def test_config_and_fallbacks(make_engine, monkeypatch):
     with pytest.raises(ConfigError, match=r"model\.cpu_linear: 'fast' is not one of auto, native, onednn, blas"):
         ModelConfig(path="m", cpu_linear="fast")
     assert config_from_dict({"model": {"path": "m", "cpu_linear": "native"}}).engine.model.cpu_linear == "native"
-    import prefix_service.core as core
+    import prefix_service.engine.core as core
     monkeypatch.setattr(cpu_linear, "available", lambda dtype: "no C++ compiler found (set CXX)")
     with pytest.raises(PrefixServiceError, match=r"model.cpu_linear: native was asked for, but no C\+\+ compiler"):
         make_engine(cpu_linear="native")

@@ -1,7 +1,7 @@
 """Incremental detokenization never emits half a character and loses nothing."""
 from transformers import AutoTokenizer
 
-from prefix_service.detokenizer import IncrementalDetokenizer
+from prefix_service.engine.detokenizer import IncrementalDetokenizer
 
 TEXT = "héllo 東京 😀 naïve café — données 🚀 société ß€"
 

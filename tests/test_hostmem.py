@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFILLS = r"""
 import json, random, resource, sys, time
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig
-from prefix_service.core import EngineCore
+from prefix_service.engine.core import EngineCore
 from prefix_service.sampling_params import SamplingParams
 core = EngineCore(EngineConfig(ModelConfig(path=sys.argv[1], load_format="dummy", device="cpu"),
                                CacheConfig(num_blocks=300)))

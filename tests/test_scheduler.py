@@ -5,12 +5,12 @@ import pytest
 
 from helpers import greedy, run_ids
 from prefix_service import GenerateRequest
-from prefix_service.block_allocator import BlockAllocator
+from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.config import SchedulerConfig
-from prefix_service.prefix_cache import PrefixCacheManager
+from prefix_service.engine.prefix_cache import PrefixCacheManager
 from prefix_service.sampling_params import SamplingParams
-from prefix_service.scheduler import Scheduler
-from prefix_service.sequence import FinishReason, Sequence, SeqStatus
+from prefix_service.engine.scheduler import Scheduler
+from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
 
 B = 4
 

@@ -97,7 +97,7 @@ def _hf_batch_group(path: str, device, dtype, threads: int | None, options: dict
 
 
 def _device_dtype(cfg: EngineConfig):
-    from prefix_service.core import resolve_device
+    from prefix_service.engine.core import resolve_device
     from prefix_service.model.loader import resolve_dtype
     device = resolve_device(cfg.model.device)
     return device, resolve_dtype(cfg.model.dtype, cfg.model.path, device)

@@ -4,10 +4,10 @@ seed means random."""
 from __future__ import annotations
 
 from prefix_service.errors import InvalidRequest
-from prefix_service.prefix_cache import PrefixInfo
+from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import SamplingParams
-from prefix_service.sequence import FinishReason, RequestOutput
+from prefix_service.engine.sequence import FinishReason, RequestOutput
 
 MAX_REQUEST_ID_CHARS = 128
 

@@ -15,7 +15,7 @@ from prefix_service.engine import Engine
 from prefix_service.errors import InvalidRequest, PrefixServiceError
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
-from prefix_service.sequence import GenerateRequest, RequestOutput
+from prefix_service.engine.sequence import GenerateRequest, RequestOutput
 from prefix_service.server.chat import chat_prompt_ids
 from prefix_service.server.convert import (check_request_id, messages_from_proto, output_to_proto,
                                            sampling_from_proto)

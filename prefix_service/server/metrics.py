@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from prefix_service.config import split_address
 from prefix_service.errors import EngineStopped
-from prefix_service.sequence import RequestOutput
+from prefix_service.engine.sequence import RequestOutput
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

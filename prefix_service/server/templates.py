@@ -13,7 +13,7 @@ import threading
 
 from prefix_service.engine import Engine
 from prefix_service.errors import InvalidRequest
-from prefix_service.prefix_cache import PrefixInfo
+from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.server.chat import system_prompt_ids
 from prefix_service.server.status import PersistError
 from prefix_service.server.store import TemplateSource, TemplateStore

@@ -10,7 +10,7 @@ from prefix_service.bench.workloads import BenchRequest, Workload
 from prefix_service.config import EngineConfig
 from prefix_service.engine import Engine
 from prefix_service.sampling_params import SamplingParams
-from prefix_service.sequence import GenerateRequest, RequestOutput
+from prefix_service.engine.sequence import GenerateRequest, RequestOutput
 
 
 class EngineSystem(System):

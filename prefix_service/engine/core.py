@@ -1,6 +1,6 @@
 """EngineCore: one step of the engine, single-threaded. Owns the model runner, the scheduler and
 the prefix manager, validates requests, samples, detokenizes, checks stops and hands each
-request's outputs to its sink. `Engine` (engine.py) drives it from a background thread.
+request's outputs to its sink. `Engine` (api.py) drives it from a background thread.
 """
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ import torch
 
 from prefix_service import cpu_attention, cpu_elementwise, cpu_linear, hostmem
 from prefix_service.attention import make_backend
-from prefix_service.block_allocator import BlockAllocator
+from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.config import EngineConfig
-from prefix_service.detokenizer import IncrementalDetokenizer
+from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import CacheExhausted, InvalidRequest, PrefixServiceError, PromptTooLong, QueueFull
 from prefix_service.kv_cache import KVCache
 from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
 from prefix_service.model.packed_linear import onednn_linear_available
 from prefix_service.model_runner import ModelRunner
 from prefix_service.packed_prefix import packed_prefix_available
-from prefix_service.prefix_cache import PrefixCacheManager, PrefixHandle
-from prefix_service.sampler import sample
-from prefix_service.scheduler import Scheduler
-from prefix_service.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
+from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixHandle
+from prefix_service.engine.sampler import sample
+from prefix_service.engine.scheduler import Scheduler
+from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
 from prefix_service.sampling_params import SamplingParams
 
 log = logging.getLogger("prefix_service.engine")

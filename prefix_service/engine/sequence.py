@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefix_service.block_allocator import BlockId
+from prefix_service.engine.block_allocator import BlockId
 from prefix_service.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from prefix_service.prefix_cache import PrefixHandle
+    from prefix_service.engine.prefix_cache import PrefixHandle
 
 
 @dataclass

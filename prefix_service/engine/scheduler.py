@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from prefix_service.block_allocator import BlockAllocator, BlockId
+from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.config import SchedulerConfig
-from prefix_service.prefix_cache import PrefixCacheManager
-from prefix_service.sequence import FinishReason, Sequence, SeqStatus
+from prefix_service.engine.prefix_cache import PrefixCacheManager
+from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
 
 
 @dataclass

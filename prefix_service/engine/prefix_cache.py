@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, NewType
 
-from prefix_service.block_allocator import BlockAllocator, BlockId
+from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
 
 PrefixName = NewType("PrefixName", str)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, TypeVar
 
 from prefix_service.config import EngineConfig, ServiceConfig
-from prefix_service.core import EngineCore
+from prefix_service.engine.core import EngineCore
 from prefix_service.errors import EngineStopped
-from prefix_service.prefix_cache import PrefixHandle, PrefixInfo
-from prefix_service.sequence import FinishReason, GenerateRequest, RequestOutput
+from prefix_service.engine.prefix_cache import PrefixHandle, PrefixInfo
+from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput
 
 log = logging.getLogger("prefix_service.engine")
 T = TypeVar("T")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from prefix_service.sequence import Sequence
+from prefix_service.engine.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
