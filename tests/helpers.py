@@ -24,8 +24,7 @@ def engine_last_logits(engine, ids: list[int], prefix: str | None = None) -> tor
             while logits is None:
                 out = core.scheduler.schedule()
                 logits, _ = core.runner.execute(out)
-                for s in out.scheduled:
-                    s.seq.num_computed_tokens += s.num_new_tokens
+                core.scheduler.postprocess(out, [], [])
             return logits[0].clone()
         finally:
             core.abort("logits-probe")

@@ -23,7 +23,7 @@ def setup(num_blocks=16, budget=2048, max_seqs=8):
 
 
 def seq(rid, ids, prefix=None):
-    return Sequence(rid, ids, SamplingParams(max_tokens=4), 4, prefix, None, 0)
+    return Sequence(rid, ids, SamplingParams(max_tokens=4), 4, prefix, None)
 
 
 def pin(alloc, prefixes, name, n_tokens):
@@ -70,9 +70,7 @@ def test_decodes_first_then_chunked_prefill_then_fcfs():
         sched.add(s)
     out = sched.schedule()  # a: 5 tokens, b: first 1 token of 9
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 5), ("b", 1)]
-    for x in out.scheduled:
-        x.seq.num_computed_tokens += x.num_new_tokens
-    a.token_ids.append(42)  # a sampled its first token: now a decode
+    sched.postprocess(out, [a], [42])  # a sampled its first token: now a decode
     out = sched.schedule()
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 5)]
 
@@ -85,9 +83,7 @@ def test_preemption_takes_the_newest_and_spares_pinned_blocks():
     sched.add(old)
     sched.add(new)
     out = sched.schedule()
-    for x in out.scheduled:
-        x.seq.num_computed_tokens += x.num_new_tokens
-        x.seq.token_ids.append(9)
+    sched.postprocess(out, [x.seq for x in out.scheduled], [9] * len(out.scheduled))
     # old: [1] (4 tokens + 1 sampled), new: [0 | 2] ... fill the cache so old's next block is missing
     hog = alloc.allocate(alloc.num_free)
     out = sched.schedule()

@@ -123,16 +123,14 @@ class Engine:
         source = source if source is not None else ({"content": text} if text is not None else {})
         done: concurrent.futures.Future = concurrent.futures.Future()
 
-        def on_pinned(result: PrefixHandle | BaseException) -> None:
+        def on_pinned(result: PrefixInfo | BaseException) -> None:
             if isinstance(result, BaseException):
                 done.set_exception(result)
             else:
                 done.set_result(result)
 
         self._run(lambda core: core.add_prefix(name, list(token_ids), source, on_pinned))
-        handle = done.result()
-        return PrefixInfo(handle.name, handle.num_tokens, handle.num_blocks, handle.requests_served,
-                          handle.active_requests, dict(handle.source))
+        return done.result()
 
     def remove_prefix(self, name: str) -> bool:
         """Unregister a template. True if its blocks were freed now, False if deferred until the

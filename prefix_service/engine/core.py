@@ -23,7 +23,7 @@ from prefix_service.model.loader import dummy_model, load_model, load_tokenizer,
 from prefix_service.model.packed_linear import onednn_linear_available
 from prefix_service.model_runner import ModelRunner
 from prefix_service.packed_prefix import packed_prefix_available
-from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixHandle
+from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import Scheduler
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
@@ -36,11 +36,13 @@ Sink = Callable[[RequestOutput], None]
 
 @dataclass
 class _Tracked:
+    """A request in flight, as the core follows it: where its outputs go and its timing."""
     seq: Sequence
     sink: Sink | None  # None for a template's warmup prefill
     detok: IncrementalDetokenizer | None
     arrival: float
-    on_pinned: Callable[[PrefixHandle | BaseException], None] | None = None
+    first_token_time: float | None = None
+    on_pinned: Callable[[PrefixInfo | BaseException], None] | None = None
     source: dict | None = None
     prefix_name: str | None = None
 
@@ -92,7 +94,7 @@ class EngineCore:
         if self.pack_prefix_kv:
             self.prefixes.on_free = self.runner.drop_prefix
         self._tracked: dict[str, _Tracked] = {}
-        self._arrivals = 0
+        self._warmups = 0  # numbers the warmups' request ids
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
         self.stats = {"requests": 0, "prefix_tokens_reused": 0, "generated_tokens": 0, "steps": 0}
@@ -221,7 +223,7 @@ class EngineCore:
             raise PromptTooLong(
                 f"{what} has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "
                 f"(prompt plus at least one generated token)")
-        capacity = (self.kv_cache.num_blocks - self.prefixes.num_pinned_blocks) * self.block_size
+        capacity = self.scheduler.capacity_blocks() * self.block_size
         if num_tokens - shared_tokens + 1 > capacity:
             raise CacheExhausted(
                 f"{what} has {num_tokens - shared_tokens} tokens of its own but the KV cache has room for "
@@ -249,8 +251,7 @@ class EngineCore:
             raise InvalidRequest("the prompt is empty and no prefix template was named")
         shared = 0
         if use_prefix:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
-            reuse = handle.num_tokens if prompt_ids else handle.num_tokens - 1
-            shared = reuse // self.block_size * self.block_size
+            shared = handle.reused_tokens(len(token_ids)) // self.block_size * self.block_size
         self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
         max_queue = self.config.scheduler.max_queue  # checked after validation: a bad request hears why
         if len(self.scheduler.waiting) >= max_queue:
@@ -262,30 +263,28 @@ class EngineCore:
             seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed % 2**63 if seed >= 2**63 else seed)
-        seq = Sequence(request_id, token_ids, sampling, max_tokens, handle if use_prefix else None,
-                       generator, self._arrivals)
-        self._arrivals += 1
+        seq = Sequence(request_id, token_ids, sampling, max_tokens, handle if use_prefix else None, generator)
         if use_prefix:
             self.prefixes.acquire(handle)
         elif handle is not None:
-            handle.requests_served += 1
+            self.prefixes.count_unreused(handle)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
         self.stats["requests"] += 1
 
     def add_prefix(self, name: str, token_ids: list[int], source: dict,
-                   on_pinned: Callable[[PrefixHandle | BaseException], None]) -> None:
-        """Queue a template's warmup prefill; on_pinned gets the handle (or the error) when done."""
+                   on_pinned: Callable[[PrefixInfo | BaseException], None]) -> None:
+        """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done."""
         if not token_ids:
             raise InvalidRequest(f"prefix template {name!r} is empty")
         self._check_fits(len(token_ids), f"prefix template {name!r}")
         self.prefixes.reserve(name, len(token_ids))
-        request_id = f"prefix-warmup:{name}:{self._arrivals}"
-        seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), 1, None, None, self._arrivals,
-                       prefill_only=True)
-        self._arrivals += 1
-        self._tracked[request_id] = _Tracked(seq, None, None, time.perf_counter(), on_pinned, source, name)
+        request_id = f"prefix-warmup:{name}:{self._warmups}"
+        self._warmups += 1
+        seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), 1, None, None, prefill_only=True)
+        self._tracked[request_id] = _Tracked(seq, None, None, time.perf_counter(), on_pinned=on_pinned, source=source,
+                                             prefix_name=name)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -315,18 +314,14 @@ class EngineCore:
             return
         self.stats["steps"] += 1
         logits, sample_seqs = self.runner.execute(out)
-        completed_warmups = []
+        tokens = sample(logits, sample_seqs) if logits is not None else []
+        self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
-            if s.seq.prefill_only and s.completes_prompt:
-                completed_warmups.append(s.seq)
-            s.seq.num_computed_tokens += s.num_new_tokens
-        for seq in completed_warmups:
-            self._pin_warmup(self._tracked[seq.request_id])
-        if logits is None:
-            return
+            if s.seq.prefill_only and s.seq.num_uncomputed == 0:
+                self._pin_warmup(self._tracked[s.seq.request_id])
         now = time.perf_counter()
-        for seq, token in zip(sample_seqs, sample(logits, sample_seqs)):
-            self._append_token(self._tracked[seq.request_id], token, now)
+        for seq, token in zip(sample_seqs, tokens):
+            self._after_token(self._tracked[seq.request_id], token, now)
 
     def _pin_warmup(self, tracked: _Tracked) -> None:
         seq = tracked.seq
@@ -340,14 +335,14 @@ class EngineCore:
         self.scheduler.finish(seq, FinishReason.STOP)  # the pin keeps the blocks
         del self._tracked[seq.request_id]
         if tracked.on_pinned:
-            tracked.on_pinned(handle)
+            tracked.on_pinned(handle.info())
 
-    def _append_token(self, tracked: _Tracked, token: int, now: float) -> None:
+    def _after_token(self, tracked: _Tracked, token: int, now: float) -> None:
+        """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop."""
         seq = tracked.seq
-        seq.token_ids.append(token)
         self.stats["generated_tokens"] += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
+        if tracked.first_token_time is None:
+            tracked.first_token_time = now
         reason = None
         p = seq.sampling
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
@@ -378,7 +373,7 @@ class EngineCore:
         self.stats["prefix_tokens_reused"] += reused
         if tracked.detok is not None:
             text += tracked.detok.flush()
-        ttft = None if seq.first_token_time is None else (seq.first_token_time - tracked.arrival) * 1000
+        ttft = None if tracked.first_token_time is None else (tracked.first_token_time - tracked.arrival) * 1000
         tracked.sink(RequestOutput(
             seq.request_id, text, token_ids or [], finished=True, finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens, prefix_tokens=reused,

@@ -37,6 +37,16 @@ class PrefixHandle:
     def num_blocks(self) -> int:
         return len(self.block_table)
 
+    def reused_tokens(self, num_tokens: int) -> int:
+        """Tokens whose KV a request of `num_tokens` tokens in all (this template's and its own)
+        takes from the pinned blocks: all of the template's, or all but the last when the request
+        adds no token of its own (one token is computed to get its logits)."""
+        return self.num_tokens if num_tokens > self.num_tokens else self.num_tokens - 1
+
+    def info(self) -> PrefixInfo:
+        return PrefixInfo(self.name, self.num_tokens, self.num_blocks, self.requests_served, self.active_requests,
+                          dict(self.source))
+
 
 @dataclass(frozen=True)
 class PrefixInfo:
@@ -71,8 +81,7 @@ class PrefixCacheManager:
         return name in self._handles
 
     def list(self) -> list[PrefixInfo]:
-        return [PrefixInfo(h.name, h.num_tokens, h.num_blocks, h.requests_served, h.active_requests, dict(h.source))
-                for h in sorted(self._handles.values(), key=lambda h: h.created_at)]
+        return [h.info() for h in sorted(self._handles.values(), key=lambda h: h.created_at)]
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -114,7 +123,12 @@ class PrefixCacheManager:
 
     # --- use by requests ---------------------------------------------------------------------
     def acquire(self, handle: PrefixHandle) -> None:
+        """A request continues the template from its pinned blocks: held until release()."""
         handle.active_requests += 1
+        handle.requests_served += 1
+
+    def count_unreused(self, handle: PrefixHandle) -> None:
+        """A request named the template but prefills its tokens itself (cache.enable_prefix false)."""
         handle.requests_served += 1
 
     def release(self, handle: PrefixHandle) -> None:

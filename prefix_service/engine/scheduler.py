@@ -63,15 +63,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def find(self, request_id: str) -> Sequence | None:
-        for seq in self.running:
-            if seq.request_id == request_id:
-                return seq
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                return seq
-        return None
-
     # --- blocks -----------------------------------------------------------------------------
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = seq.num_computed_tokens + num_new_tokens
@@ -98,7 +89,7 @@ class Scheduler:
         handle = seq.prefix
         if handle is None:
             return True
-        reuse = handle.num_tokens if len(seq.token_ids) > handle.num_tokens else handle.num_tokens - 1
+        reuse = handle.reused_tokens(len(seq.token_ids))
         num_shared, tail = divmod(reuse, self.block_size)
         if tail and self.allocator.num_free < 1:
             return False
@@ -143,7 +134,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
             need = self._blocks_needed(seq, 1)
-            if need > self.allocator.num_free and len(seq.own_blocks) + need > self._capacity():
+            if need > self.allocator.num_free and len(seq.own_blocks) + need > self.capacity_blocks():
                 # Preempting it would only recompute it into the same wall, forever.
                 out.unschedulable.append(seq)
                 continue
@@ -209,7 +200,7 @@ class Scheduler:
                 out.unschedulable.append(stuck)
         return out
 
-    def _capacity(self) -> int:
+    def capacity_blocks(self) -> int:
         """Blocks a sequence could own if it ran alone: every block no template pins."""
         return self.allocator.num_blocks - self.prefixes.num_pinned_blocks
 
@@ -220,6 +211,14 @@ class Scheduler:
         return max(0, min(n, slack + free_slots))
 
     # --- after the step ---------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: list[Sequence], tokens: list[int]) -> None:
+        """The step ran: each scheduled chunk's K/V is in the cache now, and each sampled sequence
+        gets its new token (the next step computes its K/V)."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        for seq, token in zip(sampled, tokens):
+            seq.token_ids.append(token)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (finished, aborted or failed): free its blocks, release its prefix."""
         if seq.status is SeqStatus.RUNNING:

@@ -63,8 +63,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, token_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                 prefix: PrefixHandle | None, generator: torch.Generator | None, arrival: int,
-                 prefill_only: bool = False) -> None:
+                 prefix: PrefixHandle | None, generator: torch.Generator | None, prefill_only: bool = False) -> None:
         self.request_id = request_id
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -72,7 +71,6 @@ class Sequence:
         self.max_tokens = max_tokens
         self.prefix = prefix
         self.generator = generator
-        self.arrival = arrival
         self.prefill_only = prefill_only  # a template's warmup: prefill, keep the blocks, no sampling
         self.status = SeqStatus.WAITING
         self.block_table: list[BlockId] = []
@@ -81,15 +79,10 @@ class Sequence:
         self.num_prefix_tokens_reused = 0  # set at admission; reported in usage
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        self.first_token_time: float | None = None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def num_uncomputed(self) -> int:
