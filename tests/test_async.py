@@ -2,6 +2,7 @@
 import asyncio
 
 from helpers import greedy, run_ids
+from server_fixtures import slow_steps
 from prefix_service import GenerateRequest
 
 
@@ -63,3 +64,41 @@ def test_stream_raises_validation_errors(make_engine):
 
     with pytest.raises(PrefixNotFound):
         asyncio.run(main())
+
+
+def test_cancelling_during_submission_aborts_the_request(make_engine, monkeypatch):
+    """A stream cancelled while its request is still being submitted (the gRPC servicer's case when
+    a client goes away at once) aborts the request once it has landed: nothing runs on."""
+    import time
+    engine = make_engine(block_size=4)
+    submit = engine.submit
+    started = []
+
+    def slow_submit(req, sink):  # the submission is under way when the cancel comes
+        started.append(1)
+        time.sleep(0.3)
+        return submit(req, sink)
+    monkeypatch.setattr(engine, "submit", slow_submit)
+    undo = slow_steps(engine, 0.05)  # 500 tokens would take 25 s
+
+    async def main():
+        task = asyncio.ensure_future(_first(engine.generate_stream(
+            GenerateRequest(prompt_token_ids=_ids(2), sampling=greedy(500)))))
+        while not started:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await engine.drain_aborts()
+
+    asyncio.run(main())
+    undo()
+    stats = engine.kv_stats()
+    assert (stats["running"], stats["waiting"], stats["used"]) == (0, 0, 0), stats
+
+
+async def _first(stream):
+    async for out in stream:
+        return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import uuid
@@ -45,6 +46,7 @@ class Engine:
         self._commands: deque[tuple[Callable[[EngineCore], object], concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
+        self._aborts: set[asyncio.Future] = set()  # aborts of streams that ended early, still running
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(config, built), name="prefix-service-engine",
                                         daemon=True)
@@ -184,28 +186,57 @@ class Engine:
             raise
         return [col.result() for col in collectors]
 
-    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Yield a RequestOutput per step with new text; the last has finished=True. Closing the
-        iterator early (or cancelling the task) aborts the request and frees its blocks."""
+    async def generate_stream(self, req: GenerateRequest,
+                              executor: concurrent.futures.Executor | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput per step with new text; the last has finished=True. Raises the
+        request's validation error, or the error that ended it. Closing the iterator early or
+        cancelling its task, even while the request is still being submitted, aborts the request
+        and frees its blocks. Submitting and aborting block on the engine's loop thread: they run
+        on `executor` (default: asyncio's)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        if req.request_id is None:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
 
-        def sink(out: RequestOutput) -> None:
+        def sink(out: RequestOutput) -> None:  # on the loop thread
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        request_id = await loop.run_in_executor(None, self.submit, req, sink)
-        finished = False
+        submitted = loop.run_in_executor(executor, self.submit, req, sink)
+        finished = False  # the engine holds nothing for this request any more
         try:
+            try:
+                await asyncio.shield(submitted)  # a cancel here must not lose track of the submission
+            except Exception:
+                finished = True  # refused: nothing was queued
+                raise
             while not finished:
                 out = await queue.get()
+                finished = out.finished or out.error is not None
                 if out.error is not None:
-                    finished = True
                     raise out.error
-                finished = out.finished
                 yield out
         finally:
             if not finished:
-                self.abort(request_id)
+                abort = asyncio.ensure_future(self._abort_when_submitted(submitted, req.request_id, executor))
+                self._aborts.add(abort)
+                abort.add_done_callback(self._aborts.discard)
+                await asyncio.shield(abort)  # a second cancel leaves the abort running
+
+    async def _abort_when_submitted(self, submitted: asyncio.Future, request_id: str,
+                                    executor: concurrent.futures.Executor | None) -> None:
+        try:
+            await submitted
+        except BaseException:  # noqa: BLE001 - never queued, nothing to abort
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(executor, self.abort, request_id)
+        except RuntimeError:  # the executor is shut down: the engine's shutdown ends the request
+            log.debug("request %s: abort skipped, the executor is shut down", request_id)
+
+    async def drain_aborts(self) -> None:
+        """Wait for the aborts of streams that ended early (before shutting the engine down)."""
+        if self._aborts:
+            await asyncio.gather(*self._aborts, return_exceptions=True)
 
     # --- introspection and lifecycle ------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -1,10 +1,11 @@
-"""Generation servicer: convert the request, submit it to the engine, stream its outputs, map
-errors to status codes. A call that ends early (client cancel, deadline, server shutdown) aborts
-its request, which frees the request's KV blocks, whether it was waiting or running. Every call
-ends in its RequestTrace (metrics and the request's log line)."""
+"""Generation servicer: convert the request, stream it through `Engine.generate_stream`, map
+errors to status codes. A call that ends early (client cancel, deadline, server shutdown) closes
+the stream, which aborts the request and frees its KV blocks, whether it was waiting or running.
+Every call ends in its RequestTrace (metrics and the request's log line)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from typing import AsyncIterator
@@ -12,10 +13,10 @@ from typing import AsyncIterator
 import grpc
 
 from prefix_service.engine import Engine
-from prefix_service.errors import InvalidRequest, PrefixServiceError
+from prefix_service.errors import InvalidRequest
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
-from prefix_service.engine.sequence import GenerateRequest, RequestOutput
+from prefix_service.engine.sequence import GenerateRequest
 from prefix_service.server.chat import chat_prompt_ids
 from prefix_service.server.convert import (check_request_id, messages_from_proto, output_to_proto,
                                            sampling_from_proto)
@@ -47,77 +48,49 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, runtime: Runtime, metrics: ServiceMetrics) -> None:
         self.runtime = runtime
         self.metrics = metrics
-        self._aborts: set[asyncio.Task] = set()  # keeps fire-and-forget aborts alive
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         trace = self.metrics.trace(request.prefix_name if isinstance(request, pb.GenerateRequest) else "")
-        submitted: asyncio.Future | None = None
         request_id = ""
-        done = False  # the engine holds nothing for this call any more
         try:
             try:
                 check_decoded(request)
                 engine, _ = self.runtime.require_ready()
                 request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
-            except PrefixServiceError as e:
+                trace.request_id = request_id
+                executor = self.runtime.executor
+                req = await asyncio.get_running_loop().run_in_executor(executor, build_request, engine, request,
+                                                                       request_id)
+            except Exception as e:  # refused before anything was queued
                 await _fail(context, trace, e)
-            trace.request_id = request_id
-            loop = asyncio.get_running_loop()
-            outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-            def sink(out: RequestOutput) -> None:  # called on the engine thread
-                loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-            def submit() -> None:
-                engine.submit(build_request(engine, request, request_id), sink)
-
-            submitted = loop.run_in_executor(self.runtime.executor, submit)
-            try:
-                await asyncio.shield(submitted)  # a cancel here must not lose track of the submission
-            except Exception as e:  # refused: nothing was queued
-                done = True
-                await _fail(context, trace, e)
-            while True:
-                out = await outputs.get()
-                if out.error is not None:
-                    done = True
-                    await _fail(context, trace, out.error)
-                trace.output(out)
-                done = out.finished
-                yield output_to_proto(out)
-                if done:
-                    trace.code = grpc.StatusCode.OK
-                    return
+            # the stream aborts the request (and frees its blocks) if the call ends before it does
+            async with contextlib.aclosing(engine.generate_stream(req, executor)) as stream:
+                while True:
+                    try:
+                        out = await anext(stream)
+                    except StopAsyncIteration:
+                        break
+                    except Exception as e:  # refused at submission, or ended by an error
+                        await _fail(context, trace, e)
+                    trace.output(out)
+                    yield output_to_proto(out)
+            trace.code = grpc.StatusCode.OK
         except Exception:
             if trace.code is None:  # a bug; grpc answers UNKNOWN
                 trace.code = grpc.StatusCode.UNKNOWN
             raise
         finally:
-            if submitted is not None and not done:
-                self._abort_later(engine, submitted, request_id)
             try:
                 trace.end(context)
             except Exception:  # noqa: BLE001 - bookkeeping must never change the call's outcome
                 log.exception("recording request %s failed", request_id or "(no id)")
 
-    def _abort_later(self, engine: Engine, submitted: asyncio.Future, request_id: str) -> None:
-        """Abort once the submission has landed, without blocking the event loop."""
-        async def run() -> None:
-            try:
-                await submitted
-            except BaseException:  # noqa: BLE001 - never queued, nothing to abort
-                return
-            await asyncio.get_running_loop().run_in_executor(self.runtime.executor, engine.abort, request_id)
-
-        task = asyncio.ensure_future(run())
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-
     async def drain_aborts(self) -> None:
-        """Wait for pending aborts (before the engine shuts down)."""
-        if self._aborts:
-            await asyncio.gather(*self._aborts, return_exceptions=True)
+        """Wait for the aborts of calls that ended early (before the engine shuts down)."""
+        engine = self.runtime.engine
+        if engine is not None:
+            await engine.drain_aborts()
 
 
 async def _fail(context: grpc.aio.ServicerContext, trace: RequestTrace, exc: BaseException) -> None:
