@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 
 import cuda_ops
-from prefix_service.attention import AttentionMetadata
-from prefix_service.cascade import CascadeDecode, PrefixGroup
-from prefix_service.kv_cache import KVCache
+from prefix_service.backends.torch.attention import AttentionMetadata
+from prefix_service.backends.torch.cascade import CascadeDecode, PrefixGroup
+from prefix_service.backends.kv_cache import KVCache
 from prefix_service.model.llama import LlamaForCausalLM
-from prefix_service.packed_prefix import PackedPrefixKV
+from prefix_service.backends.cpu.packed_prefix import PackedPrefixKV
 from prefix_service.engine.prefix_cache import PrefixHandle
 from prefix_service.engine.scheduler import SchedulerOutput
 from prefix_service.engine.sequence import Sequence

@@ -1,7 +1,7 @@
 """CPU linear layers three ways: `F.linear` (the BLAS torch links, MKL in the x86 wheels), the same
 layers with their weights packed once for oneDNN (`model.cpu_linear: onednn`,
 prefix_service/model/packed_linear.py), and packed for the native kernel (`model.cpu_linear:
-native`, prefix_service/cpu_linear.py).
+native`, prefix_service/backends/cpu/linear.py).
 
 One pass runs every linear layer of the model's decoder stack (fused qkv, o, fused gate_up, down)
 once on an input of N rows, with each layer's own weights, as a forward does: the weights stream
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from prefix_service import cpu_linear  # noqa: E402
+from prefix_service.backends.cpu import linear as cpu_linear  # noqa: E402
 from prefix_service.model.packed_linear import PackedLinear, onednn_linear_available  # noqa: E402
 
 

@@ -178,7 +178,7 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int]) -> di
     backend = engine.core.backend
     impls = [(getattr(backend, "decode_name", "torch"), None)]
     if hasattr(backend, "decode_name"):
-        from prefix_service.attention_cuda import decode_gather_sdpa, decode_triton
+        from prefix_service.backends.cuda.attention import decode_gather_sdpa, decode_triton
         impls = [("triton_paged", decode_triton), ("gather_sdpa", decode_gather_sdpa)]
     for impl_name, fn in impls:
         if fn is not None:

@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
 from prefix_service.engine.core import EngineCore  # noqa: E402
-from prefix_service.cpu_attention import PROFILE_SCOPE as NATIVE_SCOPE  # noqa: E402
-from prefix_service.cpu_linear import PROFILE_SCOPE as NATIVE_LINEAR_SCOPE  # noqa: E402
-from prefix_service.packed_prefix import PROFILE_SCOPE as PACKED_SCOPE  # noqa: E402
+from prefix_service.backends.cpu.attention import PROFILE_SCOPE as NATIVE_SCOPE  # noqa: E402
+from prefix_service.backends.cpu.linear import PROFILE_SCOPE as NATIVE_LINEAR_SCOPE  # noqa: E402
+from prefix_service.backends.cpu.packed_prefix import PROFILE_SCOPE as PACKED_SCOPE  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
 TEMPLATE = "profile_prefill"

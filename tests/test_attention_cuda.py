@@ -52,7 +52,7 @@ def test_triton_paged_decode_interpreted(hq, hkv, d, bs, dtype, splits):
 
 
 def _cuda_backend_on(engine, prefill, decode):
-    from prefix_service.attention_cuda import CudaAttentionBackend
+    from prefix_service.backends.cuda.attention import CudaAttentionBackend
     backend = CudaAttentionBackend(prefill=prefill, decode=decode)
 
     def swap(core):
@@ -64,7 +64,7 @@ def _cuda_backend_on(engine, prefill, decode):
 def test_backend_glue_in_engine_on_cpu(make_engine):
     """store -> concat -> varlen prefill and the Triton paged decode, inside the engine: same greedy
     tokens as the torch backend, with and without a prefix, chunked and batched."""
-    from prefix_service.attention_cuda import decode_triton, prefill_sdpa_loop
+    from prefix_service.backends.cuda.attention import decode_triton, prefill_sdpa_loop
     ref_engine = make_engine(block_size=4)
     engine = make_engine(block_size=4, max_num_batched_tokens=7)
     _cuda_backend_on(engine, ("sdpa_loop", prefill_sdpa_loop), ("triton_paged", decode_triton))
@@ -90,8 +90,8 @@ def test_triton_paged_decode_on_gpu(hq, hkv, d, bs, dtype):
 
 @needs_gpu
 def test_gpu_varlen_prefill_matches_sdpa_loop():
-    from prefix_service.attention import AttentionMetadata
-    from prefix_service.attention_cuda import pick_prefill, prefill_sdpa_loop
+    from prefix_service.backends.torch.attention import AttentionMetadata
+    from prefix_service.backends.cuda.attention import pick_prefill, prefill_sdpa_loop
     name, fn = pick_prefill()
     q_lens, ctx = [5, 1, 37], [0, 16, 21]
     hq, hkv, d = 8, 2, 64

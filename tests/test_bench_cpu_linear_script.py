@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefix_service import cpu_linear
+from prefix_service.backends.cpu import linear as cpu_linear
 from prefix_service.model.packed_linear import onednn_linear_available
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_linear.py"

@@ -5,7 +5,7 @@ import torch
 from cuda_ops.paged_decode import paged_decode_attention_ref
 from helpers import greedy, run_ids
 from prefix_service import GenerateRequest
-from prefix_service.cascade import CascadeDecode, PrefixGroup, cascade_decode
+from prefix_service.backends.torch.cascade import CascadeDecode, PrefixGroup, cascade_decode
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
@@ -48,7 +48,7 @@ def test_cascade_equals_full_attention(dtype, tol, bs, consecutive):
 
 
 def test_engine_uses_cascade_for_shared_prefix_batches(make_engine, monkeypatch):
-    import prefix_service.attention as attention
+    import prefix_service.backends.torch.attention as attention
     calls = []
     real = attention.cascade_decode
 

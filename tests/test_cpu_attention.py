@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from helpers import cpu_has_avx512, greedy, run_ids
-from prefix_service import GenerateRequest, cpu_attention, cpu_layer, native
-from prefix_service.attention import TorchAttentionBackend
+from prefix_service import GenerateRequest
+from prefix_service.backends.cpu import attention as cpu_attention
+from prefix_service.backends.cpu import layer as cpu_layer
+from prefix_service.backends.cpu import native
+from prefix_service.backends.torch.attention import TorchAttentionBackend
 from prefix_service.config import ConfigError, ModelConfig
 from prefix_service.errors import PrefixServiceError
-from prefix_service.packed_prefix import PackedPrefixKV
+from prefix_service.backends.cpu.packed_prefix import PackedPrefixKV
 
 from test_cpu_fast_paths import _prefill_meta
 
@@ -331,7 +334,7 @@ def test_decode_bad_input_is_refused():
 def test_engine_decodes_a_shared_template_batch_through_the_kernel(make_engine, monkeypatch):
     """Requests on one packed template decode through the kernel, each over the packed copy (no
     cascade grouping), with the torch backend's tokens."""
-    import prefix_service.attention as attention
+    import prefix_service.backends.torch.attention as attention
     cascades, templated = [], []
     real_cascade, real_decode = attention.cascade_decode, cpu_attention.decode_attention
 

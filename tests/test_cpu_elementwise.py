@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefix_service import cpu_elementwise as ce
+from prefix_service.backends.cpu import elementwise as ce
 from prefix_service.config import ConfigError, ModelConfig
 from prefix_service.errors import PrefixServiceError
 from prefix_service.model.llama import apply_rope

@@ -10,13 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import cuda_ops
-import prefix_service.cascade as cascade_mod
+import prefix_service.backends.torch.cascade as cascade_mod
 from cuda_ops.paged_decode import paged_decode_attention_ref
 from helpers import greedy
 from prefix_service import Engine, GenerateRequest, ModelConfig
 from prefix_service import synthetic as models
-from prefix_service.attention import AttentionMetadata, TorchAttentionBackend
-from prefix_service.cascade import CascadeDecode, PrefixGroup, attend, cascade_decode
+from prefix_service.backends.torch.attention import AttentionMetadata, TorchAttentionBackend
+from prefix_service.backends.torch.cascade import CascadeDecode, PrefixGroup, attend, cascade_decode
 from prefix_service.config import ConfigError, config_from_dict
 from prefix_service.errors import PrefixServiceError
 from prefix_service.model.packed_linear import PackedLinear, onednn_linear_available, pack_linears
@@ -159,7 +159,7 @@ def test_onednn_engine_generates_like_blas(build_engine, model_dirs, tied_llama_
 
 def test_cpu_linear_auto_picks_onednn_without_the_native_kernel(build_engine, llama_dir, monkeypatch):
     need_onednn(torch.float32)
-    from prefix_service import cpu_linear
+    from prefix_service.backends.cpu import linear as cpu_linear
     monkeypatch.setattr(cpu_linear, "available", lambda dtype: "no C++ compiler found (set CXX)")
     assert build_engine(llama_dir, "auto").core.cpu_linear == "onednn"
 
@@ -177,7 +177,7 @@ def test_cpu_linear_config_rejects_unknown_value():
 
 def test_cpu_linear_without_onednn(build_engine, llama_dir, monkeypatch):
     import prefix_service.engine.core as core
-    from prefix_service import cpu_linear
+    from prefix_service.backends.cpu import linear as cpu_linear
     reason = "this test's torch pretends to have no oneDNN"
     monkeypatch.setattr(core, "onednn_linear_available", lambda dtype: reason)
     monkeypatch.setattr(cpu_linear, "available", lambda dtype: "no C++ compiler found (set CXX)")

@@ -8,8 +8,9 @@ not, chunked, in one step."""
 import pytest
 import torch
 
-from prefix_service import cpu_layer, native
-from prefix_service.attention import TorchAttentionBackend
+from prefix_service.backends.cpu import layer as cpu_layer
+from prefix_service.backends.cpu import native
+from prefix_service.backends.torch.attention import TorchAttentionBackend
 from prefix_service.model.loader import load_model
 
 from helpers import greedy
@@ -112,7 +113,7 @@ def test_bad_input_is_refused_with_a_clear_error(llama_dir):
     model.use_layer_blocks()
     blocks = model.layers[0].blocks
     hidden, q_size = blocks.hidden, blocks.q_size
-    from prefix_service.cpu_elementwise import Rotation
+    from prefix_service.backends.cpu.elementwise import Rotation
     cos, sin = model.rotary.tables(torch.device("cpu"))
     x = torch.randn(5, hidden)
     with pytest.raises(cpu_layer.NativeLayerError, match=r"x: float32 \[T, "):
@@ -138,7 +139,7 @@ def test_decoder_stack_gives_the_layer_by_layer_forward_bit_for_bit(make_engine,
     """Every step of a mixed workload (a pinned template with a packed copy, requests on it and
     plain ones, prefills chunked beside decodes) runs layer by layer first, from a copy of the
     cache, then through the stack: the same hidden states and cache, bit for bit."""
-    from prefix_service.attention import TorchAttentionBackend
+    from prefix_service.backends.torch.attention import TorchAttentionBackend
     seen = []
     real = cpu_layer.DecoderStack.forward
 
@@ -215,7 +216,7 @@ def test_decoder_stack_refuses_bad_input_and_leaves_the_cache(llama_dir):
         model.use_decoder_stack([(k.double(), v) for k, v in caches])
     model.use_decoder_stack(caches)
     stack = model.stack
-    from prefix_service.cpu_elementwise import Rotation
+    from prefix_service.backends.cpu.elementwise import Rotation
     cos, sin = model.rotary.tables(torch.device("cpu"))
     n = 9
     meta = _prefill_meta([([0, 1, 2], 0, n)], BS)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import cpu_has_avx512
-from prefix_service import cpu_linear, native
+from prefix_service.backends.cpu import linear as cpu_linear
+from prefix_service.backends.cpu import native
 from prefix_service.config import ConfigError, ModelConfig, config_from_dict
 from prefix_service.errors import PrefixServiceError
 from prefix_service.model.packed_linear import PackedLinear

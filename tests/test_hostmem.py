@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from prefix_service import hostmem
+from prefix_service.backends import hostmem
 from prefix_service.synthetic import VOCAB_SIZE, tiny_config
 
 glibc = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",

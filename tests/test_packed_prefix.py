@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from helpers import greedy, run_ids
-from prefix_service import GenerateRequest, cpu_attention, cpu_layer
-from prefix_service.attention import TorchAttentionBackend
+from prefix_service import GenerateRequest
+from prefix_service.backends.cpu import attention as cpu_attention
+from prefix_service.backends.cpu import layer as cpu_layer
+from prefix_service.backends.torch.attention import TorchAttentionBackend
 from prefix_service.config import CacheConfig, ConfigError
-from prefix_service.packed_prefix import PackedPrefixKV, attend_packed, packed_prefix_available
+from prefix_service.backends.cpu.packed_prefix import PackedPrefixKV, attend_packed, packed_prefix_available
 
 from test_cpu_fast_paths import _prefill_meta
 
@@ -82,7 +84,7 @@ def test_prefill_split_with_a_packed_template_equals_without(count_packed):
 def count_packed(monkeypatch):
     """Counts the prefill attentions that read a packed template (oneDNN's layout or the native
     kernel's), by their query rows: new tokens x query heads per KV head."""
-    import prefix_service.attention as attention_mod
+    import prefix_service.backends.torch.attention as attention_mod
     calls = []
     real, real_native = attention_mod.attend_packed, cpu_attention.prefill_attention
 

@@ -35,7 +35,7 @@ def test_profile_prefill_script(llama_dir, tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    from prefix_service import cpu_attention
+    from prefix_service.backends.cpu import attention as cpu_attention
     assert data["cpu_attention"] == ("native" if cpu_attention.available() is None else "torch")  # the default, auto
     cfg = json.loads((llama_dir / "config.json").read_text())
     layers_w, head_w = _linear_weights(llama_dir)
@@ -72,7 +72,7 @@ def test_packed_template_products_count_as_attention():
     """The packed-template attention multiplies with oneDNN's linear op; in a profile those calls, and
     the rest of that attention, count as attention, while a linear layer's call stays linear."""
     import torch
-    from prefix_service.packed_prefix import PackedPrefixKV, attend_packed, packed_prefix_available
+    from prefix_service.backends.cpu.packed_prefix import PackedPrefixKV, attend_packed, packed_prefix_available
     from prefix_service.model.packed_linear import PackedLinear
     if packed_prefix_available(torch.device("cpu"), torch.float32, native=False) is not None:
         pytest.skip("this torch build cannot run oneDNN linears on this CPU")

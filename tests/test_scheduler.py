@@ -135,7 +135,7 @@ def test_abort_a_waiting_request(make_engine):
 def test_cache_size_follows_the_memory_budget(llama_dir):
     import torch
     from prefix_service.config import CacheConfig
-    from prefix_service.kv_cache import KVCache, block_bytes
+    from prefix_service.backends.kv_cache import KVCache, block_bytes
     from prefix_service.model.loader import read_arch
     arch = read_arch(llama_dir)
     per_block = block_bytes(arch, 4, torch.float32)

@@ -12,17 +12,20 @@ from typing import Callable
 
 import torch
 
-from prefix_service import cpu_attention, cpu_elementwise, cpu_linear, hostmem
-from prefix_service.attention import make_backend
+from prefix_service.backends.cpu import attention as cpu_attention
+from prefix_service.backends.cpu import elementwise as cpu_elementwise
+from prefix_service.backends.cpu import linear as cpu_linear
+from prefix_service.backends import hostmem
+from prefix_service.backends.torch.attention import make_backend
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.config import EngineConfig
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import CacheExhausted, InvalidRequest, PrefixServiceError, PromptTooLong, QueueFull
-from prefix_service.kv_cache import KVCache
+from prefix_service.backends.kv_cache import KVCache
 from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
 from prefix_service.model.packed_linear import onednn_linear_available
 from prefix_service.model_runner import ModelRunner
-from prefix_service.packed_prefix import packed_prefix_available
+from prefix_service.backends.cpu.packed_prefix import packed_prefix_available
 from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import Scheduler

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefix_service import cpu_elementwise, native
+from prefix_service.backends.cpu import elementwise as cpu_elementwise
+from prefix_service.backends.cpu import native
 from prefix_service.errors import ModelLoadError
 
 
@@ -219,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         """Hold every linear layer's weight, and a tied lm_head's, packed for a CPU kernel: kind
         'onednn' (packed_linear.py) or 'native' (cpu_linear.py). Returns the number of layers packed."""
         if kind == "native":
-            from prefix_service.cpu_linear import NativeLinear as packed_cls
+            from prefix_service.backends.cpu.linear import NativeLinear as packed_cls
         elif kind == "onednn":
             from prefix_service.model.packed_linear import PackedLinear as packed_cls
         else:
@@ -234,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
     def use_layer_blocks(self) -> str | None:
         """Run each layer's work around attention as two native calls (cpu_layer.py), where its
         linear layers are native and the element-wise work is fused. None when bound, else why not."""
-        from prefix_service.cpu_layer import LayerBlocks, unsupported
+        from prefix_service.backends.cpu.layer import LayerBlocks, unsupported
         why = "the element-wise work is not fused" if not self.fused_elementwise else None
         why = why or next((w for w in map(unsupported, self.layers) if w is not None), None)
         if why is None:
@@ -246,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         """With layer blocks bound (use_layer_blocks), run every layer of a forward, attention
         included, in one native call (cpu_layer.DecoderStack) whenever the forward is given these
         KV caches (per layer (k, v)) and an attention backend on the native kernel."""
-        from prefix_service.cpu_layer import DecoderStack
+        from prefix_service.backends.cpu.layer import DecoderStack
         self.stack = DecoderStack(self.layers, kv_caches)
 
     @torch.inference_mode()

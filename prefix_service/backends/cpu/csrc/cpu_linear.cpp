@@ -13,7 +13,7 @@
 // a few hundred rows the hardware prefetcher leaves the first row tile of each group waiting on
 // memory; so while a group is computed, the next group's panels are prefetched into L2, a few
 // lines per step spread evenly over the group's row tiles. Built into the native library by
-// prefix_service/native.py; without AVX-512 ps_linear returns 1.
+// prefix_service/backends/cpu/native.py; without AVX-512 ps_linear returns 1.
 #include <cstdint>
 
 #if defined(__AVX512F__)

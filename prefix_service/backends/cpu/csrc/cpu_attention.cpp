@@ -15,7 +15,7 @@
 // torch itself uses, so the same threads). Scores are made 64 keys at a time in registers
 // (6 rows x 4 panels), exponentiated with a polynomial exp, and P V accumulated into each
 // row's output, rescaled when its running maximum moves. Built at first use by
-// prefix_service/native.py into the native library; without AVX-512 its entry points return 1.
+// prefix_service/backends/cpu/native.py into the native library; without AVX-512 its entry points return 1.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>

@@ -15,8 +15,8 @@ import weakref
 
 import torch
 
-from prefix_service import native
-from prefix_service.cpu_linear import NativeLinear
+from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu.linear import NativeLinear
 
 PROFILE_SCOPE = "prefix_service::cpu_layer"
 

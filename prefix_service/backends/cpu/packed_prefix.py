@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from prefix_service import cpu_attention
+from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.model.packed_linear import onednn_linear_available
 
 

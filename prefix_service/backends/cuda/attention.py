@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from cuda_ops.paged_decode import paged_decode_attention, paged_decode_attention_ref, triton_available
-from prefix_service.attention import AttentionMetadata, TorchAttentionBackend
+from prefix_service.backends.torch.attention import AttentionMetadata, TorchAttentionBackend
 
 log = logging.getLogger("prefix_service.attention")
 

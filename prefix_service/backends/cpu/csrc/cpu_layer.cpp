@@ -3,7 +3,7 @@
 // them one by one, so the results are the same bit for bit. A kernel call from Python costs its argument
 // checks, an allocation and a ctypes call, a few microseconds each; over the nine calls of a layer
 // that was most of a short prefill's time outside the kernels. Built into the native library by
-// prefix_service/native.py.
+// prefix_service/backends/cpu/native.py.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from prefix_service import native
+from prefix_service.backends.cpu import native
 
 PROFILE_SCOPE = "prefix_service::cpu_elementwise"
 

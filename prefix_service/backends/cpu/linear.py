@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prefix_service import native
+from prefix_service.backends.cpu import native
 
 PROFILE_SCOPE = "prefix_service::cpu_linear"  # the kernel's calls, named in a torch profile
 PANEL = 16  # output columns per weight panel: the layout of pack_weight, as the kernel reads it

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from prefix_service import native
+from prefix_service.backends.cpu import native
 
 PROFILE_SCOPE = "prefix_service::cpu_attention"  # the kernel's calls, named in a torch profile
 PANEL = 16  # keys per K panel: the layout of pack_keys, as the kernel reads it

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import cuda_ops
-from prefix_service import cpu_attention
-from prefix_service.cascade import CPU_FLASH, CascadeDecode, attend, attend_paged, cascade_decode, merge
-from prefix_service.packed_prefix import PackedPrefixKV, attend_packed
+from prefix_service.backends.cpu import attention as cpu_attention
+from prefix_service.backends.torch.cascade import CPU_FLASH, CascadeDecode, attend, attend_paged, cascade_decode, merge
+from prefix_service.backends.cpu.packed_prefix import PackedPrefixKV, attend_packed
 
 
 @dataclass
@@ -234,6 +234,6 @@ def make_backend(name: str, device: torch.device, native: bool = False):
         from prefix_service.errors import ConfigError
         raise ConfigError(f"model.attention_backend: 'cuda' needs a CUDA device, the model is on {device}")
     if name == "cuda" or (name == "auto" and device.type == "cuda"):
-        from prefix_service.attention_cuda import CudaAttentionBackend
+        from prefix_service.backends.cuda.attention import CudaAttentionBackend
         return CudaAttentionBackend()
     return TorchAttentionBackend(native=native and device.type == "cpu")
