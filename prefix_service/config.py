@@ -20,11 +20,13 @@ from prefix_service.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "cuda")
+BACKENDS = ("auto", "torch", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
-CPU_LINEARS = ("auto", "native", "onednn", "blas")
-CPU_ATTENTIONS = ("auto", "native", "torch")
-CPU_ELEMENTWISE = ("auto", "native", "torch")
+# keys that no longer exist, and what replaced them
+_REMOVED = {
+    "model": {key: "the execution backend is chosen as a whole with model.backend (auto, torch, cpu, cuda)"
+              for key in ("attention_backend", "cpu_linear", "cpu_attention", "cpu_elementwise")},
+}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ADDRESS_RE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})")  # fullmatch
@@ -67,28 +69,20 @@ class ModelConfig:
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype on GPU, float32 on CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    attention_backend: str = "auto"  # auto: cuda on a GPU, torch elsewhere
+    # where and how the forward runs (prefix_service/backends/): auto is cuda on a GPU, cpu where the
+    # native CPU kernels build and serve the model, torch otherwise
+    backend: str = "auto"
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
-    # on CPU: native (cpu_linear.py) or onednn, weights packed at load, or blas (F.linear);
-    # auto: native where it builds and the model is float32, else onednn where it works, else blas
-    cpu_linear: str = "auto"
-    cpu_attention: str = "auto"  # on CPU: native (cpu_attention.py) or torch attention; auto: native where it builds
-    # on CPU: norms, rotary embedding and gated activation in native kernels (cpu_elementwise.py) or
-    # torch's operators; auto: native where the library builds and the model is float32
-    cpu_elementwise: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
-        _check_choice("model.cpu_linear", self.cpu_linear, CPU_LINEARS)
-        _check_choice("model.cpu_attention", self.cpu_attention, CPU_ATTENTIONS)
-        _check_choice("model.cpu_elementwise", self.cpu_elementwise, CPU_ELEMENTWISE)
         if self.num_threads is not None:
             _check_int("model.num_threads", self.num_threads, 1)
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.device", self.device, DEVICES)
-        _check_choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("model.backend", self.backend, BACKENDS)
         if not isinstance(self.path, str) or not self.path:
             raise ConfigError(f"model.path: expected a Hugging Face model directory, got {self.path!r}")
         if self.max_model_len is not None:
@@ -102,7 +96,7 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory when set
     prefix_budget_blocks: int | None = None  # max blocks pinned by templates; default: half the cache
     enable_prefix: bool = True  # False: requests on a template prefill it like any prompt
-    pack_prefix_kv: bool = True  # CPU, float32: templates' K/V also held packed for prefill attention
+    pack_prefix_kv: bool = True  # cpu backend: templates' K/V also held packed for its attention
 
     def __post_init__(self) -> None:
         _check_int("cache.block_size", self.block_size, 1, 4096)
@@ -288,6 +282,9 @@ def _build(cls: type, section: str, raw: Any, converters: Mapping[str, Any] | No
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{section}: expected a mapping, got {type(raw).__name__}")
     known = [f.name for f in dataclasses.fields(cls)]
+    for key, instead in _REMOVED.get(section, {}).items():
+        if key in raw:
+            raise ConfigError(f"{section}.{key}: this key was removed; {instead}")
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConfigError(f"{section}: unknown key(s) {', '.join(map(str, unknown))}; known keys: {', '.join(known)}")

@@ -1,7 +1,7 @@
-"""CPU linear layers three ways: `F.linear` (the BLAS torch links, MKL in the x86 wheels), the same
-layers with their weights packed once for oneDNN (`model.cpu_linear: onednn`,
-prefix_service/model/packed_linear.py), and packed for the native kernel (`model.cpu_linear:
-native`, prefix_service/backends/cpu/linear.py).
+"""CPU linear layers three ways: `F.linear` (the BLAS torch links, MKL in the x86 wheels, as the torch
+backend runs them), the same layers with their weights reordered once for oneDNN's inner product
+(torch.ops.mkldnn), and packed for the native kernel the cpu backend runs
+(prefix_service/backends/cpu/linear.py).
 
 One pass runs every linear layer of the model's decoder stack (fused qkv, o, fused gate_up, down)
 once on an input of N rows, with each layer's own weights, as a forward does: the weights stream
@@ -27,7 +27,27 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from prefix_service.backends.cpu import linear as cpu_linear  # noqa: E402
-from prefix_service.model.packed_linear import PackedLinear, onednn_linear_available  # noqa: E402
+
+
+def onednn_available(dtype: torch.dtype) -> str | None:
+    """None when this torch build runs oneDNN's inner product on a reordered weight, else why not."""
+    try:
+        layer = OneDNNLinear(torch.randn(48, 40, dtype=dtype))
+        with torch.inference_mode():
+            got = layer(torch.randn(5, 40, dtype=dtype))
+    except (AttributeError, RuntimeError) as exc:
+        return f"no oneDNN linear in this torch build ({str(exc).splitlines()[0]})"
+    return None if got.shape == (5, 48) else "oneDNN linear gave the wrong shape"
+
+
+class OneDNNLinear:
+    """y = x @ W.T with W reordered once into oneDNN's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor, bias=None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 def layer_shapes(model_dir: str | None) -> tuple[list[tuple[int, int]], int, str]:
@@ -62,7 +82,7 @@ def main() -> int:
     weight_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
     layers: dict[str, list] = {"blas": [[(lambda x, w=w: F.linear(x, w), w.shape[1]) for w in layer]
                                         for layer in weights]}
-    for way, check, cls in (("onednn", onednn_linear_available, PackedLinear),
+    for way, check, cls in (("onednn", onednn_available, OneDNNLinear),
                             ("native", cpu_linear.available, cpu_linear.NativeLinear)):
         reason = check(torch.float32)
         if reason:

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         model_dir = build_config_only(Path(tmp) / "model", tok, "llama", **SHAPES[args.shape])
         cfg = EngineConfig(
             ModelConfig(path=str(model_dir), device=args.device, dtype=str(dtype).replace("torch.", ""),
-                        load_format="dummy", attention_backend="cuda" if device.type == "cuda" else "torch"),
+                        load_format="dummy", backend="cuda" if device.type == "cuda" else "auto"),
             CacheConfig(block_size=16, kv_cache_memory=_size(args.kv_cache_memory) if device.type == "cuda"
                         else 1 << 28),
             SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192, max_tokens_cap=8192))
@@ -155,7 +155,6 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int]) -> di
     arch, vocab = engine.core.arch, engine.core.arch.vocab_size
     prefix = [(104729 * (i + 3)) % (vocab - 10) + 5 for i in range(PREFIX_LEN)]
     engine.add_prefix("seed", token_ids=prefix)
-    sampling = SamplingParams(max_tokens=OUT_LEN, ignore_eos=True)
 
     def request(k, with_prefix, max_tokens=OUT_LEN):
         user = seed_ids(k, vocab)
@@ -175,14 +174,13 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int]) -> di
               f"(bound {ttft[-1]['roofline_ms']:.1f} ms)", flush=True)
 
     decode = []
-    backend = engine.core.backend
-    impls = [(getattr(backend, "decode_name", "torch"), None)]
-    if hasattr(backend, "decode_name"):
+    impls = [(engine.core.backend.name, None)]
+    if engine.core.backend.name == "cuda":  # its decode kernels side by side
         from prefix_service.backends.cuda.attention import decode_gather_sdpa, decode_triton
         impls = [("triton_paged", decode_triton), ("gather_sdpa", decode_gather_sdpa)]
     for impl_name, fn in impls:
         if fn is not None:
-            engine._run(lambda core, fn=fn: setattr(core.backend, "_decode", fn))
+            engine._run(lambda core, fn=fn: setattr(core.backend, "decode", fn))
         for b in batches:
             for with_prefix in (True, False):
                 run = run_batch(engine, [request(k, with_prefix, args.decode_tokens) for k in range(b)])

@@ -3,14 +3,13 @@
 One EngineCore runs in this process and thread. A template of --prefix-tokens random ids is pinned;
 then requests of --prompt-tokens ids run one at a time, taking turns: (a) naming the template, so
 only the prompt is computed over the pinned KV, and (b) the same ids with no prefix, all of them
-computed. Where the template's K/V is packed (cache.pack_prefix_kv), (a) also runs with the packed
-copy set aside (path prefix_unpacked), in the same turns. For each: time to first token (median
-and min over --runs), and, from torch's profiler over --profile-runs more, the time in linear
-layers, in attention (the packed copy's products and the native kernel included), and in
-everything else (small operators, the scheduler, Python), the last being the wall time minus the
-first two. Under the profiler the layers run kernel by kernel (the decoder stack and the layer
-blocks of cpu_layer.py step aside so that each kernel is timed on its own), so "other" is that
-path's; the timed runs take the engine's usual path.
+computed. Where the backend packs the template's K/V (cache.pack_prefix_kv on the cpu backend), a
+second engine with packing off runs (a) too (path prefix_unpacked), in the same turns. For each:
+time to first token (median and min over --runs), and, over --profile-runs more, the time in
+linear layers, in attention, and in everything else (element-wise work, the scheduler, Python),
+the last being the wall time minus the first two. The split comes from the backend's
+kernel_times(), which observes the path that serves: the cpu backend's native kernels time
+themselves, the torch backend's operators are read from torch's profiler.
 
 Next to the times, each path's FLOPs (linear layers: 2 x tokens x weights; attention: 4 x heads x
 head_dim x the keys each query sees). Their quotient is the TTFT ratio a prefix would give if both
@@ -37,34 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
 from prefix_service.engine.core import EngineCore  # noqa: E402
-from prefix_service.backends.cpu.attention import PROFILE_SCOPE as NATIVE_SCOPE  # noqa: E402
-from prefix_service.backends.cpu.linear import PROFILE_SCOPE as NATIVE_LINEAR_SCOPE  # noqa: E402
-from prefix_service.backends.cpu.packed_prefix import PROFILE_SCOPE as PACKED_SCOPE  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
 TEMPLATE = "profile_prefill"
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm",  # packed oneDNN, F.linear (BLAS)
-              NATIVE_LINEAR_SCOPE)  # the native kernel
-ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::logsumexp")  # the math fallback's kernels
-
-
-def kind_of(op_name: str) -> str:
-    if op_name in LINEAR_OPS:
-        return "linear"
-    if "attention" in op_name or op_name in ATTENTION_OPS:
-        return "attention"
-    return "other"
-
-
-def kind_in_context(event) -> str:
-    """An operator's kind, where one run inside the packed-template attention (whose products are
-    oneDNN linear calls) counts as attention, and so does the native kernel's scope."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name == PACKED_SCOPE:
-            return "attention"
-        parent = parent.cpu_parent
-    return "attention" if event.name in (PACKED_SCOPE, NATIVE_SCOPE) else kind_of(event.name)
 
 
 def engine_config(args) -> EngineConfig:
@@ -94,16 +68,8 @@ class Runner:
         if isinstance(result.get("r"), BaseException):
             raise result["r"]
 
-    def ttft(self, prompt_ids: list[int], by_name: bool, packed: bool = True) -> float:
-        """Seconds from submit to the first token, stepping the engine here. packed=False sets the
-        template's packed K/V copy (cache.pack_prefix_kv) aside for this request."""
-        if not packed:
-            kept = dict(self.core.runner.packed_prefixes)
-            self.core.runner.packed_prefixes.clear()
-            try:
-                return self.ttft(prompt_ids, by_name)
-            finally:
-                self.core.runner.packed_prefixes.update(kept)
+    def ttft(self, prompt_ids: list[int], by_name: bool) -> float:
+        """Seconds from submit to the first token, stepping the engine here."""
         first: list[float] = []
         errors: list[str] = []
 
@@ -136,10 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=10, help="timed requests per path")
     p.add_argument("--profile-runs", type=int, default=3, help="profiled requests per path")
     p.add_argument("--threads", type=int, help="torch threads (default: the config's, else torch's)")
-    p.add_argument("--cpu-attention", choices=("auto", "native", "torch"),
-                   help="model.cpu_attention (default: the config's)")
-    p.add_argument("--cpu-linear", choices=("auto", "native", "onednn", "blas"),
-                   help="model.cpu_linear (default: the config's)")
+    p.add_argument("--backend", choices=("auto", "torch", "cpu", "cuda"), help="model.backend (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -149,47 +112,47 @@ def main(argv: list[str] | None = None) -> int:
     cfg = engine_config(args)
     if args.threads:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=args.threads))
-    if args.cpu_attention:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cpu_attention=args.cpu_attention))
-    if args.cpu_linear:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cpu_linear=args.cpu_linear))
+    if args.backend:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, backend=args.backend))
     print(f"loading {cfg.model.path} ...", flush=True)
     core = EngineCore(cfg)
     arch = core.arch
     rng = random.Random(args.seed)
-    runner = Runner(core, [rng.randrange(arch.vocab_size) for _ in range(args.prefix_tokens)])
+    prefix_ids = [rng.randrange(arch.vocab_size) for _ in range(args.prefix_tokens)]
+    runner = Runner(core, prefix_ids)
     runner.pin()
     prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.prompt_tokens)]
                for _ in range(2 + args.runs + args.profile_runs)]
-    # path: (names the template, reads its packed copy); with the template packed, the same requests
-    # also run with the copy set aside (prefix_unpacked): what the packing buys, in the same turns
-    paths = {"prefix": (True, True), "no_prefix": (False, True)}
-    if core.runner.packed_prefixes:
-        paths["prefix_unpacked"] = (True, False)
+    # path: (the engine, names the template); where the template's K/V is packed, the same requests
+    # also run on an engine that does not pack (prefix_unpacked): what the packing buys, in the same turns
+    paths = {"prefix": (runner, True), "no_prefix": (runner, False)}
+    if core.kv_stats()["packed_prefix_bytes"]:
+        unpacked = Runner(EngineCore(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, pack_prefix_kv=False))),
+                          prefix_ids)
+        unpacked.pin()
+        paths["prefix_unpacked"] = (unpacked, True)
     for prompt in prompts[:2]:  # warm-up
-        for by_name, packed in paths.values():
-            runner.ttft(prompt, by_name, packed)
+        for path_runner, by_name in paths.values():
+            path_runner.ttft(prompt, by_name)
 
     times: dict[str, list[float]] = {name: [] for name in paths}
     for i, prompt in enumerate(prompts[2:2 + args.runs]):
         order = list(paths.items()) if i % 2 == 0 else list(paths.items())[::-1]
-        for name, (by_name, packed) in order:  # in turns, so a slow spell of the machine hits every path
-            times[name].append(runner.ttft(prompt, by_name, packed))
+        for name, (path_runner, by_name) in order:  # in turns, so a slow spell of the machine hits every path
+            times[name].append(path_runner.ttft(prompt, by_name))
 
     split: dict[str, dict[str, float]] = {name: {"linear": 0.0, "attention": 0.0} for name in paths}
     if args.profile_runs:
-        for name, (by_name, packed) in paths.items():
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for name, (path_runner, by_name) in paths.items():
+            with path_runner.core.backend.kernel_times() as kernel_ms:
                 for prompt in prompts[2 + args.runs:]:
-                    runner.ttft(prompt, by_name, packed)
-            for event in prof.events():
-                kind = kind_in_context(event)
-                if kind != "other":
-                    split[name][kind] += event.self_cpu_time_total / 1e3 / args.profile_runs  # ms per request
-    core.check_integrity()
+                    path_runner.ttft(prompt, by_name)
+            split[name] = {kind: ms / args.profile_runs for kind, ms in kernel_ms.items()}  # ms per request
+    for path_runner, _ in paths.values():
+        path_runner.core.check_integrity()
 
     results = []
-    for name, (by_name, _) in paths.items():
+    for name, (_, by_name) in paths.items():
         tokens = args.prompt_tokens if by_name else args.prefix_tokens + args.prompt_tokens
         context = args.prefix_tokens if by_name else 0
         linear, attention = arch.forward_flops(tokens, context)
@@ -212,9 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio["packing_p50"] = round(results[2]["ttft_p50_ms"] / pre["ttft_p50_ms"], 3)
 
     print(f"{os.path.basename(str(cfg.model.path).rstrip('/'))}: {arch.num_layers} layers, {core.device}, "
-          f"{torch.get_num_threads()} threads, attention {core.cpu_attention or core.backend.name}, linear "
-          f"{core.cpu_linear or 'torch'}; template {args.prefix_tokens} tokens, prompt {args.prompt_tokens}, "
-          f"{args.runs} requests per path")
+          f"{torch.get_num_threads()} threads, backend {core.backend.describe()}; template {args.prefix_tokens} "
+          f"tokens, prompt {args.prompt_tokens}, {args.runs} requests per path")
     head = f"{'path':<10} {'tokens':>6} {'TTFT p50':>9} {'min':>8} {'GFLOP':>7} {'GFLOP/s':>8}"
     if args.profile_runs:
         head += f" {'linear ms':>10} {'(GFLOP/s)':>9} {'attention ms':>13} {'(GFLOP/s)':>9} {'other ms':>9}"
@@ -236,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine_info(), "model": str(cfg.model.path),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(), "threads": torch.get_num_threads(),
-                       "cpu_attention": core.cpu_attention, "cpu_linear": core.cpu_linear,
+                       "backend": core.backend.name,
                        "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens, "runs": args.runs,
                        "profile_runs": args.profile_runs, "results": results, "ratio": ratio}, fh, indent=2)
         print(f"JSON: {args.json}")

@@ -59,18 +59,19 @@ def llama_dir(model_dirs) -> Path:
 
 @pytest.fixture
 def make_engine(llama_dir):
-    """make_engine(block_size=4, num_blocks=64, max_num_batched_tokens=..., model_dir=...) -> Engine.
+    """make_engine(block_size=4, num_blocks=64, max_num_batched_tokens=..., model_dir=..., backend=...) -> Engine
+    on the CPU (backend auto: the cpu backend where its native kernels run the model, else torch).
     After the test: check_integrity() must hold, then the engine is shut down."""
     engines: list[Engine] = []
 
     def factory(model_dir: Path | None = None, *, block_size: int = 4, num_blocks: int = 128,
                 prefix_budget_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 2048, max_queue: int = 1024, enable_prefix: bool = True,
-                dtype: str = "float32", max_model_len: int | None = None, cpu_linear: str = "auto",
-                pack_prefix_kv: bool = True, cpu_attention: str = "auto", cpu_elementwise: str = "auto") -> Engine:
+                dtype: str = "float32", max_model_len: int | None = None, backend: str = "auto",
+                pack_prefix_kv: bool = True) -> Engine:
         cfg = EngineConfig(
             ModelConfig(path=str(model_dir or llama_dir), dtype=dtype, device="cpu", max_model_len=max_model_len,
-                        cpu_linear=cpu_linear, cpu_attention=cpu_attention, cpu_elementwise=cpu_elementwise),
+                        backend=backend),
             CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_budget_blocks=prefix_budget_blocks,
                         enable_prefix=enable_prefix, pack_prefix_kv=pack_prefix_kv),
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -16,14 +16,14 @@ def run_ids(engine, ids, prefix=None, max_tokens=32, **kw) -> list[int]:
 
 
 def engine_last_logits(engine, ids: list[int], prefix: str | None = None) -> torch.Tensor:
-    """Last-position logits [vocab] through the engine's own scheduler and runner."""
+    """Last-position logits [vocab] through the engine's own scheduler and backend."""
     def probe(core):
         core.add_request("logits-probe", list(ids), prefix, SamplingParams(max_tokens=1), lambda out: None)
         try:
             logits = None
             while logits is None:
                 out = core.scheduler.schedule()
-                logits, _ = core.runner.execute(out)
+                logits, _ = core.backend.execute(out)
                 core.scheduler.postprocess(out, [], [])
             return logits[0].clone()
         finally:
@@ -50,3 +50,42 @@ def cpu_has_avx512() -> bool:
             return any(line.startswith("flags") and " avx512f" in line for line in fh)
     except OSError:
         return False
+
+
+PREFIX = [(3 * i + 7) % 500 + 3 for i in range(22)]  # 5 full blocks of 4 + 2
+PROMPTS = [[(5 * i + k) % 500 + 3 for i in range(2 + 3 * k)] for k in range(4)]
+
+
+def mixed_generate(engine, max_tokens: int = 24) -> list[list[int]]:
+    """Plain prompts (batched prefill + decode), then the same prompts on a pinned template
+    (prefills over its blocks, decodes that share them): every sequence's greedy ids."""
+    plain = engine.generate([GenerateRequest(prompt_token_ids=p, sampling=greedy(max_tokens)) for p in PROMPTS])
+    engine.add_prefix("tpl", token_ids=PREFIX)
+    on_tpl = engine.generate([GenerateRequest(prompt_token_ids=p, prefix_name="tpl", sampling=greedy(max_tokens))
+                              for p in PROMPTS])
+    assert engine.remove_prefix("tpl")
+    return [o.token_ids for o in plain + on_tpl]
+
+
+def generate_together(engine, requests) -> list[list[int]]:
+    """Greedy ids of `requests` (GenerateRequest with prompt_token_ids), all entering the engine in
+    one command, before its next step: the schedule then does not depend on thread timing."""
+    import threading
+    done = [threading.Event() for _ in requests]
+    ids: list[list[int]] = [[] for _ in requests]
+
+    def sink_for(i):
+        def sink(out):
+            ids[i].extend(out.token_ids)
+            if out.finished:
+                assert out.error is None, out.error
+                done[i].set()
+        return sink
+
+    def add_all(core):
+        for i, req in enumerate(requests):
+            core.add_request(f"together-{i}", list(req.prompt_token_ids), req.prefix_name, req.sampling, sink_for(i))
+    engine._run(add_all)
+    for event in done:
+        event.wait()
+    return ids

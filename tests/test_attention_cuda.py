@@ -1,6 +1,7 @@
-"""The GPU attention backend. On CPU: the Triton paged-decode kernel under TRITON_INTERPRET=1
-against gather + SDPA, and the backend's glue (store, concat, varlen prefill, paged decode) inside
-a real engine against the torch backend. On a GPU: the real kernels, prefix vs no prefix, and HF."""
+"""The cuda backend (backends/cuda/). On CPU: the Triton paged-decode kernel under TRITON_INTERPRET=1
+against gather + SDPA, the choice of prefill by dtype, and the backend's glue (store, concat,
+varlen prefill, paged decode, copy-on-write) inside a real engine against the torch backend. On
+a GPU: the real kernels, prefix vs no prefix, and HF."""
 import os
 
 import pytest
@@ -51,23 +52,28 @@ def test_triton_paged_decode_interpreted(hq, hkv, d, bs, dtype, splits):
     assert (out.float() - ref.float()).abs().max() <= TOL[dtype]
 
 
-def _cuda_backend_on(engine, prefill, decode):
-    from prefix_service.backends.cuda.attention import CudaAttentionBackend
-    backend = CudaAttentionBackend(prefill=prefill, decode=decode)
-
-    def swap(core):
-        core.backend = core.runner.backend = backend
-    engine._run(swap)
+def test_prefill_is_chosen_by_dtype():
+    """FlashAttention takes only float16 and bfloat16: a float32 model prefills with SDPA."""
+    from prefix_service.backends.cuda.attention import pick_prefill
+    assert pick_prefill(torch.float32)[0] == "sdpa_loop"
+    assert pick_prefill(torch.bfloat16)[0] in ("flash_attn", "torch_varlen", "sdpa_loop")
 
 
 @needs_triton
-def test_backend_glue_in_engine_on_cpu(make_engine):
-    """store -> concat -> varlen prefill and the Triton paged decode, inside the engine: same greedy
-    tokens as the torch backend, with and without a prefix, chunked and batched."""
+def test_backend_glue_in_engine_on_cpu(make_engine, monkeypatch):
+    """store -> concat -> varlen prefill and the Triton paged decode, inside the engine on CPU tensors
+    (cuda_ops' torch references, Triton's interpreter): same greedy tokens as the torch backend,
+    with and without a prefix (a partial tail block: copy-on-write), chunked and batched."""
+    import functools
+
+    import prefix_service.engine.core as core_mod
     from prefix_service.backends.cuda.attention import decode_triton, prefill_sdpa_loop
-    ref_engine = make_engine(block_size=4)
+    from prefix_service.backends.cuda.backend import CudaBackend
+    ref_engine = make_engine(block_size=4, backend="torch")
+    monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
+        CudaBackend, prefill=("sdpa_loop", prefill_sdpa_loop), decode=("triton_paged", decode_triton)))
     engine = make_engine(block_size=4, max_num_batched_tokens=7)
-    _cuda_backend_on(engine, ("sdpa_loop", prefill_sdpa_loop), ("triton_paged", decode_triton))
+    assert engine.core.backend.describe() == "cuda (prefill sdpa_loop, decode triton_paged)"
     prefix = [(7 * i + 5) % 500 + 3 for i in range(10)]
     users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(3)]
     expected = [run_ids(ref_engine, prefix + u, max_tokens=6) for u in users]
@@ -90,9 +96,8 @@ def test_triton_paged_decode_on_gpu(hq, hkv, d, bs, dtype):
 
 @needs_gpu
 def test_gpu_varlen_prefill_matches_sdpa_loop():
-    from prefix_service.backends.torch.attention import AttentionMetadata
-    from prefix_service.backends.cuda.attention import pick_prefill, prefill_sdpa_loop
-    name, fn = pick_prefill()
+    from prefix_service.backends.cuda.attention import VarlenMetadata, pick_prefill, prefill_sdpa_loop
+    name, fn = pick_prefill(torch.bfloat16)
     q_lens, ctx = [5, 1, 37], [0, 16, 21]
     hq, hkv, d = 8, 2, 64
     dev, dt = "cuda", torch.bfloat16
@@ -102,8 +107,9 @@ def test_gpu_varlen_prefill_matches_sdpa_loop():
     cu_q = torch.tensor([0, 5, 6, 43], dtype=torch.int32, device=dev)
     cu_k = torch.tensor([0, 5, 22, 80], dtype=torch.int32, device=dev)
     empty = torch.empty(0, dtype=torch.int32, device=dev)
-    meta = AttentionMetadata(empty, 0, empty, empty, 0, empty, torch.tensor(ctx, dtype=torch.int32, device=dev),
-                             cu_q, q_lens, ctx, max(q_lens), max(a + b for a, b in zip(q_lens, ctx)), k.shape[0])
+    meta = VarlenMetadata(empty.long(), 0, empty.view(0, 0), empty, 0, empty.view(0, 0),
+                          torch.tensor(ctx, dtype=torch.int32, device=dev), cu_q, q_lens, ctx, max(q_lens),
+                          max(a + b for a, b in zip(q_lens, ctx)), k.shape[0])
     ref = prefill_sdpa_loop(q, k, v, cu_k, meta, d ** -0.5)
     out = fn(q, k, v, cu_k, meta, d ** -0.5)
     assert (out.float() - ref.float()).abs().max() <= 2e-2, name
@@ -113,7 +119,7 @@ def test_gpu_varlen_prefill_matches_sdpa_loop():
 @pytest.mark.parametrize("prefix_len", [1, 15, 16, 17, 53])
 def test_gpu_engine_prefix_vs_no_prefix(prefix_len, llama_dir, tmp_path):
     from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
-    cfg = EngineConfig(ModelConfig(path=str(llama_dir), device="cuda", dtype="bfloat16", attention_backend="cuda"),
+    cfg = EngineConfig(ModelConfig(path=str(llama_dir), device="cuda", dtype="bfloat16", backend="cuda"),
                        CacheConfig(block_size=16, num_blocks=256))
     full = [(13 * i + 5) % 500 + 3 for i in range(prefix_len + 20)]
     with Engine(cfg) as engine:
@@ -138,7 +144,7 @@ def test_gpu_smollm2_float32_matches_transformers():
     with torch.no_grad():
         ref = hf.generate(x, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
                           attention_mask=torch.ones_like(x))[0, len(ids):].tolist()
-    cfg = EngineConfig(ModelConfig(path=str(model_dir), device="cuda", dtype="float32", attention_backend="cuda"),
+    cfg = EngineConfig(ModelConfig(path=str(model_dir), device="cuda", dtype="float32", backend="cuda"),
                        CacheConfig(block_size=16, num_blocks=256))
     with Engine(cfg) as engine:
         assert run_ids(engine, ids, max_tokens=32) == ref

@@ -10,9 +10,17 @@ import pytest
 import torch
 
 from prefix_service.backends.cpu import linear as cpu_linear
-from prefix_service.model.packed_linear import onednn_linear_available
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_linear.py"
+
+
+def onednn_linear_available(dtype):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import bench_cpu_linear
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return bench_cpu_linear.onednn_available(dtype)
 
 
 def test_bench_cpu_linear_script(llama_dir, tmp_path):

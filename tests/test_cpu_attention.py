@@ -1,23 +1,23 @@
-"""The native CPU attention (cpu_attention.py): it builds wherever a compiler and AVX-512 are
-present; prefill and decode equal attention computed in float64, for templates, context and causal
-new tokens of any length and layout, and paged caches in any block order; the result does not
-depend on the thread count; it shares torch's OpenMP runtime; bad input gets a clear error (the
-library's build: test_cpu_linear.py); a prefill step through it equals torch's; the engine uses it by default and gives the same tokens as
-with torch's kernels."""
+"""The cpu backend's attention kernel (backends/cpu/attention.py): it builds wherever a compiler and
+AVX-512 are present; prefill and decode equal attention computed in float64, for templates,
+context and causal new tokens of any length and layout, and paged caches in any block order; the
+result does not depend on the thread count; it shares torch's OpenMP runtime; bad input gets a
+clear error (the library's build: test_cpu_linear.py); a prefill step through it equals the torch
+backend's attention; the cpu backend decodes a shared template batch through it with the torch
+backend's tokens."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from helpers import cpu_has_avx512, greedy, run_ids
+from helpers import cpu_has_avx512, greedy
 from prefix_service import GenerateRequest
+from prefix_service.backends.base import StepInputs
 from prefix_service.backends.cpu import attention as cpu_attention
-from prefix_service.backends.cpu import layer as cpu_layer
 from prefix_service.backends.cpu import native
-from prefix_service.backends.torch.attention import TorchAttentionBackend
-from prefix_service.config import ConfigError, ModelConfig
-from prefix_service.errors import PrefixServiceError
-from prefix_service.backends.cpu.packed_prefix import PackedPrefixKV
-
-from test_cpu_fast_paths import _prefill_meta
+from prefix_service.backends.cpu.packed_prefix import PackedTemplate
+from prefix_service.backends.cpu.stack import StackPlan
+from prefix_service.backends.torch.attention import PagedAttention, PagedMetadata
 
 REASON = cpu_attention.available()
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU attention here: {REASON}")
@@ -137,12 +137,24 @@ def test_bad_input_is_refused_with_a_clear_error():
         cpu_attention.prefill_attention(q8, k8, v8, 0.3)
 
 
+def prefill_step(seqs, bs: int) -> StepInputs:
+    """A step of prefills only: (block table, cached context, new tokens) per sequence."""
+    step = StepInputs()
+    for table, ctx, n in seqs:
+        step.prefills.append(SimpleNamespace(block_table=table, prefix=None, num_shared_blocks=0))
+        step.prefill_context.append(ctx)
+        step.prefill_new.append(n)
+        step.slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
+        step.positions += range(ctx, ctx + n)
+    return step
+
+
 @needs_native
 def test_prefill_step_through_the_kernel_equals_torch():
-    """One step, six prefills (as test_packed_prefix's), through the backends' forward: the native
-    path (the new K/V stored and each context read through its block table by the kernel; the
-    template packed in its layout for the sequences that continue it) equals torch's split
-    prefill, in its output and in the cache it leaves."""
+    """One step, six prefills, through the kernel as the cpu backend calls it (the new K/V stored and
+    each context read through its block table by the kernel; the template packed in its layout for
+    the sequences that continue it) equals the torch backend's attention, in its output and in the
+    cache it leaves."""
     g = torch.Generator().manual_seed(4)
     bs, hq, hkv, d = 4, 6, 2, 16
     kc, vc = torch.randn(80, bs, hkv, d, generator=g), torch.randn(80, bs, hkv, d, generator=g)
@@ -151,25 +163,30 @@ def test_prefill_step_through_the_kernel_equals_torch():
                 (template, 3 * bs, 2), ([50], 0, 6), (template + [33], 3 * bs + 3, 1)]
     fresh = iter(range(60, 80))  # each sequence's own blocks for its new tokens
     seqs = [(t + [next(fresh) for _ in range(-(-(c + n) // bs) - len(t))], c, n) for t, c, n in contexts]
-    slots = torch.tensor([t[p // bs] * bs + p % bs for t, c, n in seqs for p in range(c, c + n)])
+    step = prefill_step(seqs, bs)
+    slots = torch.tensor(step.slots)
     tq = sum(n for _, _, n in seqs)
     qkv = torch.randn(tq, hq + 2 * hkv, d, generator=g)  # strided rows, as the model's projection gives
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    scale = d ** -0.5
 
-    def step(backend, packed: bool):
-        meta = _prefill_meta(seqs, bs)
-        meta.slot_mapping = slots
-        kc_, vc_ = kc.clone(), vc.clone()
-        if packed:
-            blocks = PackedPrefixKV([(kc_, vc_)], template, native=backend.native)
-            meta.prefill_packed = [blocks if t[:3] == template and c >= 3 * bs else None for t, c, _ in seqs]
-        return backend.forward(q, k, v, kc_, vc_, meta, d ** -0.5), kc_, vc_
+    want_k, want_v = kc.clone(), vc.clone()
+    want = PagedAttention([(want_k, want_v)], PagedMetadata.build(step, bs, torch.device("cpu")))(0, q, k, v, scale)
 
-    want, want_k, want_v = step(TorchAttentionBackend(), packed=False)
-    native = TorchAttentionBackend(native=True)
-    assert native.name == "torch+native"
     for packed in (False, True):
-        got, got_k, got_v = step(native, packed)
+        got_k, got_v = kc.clone(), vc.clone()
+        template_kv = PackedTemplate([(got_k, got_v)], template) if packed else None
+        plan = StackPlan.build(step, bs, 1, lambda seq: template_kv if seq.block_table[:3] == template else None)
+        got = torch.empty_like(q)
+        start = 0
+        for i, (q_len, ctx, first) in enumerate(plan.prefill_info.tolist()):
+            end = start + q_len
+            cpu_attention.prefill_attention(q[start:end], k[start:end], v[start:end], scale, out=got[start:end],
+                                            template=template_kv.layer(0) if first else None, cache=(got_k, got_v),
+                                            block_table=plan.prefill_tables[i], cached=(first, ctx - first),
+                                            slots=slots[start:end])
+            start = end
+        assert sum(f > 0 for _, _, f in plan.prefill_info.tolist()) == (4 if packed else 0)
         assert (got - want).abs().max().item() < 1e-5
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
 
@@ -244,31 +261,6 @@ def test_stores_and_block_tables_outside_the_cache_are_refused():
     assert not kc.any() and not vc.any()
 
 
-@needs_native
-def test_engine_uses_it_by_default_and_gives_torchs_tokens(make_engine):
-    ids = [(31 * i + 11) % 500 + 3 for i in range(40)]
-    torch_engine = make_engine(block_size=4, cpu_attention="torch")
-    native_engine = make_engine(block_size=4)
-    assert torch_engine._run(lambda core: core.backend.name) == "torch"
-    assert native_engine._run(lambda core: (core.cpu_attention, core.backend.name)) == ("native", "torch+native")
-    for engine in (torch_engine, native_engine):
-        engine.add_prefix("t", token_ids=ids[:30])
-    want = run_ids(torch_engine, ids)
-    assert run_ids(native_engine, ids) == want  # no prefix: causal over all 40
-    assert run_ids(native_engine, ids[30:], prefix="t") == want  # over the packed template
-    assert run_ids(torch_engine, ids[30:], prefix="t") == want
-
-
-def test_cpu_attention_config(make_engine, monkeypatch):
-    with pytest.raises(ConfigError, match="model.cpu_attention"):
-        ModelConfig(path="m", cpu_attention="fast")
-    monkeypatch.setattr(cpu_attention, "available", lambda: "no C++ compiler found (set CXX)")
-    with pytest.raises(PrefixServiceError, match="cpu_attention: native was asked for, but no C\\+\\+ compiler"):
-        make_engine(cpu_attention="native")
-    engine = make_engine()  # auto: falls back to torch's kernels, and says why in the log
-    assert engine._run(lambda core: (core.cpu_attention, core.backend.name)) == ("torch", "torch")
-
-
 def paged_case(lens, bs, hq, hkv, d, seed=0):
     """A cache in shuffled blocks, each sequence's table, and its keys/values in order."""
     g = torch.Generator().manual_seed(seed)
@@ -332,36 +324,33 @@ def test_decode_bad_input_is_refused():
 
 @needs_native
 def test_engine_decodes_a_shared_template_batch_through_the_kernel(make_engine, monkeypatch):
-    """Requests on one packed template decode through the kernel, each over the packed copy (no
-    cascade grouping), with the torch backend's tokens."""
-    import prefix_service.backends.torch.attention as attention
+    """Requests on one packed template decode on the cpu backend each over the packed copy (no
+    cascade grouping), with the tokens of the torch backend, which groups them."""
+    import prefix_service.backends.torch.attention as torch_attention
     cascades, templated = [], []
-    real_cascade, real_decode = attention.cascade_decode, cpu_attention.decode_attention
+    real_cascade, real_build = torch_attention.cascade_decode, StackPlan.build
 
     def counting_cascade(q, *args):
         cascades.append(q.shape[0])
         return real_cascade(q, *args)
 
-    def counting_decode(q, *args, templates=None, **kw):
-        templated.append(sum(t is not None for t in templates) if templates else 0)
-        return real_decode(q, *args, templates=templates, **kw)
-    def counting_stack(self, x, rotate, meta):  # the decoder stack makes the same kernel calls from C++
-        if meta.num_decode_tokens:
-            templated.append(sum(p is not None for p in meta.decode_packed))
-        return real_stack(self, x, rotate, meta)
-    real_stack = cpu_layer.DecoderStack.forward
-    monkeypatch.setattr(attention, "cascade_decode", counting_cascade)
-    monkeypatch.setattr(cpu_attention, "decode_attention", counting_decode)
-    monkeypatch.setattr(cpu_layer.DecoderStack, "forward", counting_stack)
+    def counting_build(step, *args):
+        plan = real_build(step, *args)
+        if plan.num_decodes:
+            templated.append(int((plan.decode_skip > 0).sum()) if plan.decode_skip is not None else 0)
+        return plan
+    monkeypatch.setattr(torch_attention, "cascade_decode", counting_cascade)
+    monkeypatch.setattr(StackPlan, "build", staticmethod(counting_build))
     prefix = [(3 * i + 7) % 500 + 3 for i in range(23)]
     users = [[(5 * i + k) % 500 + 3 for i in range(2 + k)] for k in range(5)]
-    torch_engine = make_engine(block_size=4, cpu_attention="torch")
+    torch_engine = make_engine(block_size=4, backend="torch")
     torch_engine.add_prefix("p", token_ids=prefix)
     batch = [GenerateRequest(prompt_token_ids=u, prefix_name="p", sampling=greedy(12)) for u in users]
     want = [o.token_ids for o in torch_engine.generate(batch)]
-    assert cascades  # the torch backend groups them
+    assert cascades and not templated  # the torch backend groups them
     cascades.clear()
     engine = make_engine(block_size=4)
+    assert engine.core.backend.name == "cpu"
     engine.add_prefix("p", token_ids=prefix)
     assert [o.token_ids for o in engine.generate(batch)] == want
     assert not cascades and max(templated) == len(users)

@@ -1,18 +1,14 @@
-"""The native element-wise kernels (cpu_elementwise.py): the fused residual add and RMSNorm, the
-gated activation and the rotary embedding equal their torch formulas computed in float64, for
-widths that are not multiples of the vector, strided rows and any positions; a row's result does
-not depend on the thread count; bad input gets a clear error; an engine on them gives the same
-tokens as on torch's operators, for every architecture, and falls back where they cannot run."""
+"""The cpu backend's element-wise kernels (backends/cpu/elementwise.py): the fused residual add and
+RMSNorm, the gated activation and the rotary embedding equal their torch formulas computed in
+float64, for widths that are not multiples of the vector, strided rows and any positions; a row's
+result does not depend on the thread count; bad input gets a clear error. (The engine on them:
+test_backends.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from prefix_service.backends.cpu import elementwise as ce
-from prefix_service.config import ConfigError, ModelConfig
-from prefix_service.errors import PrefixServiceError
 from prefix_service.model.llama import apply_rope
-
-from test_cpu_fast_paths import _generate
 
 REASON = ce.available(torch.float32)
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels here: {REASON}")
@@ -126,27 +122,3 @@ def test_bad_input_is_refused():
         ce.Rotation(torch.tensor([0, 1]), cos, sin)(rand(3, 2, 8))
     with pytest.raises(ce.NativeElementwiseError, match="table"):
         ce.Rotation(torch.tensor([0]), cos[:, :7].contiguous(), sin[:, :7].contiguous())
-
-
-# --- the engine -----------------------------------------------------------------------------------
-
-@needs_native
-@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "qwen3"])
-def test_engine_on_native_elementwise_generates_like_torch(make_engine, model_dirs, which):
-    plain = make_engine(model_dirs[which], cpu_linear="blas", num_blocks=160, cpu_elementwise="torch")
-    fused = make_engine(model_dirs[which], cpu_linear="blas", num_blocks=160, cpu_elementwise="auto")
-    assert fused._run(lambda core: (core.cpu_elementwise, core.model.fused_elementwise)) == ("native", True)
-    got = _generate(fused)
-    assert all(len(ids) == 24 for ids in got)
-    assert got == _generate(plain)
-
-
-def test_config_and_fallbacks(make_engine, monkeypatch):
-    with pytest.raises(ConfigError, match=r"model\.cpu_elementwise: 'fast' is not one of auto, native, torch"):
-        ModelConfig(path="m", cpu_elementwise="fast")
-    assert make_engine(cpu_elementwise="torch")._run(lambda c: (c.cpu_elementwise, c.model.fused_elementwise)) == (
-        "torch", False)
-    monkeypatch.setattr(ce, "available", lambda dtype: "no C++ compiler found (set CXX)")
-    with pytest.raises(PrefixServiceError, match=r"cpu_elementwise: native was asked for, but no C\+\+ compiler"):
-        make_engine(cpu_elementwise="native")
-    assert make_engine()._run(lambda c: (c.cpu_elementwise, c.model.fused_elementwise)) == ("torch", False)

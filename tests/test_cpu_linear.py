@@ -1,9 +1,9 @@
-"""The native CPU linear layers (cpu_linear.py): they equal x W^T + b computed in float64 for any
-row count, output width (partial panels, partial groups) and input width, strided rows and both
-ways of sharing the work among threads; a row's result is the same bit for bit whatever the other
-rows of the call and the thread count; bad input gets a clear error; the engine picks them by
-default where they build and gives the same tokens as with BLAS; the shared native library's
-build (native.py) reports a compiler error and is cached."""
+"""The cpu backend's linear kernel (backends/cpu/linear.py): it equals x W^T + b computed in float64
+for any row count, output width (partial panels, partial groups) and input width, strided rows
+and both ways of sharing the work among threads; a row's result is the same bit for bit whatever
+the other rows of the call and the thread count; bad input gets a clear error; the shared native
+library's build (native.py) reports a compiler error and is cached. (The engine on it:
+test_backends.py.)"""
 import shutil
 
 import pytest
@@ -13,11 +13,6 @@ import torch.nn.functional as F
 from helpers import cpu_has_avx512
 from prefix_service.backends.cpu import linear as cpu_linear
 from prefix_service.backends.cpu import native
-from prefix_service.config import ConfigError, ModelConfig, config_from_dict
-from prefix_service.errors import PrefixServiceError
-from prefix_service.model.packed_linear import PackedLinear
-
-from test_cpu_fast_paths import _generate
 
 REASON = cpu_linear.available(torch.float32)
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU linear here: {REASON}")
@@ -124,35 +119,6 @@ def test_bad_input_is_refused():
         cpu_linear.linear(x, layer.packed, 20, bias=torch.zeros(19))
     with pytest.raises(cpu_linear.NativeLinearError, match="out"):
         cpu_linear.linear(x, layer.packed, 20, out=torch.empty(4, 19))
-
-
-# --- the engine -----------------------------------------------------------------------------------
-
-@needs_native
-@pytest.mark.parametrize("which", ["llama", "qwen2"])  # qwen2: q/k/v biases
-def test_engine_on_native_linears_generates_like_blas(make_engine, model_dirs, which):
-    blas = make_engine(model_dirs[which], cpu_linear="blas", num_blocks=160)
-    fast = make_engine(model_dirs[which], cpu_linear="auto", num_blocks=160)
-    assert fast._run(lambda core: core.cpu_linear) == "native"
-    modules = list(fast._run(lambda core: core.model).modules())
-    assert any(isinstance(m, cpu_linear.NativeLinear) for m in modules)
-    assert not any(isinstance(m, (torch.nn.Linear, PackedLinear)) for m in modules)
-    got = _generate(fast)
-    assert all(len(ids) == 24 for ids in got)
-    assert got == _generate(blas)
-
-
-def test_config_and_fallbacks(make_engine, monkeypatch):
-    with pytest.raises(ConfigError, match=r"model\.cpu_linear: 'fast' is not one of auto, native, onednn, blas"):
-        ModelConfig(path="m", cpu_linear="fast")
-    assert config_from_dict({"model": {"path": "m", "cpu_linear": "native"}}).engine.model.cpu_linear == "native"
-    import prefix_service.engine.core as core
-    monkeypatch.setattr(cpu_linear, "available", lambda dtype: "no C++ compiler found (set CXX)")
-    with pytest.raises(PrefixServiceError, match=r"model.cpu_linear: native was asked for, but no C\+\+ compiler"):
-        make_engine(cpu_linear="native")
-    assert make_engine()._run(lambda c: c.cpu_linear) in ("onednn", "blas")  # auto: the next that runs
-    monkeypatch.setattr(core, "onednn_linear_available", lambda dtype: "no oneDNN in this torch")
-    assert make_engine()._run(lambda c: c.cpu_linear) == "blas"
 
 
 # --- the native library's build (native.py) -------------------------------------------------------

@@ -1,5 +1,6 @@
 """Our engine against Hugging Face transformers on the same token ids: greedy ids identical over
-48 new tokens, last-position logits within float32 tolerance (max abs diff <= 1e-4)."""
+48 new tokens, last-position logits within float32 tolerance (max abs diff <= 1e-4), on the torch
+backend (the oracle) and on the one `auto` picks here."""
 import pytest
 import torch
 
@@ -8,11 +9,12 @@ from helpers import engine_last_logits, hf_greedy, run_ids
 LOGITS_ATOL = 1e-4  # float32 on CPU; observed differences are ~1e-6
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
-def test_greedy_and_logits_match_transformers(arch, model_dirs, make_engine):
+def test_greedy_and_logits_match_transformers(arch, backend, model_dirs, make_engine):
     ids = [(7 * i + 3) % 500 + 3 for i in range(37)]
     ref_ids, ref_logits = hf_greedy(model_dirs[arch], ids, 48)
-    engine = make_engine(model_dirs[arch], block_size=8)
+    engine = make_engine(model_dirs[arch], block_size=8, backend=backend)
     assert run_ids(engine, ids, max_tokens=48) == ref_ids
     logits = engine_last_logits(engine, ids)
     assert torch.allclose(logits, ref_logits, atol=LOGITS_ATOL, rtol=0), (logits - ref_logits).abs().max()

@@ -18,7 +18,7 @@ def ids_of(n, salt=0):
 def _pinned_bytes(engine, name):
     def snap(core):
         blocks = torch.tensor(core.prefixes.get(name).block_table)
-        return [t[blocks].clone() for t in core.kv_cache.k + core.kv_cache.v]
+        return [t[blocks].clone() for t in core.backend.kv_cache.k + core.backend.kv_cache.v]
     return engine._run(snap)
 
 

@@ -57,10 +57,9 @@ class Engine:
     # --- the loop thread ----------------------------------------------------------------------
     def _main(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
         # The loop thread also builds the EngineCore, so that all of the engine's torch work (loading,
-        # packing, every step) runs on one thread. torch's CPU kernels run on OpenMP, which keeps one
-        # pool of worker threads per thread that starts parallel work; once a process has more of
-        # them than cores, GNU OpenMP's workers stop spin-waiting between operations, and a decode
-        # step of many small operations became ~1.5x slower on a 2-core machine.
+        # packing, every step) runs on one thread: OpenMP keeps one pool of workers per thread that
+        # starts parallel work, and with more pool threads than cores GNU OpenMP's workers stop
+        # spin-waiting between operations (docs/architecture.md, "Threads").
         try:
             self.core = EngineCore(config)
         except BaseException as e:

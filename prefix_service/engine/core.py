@@ -1,6 +1,7 @@
-"""EngineCore: one step of the engine, single-threaded. Owns the model runner, the scheduler and
-the prefix manager, validates requests, samples, detokenizes, checks stops and hands each
-request's outputs to its sink. `Engine` (api.py) drives it from a background thread.
+"""EngineCore: one step of the engine, single-threaded. Owns the backend (the model and the KV
+cache on a device), the scheduler and the prefix manager; validates requests, samples,
+detokenizes, checks stops and hands each request's outputs to its sink. `Engine` (api.py)
+drives it from a background thread.
 """
 from __future__ import annotations
 
@@ -12,20 +13,12 @@ from typing import Callable
 
 import torch
 
-from prefix_service.backends.cpu import attention as cpu_attention
-from prefix_service.backends.cpu import elementwise as cpu_elementwise
-from prefix_service.backends.cpu import linear as cpu_linear
-from prefix_service.backends import hostmem
-from prefix_service.backends.torch.attention import make_backend
-from prefix_service.engine.block_allocator import BlockAllocator
+from prefix_service.backends import select_backend
 from prefix_service.config import EngineConfig
+from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import CacheExhausted, InvalidRequest, PrefixServiceError, PromptTooLong, QueueFull
-from prefix_service.backends.kv_cache import KVCache
 from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
-from prefix_service.model.packed_linear import onednn_linear_available
-from prefix_service.model_runner import ModelRunner
-from prefix_service.backends.cpu.packed_prefix import packed_prefix_available
 from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import Scheduler
@@ -65,8 +58,6 @@ class EngineCore:
         if mc.num_threads is not None:
             torch.set_num_threads(mc.num_threads)  # process-wide: one engine per process
         self.device = resolve_device(mc.device)
-        if self.device.type == "cpu":  # activations are host memory: no page faults on reuse (hostmem.py)
-            hostmem.keep_freed_memory()
         self.dtype = resolve_dtype(mc.dtype, mc.path, self.device)
         self.arch = read_arch(mc.path)
         max_len = mc.max_model_len or self.arch.max_position_embeddings
@@ -74,132 +65,28 @@ class EngineCore:
             max_len = min(max_len, self.arch.sliding_window)  # full attention inside the window
         self.max_model_len = max_len
         self.tokenizer = load_tokenizer(mc.path)
+        backend_cls = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
         if mc.load_format == "dummy":
-            self.model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
+            model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
         else:
-            self.model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
-        self.cpu_linear = self._pack_linears(mc.cpu_linear)
-        self.cpu_elementwise = self._cpu_elementwise(mc.cpu_elementwise)
-        self.layer_blocks = self._layer_blocks()
-        self.kv_cache = KVCache(self.arch, config.cache, self.dtype, self.device)
+            model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
+        self.backend = backend_cls(model, config.cache)  # owns the model from here on
         self.block_size = config.cache.block_size
-        self.allocator = BlockAllocator(self.kv_cache.num_blocks)
+        self.allocator = BlockAllocator(self.backend.num_blocks)
         budget = config.cache.prefix_budget_blocks
         if budget is None:
-            budget = self.kv_cache.num_blocks // 2
-        self.prefixes = PrefixCacheManager(self.allocator, self.block_size, min(budget, self.kv_cache.num_blocks))
+            budget = self.allocator.num_blocks // 2
+        self.prefixes = PrefixCacheManager(self.allocator, self.block_size, min(budget, self.allocator.num_blocks),
+                                           hooks=self.backend)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
-        self.cpu_attention = self._cpu_attention(mc.cpu_attention)
-        self.backend = make_backend(mc.attention_backend, self.device, native=self.cpu_attention == "native")
-        self.decoder_stack = self._decoder_stack()
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device)
-        self.pack_prefix_kv = self._packs_prefix_kv(config.cache.pack_prefix_kv)
-        if self.pack_prefix_kv:
-            self.prefixes.on_free = self.runner.drop_prefix
         self._tracked: dict[str, _Tracked] = {}
         self._warmups = 0  # numbers the warmups' request ids
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
         self.stats = {"requests": 0, "prefix_tokens_reused": 0, "generated_tokens": 0, "steps": 0}
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s%s",
-                 mc.path, self.device, str(self.dtype).replace("torch.", ""), self.kv_cache.num_blocks,
-                 self.block_size, self.max_model_len, self.backend.name,
-                 f", linear {self.cpu_linear}, attention {self.cpu_attention}, element-wise {self.cpu_elementwise}"
-                 f"{' (decoder stack)' if self.decoder_stack else ' (layer blocks)' if self.layer_blocks else ''}"
-                 if self.cpu_linear else "")
-
-    def _pack_linears(self, choice: str) -> str | None:
-        """model.cpu_linear: on a CPU, pack the weights for the native kernel (cpu_linear.py) or
-        oneDNN unless told not to; auto takes the first of the two that runs here. Returns the
-        implementation in use ('native', 'onednn' or 'blas'); None on a GPU."""
-        if self.device.type != "cpu":
-            return None
-        if choice == "blas":
-            return "blas"
-        reasons = {}
-        for kind, check in (("native", cpu_linear.available), ("onednn", onednn_linear_available)):
-            if choice not in ("auto", kind):
-                continue
-            reason = check(self.dtype)
-            if reason is None:
-                if reasons:
-                    log.info("model.cpu_linear auto: linear layers on %s, as native: %s", kind, reasons["native"])
-                self.model.pack_for_cpu(kind)
-                return kind
-            if choice == kind:
-                raise PrefixServiceError(f"model.cpu_linear: {kind} was asked for, but {reason}; use auto or blas")
-            reasons[kind] = reason
-        log.warning("model.cpu_linear auto: linear layers on BLAS (F.linear), as %s",
-                    "; ".join(f"{k}: {r}" for k, r in reasons.items()))
-        return "blas"
-
-    def _native_or_torch(self, key: str, choice: str, reason: Callable[[], str | None], torch_side: str) -> str | None:
-        """A model.<key> choice between a native CPU kernel and torch's: 'native' unless told 'torch'
-        or reason() says why it cannot run here (an error where 'native' was asked for, else a
-        warning naming what runs instead: `torch_side`). None on a GPU."""
-        if self.device.type != "cpu":
-            return None
-        if choice == "torch":
-            return "torch"
-        why = reason()
-        if why is None:
-            return "native"
-        if choice == "native":
-            raise PrefixServiceError(f"model.{key}: native was asked for, but {why}; use auto or torch")
-        log.warning("model.%s auto: %s, as %s", key, torch_side, why)
-        return "torch"
-
-    def _cpu_elementwise(self, choice: str) -> str | None:
-        """model.cpu_elementwise: on a CPU in float32, the layers' norms, rotary embedding and gated
-        activation in the native kernels (cpu_elementwise.py) unless told not to or the library
-        cannot be built here. Returns 'native' or 'torch'; None on a GPU."""
-        kind = self._native_or_torch("cpu_elementwise", choice, lambda: cpu_elementwise.available(self.dtype),
-                                     "element-wise work on torch's operators")
-        self.model.fused_elementwise = kind == "native"
-        return kind
-
-    def _layer_blocks(self) -> bool:
-        """With the linear layers and the element-wise work both native, each layer's work around
-        attention runs as two native calls (cpu_layer.py). Whether it does; where it cannot, why
-        is logged."""
-        if self.cpu_linear != "native" or self.cpu_elementwise != "native":
-            return False
-        why = self.model.use_layer_blocks()
-        if why is not None:
-            log.info("layers run kernel by kernel, as %s", why)
-        return why is None
-
-    def _decoder_stack(self) -> bool:
-        """With layer blocks and the native attention kernel, a forward's layers run as one native
-        call (cpu_layer.DecoderStack). Whether they do."""
-        if not (self.layer_blocks and getattr(self.backend, "native", False)):
-            return False
-        self.model.use_decoder_stack(self.kv_cache.layers())
-        return True
-
-    def _cpu_attention(self, choice: str) -> str | None:
-        """model.cpu_attention: on a CPU in float32, prefill and decode attention in the native
-        kernel (cpu_attention.py) unless told not to or it cannot be built here. Returns 'native' or
-        'torch'; None on a GPU."""
-        def reason() -> str | None:
-            why = cpu_attention.available()
-            if why is None and self.dtype != torch.float32:
-                why = f"the model runs in {str(self.dtype).replace('torch.', '')}, and the kernel is float32"
-            if why is None and self.arch.head_dim not in cpu_attention.HEAD_SIZES:
-                why = f"head size {self.arch.head_dim} is not a multiple of 16 up to 256"
-            return why
-        return self._native_or_torch("cpu_attention", choice, reason, "attention on torch's kernels")
-
-    def _packs_prefix_kv(self, wanted: bool) -> bool:
-        """cache.pack_prefix_kv: where it applies (CPU, float32; oneDNN unless the native kernel
-        reads them), pinned templates' K/V are also held packed for CPU attention
-        (packed_prefix.py)."""
-        if not wanted:
-            return False
-        reason = packed_prefix_available(self.device, self.dtype, native=self.cpu_attention == "native")
-        if reason is not None:
-            log.debug("cache.pack_prefix_kv: templates' K/V not packed, as %s", reason)
-        return reason is None
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
+                 mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
+                 self.block_size, self.max_model_len, self.backend.describe())
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -309,14 +196,14 @@ class EngineCore:
             # the API); with output it finishes with LENGTH, like a request that reaches the context.
             log.warning("request %s does not fit in the KV cache even alone; ending it", stuck.request_id)
             err = CacheExhausted(f"request {stuck.request_id} needs more KV blocks than the cache has beside the "
-                                 f"pinned templates ({self.kv_cache.num_blocks} blocks in all); shorten the prompt, "
+                                 f"pinned templates ({self.allocator.num_blocks} blocks in all); shorten the prompt, "
                                  f"or raise cache.kv_cache_memory (server operator)")
             self._finish(self._tracked[stuck.request_id], FinishReason.LENGTH,
                          error=err if stuck.num_output_tokens == 0 else None)
         if out.is_empty:
             return
         self.stats["steps"] += 1
-        logits, sample_seqs = self.runner.execute(out)
+        logits, sample_seqs = self.backend.execute(out)
         tokens = sample(logits, sample_seqs) if logits is not None else []
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
@@ -328,13 +215,12 @@ class EngineCore:
 
     def _pin_warmup(self, tracked: _Tracked) -> None:
         seq = tracked.seq
-        handle = self.prefixes.pin(tracked.prefix_name, seq.token_ids, seq.block_table, tracked.source or {})
-        if self.pack_prefix_kv:
-            start = time.perf_counter()
-            packed = self.runner.pack_prefix(handle)
-            if packed is not None:
-                log.info("prefix template %r: K/V of its %d full blocks packed for CPU attention (%.1f MiB, %.0f ms)",
-                         handle.name, packed.num_blocks, packed.nbytes / 2**20, (time.perf_counter() - start) * 1e3)
+        try:  # the backend hears of the pin (on_pin) and may fail, e.g. out of memory for a packed copy
+            handle = self.prefixes.pin(tracked.prefix_name, seq.token_ids, seq.block_table, tracked.source or {})
+        except Exception as e:  # noqa: BLE001 - the warmup fails, nothing else does
+            log.exception("pinning prefix template %r failed", tracked.prefix_name)
+            self._finish(tracked, FinishReason.ABORT, error=e)
+            return
         self.scheduler.finish(seq, FinishReason.STOP)  # the pin keeps the blocks
         del self._tracked[seq.request_id]
         if tracked.on_pinned:
@@ -389,9 +275,7 @@ class EngineCore:
         for b, c in self.scheduler.held_refs().items():
             expected[b] = expected.get(b, 0) + c
         self.allocator.check_integrity(expected)
-        pinned = set(self.prefixes.pinned_handles())
-        if any(handle not in pinned for handle in self.runner.packed_prefixes):
-            raise AssertionError("a packed template copy outlived its template's blocks")
+        self.backend.check_integrity(self.prefixes.pinned_handles())
         if any(s.status is SeqStatus.FINISHED for s in self.scheduler.running):
             raise AssertionError("a finished sequence is still running")
 
@@ -405,5 +289,5 @@ class EngineCore:
                 "free": self.allocator.num_free, "pinned": self.prefixes.num_pinned_blocks,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "preemptions": self.scheduler.num_preemptions,
-                # host memory of pinned templates' packed K/V copies (packed_prefix.py), outside the KV cache
-                "packed_prefix_bytes": sum(p.nbytes for p in self.runner.packed_prefixes.values())}
+                # host memory the backend holds for pinned templates (packed K/V copies), outside the KV cache
+                "packed_prefix_bytes": self.backend.packed_template_bytes()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NewType
+from typing import NewType, Protocol
 
 from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
@@ -59,15 +59,25 @@ class PrefixInfo:
     source: dict
 
 
+class TemplateHooks(Protocol):
+    """Told when a template's blocks are pinned and just before they are freed (the backend keeps
+    what it derives from a template's K/V, e.g. a packed copy, exactly that long)."""
+
+    def on_pin(self, handle: PrefixHandle) -> None: ...
+
+    def on_unpin(self, handle: PrefixHandle) -> None: ...
+
+
 class PrefixCacheManager:
-    def __init__(self, allocator: BlockAllocator, block_size: int, budget_blocks: int) -> None:
+    def __init__(self, allocator: BlockAllocator, block_size: int, budget_blocks: int,
+                 hooks: TemplateHooks | None = None) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.budget_blocks = budget_blocks
+        self.hooks = hooks
         self._handles: dict[str, PrefixHandle] = {}
         self._pending: dict[str, int] = {}  # name -> blocks reserved while its warmup prefill runs
         self._detached: list[PrefixHandle] = []  # removed but still in use
-        self.on_free: Callable[[PrefixHandle], None] | None = None  # told just before a template's blocks are freed
 
     # --- lookup -----------------------------------------------------------------------------
     def get(self, name: str) -> PrefixHandle:
@@ -118,6 +128,13 @@ class PrefixCacheManager:
         assert len(block_table) == self.blocks_for(len(token_ids)), "block table does not cover the prefix"
         self.allocator.incref(block_table)
         handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), source)
+        if self.hooks is not None:
+            try:
+                self.hooks.on_pin(handle)
+            except BaseException:
+                self.hooks.on_unpin(handle)
+                self.allocator.free(block_table)
+                raise
         self._handles[name] = handle
         return handle
 
@@ -154,8 +171,8 @@ class PrefixCacheManager:
         self._free(handle)
 
     def _free(self, handle: PrefixHandle) -> None:
-        if self.on_free is not None:
-            self.on_free(handle)
+        if self.hooks is not None:
+            self.hooks.on_unpin(handle)
         self.allocator.free(handle.block_table)
 
     # --- integrity --------------------------------------------------------------------------

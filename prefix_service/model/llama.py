@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened varlen batch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened varlen batch: the
+architecture and its reference layers, in plain torch.
 
 The model sees no padding and no batch axis: `input_ids`/`positions` are `[T]` for all tokens
-of all sequences in the step. Attention goes through an `AttentionBackend`, which writes new
-K/V into the paged cache and attends over it; the model never touches block tables.
+of all sequences in the step. Attention is the caller's: `forward` is given a step's attention,
+`attention(layer, q, k, v, scale) -> [T, Hq, D]`, which stores the new K/V and attends over the
+paged cache; the model never touches block tables. Backends (prefix_service/backends/) run this
+forward as it is (torch, cuda) or take the weights into their own kernels (cpu).
 """
 from __future__ import annotations
 
@@ -14,8 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefix_service.backends.cpu import elementwise as cpu_elementwise
-from prefix_service.backends.cpu import native
 from prefix_service.errors import ModelLoadError
 
 
@@ -147,18 +148,16 @@ class Attention(nn.Module):
         return (qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
                 v.view(-1, self.num_kv_heads, self.head_dim))
 
-    def attend(self, qk, v, backend, kv_cache, meta) -> torch.Tensor:
-        """Attention of the rotated q and k heads and v -> the heads' outputs [T, Hq * D]."""
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, Hq, D], [T, Hkv, D] (row-strided views)
-        return backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
-
-    def forward(self, x, rotate, backend, kv_cache, meta) -> torch.Tensor:
+    def forward(self, x, rotate, attention) -> torch.Tensor:
         # x: [T, hidden]; rotate: the forward's rotary embedding, applied to [T, heads, D]
         qk, v = self.heads(self.qkv_proj(x))  # [T, Hq + Hkv, D], [T, Hkv, D]
         if self.q_norm is not None:  # Qwen3: q and k have their own norms, before the rotation
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         # one rotation for the q and k heads together (the same positions): half the small operations
-        return self.o_proj(self.attend(rotate(qk), v, backend, kv_cache, meta))
+        qk = rotate(qk)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]  # [T, Hq, D], [T, Hkv, D] (row-strided views)
+        out = attention(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -172,9 +171,6 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(cpu_elementwise.silu_mul(self.gate_up_proj(x)))
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
@@ -183,24 +179,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, layer_idx)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
-        self.blocks = None  # cpu_layer.LayerBlocks: forward_fused's work around attention in two native calls
 
-    def forward(self, x, rotate, backend, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotate, backend, kv_cache, meta)
+    def forward(self, x, rotate, attention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotate, attention)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_fused(self, x, pending, rotate, backend, kv_cache, meta) -> torch.Tensor:
-        """The same layer on the native element-wise kernels. x [T, hidden] is the residual stream,
-        updated in place: `pending` (the previous layer's MLP output, or None) is added to it by this
-        layer's first norm, and this layer's MLP output is returned for the next one to add."""
-        attn = self.self_attn
-        if self.blocks is not None and not native.profiling():  # (profiled: kernel by kernel, each timed)
-            qk, v = attn.heads(self.blocks.qkv(x, pending, rotate))
-            return self.blocks.mlp(attn.attend(qk, v, backend, kv_cache, meta), x)
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        h = cpu_elementwise.add_rms_norm(x, pending, norm1.weight, norm1.eps)
-        h = cpu_elementwise.add_rms_norm(x, attn(h, rotate, backend, kv_cache, meta), norm2.weight, norm2.eps)
-        return self.mlp.forward_fused(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -212,70 +194,21 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions)
-        self.packed_head: nn.Module | None = None  # the tied lm_head, packed for a CPU kernel (pack_for_cpu)
-        self.fused_elementwise = False  # norms, rotary, activation on the native CPU kernels (cpu_elementwise.py)
-        self.stack = None  # cpu_layer.DecoderStack: every layer in one native call (use_decoder_stack)
-
-    def pack_for_cpu(self, kind: str = "onednn") -> int:
-        """Hold every linear layer's weight, and a tied lm_head's, packed for a CPU kernel: kind
-        'onednn' (packed_linear.py) or 'native' (cpu_linear.py). Returns the number of layers packed."""
-        if kind == "native":
-            from prefix_service.backends.cpu.linear import NativeLinear as packed_cls
-        elif kind == "onednn":
-            from prefix_service.model.packed_linear import PackedLinear as packed_cls
-        else:
-            raise ValueError(f"unknown CPU linear kind {kind!r}: native or onednn")
-        from prefix_service.model.packed_linear import pack_linears
-        count = pack_linears(self, packed_cls)
-        if self.lm_head is None:
-            self.packed_head = packed_cls(self.embed_tokens.weight, None)
-            count += 1
-        return count
-
-    def use_layer_blocks(self) -> str | None:
-        """Run each layer's work around attention as two native calls (cpu_layer.py), where its
-        linear layers are native and the element-wise work is fused. None when bound, else why not."""
-        from prefix_service.backends.cpu.layer import LayerBlocks, unsupported
-        why = "the element-wise work is not fused" if not self.fused_elementwise else None
-        why = why or next((w for w in map(unsupported, self.layers) if w is not None), None)
-        if why is None:
-            for layer in self.layers:
-                layer.blocks = LayerBlocks(layer)
-        return why
-
-    def use_decoder_stack(self, kv_caches) -> None:
-        """With layer blocks bound (use_layer_blocks), run every layer of a forward, attention
-        included, in one native call (cpu_layer.DecoderStack) whenever the forward is given these
-        KV caches (per layer (k, v)) and an attention backend on the native kernel."""
-        from prefix_service.backends.cpu.layer import DecoderStack
-        self.stack = DecoderStack(self.layers, kv_caches)
 
     @torch.inference_mode()
-    def forward(self, input_ids, positions, backend, kv_caches, meta) -> torch.Tensor:
-        # input_ids, positions: [T]; returns hidden states [T, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]. attention(layer, q, k, v, scale)
+        stores the layer's new K/V and returns its heads' outputs [T, Hq, D]."""
         x = self.embed_tokens(input_ids)
-        if self.fused_elementwise:
-            rotate = cpu_elementwise.Rotation(positions, *self.rotary.tables(x.device))
-            stack = self.stack
-            if (stack is not None and getattr(backend, "native", False) and stack.serves(kv_caches)
-                    and not native.profiling()):  # (profiled: layer by layer, kernel by kernel, each timed)
-                pending = stack.forward(x, rotate, meta)
-            else:
-                pending = None  # each layer's MLP output, added to x by the next norm
-                for layer, kv_cache in zip(self.layers, kv_caches):
-                    pending = layer.forward_fused(x, pending, rotate, backend, kv_cache, meta)
-            return cpu_elementwise.add_rms_norm(x, pending, self.norm.weight, self.norm.eps)
         cos, sin = self.rotary(positions, x.dtype)
         rotate = functools.partial(apply_rope, cos=cos, sin=sin)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rotate, backend, kv_cache, meta)
+        for layer in self.layers:
+            x = layer(x, rotate, attention)
         return self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits [N, vocab] in float32
-        if self.packed_head is not None:
-            return self.packed_head(hidden).float()
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
         return F.linear(hidden, self.embed_tokens.weight).float()

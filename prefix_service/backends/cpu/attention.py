@@ -1,17 +1,19 @@
-"""Native CPU prefill attention (csrc/cpu_attention.cpp), built on first use, called through ctypes.
+"""Native CPU prefill and decode attention (csrc/cpu_attention.cpp). The decoder stack calls the
+kernels from C++; `prefill_attention` and `decode_attention` are their checked Python entry points
+(tests), and `pack_keys` / `pack_values` make the layout a packed template is held in.
 
 torch's CPU flash kernel does its products with the BLAS torch links, block by block; on small
 head sizes and on CPUs MKL does not tune for, that runs at a fraction of the machine's FLOP rate
 (docs/benchmarks.md). This kernel makes a prefill's scores 64 keys at a time in AVX-512
 registers, exponentiates them with a polynomial exp, and accumulates P V in the same pass, for
 all query heads of a KV head together, in one OpenMP parallel region on torch's own threads.
-A pinned template's keys may come packed at pin time (PackedPrefixKV), so a request that
+A pinned template's keys may come packed at pin time (PackedTemplate), so a request that
 continues it reads them without any per-call reordering. The rest of a context is read through
 the sequence's block table, and the new tokens' K/V can be stored into their cache slots by the
 same call, so a layer's attention needs no torch operation around it.
 
 It lives in the native library (native.py), built on first use with the system C++ compiler;
-`available()` says why it cannot be used, and the engine then keeps torch's kernels.
+`available()` says why it cannot be used.
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ import torch
 
 from prefix_service.backends.cpu import native
 
-PROFILE_SCOPE = "prefix_service::cpu_attention"  # the kernel's calls, named in a torch profile
 PANEL = 16  # keys per K panel: the layout of pack_keys, as the kernel reads it
 HEAD_SIZES = range(16, 257, 16)  # head sizes the kernel takes
 
@@ -123,8 +124,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         if kc is None:
             raise NativeAttentionError("storing into slots needs the cache")
         _check_slots(slots, n)
-    code = native.call(
-        lib.ps_prefill_attention, PROFILE_SCOPE, q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
+    code = lib.ps_prefill_attention(
+        q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
         kt.data_ptr() if kt is not None else None, vt.data_ptr() if vt is not None else None, r,
         k.data_ptr(), ks, v.data_ptr(), vs, n,
         kc.data_ptr() if kc is not None else None, vc.data_ptr() if vc is not None else None, blocks, bs,
@@ -175,8 +176,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         if kn.shape != (n, hkv, d) or vn.shape != kn.shape:
             raise NativeAttentionError(f"new K/V: [{n}, {hkv}, {d}] are needed, got {tuple(kn.shape)} and {tuple(vn.shape)}")
         _check_slots(slots, n)
-    code = native.call(
-        lib.ps_decode_attention, PROFILE_SCOPE,
+    code = lib.ps_decode_attention(
         q.data_ptr(), qs, out.data_ptr(), os_, n, hq, hkv, d, scale, k_cache.data_ptr(), v_cache.data_ptr(), bs,
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
         skip.data_ptr() if skip is not None else None, kt_ptrs.data_ptr() if kt_ptrs is not None else None,

@@ -1,4 +1,6 @@
-"""A decoder layer's element-wise work in the native CPU library (csrc/cpu_elementwise.cpp).
+"""A decoder layer's element-wise work in the native CPU library (csrc/cpu_elementwise.cpp). The
+decoder stack calls the kernels from C++; the functions here call them from Python (the final
+norm, tests).
 
 torch computes an RMSNorm as six operators (square, mean, add, rsqrt, two products), the rotary
 embedding as seven, the gated activation as two, and the residual adds apart: each a pass over
@@ -14,7 +16,6 @@ import torch
 
 from prefix_service.backends.cpu import native
 
-PROFILE_SCOPE = "prefix_service::cpu_elementwise"
 
 
 class NativeElementwiseError(RuntimeError):
@@ -28,8 +29,7 @@ def available(dtype: torch.dtype) -> str | None:
 
 def _call(name: str, *args) -> None:
     """Run the library's `name`, torch's thread count last; a nonzero status is an error."""
-    code = native.call(getattr(native.require(NativeElementwiseError), name), PROFILE_SCOPE, *args,
-                       torch.get_num_threads())
+    code = getattr(native.require(NativeElementwiseError), name)(*args, torch.get_num_threads())
     if code:
         raise NativeElementwiseError(f"{name} failed with status {code} "
                                      f"(1: no AVX-512 in this build, 2: odd head size)")

@@ -1,9 +1,11 @@
 """Linear layers in the native CPU kernel (csrc/cpu_linear.cpp), each weight packed once at load.
+The decoder stack calls the kernel from C++; `linear` and `NativeLinear` call it from Python (the
+output head, tests, scripts/bench_cpu_linear.py).
 
 oneDNN and MKL are tuned for large products with their operands in cache. Serving is the other
 case: a forward reads every layer's weights once, from memory (a model is larger than the
 caches), against one row (decode) to a few hundred (a request's own tokens after a template).
-There both leave the FLOP units waiting on the weights (docs/benchmarks.md, change 7). The
+There both leave the FLOP units waiting on the weights (docs/benchmarks.md). The
 kernel streams each weight panel from memory once per call with the next one prefetched, and
 multiplies it against all the call's rows from registers. float32; the sums run in a fixed order
 per output, so a row's result does not depend on the other rows of the call or the thread count.
@@ -15,7 +17,6 @@ from torch import nn
 
 from prefix_service.backends.cpu import native
 
-PROFILE_SCOPE = "prefix_service::cpu_linear"  # the kernel's calls, named in a torch profile
 PANEL = 16  # output columns per weight panel: the layout of pack_weight, as the kernel reads it
 
 
@@ -56,7 +57,7 @@ def _run(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
     lib = native.require(NativeLinearError)
     args = (x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), n,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
-    if native.call(lib.ps_linear, PROFILE_SCOPE, *args):
+    if lib.ps_linear(*args):
         raise NativeLinearError("the library was built without AVX-512")
     return out
 

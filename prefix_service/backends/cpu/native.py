@@ -1,13 +1,13 @@
 """The native CPU library (csrc/*.cpp): built on first use, loaded through ctypes.
 
-One shared library holds the CPU kernels that torch's own do not serve well on small products:
-prefill and decode attention (cpu_attention.py), linear layers (cpu_linear.py) and a layer's
-element-wise work (cpu_elementwise.py). It is compiled with the system C++ compiler (`CXX`, else
-`c++`/`g++`/`clang++`), `-march=native`, into `$PREFIX_SERVICE_CACHE_DIR` (default
+One shared library holds the cpu backend's kernels: prefill and decode attention (attention.py),
+linear layers (linear.py), a layer's element-wise work (elementwise.py) and the decoder stack
+that runs them all for a forward (stack.py). It is compiled with the system C++ compiler (`CXX`,
+else `c++`/`g++`/`clang++`), `-march=native`, into `$PREFIX_SERVICE_CACHE_DIR` (default
 `~/.cache/prefix_service`), keyed by the sources, the compiler and the CPU; a few seconds, once
-per machine. The kernels run on torch's OpenMP runtime (the same
-libgomp, the same threads). `load()` says why the library cannot be used (not x86-64 Linux, no
-compiler, a failed build, no AVX-512), and the engine then keeps torch's kernels.
+per machine. The kernels run on torch's OpenMP runtime (the same libgomp, the same threads).
+`load()` says why the library cannot be used (not x86-64 Linux, no compiler, a failed build, no
+AVX-512), and backend selection then falls back to the torch backend.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ log = logging.getLogger("prefix_service.engine")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp", CSRC / "cpu_layer.cpp")
-HEADERS = (CSRC / "simd_math.h",)
+HEADERS = (CSRC / "simd_math.h", CSRC / "timers.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -43,13 +43,11 @@ SIGNATURES = {
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
-    "ps_layer_qkv": ([_ptr, _i64, _ptr, _i32, _i32, _ptr, _f32, _ptr, _i32, _ptr, _i32, _i32, _ptr, _ptr, _ptr, _ptr,
-                      _i32], _i32),
-    "ps_layer_mlp": ([_ptr, _i64, _i32, _i32, _ptr, _ptr, _i64, _i32, _ptr, _f32, _ptr, _i32, _ptr, _ptr, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
                           _i32], _i32),
     "ps_copy_blocks": ([_ptr, _i32, _i32, _i64, _ptr, _i32], _i32),
+    "ps_timers": ([_i32, _ptr], None),
 }
 
 
@@ -136,17 +134,3 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
     if lib.ps_isa() != 512:
         return None, "this CPU has no AVX-512"
     return lib, None
-
-
-def profiling() -> bool:
-    """Whether a torch profiler is recording in this thread."""
-    return torch._C._autograd._profiler_enabled()
-
-
-def call(fn, scope: str, *args) -> int:
-    """fn(*args), inside a torch profiler scope named `scope` while a profiler runs (the scope
-    costs ~10 us a call even when none does, as much as a small kernel call)."""
-    if profiling():
-        with torch.profiler.record_function(scope):
-            return fn(*args)
-    return fn(*args)

@@ -1,24 +1,76 @@
-"""The GPU attention backend.
+"""Attention on a GPU.
 
-prefill: store_kvcache (CUDA kernel) -> concat_kvcache_with_prefix (CUDA kernel) -> FlashAttention
-varlen, causal aligned bottom-right (query i of a chunk after c cached tokens sees keys [0, c+i]).
-FlashAttention comes from the flash-attn package when it is importable, else from PyTorch's own
-(`torch.nn.attention.varlen.varlen_attn`), else a per-sequence SDPA loop.
-decode: the Triton paged kernel over block tables (cuda_ops.paged_decode), or gather + SDPA.
-Each implementation is a plain function, so tests can run this backend's glue on CPU.
+store:   the CUDA store kernel writes each row's K/V into its slot (cuda_ops.store_kvcache)
+prefill: concat_kvcache_with_prefix (CUDA kernel) gathers each sequence's cached context and its
+         new K/V into one contiguous varlen buffer, then FlashAttention varlen, causal aligned
+         bottom-right (query i of a chunk after c cached tokens sees keys [0, c + i]);
+         FlashAttention comes from the flash-attn package when it is importable, else from
+         PyTorch's own (`torch.nn.attention.varlen.varlen_attn`); both take only float16 and
+         bfloat16, so a float32 model runs SDPA per sequence
+decode:  the Triton paged kernel over block tables (cuda_ops.paged_decode), or gather + SDPA
+
+Each implementation is a plain function of (q, the step's tensors, scale), so tests can run this
+glue on CPU tensors (cuda_ops' references, Triton's interpreter).
 """
 from __future__ import annotations
 
 import inspect
-import logging
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+import cuda_ops
 from cuda_ops.paged_decode import paged_decode_attention, paged_decode_attention_ref, triton_available
-from prefix_service.backends.torch.attention import AttentionMetadata, TorchAttentionBackend
+from prefix_service.backends.base import StepInputs
+from prefix_service.backends.torch.attention import CausalMasks, attend_contiguous
 
-log = logging.getLogger("prefix_service.attention")
+
+@dataclass
+class VarlenMetadata:
+    """One step's attention inputs on the device, shared by every layer."""
+    slots: torch.Tensor  # [T] int64
+    num_decodes: int
+    decode_tables: torch.Tensor  # [Nd, W] int32, -1 padded
+    decode_lens: torch.Tensor  # [Nd] int32, the new token included
+    decode_max: int
+    prefill_tables: torch.Tensor  # [Np, W] int32, -1 padded
+    prefill_context: torch.Tensor  # [Np] int32: tokens already in the cache
+    cu_seqlens_q: torch.Tensor  # [Np + 1] int32: offsets within the prefill rows
+    prefill_new_list: list[int]
+    prefill_context_list: list[int]
+    max_q: int
+    max_k: int
+    total_k: int  # sum of context + new tokens: the concat output's rows, known on the host
+    masks: CausalMasks = field(default_factory=CausalMasks, repr=False)  # the SDPA path's, for all layers
+
+    @classmethod
+    def build(cls, step: StepInputs, device: torch.device) -> VarlenMetadata:
+        def tensor(data, dtype=torch.int32) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+
+        def tables(seqs) -> torch.Tensor:
+            width = max((len(s.block_table) for s in seqs), default=0)
+            return tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]).view(len(seqs), width)
+
+        cu_q = [0]
+        for n in step.prefill_new:
+            cu_q.append(cu_q[-1] + n)
+        return cls(
+            slots=tensor(step.slots, torch.int64),
+            num_decodes=step.num_decodes,
+            decode_tables=tables(step.decodes),
+            decode_lens=tensor(step.decode_context),
+            decode_max=max(step.decode_context, default=0),
+            prefill_tables=tables(step.prefills),
+            prefill_context=tensor(step.prefill_context),
+            cu_seqlens_q=tensor(cu_q),
+            prefill_new_list=step.prefill_new,
+            prefill_context_list=step.prefill_context,
+            max_q=max(step.prefill_new, default=0),
+            max_k=max((a + b for a, b in zip(step.prefill_new, step.prefill_context)), default=0),
+            total_k=sum(step.prefill_new) + sum(step.prefill_context))
+
 
 # prefill(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_seqlens_k [Np+1], meta, scale) -> [Tq, Hq, D]
 PrefillFn = Callable[..., torch.Tensor]
@@ -26,10 +78,10 @@ PrefillFn = Callable[..., torch.Tensor]
 DecodeFn = Callable[..., torch.Tensor]
 
 
-def prefill_flash_attn(q, k, v, cu_k, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def prefill_flash_attn(q, k, v, cu_k, meta: VarlenMetadata, scale: float) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func  # causal is bottom-right aligned since 2.1
-    return flash_attn_varlen_func(q, k, v, meta.prefill_cu_seqlens_q, cu_k, meta.prefill_max_q,
-                                  meta.prefill_max_k, softmax_scale=scale, causal=True)
+    return flash_attn_varlen_func(q, k, v, meta.cu_seqlens_q, cu_k, meta.max_q, meta.max_k, softmax_scale=scale,
+                                  causal=True)
 
 
 def _torch_varlen_kwargs() -> dict | None:
@@ -49,7 +101,10 @@ def _torch_varlen_kwargs() -> dict | None:
     return kwargs
 
 
-def prefill_torch_varlen(q, k, v, cu_k, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+_TORCH_VARLEN = _torch_varlen_kwargs()
+
+
+def prefill_torch_varlen(q, k, v, cu_k, meta: VarlenMetadata, scale: float) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
     kwargs = dict(_TORCH_VARLEN or {})
     native_gqa = kwargs.pop("_gqa", False)
@@ -59,35 +114,32 @@ def prefill_torch_varlen(q, k, v, cu_k, meta: AttentionMetadata, scale: float) -
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, meta.prefill_cu_seqlens_q, cu_k, meta.prefill_max_q, meta.prefill_max_k,
-                       scale=scale, **kwargs)
+    return varlen_attn(q, k, v, meta.cu_seqlens_q, cu_k, meta.max_q, meta.max_k, scale=scale, **kwargs)
 
 
-def prefill_sdpa_loop(q, k, v, cu_k, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return TorchAttentionBackend.attend_varlen(q, k, v, meta, scale)
+def prefill_sdpa_loop(q, k, v, cu_k, meta: VarlenMetadata, scale: float) -> torch.Tensor:
+    return attend_contiguous(q, k, v, meta.prefill_new_list, meta.prefill_context_list, scale, meta.masks)
 
 
-def decode_triton(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                  meta.decode_max_context, scale)
+def decode_triton(q, k_cache, v_cache, meta: VarlenMetadata, scale: float) -> torch.Tensor:
+    return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.decode_max, scale)
 
 
-def decode_gather_sdpa(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    return paged_decode_attention_ref(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                      meta.decode_max_context, scale)
+def decode_gather_sdpa(q, k_cache, v_cache, meta: VarlenMetadata, scale: float) -> torch.Tensor:
+    return paged_decode_attention_ref(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.decode_max,
+                                      scale)
 
 
-_TORCH_VARLEN = _torch_varlen_kwargs()
-
-
-def pick_prefill() -> tuple[str, PrefillFn]:
-    try:
-        import flash_attn  # noqa: F401
-        return "flash_attn", prefill_flash_attn
-    except ImportError:
-        pass
-    if _TORCH_VARLEN is not None:
-        return "torch_varlen", prefill_torch_varlen
+def pick_prefill(dtype: torch.dtype) -> tuple[str, PrefillFn]:
+    """The fastest varlen prefill that takes `dtype`."""
+    if dtype in (torch.float16, torch.bfloat16):
+        try:
+            import flash_attn  # noqa: F401
+            return "flash_attn", prefill_flash_attn
+        except ImportError:
+            pass
+        if _TORCH_VARLEN is not None:
+            return "torch_varlen", prefill_torch_varlen
     return "sdpa_loop", prefill_sdpa_loop
 
 
@@ -95,13 +147,27 @@ def pick_decode() -> tuple[str, DecodeFn]:
     return ("triton_paged", decode_triton) if triton_available() else ("gather_sdpa", decode_gather_sdpa)
 
 
-class CudaAttentionBackend(TorchAttentionBackend):
-    """The torch backend's flow (store, then decode and prefill) with the GPU implementations:
-    cuda_ops kernels for store and concat (dispatched by device), a FlashAttention varlen prefill
-    and a paged decode kernel."""
-    name = "cuda"
+class VarlenAttention:
+    """One step's attention for every layer, `attention(layer, q, k, v, scale)` as the model calls it."""
 
-    def __init__(self, prefill: tuple[str, PrefillFn] | None = None, decode: tuple[str, DecodeFn] | None = None):
-        self.prefill_name, self._attend_prefill = prefill or pick_prefill()
-        self.decode_name, self._decode = decode or pick_decode()
-        log.info("cuda attention backend: prefill %s, decode %s", self.prefill_name, self.decode_name)
+    def __init__(self, kv_layers, meta: VarlenMetadata, prefill: PrefillFn, decode: DecodeFn) -> None:
+        self.kv_layers = kv_layers
+        self.meta = meta
+        self.prefill = prefill
+        self.decode = decode
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]; the caches: [num_blocks, block_size, Hkv, D]
+        k_cache, v_cache = self.kv_layers[layer]
+        meta = self.meta
+        cuda_ops.store_kvcache(k, v, k_cache, v_cache, meta.slots)
+        nd = meta.num_decodes
+        parts = []
+        if nd:
+            parts.append(self.decode(q[:nd], k_cache, v_cache, meta, scale))
+        if meta.prefill_new_list:
+            k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
+                k_cache, v_cache, meta.prefill_tables, meta.prefill_context, k[nd:], v[nd:], meta.cu_seqlens_q,
+                total_k=meta.total_k)  # [Tk, Hkv, D]
+            parts.append(self.prefill(q[nd:], k_all, v_all, cu_k, meta, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

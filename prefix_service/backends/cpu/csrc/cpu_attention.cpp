@@ -28,6 +28,7 @@
 #include <omp.h>
 
 #include "simd_math.h"
+#include "timers.h"
 
 extern "C" int ps_isa() {
 #if defined(__AVX512F__)
@@ -235,6 +236,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   (void)l_start; (void)l_len; (void)slots;
   return 1;
 #else
+  ps::TimerScope timer(ps::kAttention);
   if (d_len <= 0 || d_len > MAX_D || d_len % KP != 0 || hkv <= 0 || hq % hkv != 0 || kn_len < m_len) return 2;
   const int64_t slot_floats = (int64_t)hkv * d_len;
   if (slots != nullptr && !slots_fit(slots, kn_len, (int64_t)num_blocks * block_size)) return 4;
@@ -343,6 +345,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   (void)vn_stride; (void)slots; (void)num_blocks;
   return 1;
 #else
+  ps::TimerScope timer(ps::kAttention);
   if (d_len <= 0 || d_len > MAX_D || d_len % KP != 0 || hkv <= 0 || hq % hkv != 0) return 2;
   const int g = hq / hkv;
   const int tiles = (g + MR - 1) / MR;  // tiles of query heads per KV head

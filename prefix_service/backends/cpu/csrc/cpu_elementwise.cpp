@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "timers.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -39,6 +41,7 @@ extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int
   (void)threads;
   return 1;
 #else
+  ps::TimerScope timer(ps::kElementwise);
 #pragma omp parallel for num_threads(team(rows, dim, threads)) schedule(static)
   for (int r = 0; r < rows; ++r) {
     float* xr = x + r * ldx;
@@ -73,6 +76,7 @@ extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t
   (void)gate_up; (void)ld; (void)out; (void)ldo; (void)rows; (void)inter; (void)threads;
   return 1;
 #else
+  ps::TimerScope timer(ps::kElementwise);
 #pragma omp parallel for num_threads(team(rows, 2 * (int64_t)inter, threads)) schedule(static)
   for (int r = 0; r < rows; ++r) {
     const float* g = gate_up + r * ld;
@@ -100,6 +104,7 @@ extern "C" int ps_rope(float* x, int64_t ld, int rows, int heads, int dim, const
   (void)threads;
   return 1;
 #else
+  ps::TimerScope timer(ps::kElementwise);
   if (dim % 2 != 0) return 2;
   const int h = dim / 2;
 #pragma omp parallel for num_threads(team(rows, (int64_t)heads * dim, threads)) schedule(static)

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "timers.h"
+
 extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float* wp, int N, const float* bias,
                          float* y, int64_t ldy, int threads);
 extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int64_t ldr, const float* w, float eps,
@@ -16,6 +18,22 @@ extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t
                            int threads);
 extern "C" int ps_rope(float* x, int64_t ld, int rows, int heads, int dim, const int64_t* positions,
                        const float* cos_table, const float* sin_table, int threads);
+
+namespace ps {
+bool timers_on = false;
+int64_t timer_ns[kTimerKinds] = {0, 0, 0};
+}  // namespace ps
+
+// The kernel timers (timers.h): when totals is not null it receives the nanoseconds spent in each
+// kind of kernel since the last call (linear, attention, element-wise); the totals start again from
+// zero, and the timers stay on while `on` is not 0.
+extern "C" void ps_timers(int on, int64_t* totals) {
+  for (int k = 0; k < ps::kTimerKinds; ++k) {
+    if (totals != nullptr) totals[k] = ps::timer_ns[k];
+    ps::timer_ns[k] = 0;
+  }
+  ps::timers_on = on != 0;
+}
 
 namespace {
 

@@ -16,6 +16,8 @@
 // prefix_service/backends/cpu/native.py; without AVX-512 ps_linear returns 1.
 #include <cstdint>
 
+#include "timers.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -130,6 +132,7 @@ extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float*
   (void)x; (void)ldx; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)ldy; (void)threads;
   return 1;
 #else
+  ps::TimerScope timer(ps::kLinear);
   if (M <= 0 || N <= 0) return 0;
   const int P = (N + NR - 1) / NR;
   const int64_t ps = (int64_t)K * NR;

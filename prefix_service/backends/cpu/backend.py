@@ -1,0 +1,113 @@
+"""The cpu backend: the native library's kernels (AVX-512, float32), one forward path.
+
+    embedding (torch index_select) -> decoder stack, all layers in one native call (stack.py)
+    -> final norm (elementwise.py) -> output head (linear.py), for the rows that are sampled
+
+Pinned templates' K/V are packed once more when they are pinned (cache.pack_prefix_kv), and the
+attention of every request on them reads the packed copy (packed_prefix.py). The library is built
+on first use with the system C++ compiler (native.py); `unsupported` says when it cannot serve.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Collection, Iterator
+
+import torch
+
+from prefix_service.backends import hostmem
+from prefix_service.backends.base import Backend, StepInputs
+from prefix_service.backends.cpu import elementwise, linear
+from prefix_service.backends.cpu.packed_prefix import PackedTemplate
+from prefix_service.backends.cpu.stack import DecoderStack, StackPlan, kernel_timers
+from prefix_service.backends.cpu.stack import unsupported as stack_unsupported
+from prefix_service.config import CacheConfig
+from prefix_service.model.llama import LlamaForCausalLM, ModelArch
+
+if TYPE_CHECKING:
+    from prefix_service.engine.prefix_cache import PrefixHandle
+    from prefix_service.engine.sequence import Sequence
+
+log = logging.getLogger("prefix_service.engine")
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    @staticmethod
+    def unsupported(arch: ModelArch, dtype: torch.dtype) -> str | None:
+        """None when this backend can serve the model here, else why not."""
+        return stack_unsupported(arch, dtype)
+
+    def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
+        """Takes the model's weights into the kernels' layouts; the model is not usable afterwards
+        (its linear weights are released as they are packed)."""
+        hostmem.keep_freed_memory()  # activations in host memory (hostmem.py)
+        super().__init__(model, cache)
+        self.stack = DecoderStack(model, self.kv_layers)
+        self.embed = model.embed_tokens.weight.detach()  # [vocab, hidden]
+        self.norm_weight, self.norm_eps = model.norm.weight.detach().contiguous(), model.norm.eps
+        head = model.lm_head if model.lm_head is not None else model.embed_tokens  # tied: the embedding
+        self.head = linear.pack_weight(head.weight)  # [vocab / 16, hidden, 16]
+        self.vocab_size = head.weight.shape[0]
+        if model.lm_head is not None:
+            model.lm_head.weight = None
+        self.pack_templates = cache.pack_prefix_kv
+        self.templates: dict[PrefixHandle, PackedTemplate] = {}
+
+    def describe(self) -> str:
+        return "cpu (native kernels, decoder stack)"
+
+    # --- one step ------------------------------------------------------------------------------
+    def forward(self, step: StepInputs) -> torch.Tensor | None:
+        plan = StackPlan.build(step, self.block_size, self.stack.num_layers, self._template_of)
+        x = self.embed.index_select(0, torch.tensor(step.token_ids, dtype=torch.int64))  # [T, hidden]
+        pending = self.stack.forward(x, plan)  # x is the residual stream, pending the last MLP's output
+        if not step.logit_rows:
+            return None
+        rows = torch.tensor(step.logit_rows, dtype=torch.int64)
+        h = elementwise.add_rms_norm(x.index_select(0, rows), pending.index_select(0, rows), self.norm_weight,
+                                     self.norm_eps)
+        return linear.linear(h, self.head, self.vocab_size)
+
+    def _template_of(self, seq: Sequence) -> PackedTemplate | None:
+        # only when the sequence shares all of the packed blocks (a prompt that adds nothing shares one
+        # block fewer: its last template token is computed again, in its own block)
+        packed = self.templates.get(seq.prefix) if seq.prefix is not None else None
+        return packed if packed is not None and seq.num_shared_blocks == packed.num_blocks else None
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        self.stack.copy_blocks(pairs)
+
+    # --- templates ---------------------------------------------------------------------------
+    def on_pin(self, handle: PrefixHandle) -> None:
+        full = handle.num_tokens // self.block_size
+        if not self.pack_templates or not full:
+            return
+        start = time.perf_counter()
+        packed = self.templates[handle] = PackedTemplate(self.kv_layers, list(handle.block_table[:full]))
+        log.info("prefix template %r: K/V of its %d full blocks packed for CPU attention (%.1f MiB, %.0f ms)",
+                 handle.name, packed.num_blocks, packed.nbytes / 2**20, (time.perf_counter() - start) * 1e3)
+
+    def on_unpin(self, handle: PrefixHandle) -> None:
+        self.templates.pop(handle, None)
+
+    # --- introspection -------------------------------------------------------------------------
+    def packed_template_bytes(self) -> int:
+        return sum(p.nbytes for p in self.templates.values())
+
+    def check_integrity(self, pinned: Collection[PrefixHandle]) -> None:
+        if not set(self.templates) <= set(pinned):
+            raise AssertionError("a packed template copy outlived its template's blocks")
+
+    @contextlib.contextmanager
+    def kernel_times(self) -> Iterator[dict[str, float]]:
+        """The native kernels' own timers (csrc/timers.h) around the calls that serve: linear,
+        attention and elementwise milliseconds."""
+        times: dict[str, float] = {}
+        kernel_timers(True)
+        try:
+            yield times
+        finally:
+            times.update(kernel_timers(False))

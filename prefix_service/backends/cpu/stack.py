@@ -1,0 +1,211 @@
+"""The decoder stack: every layer of a forward in one native call (csrc/cpu_layer.cpp).
+
+At load the stack packs each layer's weights for the linear kernel (linear.py) and keeps a
+table of pointers to them and to the layer's KV cache; a forward then hands the library one
+plan of the step (`StackPlan`: slots, decodes, then prefills, their block tables and packed
+templates), and the C++ loop runs, layer by layer: the first norm (with the residual add), the
+q/k/v projection and the rotation; one decode attention call for every decode and one prefill
+attention call per prefill sequence (each also storing its new K/V); then the output
+projection, the second norm and the MLP. What Python would pay per kernel (argument checks,
+output allocations, a ctypes call) is paid once per step.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from prefix_service.backends.base import StepInputs
+from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu.attention import HEAD_SIZES
+from prefix_service.backends.cpu.linear import pack_weight
+from prefix_service.backends.cpu.packed_prefix import PackedTemplate
+from prefix_service.model.llama import LlamaForCausalLM, ModelArch
+
+
+class NativeLayerError(RuntimeError):
+    pass
+
+
+def _status(code: int, name: str) -> None:
+    if code:
+        raise NativeLayerError(f"{name} failed with status {code} (1: no AVX-512 in this build, 2: odd head size, "
+                               f"3: out of memory, 4: a slot or block id outside the cache)")
+
+
+def unsupported(arch: ModelArch, dtype: torch.dtype) -> str | None:
+    """None when the stack can run a model of this architecture and dtype here, else why not."""
+    why = native.unavailable(dtype)
+    if why is None and arch.head_dim not in HEAD_SIZES:
+        why = f"head size {arch.head_dim} is not a multiple of 16 up to 256"
+    if why is None and arch.qk_norm:
+        why = "q/k norms (Qwen3) are not in the native decoder stack"
+    return why
+
+
+def _pointers(rows: list[list[int]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One layer's weights as the kernels take them: norms as float32 vectors, linear weights packed
+    (linear.pack_weight)."""
+    input_norm: torch.Tensor  # [hidden]
+    input_eps: float
+    qkv: torch.Tensor  # packed [q + 2 kv, hidden]: rows [q | k | v]
+    qkv_bias: torch.Tensor | None  # [q + 2 kv] (Qwen2)
+    post_norm: torch.Tensor  # [hidden]
+    post_eps: float
+    o: torch.Tensor  # packed [hidden, q]
+    gate_up: torch.Tensor  # packed [2 inter, hidden]: rows [gate | up]
+    down: torch.Tensor  # packed [hidden, inter]
+
+    def pointers(self) -> list[int]:
+        """The layer's row of the stack's weight table, in ps_decoder_stack's order."""
+        return [self.input_norm.data_ptr(), self.qkv.data_ptr(),
+                self.qkv_bias.data_ptr() if self.qkv_bias is not None else 0, self.post_norm.data_ptr(),
+                self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr()]
+
+
+@dataclass
+class StackPlan:
+    """A step as ps_decoder_stack reads it: the decodes' rows first, then the prefills'."""
+    slots: torch.Tensor  # [T] int64: each row's cache slot
+    positions: torch.Tensor  # [T] int64
+    num_decodes: int
+    decode_tables: torch.Tensor  # [Nd, W] int32, -1 padded
+    decode_context: torch.Tensor  # [Nd] int32, the new token included
+    decode_skip: torch.Tensor | None  # [Nd] int32: blocks each reads from its packed template; None: none has one
+    prefill_info: torch.Tensor  # [Np, 3] int32: new tokens, cached context, of those the leading ones packed
+    prefill_tables: torch.Tensor  # [Np, W] int32, -1 padded
+    templates: torch.Tensor | None  # [Nd + Np, layers, 2] int64: packed K panels and V rows per layer, 0: none
+
+    @classmethod
+    def build(cls, step: StepInputs, block_size: int, num_layers: int,
+              template_of: Callable[..., PackedTemplate | None]) -> StackPlan:
+        def tables(seqs) -> torch.Tensor:
+            width = max((len(s.block_table) for s in seqs), default=0)
+            return torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs],
+                                dtype=torch.int32).view(len(seqs), width)
+
+        dec = [template_of(s) for s in step.decodes]
+        pre = [template_of(s) for s in step.prefills]
+        info = [[n, c, p.num_tokens if p is not None else 0] for n, c, p in zip(step.prefill_new, step.prefill_context, pre)]
+        templates = None
+        if any(p is not None for p in dec + pre):
+            none = torch.zeros(num_layers, 2, dtype=torch.int64)
+            templates = torch.stack([p.pointers if p is not None else none for p in dec + pre])
+        return cls(
+            slots=torch.tensor(step.slots, dtype=torch.int64),
+            positions=torch.tensor(step.positions, dtype=torch.int64),
+            num_decodes=step.num_decodes,
+            decode_tables=tables(step.decodes),
+            decode_context=torch.tensor(step.decode_context, dtype=torch.int32),
+            decode_skip=(torch.tensor([p.num_blocks if p is not None else 0 for p in dec], dtype=torch.int32)
+                         if any(p is not None for p in dec) else None),
+            prefill_info=torch.tensor(info, dtype=torch.int32).view(-1, 3),
+            prefill_tables=tables(step.prefills),
+            templates=templates)
+
+
+class DecoderStack:
+    """Every DecoderLayer of `model`, its weights packed for the native kernels, bound to the KV
+    caches `kv_layers` (per layer (k_cache, v_cache), contiguous float32 [blocks, block_size, Hkv,
+    D]). The layers' linear weights are released from the model as they are packed (so a large
+    model is not held twice): the model cannot run its own forward afterwards."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        why = unsupported(model.arch, model.embed_tokens.weight.dtype)
+        if why is not None:
+            raise NativeLayerError(f"the native decoder stack cannot run this model: {why}")
+        arch = model.arch
+        layers = list(model.layers)
+        if len(kv_layers) != len(layers):
+            raise NativeLayerError(f"{len(kv_layers)} KV caches for {len(layers)} layers")
+        self.hq, self.hkv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.hidden, self.inter = arch.hidden_size, arch.intermediate_size
+        self.scale = layers[0].self_attn.scale
+        shape = kv_layers[0][0].shape
+        for k, v in kv_layers:
+            for c in (k, v):
+                if (c.shape != shape or c.dim() != 4 or c.shape[2:] != (self.hkv, self.head_dim)
+                        or c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu"):
+                    raise NativeLayerError(f"the KV cache: contiguous float32 CPU [blocks, block_size, {self.hkv}, "
+                                           f"{self.head_dim}] tensors alike are needed, got {c.dtype} {tuple(c.shape)}")
+        self.num_layers = len(layers)
+        self.kv_layers = [(k, v) for k, v in kv_layers]
+        self.num_blocks, self.block_size = shape[0], shape[1]
+
+        def vector(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(torch.float32).contiguous()
+
+        self.layers: list[LayerWeights] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                raise NativeLayerError("only the q/k/v projection may have a bias")
+            bias = attn.qkv_proj.bias
+            self.layers.append(LayerWeights(
+                vector(layer.input_layernorm.weight), layer.input_layernorm.eps, pack_weight(attn.qkv_proj.weight),
+                vector(bias) if bias is not None else None, vector(layer.post_attention_layernorm.weight),
+                layer.post_attention_layernorm.eps, pack_weight(attn.o_proj.weight),
+                pack_weight(mlp.gate_up_proj.weight), pack_weight(mlp.down_proj.weight)))
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                m.weight = None  # packed above (the q/k/v bias is kept as it is)
+        self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 7]
+        self.eps = torch.tensor([[w.input_eps, w.post_eps] for w in self.layers], dtype=torch.float32)
+        self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]
+        self.cos, self.sin = (t.contiguous() for t in model.rotary.tables(torch.device("cpu")))  # [P, D]
+
+    def forward(self, x: torch.Tensor, plan: StackPlan) -> torch.Tensor:
+        """x [T, hidden] (the embedded tokens, contiguous float32) is the residual stream, updated in
+        place; returns the last layer's MLP output [T, hidden], which the final norm adds to x."""
+        t = x.shape[0]
+        if x.shape != (t, self.hidden) or x.dtype != torch.float32 or not x.is_contiguous():
+            raise NativeLayerError(f"x: contiguous float32 [T, {self.hidden}] is needed, got {x.dtype} {tuple(x.shape)}")
+        nd, n_pre = plan.num_decodes, plan.prefill_info.shape[0]
+        if plan.slots.shape != (t,) or plan.positions.shape != (t,) or nd + int(plan.prefill_info[:, 0].sum()) != t:
+            raise NativeLayerError(f"the plan has {nd} decodes and prefills of {plan.prefill_info[:, 0].tolist()} "
+                                   f"tokens for {t} rows")
+        if t and (int(plan.positions.min()) < 0 or int(plan.positions.max()) >= self.cos.shape[0]):
+            raise NativeLayerError(f"positions outside the rotary tables' range [0, {self.cos.shape[0]})")
+        dec_tables, pre_tables = plan.decode_tables, plan.prefill_tables
+        pending = torch.empty(t, self.hidden, dtype=torch.float32)
+        lib = native.require(NativeLayerError)
+        _status(lib.ps_decoder_stack(
+            x.data_ptr(), t, self.hidden, self.num_layers, self.weights.data_ptr(), self.eps.data_ptr(),
+            self.caches.data_ptr(), self.num_blocks, self.block_size, self.hq, self.hkv, self.head_dim, self.inter,
+            self.scale, plan.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), plan.slots.data_ptr(),
+            nd, dec_tables.data_ptr() if nd else None, dec_tables.stride(0) if nd else 0,
+            plan.decode_context.data_ptr() if nd else None,
+            plan.decode_skip.data_ptr() if plan.decode_skip is not None else None,
+            n_pre, plan.prefill_info.data_ptr(), pre_tables.data_ptr() if n_pre else None,
+            pre_tables.stride(0) if n_pre else 0, pre_tables.shape[1] if n_pre else 0,
+            plan.templates.data_ptr() if plan.templates is not None else None, pending.data_ptr(),
+            torch.get_num_threads()), "ps_decoder_stack")
+        return pending
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Block dst = block src in every layer's K and V cache, for each (src, dst) pair: the
+        copy-on-write of a template's partial last block, one native call for all layers. The
+        destinations must be distinct from each other and from every source."""
+        dst = [d for _, d in pairs]
+        if len(set(dst)) != len(dst) or set(dst) & {s for s, _ in pairs}:
+            raise NativeLayerError(f"copy_blocks: the destinations must be distinct from each other and from the "
+                                   f"sources, got {pairs}")
+        k = self.kv_layers[0][0]
+        flat = torch.tensor(pairs, dtype=torch.int64).view(-1)
+        _status(native.require(NativeLayerError).ps_copy_blocks(
+            self.caches.data_ptr(), self.num_layers, self.num_blocks, k[0].numel(), flat.data_ptr(), len(pairs)),
+            "ps_copy_blocks")
+
+
+def kernel_timers(on: bool) -> dict[str, float]:
+    """Turn the native kernels' timers (csrc/timers.h) on or off; returns the milliseconds each
+    kind took since the last call: linear, attention, elementwise."""
+    totals = (ctypes.c_int64 * 3)()
+    native.require(NativeLayerError).ps_timers(int(on), totals)
+    return {"linear": totals[0] / 1e6, "attention": totals[1] / 1e6, "elementwise": totals[2] / 1e6}

@@ -1,0 +1,218 @@
+"""The cpu backend's decoder stack (backends/cpu/stack.py): all layers of a forward in one native
+call give, bit for bit, the hidden states and cache of the same kernels called one by one from
+Python (linear, elementwise and attention wrappers, in the C++ loop's order), on every step of a
+mixed engine workload: decodes and prefills, on a packed template or not, chunked, in one step.
+Bad input is refused with nothing written; the copy-on-write copies blocks in every layer; the
+kernel timers observe the served path without changing it."""
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import generate_together, greedy, mixed_generate
+from prefix_service import GenerateRequest
+from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu import stack as stack_mod
+from prefix_service.backends.cpu.attention import decode_attention, prefill_attention
+from prefix_service.backends.cpu.elementwise import Rotation, add_rms_norm, silu_mul
+from prefix_service.backends.cpu.linear import linear
+from prefix_service.backends.cpu.stack import DecoderStack, NativeLayerError, StackPlan
+from prefix_service.model.loader import load_model
+
+REASON = native.load()[1]
+needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels here: {REASON}")
+BS = 4
+
+
+def kernel_by_kernel(stack: DecoderStack, x: torch.Tensor, plan: StackPlan, templates: list) -> torch.Tensor:
+    """What ps_decoder_stack does, one wrapper call per kernel: x (the residual stream) updated in
+    place, the caches written, the last layer's MLP output returned. templates: per sequence of the
+    plan (decodes, then prefills), its PackedTemplate or None."""
+    t = x.shape[0]
+    hq, hkv, d = stack.hq, stack.hkv, stack.head_dim
+    q_size, kv_size = hq * d, hkv * d
+    rotate = Rotation(plan.positions, stack.cos, stack.sin)
+    nd = plan.num_decodes
+    slots = plan.slots
+    pending = None
+    for index, (w, (k_cache, v_cache)) in enumerate(zip(stack.layers, stack.kv_layers)):
+        h = add_rms_norm(x, pending, w.input_norm, w.input_eps)
+        qkv = linear(h, w.qkv, q_size + 2 * kv_size, w.qkv_bias)
+        rotate(qkv[:, :q_size + kv_size].view(t, hq + hkv, d))
+        q = qkv[:, :q_size].view(t, hq, d)
+        k = qkv[:, q_size:q_size + kv_size].view(t, hkv, d)
+        v = qkv[:, q_size + kv_size:].view(t, hkv, d)
+        attn = torch.empty(t, hq, d)
+        if nd:
+            layer_templates = [p.layer(index) if p is not None else None for p in templates[:nd]]
+            decode_attention(q[:nd], k_cache, v_cache, plan.decode_tables, plan.decode_context, stack.scale,
+                             out=attn[:nd], templates=layer_templates if any(layer_templates) else None,
+                             new_kv=(k[:nd], v[:nd], slots[:nd]))
+        start = nd
+        for i, (q_len, ctx, first) in enumerate(plan.prefill_info.tolist()):
+            end = start + q_len
+            packed = templates[nd + i]
+            prefill_attention(q[start:end], k[start:end], v[start:end], stack.scale, out=attn[start:end],
+                              template=packed.layer(index) if packed is not None else None, cache=(k_cache, v_cache),
+                              block_table=plan.prefill_tables[i], cached=(first, ctx - first), slots=slots[start:end])
+            start = end
+        o = linear(attn.view(t, q_size), w.o, stack.hidden)
+        h = add_rms_norm(x, o, w.post_norm, w.post_eps)
+        pending = linear(silu_mul(linear(h, w.gate_up, 2 * stack.inter)), w.down, stack.hidden)
+    return pending
+
+
+def templates_of(plan: StackPlan, packed_templates) -> list:
+    """The PackedTemplate of each sequence of the plan, found by the pointers the plan holds."""
+    if plan.templates is None:
+        return [None] * (plan.num_decodes + plan.prefill_info.shape[0])
+    by_pointer = {int(p.pointers[0, 0]): p for p in packed_templates}
+    return [by_pointer.get(int(row[0, 0])) for row in plan.templates]
+
+
+@needs_native
+@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral"])
+def test_stack_gives_the_kernel_by_kernel_forward_bit_for_bit(make_engine, model_dirs, which, monkeypatch):
+    """Every step of a mixed workload (a pinned template with a packed copy, requests on it and
+    plain ones, prefills chunked beside decodes) runs kernel by kernel first, from a copy of the
+    cache, then through the stack: the same hidden states and cache, bit for bit."""
+    seen = []
+    real = DecoderStack.forward
+    engine = make_engine(model_dirs[which], num_blocks=160, max_num_batched_tokens=24)
+    backend = engine.core.backend
+    assert backend.name == "cpu"
+
+    def checked(self, x, plan):
+        before = [(k.clone(), v.clone()) for k, v in self.kv_layers]
+        templates = templates_of(plan, backend.templates.values())
+        x_ref = x.clone()
+        want = kernel_by_kernel(self, x_ref, plan, templates)
+        after = [(k.clone(), v.clone()) for k, v in self.kv_layers]
+        for (k, v), (k0, v0) in zip(self.kv_layers, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        got = real(self, x, plan)
+        assert torch.equal(got, want) and torch.equal(x, x_ref)
+        for (k, v), (k1, v1) in zip(self.kv_layers, after):
+            assert torch.equal(k, k1) and torch.equal(v, v1)
+        nd = plan.num_decodes
+        seen.append((nd, sum(p is not None for p in templates[:nd]),
+                     [(q, c, f > 0) for q, c, f in plan.prefill_info.tolist()]))
+        return got
+    monkeypatch.setattr(DecoderStack, "forward", checked)
+    engine.add_prefix("tpl", token_ids=[(3 * i + 7) % 500 + 3 for i in range(22)])  # 5 full blocks + 2
+    prompts = [[(5 * i + k) % 500 + 3 for i in range(2 + 7 * k)] for k in range(4)]
+    batch = [GenerateRequest(prompt_token_ids=p, prefix_name="tpl" if k % 2 == 0 else None, sampling=greedy(6))
+             for k, p in enumerate(prompts)] + [GenerateRequest(prompt_token_ids=p, prefix_name="tpl",
+                                                                sampling=greedy(5)) for p in prompts[1::2]]
+    outs = generate_together(engine, batch)
+    assert all(len(ids) in (5, 6) for ids in outs)
+    assert any(nd and pre for nd, _, pre in seen)  # decodes and prefills in one step
+    assert any(t for _, t, _ in seen)  # decodes on the packed template
+    assert any(p for _, _, pre in seen for _, _, p in pre)  # prefills on it
+    assert any(c > 0 and not p for _, _, pre in seen for _, c, p in pre)  # a chunk after cached context
+
+
+def bound_stack(model_dir, num_blocks: int = 6, fill=torch.zeros):
+    model = load_model(model_dir, torch.float32, torch.device("cpu"), max_positions=64)
+    arch = model.arch
+    caches = [(fill(num_blocks, BS, arch.num_kv_heads, arch.head_dim), fill(num_blocks, BS, arch.num_kv_heads,
+                                                                              arch.head_dim))
+              for _ in model.layers]
+    embed = model.embed_tokens.weight.detach().clone()
+    return DecoderStack(model, caches), caches, embed
+
+
+def prefill_plan(n: int, blocks: list[int]) -> StackPlan:
+    """One prefill of n tokens from position 0 into `blocks`."""
+    return StackPlan(slots=torch.tensor([blocks[p // BS] * BS + p % BS for p in range(n)]), positions=torch.arange(n),
+                     num_decodes=0, decode_tables=torch.zeros(0, 0, dtype=torch.int32),
+                     decode_context=torch.zeros(0, dtype=torch.int32), decode_skip=None,
+                     prefill_info=torch.tensor([[n, 0, 0]], dtype=torch.int32),
+                     prefill_tables=torch.tensor([blocks], dtype=torch.int32), templates=None)
+
+
+@needs_native
+def test_stack_releases_the_models_linear_weights(llama_dir):
+    model = load_model(llama_dir, torch.float32, torch.device("cpu"), max_positions=64)
+    arch = model.arch
+    caches = [(torch.zeros(4, BS, arch.num_kv_heads, arch.head_dim),) * 2 for _ in model.layers]
+    stack = DecoderStack(model, caches)
+    assert all(layer.self_attn.qkv_proj.weight is None and layer.mlp.down_proj.weight is None
+               for layer in model.layers)
+    assert len(stack.layers) == arch.num_layers and stack.weights.shape == (arch.num_layers, 7)
+
+
+@needs_native
+def test_stack_refuses_bad_input_and_leaves_the_cache(llama_dir):
+    with pytest.raises(NativeLayerError, match="KV caches for"):
+        model = load_model(llama_dir, torch.float32, torch.device("cpu"), max_positions=64)
+        DecoderStack(model, [(torch.zeros(6, BS, 2, 16),) * 2])
+    with pytest.raises(NativeLayerError, match="the KV cache"):
+        bound_stack(llama_dir, fill=lambda *shape: torch.zeros(*shape, dtype=torch.float64))
+    stack, caches, embed = bound_stack(llama_dir)
+    n = 9
+    plan = prefill_plan(n, [0, 1, 2])
+    x = embed[3:3 + n].clone()
+    with pytest.raises(NativeLayerError, match="for 9 rows"):
+        stack.forward(x.clone(), dataclasses.replace(plan, slots=torch.arange(n - 1)))
+    with pytest.raises(NativeLayerError, match="x: contiguous float32"):
+        stack.forward(x.double(), plan)
+    with pytest.raises(NativeLayerError, match="rotary tables"):
+        stack.forward(x.clone(), dataclasses.replace(plan, positions=torch.arange(n) + 60))
+    outside = plan.slots.clone()
+    outside[4] = 6 * BS  # one past the cache
+    with pytest.raises(NativeLayerError, match="status 4"):
+        stack.forward(x.clone(), dataclasses.replace(plan, slots=outside))
+    assert all(not k.any() and not v.any() for k, v in caches)  # nothing written
+    good = stack.forward(x.clone(), plan)
+    assert good.shape == (n, stack.hidden) and all(k.any() and v.any() for k, v in caches)
+
+
+@needs_native
+def test_stack_copies_blocks_in_every_layer(llama_dir):
+    """The copy-on-write of a template's partial last block: one native call for all layers, the
+    same as copying block by block; bad pairs are refused with nothing copied."""
+    stack, caches, _ = bound_stack(llama_dir, num_blocks=7, fill=torch.randn)
+    want = [(k.clone(), v.clone()) for k, v in caches]
+    for k, v in want:
+        for src, dst in ((2, 5), (3, 0)):
+            k[dst], v[dst] = k[src], v[src]
+    stack.copy_blocks([(2, 5), (3, 0)])
+    for (k, v), (k0, v0) in zip(caches, want):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    with pytest.raises(NativeLayerError, match="status 4"):
+        stack.copy_blocks([(1, 6), (2, 7)])  # block 7: outside the cache
+    with pytest.raises(NativeLayerError, match="distinct"):
+        stack.copy_blocks([(1, 4), (2, 4)])
+    with pytest.raises(NativeLayerError, match="distinct"):
+        stack.copy_blocks([(1, 4), (4, 6)])
+    for (k, v), (k0, v0) in zip(caches, want):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@needs_native
+def test_kernel_timers_observe_the_served_path(make_engine):
+    """kernel_times() times the stack's own kernel calls (linear, attention, element-wise) while it
+    serves: the same tokens with and without timing, and nothing counted once it is off."""
+    engine = make_engine()
+    want = mixed_generate(engine)
+    backend = engine.core.backend
+
+    def timed(core):
+        with backend.kernel_times() as times:
+            pass
+        return times
+    assert engine._run(timed) == {"linear": 0.0, "attention": 0.0, "elementwise": 0.0}
+    holder = {}
+
+    def start(core):
+        holder["cm"] = backend.kernel_times()
+        holder["times"] = holder["cm"].__enter__()
+    engine._run(start)
+    got = mixed_generate(engine)
+    engine._run(lambda core: holder["cm"].__exit__(None, None, None))
+    times = holder["times"]
+    assert got == want
+    assert times["linear"] > 0 and times["attention"] > 0 and times["elementwise"] > 0
+    assert stack_mod.kernel_timers(False) == {"linear": 0.0, "attention": 0.0, "elementwise": 0.0}
