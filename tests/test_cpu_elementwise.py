@@ -82,6 +82,26 @@ def test_rotation_equals_apply_rope(dim):
 
 
 @needs_native
+@pytest.mark.parametrize("dim", [16, 40, 128])
+def test_head_rms_norm_equals_float64(dim):
+    """Qwen3's q/k norms: each head of a strided view of a fused projection normalized in place, the
+    rest of the row untouched."""
+    t, hq, hkv = 9, 4, 2
+    qkv = rand(t, (hq + 2 * hkv) * dim, seed=9, scale=3.0)
+    q = qkv[:, :hq * dim].view(t, hq, dim)
+    rest_before = qkv[:, hq * dim:].clone()
+    w = rand(dim, seed=10)
+    x = q.double()
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    got = ce.head_rms_norm(q, w, 1e-6)
+    assert got.data_ptr() == q.data_ptr()  # in place
+    close(q, want)
+    assert torch.equal(qkv[:, hq * dim:], rest_before)
+    with pytest.raises(ce.NativeElementwiseError, match="weight"):
+        ce.head_rms_norm(q, rand(dim + 1), 1e-6)
+
+
+@needs_native
 def test_results_do_not_depend_on_the_thread_count():
     x, r, w, gu = rand(400, 576, seed=9), rand(400, 576, seed=10), rand(576, seed=11), rand(400, 3072, seed=12)
     qk = rand(400, 12, 64, seed=13)

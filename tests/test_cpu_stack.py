@@ -14,7 +14,7 @@ from prefix_service import GenerateRequest
 from prefix_service.backends.cpu import native
 from prefix_service.backends.cpu import stack as stack_mod
 from prefix_service.backends.cpu.attention import decode_attention, prefill_attention
-from prefix_service.backends.cpu.elementwise import Rotation, add_rms_norm, silu_mul
+from prefix_service.backends.cpu.elementwise import Rotation, add_rms_norm, head_rms_norm, silu_mul
 from prefix_service.backends.cpu.linear import linear
 from prefix_service.backends.cpu.stack import DecoderStack, NativeLayerError, StackPlan
 from prefix_service.model.loader import load_model
@@ -38,6 +38,9 @@ def kernel_by_kernel(stack: DecoderStack, x: torch.Tensor, plan: StackPlan, temp
     for index, (w, (k_cache, v_cache)) in enumerate(zip(stack.layers, stack.kv_layers)):
         h = add_rms_norm(x, pending, w.input_norm, w.input_eps)
         qkv = linear(h, w.qkv, q_size + 2 * kv_size, w.qkv_bias)
+        if w.q_norm is not None:  # Qwen3
+            head_rms_norm(qkv[:, :q_size].view(t, hq, d), w.q_norm, w.qk_eps)
+            head_rms_norm(qkv[:, q_size:q_size + kv_size].view(t, hkv, d), w.k_norm, w.qk_eps)
         rotate(qkv[:, :q_size + kv_size].view(t, hq + hkv, d))
         q = qkv[:, :q_size].view(t, hq, d)
         k = qkv[:, q_size:q_size + kv_size].view(t, hkv, d)
@@ -71,7 +74,7 @@ def templates_of(plan: StackPlan, packed_templates) -> list:
 
 
 @needs_native
-@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "qwen3"])
 def test_stack_gives_the_kernel_by_kernel_forward_bit_for_bit(make_engine, model_dirs, which, monkeypatch):
     """Every step of a mixed workload (a pinned template with a packed copy, requests on it and
     plain ones, prefills chunked beside decodes) runs kernel by kernel first, from a copy of the
@@ -140,7 +143,7 @@ def test_stack_releases_the_models_linear_weights(llama_dir):
     stack = DecoderStack(model, caches)
     assert all(layer.self_attn.qkv_proj.weight is None and layer.mlp.down_proj.weight is None
                for layer in model.layers)
-    assert len(stack.layers) == arch.num_layers and stack.weights.shape == (arch.num_layers, 7)
+    assert len(stack.layers) == arch.num_layers and stack.weights.shape == (arch.num_layers, 9)
 
 
 @needs_native

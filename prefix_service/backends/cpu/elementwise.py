@@ -77,6 +77,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H, D] (heads dense, rows may be strided): each head normalized in place,
+    x / sqrt(mean(x^2) + eps) * weight (weight [D]: Qwen3's q or k norm); returns x."""
+    ld = _rows(x, "x", dims=3)
+    t, h, d = x.shape
+    if weight.shape != (d,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise NativeElementwiseError(f"weight: float32 [{d}] is needed, got {weight.dtype} {tuple(weight.shape)}")
+    _call("ps_head_rms_norm", x.data_ptr(), ld, t, h, d, weight.data_ptr(), eps)
+    return x
+
+
 class Rotation:
     """The rotary embedding of one forward's `positions` (int64 [T]), from cos and sin tables
     [P, D] indexed by position; checked once, then applied to each layer's q and k heads."""

@@ -43,6 +43,7 @@ SIGNATURES = {
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
+    "ps_head_rms_norm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _f32, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
                           _i32], _i32),

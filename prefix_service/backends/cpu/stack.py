@@ -4,10 +4,11 @@ At load the stack packs each layer's weights for the linear kernel (linear.py) a
 table of pointers to them and to the layer's KV cache; a forward then hands the library one
 plan of the step (`StackPlan`: slots, decodes, then prefills, their block tables and packed
 templates), and the C++ loop runs, layer by layer: the first norm (with the residual add), the
-q/k/v projection and the rotation; one decode attention call for every decode and one prefill
-attention call per prefill sequence (each also storing its new K/V); then the output
-projection, the second norm and the MLP. What Python would pay per kernel (argument checks,
-output allocations, a ctypes call) is paid once per step.
+q/k/v projection, the q and k heads' own norms where the model has them (Qwen3) and the
+rotation; one decode attention call for every decode and one prefill attention call per prefill
+sequence (each also storing its new K/V); then the output projection, the second norm and the
+MLP. What Python would pay per kernel (argument checks, output allocations, a ctypes call) is
+paid once per step.
 """
 from __future__ import annotations
 
@@ -40,8 +41,6 @@ def unsupported(arch: ModelArch, dtype: torch.dtype) -> str | None:
     why = native.unavailable(dtype)
     if why is None and arch.head_dim not in HEAD_SIZES:
         why = f"head size {arch.head_dim} is not a multiple of 16 up to 256"
-    if why is None and arch.qk_norm:
-        why = "q/k norms (Qwen3) are not in the native decoder stack"
     return why
 
 
@@ -62,12 +61,15 @@ class LayerWeights:
     o: torch.Tensor  # packed [hidden, q]
     gate_up: torch.Tensor  # packed [2 inter, hidden]: rows [gate | up]
     down: torch.Tensor  # packed [hidden, inter]
+    q_norm: torch.Tensor | None = None  # [head_dim]: each q head's RMSNorm (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim]: each k head's
+    qk_eps: float = 0.0
 
     def pointers(self) -> list[int]:
         """The layer's row of the stack's weight table, in ps_decoder_stack's order."""
-        return [self.input_norm.data_ptr(), self.qkv.data_ptr(),
-                self.qkv_bias.data_ptr() if self.qkv_bias is not None else 0, self.post_norm.data_ptr(),
-                self.o.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr()]
+        return [t.data_ptr() if t is not None else 0 for t in (
+            self.input_norm, self.qkv, self.qkv_bias, self.post_norm, self.o, self.gate_up, self.down, self.q_norm,
+            self.k_norm)]
 
 
 @dataclass
@@ -147,16 +149,18 @@ class DecoderStack:
             attn, mlp = layer.self_attn, layer.mlp
             if any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 raise NativeLayerError("only the q/k/v projection may have a bias")
-            bias = attn.qkv_proj.bias
+            bias, q_norm, k_norm = attn.qkv_proj.bias, attn.q_norm, attn.k_norm
             self.layers.append(LayerWeights(
                 vector(layer.input_layernorm.weight), layer.input_layernorm.eps, pack_weight(attn.qkv_proj.weight),
                 vector(bias) if bias is not None else None, vector(layer.post_attention_layernorm.weight),
                 layer.post_attention_layernorm.eps, pack_weight(attn.o_proj.weight),
-                pack_weight(mlp.gate_up_proj.weight), pack_weight(mlp.down_proj.weight)))
+                pack_weight(mlp.gate_up_proj.weight), pack_weight(mlp.down_proj.weight),
+                vector(q_norm.weight) if q_norm is not None else None,
+                vector(k_norm.weight) if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0))
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 m.weight = None  # packed above (the q/k/v bias is kept as it is)
-        self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 7]
-        self.eps = torch.tensor([[w.input_eps, w.post_eps] for w in self.layers], dtype=torch.float32)
+        self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 9]
+        self.eps = torch.tensor([[w.input_eps, w.post_eps, w.qk_eps] for w in self.layers], dtype=torch.float32)
         self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]
         self.cos, self.sin = (t.contiguous() for t in model.rotary.tables(torch.device("cpu")))  # [P, D]
 

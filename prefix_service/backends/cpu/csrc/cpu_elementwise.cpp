@@ -1,6 +1,7 @@
 // A decoder layer's element-wise work on the CPU, float32, AVX-512, one pass each:
 //   ps_add_rms_norm: x += residual (in place, optional), out = x / sqrt(mean(x^2) + eps) * w
 //   ps_silu_mul:     out = silu(gate) * up, from the fused [gate | up] projection
+//   ps_head_rms_norm: each head's RMSNorm in place (Qwen3's q and k norms)
 //   ps_rope:         rotate-half rotary embedding of q and k heads in place, by position
 // torch runs each of these as five to seven operators, each its own pass over the activations
 // and its own parallel region; on a short prefill or a decode step those fixed costs are most of
@@ -63,6 +64,36 @@ extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int
       const __mmask16 m = lanes(dim - d);
       const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + d), s);
       _mm512_mask_storeu_ps(orow + d, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v));
+    }
+  }
+  return 0;
+#endif
+}
+
+// x: rows of `heads` heads of `dim` floats (heads dense, rows ld apart); each head normalized in
+// place, x = x / sqrt(mean(x^2) + eps) * w (w: dim floats): the per-head q and k norms of Qwen3.
+extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int dim, const float* w, float eps,
+                                int threads) {
+#if !defined(__AVX512F__)
+  (void)x; (void)ld; (void)rows; (void)heads; (void)dim; (void)w; (void)eps; (void)threads;
+  return 1;
+#else
+  ps::TimerScope timer(ps::kElementwise);
+#pragma omp parallel for num_threads(team(rows, (int64_t)heads * dim, threads)) schedule(static)
+  for (int r = 0; r < rows; ++r) {
+    for (int hd = 0; hd < heads; ++hd) {
+      float* xh = x + r * ld + (int64_t)hd * dim;
+      __m512 ss = _mm512_setzero_ps();
+      for (int d = 0; d < dim; d += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(lanes(dim - d), xh + d);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)dim + eps));
+      for (int d = 0; d < dim; d += 16) {
+        const __mmask16 m = lanes(dim - d);
+        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xh + d), s);
+        _mm512_mask_storeu_ps(xh + d, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v));
+      }
     }
   }
   return 0;

@@ -1,9 +1,10 @@
-// A decoder layer's work before and after attention, each one call: the kernels of cpu_linear.cpp
-// and cpu_elementwise.cpp run in sequence, in the order and with the arguments the layer would pass
-// them one by one, so the results are the same bit for bit. A kernel call from Python costs its argument
-// checks, an allocation and a ctypes call, a few microseconds each; over the nine calls of a layer
-// that was most of a short prefill's time outside the kernels. Built into the native library by
-// prefix_service/backends/cpu/native.py.
+// The decoder stack: every layer of a forward in one call (ps_decoder_stack), each layer the kernels
+// of cpu_linear.cpp, cpu_elementwise.cpp and cpu_attention.cpp in sequence, with the arguments a
+// caller would pass them one by one, so the results are the same bit for bit. A kernel call from
+// Python costs its argument checks, an allocation and a ctypes call, a few microseconds each; over
+// a layer's ten calls and thirty layers that was most of a short prefill's time outside the kernels.
+// Also the copy-on-write of blocks in every layer (ps_copy_blocks) and the kernel timers
+// (ps_timers). Built into the native library by prefix_service/backends/cpu/native.py.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -16,6 +17,8 @@ extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int
                                float* out, int64_t ldo, int rows, int dim, int threads);
 extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t ldo, int rows, int inter,
                            int threads);
+extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int dim, const float* w, float eps,
+                                int threads);
 extern "C" int ps_rope(float* x, int64_t ld, int rows, int heads, int dim, const int64_t* positions,
                        const float* cos_table, const float* sin_table, int threads);
 
@@ -46,31 +49,35 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 
-}  // namespace
-
 // Before attention. x [rows][hidden] (ldx apart), the residual stream: x += pending (the previous
 // layer's MLP output [rows][hidden], or null); h = RMSNorm(x) * norm_w; qkv [rows][n_qkv] = h Wqkv^T
-// (+ bias; wqkv packed as cpu_linear.cpp's panels); then the first rot_heads heads of head_dim
-// floats of each qkv row (the q and k heads) rotated in place by position (cos/sin tables
-// [positions][head_dim]). Returns 0, the first failing kernel's status, or 3 when out of memory.
-extern "C" int ps_layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden, const float* norm_w,
-                            float eps, const float* wqkv, int n_qkv, const float* bias, int rot_heads, int head_dim,
-                            const int64_t* positions, const float* cos_table, const float* sin_table, float* qkv,
-                            int threads) {
+// (+ bias; wqkv packed as cpu_linear.cpp's panels); with q_norm_w (Qwen3), each of the hq q heads
+// and the hkv k heads normalized by its own RMSNorm (q_norm_w, k_norm_w, qk_eps); then the q and k
+// heads rotated in place by position (cos/sin tables [positions][head_dim]). Returns 0, the first
+// failing kernel's status, or 3 when out of memory.
+int layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden, const float* norm_w, float eps,
+              const float* wqkv, int n_qkv, const float* bias, int hq, int hkv, int head_dim, const float* q_norm_w,
+              const float* k_norm_w, float qk_eps, const int64_t* positions, const float* cos_table,
+              const float* sin_table, float* qkv, int threads) {
   Buffer h(rows, hidden);
   if (h.p == nullptr) return 3;
   int code = ps_add_rms_norm(x, ldx, pending, hidden, norm_w, eps, h.p, hidden, rows, hidden, threads);
   if (code == 0) code = ps_linear(h.p, hidden, rows, hidden, wqkv, n_qkv, bias, qkv, n_qkv, threads);
-  if (code == 0) code = ps_rope(qkv, n_qkv, rows, rot_heads, head_dim, positions, cos_table, sin_table, threads);
+  if (code == 0 && q_norm_w != nullptr) {
+    code = ps_head_rms_norm(qkv, n_qkv, rows, hq, head_dim, q_norm_w, qk_eps, threads);
+    if (code == 0)
+      code = ps_head_rms_norm(qkv + (int64_t)hq * head_dim, n_qkv, rows, hkv, head_dim, k_norm_w, qk_eps, threads);
+  }
+  if (code == 0) code = ps_rope(qkv, n_qkv, rows, hq + hkv, head_dim, positions, cos_table, sin_table, threads);
   return code;
 }
 
 // After attention. attn [rows][attn_dim] (ld_attn apart): o = attn Wo^T; x += o; h = RMSNorm(x) *
 // norm_w; [gate | up] = h Wgu^T (2 inter wide); out [rows][hidden] = (silu(gate) * up) Wdown^T, the
 // MLP output the next layer's norm adds to x. Returns 0, the first failing kernel's status, or 3.
-extern "C" int ps_layer_mlp(const float* attn, int64_t ld_attn, int rows, int attn_dim, const float* wo, float* x,
-                            int64_t ldx, int hidden, const float* norm_w, float eps, const float* wgu, int inter,
-                            const float* wdown, float* out, int threads) {
+int layer_mlp(const float* attn, int64_t ld_attn, int rows, int attn_dim, const float* wo, float* x, int64_t ldx,
+              int hidden, const float* norm_w, float eps, const float* wgu, int inter, const float* wdown, float* out,
+              int threads) {
   // each intermediate its own allocation, of the size the kernel-by-kernel path allocates (so the
   // same ones come from the heap, not fresh mappings: hostmem.py)
   Buffer o(rows, hidden), h(rows, hidden), gate_up(rows, 2 * inter), act(rows, inter);
@@ -82,6 +89,8 @@ extern "C" int ps_layer_mlp(const float* attn, int64_t ld_attn, int rows, int at
   if (code == 0) code = ps_linear(act.p, inter, rows, inter, wdown, hidden, nullptr, out, hidden, threads);
   return code;
 }
+
+}  // namespace
 
 extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int m_len,
                                     int hq, int hkv, int d_len, float scale, const float* kt, const float* vt,
@@ -96,14 +105,14 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
                                    const int64_t* vt_ptrs, const float* kn, int64_t kn_stride, const float* vn,
                                    int64_t vn_stride, const int64_t* slots, int num_blocks);
 
-// A whole decoder stack over one step, each layer the calls of the kernel-by-kernel path in its order
-// with its arguments (ps_layer_qkv, then attention, then ps_layer_mlp), so the results are the same
-// bit for bit; what it saves is the Python and ctypes work between them, the same for every step.
+// A whole decoder stack over one step, each layer the kernels' calls in order (layer_qkv, then
+// attention, then layer_mlp).
 //
 // x [rows][hidden] (dense): the residual stream, updated in place; pending [rows][hidden] receives the
 // last layer's MLP output (the final norm adds it to x). Per layer l: weights[l] = {input norm w, q/k/v
-// panels, q/k/v bias or 0, post-attention norm w, o panels, gate|up panels, down panels}, eps[l] = the
-// two norms' eps, caches[l] = {k_cache, v_cache} [num_blocks][block_size][hkv][head_dim].
+// panels, q/k/v bias or 0, post-attention norm w, o panels, gate|up panels, down panels, q norm w or 0,
+// k norm w or 0}, eps[l] = {input norm eps, post-attention norm eps, q/k norm eps}, caches[l] =
+// {k_cache, v_cache} [num_blocks][block_size][hkv][head_dim].
 // The step's rows: first n_dec decodes (one token each: dec_tables [n_dec] rows dec_stride apart,
 // dec_ctx the new token included, dec_skip the blocks each reads from its packed template, or null
 // when none has one), then n_pre prefills (pre_info [n_pre][3] = {new tokens, cached context
@@ -128,12 +137,13 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
   }
   int code = 0;
   for (int l = 0; l < layers && code == 0; ++l) {
-    const int64_t* w = weights + 7 * (int64_t)l;
+    const int64_t* w = weights + 9 * (int64_t)l;
     float* k_cache = reinterpret_cast<float*>(caches[2 * l]);
     float* v_cache = reinterpret_cast<float*>(caches[2 * l + 1]);
     const auto f = [](int64_t p) { return reinterpret_cast<const float*>(p); };
-    code = ps_layer_qkv(x, hidden, l == 0 ? nullptr : pending, rows, hidden, f(w[0]), eps[2 * l], f(w[1]), n_qkv,
-                        f(w[2]), hq + hkv, head_dim, positions, cos_table, sin_table, qkv.p, threads);
+    code = layer_qkv(x, hidden, l == 0 ? nullptr : pending, rows, hidden, f(w[0]), eps[3 * l], f(w[1]), n_qkv,
+                     f(w[2]), hq, hkv, head_dim, f(w[7]), f(w[8]), eps[3 * l + 2], positions, cos_table, sin_table,
+                     qkv.p, threads);
     if (code == 0 && n_dec > 0) {
       if (kt != nullptr)
         for (int n = 0; n < n_dec; ++n) {
@@ -160,8 +170,8 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
       start += q_len;
     }
     if (code == 0)
-      code = ps_layer_mlp(attn.p, q_size, rows, q_size, f(w[4]), x, hidden, hidden, f(w[3]), eps[2 * l + 1], f(w[5]),
-                          inter, f(w[6]), pending, threads);
+      code = layer_mlp(attn.p, q_size, rows, q_size, f(w[4]), x, hidden, hidden, f(w[3]), eps[3 * l + 1], f(w[5]),
+                       inter, f(w[6]), pending, threads);
   }
   std::free(kt);
   return code;
