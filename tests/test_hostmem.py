@@ -1,6 +1,7 @@
-"""glibc malloc thresholds for CPU engines (hostmem.py): with them, an engine's long prefills,
-with short ones between them, reuse the memory the last one freed without page faults; an
-operator's environment is kept."""
+"""glibc malloc thresholds for CPU engines (backends/hostmem.py): with them, an engine's long
+prefills, with short ones between them, reuse the memory the last one freed without page faults,
+whether its steps run on the calling thread or on the Engine's loop thread (which has a malloc
+arena of its own); an operator's environment is kept."""
 import json
 import os
 import platform
@@ -36,6 +37,24 @@ def faults(n):
 print(json.dumps([faults(n) for n in (1000, 1000, 100, 100, 1000, 100, 1000, 100, 1000, 1000)]))
 """
 
+# the same through the Engine, whose loop thread runs the steps (and allocates from an arena of its own)
+ENGINE_PREFILLS = r"""
+import json, random, resource, sys
+from prefix_service import Engine, GenerateRequest, SamplingParams
+from prefix_service.config import CacheConfig, EngineConfig, ModelConfig
+engine = Engine(EngineConfig(ModelConfig(path=sys.argv[1], load_format="dummy", device="cpu"),
+                             CacheConfig(num_blocks=300)))
+rng = random.Random(0)
+def faults(n):
+    req = GenerateRequest(prompt_token_ids=[rng.randrange(400) for _ in range(n)],
+                          sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    engine.generate([req])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(json.dumps([faults(n) for n in (1000, 1000, 100, 100, 1000, 100, 1000, 100, 1000, 1000)]))
+engine.shutdown()
+"""
+
 
 def _run(code: str, *args: str) -> list[int]:
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
@@ -45,7 +64,8 @@ def _run(code: str, *args: str) -> list[int]:
 
 
 @glibc
-def test_engine_prefills_take_no_page_faults_once_warm(tmp_path, tokenizer_dir):
+@pytest.mark.parametrize("script", [PREFILLS, ENGINE_PREFILLS], ids=["core", "engine-thread"])
+def test_engine_prefills_take_no_page_faults_once_warm(tmp_path, tokenizer_dir, script):
     import shutil
     cfg = tiny_config("llama", VOCAB_SIZE, hidden_size=576, intermediate_size=1536, num_hidden_layers=6,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048)
@@ -53,7 +73,7 @@ def test_engine_prefills_take_no_page_faults_once_warm(tmp_path, tokenizer_dir):
     cfg.save_pretrained(str(tmp_path))
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, tmp_path / f.name)
-    faults = _run(PREFILLS, str(tmp_path))
+    faults = _run(script, str(tmp_path))
     # a 1,000-token forward of these layers touches ~30,000 pages of activations; with glibc's
     # defaults the long prefills after short ones often fault on most of them again
     later = sorted(faults[i] for i in (4, 6, 8, 9))

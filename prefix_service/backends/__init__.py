@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from prefix_service.backends import hostmem
 from prefix_service.backends.base import Backend, StepInputs
 from prefix_service.config import BACKENDS
 from prefix_service.errors import ConfigError
@@ -27,7 +28,14 @@ log = logging.getLogger("prefix_service.engine")
 def select_backend(choice: str, device: torch.device, dtype: torch.dtype, arch: ModelArch) -> type[Backend]:
     """The backend class for model.backend = `choice` on `device`: auto is cuda on a GPU, cpu where
     its native library builds and runs the model, torch otherwise (with a warning saying why).
-    Raises ConfigError when the backend asked for cannot run here."""
+    Raises ConfigError when the backend asked for cannot run here.
+
+    On a CPU it first fixes glibc malloc's thresholds for the process (hostmem.py). That must come
+    before the engine allocates what it keeps (the tokenizer, the model's weights): with the
+    thresholds set later, long prefills on the engine's thread faulted on fresh pages for most of
+    their activations, every step (docs/benchmarks.md)."""
+    if device.type == "cpu":
+        hostmem.keep_freed_memory()
     if choice not in BACKENDS:
         raise ConfigError(f"model.backend: {choice!r} is not one of {', '.join(BACKENDS)}")
     if choice == "cuda" or (choice == "auto" and device.type == "cuda"):

@@ -64,8 +64,9 @@ class EngineCore:
         if self.arch.sliding_window:
             max_len = min(max_len, self.arch.sliding_window)  # full attention inside the window
         self.max_model_len = max_len
-        self.tokenizer = load_tokenizer(mc.path)
+        # first of what the engine loads: on a CPU it also sets malloc up for the rest (hostmem.py)
         backend_cls = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
+        self.tokenizer = load_tokenizer(mc.path)
         if mc.load_format == "dummy":
             model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
         else:

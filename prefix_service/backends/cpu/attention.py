@@ -130,7 +130,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         k.data_ptr(), ks, v.data_ptr(), vs, n,
         kc.data_ptr() if kc is not None else None, vc.data_ptr() if vc is not None else None, blocks, bs,
         block_table.data_ptr() if length else None, width, start, length,
-        slots.data_ptr() if slots is not None else None)
+        slots.data_ptr() if slots is not None else None, None)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Collection, Iterator
 
 import torch
 
-from prefix_service.backends import hostmem
 from prefix_service.backends.base import Backend, StepInputs
 from prefix_service.backends.cpu import elementwise, linear
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
@@ -43,7 +42,6 @@ class CpuBackend(Backend):
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
         """Takes the model's weights into the kernels' layouts; the model is not usable afterwards
         (its linear weights are released as they are packed)."""
-        hostmem.keep_freed_memory()  # activations in host memory (hostmem.py)
         super().__init__(model, cache)
         self.stack = DecoderStack(model, self.kv_layers)
         self.embed = model.embed_tokens.weight.detach()  # [vocab, hidden]

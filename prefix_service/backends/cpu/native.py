@@ -36,7 +36,8 @@ _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 SIGNATURES = {
     "ps_isa": ([], _i32),
     "ps_prefill_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
-                              _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr], _i32),
+                              _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _ptr], _i32),
+    "ps_prefill_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
                              _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32], _i32),
     "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
@@ -46,7 +47,8 @@ SIGNATURES = {
     "ps_head_rms_norm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _f32, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
-                          _i32], _i32),
+                          _ptr, _i32], _i32),
+    "ps_stack_scratch_floats": ([_i32, _i32, _i32, _i32, _i32, _i32, _i32], _i64),
     "ps_copy_blocks": ([_ptr, _i32, _i32, _i64, _ptr, _i32], _i32),
     "ps_timers": ([_i32, _ptr], None),
 }

@@ -163,10 +163,16 @@ class DecoderStack:
         self.eps = torch.tensor([[w.input_eps, w.post_eps, w.qk_eps] for w in self.layers], dtype=torch.float32)
         self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]
         self.cos, self.sin = (t.contiguous() for t in model.rotary.tables(torch.device("cpu")))  # [P, D]
+        # every intermediate of a step, kept from step to step (grown for a larger step, never shrunk):
+        # a step allocates no activation memory, so memory a long prefill freed is never handed back
+        # to the system and faulted in again by the next one (malloc's arenas of threads other than
+        # the main one give whole free heaps back, whatever its trim threshold)
+        self.workspace = torch.empty(0, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, plan: StackPlan) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens, contiguous float32) is the residual stream, updated in
-        place; returns the last layer's MLP output [T, hidden], which the final norm adds to x."""
+        place; returns the last layer's MLP output [T, hidden], which the final norm adds to x (a view
+        of the workspace: read it before the next forward)."""
         t = x.shape[0]
         if x.shape != (t, self.hidden) or x.dtype != torch.float32 or not x.is_contiguous():
             raise NativeLayerError(f"x: contiguous float32 [T, {self.hidden}] is needed, got {x.dtype} {tuple(x.shape)}")
@@ -177,8 +183,16 @@ class DecoderStack:
         if t and (int(plan.positions.min()) < 0 or int(plan.positions.max()) >= self.cos.shape[0]):
             raise NativeLayerError(f"positions outside the rotary tables' range [0, {self.cos.shape[0]})")
         dec_tables, pre_tables = plan.decode_tables, plan.prefill_tables
-        pending = torch.empty(t, self.hidden, dtype=torch.float32)
         lib = native.require(NativeLayerError)
+        # the most keys a prefill attends over after its packed template: its cached context after it and its own
+        max_keys = int((plan.prefill_info[:, 0] + plan.prefill_info[:, 1] - plan.prefill_info[:, 2]).max()) if n_pre else 0
+        pending_floats = -(-t * self.hidden // 16) * 16
+        need = pending_floats + lib.ps_stack_scratch_floats(t, self.hidden, self.hq, self.hkv, self.head_dim, self.inter,
+                                                            max_keys)
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(need, dtype=torch.float32)
+        pending = self.workspace[:t * self.hidden].view(t, self.hidden)
+        scratch = self.workspace[pending_floats:]
         _status(lib.ps_decoder_stack(
             x.data_ptr(), t, self.hidden, self.num_layers, self.weights.data_ptr(), self.eps.data_ptr(),
             self.caches.data_ptr(), self.num_blocks, self.block_size, self.hq, self.hkv, self.head_dim, self.inter,
@@ -188,7 +202,7 @@ class DecoderStack:
             plan.decode_skip.data_ptr() if plan.decode_skip is not None else None,
             n_pre, plan.prefill_info.data_ptr(), pre_tables.data_ptr() if n_pre else None,
             pre_tables.stride(0) if n_pre else 0, pre_tables.shape[1] if n_pre else 0,
-            plan.templates.data_ptr() if plan.templates is not None else None, pending.data_ptr(),
+            plan.templates.data_ptr() if plan.templates is not None else None, pending.data_ptr(), scratch.data_ptr(),
             torch.get_num_threads()), "ps_decoder_stack")
         return pending
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from prefix_service.backends import hostmem
 from prefix_service.backends.base import Backend, StepInputs
 from prefix_service.backends.torch.attention import PagedAttention, PagedMetadata
 from prefix_service.config import CacheConfig
@@ -15,8 +14,6 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
-        if model.embed_tokens.weight.device.type == "cpu":  # activations in host memory (hostmem.py)
-            hostmem.keep_freed_memory()
         super().__init__(model, cache)
         self.model = model
 

@@ -222,18 +222,28 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 // rows kn_stride / vn_stride apart; k_cache/v_cache
 // [num_blocks][block_size][Hkv][D]; segment B's cached part: tokens [l_start, l_start + l_len) of
 // the sequence, through block_table (table_len ids); slots: kn_len cache slots to store kn/vn in, or null.
+//
+// scratch: null (the call allocates what it needs), or ps_prefill_scratch_floats(hkv, d_len,
+// l_len + kn_len) floats, 64-byte aligned, that the call may overwrite.
+extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
+  const int64_t panels = (c_len + KP - 1) / KP;
+  const int64_t kb = (int64_t)hkv * panels * d_len * KP + KP;  // a multiple of 16: 64-byte aligned
+  const int64_t vb = ((int64_t)hkv * c_len * d_len + KP - 1) / KP * KP;
+  return kb + (vb > 0 ? vb : KP);
+}
+
 extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                     int m_len, int hq, int hkv, int d_len, float scale,
                                     const float* kt, const float* vt, int r_len,
                                     const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride, int kn_len,
                                     float* k_cache, float* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
-                                    const int64_t* slots) {
+                                    const int64_t* slots, float* scratch) {
 #if !defined(__AVX512F__)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)m_len; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)kt; (void)vt; (void)r_len; (void)kn; (void)kn_stride; (void)vn; (void)vn_stride; (void)kn_len;
   (void)k_cache; (void)v_cache; (void)num_blocks; (void)block_size; (void)block_table; (void)table_len;
-  (void)l_start; (void)l_len; (void)slots;
+  (void)l_start; (void)l_len; (void)slots; (void)scratch;
   return 1;
 #else
   ps::TimerScope timer(ps::kAttention);
@@ -252,16 +262,15 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   const int c_panels = (c_len + KP - 1) / KP;
   const int64_t panel_floats = (int64_t)d_len * KP;
   // segment B's keys as panels [Hkv][c_panels][D][16] and its values as rows [Hkv][C][D], made
-  // once per call by all threads
-  const size_t kb_bytes = sizeof(float) * (size_t)(hkv * (int64_t)c_panels * panel_floats + KP);  // a multiple of 64
-  const size_t vb_bytes = sizeof(float) * (size_t)(((int64_t)hkv * c_len * d_len + KP - 1) / KP * KP);
-  float* kb = static_cast<float*>(std::aligned_alloc(64, kb_bytes));
-  float* vb = static_cast<float*>(std::aligned_alloc(64, vb_bytes > 0 ? vb_bytes : 64));
-  if (kb == nullptr || vb == nullptr) {
-    std::free(kb);
-    std::free(vb);
-    return 3;
+  // once per call by all threads, in the caller's scratch or in memory of the call's own
+  const int64_t kb_floats = hkv * (int64_t)c_panels * panel_floats + KP;  // a multiple of 16: 64-byte aligned
+  float* owned = nullptr;
+  if (scratch == nullptr) {
+    owned = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * ps_prefill_scratch_floats(hkv, d_len, c_len)));
+    if (owned == nullptr) return 3;
   }
+  float* kb = scratch != nullptr ? scratch : owned;
+  float* vb = kb + kb_floats;
   // segment B's key j: a cached token's row (through the block table) or a new token's
   const auto key_row = [&](const float* cache, const float* fresh, int64_t fresh_stride, int j) -> const float* {
     if (j >= l_len) return fresh + (int64_t)(j - l_len) * fresh_stride;
@@ -318,8 +327,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
         store_row(t, r, out + tok[r] * out_stride + (int64_t)(h * g + (r0 + r) % g) * d_len, d_len);
     }
   }
-  std::free(kb);
-  std::free(vb);
+  std::free(owned);
   return 0;
 #endif
 }

@@ -32,6 +32,16 @@ inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)
 
 using ps::exp_ps;
 
+// out[d] = w[d] * (x[d] * inv) for the dim floats of a row (out may be x).
+inline void scale_row(const float* x, float inv, const float* w, float* out, int dim) {
+  const __m512 s = _mm512_set1_ps(inv);
+  for (int d = 0; d < dim; d += 16) {
+    const __mmask16 m = lanes(dim - d);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d), s);
+    _mm512_mask_storeu_ps(out + d, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v));
+  }
+}
+
 }  // namespace
 #endif
 
@@ -57,14 +67,7 @@ extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int
       }
       ss = _mm512_fmadd_ps(v, v, ss);
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)dim + eps);
-    const __m512 s = _mm512_set1_ps(inv);
-    float* orow = out + r * ldo;
-    for (int d = 0; d < dim; d += 16) {
-      const __mmask16 m = lanes(dim - d);
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + d), s);
-      _mm512_mask_storeu_ps(orow + d, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v));
-    }
+    scale_row(xr, 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)dim + eps), w, out + r * ldo, dim);
   }
   return 0;
 #endif
@@ -88,12 +91,7 @@ extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int d
         const __m512 v = _mm512_maskz_loadu_ps(lanes(dim - d), xh + d);
         ss = _mm512_fmadd_ps(v, v, ss);
       }
-      const __m512 s = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)dim + eps));
-      for (int d = 0; d < dim; d += 16) {
-        const __mmask16 m = lanes(dim - d);
-        const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xh + d), s);
-        _mm512_mask_storeu_ps(xh + d, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v));
-      }
+      scale_row(xh, 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)dim + eps), w, xh, dim);
     }
   }
   return 0;

@@ -38,31 +38,34 @@ extern "C" void ps_timers(int on, int64_t* totals) {
   ps::timers_on = on != 0;
 }
 
+extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len);
+
 namespace {
 
-// rows x cols floats, freed at the end of the scope; p is null when out of memory.
-struct Buffer {
-  float* p;
-  Buffer(int rows, int cols) : p(static_cast<float*>(std::malloc(sizeof(float) * (size_t)rows * (size_t)cols + 64))) {}
-  ~Buffer() { std::free(p); }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
+int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }  // floats: 64-byte multiples
+
+// Slices of the caller's scratch (64-byte aligned), one after another.
+struct Scratch {
+  float* next;
+  float* take(int64_t floats) {
+    float* p = next;
+    next += round16(floats);
+    return p;
+  }
 };
 
 // Before attention. x [rows][hidden] (ldx apart), the residual stream: x += pending (the previous
 // layer's MLP output [rows][hidden], or null); h = RMSNorm(x) * norm_w; qkv [rows][n_qkv] = h Wqkv^T
 // (+ bias; wqkv packed as cpu_linear.cpp's panels); with q_norm_w (Qwen3), each of the hq q heads
 // and the hkv k heads normalized by its own RMSNorm (q_norm_w, k_norm_w, qk_eps); then the q and k
-// heads rotated in place by position (cos/sin tables [positions][head_dim]). Returns 0, the first
-// failing kernel's status, or 3 when out of memory.
+// heads rotated in place by position (cos/sin tables [positions][head_dim]). h: [rows][hidden] of
+// scratch. Returns 0 or the first failing kernel's status.
 int layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden, const float* norm_w, float eps,
               const float* wqkv, int n_qkv, const float* bias, int hq, int hkv, int head_dim, const float* q_norm_w,
               const float* k_norm_w, float qk_eps, const int64_t* positions, const float* cos_table,
-              const float* sin_table, float* qkv, int threads) {
-  Buffer h(rows, hidden);
-  if (h.p == nullptr) return 3;
-  int code = ps_add_rms_norm(x, ldx, pending, hidden, norm_w, eps, h.p, hidden, rows, hidden, threads);
-  if (code == 0) code = ps_linear(h.p, hidden, rows, hidden, wqkv, n_qkv, bias, qkv, n_qkv, threads);
+              const float* sin_table, float* qkv, float* h, int threads) {
+  int code = ps_add_rms_norm(x, ldx, pending, hidden, norm_w, eps, h, hidden, rows, hidden, threads);
+  if (code == 0) code = ps_linear(h, hidden, rows, hidden, wqkv, n_qkv, bias, qkv, n_qkv, threads);
   if (code == 0 && q_norm_w != nullptr) {
     code = ps_head_rms_norm(qkv, n_qkv, rows, hq, head_dim, q_norm_w, qk_eps, threads);
     if (code == 0)
@@ -74,19 +77,16 @@ int layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden,
 
 // After attention. attn [rows][attn_dim] (ld_attn apart): o = attn Wo^T; x += o; h = RMSNorm(x) *
 // norm_w; [gate | up] = h Wgu^T (2 inter wide); out [rows][hidden] = (silu(gate) * up) Wdown^T, the
-// MLP output the next layer's norm adds to x. Returns 0, the first failing kernel's status, or 3.
+// MLP output the next layer's norm adds to x. o, h: [rows][hidden], gate_up: [rows][2 inter], act:
+// [rows][inter] of scratch. Returns 0 or the first failing kernel's status.
 int layer_mlp(const float* attn, int64_t ld_attn, int rows, int attn_dim, const float* wo, float* x, int64_t ldx,
               int hidden, const float* norm_w, float eps, const float* wgu, int inter, const float* wdown, float* out,
-              int threads) {
-  // each intermediate its own allocation, of the size the kernel-by-kernel path allocates (so the
-  // same ones come from the heap, not fresh mappings: hostmem.py)
-  Buffer o(rows, hidden), h(rows, hidden), gate_up(rows, 2 * inter), act(rows, inter);
-  if (!(o.p && h.p && gate_up.p && act.p)) return 3;
-  int code = ps_linear(attn, ld_attn, rows, attn_dim, wo, hidden, nullptr, o.p, hidden, threads);
-  if (code == 0) code = ps_add_rms_norm(x, ldx, o.p, hidden, norm_w, eps, h.p, hidden, rows, hidden, threads);
-  if (code == 0) code = ps_linear(h.p, hidden, rows, hidden, wgu, 2 * inter, nullptr, gate_up.p, 2 * inter, threads);
-  if (code == 0) code = ps_silu_mul(gate_up.p, 2 * inter, act.p, inter, rows, inter, threads);
-  if (code == 0) code = ps_linear(act.p, inter, rows, inter, wdown, hidden, nullptr, out, hidden, threads);
+              float* o, float* h, float* gate_up, float* act, int threads) {
+  int code = ps_linear(attn, ld_attn, rows, attn_dim, wo, hidden, nullptr, o, hidden, threads);
+  if (code == 0) code = ps_add_rms_norm(x, ldx, o, hidden, norm_w, eps, h, hidden, rows, hidden, threads);
+  if (code == 0) code = ps_linear(h, hidden, rows, hidden, wgu, 2 * inter, nullptr, gate_up, 2 * inter, threads);
+  if (code == 0) code = ps_silu_mul(gate_up, 2 * inter, act, inter, rows, inter, threads);
+  if (code == 0) code = ps_linear(act, inter, rows, inter, wdown, hidden, nullptr, out, hidden, threads);
   return code;
 }
 
@@ -97,13 +97,23 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
                                     int r_len, const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
                                     int kn_len, float* k_cache, float* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
-                                    const int64_t* slots);
+                                    const int64_t* slots, float* scratch);
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int n_seq,
                                    int hq, int hkv, int d_len, float scale, float* k_cache, float* v_cache,
                                    int block_size, const int32_t* block_tables, int64_t table_stride,
                                    const int32_t* context_lens, const int32_t* skip_blocks, const int64_t* kt_ptrs,
                                    const int64_t* vt_ptrs, const float* kn, int64_t kn_stride, const float* vn,
                                    int64_t vn_stride, const int64_t* slots, int num_blocks);
+
+// The scratch floats ps_decoder_stack needs for a step of `rows` rows whose largest prefill attends
+// over `max_keys` keys after its packed template (its cached context after it, and its new tokens).
+extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv, int head_dim, int inter,
+                                           int max_keys) {
+  const int64_t q_size = (int64_t)hq * head_dim, n_qkv = q_size + 2 * (int64_t)hkv * head_dim;
+  return round16(rows * n_qkv) + round16(rows * q_size) + 2 * round16((int64_t)rows * hidden) +
+         round16((int64_t)rows * 2 * inter) + round16((int64_t)rows * inter) +
+         (max_keys > 0 ? ps_prefill_scratch_floats(hkv, head_dim, max_keys) : 0);
+}
 
 // A whole decoder stack over one step, each layer the kernels' calls in order (layer_qkv, then
 // attention, then layer_mlp).
@@ -119,17 +129,25 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
 // tokens, of those the leading ones in a packed template}, their block tables pre_tables [n_pre]
 // rows pre_stride apart, pre_width wide). templates: null, or [n_dec + n_pre][layers][2] = the
 // packed template's K panels and V rows of each sequence's layer (0: none). slots: each row's cache
-// slot. Returns 0 or the first failing kernel's status (cpu_attention.py names them).
+// slot. scratch: ps_stack_scratch_floats(...) floats, 64-byte aligned, for every intermediate (kept by
+// the caller from step to step, so a step allocates no activation memory). Returns 0 or the first
+// failing kernel's status (cpu_attention.py names them).
 extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, const int64_t* weights, const float* eps,
                                 const int64_t* caches, int num_blocks, int block_size, int hq, int hkv, int head_dim,
                                 int inter, float scale, const int64_t* positions, const float* cos_table,
                                 const float* sin_table, const int64_t* slots, int n_dec, const int32_t* dec_tables,
                                 int64_t dec_stride, const int32_t* dec_ctx, const int32_t* dec_skip, int n_pre,
                                 const int32_t* pre_info, const int32_t* pre_tables, int64_t pre_stride,
-                                int pre_width, const int64_t* templates, float* pending, int threads) {
+                                int pre_width, const int64_t* templates, float* pending, float* scratch, int threads) {
   const int q_size = hq * head_dim, kv_size = hkv * head_dim, n_qkv = q_size + 2 * kv_size;
-  Buffer qkv(rows, n_qkv), attn(rows, q_size);
-  if (!(qkv.p && attn.p)) return 3;
+  Scratch take{scratch};
+  float* qkv = take.take((int64_t)rows * n_qkv);
+  float* attn = take.take((int64_t)rows * q_size);
+  float* h = take.take((int64_t)rows * hidden);
+  float* o = take.take((int64_t)rows * hidden);
+  float* gate_up = take.take((int64_t)rows * 2 * inter);
+  float* act = take.take((int64_t)rows * inter);
+  float* keys = take.next;  // the prefill attention's: its segment B's K panels and V rows
   int64_t* kt = nullptr;  // the decodes' template pointers of one layer
   if (n_dec > 0 && dec_skip != nullptr) {
     kt = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 2 * (size_t)n_dec));
@@ -143,35 +161,35 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
     const auto f = [](int64_t p) { return reinterpret_cast<const float*>(p); };
     code = layer_qkv(x, hidden, l == 0 ? nullptr : pending, rows, hidden, f(w[0]), eps[3 * l], f(w[1]), n_qkv,
                      f(w[2]), hq, hkv, head_dim, f(w[7]), f(w[8]), eps[3 * l + 2], positions, cos_table, sin_table,
-                     qkv.p, threads);
+                     qkv, h, threads);
     if (code == 0 && n_dec > 0) {
       if (kt != nullptr)
         for (int n = 0; n < n_dec; ++n) {
           kt[n] = templates[((int64_t)n * layers + l) * 2];
           kt[n_dec + n] = templates[((int64_t)n * layers + l) * 2 + 1];
         }
-      code = ps_decode_attention(qkv.p, n_qkv, attn.p, q_size, n_dec, hq, hkv, head_dim, scale, k_cache, v_cache,
+      code = ps_decode_attention(qkv, n_qkv, attn, q_size, n_dec, hq, hkv, head_dim, scale, k_cache, v_cache,
                                  block_size, dec_tables, dec_stride, dec_ctx, dec_skip, kt,
-                                 kt != nullptr ? kt + n_dec : nullptr, qkv.p + q_size, n_qkv,
-                                 qkv.p + q_size + kv_size, n_qkv, slots, num_blocks);
+                                 kt != nullptr ? kt + n_dec : nullptr, qkv + q_size, n_qkv,
+                                 qkv + q_size + kv_size, n_qkv, slots, num_blocks);
     }
     int64_t start = n_dec;
     for (int i = 0; i < n_pre && code == 0; ++i) {
       const int q_len = pre_info[3 * i], ctx = pre_info[3 * i + 1], first = pre_info[3 * i + 2];
       const int64_t* t = templates != nullptr ? templates + ((int64_t)(n_dec + i) * layers + l) * 2 : nullptr;
-      const float* row = qkv.p + start * n_qkv;
+      const float* row = qkv + start * n_qkv;
       const bool rest = ctx > first;  // context after the template, read through the block table
-      code = ps_prefill_attention(row, n_qkv, attn.p + start * q_size, q_size, q_len, hq, hkv, head_dim, scale,
+      code = ps_prefill_attention(row, n_qkv, attn + start * q_size, q_size, q_len, hq, hkv, head_dim, scale,
                                   t != nullptr && t[0] != 0 ? f(t[0]) : nullptr,
                                   t != nullptr && t[0] != 0 ? f(t[1]) : nullptr, first, row + q_size, n_qkv,
                                   row + q_size + kv_size, n_qkv, q_len, k_cache, v_cache, num_blocks, block_size,
                                   rest ? pre_tables + i * pre_stride : nullptr, rest ? pre_width : 0, first,
-                                  ctx - first, slots + start);
+                                  ctx - first, slots + start, keys);
       start += q_len;
     }
     if (code == 0)
-      code = layer_mlp(attn.p, q_size, rows, q_size, f(w[4]), x, hidden, hidden, f(w[3]), eps[3 * l + 1], f(w[5]),
-                       inter, f(w[6]), pending, threads);
+      code = layer_mlp(attn, q_size, rows, q_size, f(w[4]), x, hidden, hidden, f(w[3]), eps[3 * l + 1], f(w[5]),
+                       inter, f(w[6]), pending, o, h, gate_up, act, threads);
   }
   std::free(kt);
   return code;
