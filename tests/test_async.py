@@ -41,6 +41,7 @@ def test_closing_a_stream_aborts_and_frees_blocks(make_engine):
             if not out.finished:
                 break
         await stream.aclose()
+        await engine.drain_aborts()  # the abort runs in the background
 
     asyncio.run(main())
     stats = engine.kv_stats()

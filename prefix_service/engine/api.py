@@ -190,8 +190,10 @@ class Engine:
         """Yield a RequestOutput per step with new text; the last has finished=True. Raises the
         request's validation error, or the error that ended it. Closing the iterator early or
         cancelling its task, even while the request is still being submitted, aborts the request
-        and frees its blocks. Submitting and aborting block on the engine's loop thread: they run
-        on `executor` (default: asyncio's)."""
+        and frees its blocks: the abort runs on in the background once the submission has landed
+        (`drain_aborts` waits for it), so the caller is not held up by the engine's current step.
+        Submitting and aborting block on the engine's loop thread: they run on `executor`
+        (default: asyncio's)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         if req.request_id is None:
@@ -217,9 +219,8 @@ class Engine:
         finally:
             if not finished:
                 abort = asyncio.ensure_future(self._abort_when_submitted(submitted, req.request_id, executor))
-                self._aborts.add(abort)
+                self._aborts.add(abort)  # kept alive until done
                 abort.add_done_callback(self._aborts.discard)
-                await asyncio.shield(abort)  # a second cancel leaves the abort running
 
     async def _abort_when_submitted(self, submitted: asyncio.Future, request_id: str,
                                     executor: concurrent.futures.Executor | None) -> None:
