@@ -1,5 +1,6 @@
 """scripts/bench_prefix.py end to end on a tiny random model: every system, every mode, a couple of
-requests each; checks the JSON schema of docs/benchmarks.md and that the plot is written."""
+requests each (the vLLM peers skipped, with the reason, as where `make bench-peers` never ran);
+checks the JSON schema of docs/benchmarks.md and that the plots are written."""
 import importlib.util
 import json
 from pathlib import Path
@@ -15,7 +16,8 @@ RECORD_KEYS = {"system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft
                "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "max_qps_under_slo", "peak_kv_blocks"}
 
 
-def test_bench_prefix_smoke(tmp_path, llama_dir, capsys):
+def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
+    monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "bin" / "python"))
     config = tmp_path / "bench.yaml"
     config.write_text(f"model: {{path: {llama_dir}, device: cpu}}\n"
                       "cache: {block_size: 4, num_blocks: 256}\n"
@@ -54,11 +56,13 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys):
         else:
             assert r["max_qps_under_slo"] is None
     assert report["grpc_usage_mismatches"] == {"grpc_prefix": 0, "grpc_no_prefix": 0}
+    skipped = report["skipped_systems"]
+    assert set(skipped) == {"vllm_apc", "vllm_no_apc"} and all("make bench-peers" in why for why in skipped.values())
     assert {t["target"] for t in report["targets"]} and all("met" in t for t in report["targets"])
 
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "engine_prefix" in printed and "targets" in printed
+    assert "engine_prefix" in printed and "targets" in printed and "skipped vllm_apc: no vLLM environment" in printed
 
 
 def test_closed_loop_request_counts():

@@ -1,7 +1,8 @@
 """`prefix-service bench` / `scripts/bench_prefix.py`: our engine with and without named prefixes,
-transformers baselines and the gRPC server, on the same model, machine and token ids.
+transformers baselines, the gRPC server and vLLM's server, on the same model, machine and token ids.
 
-Prints a table, writes JSON (schema: docs/benchmarks.md) and a p99-latency-vs-QPS plot.
+Prints a table, writes JSON (schema: docs/benchmarks.md), a p99-latency-vs-QPS plot and a
+throughput/TTFT-vs-concurrency plot.
 """
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ from prefix_service.bench.systems import SYSTEMS
 from prefix_service.bench.workloads import WORKLOADS
 
 REPO = Path(__file__).resolve().parents[2]
-DESCRIPTION = ("Benchmark operator-named prefixes: our engine with and without them, transformers baselines and "
-               "the gRPC server, on the same model, machine and token ids. Prints a table, writes JSON and a plot.")
+DESCRIPTION = ("Benchmark operator-named prefixes: our engine with and without them, transformers baselines, "
+               "the gRPC server and vLLM's server (where `make bench-peers` installed it), on the same model, "
+               "machine and token ids. Prints a table, writes JSON and plots.")
 
 EPILOG = """\
 examples:
   prefix-service bench --quick                      # all systems, intent + no_shared, under 3 minutes
   prefix-service bench --json bench_out/full.json   # the full run of docs/benchmarks.md
   prefix-service bench --systems engine_prefix,engine_no_prefix --workloads intent --concurrency 1,16
+  prefix-service bench --systems grpc_prefix,vllm_apc --workloads intent --modes closed_loop  # ours vs vLLM
 """
 
 
@@ -156,15 +159,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(report.markdown(out), encoding="utf-8")
     plot = args.plot or str(Path(args.json).with_suffix(".png"))
-    plotted = report.plot_open_loop(plot, result["records"], plan.slo_ms, f"{Path(out['model']['path']).name}, "
-                                    f"{out['machine']['cpu_count']} CPU cores")
+    title = f"{Path(out['model']['path']).name}, {out['machine']['cpu_count']} CPU cores"
+    plotted = report.plot_open_loop(plot, result["records"], plan.slo_ms, title)
+    by_concurrency = str(Path(plot).with_name(Path(plot).stem + "-concurrency.png"))
+    plotted_c = report.plot_concurrency(by_concurrency, result["records"], title)
     print(report.records_table(result["records"]))
     if any(r["mode"] == "open_loop" for r in result["records"]):
         print(f"\nopen loop (SLO: p99 end-to-end < {plan.slo_ms:.0f} ms)")
         print(report.open_loop_table(result["records"]))
     print("\ntargets")
     print(report.targets_table(out["targets"]))
-    print(f"\nJSON: {args.json}" + (f"\nplot: {plot}" if plotted else "") + f"\ntook {out['duration_s']:.0f} s")
+    for name, why in result["extra"].get("skipped_systems", {}).items():
+        print(f"skipped {name}: {why}")
+    print(f"\nJSON: {args.json}" + (f"\nplot: {plot}" if plotted else "")
+          + (f"\nplot: {by_concurrency}" if plotted_c else "") + f"\ntook {out['duration_s']:.0f} s")
     return 0
 
 

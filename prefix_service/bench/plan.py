@@ -70,9 +70,9 @@ class Plan:
     closed_min_requests: int = 2
     closed_rounds: int = 1
     caps: Pairs = (("hf_generate", 4), ("hf_prompt_cache", 4), ("engine_no_prefix", 16), ("grpc_no_prefix", 16),
-                   ("hf_generate_batch", 16))
+                   ("hf_generate_batch", 16), ("vllm_no_apc", 16))
     open_workloads: tuple[str, ...] = ("intent",)
-    open_systems: tuple[str, ...] = ("grpc_prefix", "grpc_no_prefix")
+    open_systems: tuple[str, ...] = ("grpc_prefix", "grpc_no_prefix", "vllm_apc", "vllm_no_apc")
     qps: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
     open_duration_s: float = 30.0  # arrivals per rate; the rate's requests then drain
     open_min_requests: int = 4
@@ -120,7 +120,8 @@ QUICK = Plan(
     single_requests=1,
     single_by_workload=(),
     closed=(ClosedSpec("intent", (4,)),),
-    caps=(("hf_generate", 1), ("hf_prompt_cache", 1), ("engine_no_prefix", 1), ("grpc_no_prefix", 1)),
+    caps=(("hf_generate", 1), ("hf_prompt_cache", 1), ("engine_no_prefix", 1), ("grpc_no_prefix", 1),
+          ("vllm_no_apc", 1)),
     open_stop_factor=0.0,  # exactly the two rates
     qps=(0.25, 1.0),
     open_duration_s=6.0,

