@@ -310,6 +310,34 @@ def test_decode_over_packed_templates():
 
 
 @needs_native
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 2), (4, 4)])
+def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
+    """Twenty decodes, most on one of two packed templates (read once per group of tiles), some on
+    none: each equals attention in float64, and bit for bit the same sequence decoded alone."""
+    bs, d = 4, 32
+    g = torch.Generator().manual_seed(hq)
+    templates = []
+    for blocks in (3, 5):
+        kt, vt = torch.randn(blocks * bs, hkv, d, generator=g), torch.randn(blocks * bs, hkv, d, generator=g)
+        templates.append((kt, vt, (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), blocks * bs)))
+    which = [0, 1, None, 0, 0, 1, 0, None, 1, 0, 0, 0, 1, 0, 0, None, 0, 1, 0, 0]
+    lens = [(3 if w == 0 else 5) * bs + 1 + i % 7 if w is not None else 2 + i for i, w in enumerate(which)]
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=hq + 1)
+    packed = [templates[w][2] if w is not None else None for w in which]
+    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.3, templates=packed)
+    for i, (w, n) in enumerate(zip(which, lens)):
+        k, v = kc[rows[i]].flatten(0, 1)[:n], vc[rows[i]].flatten(0, 1)[:n]
+        if w is not None:
+            kt, vt, packed_w = templates[w]
+            r = packed_w[2]
+            k, v = torch.cat([kt, k[r:]]), torch.cat([vt, v[r:]])
+        assert (got[i:i + 1].double() - reference(q[i:i + 1], k, v, 0.3)).abs().max().item() < 2e-6, i
+        alone = cpu_attention.decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], ctx[i:i + 1], 0.3,
+                                               templates=[packed[i]] if w is not None else None)
+        assert torch.equal(alone, got[i:i + 1]), i
+
+
+@needs_native
 def test_decode_bad_input_is_refused():
     q, kc, vc, tables, ctx, _ = paged_case([5, 9], 4, 4, 2, 16)
     with pytest.raises(cpu_attention.NativeAttentionError, match="contiguous float32"):

@@ -183,7 +183,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         vt_ptrs.data_ptr() if vt_ptrs is not None else None,
         kn.data_ptr() if kn is not None else None, _rows(kn, "k") if kn is not None else 0,
         vn.data_ptr() if vn is not None else None, _rows(vn, "v") if vn is not None else 0,
-        slots.data_ptr() if slots is not None else None, blocks)
+        slots.data_ptr() if slots is not None else None, blocks, None)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out

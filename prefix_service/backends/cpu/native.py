@@ -39,7 +39,8 @@ SIGNATURES = {
                               _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _ptr], _i32),
     "ps_prefill_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
-                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32], _i32),
+                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _ptr], _i32),
+    "ps_decode_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
@@ -48,7 +49,7 @@ SIGNATURES = {
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
                           _ptr, _i32], _i32),
-    "ps_stack_scratch_floats": ([_i32, _i32, _i32, _i32, _i32, _i32, _i32], _i64),
+    "ps_stack_scratch_floats": ([_i32, _i32, _i32, _i32, _i32, _i32, _i32, _i32], _i64),
     "ps_copy_blocks": ([_ptr, _i32, _i32, _i64, _ptr, _i32], _i32),
     "ps_timers": ([_i32, _ptr], None),
 }

@@ -188,7 +188,7 @@ class DecoderStack:
         max_keys = int((plan.prefill_info[:, 0] + plan.prefill_info[:, 1] - plan.prefill_info[:, 2]).max()) if n_pre else 0
         pending_floats = -(-t * self.hidden // 16) * 16
         need = pending_floats + lib.ps_stack_scratch_floats(t, self.hidden, self.hq, self.hkv, self.head_dim, self.inter,
-                                                            max_keys)
+                                                            nd, max_keys)
         if self.workspace.numel() < need:
             self.workspace = torch.empty(need, dtype=torch.float32)
         pending = self.workspace[:t * self.hidden].view(t, self.hidden)

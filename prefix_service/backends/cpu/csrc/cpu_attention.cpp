@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -48,12 +49,13 @@ constexpr int MAX_D = 256;    // largest head size handled
 
 using ps::exp_ps;  // scores minus their row maximum: x <= 0
 
-// S[r][0 : 16 NP] = Qs[r] . K for NP panels of 16 keys (panel j at kp + j * D * KP).
-template <int NP>
+// S[r][0 : 16 NP] = Qs[r] . K for the first R rows and NP panels of 16 keys (panel j at kp + j * D * KP).
+// A row's sums are the same whatever R: rows share only the loads.
+template <int NP, int R>
 inline void qk_tile(const float* qs, int d_len, const float* kp, float* s) {
-  __m512 acc[MR][NP];
+  __m512 acc[R][NP];
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int d = 0; d < d_len; ++d) {
@@ -61,24 +63,24 @@ inline void qk_tile(const float* qs, int d_len, const float* kp, float* s) {
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) kv[j] = _mm512_loadu_ps(kp + (int64_t)j * d_len * KP + d * KP);
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 qb = _mm512_set1_ps(qs[r * MAX_D + d]);
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(qb, kv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) _mm512_storeu_ps(s + r * KC + j * KP, acc[r][j]);
 }
 
-// O[r][c0 : c0 + 16 NV] = alpha[r] * O[r][...] + sum_j P[r][j] V[j][...], j < nk.
-template <int NV>
+// O[r][c0 : c0 + 16 NV] = alpha[r] * O[r][...] + sum_j P[r][j] V[j][...], j < nk, for the first R rows.
+template <int NV, int R>
 inline void pv_tile(const float* p, int nk, const float* v, int64_t v_stride, float* o, const float* alpha) {
-  __m512 acc[MR][NV];
+  __m512 acc[R][NV];
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) {
+  for (int r = 0; r < R; ++r) {
     const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * MAX_D + c * KP), a);
@@ -89,35 +91,61 @@ inline void pv_tile(const float* p, int nk, const float* v, int64_t v_stride, fl
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vj + c * KP);
 #pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
+    for (int r = 0; r < R; ++r) {
       const __m512 pb = _mm512_set1_ps(p[r * KC + j]);
 #pragma GCC unroll 4
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * MAX_D + c * KP, acc[r][c]);
 }
 
-inline void qk_any(int np, const float* qs, int d_len, const float* kp, float* s) {
+template <int R>
+inline void qk_panels(int np, const float* qs, int d_len, const float* kp, float* s) {
   switch (np) {
-    case 1: qk_tile<1>(qs, d_len, kp, s); break;
-    case 2: qk_tile<2>(qs, d_len, kp, s); break;
-    case 3: qk_tile<3>(qs, d_len, kp, s); break;
-    default: qk_tile<4>(qs, d_len, kp, s); break;
+    case 1: qk_tile<1, R>(qs, d_len, kp, s); break;
+    case 2: qk_tile<2, R>(qs, d_len, kp, s); break;
+    case 3: qk_tile<3, R>(qs, d_len, kp, s); break;
+    default: qk_tile<4, R>(qs, d_len, kp, s); break;
   }
 }
 
-inline void pv_any(const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len, const float* alpha) {
+inline void qk_any(int rows, int np, const float* qs, int d_len, const float* kp, float* s) {
+  switch (rows) {
+    case 1: qk_panels<1>(np, qs, d_len, kp, s); break;
+    case 2: qk_panels<2>(np, qs, d_len, kp, s); break;
+    case 3: qk_panels<3>(np, qs, d_len, kp, s); break;
+    case 4: qk_panels<4>(np, qs, d_len, kp, s); break;
+    case 5: qk_panels<5>(np, qs, d_len, kp, s); break;
+    default: qk_panels<MR>(np, qs, d_len, kp, s); break;
+  }
+}
+
+template <int R>
+inline void pv_columns(const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len,
+                       const float* alpha) {
   for (int c0 = 0; c0 < d_len; c0 += 4 * KP) {  // the head's columns, 64 at a time
     switch ((d_len - c0) >= 4 * KP ? 4 : (d_len - c0) / KP) {
-      case 1: pv_tile<1>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-      case 2: pv_tile<2>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-      case 3: pv_tile<3>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-      default: pv_tile<4>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      case 1: pv_tile<1, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      case 2: pv_tile<2, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      case 3: pv_tile<3, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      default: pv_tile<4, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
     }
+  }
+}
+
+inline void pv_any(int rows, const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len,
+                   const float* alpha) {
+  switch (rows) {
+    case 1: pv_columns<1>(p, nk, v, v_stride, o, d_len, alpha); break;
+    case 2: pv_columns<2>(p, nk, v, v_stride, o, d_len, alpha); break;
+    case 3: pv_columns<3>(p, nk, v, v_stride, o, d_len, alpha); break;
+    case 4: pv_columns<4>(p, nk, v, v_stride, o, d_len, alpha); break;
+    case 5: pv_columns<5>(p, nk, v, v_stride, o, d_len, alpha); break;
+    default: pv_columns<MR>(p, nk, v, v_stride, o, d_len, alpha); break;
   }
 }
 
@@ -134,12 +162,13 @@ struct Tile {
   float m[MR], l[MR], alpha[MR];
 };
 
-// One chunk of nk <= KC keys: K panels at kp, V rows at v (stride v_stride); row r sees the first
-// valid[r] of them.
-inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, int64_t v_stride, const int* valid) {
-  qk_any((nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
+// One chunk of nk <= KC keys for the tile's first `rows` rows: K panels at kp, V rows at v (stride
+// v_stride); row r sees the first valid[r] of them.
+inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, int64_t v_stride, const int* valid,
+                  int rows = MR) {
+  qk_any(rows, (nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int r = 0; r < MR; ++r) {
+  for (int r = 0; r < rows; ++r) {
     float* s = t.s + r * KC;
     const int n = valid[r];
     if (n <= 0) {  // nothing visible in this chunk: state unchanged
@@ -165,7 +194,7 @@ inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, i
     t.l[r] = t.l[r] * t.alpha[r] + _mm512_reduce_add_ps(sum);
     t.m[r] = m_new;
   }
-  pv_any(t.s, nk, v, v_stride, t.o, d_len, t.alpha);
+  pv_any(rows, t.s, nk, v, v_stride, t.o, d_len, t.alpha);
 }
 
 // Row r of a tile starts: its scaled query from src, an empty output and softmax state.
@@ -176,13 +205,14 @@ inline void start_row(Tile& t, int r, const float* src, int d_len, float scale) 
   t.l[r] = 0.0f;
 }
 
-// Every row of the tile over a packed template's r_len keys, all visible (K panels at kt_h, V rows at vt_h).
-inline void attend_template(Tile& t, int d_len, const float* kt_h, const float* vt_h, int r_len) {
+// The tile's first `rows` rows over a packed template's r_len keys, all visible (K panels at kt_h, V
+// rows at vt_h).
+inline void attend_template(Tile& t, int d_len, const float* kt_h, const float* vt_h, int r_len, int rows) {
   int valid[MR];
   for (int c0 = 0; c0 < r_len; c0 += KC) {
     const int nk = r_len - c0 < KC ? r_len - c0 : KC;
     for (int r = 0; r < MR; ++r) valid[r] = nk;
-    chunk(t, d_len, kt_h + (int64_t)(c0 / KP) * d_len * KP, nk, vt_h + (int64_t)c0 * d_len, d_len, valid);
+    chunk(t, d_len, kt_h + (int64_t)(c0 / KP) * d_len * KP, nk, vt_h + (int64_t)c0 * d_len, d_len, valid, rows);
   }
 }
 
@@ -201,6 +231,51 @@ inline void store_rows(const float* k, int64_t k_stride, const float* v, int64_t
   for (int i = 0; i < n; ++i) {
     std::memcpy(k_cache + slots[i] * slot_floats, k + i * k_stride, sizeof(float) * slot_floats);
     std::memcpy(v_cache + slots[i] * slot_floats, v + i * v_stride, sizeof(float) * slot_floats);
+  }
+}
+
+// The 16 x 16 floats of r[0..15] transposed: afterwards r[k] holds what was column k.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  const auto lo = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  const auto hi = [](__m512 a, __m512 b) {
+    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
+  };
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = lo(t[i], t[i + 2]);
+    r[i + 1] = hi(t[i], t[i + 2]);
+    r[i + 2] = lo(t[i + 1], t[i + 3]);
+    r[i + 3] = hi(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0x88);
+      t[i + 4 + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
+// The keys of nk <= KC tokens as panels [D][16] at kp, in the layout qk_tile reads (the unused keys
+// of the last panel zero); key j's D floats at rows[j]. 16 keys at a time, transposed in registers.
+inline void gather_panels(float* kp, const float* const* rows, int nk, int d_len) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int p0 = 0; p0 < nk; p0 += KP) {
+    float* panel = kp + (int64_t)(p0 / KP) * d_len * KP;
+    for (int d0 = 0; d0 < d_len; d0 += KP) {
+      __m512 r[KP];
+      for (int k = 0; k < KP; ++k) r[k] = p0 + k < nk ? _mm512_loadu_ps(rows[p0 + k] + d0) : zero;
+      transpose16(r);
+      for (int k = 0; k < KP; ++k) _mm512_storeu_ps(panel + (int64_t)(d0 + k) * KP, r[k]);
+    }
   }
 }
 
@@ -284,18 +359,15 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
 #pragma omp for schedule(static)
     for (int64_t hp = 0; hp < (int64_t)hkv * c_panels; ++hp) {
       const int h = (int)(hp / c_panels), pnl = (int)(hp % c_panels);
-      float* dst = kb + hp * panel_floats;
-      for (int k = 0; k < KP; ++k) {
+      const int n = c_len - pnl * KP < KP ? c_len - pnl * KP : KP;  // this panel's keys
+      const float* key_rows[KP];
+      for (int k = 0; k < n; ++k) {
         const int key = pnl * KP + k;
-        if (key < c_len) {
-          const float* src = key_row(k_cache, kn, kn_stride, key) + (int64_t)h * d_len;
-          for (int d = 0; d < d_len; ++d) dst[d * KP + k] = src[d];
-          std::memcpy(vb + ((int64_t)h * c_len + key) * d_len, key_row(v_cache, vn, vn_stride, key) + (int64_t)h * d_len,
-                      sizeof(float) * d_len);
-        } else {
-          for (int d = 0; d < d_len; ++d) dst[d * KP + k] = 0.0f;
-        }
+        key_rows[k] = key_row(k_cache, kn, kn_stride, key) + (int64_t)h * d_len;
+        std::memcpy(vb + ((int64_t)h * c_len + key) * d_len, key_row(v_cache, vn, vn_stride, key) + (int64_t)h * d_len,
+                    sizeof(float) * d_len);
       }
+      gather_panels(kb + hp * panel_floats, key_rows, n, d_len);
     }
     Tile t;
     int valid[MR];
@@ -303,6 +375,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
 #pragma omp for schedule(static, 1)
     for (int64_t task = 0; task < (int64_t)hkv * tiles; ++task) {
       const int h = (int)(task / tiles), r0 = (int)(task % tiles) * MR;
+      const int real = rows - r0 < MR ? rows - r0 : MR;  // the tile's real rows: no work for padding ones
       int last_visible = 0;  // segment B keys seen by the tile's last row
       for (int r = 0; r < MR; ++r) {
         const int row = r0 + r < rows ? r0 + r : rows - 1;  // a padding row repeats the last one
@@ -312,7 +385,8 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
         if (visible > last_visible) last_visible = visible;
       }
       if (r_len > 0)  // A: every key visible
-        attend_template(t, d_len, kt + (int64_t)h * r_panels * panel_floats, vt + (int64_t)h * r_len * d_len, r_len);
+        attend_template(t, d_len, kt + (int64_t)h * r_panels * panel_floats, vt + (int64_t)h * r_len * d_len, r_len,
+                        real);
       const float* kb_h = kb + (int64_t)h * c_panels * panel_floats;
       const float* vb_h = vb + (int64_t)h * c_len * d_len;
       for (int c0 = 0; c0 < last_visible; c0 += KC) {  // B: causal
@@ -321,7 +395,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
           const int n = c_len - m_len + tok[r] + 1 - c0;
           valid[r] = n < 0 ? 0 : n > nk ? nk : n;
         }
-        chunk(t, d_len, kb_h + (int64_t)(c0 / KP) * panel_floats, nk, vb_h + (int64_t)c0 * d_len, d_len, valid);
+        chunk(t, d_len, kb_h + (int64_t)(c0 / KP) * panel_floats, nk, vb_h + (int64_t)c0 * d_len, d_len, valid, real);
       }
       for (int r = 0; r < MR && r0 + r < rows; ++r)
         store_row(t, r, out + tok[r] * out_stride + (int64_t)(h * g + (r0 + r) % g) * d_len, d_len);
@@ -332,25 +406,38 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
 #endif
 }
 
+// The floats of scratch ps_decode_attention needs for n_seq sequences of hq query heads: each
+// query row's softmax state after its template (unnormalised output, running maximum, sum).
+extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
+  return ((int64_t)n_seq * hq * (d_len + 2) + KP - 1) / KP * KP;
+}
+
 // Decode attention: n_seq sequences, one new token each, over their paged cache
 // (k_cache/v_cache [blocks][block_size][Hkv][D]; the new tokens' K/V already stored, or stored
 // first from kn/vn into `slots` when slots is not null; num_blocks bounds the slots). Sequence n
 // sees context_lens[n] tokens through its block table; where kt_ptrs[n] is not 0 its first
 // skip_blocks[n] blocks come instead from a packed template (the layout of segment A above).
-// Work is split over (sequence, KV head, tile of query heads); cache keys are gathered 64 at a
-// time into panels in a per-thread buffer.
+//
+// Two passes in one parallel region. A: the sequences that read the same packed template attend
+// to it together: per KV head, the query heads of all of them are the rows of tiles that walk the
+// template's keys 64 at a time, each chunk serving every tile while it is in cache, so the
+// template is read from memory once per (KV head, block of tiles) instead of once per sequence;
+// each row's softmax state is kept in `scratch` (ps_decode_scratch_floats; null: the call
+// allocates it). B: each sequence's rest of context, through its block table, per (sequence, KV
+// head, tile of query heads), from that state: cache keys are gathered 64 at a time into panels
+// in a per-thread buffer. A row's arithmetic is the same whatever rows share its tile.
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                    int n_seq, int hq, int hkv, int d_len, float scale,
                                    float* k_cache, float* v_cache, int block_size,
                                    const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
                                    const int32_t* skip_blocks, const int64_t* kt_ptrs, const int64_t* vt_ptrs,
                                    const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
-                                   const int64_t* slots, int num_blocks) {
+                                   const int64_t* slots, int num_blocks, float* scratch) {
 #if !defined(__AVX512F__)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)n_seq; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)k_cache; (void)v_cache; (void)block_size; (void)block_tables; (void)table_stride;
   (void)context_lens; (void)skip_blocks; (void)kt_ptrs; (void)vt_ptrs; (void)kn; (void)kn_stride; (void)vn;
-  (void)vn_stride; (void)slots; (void)num_blocks;
+  (void)vn_stride; (void)slots; (void)num_blocks; (void)scratch;
   return 1;
 #else
   ps::TimerScope timer(ps::kAttention);
@@ -360,13 +447,103 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   const int64_t slot_stride = (int64_t)hkv * d_len;
   const int64_t block_floats = (int64_t)block_size * slot_stride;
   const int64_t panel_floats = (int64_t)d_len * KP;
+  const int64_t state_floats = d_len + 2;  // a row's output, then its maximum and sum
   if (slots != nullptr && !slots_fit(slots, n_seq, (int64_t)num_blocks * block_size)) return 4;
+
+  // the sequences with a template, grouped by it (members[group_start[i] .. group_start[i + 1]))
+  int* members = static_cast<int*>(std::malloc(sizeof(int) * 2 * ((size_t)n_seq + 1)));
+  if (members == nullptr) return 3;
+  int* group_start = members + n_seq;
+  int n_groups = 0, n_members = 0;
+  if (kt_ptrs != nullptr)
+    for (int n = 0; n < n_seq; ++n) {
+      if (kt_ptrs[n] == 0) continue;
+      bool seen = false;  // a member of an earlier group
+      for (int i = 0; i < n_members && !seen; ++i) seen = kt_ptrs[members[i]] == kt_ptrs[n];
+      if (seen) continue;
+      group_start[n_groups++] = n_members;
+      for (int m = n; m < n_seq; ++m)
+        if (kt_ptrs[m] == kt_ptrs[n] && skip_blocks[m] == skip_blocks[n]) members[n_members++] = m;
+    }
+  group_start[n_groups] = n_members;
+  float* owned = nullptr;
+  float* state = scratch;
+  if (n_groups > 0 && state == nullptr) {
+    owned = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * ps_decode_scratch_floats(n_seq, hq, d_len)));
+    if (owned == nullptr) {
+      std::free(members);
+      return 3;
+    }
+    state = owned;
+  }
+  // pass A's tasks: (group, KV head, block of up to TB tiles), at least two per thread where the rows allow
+  constexpr int TB = 8;
+  const int threads = omp_get_max_threads();
+  int blocks_per_head = 0;  // the same for every group: the largest group's tiles decide
+  int max_tiles = 0;
+  for (int i = 0; i < n_groups; ++i) {
+    const int rows = (group_start[i + 1] - group_start[i]) * g;
+    const int t = (rows + MR - 1) / MR;
+    if (t > max_tiles) max_tiles = t;
+  }
+  if (n_groups > 0) {
+    blocks_per_head = (max_tiles + TB - 1) / TB;
+    const int want = (2 * threads + n_groups * hkv - 1) / (n_groups * hkv);
+    if (blocks_per_head < want) blocks_per_head = want < max_tiles ? want : max_tiles;
+  }
   int status = 0;
 #pragma omp parallel
   {
     if (slots != nullptr) {  // the new tokens' K/V first: each sequence reads its own
       store_rows(kn, kn_stride, vn, vn_stride, n_seq, slots, k_cache, v_cache, slot_stride);
 #pragma omp barrier
+    }
+    int valid[MR];
+    if (n_groups > 0) {  // A: templates, read once per (KV head, block of tiles)
+      Tile* block = new (std::nothrow) Tile[TB];
+      if (block == nullptr) {
+#pragma omp atomic write
+        status = 3;
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < (int64_t)n_groups * hkv * blocks_per_head; ++task) {
+        if (block == nullptr) continue;
+        const int gi = (int)(task / ((int64_t)hkv * blocks_per_head));
+        const int h = (int)((task / blocks_per_head) % hkv);
+        const int b = (int)(task % blocks_per_head);
+        const int* seqs = members + group_start[gi];
+        const int rows = (group_start[gi + 1] - group_start[gi]) * g;
+        const int n_tiles = (rows + MR - 1) / MR;
+        const int t0 = (int)((int64_t)n_tiles * b / blocks_per_head), t1 = (int)((int64_t)n_tiles * (b + 1) / blocks_per_head);
+        for (int ti = t0; ti < t1; ++ti)
+          for (int r = 0; r < MR; ++r) {
+            const int row = ti * MR + r < rows ? ti * MR + r : rows - 1;  // a padding row repeats the last one
+            start_row(block[ti - t0], r, q + seqs[row / g] * q_stride + (int64_t)(h * g + row % g) * d_len, d_len,
+                      scale);
+          }
+        const int n0 = seqs[0];
+        const int r_len = skip_blocks[n0] * block_size;
+        const int r_panels = (r_len + KP - 1) / KP;
+        const float* kt_h = reinterpret_cast<const float*>(kt_ptrs[n0]) + (int64_t)h * r_panels * panel_floats;
+        const float* vt_h = reinterpret_cast<const float*>(vt_ptrs[n0]) + (int64_t)h * r_len * d_len;
+        for (int c0 = 0; c0 < r_len; c0 += KC) {
+          const int nk = r_len - c0 < KC ? r_len - c0 : KC;
+          for (int r = 0; r < MR; ++r) valid[r] = nk;
+          for (int ti = t0; ti < t1; ++ti)
+            chunk(block[ti - t0], d_len, kt_h + (int64_t)(c0 / KP) * panel_floats, nk, vt_h + (int64_t)c0 * d_len,
+                  d_len, valid, rows - ti * MR < MR ? rows - ti * MR : MR);
+        }
+        for (int ti = t0; ti < t1; ++ti)
+          for (int r = 0; r < MR && ti * MR + r < rows; ++r) {
+            const int row = ti * MR + r;
+            const Tile& t = block[ti - t0];
+            float* st = state + ((int64_t)seqs[row / g] * hq + h * g + row % g) * state_floats;
+            std::memcpy(st, t.o + r * MAX_D, sizeof(float) * d_len);
+            st[d_len] = t.m[r];
+            st[d_len + 1] = t.l[r];
+          }
+      }
+      delete[] block;  // (the loop's end is a barrier: every state is written before B reads it)
     }
     float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
     float* vbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
@@ -375,44 +552,40 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       status = 3;
     }
     Tile t;
-    int valid[MR];
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < (int64_t)n_seq * hkv * tiles; ++task) {
-      if (kbuf == nullptr || vbuf == nullptr) continue;
+    for (int64_t task = 0; task < (int64_t)n_seq * hkv * tiles; ++task) {  // B: the rest of each context
+      if (kbuf == nullptr || vbuf == nullptr || status != 0) continue;
       const int n = (int)(task / ((int64_t)hkv * tiles));
       const int h = (int)((task / tiles) % hkv);
       const int g0 = (int)(task % tiles) * MR;
+      const bool templated = kt_ptrs != nullptr && kt_ptrs[n] != 0;
       for (int r = 0; r < MR; ++r) {
         const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
         start_row(t, r, q + n * q_stride + (int64_t)(h * g + gg) * d_len, d_len, scale);
+        if (templated) {  // from its state after the template (pass A)
+          const float* st = state + ((int64_t)n * hq + h * g + gg) * state_floats;
+          std::memcpy(t.o + r * MAX_D, st, sizeof(float) * d_len);
+          t.m[r] = st[d_len];
+          t.l[r] = st[d_len + 1];
+        }
       }
-      int first = 0;  // first cache token to read
-      if (kt_ptrs != nullptr && kt_ptrs[n] != 0) {
-        const int r_len = skip_blocks[n] * block_size;
-        const int r_panels = (r_len + KP - 1) / KP;
-        attend_template(t, d_len, reinterpret_cast<const float*>(kt_ptrs[n]) + (int64_t)h * r_panels * panel_floats,
-                        reinterpret_cast<const float*>(vt_ptrs[n]) + (int64_t)h * r_len * d_len, r_len);
-        first = r_len;
-      }
+      const int first = templated ? skip_blocks[n] * block_size : 0;  // first cache token to read
       const int ctx = context_lens[n];
       const int32_t* table = block_tables + n * table_stride;
+      const int heads = g - g0 < MR ? g - g0 : MR;  // the tile's real rows: no work for padding ones
+      const float* key_rows[KC];
       for (int c0 = first; c0 < ctx; c0 += KC) {
         const int nk = ctx - c0 < KC ? ctx - c0 : KC;
         for (int j = 0; j < nk; ++j) {
           const int tok = c0 + j;
           const int64_t base = (int64_t)table[tok / block_size] * block_floats
                                + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
-          float* kp = kbuf + (j / KP) * panel_floats + j % KP;
-          const float* ks = k_cache + base;
-          for (int d = 0; d < d_len; ++d) kp[d * KP] = ks[d];
+          key_rows[j] = k_cache + base;
           std::memcpy(vbuf + (int64_t)j * d_len, v_cache + base, sizeof(float) * d_len);
         }
-        for (int j = nk; j % KP != 0; ++j) {  // the last panel's unused keys
-          float* kp = kbuf + (j / KP) * panel_floats + j % KP;
-          for (int d = 0; d < d_len; ++d) kp[d * KP] = 0.0f;
-        }
+        gather_panels(kbuf, key_rows, nk, d_len);
         for (int r = 0; r < MR; ++r) valid[r] = nk;
-        chunk(t, d_len, kbuf, nk, vbuf, d_len, valid);
+        chunk(t, d_len, kbuf, nk, vbuf, d_len, valid, heads);
       }
       for (int r = 0; r < MR && g0 + r < g; ++r)
         store_row(t, r, out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len, d_len);
@@ -420,6 +593,8 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
     std::free(kbuf);
     std::free(vbuf);
   }
+  std::free(owned);
+  std::free(members);
   return status;
 #endif
 }

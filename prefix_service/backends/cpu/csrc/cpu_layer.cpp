@@ -39,6 +39,7 @@ extern "C" void ps_timers(int on, int64_t* totals) {
 }
 
 extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len);
+extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len);
 
 namespace {
 
@@ -103,16 +104,18 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
                                    int block_size, const int32_t* block_tables, int64_t table_stride,
                                    const int32_t* context_lens, const int32_t* skip_blocks, const int64_t* kt_ptrs,
                                    const int64_t* vt_ptrs, const float* kn, int64_t kn_stride, const float* vn,
-                                   int64_t vn_stride, const int64_t* slots, int num_blocks);
+                                   int64_t vn_stride, const int64_t* slots, int num_blocks, float* scratch);
 
-// The scratch floats ps_decoder_stack needs for a step of `rows` rows whose largest prefill attends
-// over `max_keys` keys after its packed template (its cached context after it, and its new tokens).
+// The scratch floats ps_decoder_stack needs for a step of `rows` rows, n_dec of them decodes, whose
+// largest prefill attends over `max_keys` keys after its packed template (its cached context after
+// it, and its new tokens). The attention calls take their scratch one after another, from one region.
 extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv, int head_dim, int inter,
-                                           int max_keys) {
+                                           int n_dec, int max_keys) {
   const int64_t q_size = (int64_t)hq * head_dim, n_qkv = q_size + 2 * (int64_t)hkv * head_dim;
+  const int64_t prefill = max_keys > 0 ? ps_prefill_scratch_floats(hkv, head_dim, max_keys) : 0;
+  const int64_t decode = n_dec > 0 ? ps_decode_scratch_floats(n_dec, hq, head_dim) : 0;
   return round16(rows * n_qkv) + round16(rows * q_size) + 2 * round16((int64_t)rows * hidden) +
-         round16((int64_t)rows * 2 * inter) + round16((int64_t)rows * inter) +
-         (max_keys > 0 ? ps_prefill_scratch_floats(hkv, head_dim, max_keys) : 0);
+         round16((int64_t)rows * 2 * inter) + round16((int64_t)rows * inter) + (prefill > decode ? prefill : decode);
 }
 
 // A whole decoder stack over one step, each layer the kernels' calls in order (layer_qkv, then
@@ -147,7 +150,7 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
   float* o = take.take((int64_t)rows * hidden);
   float* gate_up = take.take((int64_t)rows * 2 * inter);
   float* act = take.take((int64_t)rows * inter);
-  float* keys = take.next;  // the prefill attention's: its segment B's K panels and V rows
+  float* keys = take.next;  // the attention calls': decode states, a prefill's segment B K panels and V rows
   int64_t* kt = nullptr;  // the decodes' template pointers of one layer
   if (n_dec > 0 && dec_skip != nullptr) {
     kt = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 2 * (size_t)n_dec));
@@ -171,7 +174,7 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
       code = ps_decode_attention(qkv, n_qkv, attn, q_size, n_dec, hq, hkv, head_dim, scale, k_cache, v_cache,
                                  block_size, dec_tables, dec_stride, dec_ctx, dec_skip, kt,
                                  kt != nullptr ? kt + n_dec : nullptr, qkv + q_size, n_qkv,
-                                 qkv + q_size + kv_size, n_qkv, slots, num_blocks);
+                                 qkv + q_size + kv_size, n_qkv, slots, num_blocks, keys);
     }
     int64_t start = n_dec;
     for (int i = 0; i < n_pre && code == 0; ++i) {
