@@ -145,3 +145,13 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
     assert all(r["num_requests"] == 12 and r["num_failed"] == 0 and r["in_turns"] and r["turns"] == 3
                for r in records.values())
     assert records["a"]["peak_kv_blocks"] == 7 and records["b"]["peak_kv_blocks"] is None
+
+
+def test_closed_turns_and_concurrency_options_shape_the_intent_spec():
+    from prefix_service.bench.main import build_parser, plan_from_args
+    plan = plan_from_args(build_parser().parse_args(["--closed-turns", "3", "--closed-rounds", "3"]))
+    specs = {s.workload: s for s in plan.closed}
+    assert (specs["intent"].concurrencies, specs["intent"].turns) == ((1, 4, 16, 64), 3)
+    assert specs["no_shared"].turns == 4  # the regression check keeps its own
+    plan = plan_from_args(build_parser().parse_args(["--concurrency", "16,64"]))
+    assert {s.workload: (s.concurrencies, s.turns) for s in plan.closed}["intent"] == ((16, 64), 0)

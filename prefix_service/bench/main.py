@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--concurrency", type=_ints, metavar="LIST", help="closed loop on the intent workload, e.g. 1,4,16,64")
     g.add_argument("--closed-min-requests", type=int, metavar="N", help="requests per closed-loop run (at least)")
     g.add_argument("--closed-rounds", type=int, metavar="N", help="closed loop: requests per client")
+    g.add_argument("--closed-turns", type=int, metavar="N",
+                   help="closed loop on intent: the requests in N parts, the systems taking turns part by part "
+                        "(A B, B A, ...), so that the machine's slow spells hit every system alike")
     g.add_argument("--qps", type=_floats, metavar="LIST", help="open loop: offered rates, tried in increasing order")
     g.add_argument("--open-duration-s", type=float, metavar="S", help="open loop: seconds of arrivals per rate")
     g.add_argument("--open-timeout-s", type=float, metavar="S", help="open loop: deadline of each request")
@@ -103,8 +106,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         prompt_tokens=args.prompt_tokens, total_tokens=args.total_tokens, output_tokens=args.output_tokens,
         max_prefix_tokens=args.max_prefix_tokens).items() if v is not None})
     closed = base.closed
-    if args.concurrency:
-        closed = (ClosedSpec("intent", args.concurrency),) + tuple(c for c in closed if c.workload != "intent")
+    if args.concurrency or args.closed_turns:
+        intent = next(c for c in closed if c.workload == "intent")
+        intent = dataclasses.replace(intent, concurrencies=args.concurrency or intent.concurrencies,
+                                     turns=args.closed_turns if args.closed_turns is not None else intent.turns)
+        closed = (intent,) + tuple(c for c in closed if c.workload != "intent")
     return with_overrides(base, workloads=args.workloads, systems=args.systems, modes=args.modes, sizes=sizes,
                           closed=closed,
                           warmup_requests=args.warmup_requests, single_requests=args.single_requests,
