@@ -132,7 +132,7 @@ def test_peer_targets_and_the_concurrency_plot(tmp_path):
         _rec("vllm_apc", "intent", "closed_loop", 64, output_tok_s=450.0, ttft_p50_ms=1500.0),
         _rec("grpc_prefix", "intent", "single", 1, ttft_p50_ms=70.0),
         _rec("vllm_apc", "intent", "single", 1, ttft_p50_ms=120.0),
-        _rec("grpc_prefix", "no_shared", "single", 1, ttft_p50_ms=600.0),
+        _rec("grpc_no_prefix", "no_shared", "single", 1, ttft_p50_ms=600.0),
         _rec("vllm_apc", "no_shared", "single", 1, ttft_p50_ms=590.0),
     ]
     targets = {t["target"]: t for t in report.evaluate_targets(records)}
@@ -142,7 +142,7 @@ def test_peer_targets_and_the_concurrency_plot(tmp_path):
     assert (c64["value"], c64["met"]) == (pytest.approx(500 / 450, rel=1e-3), False)
     ttft = targets["intent TTFT, template cached: vllm_apc / grpc_prefix (p50, single)"]
     assert (ttft["value"], ttft["met"]) == (pytest.approx(120 / 70, rel=1e-3), True)
-    full = targets["no_shared TTFT (a full prefill): grpc_prefix / vllm_apc (p50, single)"]
+    full = targets["no_shared TTFT (a full prefill): grpc_no_prefix / vllm_apc (p50, single)"]
     assert full["met"] is False and full["value"] == pytest.approx(600 / 590, rel=1e-3)
     assert report.evaluate_targets([])[-1]["met"] is None  # a missing figure: not judged
 
