@@ -43,13 +43,15 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float3
     return out[0, len(ids):].tolist(), logits
 
 
-def cpu_has_avx512() -> bool:
-    """The CPU reports AVX-512 Foundation (what the native CPU kernels need)."""
+def cpu_simd() -> str:
+    """The vector instructions the CPU reports that the native CPU kernels can use: "avx512"
+    (AVX-512 Foundation), "avx2" (AVX2 with FMA) or "" (neither)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            return any(line.startswith("flags") and " avx512f" in line for line in fh)
+            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
     except OSError:
-        return False
+        return ""
+    return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else ""
 
 
 PREFIX = [(3 * i + 7) % 500 + 3 for i in range(22)]  # 5 full blocks of 4 + 2

@@ -27,7 +27,7 @@ def test_auto_picks_cpu_where_its_kernels_run_and_says_so(llama_dir, caplog):
     caplog.set_level(logging.INFO, logger="prefix_service.engine")
     arch = read_arch(llama_dir)
     assert select_backend("auto", torch.device("cpu"), torch.float32, arch).name == "cpu"
-    assert "backend cpu: auto, the native CPU kernels run here" in caplog.text
+    assert f"backend cpu ({native.isa()} kernels): auto, the native CPU kernels run here" in caplog.text
     assert select_backend("cpu", torch.device("cpu"), torch.float32, arch).name == "cpu"
     assert select_backend("torch", torch.device("cpu"), torch.float32, arch).name == "torch"
 

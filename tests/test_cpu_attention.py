@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import cpu_has_avx512, greedy
+from helpers import cpu_simd, greedy
 from prefix_service import GenerateRequest
 from prefix_service.backends.base import StepInputs
 from prefix_service.backends.cpu import attention as cpu_attention
@@ -26,7 +26,7 @@ needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU att
 def test_kernel_is_available_wherever_the_native_library_is():
     """The kernel is in the native library, which must build wherever it can (test_cpu_linear.py)."""
     assert REASON == native.load()[1]
-    if native.compiler() is not None and cpu_has_avx512():
+    if native.compiler() is not None and cpu_simd():
         assert REASON is None
 
 

@@ -3,7 +3,7 @@
 | backend | runs | where |
 | --- | --- | --- |
 | `torch` | the model's reference forward; attention in plain torch (SDPA over gathered K/V, cascade decode) | any device; the oracle |
-| `cpu` | the native library: all layers in one call, AVX-512 kernels, templates' K/V packed | a CPU with AVX-512 and a C++ compiler, float32 |
+| `cpu` | the native library: all layers in one call, AVX-512 or AVX2 kernels, templates' K/V packed | an x86-64 CPU with AVX-512 or AVX2 + FMA and a C++ compiler, float32 |
 | `cuda` | the reference forward with cuda_ops' store and concat kernels, FlashAttention varlen, Triton paged decode | a CUDA GPU |
 
 `select_backend` picks one once, from `model.backend` (auto, torch, cpu, cuda), and logs why.
@@ -48,7 +48,9 @@ def select_backend(choice: str, device: torch.device, dtype: torch.dtype, arch: 
         from prefix_service.backends.cpu.backend import CpuBackend
         why = CpuBackend.unsupported(arch, dtype)
         if why is None:
-            log.info("backend cpu: %s", "asked for" if choice == "cpu" else "auto, the native CPU kernels run here")
+            from prefix_service.backends.cpu import native
+            log.info("backend cpu (%s kernels): %s", native.isa(),
+                     "asked for" if choice == "cpu" else "auto, the native CPU kernels run here")
             return CpuBackend
         if choice == "cpu":
             raise ConfigError(f"model.backend: cpu was asked for, but {why}; use auto or torch")

@@ -4,7 +4,7 @@ kernels from C++; `prefill_attention` and `decode_attention` are their checked P
 
 torch's CPU flash kernel does its products with the BLAS torch links, block by block; on small
 head sizes and on CPUs MKL does not tune for, that runs at a fraction of the machine's FLOP rate
-(docs/benchmarks.md). This kernel makes a prefill's scores 64 keys at a time in AVX-512
+(docs/benchmarks.md). This kernel makes a prefill's scores 64 keys at a time in AVX-512 (or AVX2)
 registers, exponentiates them with a polynomial exp, and accumulates P V in the same pass, for
 all query heads of a KV head together, in one OpenMP parallel region on torch's own threads.
 A pinned template's keys may come packed at pin time (PackedTemplate), so a request that
@@ -24,7 +24,7 @@ from prefix_service.backends.cpu import native
 PANEL = 16  # keys per K panel: the layout of pack_keys, as the kernel reads it
 HEAD_SIZES = range(16, 257, 16)  # head sizes the kernel takes
 
-_ERRORS = {1: "the library was built without AVX-512", 2: "unsupported head size or head counts",
+_ERRORS = {1: "the library was built without AVX-512 or AVX2", 2: "unsupported head size or head counts",
            3: "out of memory", 4: "a slot or block id outside the cache"}
 
 

@@ -1,4 +1,4 @@
-"""The cpu backend: the native library's kernels (AVX-512, float32), one forward path.
+"""The cpu backend: the native library's kernels (AVX-512 or AVX2, float32), one forward path.
 
     embedding (torch index_select) -> decoder stack, all layers in one native call (stack.py)
     -> final norm (elementwise.py) -> output head (linear.py), for the rows that are sampled

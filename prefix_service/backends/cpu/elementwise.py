@@ -32,7 +32,7 @@ def _call(name: str, *args) -> None:
     code = getattr(native.require(NativeElementwiseError), name)(*args, torch.get_num_threads())
     if code:
         raise NativeElementwiseError(f"{name} failed with status {code} "
-                                     f"(1: no AVX-512 in this build, 2: odd head size)")
+                                     f"(1: neither AVX-512 nor AVX2 in this build, 2: odd head size)")
 
 
 def _rows(x: torch.Tensor, name: str, dims: int = 2) -> int:

@@ -58,7 +58,7 @@ def _run(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
     args = (x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), n,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
     if lib.ps_linear(*args):
-        raise NativeLinearError("the library was built without AVX-512")
+        raise NativeLinearError("the library was built without AVX-512 or AVX2")
     return out
 
 

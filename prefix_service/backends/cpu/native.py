@@ -6,8 +6,10 @@ that runs them all for a forward (stack.py). It is compiled with the system C++ 
 else `c++`/`g++`/`clang++`), `-march=native`, into `$PREFIX_SERVICE_CACHE_DIR` (default
 `~/.cache/prefix_service`), keyed by the sources, the compiler and the CPU; a few seconds, once
 per machine. The kernels run on torch's OpenMP runtime (the same libgomp, the same threads).
-`load()` says why the library cannot be used (not x86-64 Linux, no compiler, a failed build, no
-AVX-512), and backend selection then falls back to the torch backend.
+The kernels are written once against a 16-float vector (csrc/simd.h) that the build maps onto
+AVX-512 or onto AVX2 with FMA, whichever the CPU has (`isa()`). `load()` says why the library
+cannot be used (not x86-64 Linux, no compiler, a failed build, neither AVX-512 nor AVX2), and
+backend selection then falls back to the torch backend.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ log = logging.getLogger("prefix_service.engine")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp", CSRC / "cpu_layer.cpp")
-HEADERS = (CSRC / "simd_math.h", CSRC / "timers.h")
+HEADERS = (CSRC / "simd.h", CSRC / "timers.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -122,7 +124,7 @@ def unavailable(dtype: torch.dtype) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def load() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library, None) where it builds and the CPU has AVX-512, else (None, the reason)."""
+    """(the library, None) where it builds with AVX-512 or AVX2 + FMA, else (None, the reason)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the native kernels are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
     cxx = compiler()
@@ -135,6 +137,12 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
     for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
-    if lib.ps_isa() != 512:
-        return None, "this CPU has no AVX-512"
+    if lib.ps_isa() not in (256, 512):
+        return None, "this CPU has neither AVX-512 nor AVX2 with FMA"
     return lib, None
+
+
+def isa() -> str:
+    """The instruction set the loaded library computes with: "avx512", "avx2" or "" (not loaded)."""
+    lib = load()[0]
+    return {512: "avx512", 256: "avx2"}.get(lib.ps_isa(), "") if lib is not None else ""

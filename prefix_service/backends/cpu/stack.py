@@ -32,7 +32,7 @@ class NativeLayerError(RuntimeError):
 
 def _status(code: int, name: str) -> None:
     if code:
-        raise NativeLayerError(f"{name} failed with status {code} (1: no AVX-512 in this build, 2: odd head size, "
+        raise NativeLayerError(f"{name} failed with status {code} (1: neither AVX-512 nor AVX2 in this build, 2: odd head size, "
                                f"3: out of memory, 4: a slot or block id outside the cache)")
 
 

@@ -1,4 +1,4 @@
-// Prefill attention for one sequence on the CPU, float32, AVX-512.
+// Prefill and decode attention on the CPU, float32, AVX-512 or AVX2 (simd.h).
 //
 // The new tokens' queries attend over two key segments, in one online softmax:
 //   A: a pinned template's first R keys, every one visible, held packed at pin time
@@ -13,9 +13,9 @@
 // Work is split over (KV head, block of 6 query rows), the query heads of one KV head taken
 // together so each K/V read serves all of them; all in one OpenMP parallel region (the runtime
 // torch itself uses, so the same threads). Scores are made 64 keys at a time in registers
-// (6 rows x 4 panels), exponentiated with a polynomial exp, and P V accumulated into each
+// (6 rows x 4 panels; AVX2: a panel at a time), exponentiated with a polynomial exp, and P V accumulated into each
 // row's output, rescaled when its running maximum moves. Built at first use by
-// prefix_service/backends/cpu/native.py into the native library; without AVX-512 its entry points return 1.
+// prefix_service/backends/cpu/native.py into the native library; without AVX-512 or AVX2 its entry points return 1.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -23,26 +23,29 @@
 #include <limits>
 #include <new>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <omp.h>
 
-#include "simd_math.h"
+#include "simd.h"
 #include "timers.h"
 
+// The vector width this build computes with: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (neither).
 extern "C" int ps_isa() {
-#if defined(__AVX512F__)
-  return 512;
+#if defined(PS_SIMD)
+  return ps::ISA;
 #else
   return 0;
 #endif
 }
 
-#if defined(__AVX512F__)
+namespace {
+constexpr int KP = 16;        // keys per panel (one vector)
+}
+
+#if defined(PS_SIMD)
 namespace {
 
-constexpr int KP = 16;        // keys per panel (one vector)
+using ps::vf;
+
 constexpr int KC = 64;        // keys per chunk (4 panels)
 constexpr int MR = 6;         // query rows per tile
 constexpr int MAX_D = 256;    // largest head size handled
@@ -53,63 +56,69 @@ using ps::exp_ps;  // scores minus their row maximum: x <= 0
 // A row's sums are the same whatever R: rows share only the loads.
 template <int NP, int R>
 inline void qk_tile(const float* qs, int d_len, const float* kp, float* s) {
-  __m512 acc[R][NP];
+  vf acc[R][NP];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NP; ++j) acc[r][j] = ps::vzero();
   for (int d = 0; d < d_len; ++d) {
-    __m512 kv[NP];
+    vf kv[NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) kv[j] = _mm512_loadu_ps(kp + (int64_t)j * d_len * KP + d * KP);
+    for (int j = 0; j < NP; ++j) kv[j] = ps::vload(kp + (int64_t)j * d_len * KP + d * KP);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m512 qb = _mm512_set1_ps(qs[r * MAX_D + d]);
+      const vf qb = ps::vset1(qs[r * MAX_D + d]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(qb, kv[j], acc[r][j]);
+      for (int j = 0; j < NP; ++j) acc[r][j] = ps::vfmadd(qb, kv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(s + r * KC + j * KP, acc[r][j]);
+    for (int j = 0; j < NP; ++j) ps::vstore(s + r * KC + j * KP, acc[r][j]);
 }
 
 // O[r][c0 : c0 + 16 NV] = alpha[r] * O[r][...] + sum_j P[r][j] V[j][...], j < nk, for the first R rows.
 template <int NV, int R>
 inline void pv_tile(const float* p, int nk, const float* v, int64_t v_stride, float* o, const float* alpha) {
-  __m512 acc[R][NV];
+  vf acc[R][NV];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
+    const vf a = ps::vset1(alpha[r]);
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * MAX_D + c * KP), a);
+    for (int c = 0; c < NV; ++c) acc[r][c] = ps::vmul(ps::vload(o + r * MAX_D + c * KP), a);
   }
   for (int j = 0; j < nk; ++j) {
     const float* vj = v + j * v_stride;
-    __m512 vv[NV];
+    vf vv[NV];
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vj + c * KP);
+    for (int c = 0; c < NV; ++c) vv[c] = ps::vload(vj + c * KP);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m512 pb = _mm512_set1_ps(p[r * KC + j]);
+      const vf pb = ps::vset1(p[r * KC + j]);
 #pragma GCC unroll 4
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = ps::vfmadd(pb, vv[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * MAX_D + c * KP, acc[r][c]);
+    for (int c = 0; c < NV; ++c) ps::vstore(o + r * MAX_D + c * KP, acc[r][c]);
 }
 
+// np <= 4 panels: in one register tile where the registers hold them (AVX-512), else a panel at a
+// time (AVX2: 6 rows x 16 keys is 12 of its 16 registers).
 template <int R>
 inline void qk_panels(int np, const float* qs, int d_len, const float* kp, float* s) {
-  switch (np) {
-    case 1: qk_tile<1, R>(qs, d_len, kp, s); break;
-    case 2: qk_tile<2, R>(qs, d_len, kp, s); break;
-    case 3: qk_tile<3, R>(qs, d_len, kp, s); break;
-    default: qk_tile<4, R>(qs, d_len, kp, s); break;
+  if constexpr (ps::REG_PANELS >= 4) {
+    switch (np) {
+      case 1: qk_tile<1, R>(qs, d_len, kp, s); break;
+      case 2: qk_tile<2, R>(qs, d_len, kp, s); break;
+      case 3: qk_tile<3, R>(qs, d_len, kp, s); break;
+      default: qk_tile<4, R>(qs, d_len, kp, s); break;
+    }
+  } else {
+    for (int j = 0; j < np; ++j) qk_tile<1, R>(qs, d_len, kp + (int64_t)j * d_len * KP, s + j * KP);
   }
 }
 
@@ -127,13 +136,17 @@ inline void qk_any(int rows, int np, const float* qs, int d_len, const float* kp
 template <int R>
 inline void pv_columns(const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len,
                        const float* alpha) {
-  for (int c0 = 0; c0 < d_len; c0 += 4 * KP) {  // the head's columns, 64 at a time
-    switch ((d_len - c0) >= 4 * KP ? 4 : (d_len - c0) / KP) {
-      case 1: pv_tile<1, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-      case 2: pv_tile<2, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-      case 3: pv_tile<3, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-      default: pv_tile<4, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+  if constexpr (ps::REG_PANELS >= 4) {
+    for (int c0 = 0; c0 < d_len; c0 += 4 * KP) {  // the head's columns, 64 at a time
+      switch ((d_len - c0) >= 4 * KP ? 4 : (d_len - c0) / KP) {
+        case 1: pv_tile<1, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+        case 2: pv_tile<2, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+        case 3: pv_tile<3, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+        default: pv_tile<4, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      }
     }
+  } else {  // 16 columns at a time
+    for (int c0 = 0; c0 < d_len; c0 += KP) pv_tile<1, R>(p, nk, v + c0, v_stride, o + c0, alpha);
   }
 }
 
@@ -149,11 +162,6 @@ inline void pv_any(int rows, const float* p, int nk, const float* v, int64_t v_s
   }
 }
 
-// A mask of the first n of 16 lanes (all for n >= 16, none for n <= 0).
-inline __mmask16 first_lanes(int n) {
-  return n >= KP ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
 // The state of one tile of MR query rows.
 struct Tile {
   alignas(64) float qs[MR * MAX_D];  // scaled queries
@@ -167,7 +175,7 @@ struct Tile {
 inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, int64_t v_stride, const int* valid,
                   int rows = MR) {
   qk_any(rows, (nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const vf neg_inf = ps::vset1(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < rows; ++r) {
     float* s = t.s + r * KC;
     const int n = valid[r];
@@ -176,22 +184,18 @@ inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, i
       std::memset(s, 0, sizeof(float) * KC);
       continue;
     }
-    __m512 mx = neg_inf;
-    for (int j = 0; j < KC; j += KP) {
-      const __mmask16 keep = first_lanes(n - j);
-      mx = _mm512_mask_max_ps(mx, keep, mx, _mm512_loadu_ps(s + j));
-    }
-    const float m_new = std::fmax(t.m[r], _mm512_reduce_max_ps(mx));
+    vf mx = neg_inf;
+    for (int j = 0; j < KC; j += KP) mx = ps::vmax_first(mx, ps::vload(s + j), n - j);
+    const float m_new = std::fmax(t.m[r], ps::vreduce_max(mx));
     t.alpha[r] = std::exp(t.m[r] - m_new);  // 0 on the first chunk (m = -inf)
-    const __m512 mb = _mm512_set1_ps(m_new);
-    __m512 sum = _mm512_setzero_ps();
+    const vf mb = ps::vset1(m_new);
+    vf sum = ps::vzero();
     for (int j = 0; j < KC; j += KP) {
-      const __mmask16 keep = first_lanes(n - j);
-      const __m512 e = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mb)));
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm512_add_ps(sum, e);
+      const vf e = ps::vkeep_first(exp_ps(ps::vsub(ps::vload(s + j), mb)), n - j);
+      ps::vstore(s + j, e);
+      sum = ps::vadd(sum, e);
     }
-    t.l[r] = t.l[r] * t.alpha[r] + _mm512_reduce_add_ps(sum);
+    t.l[r] = t.l[r] * t.alpha[r] + ps::vreduce_add(sum);
     t.m[r] = m_new;
   }
   pv_any(rows, t.s, nk, v, v_stride, t.o, d_len, t.alpha);
@@ -234,47 +238,17 @@ inline void store_rows(const float* k, int64_t k_stride, const float* v, int64_t
   }
 }
 
-// The 16 x 16 floats of r[0..15] transposed: afterwards r[k] holds what was column k.
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  const auto lo = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  const auto hi = [](__m512 a, __m512 b) {
-    return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-  };
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = lo(t[i], t[i + 2]);
-    r[i + 1] = hi(t[i], t[i + 2]);
-    r[i + 2] = lo(t[i + 1], t[i + 3]);
-    r[i + 3] = hi(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int k = 0; k < 4; ++k) {
-      t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0x88);
-      t[i + 4 + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0xdd);
-    }
-  for (int k = 0; k < 8; ++k) {
-    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
-    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
-  }
-}
-
 // The keys of nk <= KC tokens as panels [D][16] at kp, in the layout qk_tile reads (the unused keys
 // of the last panel zero); key j's D floats at rows[j]. 16 keys at a time, transposed in registers.
 inline void gather_panels(float* kp, const float* const* rows, int nk, int d_len) {
-  const __m512 zero = _mm512_setzero_ps();
+  const vf zero = ps::vzero();
   for (int p0 = 0; p0 < nk; p0 += KP) {
     float* panel = kp + (int64_t)(p0 / KP) * d_len * KP;
     for (int d0 = 0; d0 < d_len; d0 += KP) {
-      __m512 r[KP];
-      for (int k = 0; k < KP; ++k) r[k] = p0 + k < nk ? _mm512_loadu_ps(rows[p0 + k] + d0) : zero;
-      transpose16(r);
-      for (int k = 0; k < KP; ++k) _mm512_storeu_ps(panel + (int64_t)(d0 + k) * KP, r[k]);
+      vf r[KP];
+      for (int k = 0; k < KP; ++k) r[k] = p0 + k < nk ? ps::vload(rows[p0 + k] + d0) : zero;
+      ps::transpose16(r);
+      for (int k = 0; k < KP; ++k) ps::vstore(panel + (int64_t)(d0 + k) * KP, r[k]);
     }
   }
 }
@@ -289,7 +263,7 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 }  // namespace
 #endif
 
-// Returns 0, or a nonzero code: 1 no AVX-512 in this build, 2 unsupported head size, 3 out of
+// Returns 0, or a nonzero code: 1 neither AVX-512 nor AVX2 in this build, 2 unsupported head size, 3 out of
 // memory, 4 a slot or block id outside the cache.
 //
 // q [M][Hq][D] rows q_stride apart; out likewise; kt/vt: segment A (r_len keys, or null with 0);
@@ -314,7 +288,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
                                     float* k_cache, float* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
                                     const int64_t* slots, float* scratch) {
-#if !defined(__AVX512F__)
+#if !defined(PS_SIMD)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)m_len; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)kt; (void)vt; (void)r_len; (void)kn; (void)kn_stride; (void)vn; (void)vn_stride; (void)kn_len;
   (void)k_cache; (void)v_cache; (void)num_blocks; (void)block_size; (void)block_table; (void)table_len;
@@ -433,7 +407,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
                                    const int32_t* skip_blocks, const int64_t* kt_ptrs, const int64_t* vt_ptrs,
                                    const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
                                    const int64_t* slots, int num_blocks, float* scratch) {
-#if !defined(__AVX512F__)
+#if !defined(PS_SIMD)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)n_seq; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)k_cache; (void)v_cache; (void)block_size; (void)block_tables; (void)table_stride;
   (void)context_lens; (void)skip_blocks; (void)kt_ptrs; (void)vt_ptrs; (void)kn; (void)kn_stride; (void)vn;

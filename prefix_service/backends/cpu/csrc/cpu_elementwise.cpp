@@ -1,4 +1,4 @@
-// A decoder layer's element-wise work on the CPU, float32, AVX-512, one pass each:
+// A decoder layer's element-wise work on the CPU, float32, AVX-512 or AVX2 (simd.h), one pass each:
 //   ps_add_rms_norm: x += residual (in place, optional), out = x / sqrt(mean(x^2) + eps) * w
 //   ps_silu_mul:     out = silu(gate) * up, from the fused [gate | up] projection
 //   ps_head_rms_norm: each head's RMSNorm in place (Qwen3's q and k norms)
@@ -10,17 +10,14 @@
 #include <cmath>
 #include <cstdint>
 
+#include "simd.h"
 #include "timers.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <omp.h>
 
-#include "simd_math.h"
-
-#if defined(__AVX512F__)
+#if defined(PS_SIMD)
 namespace {
+
+using ps::vf;
 
 constexpr int64_t PARALLEL_FLOATS = 1 << 15;  // below this much work, one thread
 
@@ -28,17 +25,15 @@ inline int team(int64_t rows, int64_t row_floats, int threads) {
   return rows * row_floats >= PARALLEL_FLOATS && threads > 1 ? threads : 1;
 }
 
-inline __mmask16 lanes(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
-
 using ps::exp_ps;
 
 // out[d] = w[d] * (x[d] * inv) for the dim floats of a row (out may be x).
 inline void scale_row(const float* x, float inv, const float* w, float* out, int dim) {
-  const __m512 s = _mm512_set1_ps(inv);
+  const vf s = ps::vset1(inv);
   for (int d = 0; d < dim; d += 16) {
-    const __mmask16 m = lanes(dim - d);
-    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + d), s);
-    _mm512_mask_storeu_ps(out + d, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v));
+    const int m = dim - d;
+    const vf v = ps::vmul(ps::vload_first(x + d, m), s);
+    ps::vstore_first(out + d, ps::vmul(ps::vload_first(w + d, m), v), m);
   }
 }
 
@@ -47,7 +42,7 @@ inline void scale_row(const float* x, float inv, const float* w, float* out, int
 
 extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int64_t ldr, const float* w, float eps,
                                float* out, int64_t ldo, int rows, int dim, int threads) {
-#if !defined(__AVX512F__)
+#if !defined(PS_SIMD)
   (void)x; (void)ldx; (void)residual; (void)ldr; (void)w; (void)eps; (void)out; (void)ldo; (void)rows; (void)dim;
   (void)threads;
   return 1;
@@ -57,17 +52,17 @@ extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int
   for (int r = 0; r < rows; ++r) {
     float* xr = x + r * ldx;
     const float* rr = residual ? residual + r * ldr : nullptr;
-    __m512 ss = _mm512_setzero_ps();
+    vf ss = ps::vzero();
     for (int d = 0; d < dim; d += 16) {
-      const __mmask16 m = lanes(dim - d);
-      __m512 v = _mm512_maskz_loadu_ps(m, xr + d);
+      const int m = dim - d;
+      vf v = ps::vload_first(xr + d, m);
       if (rr) {
-        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, rr + d));
-        _mm512_mask_storeu_ps(xr + d, m, v);
+        v = ps::vadd(v, ps::vload_first(rr + d, m));
+        ps::vstore_first(xr + d, v, m);
       }
-      ss = _mm512_fmadd_ps(v, v, ss);
+      ss = ps::vfmadd(v, v, ss);
     }
-    scale_row(xr, 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)dim + eps), w, out + r * ldo, dim);
+    scale_row(xr, 1.0f / std::sqrt(ps::vreduce_add(ss) / (float)dim + eps), w, out + r * ldo, dim);
   }
   return 0;
 #endif
@@ -77,7 +72,7 @@ extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int
 // place, x = x / sqrt(mean(x^2) + eps) * w (w: dim floats): the per-head q and k norms of Qwen3.
 extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int dim, const float* w, float eps,
                                 int threads) {
-#if !defined(__AVX512F__)
+#if !defined(PS_SIMD)
   (void)x; (void)ld; (void)rows; (void)heads; (void)dim; (void)w; (void)eps; (void)threads;
   return 1;
 #else
@@ -86,12 +81,12 @@ extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int d
   for (int r = 0; r < rows; ++r) {
     for (int hd = 0; hd < heads; ++hd) {
       float* xh = x + r * ld + (int64_t)hd * dim;
-      __m512 ss = _mm512_setzero_ps();
+      vf ss = ps::vzero();
       for (int d = 0; d < dim; d += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(lanes(dim - d), xh + d);
-        ss = _mm512_fmadd_ps(v, v, ss);
+        const vf v = ps::vload_first(xh + d, dim - d);
+        ss = ps::vfmadd(v, v, ss);
       }
-      scale_row(xh, 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)dim + eps), w, xh, dim);
+      scale_row(xh, 1.0f / std::sqrt(ps::vreduce_add(ss) / (float)dim + eps), w, xh, dim);
     }
   }
   return 0;
@@ -101,7 +96,7 @@ extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int d
 // gate_up: rows of [gate (inter) | up (inter)], ld apart; out: rows of inter, ldo apart.
 extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t ldo, int rows, int inter,
                            int threads) {
-#if !defined(__AVX512F__)
+#if !defined(PS_SIMD)
   (void)gate_up; (void)ld; (void)out; (void)ldo; (void)rows; (void)inter; (void)threads;
   return 1;
 #else
@@ -112,11 +107,10 @@ extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t
     const float* u = g + inter;
     float* o = out + r * ldo;
     for (int d = 0; d < inter; d += 16) {
-      const __mmask16 m = lanes(inter - d);
-      const __m512 gv = _mm512_maskz_loadu_ps(m, g + d);
-      const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                       _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_mask_storeu_ps(o + d, m, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(m, u + d)));
+      const int m = inter - d;
+      const vf gv = ps::vload_first(g + d, m);
+      const vf sig = ps::vdiv(ps::vset1(1.0f), ps::vadd(ps::vset1(1.0f), exp_ps(ps::vsub(ps::vzero(), gv))));
+      ps::vstore_first(o + d, ps::vmul(ps::vmul(gv, sig), ps::vload_first(u + d, m)), m);
     }
   }
   return 0;
@@ -128,7 +122,7 @@ extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t
 //   x'[i] = x[i] c[i] - x[i + h] s[i],   x'[i + h] = x[i + h] c[i + h] + x[i] s[i + h]   (i < h).
 extern "C" int ps_rope(float* x, int64_t ld, int rows, int heads, int dim, const int64_t* positions,
                        const float* cos_table, const float* sin_table, int threads) {
-#if !defined(__AVX512F__)
+#if !defined(PS_SIMD)
   (void)x; (void)ld; (void)rows; (void)heads; (void)dim; (void)positions; (void)cos_table; (void)sin_table;
   (void)threads;
   return 1;
@@ -144,14 +138,12 @@ extern "C" int ps_rope(float* x, int64_t ld, int rows, int heads, int dim, const
       float* a = x + r * ld + (int64_t)hd * dim;
       float* b = a + h;
       for (int i = 0; i < h; i += 16) {
-        const __mmask16 m = lanes(h - i);
-        const __m512 av = _mm512_maskz_loadu_ps(m, a + i), bv = _mm512_maskz_loadu_ps(m, b + i);
-        const __m512 na = _mm512_fnmadd_ps(bv, _mm512_maskz_loadu_ps(m, s + i),
-                                           _mm512_mul_ps(av, _mm512_maskz_loadu_ps(m, c + i)));
-        const __m512 nb = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, s + h + i),
-                                          _mm512_mul_ps(bv, _mm512_maskz_loadu_ps(m, c + h + i)));
-        _mm512_mask_storeu_ps(a + i, m, na);
-        _mm512_mask_storeu_ps(b + i, m, nb);
+        const int m = h - i;
+        const vf av = ps::vload_first(a + i, m), bv = ps::vload_first(b + i, m);
+        const vf na = ps::vfnmadd(bv, ps::vload_first(s + i, m), ps::vmul(av, ps::vload_first(c + i, m)));
+        const vf nb = ps::vfmadd(av, ps::vload_first(s + h + i, m), ps::vmul(bv, ps::vload_first(c + h + i, m)));
+        ps::vstore_first(a + i, na, m);
+        ps::vstore_first(b + i, nb, m);
       }
     }
   }

@@ -1,9 +1,10 @@
-// Linear layers on the CPU, float32, AVX-512: y[M][N] = x[M][K] W^T (+ bias), W packed at load.
+// Linear layers on the CPU, float32, AVX-512 or AVX2 (simd.h): y[M][N] = x[M][K] W^T (+ bias), W packed at load.
 //
 // W [N][K] is held as panels of 16 output columns, [ceil(N/16)][K][16] (zero-padded columns past
 // N), so one vector load gives a row of a panel and a panel streams through memory in order.
-// Output tiles are 6 rows x up to 4 panels (24 accumulators in registers); a tile reads K
-// broadcasts of each of its 6 x rows and K rows of its 4 panels, and writes its outputs once.
+// Output tiles are 6 rows x up to 4 panels (AVX-512: 24 accumulators in registers; AVX2, with half
+// the register space: 6 rows x 1 panel); a tile reads K broadcasts of each of its 6 x rows and K
+// rows of its panels, and writes its outputs once.
 //
 // Threads split the panels (or, with fewer panels than threads can share, the rows). Each takes
 // its panels in groups of 4: a group's panels stay in L2 while every row tile of a chunk of rows
@@ -13,71 +14,79 @@
 // a few hundred rows the hardware prefetcher leaves the first row tile of each group waiting on
 // memory; so while a group is computed, the next group's panels are prefetched into L2, a few
 // lines per step spread evenly over the group's row tiles. Built into the native library by
-// prefix_service/backends/cpu/native.py; without AVX-512 ps_linear returns 1.
+// prefix_service/backends/cpu/native.py; without AVX-512 or AVX2 ps_linear returns 1.
 #include <cstdint>
 
+#include "simd.h"
 #include "timers.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(PS_SIMD)
 namespace {
 
+using ps::vf;
 constexpr int NR = 16;  // output columns per panel (one vector)
 constexpr int MR = 6;   // rows per tile
-constexpr int NG = 4;   // panels per tile (and per group)
+constexpr int NG = 4;   // panels per group
 constexpr int64_t CHUNK_BYTES = 1 << 20;  // x rows per chunk: at most this much of x
 
-// One tile: R rows of x against NP panels. ps: floats between panels. `last`: the valid columns
-// of the tile's last panel. Prefetches pf_lines lines of 16 floats from pf on, spread over K steps.
+// One register tile: R rows of x against NP panels. ps: floats between panels. `last`: the valid
+// columns of the tile's last panel. Prefetches pf_lines lines of 16 floats from pf on, spread over K steps.
 template <int R, int NP>
 inline void tile(const float* x, int64_t ldx, int K, const float* w, int64_t ps, float* y, int64_t ldy,
-                 const float* bias, __mmask16 last, const float* pf, int pf_lines) {
-  __m512 acc[R][NP];
+                 const float* bias, int last, const float* pf, int pf_lines) {
+  vf acc[R][NP];
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) {
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(j == NP - 1 ? last : (__mmask16)0xFFFF, bias + j * NR)
-                          : _mm512_setzero_ps();
+    const vf b = bias ? ps::vload_first(bias + j * NR, j == NP - 1 ? last : NR) : ps::vzero();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) acc[r][j] = b;
   }
   int pf_acc = 0;
   for (int k = 0; k < K; ++k) {
-    __m512 wv[NP];
+    vf wv[NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) wv[j] = _mm512_loadu_ps(w + j * ps + (int64_t)k * NR);
+    for (int j = 0; j < NP; ++j) wv[j] = ps::vload(w + j * ps + (int64_t)k * NR);
     for (pf_acc += pf_lines; pf_acc >= K; pf_acc -= K, pf += NR) _mm_prefetch((const char*)pf, _MM_HINT_T1);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      const vf a = ps::vset1(x[r * ldx + k]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(a, wv[j], acc[r][j]);
+      for (int j = 0; j < NP; ++j) acc[r][j] = ps::vfmadd(a, wv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) _mm512_mask_storeu_ps(y + r * ldy + j * NR, j == NP - 1 ? last : (__mmask16)0xFFFF,
-                                                       acc[r][j]);
+    for (int j = 0; j < NP; ++j) ps::vstore_first(y + r * ldy + j * NR, acc[r][j], j == NP - 1 ? last : NR);
   }
 }
 
+// np <= NG panels: in one register tile where the registers hold them (AVX-512), else one tile per
+// panel (AVX2: 6 rows x 16 columns is 12 of its 16 registers), the prefetching shared between them.
 template <int R>
 inline void tile_np(int np, const float* x, int64_t ldx, int K, const float* w, int64_t ps, float* y, int64_t ldy,
-                    const float* bias, __mmask16 last, const float* pf, int pf_lines) {
-  switch (np) {
-    case 1: tile<R, 1>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    case 2: tile<R, 2>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    case 3: tile<R, 3>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    default: tile<R, 4>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
+                    const float* bias, int last, const float* pf, int pf_lines) {
+  if constexpr (ps::REG_PANELS >= 4) {
+    switch (np) {
+      case 1: tile<R, 1>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
+      case 2: tile<R, 2>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
+      case 3: tile<R, 3>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
+      default: tile<R, 4>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
+    }
+  } else {
+    const int per = (pf_lines + np - 1) / np;
+    for (int j = 0, done = 0; j < np; ++j) {
+      const int lines = pf_lines - done < per ? pf_lines - done : per;
+      tile<R, 1>(x, ldx, K, w + j * ps, ps, y + j * NR, ldy, bias ? bias + j * NR : nullptr, j == np - 1 ? last : NR,
+                 lines > 0 ? pf + (int64_t)done * NR : nullptr, lines);
+      done += lines;
+    }
   }
 }
 
 inline void tile_any(int rows, int np, const float* x, int64_t ldx, int K, const float* w, int64_t ps, float* y,
-                     int64_t ldy, const float* bias, __mmask16 last, const float* pf, int pf_lines) {
+                     int64_t ldy, const float* bias, int last, const float* pf, int pf_lines) {
   switch (rows) {
     case 1: tile_np<1>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
     case 2: tile_np<2>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
@@ -91,7 +100,7 @@ inline void tile_any(int rows, int np, const float* x, int64_t ldx, int K, const
 // Rows [m0, m1) against panels [p0, p1): the rows in chunks whose x fits in L2 next to a group
 // of panels (~1 MiB), and per chunk the panels group by group, each next group prefetched.
 void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const float* wp, int64_t ps, int p0, int p1,
-               int P, __mmask16 tail_mask, const float* bias, float* y, int64_t ldy) {
+               int P, int tail, const float* bias, float* y, int64_t ldy) {
   const int64_t x_bytes = (int64_t)(m1 - m0) * K * (int64_t)sizeof(float);
   const int chunks = (int)((x_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES);
   const int chunk_tiles = ((m1 - m0 + MR - 1) / MR + chunks - 1) / chunks;  // equal chunks
@@ -105,7 +114,7 @@ void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const float* 
       const int np = group_size(gi);
       const int next = g + np;
       const int next_np = group_size(gi + 1);  // 0 after the last group
-      const __mmask16 last = next == P ? tail_mask : (__mmask16)0xFFFF;
+      const int last = next == P ? tail : NR;
       // the next group's panels are contiguous: next_np * K lines, an equal share per row tile
       const int64_t lines = (int64_t)next_np * K, per = (lines + tiles - 1) / tiles;
       for (int t = 0; t < tiles; ++t) {
@@ -125,10 +134,10 @@ void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const float* 
 
 // y = x W^T + bias. x: M rows of K floats, ldx apart; wp: W packed [ceil(N/16)][K][16]; bias: N
 // floats or null; y: M rows of N floats, ldy apart. threads: the OpenMP team size (torch's).
-// Returns 0, or 1 when this build has no AVX-512.
+// Returns 0, or 1 when this build has neither AVX-512 nor AVX2 with FMA.
 extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float* wp, int N, const float* bias,
                          float* y, int64_t ldy, int threads) {
-#if !defined(__AVX512F__)
+#if !defined(PS_SIMD)
   (void)x; (void)ldx; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)ldy; (void)threads;
   return 1;
 #else
@@ -137,7 +146,6 @@ extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float*
   const int P = (N + NR - 1) / NR;
   const int64_t ps = (int64_t)K * NR;
   const int tail = N - (P - 1) * NR;
-  const __mmask16 tail_mask = (__mmask16)((1u << tail) - 1u);
   const int T = threads > 0 ? threads : 1;
   // panels per thread when there are enough to share (the weights read once), else rows per thread
   const bool by_rows = P < 2 * T && M >= 2 * MR * T;
@@ -147,10 +155,10 @@ extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float*
     if (by_rows) {
       const int tiles = (M + MR - 1) / MR;
       const int m0 = (int)((int64_t)tiles * t / nt) * MR, m1 = (int)((int64_t)tiles * (t + 1) / nt) * MR;
-      if (m0 < M) run_block(x, ldx, m0, m1 < M ? m1 : M, K, wp, ps, 0, P, P, tail_mask, bias, y, ldy);
+      if (m0 < M) run_block(x, ldx, m0, m1 < M ? m1 : M, K, wp, ps, 0, P, P, tail, bias, y, ldy);
     } else {
       const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
-      if (p0 < p1) run_block(x, ldx, 0, M, K, wp, ps, p0, p1, P, tail_mask, bias, y, ldy);
+      if (p0 < p1) run_block(x, ldx, 0, M, K, wp, ps, p0, p1, P, tail, bias, y, ldy);
     }
   }
   return 0;
