@@ -15,7 +15,12 @@ class ModelLoadError(PrefixServiceError):
 
 
 class InvalidRequest(PrefixServiceError, ValueError):
-    """A request field is invalid (bad sampling values, empty input, ...)."""
+    """A request field is invalid (bad sampling values, empty input, ...). `param` names the field
+    when one is to blame (the HTTP API reports it in the error body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptTooLong(InvalidRequest):

@@ -27,8 +27,8 @@ class SamplingParams:
 
     def validate(self, *, max_tokens_cap: int, vocab_size: int) -> None:
         """Raise InvalidRequest naming the first bad field."""
-        def bad(msg: str) -> None:
-            raise InvalidRequest(f"invalid sampling parameters: {msg}")
+        def bad(msg: str, param: str | None = None) -> None:  # msg starts with the field's name
+            raise InvalidRequest(f"invalid sampling parameters: {msg}", param=param or msg.split(" ", 1)[0])
 
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -47,10 +47,10 @@ class SamplingParams:
                                       or not 0 <= self.seed < 2**64):
             bad(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}", "stop")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
-                bad(f"stop strings must be non-empty and at most {MAX_STOP_STRING_CHARS} characters, got {s!r}")
+                bad(f"stop strings must be non-empty and at most {MAX_STOP_STRING_CHARS} characters, got {s!r}", "stop")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 bad(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")

@@ -75,12 +75,12 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
 
     m = scrape(st.server.metrics_port)
     req = "prefix_service_requests_total"
-    assert value(m, req, prefix="doc", code="OK") == 3
-    assert value(m, req, prefix="_none", code="OK") == 1
-    assert value(m, req, prefix="_unknown", code="NOT_FOUND") == 1  # a client's name is never a label
-    assert value(m, req, prefix="doc", code="INVALID_ARGUMENT") == 1
-    assert value(m, req, prefix="sys", code="CANCELLED") == 1
-    assert value(m, req, prefix="sys", code="DEADLINE_EXCEEDED") == 1
+    assert value(m, req, protocol="grpc", prefix="doc", code="OK") == 3
+    assert value(m, req, protocol="grpc", prefix="_none", code="OK") == 1
+    assert value(m, req, protocol="grpc", prefix="_unknown", code="NOT_FOUND") == 1  # a client's name is never a label
+    assert value(m, req, protocol="grpc", prefix="doc", code="INVALID_ARGUMENT") == 1
+    assert value(m, req, protocol="grpc", prefix="sys", code="CANCELLED") == 1
+    assert value(m, req, protocol="grpc", prefix="sys", code="DEADLINE_EXCEEDED") == 1
     assert not any(dict(k[1]).get("prefix") == "no-such-template" for k in m)
 
     # latency histograms: e2e and TPOT for finished requests, TTFT for every first token
@@ -119,7 +119,8 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
     ok = [line for line in lines if line["code"] == "OK" and line["prefix"] == "doc"]
     assert len(ok) == 3
     for line in ok:
-        assert line["request_id"] and line["finish_reason"] == "length"
+        assert line["request_id"] and line["finish_reason"] == "length" and line["protocol"] == "grpc"
+        assert "http_status" not in line
         assert (line["prompt_tokens"], line["prefix_tokens"], line["completion_tokens"]) == \
             (doc_tokens + 2, doc_tokens, 5)
         assert 0 < line["ttft_ms"] <= line["latency_ms"]
@@ -177,5 +178,5 @@ def test_chat_requests_count_on_their_template(make_server):
                              sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
     last = collect(c.generation.Generate(req))[2]
     m = scrape(st.server.metrics_port)
-    assert value(m, "prefix_service_requests_total", prefix="sys", code="OK") == 1
+    assert value(m, "prefix_service_requests_total", protocol="grpc", prefix="sys", code="OK") == 1
     assert value(m, "prefix_service_prefix_tokens_reused_total", prefix="sys") == last.usage.prefix_tokens > 0

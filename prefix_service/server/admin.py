@@ -13,7 +13,7 @@ import grpc
 from prefix_service.errors import InvalidRequest
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
-from prefix_service.server.auth import AdminAuth
+from prefix_service.server.auth import BearerAuth
 from prefix_service.server.convert import template_to_proto
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import abort
@@ -44,7 +44,7 @@ def source_from_proto(request: pb.AddPrefixTemplateRequest) -> TemplateSource:
 
 
 class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
-    def __init__(self, runtime: Runtime, auth: AdminAuth) -> None:
+    def __init__(self, runtime: Runtime, auth: BearerAuth) -> None:
         self.runtime = runtime
         self.auth = auth
 

@@ -8,8 +8,7 @@ from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import SamplingParams
 from prefix_service.engine.sequence import FinishReason, RequestOutput
-
-MAX_REQUEST_ID_CHARS = 128
+from prefix_service.server.requests import RequestSpec
 
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -32,18 +31,18 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def check_request_id(request_id: str) -> str:
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters "
-                             f"(or empty to have one generated), got {request_id[:40]!r}...")
-    return request_id
+def spec_from_proto(request: pb.GenerateRequest) -> RequestSpec:
+    return RequestSpec(prefix_name=request.prefix_name or None, prompt=request.prompt or None,
+                       messages=messages_from_proto(request.messages) or None,
+                       sampling=sampling_from_proto(request.sampling), request_id=request.request_id or None)
 
 
 def messages_from_proto(messages) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if not m.role:
-            raise InvalidRequest(f"messages[{i}].role is empty; use system, user or assistant")
+            raise InvalidRequest(f"messages[{i}].role is empty; use system, user or assistant",
+                                 param=f"messages[{i}].role")
         out.append({"role": m.role, "content": m.content})
     return out
 

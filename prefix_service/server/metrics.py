@@ -49,8 +49,9 @@ class ServiceMetrics:
         self.runtime = runtime
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("prefix_service_requests", "Generate calls by template and final gRPC status code",
-                                ["prefix", "code"], registry=r)
+        self.requests = Counter("prefix_service_requests", "Generation requests by protocol (grpc, http), template "
+                                "and final status, as a gRPC status code name (the HTTP API's statuses map to "
+                                "them: docs/server.md)", ["protocol", "prefix", "code"], registry=r)
         self.ttft = Histogram("prefix_service_ttft_seconds", "Time from the call's arrival to its first token",
                               ["prefix"], buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("prefix_service_tpot_seconds", "Mean time per output token after the first, per "
@@ -75,8 +76,8 @@ class ServiceMetrics:
         registry = self.runtime.registry
         return prefix_name if registry is not None and registry.known(prefix_name) else UNKNOWN_PREFIX
 
-    def trace(self, prefix_name: str) -> RequestTrace:
-        return RequestTrace(self, prefix_name[:MAX_LOGGED_NAME_CHARS], self.label(prefix_name))
+    def trace(self, prefix_name: str, protocol: str) -> RequestTrace:
+        return RequestTrace(self, protocol, prefix_name[:MAX_LOGGED_NAME_CHARS], self.label(prefix_name))
 
     # --- the endpoint -------------------------------------------------------------------------
     def serve(self, address: str, certfile: str | None = None, keyfile: str | None = None) -> int:
@@ -98,8 +99,10 @@ class ServiceMetrics:
 
 @dataclass
 class RequestTrace:
-    """One Generate call, from arrival to its status: recorded in the metrics and logged at the end."""
+    """One generation request (a gRPC Generate call, an HTTP completion), from arrival to its status:
+    recorded in the metrics and logged at the end."""
     metrics: ServiceMetrics
+    protocol: str  # grpc | http
     prefix_name: str  # as the client sent it (cut), for the log
     label: str
     request_id: str = ""
@@ -107,21 +110,33 @@ class RequestTrace:
     first_token: float | None = None
     last: RequestOutput | None = None
     code: grpc.StatusCode | None = None  # None until known; end() then infers CANCELLED or DEADLINE_EXCEEDED
+    http_status: int | None = None  # what an HTTP request answered (in the log line)
+    ended: bool = False
+
+    def set_prefix(self, prefix_name: str) -> None:
+        """The template, once known (an HTTP request names it in its body)."""
+        self.prefix_name = prefix_name[:MAX_LOGGED_NAME_CHARS]
+        self.label = self.metrics.label(prefix_name)
 
     def output(self, out: RequestOutput) -> None:
         if self.first_token is None and out.token_ids:
             self.first_token = time.perf_counter()
         self.last = out
 
-    def end(self, context: grpc.aio.ServicerContext) -> None:
+    def end(self, time_remaining: float | None = None) -> None:
+        """time_remaining: of the call's deadline (None: it has none), to tell a call cancelled by its
+        deadline from one cancelled by the client or a shutdown. Only the first call counts."""
+        if self.ended:
+            return
+        self.ended = True
         now = time.perf_counter()
         code = self.code
         if code is None:  # the call was cancelled under us: by the client, its deadline or a shutdown
-            remaining = context.time_remaining()  # None without a deadline; the margin absorbs clock skew
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining < DEADLINE_MARGIN_S \
-                else grpc.StatusCode.CANCELLED
+            # the margin absorbs clock skew
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if time_remaining is not None \
+                and time_remaining < DEADLINE_MARGIN_S else grpc.StatusCode.CANCELLED
         m, label = self.metrics, self.label
-        m.requests.labels(label, code.name).inc()
+        m.requests.labels(self.protocol, label, code.name).inc()
         ttft = None if self.first_token is None else self.first_token - self.start
         if ttft is not None:
             m.ttft.labels(label).observe(ttft)
@@ -136,7 +151,8 @@ class RequestTrace:
             m.completion_tokens.labels(label).inc(last.completion_tokens)
         if request_log.isEnabledFor(logging.INFO):
             request_log.info("%s", json.dumps({
-                "request_id": self.request_id, "prefix": self.prefix_name or None, "code": code.name,
+                "request_id": self.request_id, "protocol": self.protocol, "prefix": self.prefix_name or None,
+                "code": code.name, **({"http_status": self.http_status} if self.http_status is not None else {}),
                 "finish_reason": last.finish_reason.value if finished else None,
                 "prompt_tokens": last.prompt_tokens if finished else None,
                 "prefix_tokens": last.prefix_tokens if finished else None,

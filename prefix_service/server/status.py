@@ -1,9 +1,12 @@
-"""Map exceptions to gRPC status codes. The message is the exception's own: it is written to
-say what was wrong and what to do, so the caller gets it verbatim (cut to MAX_DETAILS_CHARS: it
-may quote a client's input, and status details travel in a size-limited trailer)."""
+"""Map exceptions to what each protocol answers: one table, read by gRPC (a status code) and by
+the HTTP API (an HTTP status and OpenAI's error body). The message is the exception's own: it is
+written to say what was wrong and what to do, so the caller gets it verbatim (cut to
+MAX_DETAILS_CHARS: it may quote a client's input, and status details travel in a size-limited
+trailer)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,11 +23,11 @@ class ServerNotReady(PrefixServiceError):
 
 
 class Unauthenticated(PrefixServiceError):
-    """An admin call came without credentials."""
+    """A call that needs a bearer token (admin; the HTTP API with an API key) came without one."""
 
 
 class PermissionDenied(PrefixServiceError):
-    """An admin call came with the wrong token."""
+    """A call that needs a bearer token came with the wrong one."""
 
 
 class ChatTemplateMismatch(PrefixServiceError):
@@ -35,20 +38,44 @@ class PersistError(PrefixServiceError):
     """The state file could not be written."""
 
 
-# First match wins: subclasses before their bases (CacheExhausted is a PromptTooLong, an InvalidRequest).
-_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (PrefixNotFound, grpc.StatusCode.NOT_FOUND),
-    (PrefixExists, grpc.StatusCode.ALREADY_EXISTS),
-    (CacheExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (PrefixBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (EngineStopped, grpc.StatusCode.UNAVAILABLE),
-    (ServerNotReady, grpc.StatusCode.UNAVAILABLE),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (ChatTemplateMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+class ModelNotFound(PrefixNotFound):
+    """An HTTP request's `model` is neither the served model nor a template."""
+
+
+class RequestTooLarge(InvalidRequest):
+    """An HTTP request body over the server's limit."""
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    grpc_code: grpc.StatusCode
+    http_status: int
+    type: str  # OpenAI's error.type
+    code: str  # OpenAI's error.code: a short, stable identifier
+
+
+# First match wins: subclasses before their bases (CacheExhausted is a PromptTooLong, an InvalidRequest;
+# ModelNotFound is a PrefixNotFound).
+_KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (ModelNotFound, ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "model_not_found")),
+    (PrefixNotFound, ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "prefix_not_found")),
+    (PrefixExists, ErrorKind(grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", "prefix_exists")),
+    (CacheExhausted, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "cache_exhausted")),
+    (RequestTooLarge, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error",
+                                "request_too_large")),
+    (InvalidRequest, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_value")),
+    (QueueFull, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "queue_full")),
+    (PrefixBudgetExceeded, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
+                                     "prefix_budget_exceeded")),
+    (EngineStopped, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
+    (ServerNotReady, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
+    (Unauthenticated, ErrorKind(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error", "missing_api_key")),
+    (PermissionDenied, ErrorKind(grpc.StatusCode.PERMISSION_DENIED, 401, "authentication_error",
+                                 "invalid_api_key")),
+    (ChatTemplateMismatch, ErrorKind(grpc.StatusCode.FAILED_PRECONDITION, 409, "invalid_request_error",
+                                     "chat_template_mismatch")),
 )
+INTERNAL = ErrorKind(grpc.StatusCode.INTERNAL, 500, "server_error", "internal_error")
 
 
 def _details(exc: BaseException) -> str:
@@ -56,15 +83,22 @@ def _details(exc: BaseException) -> str:
     return text if len(text) <= MAX_DETAILS_CHARS else text[:MAX_DETAILS_CHARS - 3] + "..."
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    for cls, code in _CODES:
+def classify(exc: BaseException) -> tuple[ErrorKind, str]:
+    """The kind of error and the message the caller gets. Unexpected errors are logged here, with
+    their traceback, and reach the caller without internals."""
+    for cls, kind in _KINDS:
         if isinstance(exc, cls):
-            return code, _details(exc)
+            return kind, _details(exc)
     if isinstance(exc, PrefixServiceError):
         log.error("request failed: %s", _details(exc))
-        return grpc.StatusCode.INTERNAL, _details(exc)
+        return INTERNAL, _details(exc)
     log.error("internal error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); the server log has the details"
+    return INTERNAL, f"internal error ({type(exc).__name__}); the server log has the details"
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    kind, message = classify(exc)
+    return kind.grpc_code, message
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

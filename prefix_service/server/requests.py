@@ -1,0 +1,75 @@
+"""The one request path of both front ends. gRPC and HTTP turn their messages into a
+`RequestSpec`; from there validation, tokenization (chat templates included), submission,
+streaming and the abort of a call that ends early are the same code:
+
+    spec = RequestSpec(...)                       # the front end's own parsing
+    engine, req = await prepare(runtime, spec)    # ready? request id, chat rendering, tokenize
+    async with aclosing(engine.generate_stream(req, runtime.executor)) as stream: ...
+
+Errors are the engine's exceptions (prefix_service.errors, server.status); each front end maps
+them with status.classify.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from prefix_service.engine import Engine
+from prefix_service.engine.sequence import GenerateRequest
+from prefix_service.errors import InvalidRequest
+from prefix_service.sampling_params import SamplingParams
+from prefix_service.server.chat import chat_prompt_ids
+from prefix_service.server.runtime import Runtime
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A generation request as a front end parsed it. At most one of prompt, prompt_token_ids and
+    messages; with none the prompt is empty (the template alone)."""
+    prefix_name: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    messages: Sequence[dict[str, str]] | None = None  # rendered with the model's chat template
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None  # None: one is generated
+
+
+def check_request_id(request_id: str) -> str:
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters "
+                             f"(or empty to have one generated), got {request_id[:40]!r}...", param="request_id")
+    return request_id
+
+
+def request_id_for(spec: RequestSpec) -> str:
+    return check_request_id(spec.request_id) if spec.request_id else uuid.uuid4().hex
+
+
+def build_request(engine: Engine, spec: RequestSpec, request_id: str) -> GenerateRequest:
+    """Spec -> engine request. Blocks (renders chat messages; looks the template up): call it off
+    the event loop."""
+    given = [name for name, value in (("prompt", spec.prompt), ("prompt_token_ids", spec.prompt_token_ids),
+                                      ("messages", spec.messages)) if value]
+    if len(given) > 1:
+        raise InvalidRequest(f"give {given[0]} or {given[1]}, not both", param=given[1])
+    common = dict(prefix_name=spec.prefix_name or None, sampling=spec.sampling, request_id=request_id)
+    if spec.messages:
+        handle = engine.get_prefix(spec.prefix_name) if spec.prefix_name else None  # PrefixNotFound
+        ids = chat_prompt_ids(engine.tokenizer, spec.messages, spec.prefix_name, handle and handle.token_ids,
+                              handle and handle.source)
+        return GenerateRequest(prompt_token_ids=ids, **common)
+    if spec.prompt_token_ids:
+        return GenerateRequest(prompt_token_ids=list(spec.prompt_token_ids), **common)
+    return GenerateRequest(prompt=spec.prompt or "", **common)
+
+
+async def prepare(runtime: Runtime, spec: RequestSpec, request_id: str) -> tuple[Engine, GenerateRequest]:
+    """The engine request for spec, once the server serves (ServerNotReady before)."""
+    engine, _ = runtime.require_ready()
+    req = await asyncio.get_running_loop().run_in_executor(runtime.executor, build_request, engine, spec,
+                                                           request_id)
+    return engine, req
