@@ -43,6 +43,7 @@ run: $(STAMP)
 	@printf '%s\n' "  $(CLI) generate --prefix table_qa --max-tokens 48 \$$'Q: Which flight to Newark was cancelled?\\nA:'"
 	@echo "  $(CLI) generate --chat 'What is the capital of France?'"
 	@echo "  $(CLI) prefix list"
+	@printf '%s\n' "  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": \"intent_classifier\", \"prompt\": \"Message: I was charged twice\\nIntent:\", \"max_tokens\": 8, \"temperature\": 0}'"
 	@echo "Stop with Ctrl-C (in-flight requests get server.grace_period_s to finish)."
 	@echo ""
 	$(CLI) serve --config $(CONFIG)

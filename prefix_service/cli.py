@@ -67,10 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "prefixes are prefilled once at startup and every request continues one of them.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("serve", help="run the gRPC server", description="Load the model, pin every template of "
-                       "the config, serve until SIGTERM/SIGINT (then drain for server.grace_period_s).")
+    p = sub.add_parser("serve", help="run the server (gRPC and the OpenAI HTTP API)",
+                       description="Load the model, pin every template of the config, serve gRPC and the OpenAI HTTP "
+                                   "API until SIGTERM/SIGINT (then drain for server.grace_period_s).")
     p.add_argument("--config", required=True, metavar="FILE", help="YAML service config, e.g. configs/default.yaml")
     p.add_argument("--address", help="override server.address (host:port; port 0 picks a free one)")
+    p.add_argument("--http-address", metavar="ADDRESS",
+                   help="override server.http_address, the OpenAI-compatible HTTP API ('' turns it off)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     p = sub.add_parser("generate", help="stream a completion to stdout (usage to stderr)",
@@ -162,6 +165,9 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         if args.address:
             config = dataclasses.replace(config, server=dataclasses.replace(config.server, address=args.address))
+        if args.http_address is not None:
+            config = dataclasses.replace(config, server=dataclasses.replace(config.server,
+                                                                            http_address=args.http_address))
         asyncio.run(serve(config))
     except (PrefixServiceError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

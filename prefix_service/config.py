@@ -75,6 +75,7 @@ class ModelConfig:
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
+    served_name: str | None = None  # the model's id in the HTTP API; None: the name of model.path's directory
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
@@ -87,6 +88,10 @@ class ModelConfig:
             raise ConfigError(f"model.path: expected a Hugging Face model directory, got {self.path!r}")
         if self.max_model_len is not None:
             _check_int("model.max_model_len", self.max_model_len, 1)
+        if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name.strip()
+                                             or not self.served_name.isprintable()):
+            raise ConfigError(f"model.served_name: expected a model id like SmolLM2-135M-Instruct, "
+                              f"got {self.served_name!r}")
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The gRPC server (prefix_service/server/)."""
+    """The gRPC server and the OpenAI-compatible HTTP API (prefix_service/server/)."""
     address: str = "127.0.0.1:50051"  # host:port to listen on; port 0 picks a free one
+    http_address: str | None = "127.0.0.1:8000"  # the OpenAI-compatible HTTP API; "" or null: off
+    api_key_env: str = "PREFIX_SERVICE_API_KEY"  # env var holding the HTTP API's key; unset or empty: no key
     admin_token_env: str = "PREFIX_SERVICE_ADMIN_TOKEN"  # env var holding the admin token
     state_file: str | None = None  # run-time templates persist here; default <config stem>.state.json
     grace_period_s: float = 10.0  # on SIGTERM/SIGINT: time in-flight requests get to finish
@@ -146,7 +153,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         split_address(self.address)
-        for key in ("admin_address", "metrics_address"):
+        if self.http_address == "":
+            object.__setattr__(self, "http_address", None)
+        for key in ("admin_address", "metrics_address", "http_address"):
             value = getattr(self, key)
             if value is not None:
                 split_address(value, f"server.{key}")
@@ -161,9 +170,11 @@ class ServerConfig:
             raise ConfigError("server.tls_cert_file and server.tls_key_file go together: give both (TLS on every "
                               "address) or neither (plaintext)")
         _check_int("server.max_template_bytes", self.max_template_bytes, 1)
-        if not isinstance(self.admin_token_env, str) or not _ENV_RE.match(self.admin_token_env):
-            raise ConfigError(f"server.admin_token_env: expected an environment variable name like "
-                              f"PREFIX_SERVICE_ADMIN_TOKEN, got {self.admin_token_env!r}")
+        for key, example in (("admin_token_env", "PREFIX_SERVICE_ADMIN_TOKEN"), ("api_key_env", "PREFIX_SERVICE_API_KEY")):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not _ENV_RE.match(value):
+                raise ConfigError(f"server.{key}: expected an environment variable name like {example}, "
+                                  f"got {value!r}")
         if self.state_file is not None and (not isinstance(self.state_file, str) or not self.state_file):
             raise ConfigError(f"server.state_file: expected a file path, got {self.state_file!r}")
         if isinstance(self.grace_period_s, bool) or not isinstance(self.grace_period_s, (int, float)) \

@@ -47,7 +47,7 @@ def make_config(model_dir: Path, *, prefixes: tuple[PrefixSpec, ...] = (), state
                      SchedulerConfig(max_num_seqs=max_num_seqs, max_queue=max_queue,
                                      max_num_batched_tokens=max_num_batched_tokens, max_tokens_cap=max_tokens_cap,
                                      default_max_tokens=default_max_tokens, max_prompt_tokens=max_prompt_tokens)),
-        ServerConfig(**{"address": "127.0.0.1:0", "admin_token_env": TOKEN_ENV,
+        ServerConfig(**{"address": "127.0.0.1:0", "admin_token_env": TOKEN_ENV, "http_address": "",
                         "state_file": str(state_file) if state_file else None, "grace_period_s": grace_period_s,
                         **server}),
         prefixes, source)

@@ -2,6 +2,8 @@
 as a subprocess stopped by SIGTERM, help text and error exits."""
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -156,7 +158,8 @@ def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
     cfg_file.write_text(yaml.safe_dump({
         "model": {"path": str(model_dir), "device": "cpu"},
         "cache": {"block_size": 4, "num_blocks": 128},
-        "server": {"address": "127.0.0.1:0", "admin_token_env": TOKEN_ENV, "grace_period_s": 5},
+        "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0", "admin_token_env": TOKEN_ENV,
+                   "grace_period_s": 5},
         "prefixes": [{"name": "doc", "file": "doc.txt"}],
     }))
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
@@ -175,6 +178,14 @@ def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
             port = m and int(m.group(1))
         assert port, "".join(lines)
         assert any("prefix template 'doc' (config) pinned" in l and " ms" in l for l in lines)
+        http_port = int(re.search(r"HTTP on port (\d+) \(OpenAI API, no API key\)", "".join(lines)).group(1))
+        conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "doc", "prompt": " the", "max_tokens": 2,
+                                                                "ignore_eos": True}))
+        completion = json.loads(conn.getresponse().read())
+        conn.close()
+        assert completion["usage"]["completion_tokens"] == 2 and completion["usage"]["prompt_tokens_details"][
+            "cached_tokens"] > 0
         assert main(["generate", "--address", f"127.0.0.1:{port}", "--prefix", "doc", "--max-tokens", "3", " the"]) == 0
         assert "reused from the prefix" in capsys.readouterr().err
         proc.send_signal(signal.SIGTERM)

@@ -36,6 +36,11 @@ prefixes:
     ({"model": {"path": "m"}, "prefixes": [{"name": "a", "content": "x"}, {"name": "a", "content": "y"}]},
      "appears twice"),
     ({"cache": {}}, "the 'model' section"),
+    ({"model": {"path": "m"}, "server": {"http_address": "8000"}}, "server.http_address: expected host:port"),
+    ({"model": {"path": "m"}, "server": {"http_address": "127.0.0.1:50051"}}, "server.http_address: .* is "
+                                                                              "server.address itself"),
+    ({"model": {"path": "m"}, "server": {"api_key_env": "my key"}}, "server.api_key_env: expected an environment"),
+    ({"model": {"path": "m", "served_name": ""}}, "model.served_name: expected a model id"),
 ])
 def test_errors_name_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):
@@ -108,3 +113,12 @@ def test_num_threads_is_validated_and_applied(make_engine, llama_dir):
             assert engine._run(lambda core: torch.get_num_threads()) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_http_api_settings():
+    cfg = config_from_dict({"model": {"path": "m"}})
+    assert cfg.server.http_address == "127.0.0.1:8000" and cfg.server.api_key_env == "PREFIX_SERVICE_API_KEY"
+    assert cfg.engine.model.served_name is None
+    off = config_from_dict({"model": {"path": "m", "served_name": "smol"}, "server": {"http_address": ""}})
+    assert off.server.http_address is None and off.engine.model.served_name == "smol"
+    assert config_from_dict({"model": {"path": "m"}, "server": {"http_address": None}}).server.http_address is None

@@ -123,7 +123,7 @@ def test_server_killed_during_admin_adds_keeps_every_acknowledged_template(tmp_p
     cfg_path.write_text(yaml.safe_dump({
         "model": {"path": str(model_dir), "dtype": "float32", "device": "cpu"},
         "cache": {"block_size": 4, "num_blocks": 256, "prefix_budget_blocks": 200},
-        "server": {"address": "127.0.0.1:0", "admin_token_env": "PREFIX_SERVICE_TEST_KILL_TOKEN",
+        "server": {"address": "127.0.0.1:0", "http_address": "", "admin_token_env": "PREFIX_SERVICE_TEST_KILL_TOKEN",
                    "state_file": str(state)},
     }))
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

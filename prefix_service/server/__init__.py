@@ -1,8 +1,11 @@
-"""The gRPC server (package prefix_service.v1): Generation and PrefixAdmin, plus the standard
-health and reflection services and an optional Prometheus endpoint.
+"""The server: gRPC (package prefix_service.v1: Generation and PrefixAdmin, plus the standard
+health and reflection services), the OpenAI-compatible HTTP API, and an optional Prometheus
+endpoint.
 
     app.py         PrefixServer: start order, graceful stop, signals
+    requests.py    the request path both front ends share: RequestSpec -> engine request
     generation.py  Generate: convert, submit, stream, abort on cancel
+    openai_api.py  /v1/models, /v1/completions, /v1/chat/completions, /health;  http.py  uvicorn
     admin.py       Add/Remove/ListPrefixTemplates behind auth.py
     templates.py   TemplateRegistry: templates on the engine + their origin + persistence
     store.py       the state file (atomic writes)
@@ -10,7 +13,7 @@ health and reflection services and an optional Prometheus endpoint.
     chat.py        chat messages through the model's chat template
     metrics.py     Prometheus series and the per-request log line;  tls.py  certificate and key
     wire.py        service registration; undecodable requests -> INVALID_ARGUMENT
-    convert.py     proto <-> engine types;  status.py  exceptions -> status codes
+    convert.py     proto <-> engine types;  status.py  exceptions -> gRPC codes, HTTP statuses
 
 The names below load on first use, so that importing one module (e.g. the state file's store)
 does not import the engine and torch.

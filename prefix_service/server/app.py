@@ -1,17 +1,19 @@
 """PrefixServer: the process around the servicers. Start order:
 
     check admin exposure, TLS files, the state file   (fail fast, before anything heavy)
-    bind and start gRPC (and server.admin_address, the metrics endpoint); health NOT_SERVING
+    bind and start gRPC (and server.admin_address, the metrics endpoint, the HTTP API on
+    server.http_address); health NOT_SERVING (HTTP: /health answers 503)
     load the engine, warm up every template            (YAML first, then the state file's)
     health SERVING
 
 Stop (SIGTERM/SIGINT, or stop()): health NOT_SERVING, refuse new calls, give in-flight calls
-server.grace_period_s to finish, cancel the rest (which aborts their requests and frees their
+(gRPC and HTTP alike) server.grace_period_s to finish, cancel the rest (which aborts their requests and frees their
 blocks), then shut the engine down. A second signal cuts the grace short.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 from pathlib import Path
@@ -21,11 +23,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from prefix_service.config import ServiceConfig
+from prefix_service.config import ServiceConfig, split_address
 from prefix_service.engine import Engine
 from prefix_service.server.admin import PrefixAdminServicer
-from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_token, warn_cleartext_token
+from prefix_service.server.auth import (AdminAuth, ApiKeyAuth, check_admin_exposure, read_api_key, read_token,
+                                        warn_cleartext_token)
 from prefix_service.server.generation import GenerationServicer
+from prefix_service.server.http import HttpServer
 from prefix_service.server.metrics import ServiceMetrics
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.store import TemplateSource, TemplateStore
@@ -66,6 +70,10 @@ class PrefixServer:
         self.port: int | None = None  # generation (and admin without server.admin_address)
         self.admin_port: int | None = None  # where PrefixAdmin listens; None when disabled
         self.metrics_port: int | None = None  # the Prometheus endpoint; None when off
+        self.http_port: int | None = None  # the OpenAI-compatible HTTP API; None when off
+        model = config.engine.model
+        self.served_name = model.served_name or Path(model.path).name  # the base model's id over HTTP
+        self._http: HttpServer | None = None
 
     @property
     def engine(self) -> Engine | None:
@@ -130,11 +138,15 @@ class PrefixServer:
             if cfg.metrics_address:
                 self.metrics_port = self.metrics.serve(cfg.metrics_address, tls and tls.cert_file,
                                                        tls and tls.key_file)
+            if cfg.http_address:
+                self.http_port = await self._start_http(cfg.http_address, tls)
             admin = "disabled" if not cfg.enable_admin else (
                 f"on port {self.admin_port}, " + ("needs a bearer token" if token else "open on loopback"))
             metrics = "off" if self.metrics_port is None else f"on port {self.metrics_port} (/metrics)"
-            log.info("listening on %s:%d (%s; health NOT_SERVING until warmup ends); admin %s; metrics %s",
-                     cfg.host, self.port, "TLS" if tls else "plaintext", admin, metrics)
+            http = "off" if self.http_port is None else (
+                f"on port {self.http_port} (OpenAI API, " + ("needs an API key)" if read_api_key(cfg) else "no API key)"))
+            log.info("listening on %s:%d (%s; health NOT_SERVING until warmup ends); admin %s; metrics %s; HTTP %s",
+                     cfg.host, self.port, "TLS" if tls else "plaintext", admin, metrics, http)
             pinned = await self._load_and_warm(store, restored)
         except BaseException:
             await self.stop(grace=0)
@@ -143,6 +155,12 @@ class PrefixServer:
         self.runtime.ready = True
         log.info("SERVING on %s:%d: %d prefix templates pinned", cfg.host, self.port, pinned)
         return self.port
+
+    async def _start_http(self, address: str, tls: TlsFiles | None) -> int:
+        from prefix_service.server.openai_api import OpenAIApi  # fastapi loads only when HTTP is on
+        api = OpenAIApi(self.runtime, self.metrics, ApiKeyAuth(read_api_key(self.config.server)), self.served_name)
+        self._http = HttpServer(api.app, address, certfile=tls and tls.cert_file, keyfile=tls and tls.key_file)
+        return await self._http.start(self.config.server.grace_period_s)
 
     async def _load_and_warm(self, store: TemplateStore | None, restored: list[TemplateSource]) -> int:
         loop = asyncio.get_running_loop()
@@ -167,7 +185,8 @@ class PrefixServer:
         try:
             await self._health.enter_graceful_shutdown()
             servers = [s for s in (self._grpc, self._admin_grpc) if s is not None]
-            await asyncio.gather(*(s.stop(grace) for s in servers))
+            await asyncio.gather(*(s.stop(grace) for s in servers),
+                                 *([self._http.stop(grace)] if self._http is not None else []))
             await self._generation.drain_aborts()
         finally:
             engine = self.runtime.engine
@@ -217,6 +236,12 @@ async def serve(config: ServiceConfig, **kwargs) -> None:
         tls = "--tls-ca CERT.pem " if config.server.tls else ""
         log.info("try: prefix-service generate --address %s:%d %s%s'Hello'", config.server.host, server.port, tls,
                  example)
+        if server.http_port is not None:
+            scheme = "https" if config.server.tls else "http"
+            host = split_address(config.server.http_address, "server.http_address")[0]
+            log.info("or: curl %s://%s:%d/v1/completions -H 'Content-Type: application/json' -d '{\"model\": %s, "
+                     "\"prompt\": \"Hello\", \"max_tokens\": 16}'", scheme, host, server.http_port,
+                     json.dumps(config.prefixes[0].name if config.prefixes else server.served_name))
         await signalled.wait()
         await server.stop()
     finally:

@@ -45,7 +45,8 @@ class ServerProcess:
             "model": dataclasses.asdict(engine_config.model),
             "cache": dataclasses.asdict(engine_config.cache),
             "scheduler": dataclasses.asdict(engine_config.scheduler),
-            "server": {"address": self.address, "state_file": str(folder / "state.json"), "grace_period_s": 1},
+            "server": {"address": self.address, "http_address": "", "state_file": str(folder / "state.json"),
+                       "grace_period_s": 1},
             "prefixes": [{"name": w.prefix_name, "content": w.prefix_text} for w in workloads if w.has_prefix],
         }
         config_path = folder / "bench.yaml"

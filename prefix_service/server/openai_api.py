@@ -1,0 +1,502 @@
+"""The OpenAI-compatible HTTP API: a FastAPI app on the same engine as gRPC.
+
+    GET  /health               200 once every configured template is pinned, 503 before and while stopping
+    GET  /v1/models            the served model, then every template as a model id of its own
+    POST /v1/completions       prompt (text or token ids) continuing a template
+    POST /v1/chat/completions  messages through the model's chat template (system_prompt templates reused)
+
+A template is chosen by `prefix_name` in the body (the SDKs' `extra_body`) or by `model` naming
+it; the served model's name (or no `model`) means none. Bodies are parsed here, strictly: a
+wrong type, an unknown field or a value this server does not support (n > 1, logprobs, ...) is a
+400 naming the field. From there the request takes the path gRPC takes (requests.py), and errors
+map through the same table (status.classify) to an HTTP status and OpenAI's error body:
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+A response waits for the request's first output before it starts, so that every refusal
+(unknown template, queue full, prompt too long) is an HTTP status, not an error inside a stream.
+A client that goes away (a dropped stream, a closed connection while a non-streamed request
+runs) aborts its request and frees its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Literal, Union
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefix_service.engine.sequence import FinishReason, RequestOutput
+from prefix_service.errors import InvalidRequest
+from prefix_service.sampling_params import SamplingParams
+from prefix_service.server.auth import BearerAuth
+from prefix_service.server.metrics import RequestTrace, ServiceMetrics
+from prefix_service.server.requests import RequestSpec, prepare, request_id_for
+from prefix_service.server.runtime import Runtime
+from prefix_service.server.status import ModelNotFound, RequestTooLarge, classify
+
+log = logging.getLogger("prefix_service.server")
+
+MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is read whole
+REQUEST_ID_HEADER = "x-request-id"
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request gives none (gRPC's is 0, greedy)
+
+
+# --- request bodies ---------------------------------------------------------------------------
+class _Body(BaseModel):
+    # strict: "5" is not 5, 1.5 is not an int, true is not a number; unknown fields are refused
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    prefix_name: str | None = None  # extension: the template to continue (else `model` may name it)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM's): 0 or -1 = no limit
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM's)
+    ignore_eos: bool = False  # extension (vLLM's)
+    return_token_ids: bool = False  # extension (vLLM's): each choice (and chunk) also carries its token ids
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+    # OpenAI fields accepted only at the value that means "off" (anything else: 400, not ignored)
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def refuse_unsupported(self) -> None:
+        def no(field: str, why: str) -> None:
+            raise InvalidRequest(f"{field}: {why}", param=field)
+
+        if self.n not in (None, 1):
+            no("n", f"only n=1 is supported, got {self.n}; send {self.n} requests (with seeds) instead")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                no(name, "penalties are not supported; leave it unset or 0")
+        if self.logit_bias:
+            no("logit_bias", "not supported; leave it unset or empty")
+        if self.stream_options is not None and not self.stream:
+            no("stream_options", "only allowed with stream: true")
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """Range checks are the engine's (SamplingParams.validate: 400 naming the field)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionBody(_Sampling):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise InvalidRequest("echo: not supported; leave it false", param="echo")
+        if self.logprobs is not None:
+            raise InvalidRequest("logprobs: not supported; leave it unset", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest(f"best_of: only 1 is supported, got {self.best_of}", param="best_of")
+        if self.suffix:
+            raise InvalidRequest("suffix: not supported; leave it unset", param="suffix")
+
+    def prompt_fields(self) -> dict[str, Any]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise InvalidRequest(f"prompt: one prompt per request (got a batch of {len(p)}); send one request "
+                                     f"each", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return {"prompt": p}
+        if not p:
+            raise InvalidRequest("prompt: an empty list of token ids", param="prompt")
+        return {"prompt_token_ids": p}
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageBody(_Body):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None  # accepted, unused
+
+    def as_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatBody(_Sampling):
+    messages: list[ChatMessageBody] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none"] | None = None
+    response_format: ResponseFormat | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs:
+            raise InvalidRequest("logprobs: not supported; leave it unset or false", param="logprobs")
+        if self.top_logprobs is not None:
+            raise InvalidRequest("top_logprobs: not supported; leave it unset", param="top_logprobs")
+        if self.tools:
+            raise InvalidRequest("tools: tool calls are not supported; leave tools unset", param="tools")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise InvalidRequest("max_completion_tokens: give it or max_tokens, not two different values",
+                                 param="max_completion_tokens")
+
+
+# --- responses ---------------------------------------------------------------------------------
+def error_body(message: str, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.prefix_tokens}}
+
+
+def _finish(out: RequestOutput) -> str | None:
+    if not out.finished:
+        return None
+    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(out.finish_reason, "abort")
+
+
+class _Shape:
+    """How one endpoint writes its response, whole and streamed."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, token_ids: bool) -> None:
+        self.chat = chat
+        self.token_ids = token_ids
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _ids(self, choice: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        if self.token_ids:
+            choice["token_ids"] = ids
+        return choice
+
+    def whole(self, text: str, ids: list[int], last: RequestOutput) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": _finish(last)}
+            return {**self._head("chat.completion"), "choices": [self._ids(choice, ids)], "usage": _usage(last)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(last)}
+        return {**self._head("text_completion"), "choices": [self._ids(choice, ids)], "usage": _usage(last)}
+
+    def chunks(self, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
+        if not self.chat:
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": _finish(out)}
+            return [{**self._head("text_completion"), "choices": [self._ids(choice, out.token_ids)]}]
+        head = self._head("chat.completion.chunk")
+        chunks = []
+        if first:
+            chunks.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+        if out.text or (self.token_ids and out.token_ids):
+            choice = {"index": 0, "delta": {"content": out.text}, "logprobs": None, "finish_reason": None}
+            chunks.append({**head, "choices": [self._ids(choice, out.token_ids)]})
+        if out.finished:
+            chunks.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                                "finish_reason": _finish(out)}]})
+        return chunks
+
+    def usage_chunk(self, last: RequestOutput) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": _usage(last)}
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+# --- the app -----------------------------------------------------------------------------------
+class OpenAIApi:
+    def __init__(self, runtime: Runtime, metrics: ServiceMetrics, auth: BearerAuth, served_name: str) -> None:
+        self.runtime = runtime
+        self.metrics = metrics
+        self.auth = auth
+        self.served_name = served_name
+        self.app = FastAPI(title="prefix_service", summary="OpenAI-compatible API with operator-named, pinned "
+                           "prompt templates", version="1", docs_url=None, redoc_url=None)
+        app = self.app
+        app.add_exception_handler(StarletteHTTPException, self._http_exception)
+        app.add_exception_handler(RequestValidationError, self._http_exception)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+
+    # --- errors --------------------------------------------------------------------------------
+    @staticmethod
+    def error(exc: BaseException, trace: RequestTrace | None = None) -> JSONResponse:
+        """exc as OpenAI's error body with its HTTP status (and, with a trace, the request's end)."""
+        kind, message = classify(exc)
+        headers = {"WWW-Authenticate": "Bearer"} if kind.http_status == 401 else None
+        if trace is not None:
+            trace.code, trace.http_status = kind.grpc_code, kind.http_status
+            _end(trace)
+        return JSONResponse(error_body(message, kind.type, kind.code, getattr(exc, "param", None)),
+                            status_code=kind.http_status, headers=headers)
+
+    @staticmethod
+    async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
+        """Starlette's own refusals (unknown path, wrong method) in OpenAI's shape."""
+        status = getattr(exc, "status_code", 400)
+        detail = getattr(exc, "detail", None) or str(exc)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request")
+        message = f"{detail}: {request.method} {request.url.path}" if status in (404, 405) else str(detail)
+        return JSONResponse(error_body(message, "invalid_request_error", code), status_code=status,
+                            headers=getattr(exc, "headers", None))
+
+    # --- routes --------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        if self.runtime.ready:
+            return Response(status_code=200)
+        return JSONResponse(error_body(f"the server is {self.runtime.phase}", "server_error", "unavailable"),
+                            status_code=503)
+
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self.auth.check(request.headers.items())
+            _, registry = self.runtime.require_ready()
+            templates = await asyncio.get_running_loop().run_in_executor(self.runtime.executor, registry.list)
+        except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
+            return self.error(e)
+        created = int(time.time())
+        data = [{"id": self.served_name, "object": "model", "created": created, "owned_by": "prefix_service",
+                 "root": self.served_name, "parent": None}]
+        for info, origin in templates:
+            data.append({"id": info.name, "object": "model", "created": created, "owned_by": "prefix_service",
+                         "root": self.served_name, "parent": self.served_name,
+                         "metadata": {"kind": "prefix_template", "base_model": self.served_name,
+                                      "template_tokens": info.num_tokens, "origin": origin}})
+        return JSONResponse({"object": "list", "data": data})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, CompletionBody, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, ChatBody, chat=True)
+
+    # --- generation ----------------------------------------------------------------------------
+    async def _generate(self, request: Request, body_cls: type[_Sampling], chat: bool) -> Response:
+        trace = self.metrics.trace("", "http")
+        try:
+            self.auth.check(request.headers.items())
+            body = body_cls.model_validate_json(await _read_body(request))
+            body.refuse_unsupported()
+            template = self._template(body.model, body.prefix_name)
+            trace.set_prefix(template or "")
+            spec = self._spec(body, template, request.headers.get(REQUEST_ID_HEADER))
+            request_id = trace.request_id = request_id_for(spec)
+            engine, req = await prepare(self.runtime, spec, request_id)
+            stream = engine.generate_stream(req, self.runtime.executor)
+            try:
+                first = await anext(stream)  # every refusal happens before this returns
+            except BaseException:
+                await stream.aclose()
+                raise
+        except ValidationError as e:
+            return self.error(_validation_error(e), trace)
+        except Exception as e:  # noqa: BLE001 - refused before any output
+            return self.error(e, trace)
+        shape = _Shape(chat, request_id, body.model or self.served_name, body.return_token_ids)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(first, stream, shape, trace, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._whole(request, first, stream, shape, trace)
+
+    def _template(self, model: str | None, prefix_name: str | None) -> str | None:
+        """The template a request names: prefix_name, or `model` when it is a template's name."""
+        template = None
+        if model is not None and model != self.served_name:
+            registry = self.runtime.registry
+            if registry is None or not registry.known(model):
+                e = ModelNotFound(f"the model {model[:128]!r} does not exist here: use {self.served_name!r} or a "
+                                  f"template's name (GET /v1/models lists them)")
+                e.param = "model"
+                raise e
+            template = model
+        if prefix_name is not None:
+            if template is not None and prefix_name != template:
+                raise InvalidRequest(f"model names template {template!r} but prefix_name names {prefix_name[:128]!r}; "
+                                     f"name one template", param="prefix_name")
+            template = prefix_name or None
+        return template
+
+    def _spec(self, body: _Sampling, template: str | None, request_id: str | None) -> RequestSpec:
+        if isinstance(body, ChatBody):
+            return RequestSpec(prefix_name=template, messages=[m.as_dict() for m in body.messages],
+                               sampling=body.sampling(body.max_completion_tokens or body.max_tokens),
+                               request_id=request_id)
+        assert isinstance(body, CompletionBody)
+        return RequestSpec(prefix_name=template, sampling=body.sampling(body.max_tokens), request_id=request_id,
+                           **body.prompt_fields())
+
+    async def _whole(self, request: Request, first: RequestOutput, stream: AsyncIterator[RequestOutput],
+                     shape: _Shape, trace: RequestTrace) -> Response:
+        async def collect() -> RequestOutput:
+            out = first
+            trace.output(out)
+            async with contextlib.aclosing(stream):
+                while not out.finished:
+                    out = await anext(stream)
+                    trace.output(out)
+                    texts.append(out.text)
+                    ids.extend(out.token_ids)
+            return out
+
+        texts, ids = [first.text], list(first.token_ids)
+        task = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not task.done():  # the client went away: cancelling closes the stream, which aborts the request
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                _end(trace)  # CANCELLED
+        if task.cancelled():
+            return Response(status_code=499)  # nobody reads it
+        try:
+            last = task.result()
+        except Exception as e:  # noqa: BLE001 - ended by an error after it started (engine stopped)
+            return self.error(e, trace)
+        trace.code, trace.http_status = grpc.StatusCode.OK, 200
+        _end(trace)
+        return JSONResponse(shape.whole("".join(texts), ids, last))
+
+    async def _stream(self, first: RequestOutput, stream: AsyncIterator[RequestOutput], shape: _Shape,
+                      trace: RequestTrace, include_usage: bool) -> AsyncIterator[bytes]:
+        trace.http_status = 200
+        try:
+            async with contextlib.aclosing(stream):
+                out, is_first = first, True
+                while True:
+                    trace.output(out)
+                    for chunk in shape.chunks(out, is_first):
+                        yield _sse(chunk)
+                    is_first = False
+                    if out.finished:
+                        break
+                    try:
+                        out = await anext(stream)
+                    except Exception as e:  # noqa: BLE001 - ended by an error mid-stream: say so in the stream
+                        kind, message = classify(e)
+                        trace.code = kind.grpc_code
+                        yield _sse(error_body(message, kind.type, kind.code))
+                        return
+            if include_usage:
+                yield _sse(shape.usage_chunk(out))
+            yield b"data: [DONE]\n\n"
+            trace.code = grpc.StatusCode.OK
+        finally:  # a client that went away leaves code None: CANCELLED
+            _end(trace)
+
+
+def _end(trace: RequestTrace) -> None:
+    try:
+        trace.end()
+    except Exception:  # noqa: BLE001 - bookkeeping must never change the request's outcome
+        log.exception("recording request %s failed", trace.request_id or "(no id)")
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, refused (413) past MAX_BODY_BYTES whether or not it declares its length."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge(int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class BodyTooLarge(RequestTooLarge):
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the request body has {size} bytes or more; this server reads at most {MAX_BODY_BYTES}")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _validation_error(e: ValidationError) -> InvalidRequest:
+    """pydantic's first complaint as a 400 naming the field."""
+    errors = e.errors(include_url=False)
+    if not errors:
+        return InvalidRequest(f"the body is not valid: {e}")
+    err = errors[0]
+    param = ".".join(str(x) for x in err.get("loc", ()) if _is_field(x)) or None
+    if err.get("type") == "json_invalid":
+        return InvalidRequest(f"the body is not valid JSON: {err.get('msg')}", param=None)
+    if err.get("type") == "extra_forbidden":
+        return InvalidRequest(f"unknown field {param!r}: this server does not support it", param=param)
+    if err.get("type") == "missing":
+        return InvalidRequest(f"{param} is required", param=param)
+    return InvalidRequest(f"{param or 'the body'}: {err.get('msg')} (got {_short(err.get('input'))})", param=param)
+
+
+def _is_field(part: Any) -> bool:
+    """A field name or list index in pydantic's error location (not a union member's type tag)."""
+    return isinstance(part, int) or (isinstance(part, str) and part.isidentifier() and part[:1].islower()
+                                     and part not in ("str", "int", "float", "bool", "list", "dict"))
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."

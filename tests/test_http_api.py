@@ -1,0 +1,479 @@
+"""The OpenAI-compatible HTTP API against a tiny random model on 127.0.0.1, called with the official
+`openai` client (and raw HTTP where the client would hide what is sent): templates chosen by
+extra_body or by model, streamed and not; chat on a system_prompt template; output equal to
+gRPC's token for token; cached_tokens; every error with its status and OpenAI's body; an API
+key; a client that goes away frees its blocks; what the metrics and the log line record."""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+
+from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config,
+                             slow_steps, started_servers)
+
+from prefix_service.config import PrefixSpec
+from prefix_service.proto import prefix_service_pb2 as pb
+
+TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+API_KEY_ENV = "PREFIX_SERVICE_TEST_API_KEY"
+HTTP = {"http_address": "127.0.0.1:0", "api_key_env": API_KEY_ENV}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory, one_torch_thread):
+    st = ServerThread(make_config(model_dir, prefixes=TEMPLATES, metrics_address="127.0.0.1:0",
+                                  state_file=tmp_path_factory.mktemp("state") / "state.json", **HTTP)).start()
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_clients(server):
+    c = Clients(server.address)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def make_server(model_dir, tmp_path, monkeypatch):
+    with started_servers(model_dir, tmp_path, monkeypatch, prefixes=TEMPLATES) as factory:
+        yield lambda **kw: factory(**{**HTTP, **kw})
+
+
+@pytest.fixture(autouse=True)
+def no_api_key(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+
+
+def client(st: ServerThread, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{st.server.http_port}/v1", api_key=api_key, max_retries=0,
+                         timeout=60)
+
+
+def raw(st: ServerThread, method: str, path: str, body: bytes | str | dict | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, dict | str]:
+    """(status, parsed JSON body or text) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    try:
+        data = json.dumps(body) if isinstance(body, dict) else body
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        try:
+            return resp.status, json.loads(text)
+        except ValueError:
+            return resp.status, text
+    finally:
+        conn.close()
+
+
+def assert_error(status_body: tuple[int, object], status: int, code: str, param: str | None = None) -> dict:
+    got_status, body = status_body
+    assert got_status == status, body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def grpc_ids(clients: Clients, prompt: str, prefix: str = "", max_tokens: int = 8) -> list[int]:
+    return collect(clients.generation.Generate(greedy_request(prompt, prefix, max_tokens=max_tokens)))[1]
+
+
+GREEDY = {"temperature": 0, "max_tokens": 8}
+IDS = {"ignore_eos": True, "return_token_ids": True}
+
+
+# --- the happy paths ----------------------------------------------------------------------------
+
+def test_models_lists_the_model_and_every_template(server):
+    models = client(server).models.list().data
+    ids = [m.id for m in models]
+    assert ids[0] == server.config.engine.model.path.rstrip("/").rsplit("/", 1)[-1]
+    assert sorted(ids[1:]) == ["doc", "sys"]
+    doc = next(m for m in models if m.id == "doc")
+    assert doc.parent == ids[0] and doc.metadata["kind"] == "prefix_template"
+    assert doc.metadata["template_tokens"] == server.engine.get_prefix("doc").num_tokens
+
+
+def test_completion_on_a_template_equals_grpc_token_for_token(server, grpc_clients):
+    expected = grpc_ids(grpc_clients, " the order", "doc")
+    api = client(server)
+    by_body = api.completions.create(model=ids_model(server), prompt=" the order", **GREEDY,
+                                     extra_body={"prefix_name": "doc", **IDS})
+    by_model = api.completions.create(model="doc", prompt=" the order", **GREEDY, extra_body=IDS)
+    for resp in (by_body, by_model):
+        choice = resp.choices[0]
+        assert choice.model_extra["token_ids"] == expected
+        assert choice.text == server.engine.tokenizer.decode(expected)
+        assert choice.finish_reason == "length"
+        doc_tokens = server.engine.get_prefix("doc").num_tokens
+        assert resp.usage.prompt_tokens_details.cached_tokens == doc_tokens
+        assert resp.usage.completion_tokens == 8
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
+        assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    assert by_model.model == "doc"
+
+
+def ids_model(st: ServerThread) -> str:
+    return client(st).models.list().data[0].id
+
+
+def test_streamed_completion_equals_the_whole_one(server, grpc_clients):
+    expected = grpc_ids(grpc_clients, " the price", "doc")
+    chunks = list(client(server).completions.create(
+        model="doc", prompt=" the price", stream=True, stream_options={"include_usage": True}, **GREEDY,
+        extra_body=IDS))
+    text_chunks = [c for c in chunks if c.choices]
+    assert [t for c in text_chunks for t in c.choices[0].model_extra["token_ids"]] == expected
+    assert "".join(c.choices[0].text for c in text_chunks) == server.engine.tokenizer.decode(expected)
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 8
+    assert usage.usage.prompt_tokens_details.cached_tokens == server.engine.get_prefix("doc").num_tokens
+
+
+def test_prompt_as_token_ids_and_without_a_template(server, grpc_clients):
+    api = client(server)
+    ids = server.engine.tokenizer.encode(" the row", add_special_tokens=False)
+    by_ids = api.completions.create(model="doc", prompt=ids, **GREEDY, extra_body=IDS)
+    assert by_ids.choices[0].model_extra["token_ids"] == grpc_ids(grpc_clients, " the row", "doc")
+    plain = api.completions.create(model=ids_model(server), prompt="the order has a price", **GREEDY, extra_body=IDS)
+    assert plain.choices[0].model_extra["token_ids"] == grpc_ids(grpc_clients, "the order has a price")
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_on_a_system_prompt_template_equals_grpc(server, grpc_clients):
+    req = pb.GenerateRequest(prefix_name="sys", messages=[pb.ChatMessage(role="user", content="refund the order")],
+                             sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True))
+    expected_text, expected, last = collect(grpc_clients.generation.Generate(req))
+    api = client(server)
+    messages = [{"role": "user", "content": "refund the order"}]
+    whole = api.chat.completions.create(model="sys", messages=messages, **GREEDY, extra_body=IDS)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected_text
+    assert whole.choices[0].model_extra["token_ids"] == expected
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert whole.usage.prompt_tokens_details.cached_tokens == last.usage.prefix_tokens > 0
+    assert whole.usage.prompt_tokens == last.usage.prompt_tokens
+
+    chunks = list(api.chat.completions.create(model=ids_model(server), messages=messages, stream=True, **GREEDY,
+                                              extra_body={"prefix_name": "sys", **IDS}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected_text
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_a_stream_ends_with_done(server):
+    status, text = raw(server, "POST", "/v1/chat/completions",
+                       {"model": "sys", "messages": [{"role": "user", "content": "order"}], "max_tokens": 3,
+                        "stream": True})
+    assert status == 200
+    events = [line for line in text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_sampling_with_a_seed_repeats(server):
+    api = client(server)
+    runs = [api.completions.create(model="doc", prompt=" the", temperature=1.0, top_p=0.9, seed=7, max_tokens=6,
+                                   extra_body={"ignore_eos": True, "top_k": 20}).choices[0].text for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_health(server):
+    assert raw(server, "GET", "/health")[0] == 200
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def test_unknown_model_and_template_are_404(server):
+    assert_error(raw(server, "POST", "/v1/completions", {"model": "nope", "prompt": "x"}), 404, "model_not_found",
+                 "model")
+    assert_error(raw(server, "POST", "/v1/completions", {"prompt": "x", "prefix_name": "nope"}), 404,
+                 "prefix_not_found")
+    with pytest.raises(openai.NotFoundError) as info:
+        client(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert info.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [10**9]}, None),
+    ({"prompt": "x", "model": "doc", "prefix_name": "sys"}, "prefix_name"),
+    ({}, "prompt"),
+])
+def test_bad_completion_values_are_400_naming_the_field(server, body, param):
+    err = assert_error(raw(server, "POST", "/v1/completions", body), 400, "invalid_value", param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "prompt": "x"}, "prompt"),
+])
+def test_bad_chat_values_are_400(server, body, param):
+    assert_error(raw(server, "POST", "/v1/chat/completions", body), 400, "invalid_value", param)
+
+
+def test_malformed_and_oversized_bodies(server):
+    assert_error(raw(server, "POST", "/v1/completions", b"{not json"), 400, "invalid_value")
+    assert_error(raw(server, "POST", "/v1/completions", b"[1, 2]"), 400, "invalid_value")
+    assert_error(raw(server, "POST", "/v1/completions", b"\xff\xfe"), 400, "invalid_value")
+    big = json.dumps({"prompt": "x" * (5 << 20)})
+    assert_error(raw(server, "POST", "/v1/completions", big), 413, "request_too_large")
+    assert raw(server, "GET", "/v1/nothing")[0] == 404
+    assert_error(raw(server, "GET", "/v1/completions"), 405, "method_not_allowed")
+    server.check_clean()
+
+
+def test_a_prompt_over_the_limit_is_400(make_server):
+    st = make_server(max_prompt_tokens=4)
+    assert_error(raw(st, "POST", "/v1/completions", {"model": "doc", "prompt": " the order has a price row"}),
+                 400, "invalid_value")
+
+
+def test_queue_full_is_429(make_server):
+    st = make_server(max_num_seqs=1, max_queue=1)
+    undo = slow_steps(st.engine, 0.05)
+    c = Clients(st.address)
+    try:
+        running = c.generation.Generate(greedy_request(" the", "doc", max_tokens=200))
+        next(running)  # running
+        waiting = c.generation.Generate(greedy_request(" the", "doc", max_tokens=200))
+        deadline = time.monotonic() + 10
+        while st.engine.kv_stats()["waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as info:
+            client(st).completions.create(model="doc", prompt=" x", max_tokens=2)
+        assert info.value.body["code"] == "queue_full"
+        running.cancel()
+        waiting.cancel()
+    finally:
+        undo()
+        c.close()
+
+
+def test_a_request_the_cache_can_never_hold_is_429(make_server):
+    st = make_server(num_blocks=80, prefix_budget_blocks=60)  # 320 tokens, ~190 of them the templates'
+    err = assert_error(raw(st, "POST", "/v1/completions", {"model": "doc", "prompt": " the" * 200}), 429,
+                       "cache_exhausted")
+    assert err["type"] == "rate_limit_error"
+
+
+def test_api_key(make_server, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv(API_KEY_ENV, "k3y-secret")
+    st = make_server()
+    assert raw(st, "GET", "/health")[0] == 200  # open: load balancers probe it
+    err = assert_error(raw(st, "POST", "/v1/completions", {"prompt": "x"}), 401, "missing_api_key")
+    assert err["type"] == "authentication_error"
+    assert_error(raw(st, "GET", "/v1/models", headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key")
+    with pytest.raises(openai.AuthenticationError):
+        client(st, "wrong").completions.create(model="doc", prompt=" the", max_tokens=2)
+    ok = client(st, "k3y-secret").completions.create(model="doc", prompt=" the", max_tokens=2,
+                                                      extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
+    assert "k3y-secret" not in caplog.text and "nope" not in caplog.text
+
+
+def test_warming_up_is_503(model_dir, tmp_path):
+    seen = []
+    holder: dict[str, ServerThread] = {}
+
+    def hook(name: str) -> None:  # runs while the templates warm up, the HTTP API already listening
+        st = holder["st"]
+        seen.append((assert_error(raw(st, "GET", "/health"), 503, "unavailable")["type"],
+                     assert_error(raw(st, "POST", "/v1/completions", {"prompt": "x"}), 503, "unavailable")["code"],
+                     raw(st, "GET", "/v1/models")[0]))
+
+    st = holder["st"] = ServerThread(make_config(model_dir, prefixes=TEMPLATES, state_file=tmp_path / "s.json",
+                                                 **HTTP), warmup_hook=hook)
+    st.start()
+    try:
+        assert seen == [("server_error", "unavailable", 503)] * 2
+        assert raw(st, "GET", "/health")[0] == 200
+    finally:
+        st.stop()
+
+
+# --- a client that goes away --------------------------------------------------------------------
+
+def test_a_dropped_stream_frees_its_blocks(make_server):
+    st = make_server(metrics_address="127.0.0.1:0")
+    undo = slow_steps(st.engine, 0.02)
+    try:
+        stream = client(st).completions.create(model="doc", prompt=" the", max_tokens=400, stream=True,
+                                               extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        assert st.engine.kv_stats()["running"] == 1
+        stream.close()
+        st.check_clean()  # integrity, nothing running, only the templates' blocks held
+    finally:
+        undo()
+    samples = scrape(st.server.metrics_port)
+    assert samples.get(("prefix_service_requests_total", (("code", "CANCELLED"), ("prefix", "doc"),
+                                                          ("protocol", "http")))) == 1
+    assert samples[("prefix_service_kv_blocks_used", ())] == samples[("prefix_service_kv_blocks_pinned", ())]
+    assert samples[("prefix_service_running_requests", ())] == 0
+
+
+def test_a_closed_connection_aborts_a_whole_response(make_server):
+    st = make_server()
+    undo = slow_steps(st.engine, 0.02)
+    try:
+        body = json.dumps({"model": "doc", "prompt": " the", "max_tokens": 400, "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", st.server.http_port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while st.engine.kv_stats()["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sock.close()
+        st.check_clean()
+    finally:
+        undo()
+
+
+def test_log_line_and_metrics_name_the_protocol(server, grpc_clients, caplog):
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    before = scrape(server.server.metrics_port)
+    client(server).completions.create(model="doc", prompt=" the", max_tokens=2)
+    raw(server, "POST", "/v1/completions", {"model": "nope", "prompt": "x"})
+    grpc_ids(grpc_clients, " the", "doc", max_tokens=2)
+    after = scrape(server.server.metrics_port)
+
+    def delta(protocol: str, prefix: str, code: str) -> float:
+        key = ("prefix_service_requests_total", (("code", code), ("prefix", prefix), ("protocol", protocol)))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("http", "doc", "OK") == 1
+    assert delta("http", "_none", "NOT_FOUND") == 1
+    assert delta("grpc", "doc", "OK") == 1
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+    assert [(line["protocol"], line["code"], line.get("http_status")) for line in lines] == \
+        [("http", "OK", 200), ("http", "NOT_FOUND", 404), ("grpc", "OK", None)]
+
+
+def scrape(port: int) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_stop_ends_http_streams_and_frees_blocks(make_server):
+    st = make_server(grace_period_s=0.2)
+    undo = slow_steps(st.engine, 0.02)
+    try:
+        stream = client(st).completions.create(model="doc", prompt=" the", max_tokens=2000, stream=True,
+                                               extra_body={"ignore_eos": True})
+        next(iter(stream))
+        engine = st.engine
+        st.stop(grace=0.2)
+        with pytest.raises(Exception):  # the connection ends before the stream does
+            for _ in stream:
+                pass
+        engine.shutdown()
+        engine.core.check_integrity()
+        assert engine.core.kv_stats()["running"] == 0
+    finally:
+        undo()
+
+
+def test_http_off_by_empty_address(make_server):
+    st = make_server(http_address="")
+    assert st.server.http_port is None
+
+
+def test_a_taken_http_port_fails_the_start(make_server, model_dir, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match="server.http_address"):
+            ServerThread(make_config(model_dir, http_address=f"127.0.0.1:{port}",
+                                     state_file=tmp_path / "s.json")).start()
+    finally:
+        taken.close()
+
+
+def test_tls_from_the_server_settings(make_server, tmp_path):
+    import ssl
+
+    from server_fixtures import self_signed_cert
+    cert, key = self_signed_cert(tmp_path / "tls")
+    st = make_server(tls_cert_file=str(cert), tls_key_file=str(key))
+    ctx = ssl.create_default_context(cafile=str(cert))
+    conn = http.client.HTTPSConnection("127.0.0.1", st.server.http_port, context=ctx, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": "doc", "prompt": " the", "max_tokens": 2}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] >= 1
+    conn.close()
+    plain = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=10)
+    with pytest.raises((http.client.HTTPException, ConnectionError)):  # no plaintext side door
+        plain.request("GET", "/health")
+        plain.getresponse()
+    plain.close()
+
+
+def test_one_error_table_for_both_protocols():
+    from prefix_service.errors import CacheExhausted, PromptTooLong, QueueFull
+    from prefix_service.server.status import ChatTemplateMismatch, ModelNotFound, ServerNotReady, classify
+    expected = {ModelNotFound("m"): (grpc.StatusCode.NOT_FOUND, 404, "model_not_found"),
+                CacheExhausted("c"): (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "cache_exhausted"),
+                PromptTooLong("p"): (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_value"),
+                QueueFull("q"): (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "queue_full"),
+                ChatTemplateMismatch("t"): (grpc.StatusCode.FAILED_PRECONDITION, 409, "chat_template_mismatch"),
+                ServerNotReady("s"): (grpc.StatusCode.UNAVAILABLE, 503, "unavailable"),
+                RuntimeError("boom"): (grpc.StatusCode.INTERNAL, 500, "internal_error")}
+    for exc, (code, status, name) in expected.items():
+        kind, message = classify(exc)
+        assert (kind.grpc_code, kind.http_status, kind.code) == (code, status, name), exc
+    assert "boom" not in classify(RuntimeError("boom"))[1]  # internals stay in the log
