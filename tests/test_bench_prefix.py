@@ -155,3 +155,21 @@ def test_closed_turns_and_concurrency_options_shape_the_intent_spec():
     assert specs["no_shared"].turns == 4  # the regression check keeps its own
     plan = plan_from_args(build_parser().parse_args(["--concurrency", "16,64"]))
     assert {s.workload: (s.concurrencies, s.turns) for s in plan.closed}["intent"] == ((16, 64), 0)
+
+
+def test_a_timed_section_waits_for_an_idle_cpu():
+    """A process that keeps a core busy (as vLLM's server does for a second after it answers)
+    holds the next timed section back until it stops."""
+    import subprocess
+    import sys
+
+    from prefix_service.bench import modes
+    if modes._cpu_jiffies() is None:
+        pytest.skip("no /proc/stat on this platform: wait_idle does not wait")
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 1.5\nwhile time.time() < t: pass"])
+    try:
+        modes.wait_idle(max_wait_s=30)
+        assert spinner.poll() is not None
+    finally:
+        spinner.kill()
+        spinner.wait()

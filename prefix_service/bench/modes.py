@@ -19,6 +19,40 @@ from prefix_service.bench.workloads import BenchRequest, Workload
 
 Tick = Callable[[], None]  # called once per finished request (the progress bar)
 
+IDLE_SHARE = 0.15  # the CPU counts as idle when under this share of it is busy for IDLE_WINDOW_S
+IDLE_WINDOW_S = 0.1
+IDLE_MAX_WAIT_S = 5.0
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_idle(max_wait_s: float = IDLE_MAX_WAIT_S) -> float:
+    """Wait until the machine's CPUs are idle (under IDLE_SHARE busy over IDLE_WINDOW_S), at most
+    max_wait_s; returns the seconds waited. A timed section starts on an idle machine, not in the
+    tail of what ran before it: vLLM's CPU server keeps a core busy for about a second after it
+    answers, which slowed whichever system came next by up to a third."""
+    start = now()
+    last = _cpu_jiffies()
+    if last is None:
+        return 0.0
+    while now() - start < max_wait_s:
+        threading.Event().wait(IDLE_WINDOW_S)
+        cur = _cpu_jiffies()
+        busy, total = cur[0] - last[0], cur[1] - last[1]
+        last = cur
+        if total > 0 and busy / total < IDLE_SHARE:
+            break
+    return now() - start
+
 
 @dataclass
 class RunResult:
@@ -29,12 +63,14 @@ class RunResult:
 
 def run_single(systems: list[System], workload: Workload, requests: list[BenchRequest],
                peaks: dict[str, KVPeak], tick: Tick) -> dict[str, RunResult]:
-    """Every request on every system, in turns; each round starts one system later, so that no
-    system always follows the same one. Wall time of a system = the sum of its latencies."""
+    """Every request on every system, in turns, each on an idle machine (wait_idle); each round
+    starts one system later, so that no system always follows the same one. Wall time of a system
+    = the sum of its latencies."""
     timings: dict[str, list[Timing]] = {s.name: [] for s in systems}
     for i, req in enumerate(requests):
         k = i % len(systems)
         for system in systems[k:] + systems[:k]:
+            wait_idle()
             with peaks[system.name]:
                 timings[system.name].append(system.run(workload, req))
             tick()
@@ -60,6 +96,7 @@ def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequ
                 timings.append(t)
             tick()
 
+    wait_idle()
     with peak_window:
         start = now()
         threads = [threading.Thread(target=client, name=f"bench-client-{i}") for i in range(concurrency)]
@@ -92,6 +129,7 @@ def run_open_loop_point(system: System, workload: Workload, requests: list[Bench
         tick()
 
     threads = []
+    wait_idle()
     start = now()
     for i, offset in enumerate(arrivals):
         delay = start + offset - now()
