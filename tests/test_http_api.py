@@ -9,7 +9,6 @@ import http.client
 import json
 import logging
 import socket
-import threading
 import time
 
 import grpc

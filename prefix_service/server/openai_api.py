@@ -318,13 +318,13 @@ class OpenAIApi:
         return JSONResponse({"object": "list", "data": data})
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionBody, chat=False)
+        return await self._generate(request, CompletionBody)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatBody, chat=True)
+        return await self._generate(request, ChatBody)
 
     # --- generation ----------------------------------------------------------------------------
-    async def _generate(self, request: Request, body_cls: type[_Sampling], chat: bool) -> Response:
+    async def _generate(self, request: Request, body_cls: type[_Sampling]) -> Response:
         trace = self.metrics.trace("", "http")
         try:
             self.auth.check(request.headers.items())
@@ -345,7 +345,7 @@ class OpenAIApi:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - refused before any output
             return self.error(e, trace)
-        shape = _Shape(chat, request_id, body.model or self.served_name, body.return_token_ids)
+        shape = _Shape(body_cls is ChatBody, request_id, body.model or self.served_name, body.return_token_ids)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(first, stream, shape, trace, include_usage),
