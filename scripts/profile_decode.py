@@ -15,7 +15,6 @@ then aborted; the next batch starts from the template alone.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
@@ -28,35 +27,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
-from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
+from prefix_service.bench.profiling import add_engine_args, engine_config, pin, with_scheduler  # noqa: E402
 from prefix_service.engine.core import EngineCore  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
 TEMPLATE = "profile_decode"
-
-
-def engine_config(args) -> EngineConfig:
-    if args.model:
-        cfg = EngineConfig(ModelConfig(path=args.model, load_format=args.load_format), CacheConfig())
-    else:
-        cfg = load_config(args.config).engine
-    sched = cfg.scheduler
-    if sched.max_num_seqs < max(args.batches):  # room for the largest batch at once
-        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(sched, max_num_seqs=max(args.batches)))
-    if args.threads:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=args.threads))
-    if args.backend:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, backend=args.backend))
-    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix=True))
-
-
-def pin(core: EngineCore, ids: list[int]) -> None:
-    result: dict = {}
-    core.add_prefix(TEMPLATE, ids, {}, lambda r: result.setdefault("r", r))
-    while core.has_work():
-        core.step()
-    if isinstance(result.get("r"), BaseException):
-        raise result["r"]
 
 
 def decode_batch(core: EngineCore, prompts: list[list[int]], steps: int, tag: str) -> dict:
@@ -104,16 +79,11 @@ def decode_batch(core: EngineCore, prompts: list[list[int]], steps: int, tag: st
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                                                    "default.yaml"), help="service YAML (its engine part is used)")
-    p.add_argument("--model", help="a model directory instead of the config's (default cache settings)")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="with --model")
+    add_engine_args(p)
     p.add_argument("--prefix-tokens", type=int, default=939)
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--batches", default="1,16,64", help="requests decoding together, e.g. 1,16,64")
     p.add_argument("--steps", type=int, default=10, help="timed decode steps per batch (and as many profiled)")
-    p.add_argument("--threads", type=int, help="torch threads (default: the config's, else torch's)")
-    p.add_argument("--backend", choices=("auto", "torch", "cpu", "cuda"), help="model.backend (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
@@ -124,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_tokens < 1 or args.prompt_tokens < 1 or args.steps < 1 or min(args.batches) < 1:
         p.error("--prefix-tokens, --prompt-tokens, --steps and every --batches value must be >= 1")
 
-    cfg = engine_config(args)
+    cfg = with_scheduler(engine_config(args), max_num_seqs=max(args.batches))  # the largest batch at once
     print(f"loading {cfg.model.path} ...", flush=True)
     core = EngineCore(cfg)
     arch = core.arch
     rng = random.Random(args.seed)
-    pin(core, [rng.randrange(arch.vocab_size) for _ in range(args.prefix_tokens)])
+    pin(core, TEMPLATE, [rng.randrange(arch.vocab_size) for _ in range(args.prefix_tokens)])
     decode_batch(core, [[rng.randrange(arch.vocab_size) for _ in range(args.prompt_tokens)]], 2, "warmup")
 
     results = []

@@ -34,24 +34,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
-from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config  # noqa: E402
+from prefix_service.bench.profiling import add_engine_args, engine_config, pin, with_scheduler  # noqa: E402
 from prefix_service.engine.core import EngineCore  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
 TEMPLATE = "profile_prefill"
-
-
-def engine_config(args) -> EngineConfig:
-    if args.model:
-        cfg = EngineConfig(ModelConfig(path=args.model, load_format=args.load_format), CacheConfig())
-    else:
-        cfg = load_config(args.config).engine
-    # room for one request with the whole template in one step, whatever the config says
-    need = args.prefix_tokens + args.prompt_tokens + 1
-    sched = cfg.scheduler
-    if sched.max_num_batched_tokens < need:
-        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(sched, max_num_batched_tokens=need))
-    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix=True))
 
 
 class Runner:
@@ -61,12 +48,7 @@ class Runner:
         self.count = 0
 
     def pin(self) -> None:
-        result = {}
-        self.core.add_prefix(TEMPLATE, self.prefix_ids, {}, lambda r: result.setdefault("r", r))
-        while self.core.has_work():
-            self.core.step()
-        if isinstance(result.get("r"), BaseException):
-            raise result["r"]
+        pin(self.core, TEMPLATE, self.prefix_ids)
 
     def ttft(self, prompt_ids: list[int], by_name: bool) -> float:
         """Seconds from submit to the first token, stepping the engine here."""
@@ -93,27 +75,19 @@ class Runner:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs",
-                                                    "default.yaml"), help="service YAML (its engine part is used)")
-    p.add_argument("--model", help="a model directory instead of the config's (default cache settings)")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="with --model")
+    add_engine_args(p)
     p.add_argument("--prefix-tokens", type=int, default=900)
     p.add_argument("--prompt-tokens", type=int, default=100)
     p.add_argument("--runs", type=int, default=10, help="timed requests per path")
     p.add_argument("--profile-runs", type=int, default=3, help="profiled requests per path")
-    p.add_argument("--threads", type=int, help="torch threads (default: the config's, else torch's)")
-    p.add_argument("--backend", choices=("auto", "torch", "cpu", "cuda"), help="model.backend (default: the config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.prefix_tokens < 1 or args.prompt_tokens < 1 or args.runs < 1 or args.profile_runs < 0:
         p.error("--prefix-tokens, --prompt-tokens and --runs must be >= 1, --profile-runs >= 0")
 
-    cfg = engine_config(args)
-    if args.threads:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=args.threads))
-    if args.backend:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, backend=args.backend))
+    # room for one request with the whole template in one step, whatever the config says
+    cfg = with_scheduler(engine_config(args), max_num_batched_tokens=args.prefix_tokens + args.prompt_tokens + 1)
     print(f"loading {cfg.model.path} ...", flush=True)
     core = EngineCore(cfg)
     arch = core.arch
