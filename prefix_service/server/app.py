@@ -7,8 +7,8 @@
     health SERVING
 
 Stop (SIGTERM/SIGINT, or stop()): health NOT_SERVING, refuse new calls, give in-flight calls
-(gRPC and HTTP alike) server.grace_period_s to finish, cancel the rest (which aborts their requests and frees their
-blocks), then shut the engine down. A second signal cuts the grace short.
+(gRPC and HTTP alike) server.grace_period_s to finish, cancel the rest (which aborts their
+requests and frees their blocks), then shut the engine down. A second signal cuts the grace short.
 """
 from __future__ import annotations
 
@@ -138,13 +138,14 @@ class PrefixServer:
             if cfg.metrics_address:
                 self.metrics_port = self.metrics.serve(cfg.metrics_address, tls and tls.cert_file,
                                                        tls and tls.key_file)
+            api_key = read_api_key(cfg)
             if cfg.http_address:
-                self.http_port = await self._start_http(cfg.http_address, tls)
+                self.http_port = await self._start_http(cfg.http_address, tls, api_key)
             admin = "disabled" if not cfg.enable_admin else (
                 f"on port {self.admin_port}, " + ("needs a bearer token" if token else "open on loopback"))
             metrics = "off" if self.metrics_port is None else f"on port {self.metrics_port} (/metrics)"
             http = "off" if self.http_port is None else (
-                f"on port {self.http_port} (OpenAI API, " + ("needs an API key)" if read_api_key(cfg) else "no API key)"))
+                f"on port {self.http_port} (OpenAI API, " + ("needs an API key)" if api_key else "no API key)"))
             log.info("listening on %s:%d (%s; health NOT_SERVING until warmup ends); admin %s; metrics %s; HTTP %s",
                      cfg.host, self.port, "TLS" if tls else "plaintext", admin, metrics, http)
             pinned = await self._load_and_warm(store, restored)
@@ -156,9 +157,9 @@ class PrefixServer:
         log.info("SERVING on %s:%d: %d prefix templates pinned", cfg.host, self.port, pinned)
         return self.port
 
-    async def _start_http(self, address: str, tls: TlsFiles | None) -> int:
+    async def _start_http(self, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
         from prefix_service.server.openai_api import OpenAIApi  # fastapi loads only when HTTP is on
-        api = OpenAIApi(self.runtime, self.metrics, ApiKeyAuth(read_api_key(self.config.server)), self.served_name)
+        api = OpenAIApi(self.runtime, self.metrics, ApiKeyAuth(api_key), self.served_name)
         self._http = HttpServer(api.app, address, certfile=tls and tls.cert_file, keyfile=tls and tls.key_file)
         return await self._http.start(self.config.server.grace_period_s)
 

@@ -31,14 +31,17 @@ log = logging.getLogger("prefix_service.server")
 _SCHEME = "bearer "
 
 
+def _read_secret(env_var: str) -> str | None:
+    value = os.environ.get(env_var, "").strip()
+    return value or None
+
+
 def read_token(config: ServerConfig) -> str | None:
-    token = os.environ.get(config.admin_token_env, "").strip()
-    return token or None
+    return _read_secret(config.admin_token_env)
 
 
 def read_api_key(config: ServerConfig) -> str | None:
-    key = os.environ.get(config.api_key_env, "").strip()
-    return key or None
+    return _read_secret(config.api_key_env)
 
 
 def check_admin_exposure(config: ServerConfig, token: str | None) -> None:

@@ -63,6 +63,7 @@ class HttpServer:
             if self._task.done():  # startup failed; uvicorn exits its task instead of raising
                 error = self._task.exception() if not self._task.cancelled() else None
                 self._server = self._task = None
+                self._sock.close()
                 raise OSError(f"the HTTP server on {self.address} did not start ({error!r}); the log says why")
             await asyncio.sleep(0.01)
         return self.port
