@@ -56,8 +56,9 @@ def make_config(model_dir: Path, *, prefixes: tuple[PrefixSpec, ...] = (), state
 class ServerThread:
     """A PrefixServer on its own event loop in a daemon thread."""
 
-    def __init__(self, config: ServiceConfig, **kwargs: Any) -> None:
+    def __init__(self, config: ServiceConfig, server_cls: type[PrefixServer] = PrefixServer, **kwargs: Any) -> None:
         self.config = config
+        self.server_cls = server_cls
         self.kwargs = kwargs
         self.server: PrefixServer | None = None
         self.port: int | None = None
@@ -94,7 +95,7 @@ class ServerThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.server = PrefixServer(self.config, **self.kwargs)
+        self.server = self.server_cls(self.config, **self.kwargs)
         try:
             self.port = await self.server.start()
         except BaseException as e:  # handed to the test thread

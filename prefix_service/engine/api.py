@@ -239,6 +239,11 @@ class Engine:
             await asyncio.gather(*self._aborts, return_exceptions=True)
 
     # --- introspection and lifecycle ------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """The loop thread is alive and not stopping (a health check's question)."""
+        return self._thread.is_alive() and not self._stopping
+
     def check_integrity(self) -> None:
         self._run(lambda core: core.check_integrity())
 

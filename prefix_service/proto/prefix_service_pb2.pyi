@@ -96,7 +96,7 @@ class AddPrefixTemplateRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., content: _Optional[str] = ..., system_prompt: _Optional[str] = ...) -> None: ...
 
 class PrefixTemplate(_message.Message):
-    __slots__ = ("name", "num_tokens", "num_blocks", "requests_served", "active_requests", "origin", "kind")
+    __slots__ = ("name", "num_tokens", "num_blocks", "requests_served", "active_requests", "origin", "kind", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class PrefixTemplate(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_tokens: int
     num_blocks: int
@@ -111,7 +112,8 @@ class PrefixTemplate(_message.Message):
     active_requests: int
     origin: str
     kind: str
-    def __init__(self, name: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests_served: _Optional[int] = ..., active_requests: _Optional[int] = ..., origin: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests_served: _Optional[int] = ..., active_requests: _Optional[int] = ..., origin: _Optional[str] = ..., kind: _Optional[str] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RemovePrefixTemplateRequest(_message.Message):
     __slots__ = ("name",)

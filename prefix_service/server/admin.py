@@ -79,5 +79,6 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
     @_mapped
     async def ListPrefixTemplates(self, request, context):
         registry = self._registry(request, context)
-        items = await self._call(registry.list)
-        return pb.ListPrefixTemplatesResponse(templates=[template_to_proto(i, origin) for i, origin in items])
+        items = await self._call(registry.listing)
+        return pb.ListPrefixTemplatesResponse(templates=[template_to_proto(i, origin, replicas)
+                                                         for i, origin, replicas in items])

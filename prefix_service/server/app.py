@@ -204,9 +204,10 @@ class PrefixServer:
 
 
 
-async def serve(config: ServiceConfig, **kwargs) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully."""
-    server = PrefixServer(config, **kwargs)
+async def serve(config: ServiceConfig, server_cls: type[PrefixServer] = PrefixServer, **kwargs) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully. server_cls: PrefixServer, or the fleet's
+    FleetServer (prefix_service/fleet/launcher.py), which the CLI picks for a config with ray."""
+    server = server_cls(config, **kwargs)
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
 

@@ -3,6 +3,8 @@ top_p 0 means 1.0, top_k 0 means no limit, max_tokens 0 means the configured def
 seed means random."""
 from __future__ import annotations
 
+from typing import Sequence
+
 from prefix_service.errors import InvalidRequest
 from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.proto import prefix_service_pb2 as pb
@@ -56,8 +58,8 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
     return msg
 
 
-def template_to_proto(info: PrefixInfo, origin: str) -> pb.PrefixTemplate:
+def template_to_proto(info: PrefixInfo, origin: str, replicas: Sequence[str] = ()) -> pb.PrefixTemplate:
     return pb.PrefixTemplate(
         name=info.name, num_tokens=info.num_tokens, num_blocks=info.num_blocks,
         requests_served=info.requests_served, active_requests=info.active_requests, origin=origin,
-        kind="system_prompt" if "system_prompt" in info.source else "content")
+        kind="system_prompt" if "system_prompt" in info.source else "content", replicas=replicas)

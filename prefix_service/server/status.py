@@ -22,6 +22,11 @@ class ServerNotReady(PrefixServiceError):
     """The server is still loading the model or warming its templates, or is shutting down."""
 
 
+class ReplicaUnavailable(PrefixServiceError):
+    """A fleet replica stopped while serving the call, or none that could take it was up in time
+    (prefix_service/fleet/): the call may be retried."""
+
+
 class Unauthenticated(PrefixServiceError):
     """A call that needs a bearer token (admin; the HTTP API with an API key) came without one."""
 
@@ -69,6 +74,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
                                      "prefix_budget_exceeded")),
     (EngineStopped, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
     (ServerNotReady, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
+    (ReplicaUnavailable, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
     (Unauthenticated, ErrorKind(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error", "missing_api_key")),
     (PermissionDenied, ErrorKind(grpc.StatusCode.PERMISSION_DENIED, 401, "authentication_error",
                                  "invalid_api_key")),

@@ -91,6 +91,10 @@ class TemplateRegistry:
         lock (the holders of _lock may wait on the engine or an fsync): one dict lookup is atomic."""
         return name in self._origins
 
+    def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
+        """list() with where each template lives: one process, so no replica ids."""
+        return [(info, origin, ()) for info, origin in self.list()]
+
     def origin(self, name: str) -> str:
         with self._lock:
             return self._origins.get(name, "admin")

@@ -35,9 +35,11 @@ def _free_port() -> int:
 
 class ServerProcess:
     """`prefix-service serve` on a config written from the benchmark's engine config, with the
-    workloads' prefixes as templates; started, waited on until health reports SERVING, stopped."""
+    workloads' prefixes as templates; started, waited on until health reports SERVING, stopped.
+    extra: more top-level config sections (e.g. `ray`, to serve as a fleet)."""
 
-    def __init__(self, engine_config: EngineConfig, workloads: list[Workload], start_timeout_s: float = 900) -> None:
+    def __init__(self, engine_config: EngineConfig, workloads: list[Workload], start_timeout_s: float = 900,
+                 extra: dict | None = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="bench-grpc-")
         folder = Path(self._dir.name)
         self.address = f"127.0.0.1:{_free_port()}"
@@ -48,6 +50,7 @@ class ServerProcess:
             "server": {"address": self.address, "http_address": "", "state_file": str(folder / "state.json"),
                        "grace_period_s": 1},
             "prefixes": [{"name": w.prefix_name, "content": w.prefix_text} for w in workloads if w.has_prefix],
+            **(extra or {}),
         }
         config_path = folder / "bench.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
