@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="override server.address (host:port; port 0 picks a free one)")
     p.add_argument("--http-address", metavar="ADDRESS",
                    help="override server.http_address, the OpenAI-compatible HTTP API ('' turns it off)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve as a fleet of engine replicas on Ray Serve (the config's ray section, or its "
+                        "defaults; needs pip install 'prefix-service[ray]'; docs/scale-out.md)")
+    p.add_argument("--replicas", type=int, metavar="N", help="override ray.num_replicas (implies --ray)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     p = sub.add_parser("generate", help="stream a completion to stdout (usage to stderr)",
@@ -168,7 +172,22 @@ def _serve(args: argparse.Namespace) -> int:
         if args.http_address is not None:
             config = dataclasses.replace(config, server=dataclasses.replace(config.server,
                                                                             http_address=args.http_address))
-        asyncio.run(serve(config))
+        if args.ray or args.replicas is not None:
+            from prefix_service.config import RayConfig
+            ray = config.ray or RayConfig()
+            if args.replicas is not None:
+                ray = dataclasses.replace(ray, num_replicas=args.replicas, min_replicas=None, max_replicas=None)
+            config = dataclasses.replace(config, ray=ray)
+        if config.ray is not None:
+            try:
+                from prefix_service.fleet.launcher import FleetServer  # ray loads only for a fleet
+            except ImportError as e:
+                print(f"error: serving a fleet (the config's ray section, or --ray) needs Ray Serve: "
+                      f"pip install 'prefix-service[ray]' ({e})", file=sys.stderr)
+                return 2
+            asyncio.run(serve(config, FleetServer))
+        else:
+            asyncio.run(serve(config))
     except (PrefixServiceError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -226,11 +245,13 @@ def _prefix(args: argparse.Namespace) -> int:
                 for t in templates:
                     print(json.dumps({"name": t.name, "num_tokens": t.num_tokens, "num_blocks": t.num_blocks,
                                       "requests_served": t.requests_served, "active_requests": t.active_requests,
-                                      "origin": t.origin, "kind": t.kind}))
+                                      "origin": t.origin, "kind": t.kind, "replicas": list(t.replicas)}))
             else:
-                rows = [("NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND")] + [
+                fleet = any(t.replicas for t in templates)  # a fleet says where each template is pinned
+                rows = [("NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND") + (("REPLICAS",) if fleet
+                                                                                             else ())] + [
                     (t.name, str(t.num_tokens), str(t.num_blocks), str(t.requests_served), str(t.active_requests),
-                     t.origin, t.kind) for t in templates]
+                     t.origin, t.kind) + ((",".join(t.replicas) or "-",) if fleet else ()) for t in templates]
                 widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
                 for r in rows:
                     print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

@@ -254,6 +254,47 @@ class PrefixSpec:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """Scale-out on a Ray cluster (prefix_service/fleet/, docs/scale-out.md): engine replicas behind
+    a template-aware router. The section's presence (or `serve --ray`) turns it on."""
+    address: str | None = None  # the cluster to join ("auto", "ray://host:10001"); null: start a local one
+    num_replicas: int = 2  # engine replicas (ignored when min_replicas/max_replicas ask for autoscaling)
+    min_replicas: int | None = None  # autoscaling bounds: give both to let Ray Serve scale the replicas
+    max_replicas: int | None = None
+    target_ongoing_requests: int = 16  # autoscaling: requests in flight per replica Ray Serve aims at
+    template_replication: int | None = None  # replicas that pin each template; null: every replica
+    num_cpus_per_replica: float = 1.0  # the Ray CPU resource each replica reserves
+    max_ongoing_requests: int = 256  # requests one replica accepts at once (the rest wait at the router)
+    app_name: str = "prefix-service"  # the Ray Serve application
+
+    def __post_init__(self) -> None:
+        if self.address is not None and (not isinstance(self.address, str) or not self.address):
+            raise ConfigError(f"ray.address: expected a Ray address like 'auto' or 'ray://head:10001', got "
+                              f"{self.address!r}")
+        _check_int("ray.num_replicas", self.num_replicas, 1)
+        _check_int("ray.target_ongoing_requests", self.target_ongoing_requests, 1)
+        _check_int("ray.max_ongoing_requests", self.max_ongoing_requests, 1)
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ConfigError("ray.min_replicas and ray.max_replicas go together: give both (autoscaling) or "
+                              "neither (ray.num_replicas fixed replicas)")
+        if self.min_replicas is not None:
+            _check_int("ray.min_replicas", self.min_replicas, 1)
+            _check_int("ray.max_replicas", self.max_replicas, self.min_replicas)
+        if self.template_replication is not None:
+            _check_int("ray.template_replication", self.template_replication, 1)
+        if isinstance(self.num_cpus_per_replica, bool) or not isinstance(self.num_cpus_per_replica, (int, float)) \
+                or self.num_cpus_per_replica < 0:
+            raise ConfigError(f"ray.num_cpus_per_replica: expected a number >= 0, got {self.num_cpus_per_replica!r}")
+        if not isinstance(self.app_name, str) or not _NAME_RE.fullmatch(self.app_name):
+            raise ConfigError(f"ray.app_name: expected a name of letters, digits, '_', '.', '-', got "
+                              f"{self.app_name!r}")
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What the engine needs: model, cache, scheduler."""
     model: ModelConfig
@@ -267,6 +308,7 @@ class ServiceConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     prefixes: tuple[PrefixSpec, ...] = ()
     source: str | None = None  # the YAML file this came from
+    ray: RayConfig | None = None  # set: serve as a fleet of replicas on Ray (prefix_service/fleet/)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -313,7 +355,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     """Validate a parsed YAML mapping. Relative paths resolve against base_dir."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config: expected a mapping at the top level")
-    top = ("model", "cache", "scheduler", "server", "prefixes")
+    top = ("model", "cache", "scheduler", "server", "prefixes", "ray")
     unknown = sorted(set(raw) - set(top))
     if unknown:
         raise ConfigError(f"config: unknown key(s) {', '.join(map(str, unknown))}; known keys: {', '.join(top)}")
@@ -352,7 +394,8 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     for i, p in enumerate(prefixes_raw):
         name = p.get("name") if isinstance(p, Mapping) else None
         prefixes.append(_build(PrefixSpec, f"prefixes[{name or i}]", p, {"file": inside_base}))
-    return ServiceConfig(EngineConfig(model, cache, scheduler), server, tuple(prefixes))
+    ray = _build(RayConfig, "ray", raw["ray"]) if "ray" in raw else None
+    return ServiceConfig(EngineConfig(model, cache, scheduler), server, tuple(prefixes), ray=ray)
 
 
 def load_config(path: str | os.PathLike) -> ServiceConfig:

@@ -1,0 +1,218 @@
+"""FleetEngine and FleetRegistry: the engine and template registry the front ends (gRPC servicers,
+the OpenAI HTTP API) call, backed by the fleet instead of one in-process Engine.
+
+A generation request is tokenized by the front end as for one process, then sent through the
+replicas' deployment handle with its template's holders (the controller's routes, cached for
+ROUTES_TTL_S) for the router. The replica answers None first (it took the request), then the
+engine's outputs; a replica that no longer holds the template answers TemplateNotHeld, and the
+request is sent again with fresh routes. A request no holder takes within ACCEPT_TIMEOUT_S, or whose
+replica dies under it, ends with ReplicaUnavailable (gRPC UNAVAILABLE, HTTP 503); other requests
+are untouched.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.sequence import GenerateRequest, RequestOutput
+from prefix_service.errors import PrefixNotFound
+from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
+from prefix_service.server.status import ReplicaUnavailable
+from prefix_service.server.store import TemplateSource
+
+log = logging.getLogger("prefix_service.fleet")
+
+ROUTES_TTL_S = 0.5
+ACCEPT_TIMEOUT_S = 60.0
+RESEND_PAUSE_S = 0.05  # before resending a request whose replica no longer held its template
+CALL_TIMEOUT_S = 30.0
+ADMIN_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """What the chat path reads of a template (engine.get_prefix's handle, for a fleet)."""
+    name: str
+    token_ids: tuple[int, ...]
+    source: dict
+
+
+class FleetEngine:
+    def __init__(self, replicas: Any, controller: Any, tokenizer: Any) -> None:
+        self.replicas = replicas
+        self.controller = controller
+        self.tokenizer = tokenizer
+        self._routes: dict[str, tuple[str, ...]] = {}
+        self._routes_at = -1e9
+        self._routes_lock = asyncio.Lock()
+        self.accept_timeout_s = ACCEPT_TIMEOUT_S
+        self._refresher: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Fetch the routes, then keep them fresh in the background (known() reads them)."""
+        await self.routes(fresh=True)
+        self._refresher = asyncio.ensure_future(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(ROUTES_TTL_S)
+            try:
+                await self.routes()
+            except Exception as e:  # noqa: BLE001 - the controller restarting: try again
+                log.warning("refreshing the fleet's routes failed: %s", e)
+
+    # --- routes -------------------------------------------------------------------------------
+    async def routes(self, fresh: bool = False) -> dict[str, tuple[str, ...]]:
+        if fresh or time.monotonic() - self._routes_at > ROUTES_TTL_S:
+            async with self._routes_lock:
+                if fresh or time.monotonic() - self._routes_at > ROUTES_TTL_S:
+                    self._routes = await call(self.controller.routes.remote(), CALL_TIMEOUT_S, "the fleet controller")
+                    self._routes_at = time.monotonic()
+        return self._routes
+
+    def known(self, name: str) -> bool:
+        """From the cached routes (no call: the event loop asks)."""
+        return name in self._routes
+
+    # --- the engine surface -------------------------------------------------------------------
+    def get_prefix(self, name: str) -> PrefixView:
+        ids, source = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
+        return PrefixView(name, tuple(ids), source)
+
+    async def generate_stream(self, req: GenerateRequest,
+                              executor: concurrent.futures.Executor | None = None) -> AsyncIterator[RequestOutput]:
+        """As Engine.generate_stream: outputs until the last (finished); closing early cancels the
+        call on its replica, which aborts the request there."""
+        if req.request_id is None:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        stream = await self._submit(req)
+        finished = False
+        try:
+            while not finished:
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as e:  # noqa: BLE001 - the replica's error, or its death
+                    finished = True
+                    raise await self._error(e) from None
+                finished = out.finished or out.error is not None
+                if out.error is not None:
+                    raise out.error
+                yield out
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def _submit(self, req: GenerateRequest):
+        """Send req to a replica that holds its template; returns the stream once a replica took it."""
+        name = req.prefix_name
+        routes = await self.routes()
+        if name and name not in routes:
+            routes = await self.routes(fresh=True)
+            if name not in routes:
+                raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(routes))})")
+        deadline = time.monotonic() + self.accept_timeout_s
+        while True:
+            kwargs = {"holders": routes[name]} if name else {}
+            stream = self.replicas.options(stream=True).generate.remote(req, **kwargs)
+            first = asyncio.ensure_future(stream.__anext__())
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=1.0)
+                if done:
+                    try:
+                        first.result()  # None: taken
+                    except Exception as e:  # noqa: BLE001
+                        err = await self._error(e)
+                        if not isinstance(err, TemplateNotHeld) or time.monotonic() > deadline:
+                            raise err from None
+                        log.debug("resending request %s: %s", req.request_id, err)
+                        await asyncio.sleep(RESEND_PAUSE_S)
+                        routes = await self.routes(fresh=True)  # the template moved: resend it
+                        if name not in routes:
+                            raise PrefixNotFound(f"prefix template {name!r} was removed") from None
+                        break
+                    return stream
+                if time.monotonic() > deadline:
+                    first.cancel()
+                    stream.cancel()
+                    raise ReplicaUnavailable(f"no replica took the request within {self.accept_timeout_s:.0f} s"
+                                             + (f" (template {name!r} is on: {', '.join(routes[name]) or 'none yet'})"
+                                                if name else ""))
+                if name:  # the holders it waits for may have left: send it to the new ones
+                    fresh = await self.routes(fresh=True)
+                    if name not in fresh:
+                        first.cancel()
+                        stream.cancel()
+                        raise PrefixNotFound(f"prefix template {name!r} was removed")
+                    if fresh[name] and not set(fresh[name]) & set(routes[name]):
+                        first.cancel()
+                        stream.cancel()
+                        routes = fresh
+                        break
+
+    async def _error(self, exc: BaseException) -> BaseException:
+        err = unwrap(exc, "the replica serving this request")
+        if isinstance(err, ReplicaUnavailable):
+            await self.routes(fresh=True)
+        return err
+
+    async def drain_aborts(self) -> None:
+        """Aborts happen on the replicas (the cancelled call closes the engine stream there)."""
+
+    def list_prefixes(self) -> list[PrefixInfo]:
+        return [info for info, _, _ in call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S,
+                                                 "the fleet controller")]
+
+    def kv_stats(self) -> dict:
+        """The replicas' KV counters (as of their last poll), summed."""
+        total: dict[str, float] = {}
+        for report in self.replica_reports().values():
+            for key, value in report.get("stats", {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        return total
+
+    def replica_reports(self) -> dict[str, dict]:
+        """replica id -> its last report: ready, held [(PrefixInfo, origin)], stats (KV counters,
+        requests taken by template)."""
+        return call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S, "the fleet controller")
+
+    def check_integrity(self) -> None:
+        call_sync(self.controller.fan_out.remote("check_integrity"), CALL_TIMEOUT_S, "the fleet controller")
+
+    def shutdown(self) -> None:
+        """Stop refreshing routes. The fleet outlives its clients: the launcher shuts Ray Serve down."""
+        if self._refresher is not None:
+            self._refresher.get_loop().call_soon_threadsafe(self._refresher.cancel)
+
+
+class FleetRegistry:
+    """TemplateRegistry's surface over the controller (admin fan-out)."""
+
+    def __init__(self, engine: FleetEngine) -> None:
+        self.engine = engine
+        self.controller = engine.controller
+
+    def add(self, src: TemplateSource, *, persist: bool = True) -> PrefixInfo:
+        info, _ = call_sync(self.controller.add.remote(src), ADMIN_TIMEOUT_S, "the fleet controller")
+        return info
+
+    def remove(self, name: str) -> bool:
+        return call_sync(self.controller.remove.remote(name), ADMIN_TIMEOUT_S, "the fleet controller")
+
+    def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
+        return call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S, "the fleet controller")
+
+    def list(self) -> list[tuple[PrefixInfo, str]]:
+        return [(info, origin) for info, origin, _ in self.listing()]
+
+    def known(self, name: str) -> bool:
+        return self.engine.known(name)

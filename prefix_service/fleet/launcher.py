@@ -1,0 +1,170 @@
+"""FleetServer: PrefixServer with its engine replaced by a fleet of engine replicas on Ray Serve.
+
+    gRPC (Generation, PrefixAdmin, health)   this process: our servicers over FleetEngine, which
+                                              calls the replicas' deployment handle
+    HTTP (the OpenAI API)                    Ray Serve's proxy -> HttpIngress (OpenAIApi over
+                                              FleetEngine, in a replica of its own) -> the handle
+    EngineReplica x N                        one Engine each; TemplateRouter picks among them
+    FleetController x 1                      members, placement, admin fan-out, the state file
+
+docs/scale-out.md says why gRPC stays on our servicer rather than Ray Serve's gRPC proxy.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+import ray
+from ray import serve
+
+from prefix_service.config import RayConfig, ServiceConfig, split_address
+from prefix_service.server.app import PrefixServer
+from prefix_service.server.store import TemplateSource, TemplateStore
+from prefix_service.server.tls import TlsFiles
+
+log = logging.getLogger("prefix_service.fleet")
+
+REPLICA_DEPLOYMENT = "EngineReplica"
+CONTROLLER_DEPLOYMENT = "FleetController"
+INGRESS_DEPLOYMENT = "HttpIngress"
+ROUTER_CLASS = "prefix_service.fleet.router:TemplateRouter"
+
+
+class HttpIngress:
+    """The OpenAI HTTP API as a Ray Serve ingress deployment (built by make_ingress)."""
+
+    async def __init__(self, config: ServiceConfig, replicas: Any, controller: Any, served_name: str) -> None:
+        from prefix_service.fleet.client import FleetEngine, FleetRegistry
+        from prefix_service.model.loader import load_tokenizer
+        from prefix_service.server.auth import ApiKeyAuth, read_api_key
+        from prefix_service.server.metrics import ServiceMetrics
+        from prefix_service.server.openai_api import OpenAIApi
+        from prefix_service.server.runtime import Runtime
+
+        runtime = Runtime()
+        engine = FleetEngine(replicas, controller, load_tokenizer(config.engine.model.path))
+        await engine.start()
+        runtime.engine, runtime.registry, runtime.ready = engine, FleetRegistry(engine), True
+        # the key is read here, from the environment of the node this replica runs on
+        self.api = OpenAIApi(runtime, ServiceMetrics(runtime), ApiKeyAuth(read_api_key(config.server)), served_name)
+
+    def __serve_build_asgi_app__(self):
+        return self.api.app
+
+
+def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str):
+    """The Ray Serve application: replicas and controller, behind HttpIngress when HTTP is on."""
+    from ray.serve.config import RequestRouterConfig
+
+    from prefix_service.fleet.controller import FleetController
+    from prefix_service.fleet.replica import EngineReplica
+
+    rc = config.ray or RayConfig()
+    controller = serve.deployment(FleetController, name=CONTROLLER_DEPLOYMENT, num_replicas=1,
+                                  max_ongoing_requests=10_000,
+                                  # the state file is on the head node
+                                  ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+                                  ).bind(config, state_file)
+    scaling: dict = ({"autoscaling_config": {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
+                                             "target_ongoing_requests": rc.target_ongoing_requests}}
+                     if rc.autoscaling else {"num_replicas": rc.num_replicas})
+    replicas = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
+                                ray_actor_options={"num_cpus": rc.num_cpus_per_replica},
+                                request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
+                                health_check_period_s=2.0, health_check_timeout_s=30.0,
+                                graceful_shutdown_timeout_s=config.server.grace_period_s, **scaling
+                                ).bind(config, controller)
+    if not http:
+        return replicas
+    ingress = serve.deployment(serve.ingress()(HttpIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
+                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(config, replicas, controller, served_name)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class FleetServer(PrefixServer):
+    """PrefixServer whose engine is the fleet (config.ray; `prefix-service serve --ray`)."""
+
+    def __init__(self, config: ServiceConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.ray_config = config.ray or RayConfig()
+        self._http_plan: tuple[str, int, TlsFiles | None] | None = None
+        self._ray_started = False
+        self._deployed = False
+
+    async def _start_http(self, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
+        """Ray Serve's proxy serves HTTP; it starts with the fleet, on a port fixed here."""
+        host, port = split_address(address, "server.http_address")
+        port = port or _free_port(host)
+        self._http_plan = (host, port, tls)
+        return port
+
+    async def _load_and_warm(self, store: TemplateStore | None, restored: list[TemplateSource]) -> int:
+        from prefix_service.fleet.client import FleetEngine, FleetRegistry
+        from prefix_service.model.loader import load_tokenizer
+
+        loop = asyncio.get_running_loop()
+        rc = self.ray_config
+        self.runtime.phase = "starting the fleet on Ray Serve"
+        replicas, controller = await loop.run_in_executor(self.runtime.executor, self._deploy,
+                                                          str(store.path) if store is not None else None)
+        tokenizer = await loop.run_in_executor(self.runtime.executor, load_tokenizer, self.config.engine.model.path)
+        engine = FleetEngine(replicas, controller, tokenizer)
+        await engine.start()
+        self.runtime.engine, self.runtime.registry = engine, FleetRegistry(engine)
+        routes = await engine.routes(fresh=True)
+        members = await controller.reports.remote()
+        log.info("fleet %r up: %d replicas (%s), %d templates, template_replication %s", rc.app_name, len(members),
+                 ", ".join(sorted(members)), len(routes), rc.template_replication or "all")
+        return len(routes)
+
+    def _deploy(self, state_file: str | None):
+        rc = self.ray_config
+        if not ray.is_initialized():
+            ray.init(address=rc.address, include_dashboard=False, logging_level=logging.WARNING,
+                     log_to_driver=True)
+            self._ray_started = True
+        if self._http_plan is not None:
+            host, port, tls = self._http_plan
+            http_options = {"host": host, "port": port}
+            if tls is not None:
+                http_options |= {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
+            serve.start(proxy_location="HeadOnly", http_options=http_options, logging_config={"enable_access_log": False})
+        else:
+            serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False})
+        app = build_app(self.config, state_file, http=self._http_plan is not None, served_name=self.served_name)
+        log.info("deploying %s replicas of %s on Ray Serve (each loads the model and pins its templates)",
+                 f"{rc.min_replicas}-{rc.max_replicas}" if rc.autoscaling else rc.num_replicas,
+                 self.config.engine.model.path)
+        serve.run(app, name=rc.app_name, route_prefix="/" if self._http_plan is not None else None)
+        self._deployed = True
+        return (serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=rc.app_name),
+                serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=rc.app_name))
+
+    async def stop(self, grace: float | None = None) -> None:
+        try:
+            await super().stop(grace)
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, self._teardown)
+
+    def _teardown(self) -> None:
+        """A local cluster this process started goes with it; on a shared cluster only the
+        application is deleted (in the background: the cluster finishes the replicas' drain)."""
+        if self._ray_started:  # the front ends have drained: the cluster's processes just stop
+            log.info("stopping the local Ray cluster")
+            ray.shutdown()
+            self._ray_started = self._deployed = False
+        elif self._deployed:
+            log.info("deleting the Ray Serve application %r", self.ray_config.app_name)
+            try:
+                serve.delete(self.ray_config.app_name, _blocking=False)
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                log.warning("deleting the Ray Serve application failed: %s", e)
+            self._deployed = False

@@ -1,0 +1,140 @@
+"""EngineReplica: one Engine on one Ray Serve replica.
+
+Start: load the engine, join the controller (which answers with the templates this replica must
+pin under the placement), pin them, report them. Ray Serve sends a replica traffic only once its
+constructor has returned, so a new (or restarted) replica holds its templates before its first
+request.
+
+Then the replica long-polls the controller: each poll carries its report (the templates it holds
+with their counters, its KV and request counters) and brings back the commands queued for it
+(pin, unpin, token_ids, check_integrity), whose outcomes go back through `done`. The poll is the
+replica's heartbeat: one that stops polling (killed, hung) leaves the placement at the controller's
+lease.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from prefix_service.config import ServiceConfig
+from prefix_service.engine import Engine
+from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.sequence import GenerateRequest, RequestOutput
+from prefix_service.errors import PrefixNotFound
+from prefix_service.fleet import log_to_serve
+from prefix_service.fleet.calls import TemplateNotHeld
+from prefix_service.server.store import TemplateSource
+from prefix_service.server.templates import TemplateRegistry
+from prefix_service.server.warmup import warm_up
+
+log = logging.getLogger("prefix_service.fleet")
+
+COMMANDS = ("pin", "unpin", "token_ids", "check_integrity")  # what the controller may ask a replica to run
+
+
+class EngineReplica:
+    async def __init__(self, config: ServiceConfig, controller: Any) -> None:
+        log_to_serve()
+        self.id = serve.get_replica_context().replica_id.unique_id
+        self._controller = controller
+        loop = asyncio.get_running_loop()
+        self.engine = await loop.run_in_executor(None, Engine, config)
+        self.registry = TemplateRegistry(self.engine, None, config.server.max_template_bytes)
+        self.requests = collections.Counter()  # generation requests taken, by template ("" for none)
+        assigned: list[TemplateSource] = await controller.join.remote(self.id)
+        self._poller = asyncio.create_task(self._poll_forever())
+        configured = [s for s in assigned if s.origin == "config"]
+        admin = [s for s in assigned if s.origin != "config"]
+        pinned = await loop.run_in_executor(None, warm_up, self.registry, configured, admin)
+        report = await loop.run_in_executor(None, self.report)
+        await controller.ready.remote(self.id, self._token_ids(), report)
+        log.info("replica %s ready: %d of %d assigned templates pinned", self.id, pinned, len(assigned))
+
+    def _token_ids(self) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for info in self.engine.list_prefixes():
+            with contextlib.suppress(PrefixNotFound):
+                out[info.name] = self.engine.get_prefix(info.name).token_ids
+        return out
+
+    def report(self) -> dict:
+        return {"held": self.registry.list(), "stats": self.stats()}
+
+    async def _poll_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                report = await loop.run_in_executor(None, self.report)
+                commands = await self._controller.poll.remote(self.id, report)
+            except Exception as e:  # noqa: BLE001 - the controller restarting: poll again
+                log.warning("replica %s: polling the controller failed: %s", self.id, e)
+                await asyncio.sleep(1.0)
+                continue
+            for cmd in commands:
+                asyncio.create_task(self._run(cmd))
+
+    async def _run(self, cmd) -> None:
+        try:
+            if cmd.method not in COMMANDS:
+                raise ValueError(f"unknown command {cmd.method!r}")
+            result = await asyncio.get_running_loop().run_in_executor(None, getattr(self, cmd.method), *cmd.args)
+            ok = True
+        except Exception as e:  # noqa: BLE001 - the controller gets the error itself
+            result, ok = e, False
+        try:
+            await self._controller.done.remote(self.id, cmd.id, ok, result)
+        except Exception as e:  # noqa: BLE001 - the controller fails the command at its timeout
+            log.warning("replica %s: reporting command %s failed: %s", self.id, cmd.method, e)
+
+    # --- serving ------------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest, holders: Any = None) -> AsyncIterator[RequestOutput | None]:
+        """None first (the replica took the request), then the engine's outputs. Closing the
+        stream (the caller cancelled) aborts the request and frees its blocks. A template this
+        replica does not hold (any more) raises TemplateNotHeld, which the caller retries elsewhere."""
+        if req.prefix_name and not self.registry.known(req.prefix_name):
+            raise TemplateNotHeld(f"replica {self.id} does not hold prefix template {req.prefix_name!r}")
+        self.requests[req.prefix_name or ""] += 1
+        yield None
+        async with contextlib.aclosing(self.engine.generate_stream(req)) as stream:
+            async for out in stream:
+                yield out
+
+    # --- the controller's commands -----------------------------------------------------------
+    def pin(self, src: TemplateSource) -> tuple[PrefixInfo, tuple[int, ...]]:
+        info = self.registry.add(src, persist=False)
+        return info, self.engine.get_prefix(src.name).token_ids
+
+    def unpin(self, name: str) -> bool:
+        """True if freed now (or not held), False if deferred until its requests finish."""
+        try:
+            return self.registry.remove(name)
+        except PrefixNotFound:
+            return True
+
+    def token_ids(self, name: str) -> tuple[int, ...]:
+        return self.engine.get_prefix(name).token_ids
+
+    def stats(self) -> dict:
+        """KV counters (Engine.kv_stats) and the generation requests taken, by template."""
+        return {"requests": dict(self.requests), **self.engine.kv_stats()}
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine loop has stopped takes no traffic."""
+        if not self.engine.running:
+            raise RuntimeError(f"replica {self.id}: the engine loop has stopped")
+
+    def __del__(self) -> None:
+        poller = getattr(self, "_poller", None)
+        if poller is not None:
+            poller.cancel()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

@@ -1,0 +1,329 @@
+"""The fleet on a local Ray cluster (tiny random model, 2 replicas, template_replication 1, four
+templates): greedy outputs equal one process's, requests land only on their template's holder,
+admin add/remove reach the holders, HTTP through Ray Serve's proxy, and a replica killed
+mid-stream fails only its own streams and comes back holding its templates.
+
+One fleet serves the whole module (starting one takes ~20 s); the tests run in file order and
+read counters as differences. Deselect with -m "not ray"."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+
+from prefix_service import Engine  # noqa: E402
+from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
+from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
+from prefix_service.fleet.launcher import REPLICA_DEPLOYMENT, FleetServer  # noqa: E402
+from prefix_service.fleet.placement import holders  # noqa: E402
+from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
+from prefix_service.sampling_params import SamplingParams  # noqa: E402
+from prefix_service.server.chat import render_ids  # noqa: E402
+from server_fixtures import DOCUMENT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request, make_config  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
+
+TEMPLATES = {f"t{i}": f"{DOCUMENT} and note {i} of the table" for i in range(4)}
+PROMPTS = ["the order", "a row for each price", "shipping value"]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    os.environ.pop(TOKEN_ENV, None)  # admin open on loopback
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    state = tmp_path_factory.mktemp("fleet") / "state.json"
+    config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()),
+                         state_file=state, num_blocks=1024, http_address="127.0.0.1:0")
+    config = dataclasses.replace(config, ray=RayConfig(num_replicas=2, template_replication=1,
+                                                       num_cpus_per_replica=1, app_name="prefix-service-test"))
+    server = ServerThread(config, server_cls=FleetServer)
+    server.start(wait=False)
+    server.wait_started(timeout=240)
+    clients = Clients(server.address)
+    try:
+        yield server, clients
+    finally:
+        clients.close()
+        server.stop(grace=0)
+        if started_ray:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """One process's engine on the same model, templates and cache shape."""
+    config = make_config(model_dir, num_blocks=1024)
+    engine = Engine(config)
+    for name, text in TEMPLATES.items():
+        engine.add_prefix(name, text)
+    yield engine
+    engine.shutdown()
+
+
+def expected_ids(engine: Engine, prefix: str, prompt: str, max_tokens: int = MAX_TOKENS) -> list[int]:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return engine.generate(GenerateRequest(prompt=prompt, prefix_name=prefix, sampling=sampling))[0].token_ids
+
+
+def listing(clients) -> dict[str, pb.PrefixTemplate]:
+    return {t.name: t for t in clients.admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest()).templates}
+
+
+def reports(server) -> dict[str, dict]:
+    return server.engine.replica_reports()
+
+
+def taken(server) -> dict[str, dict[str, int]]:
+    """replica -> requests it took, by template (its own counter, as of its last poll)."""
+    return {r: dict(rep["stats"]["requests"]) for r, rep in reports(server).items() if rep.get("stats")}
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "the fleet"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def test_startup_places_each_template_on_its_rendezvous_holder(fleet):
+    server, clients = fleet
+    members = sorted(reports(server))
+    assert len(members) == 2
+    templates = listing(clients)
+    assert set(templates) == set(TEMPLATES)
+    for name, t in templates.items():
+        assert list(t.replicas) == holders(name, members, 1), name
+        assert t.origin == "config" and t.num_tokens > 0
+    held = {r: {info.name for info, _ in rep["held"]} for r, rep in reports(server).items()}
+    assert set().union(*held.values()) == set(TEMPLATES) and not set.intersection(*held.values())
+
+
+def test_greedy_outputs_equal_one_process(fleet, reference):
+    server, clients = fleet
+    for name in TEMPLATES:
+        for prompt in PROMPTS:
+            _, ids, last = collect(clients.generation.Generate(greedy_request(prompt, name, MAX_TOKENS)))
+            assert ids == expected_ids(reference, name, prompt), (name, prompt)
+            assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    # no template: any replica, same answer
+    _, ids, _ = collect(clients.generation.Generate(greedy_request("the table has a row", "", MAX_TOKENS)))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    assert ids == reference.generate(GenerateRequest(prompt="the table has a row", sampling=sampling))[0].token_ids
+
+
+def test_requests_land_only_on_their_templates_holder(fleet):
+    server, clients = fleet
+    time.sleep(1.5)  # every replica has polled since the last test's requests
+    before = taken(server)
+    per_template = 3
+    for name in TEMPLATES:
+        for _ in range(per_template):
+            collect(clients.generation.Generate(greedy_request("the order", name, 2)))
+    where = {name: list(t.replicas) for name, t in listing(clients).items()}
+
+    def settled():
+        after = taken(server)
+        delta = {r: {t: n - before.get(r, {}).get(t, 0) for t, n in counts.items()} for r, counts in after.items()}
+        got = {t: sum(d.get(t, 0) for d in delta.values()) for t in TEMPLATES}
+        return delta if all(n == per_template for n in got.values()) else None
+
+    delta = wait_for(settled, what="the replicas' request counters")
+    for replica, counts in delta.items():
+        for template, n in counts.items():
+            if n:
+                assert where[template] == [replica], f"{n} request(s) on {template} went to {replica}, not its holder"
+
+
+def test_unknown_template_is_not_found(fleet):
+    _, clients = fleet
+    with pytest.raises(grpc.RpcError) as e:
+        collect(clients.generation.Generate(greedy_request("x", "no-such-template", 2)))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-template" in e.value.details()
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_http_through_ray_serve(fleet, reference):
+    server, _ = fleet
+    port = server.server.http_port
+    status, body = _post(port, "/v1/completions", {"model": "t1", "prompt": "the order", "max_tokens": MAX_TOKENS,
+                                                   "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert status == 200, body
+    assert body["choices"][0]["token_ids"] == expected_ids(reference, "t1", "the order")
+    status, body = _post(port, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
+        ids = {m["id"] for m in json.loads(resp.read())["data"]}
+    assert set(TEMPLATES) <= ids
+
+
+def test_admin_add_and_remove_reach_the_holders(fleet, reference):
+    server, clients = fleet
+    text = "the table has a row for each order and a price"
+    added = clients.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(name="extra", content=text))
+    assert added.name == "extra" and added.num_tokens > 0
+    members = sorted(reports(server))
+    want = holders("extra", members, 1)
+    assert list(listing(clients)["extra"].replicas) == want
+    wait_for(lambda: {r for r, rep in reports(server).items() if "extra" in {i.name for i, _ in rep["held"]}}
+             == set(want), what="the replicas' reports of 'extra'")
+    saved = json.loads(Path(server.config.server.state_file).read_text())
+    assert [t["name"] for t in saved["templates"]] == ["extra"]
+    reference.add_prefix("extra", text)
+    _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "extra", MAX_TOKENS)))
+    assert ids == expected_ids(reference, "extra", "the order")
+    with pytest.raises(grpc.RpcError) as e:
+        clients.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(name="extra", content="again"))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+    clients.admin.RemovePrefixTemplate(pb.RemovePrefixTemplateRequest(name="extra"))
+    assert "extra" not in listing(clients)
+    wait_for(lambda: not any("extra" in {i.name for i, _ in rep["held"]} for rep in reports(server).values()),
+             what="every replica dropping 'extra'")
+    assert json.loads(Path(server.config.server.state_file).read_text())["templates"] == []
+    with pytest.raises(grpc.RpcError) as e:
+        collect(clients.generation.Generate(greedy_request("the order", "extra", 2)))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    server.engine.check_integrity()
+
+
+def test_chat_on_a_system_prompt_template(fleet, reference):
+    """The chat path reads the template's ids and definition from the controller; the answer equals
+    one process's on the whole rendered conversation (no template)."""
+    server, clients = fleet
+    system = "You answer questions about orders."
+    clients.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(name="sys", system_prompt=system))
+    try:
+        req = pb.GenerateRequest(prefix_name="sys", messages=[pb.ChatMessage(role="user", content="the order")],
+                                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        _, ids, last = collect(clients.generation.Generate(req))
+        conversation = [{"role": "system", "content": system}, {"role": "user", "content": "the order"}]
+        full = render_ids(reference.tokenizer, conversation, add_generation_prompt=True)
+        assert 0 < last.usage.prefix_tokens < last.usage.prompt_tokens == len(full)
+        sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        assert ids == reference.generate(GenerateRequest(prompt_token_ids=full, sampling=sampling))[0].token_ids
+    finally:
+        clients.admin.RemovePrefixTemplate(pb.RemovePrefixTemplateRequest(name="sys"))
+
+
+def test_a_cancelled_stream_leaves_nothing_on_its_replica(fleet):
+    server, clients = fleet
+    call = clients.generation.Generate(greedy_request("the order", "t2", 300))
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 3:
+            break
+    call.cancel()
+    assert got < 300
+
+    def idle():  # every replica's own report: nothing running or waiting, only the templates' blocks used
+        reps = reports(server)
+        return all(rep["stats"]["running"] == 0 and rep["stats"]["waiting"] == 0
+                   and rep["stats"]["used"] == rep["stats"]["pinned"] for rep in reps.values())
+
+    time.sleep(1.5)  # a report made after the cancel
+    wait_for(idle, what="the cancelled request leaving its replica")
+    server.engine.check_integrity()
+
+
+def test_a_request_on_stale_routes_is_resent_to_the_holder(fleet, reference):
+    """A front end whose cached routes still name a replica the template has left: that replica
+    answers TemplateNotHeld without taking the request, and the front end resends it."""
+    server, clients = fleet
+    engine = server.engine  # the FleetEngine of the gRPC front end, in this process
+    holder = list(listing(clients)["t1"].replicas)[0]
+    stranger = next(r for r in reports(server) if r != holder)
+    time.sleep(1.5)  # every replica has polled since the last test's requests
+    before = taken(server)
+    engine._routes = {**engine._routes, "t1": (stranger,)}
+    engine._routes_at = time.monotonic() + 3600  # no refresh until the resend asks for one
+    try:
+        _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "t1", MAX_TOKENS)))
+    finally:
+        engine._routes_at = -1e9
+    assert ids == expected_ids(reference, "t1", "the order")
+    after = wait_for(lambda: (lambda t: t if t[holder].get("t1", 0) == before[holder].get("t1", 0) + 1 else None)(
+        taken(server)), what="the holder's request counter")
+    assert after[stranger].get("t1", 0) == before[stranger].get("t1", 0)
+
+
+def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
+    server, clients = fleet
+    where = {name: list(t.replicas)[0] for name, t in listing(clients).items()}
+    members = sorted(reports(server))
+    victim = where["t0"]
+    survivor = next(m for m in members if m != victim)
+    other_template = next((n for n, r in where.items() if r == survivor), None)
+    if other_template is None:  # the replica ids hashed all four onto the victim (1 time in 8): add one
+        other_template = next(f"probe{i}" for i in range(1000) if holders(f"probe{i}", members, 1) == [survivor])
+        clients.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(name=other_template, content=TEMPLATES["t1"]))
+    long_tokens = 300  # the templates are ~160 tokens; the tiny model allows 512 positions
+    results: dict[str, object] = {}
+    first = threading.Event()
+
+    def run(name: str, signal_first: bool) -> None:
+        try:
+            n = 0
+            for msg in clients.generation.Generate(greedy_request("the order", name, long_tokens)):
+                n += len(msg.token_ids)
+                if signal_first:
+                    first.set()
+            results[name] = n
+        except grpc.RpcError as e:
+            results[name] = e
+        finally:
+            first.set()
+
+    threads = [threading.Thread(target=run, args=("t0", True)), threading.Thread(target=run, args=(other_template, False))]
+    for t in threads:
+        t.start()
+    assert first.wait(60)
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.config.ray.app_name}#{REPLICA_DEPLOYMENT}#{victim}",
+                           namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(120)
+    err = results["t0"]
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert results[other_template] == long_tokens  # the other replica's stream finished whole
+
+    # Ray Serve starts a replacement (a new replica id). Until it is up the survivor takes the
+    # victim's templates over; then the placement over the two members holds again, the newcomer
+    # having pinned its share before taking traffic.
+    def back():
+        members = sorted(reports(server))
+        if len(members) != 2 or victim in members:
+            return None
+        t = listing(clients)
+        return t if all(list(t[n].replicas) == holders(n, members, 1) for n in TEMPLATES) else None
+
+    wait_for(back, timeout=180, what="a replacement replica joining and the placement holding again")
+    _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "t0", MAX_TOKENS)))
+    assert ids == expected_ids(reference, "t0", "the order")
+    server.engine.check_integrity()

@@ -1,0 +1,111 @@
+"""Fleet pieces that need no cluster: rendezvous placement, the router's eligibility rule, a
+replica's health check, the `ray:` config section and `serve --ray`."""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from prefix_service.config import RayConfig, config_from_dict
+from prefix_service.errors import ConfigError
+from prefix_service.fleet.placement import holders, placement, weight
+
+REPLICAS = [f"r{i}" for i in range(8)]
+TEMPLATES = [f"template-{i}" for i in range(400)]
+
+
+def test_holders_are_the_top_weights_and_deterministic():
+    for t in TEMPLATES[:50]:
+        top = holders(t, REPLICAS, 3)
+        assert len(top) == 3 == len(set(top))
+        ranked = sorted(REPLICAS, key=lambda r: weight(t, r), reverse=True)
+        assert top == ranked[:3]
+        assert holders(t, list(reversed(REPLICAS)), 3) == top  # the order of the member list does not matter
+    assert holders("x", REPLICAS, None) == holders("x", REPLICAS, len(REPLICAS))  # None: every replica
+    assert holders("x", ["a"], 3) == ["a"]  # fewer replicas than R: all of them
+    assert holders("x", [], 2) == []
+
+
+def test_placement_spreads_templates_evenly():
+    counts = collections.Counter(r for hs in placement(TEMPLATES, REPLICAS, 1).values() for r in hs)
+    assert set(counts) == set(REPLICAS)
+    expected = len(TEMPLATES) / len(REPLICAS)
+    assert all(0.6 * expected < c < 1.4 * expected for c in counts.values()), counts
+
+
+@pytest.mark.parametrize("replication", [1, 2, 3])
+def test_membership_change_moves_only_what_it_must(replication):
+    before = placement(TEMPLATES, REPLICAS, replication)
+    # a replica joins: a template's holders change only by taking the newcomer in
+    grown = placement(TEMPLATES, REPLICAS + ["r-new"], replication)
+    for t in TEMPLATES:
+        if "r-new" in grown[t]:
+            assert set(grown[t]) - {"r-new"} <= set(before[t])
+        else:
+            assert grown[t] == before[t]
+    assert 0 < sum("r-new" in hs for hs in grown.values()) < len(TEMPLATES) * replication / len(REPLICAS) * 1.6
+    # a replica leaves: only the templates it held move, each to the next in its own order
+    shrunk = placement(TEMPLATES, [r for r in REPLICAS if r != "r3"], replication)
+    for t in TEMPLATES:
+        if "r3" in before[t]:
+            assert set(before[t]) - {"r3"} <= set(shrunk[t]) and "r3" not in shrunk[t]
+        else:
+            assert shrunk[t] == before[t]
+
+
+def test_router_eligibility():
+    pytest.importorskip("ray.serve", reason="the router module needs ray[serve] (pip install -e '.[ray]')")
+    from prefix_service.fleet.router import eligible
+    cands = ["a", "b", "c"]
+    assert eligible(cands, {}, str) == cands  # no template: any replica (Ray Serve picks the least loaded)
+    assert eligible(cands, {"holders": ("b", "c")}, str) == ["b", "c"]
+    assert eligible(cands, {"holders": ("z",)}, str) == []  # its holders are down: wait, never a stranger
+    assert eligible(cands, {"holders": ()}, str) == []
+
+
+def test_ray_config_section(tmp_path):
+    (tmp_path / "m").mkdir()
+    cfg = config_from_dict({"model": {"path": "m"}, "ray": {"num_replicas": 3, "template_replication": 2}},
+                           base_dir=tmp_path)
+    assert cfg.ray == RayConfig(num_replicas=3, template_replication=2)
+    assert config_from_dict({"model": {"path": "m"}}, base_dir=tmp_path).ray is None
+    assert config_from_dict({"model": {"path": "m"}, "ray": {}}, base_dir=tmp_path).ray == RayConfig()
+    auto = RayConfig(min_replicas=1, max_replicas=4)
+    assert auto.autoscaling and not RayConfig().autoscaling
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"num_replicas": 0}, "ray.num_replicas"),
+    ({"template_replication": 0}, "ray.template_replication"),
+    ({"min_replicas": 2}, "go together"),
+    ({"min_replicas": 3, "max_replicas": 2}, "ray.max_replicas"),
+    ({"num_cpus_per_replica": -1}, "ray.num_cpus_per_replica"),
+    ({"address": ""}, "ray.address"),
+    ({"replicas": 2}, "unknown key"),
+])
+def test_ray_config_errors_name_the_key(tmp_path, raw, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"model": {"path": "m"}, "ray": raw}, base_dir=tmp_path)
+
+
+def test_serve_cli_takes_ray_flags():
+    from prefix_service.cli import build_parser
+    args = build_parser().parse_args(["serve", "--config", "c.yaml", "--ray", "--replicas", "3"])
+    assert args.ray and args.replicas == 3
+    assert not build_parser().parse_args(["serve", "--config", "c.yaml"]).ray
+
+
+def test_replica_health_check_fails_once_its_engine_stops(llama_dir):
+    pytest.importorskip("ray.serve", reason="the replica module needs ray[serve] (pip install -e '.[ray]')")
+    import types
+
+    from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
+    from prefix_service.fleet.replica import EngineReplica
+    engine = Engine(EngineConfig(ModelConfig(path=str(llama_dir), device="cpu"),
+                                 CacheConfig(block_size=4, num_blocks=32), SchedulerConfig()))
+    replica = types.SimpleNamespace(id="r1", engine=engine)
+    EngineReplica.check_health(replica)  # serving: healthy
+    engine.check_integrity()
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="r1: the engine loop has stopped"):
+        EngineReplica.check_health(replica)
