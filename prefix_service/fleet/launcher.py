@@ -12,8 +12,12 @@ docs/scale-out.md says why gRPC stays on our servicer rather than Ray Serve's gR
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import signal
 import socket
+import threading
+import time
 from typing import Any
 
 import ray
@@ -30,6 +34,8 @@ REPLICA_DEPLOYMENT = "EngineReplica"
 CONTROLLER_DEPLOYMENT = "FleetController"
 INGRESS_DEPLOYMENT = "HttpIngress"
 ROUTER_CLASS = "prefix_service.fleet.router:TemplateRouter"
+# no line per call (the controller answers a poll or a route lookup several times a second)
+QUIET = {"enable_access_log": False}
 
 
 class HttpIngress:
@@ -63,7 +69,9 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
 
     rc = config.ray or RayConfig()
     controller = serve.deployment(FleetController, name=CONTROLLER_DEPLOYMENT, num_replicas=1,
-                                  max_ongoing_requests=10_000,
+                                  max_ongoing_requests=10_000, logging_config=QUIET,
+                                  # its calls in flight are the replicas' polls: nothing to wait for
+                                  graceful_shutdown_timeout_s=1.0, graceful_shutdown_wait_loop_s=0.2,
                                   # the state file is on the head node
                                   ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
                                   ).bind(config, state_file)
@@ -71,16 +79,30 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
                                              "target_ongoing_requests": rc.target_ongoing_requests}}
                      if rc.autoscaling else {"num_replicas": rc.num_replicas})
     replicas = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
+                                logging_config=QUIET,
                                 ray_actor_options={"num_cpus": rc.num_cpus_per_replica},
                                 request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
                                 health_check_period_s=2.0, health_check_timeout_s=30.0,
-                                graceful_shutdown_timeout_s=config.server.grace_period_s, **scaling
+                                graceful_shutdown_timeout_s=config.server.grace_period_s,
+                                graceful_shutdown_wait_loop_s=0.5, **scaling
                                 ).bind(config, controller)
     if not http:
         return replicas
     ingress = serve.deployment(serve.ingress()(HttpIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
-                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0})
+                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, logging_config=QUIET)
     return ingress.bind(config, replicas, controller, served_name)
+
+
+def restore_signal_handlers() -> None:
+    """ray.init installs Ray's own fatal-signal handler (a SIGTERM dumps a stack and ends the
+    process at once, leaving the local cluster's processes behind): give SIGTERM and SIGINT back
+    to the handlers Python had, so they reach serve()'s graceful stop. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def _free_port(host: str) -> int:
@@ -98,6 +120,9 @@ class FleetServer(PrefixServer):
         self._http_plan: tuple[str, int, TlsFiles | None] | None = None
         self._ray_started = False
         self._deployed = False
+        # Ray's processes of a local cluster die with the thread that started them (they are
+        # its children with a parent-death signal): one thread starts the cluster and stops it.
+        self._ray_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ray-driver")
 
     async def _start_http(self, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
         """Ray Serve's proxy serves HTTP; it starts with the fleet, on a port fixed here."""
@@ -113,7 +138,7 @@ class FleetServer(PrefixServer):
         loop = asyncio.get_running_loop()
         rc = self.ray_config
         self.runtime.phase = "starting the fleet on Ray Serve"
-        replicas, controller = await loop.run_in_executor(self.runtime.executor, self._deploy,
+        replicas, controller = await loop.run_in_executor(self._ray_thread, self._deploy, loop,
                                                           str(store.path) if store is not None else None)
         tokenizer = await loop.run_in_executor(self.runtime.executor, load_tokenizer, self.config.engine.model.path)
         engine = FleetEngine(replicas, controller, tokenizer)
@@ -125,12 +150,13 @@ class FleetServer(PrefixServer):
                  ", ".join(sorted(members)), len(routes), rc.template_replication or "all")
         return len(routes)
 
-    def _deploy(self, state_file: str | None):
+    def _deploy(self, loop: asyncio.AbstractEventLoop, state_file: str | None):
         rc = self.ray_config
         if not ray.is_initialized():
             ray.init(address=rc.address, include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=True)
             self._ray_started = True
+            loop.call_soon_threadsafe(restore_signal_handlers)
         if self._http_plan is not None:
             host, port, tls = self._http_plan
             http_options = {"host": host, "port": port}
@@ -152,14 +178,18 @@ class FleetServer(PrefixServer):
         try:
             await super().stop(grace)
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, self._teardown)
+            await asyncio.get_running_loop().run_in_executor(self._ray_thread, self._teardown)
+            self._ray_thread.shutdown(wait=False)
 
     def _teardown(self) -> None:
         """A local cluster this process started goes with it; on a shared cluster only the
         application is deleted (in the background: the cluster finishes the replicas' drain)."""
         if self._ray_started:  # the front ends have drained: the cluster's processes just stop
             log.info("stopping the local Ray cluster")
+            t0 = time.monotonic()
+            serve.shutdown()
             ray.shutdown()
+            log.info("local Ray cluster stopped in %.1f s", time.monotonic() - t0)
             self._ray_started = self._deployed = False
         elif self._deployed:
             log.info("deleting the Ray Serve application %r", self.ray_config.app_name)

@@ -1,0 +1,198 @@
+"""FleetController without a cluster: replicas simulated on one event loop, speaking its protocol
+(join, ready, poll, done), with the loop's timings shortened. Placement at start, handover when a
+replica joins or leaves (a template never without a holder while one is serving), admin add
+all-or-nothing, remove, the state file restored, token ids learnt from a holder."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+
+import pytest
+
+from prefix_service.config import PrefixSpec, RayConfig
+from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
+from prefix_service.fleet import controller as ctl_module
+from prefix_service.fleet.controller import FleetController
+from prefix_service.fleet.placement import holders
+from prefix_service.server.store import TemplateSource, TemplateStore
+from server_fixtures import make_config
+
+TEMPLATES = {f"t{i}": f"template text {i}" for i in range(6)}
+
+
+@pytest.fixture(autouse=True)
+def fast_loop(monkeypatch):
+    monkeypatch.setattr(ctl_module, "RECONCILE_S", 0.02)
+    monkeypatch.setattr(ctl_module, "POLL_S", 0.05)
+    monkeypatch.setattr(ctl_module, "LEASE_S", 0.4)
+    monkeypatch.setattr(ctl_module, "HANDOVER_S", 0.1)
+
+
+class FakeReplica:
+    """What EngineReplica does with the controller, with a dict for an engine."""
+
+    def __init__(self, controller: FleetController, rid: str, refuse: set[str] = frozenset()) -> None:
+        self.controller, self.id, self.refuse = controller, rid, refuse
+        self.held: dict[str, TemplateSource] = {}
+        self.task: asyncio.Task | None = None
+
+    def pin(self, src: TemplateSource):
+        if src.name in self.refuse:
+            raise PrefixBudgetExceeded(f"replica {self.id}: no room for {src.name!r}")
+        if src.name in self.held:
+            raise PrefixExists(src.name)
+        self.held[src.name] = src
+        return self.info(src.name), self.token_ids(src.name)
+
+    def unpin(self, name: str) -> bool:
+        self.held.pop(name, None)
+        return True
+
+    def token_ids(self, name: str) -> tuple[int, ...]:
+        return tuple(range(len(self.held[name].content or "")))
+
+    def info(self, name: str) -> PrefixInfo:
+        return PrefixInfo(name, len(self.held[name].content or ""), 1, 0, 0, {})
+
+    def report(self) -> dict:
+        return {"held": [(self.info(n), s.origin) for n, s in self.held.items()], "stats": {}}
+
+    async def start(self) -> None:
+        for src in await self.controller.join(self.id):
+            self.pin(src)
+        await self.controller.ready(self.id, {n: self.token_ids(n) for n in self.held}, self.report())
+        self.task = asyncio.ensure_future(self._poll_forever())
+
+    async def _poll_forever(self) -> None:
+        while True:
+            for cmd in await self.controller.poll(self.id, self.report()):
+                try:
+                    result, ok = getattr(self, cmd.method)(*cmd.args), True
+                except Exception as e:  # noqa: BLE001
+                    result, ok = e, False
+                await self.controller.done(self.id, cmd.id, ok, result)
+
+    def stop(self) -> None:  # killed: it polls no more
+        self.task.cancel()
+
+
+def controller_for(model_dir, replicas: int, replication: int | None, state_file=None) -> FleetController:
+    config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()))
+    config = dataclasses.replace(config, ray=RayConfig(num_replicas=replicas, template_replication=replication))
+    return FleetController(config, str(state_file) if state_file else None)
+
+
+async def until(predicate, timeout: float = 5.0, what: str = "the fleet"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout} s")
+        await asyncio.sleep(0.01)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def held_by(replicas: list[FakeReplica]) -> dict[str, set[str]]:
+    return {name: {r.id for r in replicas if name in r.held} for name in TEMPLATES}
+
+
+def test_start_places_every_template_on_its_holders_before_serving(llama_dir):
+    async def main():
+        c = controller_for(llama_dir, 3, 2)
+        reps = [FakeReplica(c, f"r{i}") for i in range(3)]
+        await asyncio.gather(*(r.start() for r in reps))  # the first wait in join for the others
+        members = [r.id for r in reps]
+        for name in TEMPLATES:
+            want = set(holders(name, members, 2))
+            assert {r.id for r in reps if name in r.held} == want  # pinned in the "constructor"
+            assert set((await c.routes())[name]) == want
+        for r in reps:
+            r.stop()
+    run(main())
+
+
+def test_a_joining_replica_takes_its_share_and_the_old_holder_lets_go_after(llama_dir):
+    async def main():
+        c = controller_for(llama_dir, 1, 1)
+        a = FakeReplica(c, "a")
+        await a.start()
+        assert set(a.held) == set(TEMPLATES)
+        b = FakeReplica(c, "b")
+        seen_empty: list[str] = []
+
+        async def watch():  # a template with no serving holder would stall its requests
+            while True:
+                seen_empty.extend(n for n, where in (await c.routes()).items() if not where)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        await b.start()
+        share = {n for n in TEMPLATES if holders(n, ["a", "b"], 1) == ["b"]}
+        assert set(b.held) == share  # pinned before it served
+        await until(lambda: set(a.held) == set(TEMPLATES) - share, what="a unpinning b's share")
+        watcher.cancel()
+        assert seen_empty == []
+        assert {n: set(w) for n, w in (await c.routes()).items()} == held_by([a, b])
+        a.stop(), b.stop()
+    run(main())
+
+
+def test_a_replica_that_stops_polling_leaves_and_its_templates_move(llama_dir):
+    async def main():
+        c = controller_for(llama_dir, 2, 1)
+        a, b = FakeReplica(c, "a"), FakeReplica(c, "b")
+        await asyncio.gather(a.start(), b.start())
+        b.stop()
+        await until(lambda: set(a.held) == set(TEMPLATES), what="a taking every template over")
+        routes = await c.routes()
+        assert all(routes[n] == ("a",) for n in TEMPLATES)
+        assert set((await c.reports())) == {"a"}
+        a.stop()
+    run(main())
+
+
+def test_add_pins_on_every_holder_or_rolls_back(llama_dir, tmp_path):
+    async def main():
+        state = tmp_path / "state.json"
+        c = controller_for(llama_dir, 2, None, state)
+        a, b = FakeReplica(c, "a"), FakeReplica(c, "b", refuse={"big"})
+        await asyncio.gather(a.start(), b.start())
+        info, where = await c.add(TemplateSource("small", content="fits"))
+        assert info.name == "small" and where == ("a", "b") and "small" in a.held and "small" in b.held
+        assert [t["name"] for t in json.loads(state.read_text())["templates"]] == ["small"]
+        with pytest.raises(PrefixExists):
+            await c.add(TemplateSource("small", content="again"))
+        with pytest.raises(PrefixBudgetExceeded, match="no room"):  # b refuses: a's pin is undone
+            await c.add(TemplateSource("big", content="too big for b"))
+        assert "big" not in a.held and "big" not in (await c.routes())
+        assert [t["name"] for t in json.loads(state.read_text())["templates"]] == ["small"]
+        assert await c.remove("small") is True
+        assert "small" not in a.held and "small" not in b.held and "small" not in (await c.routes())
+        assert json.loads(state.read_text())["templates"] == []
+        with pytest.raises(PrefixNotFound):
+            await c.remove("small")
+        a.stop(), b.stop()
+    run(main())
+
+
+def test_a_restarted_controller_restores_the_state_file_and_learns_token_ids(llama_dir, tmp_path):
+    async def main():
+        state = tmp_path / "state.json"
+        TemplateStore(state).save([TemplateSource("saved", content="saved text")])
+        c = controller_for(llama_dir, 1, None, state)
+        assert c.sources["saved"].origin == "admin"
+        a = FakeReplica(c, "a")
+        await a.start()
+        assert "saved" in a.held and set(TEMPLATES) <= set(a.held)
+        c.token_ids.clear()  # as after a restart: asked of a holder
+        ids, source = await c.prefix("saved")
+        assert ids == a.token_ids("saved") and source == {"name": "saved", "content": "saved text"}
+        with pytest.raises(PrefixNotFound):
+            await c.prefix("nope")
+        a.stop()
+    run(main())
