@@ -47,6 +47,7 @@ class PrefixView:
 class FleetEngine:
     def __init__(self, replicas: Any, controller: Any, tokenizer: Any) -> None:
         self.replicas = replicas
+        self._streaming = replicas.options(stream=True)  # generate's handle: made once, not per request
         self.controller = controller
         self.tokenizer = tokenizer
         self._routes: dict[str, tuple[str, ...]] = {}
@@ -122,7 +123,7 @@ class FleetEngine:
         deadline = time.monotonic() + self.accept_timeout_s
         while True:
             kwargs = {"holders": routes[name]} if name else {}
-            stream = self.replicas.options(stream=True).generate.remote(req, **kwargs)
+            stream = self._streaming.generate.remote(req, **kwargs)
             first = asyncio.ensure_future(stream.__anext__())
             while True:
                 done, _ = await asyncio.wait({first}, timeout=1.0)
