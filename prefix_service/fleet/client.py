@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator
 
 from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput
-from prefix_service.errors import PrefixNotFound
+from prefix_service.errors import EngineStopped, PrefixNotFound
 from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
 from prefix_service.server.status import ReplicaUnavailable
 from prefix_service.server.store import TemplateSource
@@ -55,9 +55,13 @@ class FleetEngine:
         self._routes_lock = asyncio.Lock()
         self.accept_timeout_s = ACCEPT_TIMEOUT_S
         self._refresher: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._active: set = set()  # the streams in flight (shutdown cuts them off)
+        self._stopped = False
 
     async def start(self) -> None:
         """Fetch the routes, then keep them fresh in the background (known() reads them)."""
+        self._loop = asyncio.get_running_loop()
         await self.routes(fresh=True)
         self._refresher = asyncio.ensure_future(self._refresh_forever())
 
@@ -91,9 +95,12 @@ class FleetEngine:
                               executor: concurrent.futures.Executor | None = None) -> AsyncIterator[RequestOutput]:
         """As Engine.generate_stream: outputs until the last (finished); closing early cancels the
         call on its replica, which aborts the request there."""
+        if self._stopped:
+            raise EngineStopped("the server is shutting down and takes no new requests")
         if req.request_id is None:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
         stream = await self._submit(req)
+        self._active.add(stream)
         finished = False
         try:
             while not finished:
@@ -103,12 +110,15 @@ class FleetEngine:
                     break
                 except Exception as e:  # noqa: BLE001 - the replica's error, or its death
                     finished = True
+                    if self._stopped:  # shutdown() cancelled it
+                        raise EngineStopped("the server is shutting down; the request was cut off") from None
                     raise await self._error(e) from None
                 finished = out.finished or out.error is not None
                 if out.error is not None:
                     raise out.error
                 yield out
         finally:
+            self._active.discard(stream)
             if not finished:
                 stream.cancel()
 
@@ -190,9 +200,18 @@ class FleetEngine:
         call_sync(self.controller.fan_out.remote("check_integrity"), CALL_TIMEOUT_S, "the fleet controller")
 
     def shutdown(self) -> None:
-        """Stop refreshing routes. The fleet outlives its clients: the launcher shuts Ray Serve down."""
+        """As Engine.shutdown for the front end (any thread): new requests are refused, the
+        streams in flight end with EngineStopped (UNAVAILABLE) and their replicas abort them.
+        The fleet outlives its clients: the launcher shuts Ray Serve down."""
+        self._stopped = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._cut_off)
+
+    def _cut_off(self) -> None:
         if self._refresher is not None:
-            self._refresher.get_loop().call_soon_threadsafe(self._refresher.cancel)
+            self._refresher.cancel()
+        for stream in list(self._active):
+            stream.cancel()
 
 
 class FleetRegistry:
