@@ -49,7 +49,8 @@ def fleet(model_dir, tmp_path_factory):
         ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     state = tmp_path_factory.mktemp("fleet") / "state.json"
     config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()),
-                         state_file=state, num_blocks=1024, http_address="127.0.0.1:0")
+                         state_file=state, num_blocks=1024, http_address="127.0.0.1:0",
+                         metrics_address="127.0.0.1:0")
     config = dataclasses.replace(config, ray=RayConfig(num_replicas=2, template_replication=1,
                                                        num_cpus_per_replica=1, app_name="prefix-service-test"))
     server = ServerThread(config, server_cls=FleetServer)
@@ -116,6 +117,19 @@ def test_startup_places_each_template_on_its_rendezvous_holder(fleet):
         assert t.origin == "config" and t.num_tokens > 0
     held = {r: {info.name for info, _ in rep["held"]} for r, rep in reports(server).items()}
     assert set().union(*held.values()) == set(TEMPLATES) and not set.intersection(*held.values())
+
+
+def test_metrics_count_the_whole_fleet(fleet):
+    """The front end's /metrics: KV blocks summed over the replicas' reports, every template."""
+    from prometheus_client.parser import text_string_to_metric_families
+    server, _ = fleet
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=30) as resp:
+        samples = {s.name: s.value for fam in text_string_to_metric_families(resp.read().decode())
+                   for s in fam.samples if not s.labels}
+    assert samples["prefix_service_kv_blocks_total"] == 2 * 1024  # two replicas of 1024 blocks
+    assert samples["prefix_service_templates"] == len(TEMPLATES)
+    held = sum(info.num_blocks for rep in reports(server).values() for info, _ in rep["held"])
+    assert samples["prefix_service_kv_blocks_pinned"] == held > 0
 
 
 def test_greedy_outputs_equal_one_process(fleet, reference):
