@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "git_commit": git_commit(),
            "command": " ".join(["python scripts/bench_fleet.py", *(argv if argv is not None else sys.argv[1:])]),
            "duration_s": round(time.monotonic() - began, 1),
+           "ray_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_")},  # Ray Serve's modes
            "model": {"path": args.model or "random llama", "hidden_size": None if args.model else args.hidden_size,
                      "layers": None if args.model else args.layers},
            "workload": {"name": "intent", "prefix_tokens": len(workload.prefix_ids), "prompt_tokens": args.prompt_tokens,
