@@ -1,14 +1,15 @@
 """The fleet on a local Ray cluster (tiny random model, 2 replicas, template_replication 1, four
 templates): greedy outputs equal one process's, requests land only on their template's holder,
 admin add/remove reach the holders, HTTP through Ray Serve's proxy, chat on a system-prompt
-template, a cancelled stream and a request on stale routes, a replica killed mid-stream fails only
-its own streams and comes back holding its templates, and the front end's shutdown cuts its
-streams off.
+template, a cancelled stream and a request on stale routes, the front end's shutdown cuts its streams
+off, and a replica killed mid-stream fails only its own streams and comes back holding its
+templates.
 
 One fleet serves the whole module (starting one takes ~20 s); the tests run in file order and
 read counters as differences. Deselect with -m "not ray"."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -290,6 +291,52 @@ def test_a_request_on_stale_routes_is_resent_to_the_holder(fleet, reference):
     assert after[stranger].get("t1", 0) == before[stranger].get("t1", 0)
 
 
+def test_front_end_shutdown_cuts_its_streams_off_with_unavailable(fleet):
+    """What a second SIGTERM does (the front end's engine.shutdown): streams in flight end at once
+    with UNAVAILABLE instead of running out the grace period, and new calls are refused. The front
+    end is then set serving again for the tests after it."""
+    server, clients = fleet
+    results: dict[str, object] = {}
+    streaming = threading.Event()
+
+    def run() -> None:
+        try:
+            n = 0
+            for msg in clients.generation.Generate(greedy_request("the order", "t1", 300)):
+                n += len(msg.token_ids)
+                streaming.set()
+            results["stream"] = n
+        except grpc.RpcError as e:
+            results["stream"] = e
+        finally:
+            streaming.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert streaming.wait(60)
+    server.engine.shutdown()
+    thread.join(60)
+    err = results["stream"]
+    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+    assert "shutting down" in err.details()
+    with pytest.raises(grpc.RpcError) as e:
+        collect(clients.generation.Generate(greedy_request("the order", "t2", 2)))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    def idle():  # the replica aborted the cut-off request
+        return all(rep["stats"]["running"] == 0 and rep["stats"]["used"] == rep["stats"]["pinned"]
+                   for rep in reports(server).values())
+
+    time.sleep(1.5)
+    wait_for(idle, what="the cut-off request leaving its replica")
+    asyncio.run_coroutine_threadsafe(_serve_again(server.engine), server._loop).result(30)
+
+
+async def _serve_again(engine) -> None:
+    engine._stopped = False
+    await engine.start()
+
+
 def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
     server, clients = fleet
     where = {name: list(t.replicas)[0] for name, t in listing(clients).items()}
@@ -343,43 +390,3 @@ def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
     _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "t0", MAX_TOKENS)))
     assert ids == expected_ids(reference, "t0", "the order")
     server.engine.check_integrity()
-
-
-def test_front_end_shutdown_cuts_its_streams_off_with_unavailable(fleet):
-    """What a second SIGTERM does (the front end's engine.shutdown): streams in flight end at once
-    with UNAVAILABLE instead of running out the grace period, and new calls are refused. Runs last:
-    the front end serves nothing after it."""
-    server, clients = fleet
-    results: dict[str, object] = {}
-    streaming = threading.Event()
-
-    def run() -> None:
-        try:
-            n = 0
-            for msg in clients.generation.Generate(greedy_request("the order", "t1", 300)):
-                n += len(msg.token_ids)
-                streaming.set()
-            results["stream"] = n
-        except grpc.RpcError as e:
-            results["stream"] = e
-        finally:
-            streaming.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert streaming.wait(60)
-    server.engine.shutdown()
-    thread.join(60)
-    err = results["stream"]
-    assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
-    assert "shutting down" in err.details()
-    with pytest.raises(grpc.RpcError) as e:
-        collect(clients.generation.Generate(greedy_request("the order", "t2", 2)))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-
-    def idle():  # the replica aborted the cut-off request
-        return all(rep["stats"]["running"] == 0 and rep["stats"]["used"] == rep["stats"]["pinned"]
-                   for rep in reports(server).values())
-
-    time.sleep(1.5)
-    wait_for(idle, what="the cut-off request leaving its replica")

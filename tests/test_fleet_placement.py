@@ -59,6 +59,7 @@ def test_router_eligibility():
     cands = ["a", "b", "c"]
     assert eligible(cands, {}, str) == cands  # no template: any replica (Ray Serve picks the least loaded)
     assert eligible(cands, {"holders": ("b", "c")}, str) == ["b", "c"]
+    assert eligible(cands, {"holders": ("c", "a")}, str) == ["c", "a"]  # in the caller's order: least loaded first
     assert eligible(cands, {"holders": ("z",)}, str) == []  # its holders are down: wait, never a stranger
     assert eligible(cands, {"holders": ()}, str) == []
 
@@ -109,3 +110,56 @@ def test_replica_health_check_fails_once_its_engine_stops(llama_dir):
     engine.shutdown()
     with pytest.raises(RuntimeError, match="r1: the engine loop has stopped"):
         EngineReplica.check_health(replica)
+
+
+def test_front_end_sends_a_call_to_the_least_loaded_holder_first():
+    """FleetEngine orders a template's holders (every serving replica for no template) by its own
+    calls in flight, and the router tries them in that order."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    import asyncio
+    import time
+
+    from prefix_service.engine.sequence import GenerateRequest
+    from prefix_service.fleet.client import FleetEngine
+
+    sent: list[tuple[str, ...]] = []
+
+    class Stream:  # a replica's answer: its id first (taken), then nothing yet
+        def __init__(self, replica: str) -> None:
+            self.first = replica
+
+        async def __anext__(self):
+            return self.first
+
+        def cancel(self) -> None:
+            pass
+
+    class Handle:  # the replicas' deployment handle; the first holder takes the call
+        def options(self, **_):
+            return self
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, req, holders=()):
+            sent.append(tuple(holders))
+            return Stream(holders[0])
+
+    engine = FleetEngine(Handle(), controller=None, tokenizer=None)
+    engine._routes, engine._routes_at = {"": ("a", "b", "c"), "t": ("a", "b")}, time.monotonic() + 3600
+
+    async def main() -> None:
+        loads = {"a": 2, "b": 0, "c": 1}
+        engine._inflight.update(loads)
+        _, replica = await engine._submit(GenerateRequest(prompt="x", prefix_name="t"))
+        assert replica == "b" and sent[-1] == ("b", "a")  # a template: its holders only, least loaded first
+        _, replica = await engine._submit(GenerateRequest(prompt="x"))
+        assert replica == "b" and sent[-1] == ("b", "c", "a")  # no template: every serving replica
+        engine._inflight.clear()
+        firsts = set()
+        for _ in range(40):  # equal loads: any of them may come first
+            firsts.add((await engine._submit(GenerateRequest(prompt="x")))[1])
+        assert firsts == {"a", "b", "c"}
+
+    asyncio.run(main())

@@ -12,9 +12,11 @@ are untouched.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
+import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ class FleetEngine:
         self._refresher: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._active: set = set()  # the streams in flight (shutdown cuts them off)
+        self._inflight: collections.Counter[str] = collections.Counter()  # this front end's calls, by replica
         self._stopped = False
 
     async def start(self) -> None:
@@ -84,7 +87,7 @@ class FleetEngine:
 
     def known(self, name: str) -> bool:
         """From the cached routes (no call: the event loop asks)."""
-        return name in self._routes
+        return bool(name) and name in self._routes
 
     # --- the engine surface -------------------------------------------------------------------
     def get_prefix(self, name: str) -> PrefixView:
@@ -99,8 +102,9 @@ class FleetEngine:
             raise EngineStopped("the server is shutting down and takes no new requests")
         if req.request_id is None:
             req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
-        stream = await self._submit(req)
+        stream, replica = await self._submit(req)
         self._active.add(stream)
+        self._inflight[replica] += 1
         finished = False
         try:
             while not finished:
@@ -119,27 +123,34 @@ class FleetEngine:
                 yield out
         finally:
             self._active.discard(stream)
+            self._inflight[replica] -= 1
+            if self._inflight[replica] <= 0:
+                del self._inflight[replica]
             if not finished:
                 stream.cancel()
 
     async def _submit(self, req: GenerateRequest):
-        """Send req to a replica that holds its template; returns the stream once a replica took it."""
+        """Send req to a replica that holds its template, the least loaded first (by this front
+        end's calls in flight); returns (stream, replica id) once a replica took it."""
         name = req.prefix_name
         routes = await self.routes()
         if name and name not in routes:
             routes = await self.routes(fresh=True)
             if name not in routes:
-                raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(routes))})")
+                raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(filter(None, routes)))})")
         deadline = time.monotonic() + self.accept_timeout_s
         while True:
-            kwargs = {"holders": routes[name]} if name else {}
+            # a template's holders ("" in the routes: every serving replica), least loaded first
+            holders = list(routes.get(name or "", ()))
+            random.shuffle(holders)  # ties go to any of them, not always the first
+            kwargs = {"holders": sorted(holders, key=lambda r: self._inflight[r])}
             stream = self._streaming.generate.remote(req, **kwargs)
             first = asyncio.ensure_future(stream.__anext__())
             while True:
                 done, _ = await asyncio.wait({first}, timeout=1.0)
                 if done:
                     try:
-                        first.result()  # None: taken
+                        replica = first.result()  # the replica's id: taken
                     except Exception as e:  # noqa: BLE001
                         err = await self._error(e)
                         if not isinstance(err, TemplateNotHeld) or time.monotonic() > deadline:
@@ -150,7 +161,7 @@ class FleetEngine:
                         if name not in routes:
                             raise PrefixNotFound(f"prefix template {name!r} was removed") from None
                         break
-                    return stream
+                    return stream, replica
                 if time.monotonic() > deadline:
                     first.cancel()
                     stream.cancel()

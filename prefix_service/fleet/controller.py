@@ -74,8 +74,9 @@ class Member:
 
 
 class FleetController:
-    def __init__(self, config: ServiceConfig, state_file: str | None) -> None:
-        log_to_serve()
+    def __init__(self, config: ServiceConfig, state_file: str | None, *, in_serve: bool = False) -> None:
+        if in_serve:  # a Ray Serve replica: log where Ray Serve logs it
+            log_to_serve()
         ray_cfg = config.ray
         self.replication = ray_cfg.template_replication if ray_cfg is not None else None
         # The first replicas to start wait (in join) until this many have joined, so the first
@@ -272,9 +273,12 @@ class FleetController:
 
     # --- what front ends ask ------------------------------------------------------------------
     async def routes(self) -> dict[str, tuple[str, ...]]:
-        """template -> the serving members that hold it (possibly none, while it is being placed)."""
-        return {name: tuple(sorted(r for r in where if r in self.members and self.members[r].ready))
-                for name, where in self.locations.items()}
+        """template -> the serving members that hold it (possibly none, while it is being placed);
+        "" (no template) -> every serving member."""
+        serving = {r for r, m in self.members.items() if m.ready}
+        out = {name: tuple(sorted(where & serving)) for name, where in self.locations.items()}
+        out[""] = tuple(sorted(serving))
+        return out
 
     async def prefix(self, name: str) -> tuple[tuple[int, ...], dict]:
         """A template's token ids and definition (the chat path needs them)."""

@@ -74,7 +74,7 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
                                   graceful_shutdown_timeout_s=1.0, graceful_shutdown_wait_loop_s=0.2,
                                   # the state file is on the head node
                                   ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-                                  ).bind(config, state_file)
+                                  ).bind(config, state_file, in_serve=True)
     scaling: dict = ({"autoscaling_config": {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
                                              "target_ongoing_requests": rc.target_ongoing_requests}}
                      if rc.autoscaling else {"num_replicas": rc.num_replicas})

@@ -92,14 +92,14 @@ class EngineReplica:
             log.warning("replica %s: reporting command %s failed: %s", self.id, cmd.method, e)
 
     # --- serving ------------------------------------------------------------------------------
-    async def generate(self, req: GenerateRequest, holders: Any = None) -> AsyncIterator[RequestOutput | None]:
-        """None first (the replica took the request), then the engine's outputs. Closing the
+    async def generate(self, req: GenerateRequest, holders: Any = None) -> AsyncIterator[RequestOutput | str]:
+        """This replica's id first (it took the request), then the engine's outputs. Closing the
         stream (the caller cancelled) aborts the request and frees its blocks. A template this
         replica does not hold (any more) raises TemplateNotHeld, which the caller retries elsewhere."""
         if req.prefix_name and not self.registry.known(req.prefix_name):
             raise TemplateNotHeld(f"replica {self.id} does not hold prefix template {req.prefix_name!r}")
         self.requests[req.prefix_name or ""] += 1
-        yield None
+        yield self.id
         async with contextlib.aclosing(self.engine.generate_stream(req)) as stream:
             async for out in stream:
                 yield out
