@@ -3,11 +3,11 @@ the OpenAI HTTP API) call, backed by the fleet instead of one in-process Engine.
 
 A generation request is tokenized by the front end as for one process, then sent through the
 replicas' deployment handle with its template's holders (the controller's routes, cached for
-ROUTES_TTL_S) for the router. The replica answers None first (it took the request), then the
-engine's outputs; a replica that no longer holds the template answers TemplateNotHeld, and the
-request is sent again with fresh routes. A request no holder takes within ACCEPT_TIMEOUT_S, or whose
-replica dies under it, ends with ReplicaUnavailable (gRPC UNAVAILABLE, HTTP 503); other requests
-are untouched.
+ROUTES_TTL_S), least loaded first, for the router. The replica answers its id first (it took the
+request), then the engine's outputs; a replica that no longer holds the template answers
+TemplateNotHeld, and the request is sent again with fresh routes. A request no holder takes within
+ACCEPT_TIMEOUT_S, or whose replica dies under it, ends with ReplicaUnavailable (gRPC UNAVAILABLE,
+HTTP 503); other requests are untouched.
 """
 from __future__ import annotations
 

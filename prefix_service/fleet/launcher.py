@@ -144,11 +144,11 @@ class FleetServer(PrefixServer):
         engine = FleetEngine(replicas, controller, tokenizer)
         await engine.start()
         self.runtime.engine, self.runtime.registry = engine, FleetRegistry(engine)
-        routes = await engine.routes(fresh=True)
-        members = await controller.reports.remote()
+        routes = await engine.routes()  # start() has just fetched them
+        members, templates = routes.get("", ()), [name for name in routes if name]
         log.info("fleet %r up: %d replicas (%s), %d templates, template_replication %s", rc.app_name, len(members),
-                 ", ".join(sorted(members)), len(routes), rc.template_replication or "all")
-        return len(routes)
+                 ", ".join(members), len(templates), rc.template_replication or "all")
+        return len(templates)
 
     def _deploy(self, loop: asyncio.AbstractEventLoop, state_file: str | None):
         rc = self.ray_config
