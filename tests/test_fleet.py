@@ -1,9 +1,9 @@
 """The fleet on a local Ray cluster (tiny random model, 2 replicas, template_replication 1, four
 templates): greedy outputs equal one process's, requests land only on their template's holder,
 admin add/remove reach the holders, HTTP through Ray Serve's proxy, chat on a system-prompt
-template, a cancelled stream and a request on stale routes, the front end's shutdown cuts its streams
-off, and a replica killed mid-stream fails only its own streams and comes back holding its
-templates.
+template, a cancelled stream and a request on stale routes, a request waiting for a holder holds up
+no other call, the front end's shutdown cuts its streams off, and a replica killed mid-stream fails
+only its own streams and comes back holding its templates.
 
 One fleet serves the whole module (starting one takes ~20 s); the tests run in file order and
 read counters as differences. Deselect with -m "not ray"."""
@@ -291,6 +291,37 @@ def test_a_request_on_stale_routes_is_resent_to_the_holder(fleet, reference):
     assert after[stranger].get("t1", 0) == before[stranger].get("t1", 0)
 
 
+def test_a_request_waiting_for_an_unknown_holder_holds_up_no_other_call(fleet, reference):
+    """Routes naming a replica Ray Serve's router does not know (one just started, or gone): the
+    request waits in the router, which backs off instead of spinning on the process's one router
+    loop, so the front end's other calls (the controller's routes, an admin listing, another
+    request) go on, and the request itself is resent to the holder once fresh routes show it."""
+    server, clients = fleet
+    engine = server.engine
+    engine._routes = {**engine._routes, "t1": ("no-such-replica",)}
+    engine._routes_at = time.monotonic() + 3600  # no refresh until the wait asks for one
+    results: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            results["ids"] = collect(clients.generation.Generate(greedy_request("the order", "t1", MAX_TOKENS),
+                                                                 timeout=20))[1]
+        except grpc.RpcError as e:
+            results["ids"] = e
+
+    thread = threading.Thread(target=run)
+    try:
+        thread.start()
+        time.sleep(0.3)  # the request is waiting in the router for its holder
+        assert "t1" in listing(clients)
+        _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "t2", MAX_TOKENS), timeout=20))
+        assert ids == expected_ids(reference, "t2", "the order")
+        thread.join(30)
+    finally:
+        engine._routes_at = -1e9
+    assert results["ids"] == expected_ids(reference, "t1", "the order"), results["ids"]
+
+
 def test_front_end_shutdown_cuts_its_streams_off_with_unavailable(fleet):
     """What a second SIGTERM does (the front end's engine.shutdown): streams in flight end at once
     with UNAVAILABLE instead of running out the grace period, and new calls are refused. The front
@@ -387,6 +418,7 @@ def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
         return t if all(list(t[n].replicas) == holders(n, members, 1) for n in TEMPLATES) else None
 
     wait_for(back, timeout=180, what="a replacement replica joining and the placement holding again")
-    _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "t0", MAX_TOKENS)))
-    assert ids == expected_ids(reference, "t0", "the order")
+    for name in TEMPLATES:  # every template serves again at once, on whichever replica now holds it
+        _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
+        assert ids == expected_ids(reference, name, "the order"), name
     server.engine.check_integrity()

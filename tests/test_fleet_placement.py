@@ -1,8 +1,10 @@
-"""Fleet pieces that need no cluster: rendezvous placement, the router's eligibility rule, a
+"""Fleet pieces that need no cluster: rendezvous placement, the router's eligibility rule and backoff, a
 replica's health check, the `ray:` config section and `serve --ray`."""
 from __future__ import annotations
 
+import asyncio
 import collections
+import types
 
 import pytest
 
@@ -62,6 +64,27 @@ def test_router_eligibility():
     assert eligible(cands, {"holders": ("c", "a")}, str) == ["c", "a"]  # in the caller's order: least loaded first
     assert eligible(cands, {"holders": ("z",)}, str) == []  # its holders are down: wait, never a stranger
     assert eligible(cands, {"holders": ()}, str) == []
+
+
+def test_router_asks_ray_serve_to_back_off_when_no_holder_can_take_a_call():
+    """Ray Serve retries a call whose ranks gave no replica; without the backoff it calls
+    choose_replicas again at once, never yielding the process's one router loop, and every
+    deployment handle's calls in the process stall behind the waiting one."""
+    pytest.importorskip("ray.serve", reason="the router module needs ray[serve] (pip install -e '.[ray]')")
+    from ray.serve.request_router import PendingRequest
+
+    from prefix_service.fleet.router import TemplateRouter
+    cands = [types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id=i)) for i in ("a", "b")]
+
+    async def route(kwargs: dict) -> tuple[list[list[str]], bool]:
+        pending = PendingRequest(args=[], kwargs=kwargs, metadata=None)
+        assert not pending.routing_context.should_backoff
+        ranks = await TemplateRouter.choose_replicas(None, cands, pending)
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks], pending.routing_context.should_backoff
+
+    assert asyncio.run(route({"holders": ("gone",)})) == ([], True)  # its holder is down: wait, backing off
+    assert asyncio.run(route({"holders": ("b", "a")})) == ([["b"], ["a"]], True)  # both full: wait too
+    assert asyncio.run(route({})) == ([["a"], ["b"]], True)
 
 
 def test_ray_config_section(tmp_path):

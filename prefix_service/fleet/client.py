@@ -163,20 +163,17 @@ class FleetEngine:
                         break
                     return stream, replica
                 if time.monotonic() > deadline:
-                    first.cancel()
-                    stream.cancel()
+                    _abandon(first, stream)
                     raise ReplicaUnavailable(f"no replica took the request within {self.accept_timeout_s:.0f} s"
                                              + (f" (template {name!r} is on: {', '.join(routes[name]) or 'none yet'})"
                                                 if name else ""))
                 if name:  # the holders it waits for may have left: send it to the new ones
                     fresh = await self.routes(fresh=True)
                     if name not in fresh:
-                        first.cancel()
-                        stream.cancel()
+                        _abandon(first, stream)
                         raise PrefixNotFound(f"prefix template {name!r} was removed")
                     if fresh[name] and not set(fresh[name]) & set(routes[name]):
-                        first.cancel()
-                        stream.cancel()
+                        _abandon(first, stream)
                         routes = fresh
                         break
 
@@ -223,6 +220,14 @@ class FleetEngine:
             self._refresher.cancel()
         for stream in list(self._active):
             stream.cancel()
+
+
+def _abandon(first: asyncio.Future, stream: Any) -> None:
+    """Give up a call no replica has taken yet: cancel it, and consume the error its first item
+    then ends with (RequestCancelledError), which nobody awaits."""
+    stream.cancel()
+    first.cancel()
+    first.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 class FleetRegistry:
