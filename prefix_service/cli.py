@@ -179,6 +179,10 @@ def _serve(args: argparse.Namespace) -> int:
                 ray = dataclasses.replace(ray, num_replicas=args.replicas, min_replicas=None, max_replicas=None)
             config = dataclasses.replace(config, ray=ray)
         if config.ray is not None:
+            from prefix_service.fleet import use_serve_env
+            for key, value in use_serve_env().items():
+                logging.getLogger("prefix_service.fleet").info("Ray Serve setting from the environment: %s=%s",
+                                                               key, value)
             try:
                 from prefix_service.fleet.launcher import FleetServer  # ray loads only for a fleet
             except ImportError as e:

@@ -8,6 +8,8 @@ after it, with the intent template pinned, called over gRPC with the same reques
     single     one process, one engine (model.num_threads = the machine's cores)
     fleet_N    `serve --ray`, N engine replicas on a local Ray cluster, each with cores / N threads
                and every template on every replica (template_replication unset)
+    fleet_N_ray_defaults   (--ray-defaults) the same fleet with Ray Serve's own defaults instead of
+               the throughput mode `serve --ray` sets (RAY_SERVE_THROUGHPUT_OPTIMIZED=0)
 
 In each turn every system runs two timed sections, each on an idle CPU:
 
@@ -45,6 +47,7 @@ from prefix_service.bench.systems.grpc import ServerProcess  # noqa: E402
 from prefix_service.bench.workloads import BenchRequest, Sizes, Workload, build_workload  # noqa: E402
 from prefix_service.client import PrefixServiceClient  # noqa: E402
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from prefix_service.fleet import SERVE_ENV  # noqa: E402
 
 
 class ServedSystem(System):
@@ -85,6 +88,15 @@ class SystemSpec:
     name: str
     replicas: int  # 0: the single-process server
     threads: int  # torch threads of each engine
+    env: tuple[tuple[str, str], ...] = ()  # the server's environment beside the benchmark's
+
+    def serve_env(self) -> dict[str, str]:
+        """Ray Serve's settings the fleet runs with (what `serve --ray` sets, unless the environment
+        says otherwise); none for the single process."""
+        if not self.replicas:
+            return {}
+        env = {**os.environ, **dict(self.env)}
+        return {k: env.get(k, v) for k, v in SERVE_ENV.items()}
 
     def extra_config(self) -> dict:
         if not self.replicas:
@@ -100,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=256, help="the built model's hidden size")
     p.add_argument("--layers", type=int, default=4, help="the built model's layers")
     p.add_argument("--replicas", default="1,2", help="fleet sizes to run beside the single process")
+    p.add_argument("--ray-defaults", action="store_true",
+                   help="also run each fleet with Ray Serve's own defaults (not its throughput mode)")
     p.add_argument("--turns", type=int, default=2, help="runs of every system, the order alternating")
     p.add_argument("--latency-requests", type=int, default=20)
     p.add_argument("--requests", type=int, default=64, help="requests of the throughput section")
@@ -127,7 +141,8 @@ def run_system(spec: SystemSpec, engine: EngineConfig, workload: Workload, laten
                throughput_reqs: list[BenchRequest], concurrency: int, start_timeout_s: float) -> dict:
     engine = dataclasses.replace(engine, model=dataclasses.replace(engine.model, num_threads=spec.threads))
     started = time.monotonic()
-    server = ServerProcess(engine, [workload], start_timeout_s=start_timeout_s, extra=spec.extra_config())
+    server = ServerProcess(engine, [workload], start_timeout_s=start_timeout_s, extra=spec.extra_config(),
+                           env=dict(spec.env))
     system = ServedSystem(spec.name, server)
     try:
         start_s = time.monotonic() - started
@@ -148,7 +163,7 @@ def run_system(spec: SystemSpec, engine: EngineConfig, workload: Workload, laten
     finally:
         system.close()  # SIGTERM: the server drains and exits 0
     return {"system": spec.name, "replicas": spec.replicas, "threads_per_engine": spec.threads,
-            "start_s": round(start_s, 1), "latency": latency, "throughput": throughput, "errors": errors,
+            "serve_env": spec.serve_env(), "start_s": round(start_s, 1), "latency": latency, "throughput": throughput, "errors": errors,
             "exit_code": server.proc.returncode, "token_ids": ids}
 
 
@@ -162,6 +177,7 @@ def summarize_systems(runs: list[dict], names: list[str]) -> dict:
     for name in names:
         mine = [r for r in runs if r["system"] == name]
         out[name] = {"replicas": mine[0]["replicas"], "threads_per_engine": mine[0]["threads_per_engine"],
+                     "serve_env": mine[0]["serve_env"],
                      "turns": len(mine), "start_s": round(statistics.median(r["start_s"] for r in mine), 1),
                      **{f"latency_{k}": median_of(mine, "latency", k) for k in ("ttft_p50_ms", "tpot_p50_ms",
                                                                                "e2e_p50_ms")},
@@ -184,6 +200,15 @@ def ratios(summary: dict) -> dict:
         out["fleet_2_vs_fleet_1_throughput"] = round(f2["throughput_output_tok_s"] / f1["throughput_output_tok_s"], 3)
     if single and f2:
         out["fleet_2_vs_single_throughput"] = round(f2["throughput_output_tok_s"] / single["throughput_output_tok_s"], 3)
+    for name, fleet in summary.items():  # the throughput mode against Ray Serve's defaults, same fleet size
+        base = summary.get(f"{name}_ray_defaults")
+        if base:
+            out[f"{name}_vs_ray_defaults_throughput"] = round(fleet["throughput_output_tok_s"]
+                                                              / base["throughput_output_tok_s"], 3)
+            out[f"{name}_vs_ray_defaults_ttft_ms"] = round(fleet["latency_ttft_p50_ms"]
+                                                           - base["latency_ttft_p50_ms"], 2)
+            out[f"{name}_vs_ray_defaults_tpot_ms"] = round(fleet["latency_tpot_p50_ms"]
+                                                           - base["latency_tpot_p50_ms"], 3)
     return out
 
 
@@ -206,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 for n in sizes) or args.turns < 1:
         raise SystemExit("--replicas takes fleet sizes >= 1, --turns at least 1")
     cores = os.cpu_count() or 1
-    specs = [SystemSpec("single", 0, cores)] + [SystemSpec(f"fleet_{n}", n, max(1, cores // n)) for n in sizes]
+    specs = [SystemSpec("single", 0, cores)]
+    for n in sizes:
+        specs.append(SystemSpec(f"fleet_{n}", n, max(1, cores // n)))
+        if args.ray_defaults:
+            specs.append(SystemSpec(f"fleet_{n}_ray_defaults", n, max(1, cores // n),
+                                    (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0"),)))
     began, machine = time.monotonic(), machine_info()
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         model_dir = make_model(args, Path(tmp))
@@ -236,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "git_commit": git_commit(),
            "command": " ".join(["python scripts/bench_fleet.py", *(argv if argv is not None else sys.argv[1:])]),
            "duration_s": round(time.monotonic() - began, 1),
-           "ray_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_")},  # Ray Serve's modes
+           "ray_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_")},  # the benchmark's own
            "model": {"path": args.model or "random llama", "hidden_size": None if args.model else args.hidden_size,
                      "layers": None if args.model else args.layers},
            "workload": {"name": "intent", "prefix_tokens": len(workload.prefix_ids), "prompt_tokens": args.prompt_tokens,

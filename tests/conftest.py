@@ -12,6 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from prefix_service import synthetic as models  # noqa: E402
+from prefix_service.fleet import use_serve_env  # noqa: E402
+
+use_serve_env()  # the fleet tests run Ray Serve as `serve --ray` does: set before ray.serve loads
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():

@@ -1,6 +1,7 @@
-"""scripts/bench_fleet.py on a tiny model: one process and a fleet of 2 replicas, one turn; the JSON
-has every section's figures, the fleet's outputs equal the single process's, nothing failed, and
-both servers stopped on SIGTERM with exit code 0."""
+"""scripts/bench_fleet.py on a tiny model: one process and a fleet of 2 replicas, in Ray Serve's
+throughput mode and with its defaults, one turn; the JSON has every section's figures and each
+fleet's Ray Serve settings, the fleets' outputs equal the single process's, nothing failed, and every
+server stopped on SIGTERM with exit code 0."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,23 +24,28 @@ def test_bench_fleet_smoke(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "bench_fleet", bench)  # its dataclasses look their module up
     spec.loader.exec_module(bench)
     out = tmp_path / "fleet.json"
-    assert bench.main(["--hidden-size", "64", "--layers", "2", "--replicas", "2", "--turns", "1",
+    assert bench.main(["--hidden-size", "64", "--layers", "2", "--replicas", "2", "--ray-defaults", "--turns", "1",
                        "--latency-requests", "3", "--requests", "6", "--concurrency", "2", "--max-prefix-tokens", "60",
                        "--prompt-tokens", "30", "--output-tokens", "4", "--json", str(out)]) == 0
 
     report = json.loads(out.read_text())
     assert {"machine", "date", "git_commit", "command", "model", "workload", "summary", "ratios", "runs"} <= set(report)
     assert report["outputs_equal"] is True
-    assert set(report["summary"]) == {"single", "fleet_2"}
+    assert set(report["summary"]) == {"single", "fleet_2", "fleet_2_ray_defaults"}
     assert report["summary"]["fleet_2"]["replicas"] == 2 and report["summary"]["single"]["replicas"] == 0
+    assert report["summary"]["fleet_2"]["serve_env"]["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert report["summary"]["fleet_2_ray_defaults"]["serve_env"]["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
+    assert report["summary"]["single"]["serve_env"] == {}
     for name, s in report["summary"].items():
         assert s["failed"] == 0 and s["turns"] == 1, name
         assert s["throughput_output_tok_s"] > 0 and s["latency_ttft_p50_ms"] > 0, name
-    assert [r["system"] for r in report["runs"]] == ["single", "fleet_2"]
+    assert [r["system"] for r in report["runs"]] == ["single", "fleet_2", "fleet_2_ray_defaults"]
     for r in report["runs"]:
         assert r["latency"]["num_requests"] == 3 and r["throughput"]["num_requests"] == 6 and not r["errors"]
         assert r["exit_code"] == 0, r  # SIGTERM stopped it gracefully (Ray's own handler would not)
-    assert set(report["ratios"]) == {"fleet_2_vs_single_throughput"}  # no fleet_1 run: no router figure
+    # no fleet_1 run: no router figure
+    assert set(report["ratios"]) == {"fleet_2_vs_single_throughput", "fleet_2_vs_ray_defaults_throughput",
+                                     "fleet_2_vs_ray_defaults_ttft_ms", "fleet_2_vs_ray_defaults_tpot_ms"}
     assert report["workload"]["prefix_tokens"] > 0
     printed = capsys.readouterr().out
     assert "fleet_2" in printed and "greedy outputs equal on every system: True" in printed

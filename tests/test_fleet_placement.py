@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -117,6 +120,28 @@ def test_serve_cli_takes_ray_flags():
     args = build_parser().parse_args(["serve", "--config", "c.yaml", "--ray", "--replicas", "3"])
     assert args.ray and args.replicas == 3
     assert not build_parser().parse_args(["serve", "--config", "c.yaml"]).ray
+
+
+def test_serve_env_sets_what_the_operator_left_unset_before_ray_serve_loads():
+    """use_serve_env in a fresh process (this one has Ray Serve loaded): the fleet's settings where
+    the environment has none, the operator's own kept and returned; Ray Serve then reads them; called
+    after Ray Serve loaded, with a setting missing, it refuses instead of silently not applying it."""
+    pytest.importorskip("ray.serve", reason="Ray Serve's settings need ray[serve] (pip install -e '.[ray]')")
+    from prefix_service.fleet import SERVE_ENV
+    env = {k: v for k, v in os.environ.items() if k not in SERVE_ENV}
+    code = ("import os; from prefix_service.fleet import use_serve_env, SERVE_ENV; own = use_serve_env(); "
+            "import ray.serve._private.constants as c; "
+            "print(own, c.RAY_SERVE_THROUGHPUT_OPTIMIZED, c.RAY_SERVE_USE_GRPC_BY_DEFAULT, "
+            "c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, c.RAY_SERVE_ENABLE_DIRECT_INGRESS, "
+            "[os.environ[k] for k in SERVE_ENV])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["{}", "True", "True", "True", "False", "['1',", "'1',", "'0',", "'1']"], out
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("{'RAY_SERVE_THROUGHPUT_OPTIMIZED': '0'} False False True False"), out
+    late = subprocess.run([sys.executable, "-c", "import ray.serve; from prefix_service.fleet import use_serve_env; "
+                           "use_serve_env()"], env=env, capture_output=True, text=True)
+    assert late.returncode != 0 and "imported before the fleet's settings were set" in late.stderr
 
 
 def test_replica_health_check_fails_once_its_engine_stops(llama_dir):

@@ -11,6 +11,34 @@ Only placement.py imports without Ray (`pip install -e ".[ray]"`).
 """
 
 import logging
+import os
+import sys
+
+# Ray Serve's throughput mode (docs/scale-out.md, "What it costs"), with two of its settings
+# changed: the handles' router keeps a loop of its own (the admin calls and the chat path wait on
+# calls from worker threads, which a router on the caller's loop refuses), and no direct ingress
+# (under it a replica's stop waited out a 35 s drain and quarantined its port). Log lines still
+# go to stderr, so a local cluster's replicas log to the server's output.
+SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_LOG_TO_STDERR": "1",
+}
+
+
+def use_serve_env() -> dict[str, str]:
+    """Set Ray Serve's settings for a fleet (SERVE_ENV) in this process's environment where the
+    operator has not set them, and return the operator's values that differ from ours. Ray Serve
+    reads them once, when it is imported, so this runs before `ray.serve` is (a RuntimeError
+    otherwise, unless every one is set already); a local Ray cluster started after it inherits them."""
+    unset = [k for k in SERVE_ENV if k not in os.environ]
+    if unset and "ray.serve" in sys.modules:
+        raise RuntimeError(f"Ray Serve was imported before the fleet's settings were set ({', '.join(unset)}): "
+                           "call prefix_service.fleet.use_serve_env() before importing ray.serve")
+    for key in unset:
+        os.environ[key] = SERVE_ENV[key]
+    return {k: os.environ[k] for k, v in SERVE_ENV.items() if os.environ[k] != v}
 
 
 def log_to_serve() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import signal
 import socket
 import threading
@@ -24,6 +25,7 @@ import ray
 from ray import serve
 
 from prefix_service.config import RayConfig, ServiceConfig, split_address
+from prefix_service.fleet import SERVE_ENV
 from prefix_service.server.app import PrefixServer
 from prefix_service.server.store import TemplateSource, TemplateStore
 from prefix_service.server.tls import TlsFiles
@@ -166,9 +168,9 @@ class FleetServer(PrefixServer):
         else:
             serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False})
         app = build_app(self.config, state_file, http=self._http_plan is not None, served_name=self.served_name)
-        log.info("deploying %s replicas of %s on Ray Serve (each loads the model and pins its templates)",
+        log.info("deploying %s replicas of %s on Ray Serve (each loads the model and pins its templates; %s)",
                  f"{rc.min_replicas}-{rc.max_replicas}" if rc.autoscaling else rc.num_replicas,
-                 self.config.engine.model.path)
+                 self.config.engine.model.path, " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in SERVE_ENV))
         serve.run(app, name=rc.app_name, route_prefix="/" if self._http_plan is not None else None)
         self._deployed = True
         return (serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=rc.app_name),

@@ -36,10 +36,11 @@ def _free_port() -> int:
 class ServerProcess:
     """`prefix-service serve` on a config written from the benchmark's engine config, with the
     workloads' prefixes as templates; started, waited on until health reports SERVING, stopped.
-    extra: more top-level config sections (e.g. `ray`, to serve as a fleet)."""
+    extra: more top-level config sections (e.g. `ray`, to serve as a fleet); env: environment
+    variables set for the server beside this process's."""
 
     def __init__(self, engine_config: EngineConfig, workloads: list[Workload], start_timeout_s: float = 900,
-                 extra: dict | None = None) -> None:
+                 extra: dict | None = None, env: dict[str, str] | None = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="bench-grpc-")
         folder = Path(self._dir.name)
         self.address = f"127.0.0.1:{_free_port()}"
@@ -58,7 +59,7 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "prefix_service", "serve", "--config", str(config_path),
                                       "--log-level", "WARNING"], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ))
+                                     env={**os.environ, **(env or {})})
         try:
             self._wait_serving(start_timeout_s)
         except BaseException:
