@@ -152,6 +152,59 @@ def test_prepare_model_is_dispatched(monkeypatch):
     assert seen == [["--quiet", "--force"]]
 
 
+def _ray_processes() -> set[int]:
+    """Live processes of Ray's (its workers are titled ray::..., then GCS and raylet)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and (cmdline.startswith(b"ray::") or b"/raylet" in cmdline or b"/gcs_server" in cmdline):
+            pids.add(int(entry.name))
+    return pids
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds Ray's processes through /proc")
+def test_serve_ray_stopped_while_its_fleet_starts_exits_0_and_leaves_no_ray_process(model_dir, tmp_path):
+    """SIGTERM while the local Ray cluster starts: no deployment is made, the cluster stops with the
+    server, exit code 0 (start() and serve() each stop the server: the second stop is a no-op)."""
+    pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+    cfg_file = tmp_path / "fleet.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "model": {"path": str(model_dir), "device": "cpu"},
+        "cache": {"block_size": 4, "num_blocks": 128},
+        "server": {"address": "127.0.0.1:0", "http_address": "", "admin_token_env": TOKEN_ENV},
+        "ray": {"num_replicas": 1, "app_name": "cli-sigterm"},
+    }))
+    before = _ray_processes()
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    proc = subprocess.Popen([sys.executable, "-m", "prefix_service", "serve", "--config", str(cfg_file)],
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on" in line:  # bound; the fleet is starting
+                break
+        assert any("listening on" in line for line in lines), "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=120)[1]
+        assert proc.returncode == 0, rest
+        assert "Traceback" not in rest and "local Ray cluster stopped" in rest, rest
+        assert "deploying" not in "".join(lines) + rest  # stopped before the deployment
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while _ray_processes() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _ray_processes() - before
+
+
 def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
     (tmp_path / "doc.txt").write_text(DOCUMENT)
     cfg_file = tmp_path / "svc.yaml"

@@ -159,6 +159,8 @@ class FleetServer(PrefixServer):
                      log_to_driver=True)
             self._ray_started = True
             loop.call_soon_threadsafe(restore_signal_handlers)
+        if self._stopping:  # stopped while Ray started: deploy nothing (start() was cancelled)
+            return None
         if self._http_plan is not None:
             host, port, tls = self._http_plan
             http_options = {"host": host, "port": port}
@@ -177,11 +179,14 @@ class FleetServer(PrefixServer):
                 serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=rc.app_name))
 
     async def stop(self, grace: float | None = None) -> None:
+        first = not self._stopping  # a stop during startup comes twice (start's own, then serve()'s)
         try:
             await super().stop(grace)
         finally:
-            await asyncio.get_running_loop().run_in_executor(self._ray_thread, self._teardown)
-            self._ray_thread.shutdown(wait=False)
+            if first:
+                # on the thread that started the cluster, after a deployment under way has finished
+                await asyncio.get_running_loop().run_in_executor(self._ray_thread, self._teardown)
+                self._ray_thread.shutdown(wait=False)
 
     def _teardown(self) -> None:
         """A local cluster this process started goes with it; on a shared cluster only the
