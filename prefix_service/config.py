@@ -262,6 +262,9 @@ class RayConfig:
     min_replicas: int | None = None  # autoscaling bounds: give both to let Ray Serve scale the replicas
     max_replicas: int | None = None
     target_ongoing_requests: int = 16  # autoscaling: requests in flight per replica Ray Serve aims at
+    upscale_delay_s: float = 30.0  # autoscaling: how long the load must ask for more replicas before one starts
+    downscale_delay_s: float = 600.0  # autoscaling: how long it must ask for fewer before one stops
+    look_back_period_s: float = 30.0  # autoscaling: the window the load is averaged over (> 10 s)
     template_replication: int | None = None  # replicas that pin each template; null: every replica
     num_cpus_per_replica: float = 1.0  # the Ray CPU resource each replica reserves
     max_ongoing_requests: int = 256  # requests one replica accepts at once (the rest wait at the router)
@@ -282,6 +285,13 @@ class RayConfig:
             _check_int("ray.max_replicas", self.max_replicas, self.min_replicas)
         if self.template_replication is not None:
             _check_int("ray.template_replication", self.template_replication, 1)
+        # Ray Serve wants the look-back window longer than its autoscaling metrics' interval, 10 s
+        for key, lo in (("upscale_delay_s", 0), ("downscale_delay_s", 0), ("look_back_period_s", 10)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo \
+                    or (lo and value == lo):
+                bound = f"> {lo}" if lo else ">= 0"
+                raise ConfigError(f"ray.{key}: expected a number of seconds {bound}, got {value!r}")
         if isinstance(self.num_cpus_per_replica, bool) or not isinstance(self.num_cpus_per_replica, (int, float)) \
                 or self.num_cpus_per_replica < 0:
             raise ConfigError(f"ray.num_cpus_per_replica: expected a number >= 0, got {self.num_cpus_per_replica!r}")

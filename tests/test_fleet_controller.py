@@ -78,6 +78,10 @@ class FakeReplica:
     def stop(self) -> None:  # killed: it polls no more
         self.task.cancel()
 
+    async def leave(self) -> None:  # stopped by Ray Serve: no more polls, then goodbye
+        self.task.cancel()
+        await self.controller.leave(self.id)
+
 
 def controller_for(model_dir, replicas: int, replication: int | None, state_file=None) -> FleetController:
     config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()))
@@ -154,6 +158,26 @@ def test_a_replica_that_stops_polling_leaves_and_its_templates_move(llama_dir):
         routes = await c.routes()
         assert all(routes[n] == ("a",) for n in TEMPLATES)
         assert set((await c.reports())) == {"a"}
+        a.stop()
+    run(main())
+
+
+def test_a_replica_that_leaves_is_dropped_at_once_and_its_templates_move(llama_dir):
+    async def main():
+        c = controller_for(llama_dir, 2, 1)
+        a, b = FakeReplica(c, "a"), FakeReplica(c, "b")
+        await asyncio.gather(a.start(), b.start())
+        assert set(b.held)  # b holds a share (the ids hash the six templates over both)
+        await b.leave()
+        routes = await c.routes()
+        assert routes[""] == ("a",) and not any("b" in where for where in routes.values())  # before any lease
+        assert set((await c.reports())) == {"a"} and await c.departed() == ["b"]
+        assert await c.poll("b", b.report()) == []  # a poll sent before its goodbye: no rejoin
+        assert set((await c.reports())) == {"a"}
+        await until(lambda: set(a.held) == set(TEMPLATES), timeout=ctl_module.LEASE_S * 0.75,
+                    what="a taking every template over, sooner than the lease")
+        routes = await c.routes()
+        assert all(routes[n] == ("a",) for n in TEMPLATES)
         a.stop()
     run(main())
 

@@ -108,6 +108,9 @@ def test_ray_config_section(tmp_path):
     ({"min_replicas": 3, "max_replicas": 2}, "ray.max_replicas"),
     ({"num_cpus_per_replica": -1}, "ray.num_cpus_per_replica"),
     ({"address": ""}, "ray.address"),
+    ({"upscale_delay_s": -1}, "ray.upscale_delay_s: expected a number of seconds >= 0"),
+    ({"downscale_delay_s": "soon"}, "ray.downscale_delay_s"),
+    ({"look_back_period_s": 10}, "ray.look_back_period_s: expected a number of seconds > 10"),
     ({"replicas": 2}, "unknown key"),
 ])
 def test_ray_config_errors_name_the_key(tmp_path, raw, match):

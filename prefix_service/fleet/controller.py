@@ -8,7 +8,9 @@ the members (replicas that joined and still poll), where each template is pinned
 Replicas talk to the controller, never the reverse: each long-polls `poll` (at most POLL_S
 apart) with a report of what it holds and its counters, and gets back the commands queued for it
 (pin, unpin, token_ids, check_integrity), whose results it returns through `done`. The poll is
-also the heartbeat: a member silent for LEASE_S has left, and its pending commands fail.
+also the heartbeat: a member silent for LEASE_S has left, and its pending commands fail. A
+replica that Ray Serve stops (scaled down, replaced, the application deleted) says so once its
+requests have drained (`leave`), and its templates move at once instead of at the lease.
 
 A loop every RECONCILE_S moves the fleet toward the placement:
 
@@ -95,6 +97,7 @@ class FleetController:
             else:
                 self.sources[src.name] = src
         self.members: dict[str, Member] = {}
+        self._departed: dict[str, None] = {}  # replicas that left by `leave` (in order): never members again
         self.locations: dict[str, set[str]] = {name: set() for name in self.sources}
         self.token_ids: dict[str, tuple[int, ...]] = {}
         self._busy: set[tuple[str, str]] = set()  # (template, replica) with a pin or unpin in flight
@@ -151,6 +154,8 @@ class FleetController:
         POLL_S for one)."""
         self._ensure_loop()
         member = self.members.get(replica)
+        if member is None and replica in self._departed:  # a poll sent before its leave
+            return []
         if member is None:  # dropped after a missed lease, or this controller restarted: rejoin as serving
             held = [info.name for info, _ in report.get("held", ())]
             log.info("replica %s (re)joins by its poll, holding %d templates", replica, len(held))
@@ -168,6 +173,16 @@ class FleetController:
                 pass
         commands, member.queue = member.queue, []
         return commands
+
+    async def leave(self, replica: str) -> None:
+        """The replica is stopping, its requests drained: it leaves now, and the next round places
+        its templates on the others."""
+        self._departed[replica] = None
+        self._drop(replica, "it is stopping")
+
+    async def departed(self) -> list[str]:
+        """The replicas that left by saying goodbye (stopped by Ray Serve), oldest first."""
+        return list(self._departed)
 
     async def done(self, replica: str, command_id: int, ok: bool, result: Any) -> None:
         """A command's outcome: its result, or the exception it raised."""

@@ -78,7 +78,10 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
                                   ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
                                   ).bind(config, state_file, in_serve=True)
     scaling: dict = ({"autoscaling_config": {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
-                                             "target_ongoing_requests": rc.target_ongoing_requests}}
+                                             "target_ongoing_requests": rc.target_ongoing_requests,
+                                             "upscale_delay_s": rc.upscale_delay_s,
+                                             "downscale_delay_s": rc.downscale_delay_s,
+                                             "look_back_period_s": rc.look_back_period_s}}
                      if rc.autoscaling else {"num_replicas": rc.num_replicas})
     replicas = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
                                 logging_config=QUIET,

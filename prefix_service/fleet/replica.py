@@ -9,7 +9,7 @@ Then the replica long-polls the controller: each poll carries its report (the te
 with their counters, its KV and request counters) and brings back the commands queued for it
 (pin, unpin, token_ids, check_integrity), whose outcomes go back through `done`. The poll is the
 replica's heartbeat: one that stops polling (killed, hung) leaves the placement at the controller's
-lease.
+lease; one that Ray Serve stops says goodbye (`leave`) once its requests have drained.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from prefix_service.server.warmup import warm_up
 log = logging.getLogger("prefix_service.fleet")
 
 COMMANDS = ("pin", "unpin", "token_ids", "check_integrity")  # what the controller may ask a replica to run
+LEAVE_TIMEOUT_S = 2.0  # a stopping replica's goodbye; the controller may be stopping as well
 
 
 class EngineReplica:
@@ -131,10 +132,19 @@ class EngineReplica:
         if not self.engine.running:
             raise RuntimeError(f"replica {self.id}: the engine loop has stopped")
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Ray Serve stops this replica (scaled down, replaced, the application deleted) once its
+        requests have drained: it leaves the fleet, so its templates move to other replicas now
+        rather than at the controller's lease, then stops its engine."""
         poller = getattr(self, "_poller", None)
         if poller is not None:
             poller.cancel()
+        if hasattr(self, "id"):
+            try:
+                await asyncio.wait_for(self._controller.leave.remote(self.id), LEAVE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the controller stopping too: the lease drops it
+                log.info("replica %s: leaving the fleet failed (%s); the controller's lease drops it", self.id,
+                         type(e).__name__)
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)

@@ -1,0 +1,201 @@
+"""A fleet that Ray Serve scales between 1 and 2 replicas (template_replication 1, four
+templates), serving gRPC and HTTP with TLS and an API key through Ray Serve's proxy.
+
+Under load Ray Serve starts a second replica, which pins its share of the templates before it
+takes traffic, and the first lets those go; without load one replica stops, says goodbye once its
+requests have drained, and its templates move to the other. Clients call throughout: no request
+fails, and every answer equals one process's. Deselect with -m "not ray"."""
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import ssl
+import threading
+import time
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+
+from prefix_service import Engine  # noqa: E402
+from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
+from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
+from prefix_service.fleet.launcher import FleetServer  # noqa: E402
+from prefix_service.fleet.placement import holders  # noqa: E402
+from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
+from prefix_service.sampling_params import SamplingParams  # noqa: E402
+from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request,  # noqa: E402
+                             make_config, self_signed_cert)
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
+
+TEMPLATES = {f"t{i}": f"{DOCUMENT} and note {i} of the table" for i in range(4)}
+API_KEY_ENV = "PREFIX_SERVICE_TEST_FLEET_API_KEY"
+API_KEY = "fleet-k3y"
+LONG, SHORT = 200, 8  # output tokens of the load's requests and of the light ones
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    os.environ.pop(TOKEN_ENV, None)  # admin open on loopback
+    os.environ[API_KEY_ENV] = API_KEY  # before the local cluster starts: the HTTP ingress reads it there
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    folder = tmp_path_factory.mktemp("autoscaling")
+    cert, key = self_signed_cert(folder / "tls")
+    config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()),
+                         num_blocks=1024, http_address="127.0.0.1:0", api_key_env=API_KEY_ENV,
+                         tls_cert_file=str(cert), tls_key_file=str(key), grace_period_s=10.0)
+    config = dataclasses.replace(config, ray=RayConfig(
+        min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.0, downscale_delay_s=2.0,
+        look_back_period_s=11.0, template_replication=1, num_cpus_per_replica=1, app_name="prefix-service-autoscale"))
+    server = ServerThread(config, server_cls=FleetServer)
+    server.start(wait=False)
+    server.wait_started(timeout=240)
+    clients = Clients(server.address, root_certificates=cert.read_bytes())
+    try:
+        yield server, clients, cert
+    finally:
+        clients.close()
+        server.stop(grace=0)
+        os.environ.pop(API_KEY_ENV, None)
+        if started_ray:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """One process's greedy ids for every template and length the clients ask for."""
+    engine = Engine(make_config(model_dir, num_blocks=1024).engine)
+    out = {}
+    for name, text in TEMPLATES.items():
+        engine.add_prefix(name, text)
+        for n in (LONG, SHORT):
+            sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            out[name, n] = engine.generate(GenerateRequest(prompt="the order", prefix_name=name,
+                                                           sampling=sampling))[0].token_ids
+    engine.shutdown()
+    return out
+
+
+class Load:
+    """Client threads calling in a loop (each its templates in turn) until stopped; every answer
+    is checked against one process's."""
+
+    def __init__(self, clients: Clients, expected: dict, threads: int, max_tokens: int) -> None:
+        self.clients, self.expected, self.max_tokens = clients, expected, max_tokens
+        self.stop_event = threading.Event()
+        self.done = 0
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        names = list(TEMPLATES)
+        k = i
+        while not self.stop_event.is_set():
+            name = names[k % len(names)]
+            k += 1
+            try:
+                _, ids, _ = collect(self.clients.generation.Generate(greedy_request("the order", name,
+                                                                                     self.max_tokens), timeout=90))
+                if ids != self.expected[name, self.max_tokens]:
+                    self.failures.append(f"{name}: other tokens than one process's")
+                self.done += 1
+            except grpc.RpcError as e:
+                self.failures.append(f"{name}: {e.code().name} {e.details()}")
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def members(server) -> list[str]:
+    return sorted(server.engine.replica_reports())
+
+
+def placed(server, clients, n: int) -> bool:
+    """n replicas serve, and every template is pinned where the placement over them puts it."""
+    ms = members(server)
+    if len(ms) != n:
+        return False
+    listing = {t.name: list(t.replicas) for t in clients.admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest()).templates}
+    return all(listing.get(name) == holders(name, ms, 1) for name in TEMPLATES)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
+        time.sleep(0.25)
+
+
+def test_the_fleet_scales_up_under_load_and_down_without_it(fleet, expected):
+    server, clients, _ = fleet
+    assert placed(server, clients, 1)  # min_replicas: one replica holds every template
+    first = members(server)[0]
+
+    load = Load(clients, expected, threads=4, max_tokens=LONG)  # 4 in flight, 1 wanted per replica
+    try:
+        wait_for(lambda: placed(server, clients, 2), 180, "a second replica under load, holding its share")
+        done_at_scale_up = load.done
+        wait_for(lambda: load.done >= done_at_scale_up + 8, 120, "requests served by the two replicas")
+    finally:
+        load.stop()
+    assert load.failures == [] and load.done > 0
+    second = next(m for m in members(server) if m != first)
+    reports = server.engine.replica_reports()
+    took = {r: sum(rep["stats"]["requests"].values()) for r, rep in reports.items()}
+    assert took[second] > 0  # the newcomer took traffic once it held its templates
+
+    light = Load(clients, expected, threads=1, max_tokens=SHORT)  # at most 1 in flight: one replica is enough
+    try:
+        wait_for(lambda: placed(server, clients, 1), 180, "one replica stopping and its templates moving")
+        gone = next(m for m in (first, second) if m not in members(server))
+        # it said goodbye once drained, rather than being dropped at the lease
+        assert server.engine.controller.departed.remote().result(timeout_s=30) == [gone]
+        served = light.done
+        wait_for(lambda: light.done >= served + 4, 60, "requests on the remaining replica")
+    finally:
+        light.stop()
+    assert light.failures == [] and light.done > 0
+    server.engine.check_integrity()
+
+
+def _https(cert, port: int, method: str, path: str, body: dict | None = None,
+           headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ssl.create_default_context(cafile=str(cert)),
+                                       timeout=60)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_http_through_ray_serve_takes_tls_and_the_api_key(fleet, expected):
+    server, _, cert = fleet
+    port = server.server.http_port
+    body = {"model": "t2", "prompt": "the order", "max_tokens": SHORT, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    status, err = _https(cert, port, "POST", "/v1/completions", body)
+    assert status == 401 and err["error"]["code"] == "missing_api_key", err
+    status, err = _https(cert, port, "GET", "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert status == 401 and err["error"]["code"] == "invalid_api_key", err
+    status, ok = _https(cert, port, "POST", "/v1/completions", body, {"Authorization": f"Bearer {API_KEY}"})
+    assert status == 200 and ok["choices"][0]["token_ids"] == expected["t2", SHORT], ok
+    plain = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with pytest.raises((http.client.HTTPException, ConnectionError)):  # no plaintext side door
+        plain.request("GET", "/health")
+        plain.getresponse()
+    plain.close()
