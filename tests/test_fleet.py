@@ -120,13 +120,21 @@ def test_startup_places_each_template_on_its_rendezvous_holder(fleet):
     assert set().union(*held.values()) == set(TEMPLATES) and not set.intersection(*held.values())
 
 
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    """The front end's /metrics: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), "a family appears twice"
+    return {(s.name, frozenset(s.labels.items())): s.value for fam in families for s in fam.samples}
+
+
 def test_metrics_count_the_whole_fleet(fleet):
     """The front end's /metrics: KV blocks summed over the replicas' reports, every template."""
-    from prometheus_client.parser import text_string_to_metric_families
     server, _ = fleet
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=30) as resp:
-        samples = {s.name: s.value for fam in text_string_to_metric_families(resp.read().decode())
-                   for s in fam.samples if not s.labels}
+    samples = {name: value for (name, labels), value in scrape(server).items() if not labels}
     assert samples["prefix_service_kv_blocks_total"] == 2 * 1024  # two replicas of 1024 blocks
     assert samples["prefix_service_templates"] == len(TEMPLATES)
     held = sum(info.num_blocks for rep in reports(server).values() for info, _ in rep["held"])
@@ -187,14 +195,26 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict]:
 
 
 def test_http_through_ray_serve(fleet, reference):
-    server, _ = fleet
+    """The OpenAI API through Ray Serve's proxy; its calls, counted in the ingress, show in the front
+    end's /metrics beside the gRPC calls (one series each, summed)."""
+    server, clients = fleet
     port = server.server.http_port
+    ok = ("prefix_service_requests_total", frozenset({"protocol": "http", "prefix": "t1", "code": "OK"}.items()))
+    grpc_ok = ("prefix_service_requests_total", frozenset({"protocol": "grpc", "prefix": "t1", "code": "OK"}.items()))
+    ttft = ("prefix_service_ttft_seconds_count", frozenset({"prefix": "t1"}.items()))
+    before = scrape(server)
     status, body = _post(port, "/v1/completions", {"model": "t1", "prompt": "the order", "max_tokens": MAX_TOKENS,
                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == expected_ids(reference, "t1", "the order")
+    collect(clients.generation.Generate(greedy_request("the order", "t1", 2)))
     status, body = _post(port, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2})
     assert status == 404 and body["error"]["code"] == "model_not_found"
+    after = scrape(server)
+    assert after[ok] - before.get(ok, 0) == 1 and after[grpc_ok] - before[grpc_ok] == 1
+    assert after[ttft] - before[ttft] == 2  # one histogram for both front ends
+    assert any(name == "prefix_service_requests_total" and ("protocol", "http") in labels and ("code", "NOT_FOUND")
+               in labels for name, labels in after)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
         ids = {m["id"] for m in json.loads(resp.read())["data"]}
     assert set(TEMPLATES) <= ids

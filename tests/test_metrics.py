@@ -180,3 +180,36 @@ def test_chat_requests_count_on_their_template(make_server):
     m = scrape(st.server.metrics_port)
     assert value(m, "prefix_service_requests_total", protocol="grpc", prefix="sys", code="OK") == 1
     assert value(m, "prefix_service_prefix_tokens_reused_total", prefix="sys") == last.usage.prefix_tokens > 0
+
+
+def test_series_of_another_process_are_summed_into_the_endpoints():
+    """ServiceMetrics.add_source (the fleet's HTTP ingress into the gRPC front end's endpoint): one
+    family per name, a sample per name and labels, values summed; a failing source is left out."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from prefix_service.server.metrics import ServiceMetrics
+    runtime = SimpleNamespace(registry=None, engine=None, ready=True)
+    front, ingress = ServiceMetrics(runtime), ServiceMetrics(runtime, requests_only=True)
+    front.requests.labels("grpc", "doc", "OK").inc(2)
+    front.ttft.labels("doc").observe(0.02)
+    ingress.requests.labels("http", "doc", "OK").inc(3)
+    ingress.requests.labels("grpc", "doc", "OK").inc(1)  # the same series in both: summed
+    ingress.ttft.labels("doc").observe(0.3)
+    assert "process_cpu_seconds_total" not in ingress.text() and "prefix_service_ready" not in ingress.text()
+
+    def broken() -> str:
+        raise TimeoutError("the ingress did not answer")
+
+    front.add_source(ingress.text)
+    front.add_source(broken)
+    families = list(text_string_to_metric_families(generate_latest(front).decode()))
+    assert len({f.name for f in families}) == len(families)
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    assert got["prefix_service_requests_total", (("code", "OK"), ("prefix", "doc"), ("protocol", "grpc"))] == 3
+    assert got["prefix_service_requests_total", (("code", "OK"), ("prefix", "doc"), ("protocol", "http"))] == 3
+    assert got["prefix_service_ttft_seconds_count", (("prefix", "doc"),)] == 2
+    assert got["prefix_service_ttft_seconds_bucket", (("le", "0.025"), ("prefix", "doc"))] == 1
+    assert got["prefix_service_ttft_seconds_bucket", (("le", "0.5"), ("prefix", "doc"))] == 2
+    assert got["prefix_service_ready", ()] == 1  # the front end's own series are there

@@ -26,6 +26,7 @@ from ray import serve
 
 from prefix_service.config import RayConfig, ServiceConfig, split_address
 from prefix_service.fleet import SERVE_ENV
+from prefix_service.fleet.calls import call_sync
 from prefix_service.server.app import PrefixServer
 from prefix_service.server.store import TemplateSource, TemplateStore
 from prefix_service.server.tls import TlsFiles
@@ -38,6 +39,7 @@ INGRESS_DEPLOYMENT = "HttpIngress"
 ROUTER_CLASS = "prefix_service.fleet.router:TemplateRouter"
 # no line per call (the controller answers a poll or a route lookup several times a second)
 QUIET = {"enable_access_log": False}
+METRICS_TIMEOUT_S = 5.0  # a scrape's wait for the HTTP ingress's series
 
 
 class HttpIngress:
@@ -55,11 +57,17 @@ class HttpIngress:
         engine = FleetEngine(replicas, controller, load_tokenizer(config.engine.model.path))
         await engine.start()
         runtime.engine, runtime.registry, runtime.ready = engine, FleetRegistry(engine), True
+        # the per-request series only: the gRPC front end's endpoint reports the fleet and adds these
+        self.metrics = ServiceMetrics(runtime, requests_only=True)
         # the key is read here, from the environment of the node this replica runs on
-        self.api = OpenAIApi(runtime, ServiceMetrics(runtime), ApiKeyAuth(read_api_key(config.server)), served_name)
+        self.api = OpenAIApi(runtime, self.metrics, ApiKeyAuth(read_api_key(config.server)), served_name)
 
     def __serve_build_asgi_app__(self):
         return self.api.app
+
+    def metrics_text(self) -> str:
+        """The HTTP calls' series (OpenMetrics text), for the front end's /metrics."""
+        return self.metrics.text()
 
 
 def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str):
@@ -143,8 +151,11 @@ class FleetServer(PrefixServer):
         loop = asyncio.get_running_loop()
         rc = self.ray_config
         self.runtime.phase = "starting the fleet on Ray Serve"
-        replicas, controller = await loop.run_in_executor(self._ray_thread, self._deploy, loop,
-                                                          str(store.path) if store is not None else None)
+        replicas, controller, ingress = await loop.run_in_executor(self._ray_thread, self._deploy, loop,
+                                                                   str(store.path) if store is not None else None)
+        if ingress is not None:  # the HTTP calls, counted in the ingress, join this endpoint's series
+            self.metrics.add_source(lambda: call_sync(ingress.metrics_text.remote(), METRICS_TIMEOUT_S,
+                                                      "the HTTP ingress"))
         tokenizer = await loop.run_in_executor(self.runtime.executor, load_tokenizer, self.config.engine.model.path)
         engine = FleetEngine(replicas, controller, tokenizer)
         await engine.start()
@@ -179,7 +190,9 @@ class FleetServer(PrefixServer):
         serve.run(app, name=rc.app_name, route_prefix="/" if self._http_plan is not None else None)
         self._deployed = True
         return (serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=rc.app_name),
-                serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=rc.app_name))
+                serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=rc.app_name),
+                serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=rc.app_name)
+                if self._http_plan is not None else None)
 
     async def stop(self, grace: float | None = None) -> None:
         first = not self._stopping  # a stop during startup comes twice (start's own, then serve()'s)
