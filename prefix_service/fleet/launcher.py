@@ -25,6 +25,7 @@ import ray
 from ray import serve
 
 from prefix_service.config import RayConfig, ServiceConfig, split_address
+from prefix_service.errors import EngineStopped
 from prefix_service.fleet import SERVE_ENV
 from prefix_service.fleet.calls import call_sync
 from prefix_service.server.app import PrefixServer
@@ -173,8 +174,8 @@ class FleetServer(PrefixServer):
                      log_to_driver=True)
             self._ray_started = True
             loop.call_soon_threadsafe(restore_signal_handlers)
-        if self._stopping:  # stopped while Ray started: deploy nothing (start() was cancelled)
-            return None
+        if self._stopping:  # stopped while Ray started: deploy nothing
+            raise EngineStopped("the server stopped while the fleet was starting")
         if self._http_plan is not None:
             host, port, tls = self._http_plan
             http_options = {"host": host, "port": port}
