@@ -152,9 +152,9 @@ def test_prepare_model_is_dispatched(monkeypatch):
     assert seen == [["--quiet", "--force"]]
 
 
-def _ray_processes() -> set[int]:
-    """Live processes of Ray's (its workers are titled ray::..., then GCS and raylet)."""
-    pids = set()
+def _ray_processes() -> dict[int, str]:
+    """Live processes of Ray's (its workers are titled ray::..., then GCS and raylet): pid -> command."""
+    pids = {}
     for entry in Path("/proc").iterdir():
         try:
             cmdline = (entry / "cmdline").read_bytes()
@@ -162,7 +162,7 @@ def _ray_processes() -> set[int]:
         except (OSError, IndexError):
             continue
         if state != "Z" and (cmdline.startswith(b"ray::") or b"/raylet" in cmdline or b"/gcs_server" in cmdline):
-            pids.add(int(entry.name))
+            pids[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:160]
     return pids
 
 
@@ -199,10 +199,13 @@ def test_serve_ray_stopped_while_its_fleet_starts_exits_0_and_leaves_no_ray_proc
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    def left() -> dict[int, str]:
+        return {pid: cmd for pid, cmd in _ray_processes().items() if pid not in before}
+
     deadline = time.monotonic() + 10
-    while _ray_processes() - before and time.monotonic() < deadline:
+    while left() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _ray_processes() - before
+    assert not left(), left()
 
 
 def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):

@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 ray = pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
-pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+serve = pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 
 from prefix_service import Engine  # noqa: E402
 from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
@@ -64,7 +64,8 @@ def fleet(model_dir, tmp_path_factory):
         clients.close()
         server.stop(grace=0)
         os.environ.pop(API_KEY_ENV, None)
-        if started_ray:
+        if started_ray:  # Serve too: its handles in this process would start a new cluster to report to
+            serve.shutdown()
             ray.shutdown()
 
 

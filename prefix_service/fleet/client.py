@@ -201,7 +201,7 @@ class FleetEngine:
 
     def replica_reports(self) -> dict[str, dict]:
         """replica id -> its last report: ready, held [(PrefixInfo, origin)], stats (KV counters,
-        requests taken by template)."""
+        requests taken by template), node (the Ray node it runs on)."""
         return call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S, "the fleet controller")
 
     def check_integrity(self) -> None:

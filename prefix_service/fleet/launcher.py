@@ -132,7 +132,8 @@ class FleetServer(PrefixServer):
         super().__init__(config, **kwargs)
         self.ray_config = config.ray or RayConfig()
         self._http_plan: tuple[str, int, TlsFiles | None] | None = None
-        self._ray_started = False
+        self._ray_started = False  # ray.init started a local cluster: it stops with the server
+        self._ray_joined = False  # ray.init joined a running cluster: disconnect, leave it running
         self._deployed = False
         # Ray's processes of a local cluster die with the thread that started them (they are
         # its children with a parent-death signal): one thread starts the cluster and stops it.
@@ -172,7 +173,9 @@ class FleetServer(PrefixServer):
         if not ray.is_initialized():
             ray.init(address=rc.address, include_dashboard=False, logging_level=logging.WARNING,
                      log_to_driver=True)
-            self._ray_started = True
+            # ray.init starts a local cluster unless it is given an address, here or in RAY_ADDRESS
+            joined = rc.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+            self._ray_started, self._ray_joined = not joined, joined
             loop.call_soon_threadsafe(restore_signal_handlers)
         if self._stopping:  # stopped while Ray started: deploy nothing
             raise EngineStopped("the server stopped while the fleet was starting")
@@ -206,8 +209,9 @@ class FleetServer(PrefixServer):
                 self._ray_thread.shutdown(wait=False)
 
     def _teardown(self) -> None:
-        """A local cluster this process started goes with it; on a shared cluster only the
-        application is deleted (in the background: the cluster finishes the replicas' drain)."""
+        """A local cluster this process started goes with it; on a cluster it joined only the
+        application is deleted (in the background: the cluster finishes the replicas' drain), and
+        Ray Serve and the cluster keep running."""
         if self._ray_started:  # the front ends have drained: the cluster's processes just stop
             log.info("stopping the local Ray cluster")
             t0 = time.monotonic()
@@ -222,3 +226,6 @@ class FleetServer(PrefixServer):
             except Exception as e:  # noqa: BLE001 - shutting down anyway
                 log.warning("deleting the Ray Serve application failed: %s", e)
             self._deployed = False
+        if self._ray_joined:  # disconnect this driver only
+            ray.shutdown()
+            self._ray_joined = False

@@ -19,6 +19,7 @@ import contextlib
 import logging
 from typing import Any, AsyncIterator
 
+import ray
 from ray import serve
 
 from prefix_service.config import ServiceConfig
@@ -42,6 +43,7 @@ class EngineReplica:
     async def __init__(self, config: ServiceConfig, controller: Any) -> None:
         log_to_serve()
         self.id = serve.get_replica_context().replica_id.unique_id
+        self.node = ray.get_runtime_context().get_node_id()  # the Ray node it runs on, in its reports
         self._controller = controller
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(None, Engine, config)
@@ -64,7 +66,7 @@ class EngineReplica:
         return out
 
     def report(self) -> dict:
-        return {"held": self.registry.list(), "stats": self.stats()}
+        return {"held": self.registry.list(), "stats": self.stats(), "node": self.node}
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()
