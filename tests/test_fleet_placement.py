@@ -136,12 +136,12 @@ def test_serve_env_sets_what_the_operator_left_unset_before_ray_serve_loads():
             "import ray.serve._private.constants as c; "
             "print(own, c.RAY_SERVE_THROUGHPUT_OPTIMIZED, c.RAY_SERVE_USE_GRPC_BY_DEFAULT, "
             "c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, c.RAY_SERVE_ENABLE_DIRECT_INGRESS, "
-            "[os.environ[k] for k in SERVE_ENV])")
+            "c.RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE, [os.environ[k] for k in SERVE_ENV])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["{}", "True", "True", "True", "False", "['1',", "'1',", "'0',", "'1']"], out
+    assert out.split() == ["{}", "True", "True", "True", "False", "1", "['1',", "'1',", "'0',", "'1',", "'1']"], out
     out = subprocess.run([sys.executable, "-c", code], env={**env, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"},
                          capture_output=True, text=True, check=True).stdout
-    assert out.startswith("{'RAY_SERVE_THROUGHPUT_OPTIMIZED': '0'} False False True False"), out
+    assert out.startswith("{'RAY_SERVE_THROUGHPUT_OPTIMIZED': '0'} False False True False 1"), out
     late = subprocess.run([sys.executable, "-c", "import ray.serve; from prefix_service.fleet import use_serve_env; "
                            "use_serve_env()"], env=env, capture_output=True, text=True)
     assert late.returncode != 0 and "imported before the fleet's settings were set" in late.stderr
@@ -214,3 +214,27 @@ def test_front_end_sends_a_call_to_the_least_loaded_holder_first():
         assert firsts == {"a", "b", "c"}
 
     asyncio.run(main())
+
+
+def test_the_services_answers_are_not_logged_as_failed_requests():
+    """In a replica, Ray Serve's "Request failed." record of an error the service answers a caller
+    with becomes one INFO line without its traceback; any other failure stays as it was."""
+    import logging
+    import sys
+
+    from prefix_service.errors import PrefixExists
+    from prefix_service.fleet import AnsweredNotFailed
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            return logging.LogRecord("ray.serve", logging.ERROR, __file__, 1, "Request failed.", (), sys.exc_info())
+
+    answered = record(PrefixExists("a prefix template named 'x' already exists"))
+    assert AnsweredNotFailed().filter(answered)
+    assert answered.levelno == logging.INFO and answered.exc_info is None
+    assert answered.getMessage() == "request answered with PrefixExists: a prefix template named 'x' already exists"
+    failed = record(RuntimeError("boom"))
+    assert AnsweredNotFailed().filter(failed)
+    assert failed.levelno == logging.ERROR and failed.exc_info is not None and failed.getMessage() == "Request failed."

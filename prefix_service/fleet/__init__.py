@@ -14,16 +14,19 @@ import logging
 import os
 import sys
 
-# Ray Serve's throughput mode (docs/scale-out.md, "What it costs"), with two of its settings
+# Ray Serve's throughput mode (docs/scale-out.md, "What it costs"), with some of its settings
 # changed: the handles' router keeps a loop of its own (the admin calls and the chat path wait on
 # calls from worker threads, which a router on the caller's loop refuses), and no direct ingress
 # (under it a replica's stop waited out a 35 s drain and quarantined its port). Log lines still
-# go to stderr, so a local cluster's replicas log to the server's output.
+# go to stderr, so a local cluster's replicas log to the server's output, and to the replicas' log
+# files as they come: the mode holds 1,000 lines back (meant for per-request access logs, which are
+# off here), so a replica's few lines of its life never reached its file.
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_LOG_TO_STDERR": "1",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1",
 }
 
 
@@ -41,10 +44,32 @@ def use_serve_env() -> dict[str, str]:
     return {k: os.environ[k] for k, v in SERVE_ENV.items() if os.environ[k] != v}
 
 
+class AnsweredNotFailed(logging.Filter):
+    """Ray Serve logs every exception a call raises as "Request failed." with its traceback, at
+    ERROR. The service's answers to a caller (an unknown or existing template, an invalid request,
+    a full queue or KV budget, a template not held here, a server stopping) are no failure of the
+    replica: this makes them one INFO line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from prefix_service.errors import (EngineStopped, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
+                                           PrefixNotFound, QueueFull)
+        from prefix_service.server.status import ReplicaUnavailable
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (InvalidRequest, PrefixNotFound, PrefixExists, PrefixBudgetExceeded, QueueFull,
+                            ReplicaUnavailable, EngineStopped)):
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+            record.msg, record.args = "request answered with %s: %s", (type(exc).__name__, exc)
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def log_to_serve() -> None:
     """In a Ray Serve replica: write the service's log lines (the prefix_service loggers, INFO and
-    up) where Ray Serve writes the replica's own, its file under the session's logs/serve/ folder."""
+    up) where Ray Serve writes the replica's own, its file under the session's logs/serve/ folder;
+    the service's answers to callers are not logged as failed requests (AnsweredNotFailed)."""
     ours, serve_logger = logging.getLogger("prefix_service"), logging.getLogger("ray.serve")
+    if not any(isinstance(f, AnsweredNotFailed) for f in serve_logger.filters):
+        serve_logger.addFilter(AnsweredNotFailed())
     if not serve_logger.handlers:
         return
     ours.setLevel(logging.INFO)
