@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 import yaml
 
@@ -21,6 +20,7 @@ serve = pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from prefix_service import Engine  # noqa: E402
+from prefix_service.bench.systems.grpc import wait_serving  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
 from prefix_service.fleet.launcher import CONTROLLER_DEPLOYMENT  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
@@ -47,23 +47,6 @@ def cluster():
         c.shutdown()
 
 
-def _wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"the server exited with code {proc.returncode}"
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise AssertionError(f"not SERVING within {timeout:.0f} s")
-
-
 def test_a_fleet_on_a_cluster_it_joined(cluster, model_dir, tmp_path):
     import socket
     with socket.socket() as s:
@@ -87,7 +70,7 @@ def test_a_fleet_on_a_cluster_it_joined(cluster, model_dir, tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     clients = None
     try:
-        _wait_serving(address, proc, 240)
+        wait_serving(address, proc, 240, lambda: log.read_text()[-3000:])
         reports = serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=APP).reports.remote().result(
             timeout_s=30)
         nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import yaml
@@ -25,6 +26,26 @@ from prefix_service.bench.systems import System, now
 from prefix_service.bench.workloads import BenchRequest, Workload
 from prefix_service.client import PrefixServiceClient
 from prefix_service.config import EngineConfig
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float, log_tail: Callable[[], str]) -> None:
+    """Until the server process at address reports SERVING on its health service; RuntimeError
+    (with its log's tail) if it exits first, TimeoutError after timeout_s."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the gRPC server exited with code {proc.returncode}:\n{log_tail()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"the gRPC server did not report SERVING within {timeout_s:.0f} s:\n{log_tail()}")
 
 
 def _free_port() -> int:
@@ -67,21 +88,7 @@ class ServerProcess:
             raise
 
     def _wait_serving(self, timeout_s: float) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the gRPC server exited with code {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.5)
-        raise TimeoutError(f"the gRPC server did not report SERVING within {timeout_s:.0f} s:\n{self.log_tail()}")
+        wait_serving(self.address, self.proc, timeout_s, self.log_tail)
 
     def log_tail(self, chars: int = 3000) -> str:
         self._log.flush()
