@@ -286,11 +286,10 @@ class RayConfig:
         if self.template_replication is not None:
             _check_int("ray.template_replication", self.template_replication, 1)
         # Ray Serve wants the look-back window longer than its autoscaling metrics' interval, 10 s
-        for key, lo in (("upscale_delay_s", 0), ("downscale_delay_s", 0), ("look_back_period_s", 10)):
+        for key, bound in (("upscale_delay_s", ">= 0"), ("downscale_delay_s", ">= 0"), ("look_back_period_s", "> 10")):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < lo \
-                    or (lo and value == lo):
-                bound = f"> {lo}" if lo else ">= 0"
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or (value <= 10 if bound == "> 10" else value < 0):
                 raise ConfigError(f"ray.{key}: expected a number of seconds {bound}, got {value!r}")
         if isinstance(self.num_cpus_per_replica, bool) or not isinstance(self.num_cpus_per_replica, (int, float)) \
                 or self.num_cpus_per_replica < 0:

@@ -51,10 +51,12 @@ class AnsweredNotFailed(logging.Filter):
     replica: this makes them one INFO line without the traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info:
+            return True
         from prefix_service.errors import (EngineStopped, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
                                            PrefixNotFound, QueueFull)
         from prefix_service.server.status import ReplicaUnavailable
-        exc = record.exc_info[1] if record.exc_info else None
+        exc = record.exc_info[1]
         if isinstance(exc, (InvalidRequest, PrefixNotFound, PrefixExists, PrefixBudgetExceeded, QueueFull,
                             ReplicaUnavailable, EngineStopped)):
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
