@@ -208,6 +208,19 @@ def test_http_through_ray_serve(fleet, reference):
                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == expected_ids(reference, "t1", "the order")
+    # its request log line, as one process writes it, in the ingress's Ray Serve log (the session's
+    # log folder has no public accessor)
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    request_id = body["id"].split("-", 1)[1]
+
+    def logged() -> list[dict]:
+        lines = [line for f in logs.glob(f"replica_{server.config.ray.app_name}_HttpIngress_*.log")
+                 for line in f.read_text().splitlines() if request_id in line]
+        return [json.loads(line[line.index("{"):]) for line in lines]
+
+    line = wait_for(logged, timeout=10, what="the HTTP request's log line")[0]
+    assert (line["protocol"], line["prefix"], line["code"], line["completion_tokens"]) == ("http", "t1", "OK",
+                                                                                            MAX_TOKENS)
     collect(clients.generation.Generate(greedy_request("the order", "t1", 2)))
     status, body = _post(port, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2})
     assert status == 404 and body["error"]["code"] == "model_not_found"

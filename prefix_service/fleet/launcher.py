@@ -44,9 +44,10 @@ METRICS_TIMEOUT_S = 5.0  # a scrape's wait for the HTTP ingress's series
 
 
 class HttpIngress:
-    """The OpenAI HTTP API as a Ray Serve ingress deployment (built by make_ingress)."""
+    """The OpenAI HTTP API as a Ray Serve ingress deployment (built by build_app)."""
 
     async def __init__(self, config: ServiceConfig, replicas: Any, controller: Any, served_name: str) -> None:
+        from prefix_service.fleet import log_to_serve
         from prefix_service.fleet.client import FleetEngine, FleetRegistry
         from prefix_service.model.loader import load_tokenizer
         from prefix_service.server.auth import ApiKeyAuth, read_api_key
@@ -54,6 +55,7 @@ class HttpIngress:
         from prefix_service.server.openai_api import OpenAIApi
         from prefix_service.server.runtime import Runtime
 
+        log_to_serve()  # its request log lines, as a single process writes them, to its Ray Serve log
         runtime = Runtime()
         engine = FleetEngine(replicas, controller, load_tokenizer(config.engine.model.path))
         await engine.start()

@@ -5,6 +5,9 @@ Per-request series are recorded on the event loop by the Generate servicer throu
 `RequestTrace`; the engine-side gauges (KV blocks, queue, running, preemptions, templates) are
 read from the engine when the endpoint is scraped, so the engine's step loop does no metrics work.
 
+In a fleet, the gRPC front end's endpoint also holds the HTTP ingress's per-request series, fetched
+at each scrape and summed into its own (`add_source`, `merge_families`).
+
 Label values stay bounded: `prefix` is a template's name, `_none` for requests without one, and
 `_unknown` for a name that is no template (whatever a client sends never becomes a label).
 """
