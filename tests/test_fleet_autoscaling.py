@@ -37,6 +37,9 @@ TEMPLATES = {f"t{i}": f"{DOCUMENT} and note {i} of the table" for i in range(4)}
 API_KEY_ENV = "PREFIX_SERVICE_TEST_FLEET_API_KEY"
 API_KEY = "fleet-k3y"
 LONG, SHORT = 200, 8  # output tokens of the load's requests and of the light ones
+# what the clients call, in turn: every template, and none (any replica, the least loaded first, so a
+# new replica takes requests even when the placement gives it no template)
+CALLED = [*TEMPLATES, ""]
 
 
 @pytest.fixture(scope="module")
@@ -71,22 +74,23 @@ def fleet(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    """One process's greedy ids for every template and length the clients ask for."""
+    """One process's greedy ids for every template (and none: "") and length the clients ask for."""
     engine = Engine(make_config(model_dir, num_blocks=1024).engine)
     out = {}
-    for name, text in TEMPLATES.items():
-        engine.add_prefix(name, text)
+    for name in CALLED:
+        if name:
+            engine.add_prefix(name, TEMPLATES[name])
         for n in (LONG, SHORT):
             sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-            out[name, n] = engine.generate(GenerateRequest(prompt="the order", prefix_name=name,
+            out[name, n] = engine.generate(GenerateRequest(prompt="the order", prefix_name=name or None,
                                                            sampling=sampling))[0].token_ids
     engine.shutdown()
     return out
 
 
 class Load:
-    """Client threads calling in a loop (each its templates in turn) until stopped; every answer
-    is checked against one process's."""
+    """Client threads calling in a loop (each CALLED in turn) until stopped; every answer is checked
+    against one process's."""
 
     def __init__(self, clients: Clients, expected: dict, threads: int, max_tokens: int) -> None:
         self.clients, self.expected, self.max_tokens = clients, expected, max_tokens
@@ -98,10 +102,9 @@ class Load:
             t.start()
 
     def _run(self, i: int) -> None:
-        names = list(TEMPLATES)
         k = i
         while not self.stop_event.is_set():
-            name = names[k % len(names)]
+            name = CALLED[k % len(CALLED)]
             k += 1
             try:
                 _, ids, _ = collect(self.clients.generation.Generate(greedy_request("the order", name,
@@ -153,9 +156,11 @@ def test_the_fleet_scales_up_under_load_and_down_without_it(fleet, expected):
         load.stop()
     assert load.failures == [] and load.done > 0
     second = next(m for m in members(server) if m != first)
-    reports = server.engine.replica_reports()
-    took = {r: sum(rep["stats"]["requests"].values()) for r, rep in reports.items()}
-    assert took[second] > 0  # the newcomer took traffic once it held its templates
+
+    def took(replica: str) -> int:  # its own counter, as of its last poll (a second old at most)
+        return sum(server.engine.replica_reports()[replica]["stats"]["requests"].values())
+
+    wait_for(lambda: took(second) > 0, 10, "the newcomer's requests in its report")  # it took traffic
 
     light = Load(clients, expected, threads=1, max_tokens=SHORT)  # at most 1 in flight: one replica is enough
     try:
