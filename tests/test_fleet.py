@@ -2,8 +2,9 @@
 templates): greedy outputs equal one process's, requests land only on their template's holder,
 admin add/remove reach the holders, HTTP through Ray Serve's proxy, chat on a system-prompt
 template, a cancelled stream and a request on stale routes, a request waiting for a holder holds up
-no other call, the front end's shutdown cuts its streams off, and a replica killed mid-stream fails
-only its own streams and comes back holding its templates.
+no other call, the front end's shutdown cuts its streams off, a replica killed mid-stream fails
+only its own streams and comes back holding its templates, and one failing its health check is
+replaced.
 
 One fleet serves the whole module (starting one takes ~20 s); the tests run in file order and
 read counters as differences. Deselect with -m "not ray"."""
@@ -453,6 +454,37 @@ def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
 
     wait_for(back, timeout=180, what="a replacement replica joining and the placement holding again")
     for name in TEMPLATES:  # every template serves again at once, on whichever replica now holds it
+        _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
+        assert ids == expected_ids(reference, name, "the order"), name
+    server.engine.check_integrity()
+
+
+def test_a_replica_failing_its_health_check_is_replaced(fleet, reference):
+    """A replica whose engine loop stopped fails its health check: Ray Serve stops routing to it and
+    starts a replacement, which pins its share; every template then serves as before."""
+    server, clients = fleet
+    victim = list(listing(clients)["t1"].replicas)[0]
+
+    def stop_engine(_actor) -> str:  # runs in the replica's process (Ray Serve builds its own class from ours)
+        import gc
+        gc.unfreeze()  # Ray Serve froze what the replica built at start (throughput mode), out of gc's sight
+        replica = next(o for o in gc.get_objects() if type(o).__name__ == "EngineReplica" and hasattr(o, "engine"))
+        replica.engine.shutdown()
+        return replica.id
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{server.config.ray.app_name}#{REPLICA_DEPLOYMENT}#{victim}",
+                          namespace="serve")
+    assert ray.get(actor.__ray_call__.remote(stop_engine), timeout=60) == victim
+
+    def replaced():
+        members = sorted(reports(server))
+        if len(members) != 2 or victim in members:
+            return None
+        t = listing(clients)
+        return all(list(t[n].replicas) == holders(n, members, 1) for n in TEMPLATES)
+
+    wait_for(replaced, timeout=180, what="the unhealthy replica replaced and the placement holding again")
+    for name in TEMPLATES:
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
         assert ids == expected_ids(reference, name, "the order"), name
     server.engine.check_integrity()
