@@ -46,19 +46,17 @@ def use_serve_env() -> dict[str, str]:
 
 class AnsweredNotFailed(logging.Filter):
     """Ray Serve logs every exception a call raises as "Request failed." with its traceback, at
-    ERROR. The service's answers to a caller (an unknown or existing template, an invalid request,
-    a full queue or KV budget, a template not held here, a server stopping) are no failure of the
-    replica: this makes them one INFO line without the traceback."""
+    ERROR. The service's answers to a caller (its error table, server/status.py: an unknown or
+    existing template, an invalid request, a full queue or KV budget, a template not held here, a
+    server stopping) are no failure of the replica: this makes them one INFO line without the
+    traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.exc_info:
             return True
-        from prefix_service.errors import (EngineStopped, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
-                                           PrefixNotFound, QueueFull)
-        from prefix_service.server.status import ReplicaUnavailable
+        from prefix_service.server.status import is_answer
         exc = record.exc_info[1]
-        if isinstance(exc, (InvalidRequest, PrefixNotFound, PrefixExists, PrefixBudgetExceeded, QueueFull,
-                            ReplicaUnavailable, EngineStopped)):
+        if is_answer(exc):
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
             record.msg, record.args = "request answered with %s: %s", (type(exc).__name__, exc)
             record.exc_info = record.exc_text = None

@@ -84,6 +84,11 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
 INTERNAL = ErrorKind(grpc.StatusCode.INTERNAL, 500, "server_error", "internal_error")
 
 
+def is_answer(exc: BaseException) -> bool:
+    """exc is one of the service's answers to a caller (in the error table), not a server fault."""
+    return any(isinstance(exc, cls) for cls, _ in _KINDS)
+
+
 def _details(exc: BaseException) -> str:
     text = str(exc)
     return text if len(text) <= MAX_DETAILS_CHARS else text[:MAX_DETAILS_CHARS - 3] + "..."
