@@ -138,6 +138,44 @@ class ServerThread:
             time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def running_fleet(config: ServiceConfig, root_certificates: bytes | None = None) -> Iterator[tuple[ServerThread, Clients]]:
+    """A FleetServer (config.ray) on a local Ray cluster of this process, started here unless one is
+    up, and clients for it. Ray Serve is shut down before Ray: its handles left in this process would
+    otherwise start a new cluster to report their metrics to."""
+    import ray
+    from ray import serve
+
+    from prefix_service.fleet.launcher import FleetServer
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    server = ServerThread(config, server_cls=FleetServer)
+    server.start(wait=False)
+    server.wait_started(timeout=240)
+    clients = Clients(server.address, root_certificates)
+    try:
+        yield server, clients
+    finally:
+        clients.close()
+        server.stop(grace=0)
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "the fleet") -> Any:
+    """predicate()'s first true value, asked every 0.2 s; AssertionError naming `what` after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 class Clients:
     """Sync stubs on one channel (TLS when given the server's certificate)."""
 

@@ -24,17 +24,18 @@ import grpc
 import pytest
 
 ray = pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
-serve = pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 
 from prefix_service import Engine  # noqa: E402
 from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
-from prefix_service.fleet.launcher import REPLICA_DEPLOYMENT, FleetServer  # noqa: E402
+from prefix_service.fleet.launcher import REPLICA_DEPLOYMENT  # noqa: E402
 from prefix_service.fleet.placement import holders  # noqa: E402
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 from prefix_service.server.chat import render_ids  # noqa: E402
-from server_fixtures import DOCUMENT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request, make_config  # noqa: E402
+from server_fixtures import (DOCUMENT, TOKEN_ENV, collect, greedy_request, make_config, running_fleet,  # noqa: E402
+                             wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -46,27 +47,14 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def fleet(model_dir, tmp_path_factory):
     os.environ.pop(TOKEN_ENV, None)  # admin open on loopback
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     state = tmp_path_factory.mktemp("fleet") / "state.json"
     config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()),
                          state_file=state, num_blocks=1024, http_address="127.0.0.1:0",
                          metrics_address="127.0.0.1:0")
     config = dataclasses.replace(config, ray=RayConfig(num_replicas=2, template_replication=1,
                                                        num_cpus_per_replica=1, app_name="prefix-service-test"))
-    server = ServerThread(config, server_cls=FleetServer)
-    server.start(wait=False)
-    server.wait_started(timeout=240)
-    clients = Clients(server.address)
-    try:
+    with running_fleet(config) as (server, clients):
         yield server, clients
-    finally:
-        clients.close()
-        server.stop(grace=0)
-        if started_ray:  # Serve too: its handles in this process would start a new cluster to report to
-            serve.shutdown()
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +84,6 @@ def reports(server) -> dict[str, dict]:
 def taken(server) -> dict[str, dict[str, int]]:
     """replica -> requests it took, by template (its own counter, as of its last poll)."""
     return {r: dict(rep["stats"]["requests"]) for r, rep in reports(server).items() if rep.get("stats")}
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "the fleet"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
-        time.sleep(0.2)
 
 
 def test_startup_places_each_template_on_its_rendezvous_holder(fleet):

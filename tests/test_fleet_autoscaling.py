@@ -13,23 +13,21 @@ import json
 import os
 import ssl
 import threading
-import time
 
 import grpc
 import pytest
 
-ray = pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
-serve = pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 
 from prefix_service import Engine  # noqa: E402
 from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
-from prefix_service.fleet.launcher import FleetServer  # noqa: E402
 from prefix_service.fleet.placement import holders  # noqa: E402
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
-from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request,  # noqa: E402
-                             make_config, self_signed_cert)
+from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, collect, greedy_request, make_config,  # noqa: E402
+                             running_fleet, self_signed_cert, wait_for)
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -46,9 +44,6 @@ CALLED = [*TEMPLATES, ""]
 def fleet(model_dir, tmp_path_factory):
     os.environ.pop(TOKEN_ENV, None)  # admin open on loopback
     os.environ[API_KEY_ENV] = API_KEY  # before the local cluster starts: the HTTP ingress reads it there
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     folder = tmp_path_factory.mktemp("autoscaling")
     cert, key = self_signed_cert(folder / "tls")
     config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()),
@@ -57,19 +52,11 @@ def fleet(model_dir, tmp_path_factory):
     config = dataclasses.replace(config, ray=RayConfig(
         min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.0, downscale_delay_s=2.0,
         look_back_period_s=11.0, template_replication=1, num_cpus_per_replica=1, app_name="prefix-service-autoscale"))
-    server = ServerThread(config, server_cls=FleetServer)
-    server.start(wait=False)
-    server.wait_started(timeout=240)
-    clients = Clients(server.address, root_certificates=cert.read_bytes())
     try:
-        yield server, clients, cert
+        with running_fleet(config, cert.read_bytes()) as (server, clients):
+            yield server, clients, cert
     finally:
-        clients.close()
-        server.stop(grace=0)
         os.environ.pop(API_KEY_ENV, None)
-        if started_ray:  # Serve too: its handles in this process would start a new cluster to report to
-            serve.shutdown()
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +119,6 @@ def placed(server, clients, n: int) -> bool:
         return False
     listing = {t.name: list(t.replicas) for t in clients.admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest()).templates}
     return all(listing.get(name) == holders(name, ms, 1) for name in TEMPLATES)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
-        time.sleep(0.25)
 
 
 def test_the_fleet_scales_up_under_load_and_down_without_it(fleet, expected):
