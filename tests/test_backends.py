@@ -33,19 +33,19 @@ def test_auto_picks_cpu_where_its_kernels_run_and_says_so(llama_dir, caplog):
 
 
 def test_auto_falls_back_to_torch_with_a_warning(llama_dir, caplog):
-    """bfloat16 (the native kernels are float32): torch, and one warning naming why."""
+    """float16 (the native kernels serve float32 and bfloat16): torch, and one warning naming why."""
     caplog.set_level(logging.INFO, logger="prefix_service.engine")
     arch = read_arch(llama_dir)
-    assert select_backend("auto", torch.device("cpu"), torch.bfloat16, arch).name == "torch"
+    assert select_backend("auto", torch.device("cpu"), torch.float16, arch).name == "torch"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "the cpu backend cannot run here" in warnings[0].getMessage()
-    assert ("bfloat16" in warnings[0].getMessage()) or REASON is not None
+    assert ("float16" in warnings[0].getMessage()) or REASON is not None
 
 
 def test_a_backend_that_cannot_run_is_a_clear_error(llama_dir, monkeypatch):
     arch = read_arch(llama_dir)
-    with pytest.raises(ConfigError, match=r"model.backend: cpu was asked for, but .*bfloat16.*; use auto or torch"):
-        select_backend("cpu", torch.device("cpu"), torch.bfloat16, arch)
+    with pytest.raises(ConfigError, match=r"model.backend: cpu was asked for, but .*float16.*; use auto or torch"):
+        select_backend("cpu", torch.device("cpu"), torch.float16, arch)
     monkeypatch.setattr(native, "load", lambda: (None, "no C++ compiler found (set CXX)"))
     with pytest.raises(ConfigError, match=r"cpu was asked for, but no C\+\+ compiler found"):
         select_backend("cpu", torch.device("cpu"), torch.float32, arch)

@@ -15,7 +15,6 @@ from prefix_service.backends.cpu import native
 from prefix_service.backends.cpu import stack as stack_mod
 from prefix_service.backends.cpu.attention import decode_attention, prefill_attention
 from prefix_service.backends.cpu.elementwise import Rotation, add_rms_norm, head_rms_norm, silu_mul
-from prefix_service.backends.cpu.linear import linear
 from prefix_service.backends.cpu.stack import DecoderStack, NativeLayerError, StackPlan
 from prefix_service.model.loader import load_model
 
@@ -37,7 +36,7 @@ def kernel_by_kernel(stack: DecoderStack, x: torch.Tensor, plan: StackPlan, temp
     pending = None
     for index, (w, (k_cache, v_cache)) in enumerate(zip(stack.layers, stack.kv_layers)):
         h = add_rms_norm(x, pending, w.input_norm, w.input_eps)
-        qkv = linear(h, w.qkv, q_size + 2 * kv_size, w.qkv_bias)
+        qkv = w.qkv(h)
         if w.q_norm is not None:  # Qwen3
             head_rms_norm(qkv[:, :q_size].view(t, hq, d), w.q_norm, w.qk_eps)
             head_rms_norm(qkv[:, q_size:q_size + kv_size].view(t, hkv, d), w.k_norm, w.qk_eps)
@@ -59,9 +58,9 @@ def kernel_by_kernel(stack: DecoderStack, x: torch.Tensor, plan: StackPlan, temp
                               template=packed.layer(index) if packed is not None else None, cache=(k_cache, v_cache),
                               block_table=plan.prefill_tables[i], cached=(first, ctx - first), slots=slots[start:end])
             start = end
-        o = linear(attn.view(t, q_size), w.o, stack.hidden)
+        o = w.o(attn.view(t, q_size))
         h = add_rms_norm(x, o, w.post_norm, w.post_eps)
-        pending = linear(silu_mul(linear(h, w.gate_up, 2 * stack.inter)), w.down, stack.hidden)
+        pending = w.down(silu_mul(w.gate_up(h)))
     return pending
 
 
@@ -143,7 +142,7 @@ def test_stack_releases_the_models_linear_weights(llama_dir):
     stack = DecoderStack(model, caches)
     assert all(layer.self_attn.qkv_proj.weight is None and layer.mlp.down_proj.weight is None
                for layer in model.layers)
-    assert len(stack.layers) == arch.num_layers and stack.weights.shape == (arch.num_layers, 9)
+    assert len(stack.layers) == arch.num_layers and stack.weights.shape == (arch.num_layers, 8)
 
 
 @needs_native

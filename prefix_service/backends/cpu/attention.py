@@ -61,12 +61,18 @@ def _rows(x: torch.Tensor, name: str) -> int:
     return x.stride(0)
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> None:
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the paged cache may hold (the arithmetic is float32)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> int:
+    """1 for a bfloat16 cache, 0 for a float32 one; raises for anything else."""
     if (v_cache.shape != k_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != d
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32):
-        raise NativeAttentionError(f"the cache must be two contiguous float32 [blocks, block_size, Hkv, {d}] tensors, "
-                                   f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+            or k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype):
+        raise NativeAttentionError(f"the cache must be two contiguous float32 or bfloat16 [blocks, block_size, Hkv, {d}] "
+                                   f"tensors alike, got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
+                                   f"{tuple(v_cache.shape)}")
+    return int(k_cache.dtype == torch.bfloat16)
 
 
 def _check_slots(slots: torch.Tensor, n: int) -> None:
@@ -83,7 +89,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
     q: [M, Hq, D]; template: (K panels, V rows, R) from pack_keys/pack_values, R keys every query
     sees, first; cached = (start, L): then the sequence's cached tokens [start, start + L), read
-    from cache = (k_cache, v_cache) [blocks, block_size, Hkv, D] through block_table (int32 [W]);
+    from cache = (k_cache, v_cache) [blocks, block_size, Hkv, D] (float32, or bfloat16) through
+    block_table (int32 [W]);
     then k, v: [N, Hkv, D], N >= M (the new tokens' own K/V, after any further context); query i
     sees all of those but the last M - i - 1. slots (int64 [N]): k and v are also written into
     these slots of the cache, as a layer stores its new tokens. Rows may be strided (views of a
@@ -106,10 +113,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
             raise NativeAttentionError(f"template layout: K {tuple(kt.shape)}, V {tuple(vt.shape)} for {r} keys")
     start, length = cached
     kc = vc = None
-    blocks = bs = width = 0
+    blocks = bs = width = kv_bf16 = 0
     if cache is not None:
         kc, vc = cache
-        _check_cache(kc, vc, d)
+        kv_bf16 = _check_cache(kc, vc, d)
         blocks, bs = kc.shape[0], kc.shape[1]
         if kc.shape[2] != hkv:
             raise NativeAttentionError(f"the cache holds {kc.shape[2]} KV heads, k has {hkv}")
@@ -130,7 +137,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         k.data_ptr(), ks, v.data_ptr(), vs, n,
         kc.data_ptr() if kc is not None else None, vc.data_ptr() if vc is not None else None, blocks, bs,
         block_table.data_ptr() if length else None, width, start, length,
-        slots.data_ptr() if slots is not None else None, None)
+        slots.data_ptr() if slots is not None else None, None, kv_bf16)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out
@@ -142,14 +149,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of N decoding sequences' new tokens over their paged cache.
 
-    q: [N, Hq, D] (rows may be strided); k_cache, v_cache: [blocks, block_size, Hkv, D], the new
-    tokens' K/V already stored, or new_kv = (k, v, slots): k, v [N, Hkv, D] written first into
+    q: [N, Hq, D] (rows may be strided); k_cache, v_cache: [blocks, block_size, Hkv, D] (float32 or
+    bfloat16), the new tokens' K/V already stored, or new_kv = (k, v, slots): k, v [N, Hkv, D] written first into
     the slots (int64 [N]); block_tables: int32 [N, W]; context_lens: int32 [N], the new token
     included; templates: per sequence None or (K panels, V rows, R) of pack_keys/pack_values, R a
     multiple of the block size: its first R / block_size blocks are read from there. Returns out."""
     lib = native.require(NativeAttentionError)
     n, hq, d = q.shape
-    _check_cache(k_cache, v_cache, d)
+    kv_bf16 = _check_cache(k_cache, v_cache, d)
     blocks, bs, hkv, _ = k_cache.shape
     if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n
             or block_tables.stride(1) != 1 or context_lens.dtype != torch.int32 or context_lens.shape != (n,)
@@ -183,7 +190,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         vt_ptrs.data_ptr() if vt_ptrs is not None else None,
         kn.data_ptr() if kn is not None else None, _rows(kn, "k") if kn is not None else 0,
         vn.data_ptr() if vn is not None else None, _rows(vn, "v") if vn is not None else 0,
-        slots.data_ptr() if slots is not None else None, blocks, None)
+        slots.data_ptr() if slots is not None else None, blocks, None, kv_bf16)
     if code:
         raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
     return out

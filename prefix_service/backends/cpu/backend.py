@@ -1,7 +1,12 @@
-"""The cpu backend: the native library's kernels (AVX-512 or AVX2, float32), one forward path.
+"""The cpu backend: the native library's kernels (AVX-512 or AVX2), one forward path for float32
+and bfloat16 models.
 
     embedding (torch index_select) -> decoder stack, all layers in one native call (stack.py)
     -> final norm (elementwise.py) -> output head (linear.py), for the rows that are sampled
+
+The model's dtype decides only what the weights and the KV cache hold and which library runs the
+linear layers (linear.make_linear: the native float32 kernel, or oneDNN for bfloat16, which uses
+AMX or AVX512-BF16 where the CPU has them); activations are float32 throughout.
 
 Pinned templates' K/V are packed once more when they are pinned (cache.pack_prefix_kv), and the
 attention of every request on them reads the packed copy (packed_prefix.py). The library is built
@@ -44,30 +49,35 @@ class CpuBackend(Backend):
         (its linear weights are released as they are packed)."""
         super().__init__(model, cache)
         self.stack = DecoderStack(model, self.kv_layers)
-        self.embed = model.embed_tokens.weight.detach()  # [vocab, hidden]
-        self.norm_weight, self.norm_eps = model.norm.weight.detach().contiguous(), model.norm.eps
+        self.embed = model.embed_tokens.weight.detach()  # [vocab, hidden], the model's dtype
+        self.norm_weight, self.norm_eps = model.norm.weight.detach().float().contiguous(), model.norm.eps
         head = model.lm_head if model.lm_head is not None else model.embed_tokens  # tied: the embedding
-        self.head = linear.pack_weight(head.weight)  # [vocab / 16, hidden, 16]
-        self.vocab_size = head.weight.shape[0]
+        self.head = linear.make_linear(head.weight)  # [vocab, hidden]
         if model.lm_head is not None:
             model.lm_head.weight = None
         self.pack_templates = cache.pack_prefix_kv
         self.templates: dict[PrefixHandle, PackedTemplate] = {}
 
     def describe(self) -> str:
+        if self.dtype == torch.bfloat16:
+            from prefix_service.backends.cpu import onednn
+            how = "oneDNN bf16 linears" if onednn.bf16_native() else "oneDNN linears, bf16 emulated in float32"
+            return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache)"
         return "cpu (native kernels, decoder stack)"
 
     # --- one step ------------------------------------------------------------------------------
     def forward(self, step: StepInputs) -> torch.Tensor | None:
         plan = StackPlan.build(step, self.block_size, self.stack.num_layers, self._template_of)
         x = self.embed.index_select(0, torch.tensor(step.token_ids, dtype=torch.int64))  # [T, hidden]
+        if x.dtype != torch.float32:  # the residual stream is float32
+            x = x.float()
         pending = self.stack.forward(x, plan)  # x is the residual stream, pending the last MLP's output
         if not step.logit_rows:
             return None
         rows = torch.tensor(step.logit_rows, dtype=torch.int64)
         h = elementwise.add_rms_norm(x.index_select(0, rows), pending.index_select(0, rows), self.norm_weight,
                                      self.norm_eps)
-        return linear.linear(h, self.head, self.vocab_size)
+        return self.head(h)
 
     def _template_of(self, seq: Sequence) -> PackedTemplate | None:
         # only when the sequence shares all of the packed blocks (a prompt that adds nothing shares one

@@ -1,6 +1,8 @@
-"""Linear layers in the native CPU kernel (csrc/cpu_linear.cpp), each weight packed once at load.
-The decoder stack calls the kernel from C++; `linear` and `NativeLinear` call it from Python (the
-output head, tests, scripts/bench_cpu_linear.py).
+"""Linear layers of the cpu backend, each weight packed once at load: float32 weights in the native
+kernel (csrc/cpu_linear.cpp), bfloat16 weights through oneDNN (onednn.py). `make_linear` picks by
+the weight's dtype. Either is a `CpuLinear`: callable from Python (the output head, tests,
+scripts/bench_cpu_linear.py), and a C entry point with its state (`fn`, `handle`) that the decoder
+stack calls from C++ (csrc/cpu_layer.cpp, PsLinear).
 
 oneDNN and MKL are tuned for large products with their operands in cache. Serving is the other
 case: a forward reads every layer's weights once, from memory (a model is larger than the
@@ -12,10 +14,12 @@ per output, so a row's result does not depend on the other rows of the call or t
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
+import ctypes
+from typing import Protocol
 
-from prefix_service.backends.cpu import native
+import torch
+
+from prefix_service.backends.cpu import native, onednn
 
 PANEL = 16  # output columns per weight panel: the layout of pack_weight, as the kernel reads it
 
@@ -25,8 +29,12 @@ class NativeLinearError(RuntimeError):
 
 
 def available(dtype: torch.dtype) -> str | None:
-    """None when linear layers of `dtype` can run in the native kernel here, else the reason."""
-    return native.unavailable(dtype)
+    """None when linear layers of `dtype` can run here (float32: the native kernel; bfloat16: oneDNN),
+    else the reason."""
+    reason = native.unavailable(dtype)
+    if reason is None and dtype == torch.bfloat16:
+        reason = onednn.load()[1]
+    return reason
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -77,26 +85,54 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return _run(x, packed, n, bias, out)
 
 
-class NativeLinear(nn.Module):
-    """y = x @ W.T + b with W held only in the kernel's layout. x: [..., in] float32."""
+class CpuLinear(Protocol):
+    """A linear layer y = x W^T (+ b) with W packed once: x [M, in] float32 (rows may be strided) ->
+    [M, out] float32. `fn` is the address of its C entry point and `handle` that of its state, the
+    pair the decoder stack calls: int fn(const void* handle, const float* x, int64_t ldx, int M,
+    float* y, int64_t ldy, int threads), 0 on success."""
+    in_features: int
+    out_features: int
+    fn: int
+    handle: int
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class LinearCall(ctypes.Structure):
+    """A CpuLinear as the decoder stack calls it (csrc/cpu_layer.cpp's PsLinear): its entry point and state."""
+    _fields_ = [("run", ctypes.c_void_p), ("self", ctypes.c_void_p)]
+
+
+class _PackedArgs(ctypes.Structure):  # csrc/cpu_linear.cpp's PsPackedLinear
+    _fields_ = [("panels", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class NativeLinear:
+    """y = x @ W.T + b in the native float32 kernel, W held only in its layout (pack_weight)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
+        lib = native.require(NativeLinearError)
         self.out_features, self.in_features = weight.shape
-        # buffers, not parameters: they follow the module, and stay out of its state_dict
-        self.register_buffer("packed", pack_weight(weight), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32).contiguous(),
-                             persistent=False)
+        self.packed = pack_weight(weight)
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         _check_weight(self.packed, self.out_features, self.in_features, self.bias)
+        self._args = _PackedArgs(self.packed.data_ptr(), self.out_features, self.in_features,
+                                 self.bias.data_ptr() if self.bias is not None else None)
+        self.handle = ctypes.addressof(self._args)
+        self.fn = ctypes.cast(lib.ps_packed_linear, ctypes.c_void_p).value
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided."""
+        if x.dim() == 2:
+            return linear(x, self.packed, self.out_features, self.bias, out=out)
         x2 = x.reshape(-1, self.in_features)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        _check_x(x2)  # the weight and bias were checked once, when packed
-        out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        return _run(x2, self.packed, self.out_features, self.bias, out).view(*lead, self.out_features)
+        return linear(x2, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:
+    """W [out, in] packed for the kernel of its dtype: float32 -> the native kernel, bfloat16 -> oneDNN."""
+    if weight.dtype == torch.float32:
+        return NativeLinear(weight, bias)
+    if weight.dtype == torch.bfloat16:
+        return onednn.OneDnnLinear(weight, bias)
+    raise NativeLinearError(f"no CPU linear kernel for {weight.dtype} weights (float32 and bfloat16 are served)")

@@ -30,7 +30,7 @@ log = logging.getLogger("prefix_service.engine")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp", CSRC / "cpu_layer.cpp")
-HEADERS = (CSRC / "simd.h", CSRC / "timers.h")
+HEADERS = (CSRC / "simd.h", CSRC / "timers.h", CSRC / "bf16.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
@@ -38,19 +38,20 @@ _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 SIGNATURES = {
     "ps_isa": ([], _i32),
     "ps_prefill_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
-                              _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _ptr], _i32),
+                              _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32], _i32),
     "ps_prefill_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
-                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _ptr], _i32),
+                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _ptr, _i32], _i32),
     "ps_decode_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
+    "ps_packed_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
     "ps_head_rms_norm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _f32, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
-                          _ptr, _i32], _i32),
+                          _ptr, _i32, _i32], _i32),
     "ps_stack_scratch_floats": ([_i32, _i32, _i32, _i32, _i32, _i32, _i32, _i32], _i64),
     "ps_copy_blocks": ([_ptr, _i32, _i32, _i64, _ptr, _i32], _i32),
     "ps_timers": ([_i32, _ptr], None),
@@ -115,10 +116,12 @@ def require(error: type[Exception]) -> ctypes.CDLL:
 
 
 def unavailable(dtype: torch.dtype) -> str | None:
-    """None when the library's float32 kernels can serve a model of `dtype` here, else the reason."""
+    """None when the library's kernels can serve a model of `dtype` here (float32 or bfloat16; the
+    linear layers of a bfloat16 model also need onednn.py's library: linear.available), else the reason."""
     reason = load()[1]
-    if reason is None and dtype != torch.float32:
-        reason = f"the model runs in {str(dtype).replace('torch.', '')}, and the native kernels are float32"
+    if reason is None and dtype not in (torch.float32, torch.bfloat16):
+        reason = (f"the model runs in {str(dtype).replace('torch.', '')}, and the native kernels serve float32 and "
+                  f"bfloat16")
     return reason
 
 

@@ -18,7 +18,7 @@ from prefix_service.backends.cpu.attention import pack_keys, pack_values
 
 class PackedTemplate:
     """The first `num_blocks` (full) blocks of a template, R = num_blocks * block_size tokens, per
-    layer: K panels [Hkv, R/16, D, 16] and V rows [Hkv, R, D]; `pointers` [layers, 2] int64 holds
+    layer: K panels [Hkv, R/16, D, 16] and V rows [Hkv, R, D], float32 whatever the cache holds; `pointers` [layers, 2] int64 holds
     their addresses, as the decoder stack reads them."""
 
     def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> None:
@@ -30,8 +30,9 @@ class PackedTemplate:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.nbytes = 0
         for k_cache, v_cache in kv_layers:
-            k = k_cache.index_select(0, idx).flatten(0, 1)  # [R, Hkv, D]
-            v = v_cache.index_select(0, idx).flatten(0, 1)
+            # [R, Hkv, D] as float32, which the kernels read (a bfloat16 cache widens exactly)
+            k = k_cache.index_select(0, idx).flatten(0, 1).float()
+            v = v_cache.index_select(0, idx).flatten(0, 1).float()
             self.layers.append((pack_keys(k), pack_values(v)))
             self.nbytes += 2 * k.numel() * k.element_size()
         self.pointers = torch.tensor([[kp.data_ptr(), vp.data_ptr()] for kp, vp in self.layers], dtype=torch.int64)

@@ -1,14 +1,15 @@
 """The decoder stack: every layer of a forward in one native call (csrc/cpu_layer.cpp).
 
-At load the stack packs each layer's weights for the linear kernel (linear.py) and keeps a
-table of pointers to them and to the layer's KV cache; a forward then hands the library one
+At load the stack packs each layer's linear weights for the kernel of the model's dtype (linear.py:
+the native float32 kernel, or oneDNN for bfloat16) and keeps a table of pointers to them and to the
+layer's KV cache; a forward then hands the library one
 plan of the step (`StackPlan`: slots, decodes, then prefills, their block tables and packed
 templates), and the C++ loop runs, layer by layer: the first norm (with the residual add), the
 q/k/v projection, the q and k heads' own norms where the model has them (Qwen3) and the
 rotation; one decode attention call for every decode and one prefill attention call per prefill
 sequence (each also storing its new K/V); then the output projection, the second norm and the
 MLP. What Python would pay per kernel (argument checks, output allocations, a ctypes call) is
-paid once per step.
+paid once per step. Activations are float32 in either dtype; the KV cache holds the model's dtype.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from typing import Callable
 import torch
 
 from prefix_service.backends.base import StepInputs
-from prefix_service.backends.cpu import native
-from prefix_service.backends.cpu.attention import HEAD_SIZES
-from prefix_service.backends.cpu.linear import pack_weight
+from prefix_service.backends.cpu import native, onednn
+from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
+from prefix_service.backends.cpu.linear import CpuLinear, LinearCall, available, make_linear
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
@@ -31,6 +32,8 @@ class NativeLayerError(RuntimeError):
 
 
 def _status(code: int, name: str) -> None:
+    if code == 5:  # a linear layer's own library failed: it says why
+        raise NativeLayerError(f"{name} failed in a linear layer: {onednn.last_error()}")
     if code:
         raise NativeLayerError(f"{name} failed with status {code} (1: neither AVX-512 nor AVX2 in this build, 2: odd head size, "
                                f"3: out of memory, 4: a slot or block id outside the cache)")
@@ -38,7 +41,7 @@ def _status(code: int, name: str) -> None:
 
 def unsupported(arch: ModelArch, dtype: torch.dtype) -> str | None:
     """None when the stack can run a model of this architecture and dtype here, else why not."""
-    why = native.unavailable(dtype)
+    why = available(dtype)
     if why is None and arch.head_dim not in HEAD_SIZES:
         why = f"head size {arch.head_dim} is not a multiple of 16 up to 256"
     return why
@@ -50,26 +53,31 @@ def _pointers(rows: list[list[int]]) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One layer's weights as the kernels take them: norms as float32 vectors, linear weights packed
-    (linear.pack_weight)."""
+    """One layer's weights as the kernels take them: norms as float32 vectors, linear layers packed
+    (linear.make_linear)."""
     input_norm: torch.Tensor  # [hidden]
     input_eps: float
-    qkv: torch.Tensor  # packed [q + 2 kv, hidden]: rows [q | k | v]
-    qkv_bias: torch.Tensor | None  # [q + 2 kv] (Qwen2)
+    qkv: CpuLinear  # [q + 2 kv, hidden]: rows [q | k | v], with the q/k/v bias (Qwen2)
     post_norm: torch.Tensor  # [hidden]
     post_eps: float
-    o: torch.Tensor  # packed [hidden, q]
-    gate_up: torch.Tensor  # packed [2 inter, hidden]: rows [gate | up]
-    down: torch.Tensor  # packed [hidden, inter]
+    o: CpuLinear  # [hidden, q]
+    gate_up: CpuLinear  # [2 inter, hidden]: rows [gate | up]
+    down: CpuLinear  # [hidden, inter]
     q_norm: torch.Tensor | None = None  # [head_dim]: each q head's RMSNorm (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]: each k head's
     qk_eps: float = 0.0
 
+    def __post_init__(self) -> None:
+        # each linear as the stack calls it (csrc/cpu_layer.cpp's PsLinear), kept alive with the layer
+        object.__setattr__(self, "calls", [LinearCall(m.fn, m.handle) for m in (self.qkv, self.o, self.gate_up,
+                                                                                  self.down)])
+
     def pointers(self) -> list[int]:
         """The layer's row of the stack's weight table, in ps_decoder_stack's order."""
-        return [t.data_ptr() if t is not None else 0 for t in (
-            self.input_norm, self.qkv, self.qkv_bias, self.post_norm, self.o, self.gate_up, self.down, self.q_norm,
-            self.k_norm)]
+        qkv, o, gate_up, down = (ctypes.addressof(c) for c in self.calls)  # type: ignore[attr-defined]
+        vec = [t.data_ptr() if t is not None else 0 for t in (self.input_norm, self.post_norm, self.q_norm,
+                                                              self.k_norm)]
+        return [vec[0], qkv, vec[1], o, gate_up, down, vec[2], vec[3]]
 
 
 @dataclass
@@ -115,8 +123,8 @@ class StackPlan:
 
 class DecoderStack:
     """Every DecoderLayer of `model`, its weights packed for the native kernels, bound to the KV
-    caches `kv_layers` (per layer (k_cache, v_cache), contiguous float32 [blocks, block_size, Hkv,
-    D]). The layers' linear weights are released from the model as they are packed (so a large
+    caches `kv_layers` (per layer (k_cache, v_cache), contiguous [blocks, block_size, Hkv, D] of the
+    model's dtype, float32 or bfloat16). The layers' linear weights are released from the model as they are packed (so a large
     model is not held twice): the model cannot run its own forward afterwards."""
 
     def __init__(self, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -130,13 +138,16 @@ class DecoderStack:
         self.hq, self.hkv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.hidden, self.inter = arch.hidden_size, arch.intermediate_size
         self.scale = layers[0].self_attn.scale
-        shape = kv_layers[0][0].shape
+        shape, kv_dtype = kv_layers[0][0].shape, kv_layers[0][0].dtype
         for k, v in kv_layers:
             for c in (k, v):
                 if (c.shape != shape or c.dim() != 4 or c.shape[2:] != (self.hkv, self.head_dim)
-                        or c.dtype != torch.float32 or not c.is_contiguous() or c.device.type != "cpu"):
-                    raise NativeLayerError(f"the KV cache: contiguous float32 CPU [blocks, block_size, {self.hkv}, "
-                                           f"{self.head_dim}] tensors alike are needed, got {c.dtype} {tuple(c.shape)}")
+                        or c.dtype != kv_dtype or kv_dtype not in KV_DTYPES or not c.is_contiguous()
+                        or c.device.type != "cpu"):
+                    raise NativeLayerError(f"the KV cache: contiguous float32 or bfloat16 CPU [blocks, block_size, "
+                                           f"{self.hkv}, {self.head_dim}] tensors alike are needed, got {c.dtype} "
+                                           f"{tuple(c.shape)}")
+        self.kv_bf16 = int(kv_dtype == torch.bfloat16)
         self.num_layers = len(layers)
         self.kv_layers = [(k, v) for k, v in kv_layers]
         self.num_blocks, self.block_size = shape[0], shape[1]
@@ -149,17 +160,17 @@ class DecoderStack:
             attn, mlp = layer.self_attn, layer.mlp
             if any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
                 raise NativeLayerError("only the q/k/v projection may have a bias")
-            bias, q_norm, k_norm = attn.qkv_proj.bias, attn.q_norm, attn.k_norm
+            q_norm, k_norm = attn.q_norm, attn.k_norm
             self.layers.append(LayerWeights(
-                vector(layer.input_layernorm.weight), layer.input_layernorm.eps, pack_weight(attn.qkv_proj.weight),
-                vector(bias) if bias is not None else None, vector(layer.post_attention_layernorm.weight),
-                layer.post_attention_layernorm.eps, pack_weight(attn.o_proj.weight),
-                pack_weight(mlp.gate_up_proj.weight), pack_weight(mlp.down_proj.weight),
+                vector(layer.input_layernorm.weight), layer.input_layernorm.eps,
+                make_linear(attn.qkv_proj.weight, attn.qkv_proj.bias), vector(layer.post_attention_layernorm.weight),
+                layer.post_attention_layernorm.eps, make_linear(attn.o_proj.weight),
+                make_linear(mlp.gate_up_proj.weight), make_linear(mlp.down_proj.weight),
                 vector(q_norm.weight) if q_norm is not None else None,
                 vector(k_norm.weight) if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0))
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 m.weight = None  # packed above (the q/k/v bias is kept as it is)
-        self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 9]
+        self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]
         self.eps = torch.tensor([[w.input_eps, w.post_eps, w.qk_eps] for w in self.layers], dtype=torch.float32)
         self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]
         self.cos, self.sin = (t.contiguous() for t in model.rotary.tables(torch.device("cpu")))  # [P, D]
@@ -203,7 +214,7 @@ class DecoderStack:
             n_pre, plan.prefill_info.data_ptr(), pre_tables.data_ptr() if n_pre else None,
             pre_tables.stride(0) if n_pre else 0, pre_tables.shape[1] if n_pre else 0,
             plan.templates.data_ptr() if plan.templates is not None else None, pending.data_ptr(), scratch.data_ptr(),
-            torch.get_num_threads()), "ps_decoder_stack")
+            torch.get_num_threads(), self.kv_bf16), "ps_decoder_stack")
         return pending
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -217,7 +228,8 @@ class DecoderStack:
         k = self.kv_layers[0][0]
         flat = torch.tensor(pairs, dtype=torch.int64).view(-1)
         _status(native.require(NativeLayerError).ps_copy_blocks(
-            self.caches.data_ptr(), self.num_layers, self.num_blocks, k[0].numel(), flat.data_ptr(), len(pairs)),
+            self.caches.data_ptr(), self.num_layers, self.num_blocks, k[0].numel() * k.element_size(), flat.data_ptr(),
+            len(pairs)),
             "ps_copy_blocks")
 
 

@@ -1,4 +1,6 @@
-// Prefill and decode attention on the CPU, float32, AVX-512 or AVX2 (simd.h).
+// Prefill and decode attention on the CPU, float32, AVX-512 or AVX2 (simd.h). The paged KV cache
+// holds float32 or bfloat16 (kv_bf16, bf16.h): bf16 rows are widened to float32 as they are read and
+// narrowed as they are stored; the arithmetic is float32 either way.
 //
 // The new tokens' queries attend over two key segments, in one online softmax:
 //   A: a pinned template's first R keys, every one visible, held packed at pin time
@@ -25,6 +27,7 @@
 
 #include <omp.h>
 
+#include "bf16.h"
 #include "simd.h"
 #include "timers.h"
 
@@ -227,14 +230,15 @@ inline void store_row(const Tile& t, int r, float* dst, int d_len) {
 }
 
 // Writes n rows of K and V (rows k_stride / v_stride apart, Hkv x D floats each) into the
-// cache's slots (block * block_size + offset; slot_floats = Hkv x D). Rows are split over the
-// team's threads; call from inside a parallel region.
+// cache's slots (block * block_size + offset; slot_floats = Hkv x D elements), narrowed to bf16
+// where the cache holds bf16. Rows are split over the team's threads; call from inside a parallel region.
 inline void store_rows(const float* k, int64_t k_stride, const float* v, int64_t v_stride, int n,
-                       const int64_t* slots, float* k_cache, float* v_cache, int64_t slot_floats) {
+                       const int64_t* slots, const ps::KvStore& k_cache, const ps::KvStore& v_cache,
+                       int64_t slot_floats) {
 #pragma omp for schedule(static) nowait
   for (int i = 0; i < n; ++i) {
-    std::memcpy(k_cache + slots[i] * slot_floats, k + i * k_stride, sizeof(float) * slot_floats);
-    std::memcpy(v_cache + slots[i] * slot_floats, v + i * v_stride, sizeof(float) * slot_floats);
+    k_cache.write(slots[i] * slot_floats, (int)slot_floats, k + i * k_stride);
+    v_cache.write(slots[i] * slot_floats, (int)slot_floats, v + i * v_stride);
   }
 }
 
@@ -269,7 +273,7 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 // q [M][Hq][D] rows q_stride apart; out likewise; kt/vt: segment A (r_len keys, or null with 0);
 // kn/vn: kn_len >= M keys and values [kn_len][Hkv][D] after the cached part (the new tokens' own),
 // rows kn_stride / vn_stride apart; k_cache/v_cache
-// [num_blocks][block_size][Hkv][D]; segment B's cached part: tokens [l_start, l_start + l_len) of
+// [num_blocks][block_size][Hkv][D] of float32, or of bf16 when kv_bf16; segment B's cached part: tokens [l_start, l_start + l_len) of
 // the sequence, through block_table (table_len ids); slots: kn_len cache slots to store kn/vn in, or null.
 //
 // scratch: null (the call allocates what it needs), or ps_prefill_scratch_floats(hkv, d_len,
@@ -285,14 +289,14 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
                                     int m_len, int hq, int hkv, int d_len, float scale,
                                     const float* kt, const float* vt, int r_len,
                                     const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride, int kn_len,
-                                    float* k_cache, float* v_cache, int num_blocks, int block_size,
+                                    void* k_cache, void* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
-                                    const int64_t* slots, float* scratch) {
+                                    const int64_t* slots, float* scratch, int kv_bf16) {
 #if !defined(PS_SIMD)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)m_len; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)kt; (void)vt; (void)r_len; (void)kn; (void)kn_stride; (void)vn; (void)vn_stride; (void)kn_len;
   (void)k_cache; (void)v_cache; (void)num_blocks; (void)block_size; (void)block_table; (void)table_len;
-  (void)l_start; (void)l_len; (void)slots; (void)scratch;
+  (void)l_start; (void)l_len; (void)slots; (void)scratch; (void)kv_bf16;
   return 1;
 #else
   ps::TimerScope timer(ps::kAttention);
@@ -320,16 +324,17 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   }
   float* kb = scratch != nullptr ? scratch : owned;
   float* vb = kb + kb_floats;
-  // segment B's key j: a cached token's row (through the block table) or a new token's
-  const auto key_row = [&](const float* cache, const float* fresh, int64_t fresh_stride, int j) -> const float* {
-    if (j >= l_len) return fresh + (int64_t)(j - l_len) * fresh_stride;
+  const ps::KvStore kc{k_cache, kv_bf16 != 0}, vc{v_cache, kv_bf16 != 0};
+  // segment B's cached key j (j < l_len): the element its row starts at in the cache, through the block table
+  const auto cached_at = [&](int j) -> int64_t {
     const int tok = l_start + j;
-    return cache + ((int64_t)block_table[tok / block_size] * block_size + tok % block_size) * slot_floats;
+    return ((int64_t)block_table[tok / block_size] * block_size + tok % block_size) * slot_floats;
   };
   const int r_panels = (r_len + KP - 1) / KP;
 #pragma omp parallel
   {
-    if (slots != nullptr) store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, k_cache, v_cache, slot_floats);
+    if (slots != nullptr) store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, kc, vc, slot_floats);
+    alignas(64) float widened[KP * MAX_D];  // a panel's cached keys, widened from a bf16 cache
 #pragma omp for schedule(static)
     for (int64_t hp = 0; hp < (int64_t)hkv * c_panels; ++hp) {
       const int h = (int)(hp / c_panels), pnl = (int)(hp % c_panels);
@@ -337,9 +342,15 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
       const float* key_rows[KP];
       for (int k = 0; k < n; ++k) {
         const int key = pnl * KP + k;
-        key_rows[k] = key_row(k_cache, kn, kn_stride, key) + (int64_t)h * d_len;
-        std::memcpy(vb + ((int64_t)h * c_len + key) * d_len, key_row(v_cache, vn, vn_stride, key) + (int64_t)h * d_len,
-                    sizeof(float) * d_len);
+        float* v_row = vb + ((int64_t)h * c_len + key) * d_len;
+        if (key >= l_len) {  // a new token's own
+          key_rows[k] = kn + (int64_t)(key - l_len) * kn_stride + (int64_t)h * d_len;
+          std::memcpy(v_row, vn + (int64_t)(key - l_len) * vn_stride + (int64_t)h * d_len, sizeof(float) * d_len);
+        } else {
+          const int64_t at = cached_at(key) + (int64_t)h * d_len;
+          key_rows[k] = kc.row(at, d_len, widened + k * MAX_D);
+          vc.read(at, d_len, v_row);
+        }
       }
       gather_panels(kb + hp * panel_floats, key_rows, n, d_len);
     }
@@ -387,7 +398,7 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 }
 
 // Decode attention: n_seq sequences, one new token each, over their paged cache
-// (k_cache/v_cache [blocks][block_size][Hkv][D]; the new tokens' K/V already stored, or stored
+// (k_cache/v_cache [blocks][block_size][Hkv][D], float32 or, when kv_bf16, bf16; the new tokens' K/V already stored, or stored
 // first from kn/vn into `slots` when slots is not null; num_blocks bounds the slots). Sequence n
 // sees context_lens[n] tokens through its block table; where kt_ptrs[n] is not 0 its first
 // skip_blocks[n] blocks come instead from a packed template (the layout of segment A above).
@@ -402,16 +413,16 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // in a per-thread buffer. A row's arithmetic is the same whatever rows share its tile.
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                    int n_seq, int hq, int hkv, int d_len, float scale,
-                                   float* k_cache, float* v_cache, int block_size,
+                                   void* k_cache, void* v_cache, int block_size,
                                    const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
                                    const int32_t* skip_blocks, const int64_t* kt_ptrs, const int64_t* vt_ptrs,
                                    const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
-                                   const int64_t* slots, int num_blocks, float* scratch) {
+                                   const int64_t* slots, int num_blocks, float* scratch, int kv_bf16) {
 #if !defined(PS_SIMD)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)n_seq; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)k_cache; (void)v_cache; (void)block_size; (void)block_tables; (void)table_stride;
   (void)context_lens; (void)skip_blocks; (void)kt_ptrs; (void)vt_ptrs; (void)kn; (void)kn_stride; (void)vn;
-  (void)vn_stride; (void)slots; (void)num_blocks; (void)scratch;
+  (void)vn_stride; (void)slots; (void)num_blocks; (void)scratch; (void)kv_bf16;
   return 1;
 #else
   ps::TimerScope timer(ps::kAttention);
@@ -422,6 +433,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   const int64_t block_floats = (int64_t)block_size * slot_stride;
   const int64_t panel_floats = (int64_t)d_len * KP;
   const int64_t state_floats = d_len + 2;  // a row's output, then its maximum and sum
+  const ps::KvStore kc{k_cache, kv_bf16 != 0}, vc{v_cache, kv_bf16 != 0};
   if (slots != nullptr && !slots_fit(slots, n_seq, (int64_t)num_blocks * block_size)) return 4;
 
   // the sequences with a template, grouped by it (members[group_start[i] .. group_start[i + 1]))
@@ -469,7 +481,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
 #pragma omp parallel
   {
     if (slots != nullptr) {  // the new tokens' K/V first: each sequence reads its own
-      store_rows(kn, kn_stride, vn, vn_stride, n_seq, slots, k_cache, v_cache, slot_stride);
+      store_rows(kn, kn_stride, vn, vn_stride, n_seq, slots, kc, vc, slot_stride);
 #pragma omp barrier
     }
     int valid[MR];
@@ -519,8 +531,10 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       }
       delete[] block;  // (the loop's end is a barrier: every state is written before B reads it)
     }
-    float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
+    // a chunk's keys as panels, its values as rows, and (bf16 cache) its keys widened to float32
+    float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len * (kv_bf16 ? 2 : 1)));
     float* vbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
+    float* widened = kbuf + KC * d_len;  // used only with a bf16 cache
     if (kbuf == nullptr || vbuf == nullptr) {
 #pragma omp atomic write
       status = 3;
@@ -554,8 +568,8 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           const int tok = c0 + j;
           const int64_t base = (int64_t)table[tok / block_size] * block_floats
                                + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
-          key_rows[j] = k_cache + base;
-          std::memcpy(vbuf + (int64_t)j * d_len, v_cache + base, sizeof(float) * d_len);
+          key_rows[j] = kc.row(base, d_len, widened + (int64_t)j * d_len);
+          vc.read(base, d_len, vbuf + (int64_t)j * d_len);
         }
         gather_panels(kbuf, key_rows, nk, d_len);
         for (int r = 0; r < MR; ++r) valid[r] = nk;

@@ -5,14 +5,31 @@
 // a layer's ten calls and thirty layers that was most of a short prefill's time outside the kernels.
 // Also the copy-on-write of blocks in every layer (ps_copy_blocks) and the kernel timers
 // (ps_timers). Built into the native library by prefix_service/backends/cpu/native.py.
+//
+// A linear layer is whatever its PsLinear names: ps_packed_linear (cpu_linear.cpp, the float32
+// kernel) or the oneDNN library's entry point (onednn_linear.cpp, bfloat16 weights); the stack only
+// calls it. Activations (the residual stream, norms, attention) are float32 in either dtype; the KV
+// cache holds the model's dtype (kv_bf16: bfloat16, with the new tokens' K and V rounded to bf16
+// before anything reads them, so a token's key is the same number whether a later query reads it
+// from this step's rows or from the cache).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
+#include "bf16.h"
 #include "timers.h"
 
-extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float* wp, int N, const float* bias,
-                         float* y, int64_t ldy, int threads);
+// y[M][N] (rows ldy apart) = x[M][K] (rows ldx apart) W^T (+ bias), W and its shape held by `self`;
+// returns 0 or a nonzero status
+using PsLinearFn = int (*)(const void* self, const float* x, int64_t ldx, int M, float* y, int64_t ldy, int threads);
+struct PsLinear {
+  PsLinearFn run;
+  const void* self;
+};
+
+inline int run_linear(const PsLinear* w, const float* x, int64_t ldx, int rows, float* y, int64_t ldy, int threads) {
+  return w->run(w->self, x, ldx, rows, y, ldy, threads);
+}
 extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int64_t ldr, const float* w, float eps,
                                float* out, int64_t ldo, int rows, int dim, int threads);
 extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t ldo, int rows, int inter,
@@ -62,11 +79,11 @@ struct Scratch {
 // heads rotated in place by position (cos/sin tables [positions][head_dim]). h: [rows][hidden] of
 // scratch. Returns 0 or the first failing kernel's status.
 int layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden, const float* norm_w, float eps,
-              const float* wqkv, int n_qkv, const float* bias, int hq, int hkv, int head_dim, const float* q_norm_w,
+              const PsLinear* wqkv, int n_qkv, int hq, int hkv, int head_dim, const float* q_norm_w,
               const float* k_norm_w, float qk_eps, const int64_t* positions, const float* cos_table,
               const float* sin_table, float* qkv, float* h, int threads) {
   int code = ps_add_rms_norm(x, ldx, pending, hidden, norm_w, eps, h, hidden, rows, hidden, threads);
-  if (code == 0) code = ps_linear(h, hidden, rows, hidden, wqkv, n_qkv, bias, qkv, n_qkv, threads);
+  if (code == 0) code = run_linear(wqkv, h, hidden, rows, qkv, n_qkv, threads);
   if (code == 0 && q_norm_w != nullptr) {
     code = ps_head_rms_norm(qkv, n_qkv, rows, hq, head_dim, q_norm_w, qk_eps, threads);
     if (code == 0)
@@ -80,14 +97,14 @@ int layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden,
 // norm_w; [gate | up] = h Wgu^T (2 inter wide); out [rows][hidden] = (silu(gate) * up) Wdown^T, the
 // MLP output the next layer's norm adds to x. o, h: [rows][hidden], gate_up: [rows][2 inter], act:
 // [rows][inter] of scratch. Returns 0 or the first failing kernel's status.
-int layer_mlp(const float* attn, int64_t ld_attn, int rows, int attn_dim, const float* wo, float* x, int64_t ldx,
-              int hidden, const float* norm_w, float eps, const float* wgu, int inter, const float* wdown, float* out,
+int layer_mlp(const float* attn, int64_t ld_attn, int rows, const PsLinear* wo, float* x, int64_t ldx, int hidden,
+              const float* norm_w, float eps, const PsLinear* wgu, int inter, const PsLinear* wdown, float* out,
               float* o, float* h, float* gate_up, float* act, int threads) {
-  int code = ps_linear(attn, ld_attn, rows, attn_dim, wo, hidden, nullptr, o, hidden, threads);
+  int code = run_linear(wo, attn, ld_attn, rows, o, hidden, threads);
   if (code == 0) code = ps_add_rms_norm(x, ldx, o, hidden, norm_w, eps, h, hidden, rows, hidden, threads);
-  if (code == 0) code = ps_linear(h, hidden, rows, hidden, wgu, 2 * inter, nullptr, gate_up, 2 * inter, threads);
+  if (code == 0) code = run_linear(wgu, h, hidden, rows, gate_up, 2 * inter, threads);
   if (code == 0) code = ps_silu_mul(gate_up, 2 * inter, act, inter, rows, inter, threads);
-  if (code == 0) code = ps_linear(act, inter, rows, inter, wdown, hidden, nullptr, out, hidden, threads);
+  if (code == 0) code = run_linear(wdown, act, inter, rows, out, hidden, threads);
   return code;
 }
 
@@ -96,15 +113,16 @@ int layer_mlp(const float* attn, int64_t ld_attn, int rows, int attn_dim, const 
 extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int m_len,
                                     int hq, int hkv, int d_len, float scale, const float* kt, const float* vt,
                                     int r_len, const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
-                                    int kn_len, float* k_cache, float* v_cache, int num_blocks, int block_size,
+                                    int kn_len, void* k_cache, void* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
-                                    const int64_t* slots, float* scratch);
+                                    const int64_t* slots, float* scratch, int kv_bf16);
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int n_seq,
-                                   int hq, int hkv, int d_len, float scale, float* k_cache, float* v_cache,
+                                   int hq, int hkv, int d_len, float scale, void* k_cache, void* v_cache,
                                    int block_size, const int32_t* block_tables, int64_t table_stride,
                                    const int32_t* context_lens, const int32_t* skip_blocks, const int64_t* kt_ptrs,
                                    const int64_t* vt_ptrs, const float* kn, int64_t kn_stride, const float* vn,
-                                   int64_t vn_stride, const int64_t* slots, int num_blocks, float* scratch);
+                                   int64_t vn_stride, const int64_t* slots, int num_blocks, float* scratch,
+                                   int kv_bf16);
 
 // The scratch floats ps_decoder_stack needs for a step of `rows` rows, n_dec of them decodes, whose
 // largest prefill attends over `max_keys` keys after its packed template (its cached context after
@@ -123,9 +141,9 @@ extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv
 //
 // x [rows][hidden] (dense): the residual stream, updated in place; pending [rows][hidden] receives the
 // last layer's MLP output (the final norm adds it to x). Per layer l: weights[l] = {input norm w, q/k/v
-// panels, q/k/v bias or 0, post-attention norm w, o panels, gate|up panels, down panels, q norm w or 0,
-// k norm w or 0}, eps[l] = {input norm eps, post-attention norm eps, q/k norm eps}, caches[l] =
-// {k_cache, v_cache} [num_blocks][block_size][hkv][head_dim].
+// PsLinear (its bias, if any, inside), post-attention norm w, o PsLinear, gate|up PsLinear, down PsLinear,
+// q norm w or 0, k norm w or 0}, eps[l] = {input norm eps, post-attention norm eps, q/k norm eps},
+// caches[l] = {k_cache, v_cache} [num_blocks][block_size][hkv][head_dim], float32, or bf16 when kv_bf16.
 // The step's rows: first n_dec decodes (one token each: dec_tables [n_dec] rows dec_stride apart,
 // dec_ctx the new token included, dec_skip the blocks each reads from its packed template, or null
 // when none has one), then n_pre prefills (pre_info [n_pre][3] = {new tokens, cached context
@@ -141,7 +159,8 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
                                 const float* sin_table, const int64_t* slots, int n_dec, const int32_t* dec_tables,
                                 int64_t dec_stride, const int32_t* dec_ctx, const int32_t* dec_skip, int n_pre,
                                 const int32_t* pre_info, const int32_t* pre_tables, int64_t pre_stride,
-                                int pre_width, const int64_t* templates, float* pending, float* scratch, int threads) {
+                                int pre_width, const int64_t* templates, float* pending, float* scratch, int threads,
+                                int kv_bf16) {
   const int q_size = hq * head_dim, kv_size = hkv * head_dim, n_qkv = q_size + 2 * kv_size;
   Scratch take{scratch};
   float* qkv = take.take((int64_t)rows * n_qkv);
@@ -158,13 +177,16 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
   }
   int code = 0;
   for (int l = 0; l < layers && code == 0; ++l) {
-    const int64_t* w = weights + 9 * (int64_t)l;
-    float* k_cache = reinterpret_cast<float*>(caches[2 * l]);
-    float* v_cache = reinterpret_cast<float*>(caches[2 * l + 1]);
+    const int64_t* w = weights + 8 * (int64_t)l;
+    void* k_cache = reinterpret_cast<void*>(caches[2 * l]);
+    void* v_cache = reinterpret_cast<void*>(caches[2 * l + 1]);
     const auto f = [](int64_t p) { return reinterpret_cast<const float*>(p); };
-    code = layer_qkv(x, hidden, l == 0 ? nullptr : pending, rows, hidden, f(w[0]), eps[3 * l], f(w[1]), n_qkv,
-                     f(w[2]), hq, hkv, head_dim, f(w[7]), f(w[8]), eps[3 * l + 2], positions, cos_table, sin_table,
-                     qkv, h, threads);
+    const auto lin = [](int64_t p) { return reinterpret_cast<const PsLinear*>(p); };
+    code = layer_qkv(x, hidden, l == 0 ? nullptr : pending, rows, hidden, f(w[0]), eps[3 * l], lin(w[1]), n_qkv,
+                     hq, hkv, head_dim, f(w[6]), f(w[7]), eps[3 * l + 2], positions, cos_table, sin_table, qkv, h,
+                     threads);
+    if (code == 0 && kv_bf16)  // the new K and V as the cache will hold them
+      for (int r = 0; r < rows; ++r) ps::round_to_bf16(qkv + (int64_t)r * n_qkv + q_size, 2 * kv_size);
     if (code == 0 && n_dec > 0) {
       if (kt != nullptr)
         for (int n = 0; n < n_dec; ++n) {
@@ -174,7 +196,7 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
       code = ps_decode_attention(qkv, n_qkv, attn, q_size, n_dec, hq, hkv, head_dim, scale, k_cache, v_cache,
                                  block_size, dec_tables, dec_stride, dec_ctx, dec_skip, kt,
                                  kt != nullptr ? kt + n_dec : nullptr, qkv + q_size, n_qkv,
-                                 qkv + q_size + kv_size, n_qkv, slots, num_blocks, keys);
+                                 qkv + q_size + kv_size, n_qkv, slots, num_blocks, keys, kv_bf16);
     }
     int64_t start = n_dec;
     for (int i = 0; i < n_pre && code == 0; ++i) {
@@ -187,12 +209,12 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
                                   t != nullptr && t[0] != 0 ? f(t[1]) : nullptr, first, row + q_size, n_qkv,
                                   row + q_size + kv_size, n_qkv, q_len, k_cache, v_cache, num_blocks, block_size,
                                   rest ? pre_tables + i * pre_stride : nullptr, rest ? pre_width : 0, first,
-                                  ctx - first, slots + start, keys);
+                                  ctx - first, slots + start, keys, kv_bf16);
       start += q_len;
     }
     if (code == 0)
-      code = layer_mlp(attn, q_size, rows, q_size, f(w[4]), x, hidden, hidden, f(w[3]), eps[3 * l + 1], f(w[5]),
-                       inter, f(w[6]), pending, o, h, gate_up, act, threads);
+      code = layer_mlp(attn, q_size, rows, lin(w[3]), x, hidden, hidden, f(w[2]), eps[3 * l + 1], lin(w[4]), inter,
+                       lin(w[5]), pending, o, h, gate_up, act, threads);
   }
   std::free(kt);
   return code;
@@ -200,16 +222,15 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
 
 // Copy whole blocks in every layer (the copy-on-write of a template's partial last block): for each
 // of n_pairs pairs {src, dst}, block dst of each cache = block src. caches: [layers][2] = {k, v},
-// each [num_blocks][block_floats]. Returns 4 (nothing copied) when a block id is outside the cache.
-extern "C" int ps_copy_blocks(const int64_t* caches, int layers, int num_blocks, int64_t block_floats,
+// each [num_blocks][block_bytes]. Returns 4 (nothing copied) when a block id is outside the cache.
+extern "C" int ps_copy_blocks(const int64_t* caches, int layers, int num_blocks, int64_t block_bytes,
                               const int64_t* pairs, int n_pairs) {
   for (int p = 0; p < 2 * n_pairs; ++p)
     if (pairs[p] < 0 || pairs[p] >= num_blocks) return 4;
   for (int l = 0; l < 2 * layers; ++l) {
-    float* cache = reinterpret_cast<float*>(caches[l]);
+    char* cache = reinterpret_cast<char*>(caches[l]);
     for (int p = 0; p < n_pairs; ++p)
-      std::memcpy(cache + pairs[2 * p + 1] * block_floats, cache + pairs[2 * p] * block_floats,
-                  sizeof(float) * (size_t)block_floats);
+      std::memcpy(cache + pairs[2 * p + 1] * block_bytes, cache + pairs[2 * p] * block_bytes, (size_t)block_bytes);
   }
   return 0;
 }

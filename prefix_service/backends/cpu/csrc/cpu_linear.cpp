@@ -164,3 +164,17 @@ extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float*
   return 0;
 #endif
 }
+
+// ps_linear behind the decoder stack's linear interface (cpu_layer.cpp, PsLinear): `self` points to
+// {const float* panels, int64_t n, int64_t k, const float* bias}, a weight packed for ps_linear.
+struct PsPackedLinear {
+  const float* panels;
+  int64_t n, k;
+  const float* bias;
+};
+
+extern "C" int ps_packed_linear(const void* self, const float* x, int64_t ldx, int M, float* y, int64_t ldy,
+                                int threads) {
+  const PsPackedLinear* w = static_cast<const PsPackedLinear*>(self);
+  return ps_linear(x, ldx, M, (int)w->k, w->panels, (int)w->n, w->bias, y, ldy, threads);
+}

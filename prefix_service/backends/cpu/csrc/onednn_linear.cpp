@@ -1,0 +1,199 @@
+// Linear layers through oneDNN, the GEMM library inside torch: y[M][N] = x[M][K] W^T (+ bias), W
+// reordered once at load into the blocked layout oneDNN picks for this CPU (AMX, AVX512-BF16,
+// AVX-512 or AVX2). x and y are float32; W is float32 or bfloat16.
+//
+// torch does not export oneDNN's symbols, but it exports ATen and registers oneDNN's inner product
+// as two operators: mkldnn::_reorder_linear_weight (the prepack) and mkldnn::_linear_pointwise (the
+// product). This library calls them through the c10 dispatcher, boxed (a stack of IValues, so a
+// change in an operator's C++ signature across torch versions cannot abort the process), and
+// exports plain C functions, so the native decoder stack can call a linear through a function
+// pointer. Nothing throws across the C boundary: a failure returns nullptr or 5, and
+// ps_onednn_last_error() says why.
+//
+// A bfloat16 weight runs one of two ways, chosen by the caller at pack time:
+//   native   (where torch's oneDNN supports bf16): W packed in bf16; each call rounds x to a bf16
+//            scratch copy, runs the bf16 product (float32 sums, bf16 output) and widens the output
+//            into y.
+//   emulated (elsewhere): W widened (exactly) to float32 and packed as a float32 weight; each call
+//            rounds x through bf16, runs the float32 product and rounds the output through bf16.
+// Both multiply bf16 operands (the products are exact in float32), sum in float32 and round the
+// output to bf16; only the order of the sums may differ. In both the bias is rounded to bf16 and
+// added to the float32 sums before the output is rounded, as torch's bf16 F.linear does. A float32
+// weight is packed in float32 and nothing is rounded. Built by prefix_service/backends/cpu/onednn.py
+// against torch's headers and libraries; loaded into a process that has imported torch.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace {
+
+thread_local std::string last_error;
+
+enum class Mode { f32, bf16_native, bf16_emulated };
+
+struct Packed {
+  at::Tensor weight;                // oneDNN's blocked layout, as _reorder_linear_weight made it
+  std::optional<at::Tensor> bias;   // [N]: float32 (f32, emulated: the bf16 values widened) or bf16 (native)
+  int64_t n = 0, k = 0;
+  Mode mode = Mode::f32;
+};
+
+// Per-thread scratch, grown and never shrunk, so a call allocates no data buffers of its own
+// beyond the operator's output: x rounded to bf16, x rounded back to float32 (emulated), and the
+// output rounded to bf16 (emulated).
+struct Scratch {
+  std::vector<c10::BFloat16> x_bf16;
+  std::vector<float> x_f32;
+  std::vector<c10::BFloat16> y_bf16;
+};
+thread_local Scratch scratch;
+
+template <typename T>
+T* grown(std::vector<T>& buf, int64_t count) {
+  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  return buf.data();
+}
+
+const c10::OperatorHandle& reorder_op() {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_reorder_linear_weight", "");
+  return op;
+}
+
+const c10::OperatorHandle& linear_op() {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  return op;
+}
+
+// Calls op on the leading arguments in stack, the rest at their defaults (an argument a later torch
+// adds comes with one); its first result.
+at::Tensor call(const c10::OperatorHandle& op, torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  for (size_t i = stack.size(); i < args.size(); ++i) {
+    TORCH_CHECK(args[i].default_value().has_value(), op.schema().name(), ": no value for argument ", args[i].name());
+    stack.push_back(*args[i].default_value());
+  }
+  op.callBoxed(stack);
+  return stack.at(0).toTensor();
+}
+
+// mkldnn::_reorder_linear_weight(Tensor self, int? batch_size=None) -> Tensor
+at::Tensor reorder(const at::Tensor& w) {
+  torch::jit::Stack stack{c10::IValue(w)};
+  return call(reorder_op(), stack);
+}
+
+// mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars, str? algorithm) -> Tensor
+at::Tensor linear(const at::Tensor& x, const Packed& p) {
+  torch::jit::Stack stack{c10::IValue(x),
+                          c10::IValue(p.weight),
+                          p.bias ? c10::IValue(*p.bias) : c10::IValue(),
+                          c10::IValue("none"),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue()};
+  return call(linear_op(), stack);
+}
+
+void run(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  at::Tensor xv = at::from_blob(const_cast<float*>(x), {m, p.k}, {ldx, 1}, f32);  // [M, K], rows ldx apart
+  at::Tensor yv = at::from_blob(y, {m, p.n}, {ldy, 1}, f32);                       // [M, N], rows ldy apart
+  if (p.mode == Mode::f32) {
+    if (!xv.is_contiguous()) xv = at::from_blob(grown(scratch.x_f32, m * p.k), {m, p.k}, f32).copy_(xv);
+    yv.copy_(linear(xv, p));
+    return;
+  }
+  at::Tensor xb = at::from_blob(grown(scratch.x_bf16, m * p.k), {m, p.k}, bf16).copy_(xv);  // round to nearest even
+  if (p.mode == Mode::bf16_native) {
+    yv.copy_(linear(xb, p));  // bf16 output, widened exactly
+    return;
+  }
+  at::Tensor xr = at::from_blob(grown(scratch.x_f32, m * p.k), {m, p.k}, f32).copy_(xb);  // exact
+  at::Tensor yb = at::from_blob(grown(scratch.y_bf16, m * p.n), {m, p.n}, bf16).copy_(linear(xr, p));
+  yv.copy_(yb);
+}
+
+}  // namespace
+
+extern "C" const char* ps_onednn_last_error() { return last_error.c_str(); }
+
+// weight: [n][k] row-major, float32 (weight_bf16 = 0) or bfloat16 bits (weight_bf16 = 1), copied;
+// bias: n float32 values or null; emulate: 1 runs a bf16 weight emulated (see the top). A handle
+// for ps_onednn_linear and ps_onednn_free, or nullptr (ps_onednn_last_error() says why).
+extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, int64_t k, const float* bias,
+                                int emulate) {
+  if (weight == nullptr || n <= 0 || k <= 0) {
+    last_error = "ps_onednn_pack: a weight of at least 1 x 1 is needed, got " + std::to_string(n) + " x " +
+                 std::to_string(k) + (weight == nullptr ? " at a null pointer" : "");
+    return nullptr;
+  }
+  try {
+    c10::InferenceMode guard;
+    auto p = std::make_unique<Packed>();
+    p->n = n;
+    p->k = k;
+    p->mode = !weight_bf16 ? Mode::f32 : emulate ? Mode::bf16_emulated : Mode::bf16_native;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
+                                     weight_bf16 ? at::kBFloat16 : at::kFloat));
+    // the reorder writes a new tensor; the clone makes the copy explicit whatever layout it picks
+    w = p->mode == Mode::bf16_emulated ? w.to(at::kFloat) : w.clone();
+    p->weight = reorder(w);
+    if (bias != nullptr) {
+      at::Tensor b = at::from_blob(const_cast<float*>(bias), {n}, f32);
+      if (p->mode == Mode::f32) b = b.clone();
+      else if (p->mode == Mode::bf16_native) b = b.to(at::kBFloat16);
+      else b = b.to(at::kBFloat16).to(at::kFloat);
+      p->bias = b;
+    }
+    return p.release();
+  } catch (const c10::Error& e) {
+    last_error = std::string("ps_onednn_pack: ") + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error = std::string("ps_onednn_pack: ") + e.what();
+  }
+  return nullptr;
+}
+
+// y[m][n] (rows ldy floats apart) = x[m][k] (rows ldx floats apart) W^T (+ bias). 0, or 5 on a
+// failure (ps_onednn_last_error() says why). threads: ignored; oneDNN runs on torch's OpenMP threads.
+extern "C" int ps_onednn_linear(const void* handle, const float* x, int64_t ldx, int m, float* y, int64_t ldy,
+                                int threads) {
+  (void)threads;
+  if (m == 0) return 0;
+  const auto* p = static_cast<const Packed*>(handle);
+  if (p == nullptr || x == nullptr || y == nullptr || m < 0 || (m > 1 && (ldx < p->k || ldy < p->n))) {
+    last_error = p == nullptr ? "ps_onednn_linear: a null handle"
+                              : "ps_onednn_linear: bad operands: m = " + std::to_string(m) + ", ldx = " +
+                                    std::to_string(ldx) + " for k = " + std::to_string(p->k) + ", ldy = " +
+                                    std::to_string(ldy) + " for n = " + std::to_string(p->n) +
+                                    (x == nullptr || y == nullptr ? ", a null x or y" : "");
+    return 5;
+  }
+  try {
+    c10::InferenceMode guard;
+    run(*p, x, m > 1 ? ldx : p->k, m, y, m > 1 ? ldy : p->n);
+    return 0;
+  } catch (const c10::Error& e) {
+    last_error = std::string("ps_onednn_linear: ") + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error = std::string("ps_onednn_linear: ") + e.what();
+  }
+  return 5;
+}
+
+extern "C" void ps_onednn_free(void* handle) {
+  try {
+    delete static_cast<Packed*>(handle);
+  } catch (...) {  // a tensor's destructor does not throw; nothing may cross the C boundary regardless
+  }
+}

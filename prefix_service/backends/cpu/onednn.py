@@ -1,0 +1,200 @@
+"""Linear layers through oneDNN (csrc/onednn_linear.cpp), each weight prepacked once at load, behind
+plain C functions the native decoder stack calls through a function pointer.
+
+oneDNN is the GEMM library inside torch; it picks AMX, AVX512-BF16, AVX-512 or AVX2 for the machine,
+and it is how the cpu backend multiplies bfloat16 weights. torch does not export oneDNN's symbols,
+but it exports ATen, and it registers oneDNN's weight reorder and inner product as the operators
+mkldnn::_reorder_linear_weight and mkldnn::_linear_pointwise. So a second, small library, built
+against torch's headers and linked to its libraries (the native library, native.py, is plain C++
+and links neither), calls those operators through the c10 dispatcher and exports C functions:
+ps_onednn_pack (a handle), ps_onednn_linear (y = x W^T + b, x and y float32, rows strided),
+ps_onednn_free and ps_onednn_last_error. It is built on first use into native.cache_dir(), keyed
+by its source, the torch build and the compiler, in 15-20 seconds.
+
+A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of two ways:
+  native    where torch's oneDNN supports bf16 here (`bf16_native()`: AVX-512 BW/VL/DQ or
+            AVX-NE-CONVERT): the weight is packed in bf16; each call rounds x to bf16, runs the bf16
+            inner product (float32 sums, bf16 output) and widens the output into y;
+  emulated  elsewhere (AVX2 machines): the weight is widened exactly to float32 and packed as a
+            float32 weight; each call rounds x through bf16, runs the float32 inner product and
+            rounds the output through bf16.
+Both multiply bf16 operands (their products are exact in float32), sum in float32 and round the
+output to bf16, so they agree up to the order of the sums. In both, the bias is rounded to bf16
+(as torch's bf16 F.linear holds it) and added to the float32 sums before the output is rounded.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+
+from prefix_service.backends.cpu import native
+
+log = logging.getLogger("prefix_service.engine")
+
+SOURCE = native.CSRC / "onednn_linear.cpp"
+FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+# name: (argument types, return type) of each function the library exports
+SIGNATURES = {
+    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32], _ptr),
+    "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
+    "ps_onednn_free": ([_ptr], None),
+    "ps_onednn_last_error": ([], ctypes.c_char_p),
+}
+
+
+class OneDnnBuildError(RuntimeError):
+    pass
+
+
+class OneDnnError(RuntimeError):
+    pass
+
+
+def _torch_flags() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) for this torch: its ABI and headers, its libraries."""
+    root = Path(torch.__file__).parent
+    inc, lib = root / "include", root / "lib"
+    return ([f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{inc}",
+             f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}"],
+            [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"])
+
+
+def build(cxx: str) -> Path:
+    """Compile csrc/onednn_linear.cpp into native.cache_dir() (or find it there); its path. The key
+    covers the source, the torch build (version, ABI, location), the compiler, the flags and the CPU."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    cflags, ldflags = _torch_flags()
+    parts = [SOURCE.read_bytes(), torch.__version__.encode(), version.encode(),
+             " ".join([*FLAGS, *cflags, *ldflags]).encode(), native._cpu_signature().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    target = native.cache_dir() / f"prefix_service_onednn-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        # the libraries follow the source, so the linker resolves the source's references to them
+        cmd = [cxx, *FLAGS, *cflags, str(SOURCE), "-o", str(built), *ldflags]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise OneDnnBuildError(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
+    log.info("built the oneDNN linear library in %s", target)
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None) where it builds and runs a float32 product, else (None, the reason)."""
+    if platform.system() != "Linux":
+        return None, f"the oneDNN linear library is built for Linux, not {platform.system()}"
+    if not torch.backends.mkldnn.is_available():
+        return None, "this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)"
+    cxx = native.compiler()
+    if cxx is None:
+        return None, "no C++ compiler found (set CXX)"
+    try:
+        lib = ctypes.CDLL(str(build(cxx)))
+    except (OneDnnBuildError, OSError) as exc:
+        return None, str(exc)
+    for name, (args, res) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    # a 1 x 1 pack finds both operators: a torch without them says so here, once
+    one = ctypes.c_float(1.0)
+    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0)
+    if not handle:
+        return None, lib.ps_onednn_last_error().decode(errors="replace")
+    lib.ps_onednn_free(handle)
+    return lib, None
+
+
+@functools.lru_cache(maxsize=None)
+def last_error() -> str:
+    """What the library's last failing call on this thread said ("" when nothing failed)."""
+    lib = load()[0]
+    return lib.ps_onednn_last_error().decode(errors="replace") if lib is not None else ""
+
+
+def bf16_native() -> bool:
+    """Whether torch's oneDNN multiplies bf16 here; elsewhere bf16 weights run emulated."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # no such operator in this torch: emulate, which is always right
+        return False
+
+
+def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) -> None:
+    """t must be a float32 CPU [rows, cols] tensor whose rows are dense and do not overlap."""
+    want = f"[{'M' if rows is None else rows}, {cols}]"
+    if t.dtype != torch.float32:
+        raise OneDnnError(f"{name}: float32 is needed, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise OneDnnError(f"{name}: a CPU tensor is needed, got one on {t.device}")
+    if t.dim() != 2 or t.shape[1] != cols or (rows is not None and t.shape[0] != rows):
+        raise OneDnnError(f"{name}: shape {want} is needed, got {tuple(t.shape)}")
+    if (cols > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) < cols):
+        raise OneDnnError(f"{name}: rows of {cols} adjacent floats, not overlapping, are needed, got strides "
+                          f"{t.stride()}")
+
+
+class OneDnnLinear:
+    """y = x @ W.T + b with W packed once for oneDNN. x: [M, K] float32 (rows may be strided).
+
+    `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call; the
+    handle lives as long as this object and is freed after it."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+            raise OneDnnError(f"weight: a float32 or bfloat16 CPU tensor [N, K] is needed, got {weight.dtype} "
+                              f"{tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and (bias.shape != (self.out_features,) or bias.device.type != "cpu"):
+            raise OneDnnError(f"bias: a CPU tensor [{self.out_features}] is needed, got {tuple(bias.shape)} "
+                              f"on {bias.device}")
+        lib, reason = load()
+        if lib is None:
+            raise OneDnnError(f"no oneDNN linear here: {reason}")
+        self.dtype = weight.dtype
+        self.emulated = self.dtype == torch.bfloat16 and not bf16_native()
+        w = weight.detach().contiguous()  # [N, K]; the library copies it
+        b = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [N]
+        handle = lib.ps_onednn_pack(w.data_ptr(), int(self.dtype == torch.bfloat16), self.out_features,
+                                    self.in_features, None if b is None else b.data_ptr(), int(self.emulated))
+        if not handle:
+            raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
+        self.handle: int = handle
+        self.fn: int = ctypes.cast(lib.ps_onednn_linear, ctypes.c_void_p).value
+        self._lib = lib
+        self._finalizer = weakref.finalize(self, lib.ps_onednn_free, handle)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        _check_rows("x", x, self.in_features)
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, self.out_features, dtype=torch.float32)
+        else:
+            _check_rows("out", out, self.out_features, m)
+        if m == 0:
+            return out
+        ldx = x.stride(0) if m > 1 else self.in_features  # one row: its stride is never used
+        ldy = out.stride(0) if m > 1 else self.out_features
+        if self._lib.ps_onednn_linear(self.handle, x.data_ptr(), ldx, m, out.data_ptr(), ldy, torch.get_num_threads()):
+            raise OneDnnError(self._lib.ps_onednn_last_error().decode(errors="replace"))
+        return out
+
+    def __repr__(self) -> str:
+        mode = "bf16 emulated" if self.emulated else str(self.dtype).replace("torch.", "")
+        return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"

@@ -1,0 +1,216 @@
+"""The oneDNN linear library (backends/cpu/onednn.py): a float32 weight gives x W^T + b computed in
+float64 for any row count, output and input width, strided rows; a bfloat16 weight gives the bf16
+arithmetic (bf16 operands and bias, float32 sums, bf16 output) up to the order of the float32 sums,
+and torch's own bf16 F.linear up to a rounding of the output, in whichever mode runs here (native
+or emulated); the C function behind `fn` is the call `__call__` makes; bad input gets an error that
+names the problem; the weight is copied at pack time and the handle freed with the layer; a failed
+build reports the compiler's error."""
+import ctypes
+import gc
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from prefix_service.backends.cpu import native, onednn
+
+REASON = onednn.load()[1]
+needs_lib = pytest.mark.skipif(REASON is not None, reason=f"no oneDNN linear library here: {REASON}")
+
+
+def test_library_is_available_wherever_it_can_be_built():
+    """Linux, a torch with oneDNN and a compiler: the library must build and load (a skip elsewhere
+    must not hide a broken build here); otherwise the reason names what is missing."""
+    if platform.system() == "Linux" and torch.backends.mkldnn.is_available() and native.compiler() is not None:
+        assert REASON is None
+    else:
+        assert REASON and ("compiler" in REASON or "oneDNN" in REASON or "Linux" in REASON)
+
+
+def case(m, n, k, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5,
+            torch.randn(n, generator=g) if bias else None)
+
+
+def close_f32(got, x, w, b):
+    """float32 weight: within 1e-4 of the float64 product, relative to its largest output."""
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+    assert err <= 1e-4 * max(1.0, want.abs().max().item()), err
+
+
+def bf16_bounds(x, w, b):
+    """(the exact product of the bf16-rounded operands and bias, a bound on float32 summation error)
+    in float64. The products of bf16 values are exact in float32; a sum of k + 1 terms in float32,
+    in any order, is within (k + 1) 2^-24 sum|terms| of the exact sum (doubled for slack)."""
+    xb, wb = x.bfloat16().double(), w.bfloat16().double()
+    bb = None if b is None else b.bfloat16().double()
+    exact = F.linear(xb, wb, bb)
+    terms = F.linear(xb.abs(), wb.abs(), None if bb is None else bb.abs())
+    return exact, 2 * (x.shape[1] + 1) * 2.0 ** -24 * terms
+
+
+def close_bf16(got, x, w, b):
+    """got is a bf16 rounding (to nearest, within half an ulp: 2^-8 |got|) of some float32 sum of
+    the bf16 products, within the summation bound of the exact one."""
+    exact, sum_err = bf16_bounds(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert torch.equal(got, got.bfloat16().float())  # every output is a bf16 value
+    excess = (got.double() - exact).abs() - (2.0 ** -8 * got.double().abs() + sum_err)
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+@needs_lib
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+@pytest.mark.parametrize("n,k", [(1, 7), (16, 64), (17, 40), (50, 8), (200, 96), (1000, 64)])
+def test_float32_weight_equals_float64(m, n, k):
+    x, w, b = case(m, n, k, bias=(m + n) % 2 == 0, seed=m * 1000 + n)
+    layer = onednn.OneDnnLinear(w, b)
+    assert (layer.in_features, layer.out_features, layer.dtype, layer.emulated) == (k, n, torch.float32, False)
+    close_f32(layer(x), x, w, b)
+
+
+@needs_lib
+@pytest.mark.parametrize("bias", [False, True])
+def test_strided_rows_out_and_no_rows(bias):
+    x, w, b = case(9, 40, 24, bias=bias)
+    wide = torch.randn(9, 50)
+    wide[:, 3:27] = x
+    strided = wide[:, 3:27]  # rows 50 floats apart
+    assert not strided.is_contiguous()
+    for weight, close in ((w, close_f32), (w.bfloat16(), close_bf16)):
+        layer = onednn.OneDnnLinear(weight, b)
+        close(layer(strided), x, w, b)
+        out = torch.full((9, 48), 7.0)
+        assert layer(strided, out=out[:, :40]).data_ptr() == out.data_ptr()
+        close(out[:, :40], x, w, b)
+        assert (out[:, 40:] == 7.0).all()  # nothing written past a row's N outputs
+        close(layer(strided[4:5]), x[4:5], w, b)
+        assert layer(x[:0]).shape == (0, 40)
+
+
+@needs_lib
+@pytest.mark.parametrize("m", [1, 5, 64, 300])
+@pytest.mark.parametrize("n,k", [(17, 40), (200, 96), (96, 1000)])
+def test_bf16_weight_is_the_bf16_arithmetic(m, n, k):
+    x, w, b = case(m, n, k, bias=(m + n) % 2 == 1, seed=m * 1000 + n + 1)
+    layer = onednn.OneDnnLinear(w.bfloat16(), b)
+    assert layer.dtype == torch.bfloat16 and layer.emulated is (not onednn.bf16_native())
+    got = layer(x)
+    close_bf16(got, x, w, b)
+    # torch's own bf16 linear rounds its own float32 sums: the two outputs are each within half
+    # an ulp of sums within the summation bound of the exact one
+    theirs = F.linear(x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()).double()
+    _, sum_err = bf16_bounds(x, w, b)
+    excess = (got.double() - theirs).abs() - (2.0 ** -8 * (got.double().abs() + theirs.abs()) + 2 * sum_err)
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+@needs_lib
+@pytest.mark.skipif(onednn.bf16_native(), reason="oneDNN runs bf16 natively here; the emulated mode is not used")
+def test_emulated_mode_is_the_float32_product_of_rounded_operands():
+    """Emulated: x, W and b rounded through bf16, the float32 product, the output rounded through
+    bf16; the same packed float32 product gives the same sums, bit for bit."""
+    x, w, b = case(37, 72, 56, seed=9)
+    layer = onednn.OneDnnLinear(w.bfloat16(), b)
+    assert layer.emulated
+    rounded = onednn.OneDnnLinear(w.bfloat16().float(), b.bfloat16().float())
+    want = rounded(x.bfloat16().float()).bfloat16().float()
+    assert torch.equal(layer(x), want)
+
+
+@needs_lib
+def test_fn_is_the_call_native_code_makes():
+    x, w, b = case(6, 33, 20, seed=4)
+    for weight in (w, w.bfloat16()):
+        layer = onednn.OneDnnLinear(weight, b)
+        proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
+        out = torch.empty(6, 33)
+        assert proto(layer.fn)(layer.handle, x.data_ptr(), 20, 6, out.data_ptr(), 33, 1) == 0
+        assert torch.equal(out, layer(x))
+
+
+@needs_lib
+def test_the_weight_is_copied():
+    x, w, b = case(5, 24, 16, seed=2)
+    for weight in (w.clone(), w.bfloat16()):
+        layer = onednn.OneDnnLinear(weight, b)
+        before = layer(x)
+        weight.fill_(3.0)
+        b_copy = b.clone()
+        b.fill_(3.0)
+        assert torch.equal(layer(x), before)
+        b.copy_(b_copy)
+
+
+@needs_lib
+def test_bad_input_is_refused():
+    x, w, b = case(4, 20, 8)
+    layer = onednn.OneDnnLinear(w, b)
+    with pytest.raises(onednn.OneDnnError, match="x: float32 is needed, got torch.bfloat16"):
+        layer(x.bfloat16())
+    with pytest.raises(onednn.OneDnnError, match=r"x: shape \[M, 8\] is needed, got \(4, 9\)"):
+        layer(torch.randn(4, 9))
+    with pytest.raises(onednn.OneDnnError, match=r"x: shape \[M, 8\] is needed, got \(32,\)"):
+        layer(x.view(-1))
+    with pytest.raises(onednn.OneDnnError, match="x: rows of 8 adjacent floats"):
+        layer(x.t().contiguous().t())
+    with pytest.raises(onednn.OneDnnError, match="x: rows of 8 adjacent floats"):
+        layer(x[:1].expand(4, 8))  # rows that overlap
+    with pytest.raises(onednn.OneDnnError, match=r"out: shape \[4, 20\] is needed, got \(4, 19\)"):
+        layer(x, out=torch.empty(4, 19))
+    with pytest.raises(onednn.OneDnnError, match="weight: a float32 or bfloat16 CPU tensor"):
+        onednn.OneDnnLinear(w.double(), None)
+    with pytest.raises(onednn.OneDnnError, match=r"bias: a CPU tensor \[20\] is needed, got \(19,\)"):
+        onednn.OneDnnLinear(w, b[:19])
+
+
+@needs_lib
+def test_the_c_functions_report_bad_operands():
+    lib = onednn.load()[0]
+    x = torch.randn(3, 8)
+    y = torch.empty(3, 20)
+    assert lib.ps_onednn_linear(None, x.data_ptr(), 8, 3, y.data_ptr(), 20, 1) == 5
+    assert b"null handle" in lib.ps_onednn_last_error()
+    layer = onednn.OneDnnLinear(torch.randn(20, 8), None)
+    assert lib.ps_onednn_linear(layer.handle, x.data_ptr(), 4, 3, y.data_ptr(), 20, 1) == 5
+    assert b"ldx = 4 for k = 8" in lib.ps_onednn_last_error()
+    assert lib.ps_onednn_linear(layer.handle, None, 8, 0, None, 20, 1) == 0  # no rows: nothing read
+    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0) is None
+    assert b"at least 1 x 1" in lib.ps_onednn_last_error()
+
+
+@needs_lib
+def test_the_handle_is_freed_with_the_layer():
+    layer = onednn.OneDnnLinear(torch.randn(20, 8), None)
+    release = layer._finalizer
+    assert release.alive and layer.handle and layer.fn
+    del layer
+    gc.collect()
+    assert not release.alive
+
+
+@needs_lib
+def test_the_build_is_cached():
+    cxx = native.compiler()
+    first = onednn.build(cxx)
+    assert first.parent == native.cache_dir() and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert onednn.build(cxx) == first and first.stat().st_mtime_ns == stamp  # not built again
+
+
+def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch):
+    cxx = native.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(onednn, "SOURCE", bad)
+    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(onednn.OneDnnBuildError, match="compiling broken.cpp failed: .*error"):
+        onednn.build(cxx)
+    assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
