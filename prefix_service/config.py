@@ -66,7 +66,7 @@ def validate_prefix_name(name: Any) -> str:
 @dataclass(frozen=True)
 class ModelConfig:
     path: str
-    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on GPU, float32 on CPU
+    dtype: str = "auto"  # auto: the checkpoint's dtype on GPU; on CPU bfloat16 with AMX/AVX512-BF16, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # where and how the forward runs (prefix_service/backends/): auto is cuda on a GPU, cpu where the

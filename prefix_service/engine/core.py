@@ -18,7 +18,7 @@ from prefix_service.config import EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import CacheExhausted, InvalidRequest, PrefixServiceError, PromptTooLong, QueueFull
-from prefix_service.model.loader import dummy_model, load_model, load_tokenizer, read_arch, resolve_dtype
+from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
 from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import Scheduler
@@ -58,7 +58,8 @@ class EngineCore:
         if mc.num_threads is not None:
             torch.set_num_threads(mc.num_threads)  # process-wide: one engine per process
         self.device = resolve_device(mc.device)
-        self.dtype = resolve_dtype(mc.dtype, mc.path, self.device)
+        self.dtype, why = choose_dtype(mc.dtype, mc.path, self.device)
+        log.info("model dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.arch = read_arch(mc.path)
         max_len = mc.max_model_len or self.arch.max_position_embeddings
         if self.arch.sliding_window:

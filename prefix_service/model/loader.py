@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from prefix_service import cpuinfo
 from prefix_service.errors import ModelLoadError
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch, RotaryEmbedding
 
@@ -70,14 +71,28 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
     return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
-def resolve_dtype(name: str, model_dir: str | os.PathLike, device: torch.device) -> torch.dtype:
-    """'auto' is float32 on CPU and the checkpoint's dtype (bf16 when it is float32) on a GPU."""
+def choose_dtype(name: str, model_dir: str | os.PathLike, device: torch.device,
+                 cpu_flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
+    """model.dtype -> (the dtype, why). 'auto': on a GPU the checkpoint's dtype (bf16 when it is
+    float32); on a CPU bfloat16 where it has bf16 matrix units (AMX-BF16, AVX512-BF16) and float32
+    elsewhere, where bf16 would only be converted to float32 on the way (cpuinfo.py)."""
     if name != "auto":
-        return _DTYPES[name]
+        return _DTYPES[name], "asked for (model.dtype)"
     if device.type == "cpu":
-        return torch.float32
+        units = cpuinfo.bf16_units(cpu_flags)
+        if units:
+            return torch.bfloat16, f"auto, this CPU has bf16 matrix units ({', '.join(units)})"
+        have = ", ".join(cpuinfo.isa(cpu_flags)) or "no AVX"
+        return torch.float32, f"auto, this CPU has no bf16 matrix units (AMX-BF16, AVX512-BF16; it has {have})"
     dtype = checkpoint_dtype(model_dir)
-    return torch.bfloat16 if dtype == torch.float32 else dtype
+    if dtype == torch.float32:
+        return torch.bfloat16, "auto, on a GPU: bfloat16 for a float32 checkpoint"
+    return dtype, "auto, on a GPU: the checkpoint's dtype"
+
+
+def resolve_dtype(name: str, model_dir: str | os.PathLike, device: torch.device) -> torch.dtype:
+    """The dtype of choose_dtype."""
+    return choose_dtype(name, model_dir, device)[0]
 
 
 def _safetensors_files(path: Path) -> list[Path]:
