@@ -23,10 +23,12 @@ needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU ker
 BS = 4
 
 
-def kernel_by_kernel(stack: DecoderStack, x: torch.Tensor, plan: StackPlan, templates: list) -> torch.Tensor:
+def kernel_by_kernel(stack: DecoderStack, x: torch.Tensor, plan: StackPlan, templates: list,
+                     round_kv: bool = False) -> torch.Tensor:
     """What ps_decoder_stack does, one wrapper call per kernel: x (the residual stream) updated in
     place, the caches written, the last layer's MLP output returned. templates: per sequence of the
-    plan (decodes, then prefills), its PackedTemplate or None."""
+    plan (decodes, then prefills), its PackedTemplate or None. round_kv: the new K and V rounded to
+    bfloat16 precision after the rotation, as the stack does over a bfloat16 cache."""
     t = x.shape[0]
     hq, hkv, d = stack.hq, stack.hkv, stack.head_dim
     q_size, kv_size = hq * d, hkv * d
@@ -41,6 +43,9 @@ def kernel_by_kernel(stack: DecoderStack, x: torch.Tensor, plan: StackPlan, temp
             head_rms_norm(qkv[:, :q_size].view(t, hq, d), w.q_norm, w.qk_eps)
             head_rms_norm(qkv[:, q_size:q_size + kv_size].view(t, hkv, d), w.k_norm, w.qk_eps)
         rotate(qkv[:, :q_size + kv_size].view(t, hq + hkv, d))
+        if round_kv:
+            kv = qkv[:, q_size:]
+            kv.copy_(kv.bfloat16().float())
         q = qkv[:, :q_size].view(t, hq, d)
         k = qkv[:, q_size:q_size + kv_size].view(t, hkv, d)
         v = qkv[:, q_size + kv_size:].view(t, hkv, d)

@@ -1,0 +1,327 @@
+"""The cpu backend serving bfloat16 models: bfloat16 weights and KV cache, float32 activations.
+
+- The attention kernels over a bfloat16 cache give, bit for bit, what they give over a float32
+  cache holding the same (bf16-representable) values, and the K/V they store are torch's own
+  round-to-nearest-even narrowing of what a float32 cache would hold.
+- The decoder stack over a bfloat16 cache equals the kernel-by-kernel forward in which each new
+  token's K and V are rounded to bf16 after the rotation, on every step of a mixed workload.
+- The engine's last logits are within a stated bound of the torch backend's in bfloat16; greedy ids
+  on a pinned template equal those without it, or first differ at a stated near tie; seeded
+  sampling repeats; the engine reports the cpu backend, bfloat16 and a bfloat16 KV cache.
+"""
+import pytest
+import torch
+
+from helpers import PREFIX, PROMPTS, engine_last_logits, generate_together, greedy, run_ids
+from prefix_service import GenerateRequest, SamplingParams
+from prefix_service.backends.cpu import attention as cpu_attention
+from prefix_service.backends.cpu import linear, native
+from prefix_service.backends.cpu.stack import DecoderStack
+from test_cpu_stack import kernel_by_kernel, templates_of
+
+REASON = native.load()[1] or linear.available(torch.bfloat16)
+needs_bf16 = pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels for bfloat16 here: {REASON}")
+BS = 4
+
+
+def bf16_exact(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bfloat16 precision, kept float32 (widening back is exact)."""
+    return x.bfloat16().float()
+
+
+def awkward_values(n: int) -> torch.Tensor:
+    """n float32 values whose bf16 rounding is easy to get wrong (ties to even both ways, just
+    either side of a tie, subnormals, -0, overflow to inf), then ordinary ones."""
+    bits = [0x3F808000, 0x3F818000, 0xBF818000, 0x3F808001, 0x3F807FFF, 0x00018000, 0x00008000, 0x80000000,
+            0x7F7FFFFF, 0x3F800000, 0x4049_0FDB, 0xC2C8_8000]
+    special = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in bits], dtype=torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(n)
+    return torch.cat([special, torch.randn(n - len(special), generator=g)])
+
+
+# --- the attention kernels over a bfloat16 cache -----------------------------------------------------
+
+def prefill_case(r: int, cached: int, m: int, hq: int, hkv: int, d: int, rounded: bool = True):
+    """A float32 cache in shuffled blocks, the sequence's table, a template of r keys packed, and m
+    new tokens' q/k/v as views of one fused projection; every K/V value bf16-representable unless
+    `rounded` is False (then the new K/V are not, and some are awkward_values)."""
+    g = torch.Generator().manual_seed(100 * r + 10 * cached + m)
+    n_blocks = -(-(r + cached + m) // BS)
+    kc = bf16_exact(torch.randn(n_blocks + 5, BS, hkv, d, generator=g))
+    vc = bf16_exact(torch.randn(n_blocks + 5, BS, hkv, d, generator=g))
+    table = torch.randperm(n_blocks + 5, generator=g)[:n_blocks].to(torch.int32)
+    qkv = torch.randn(m, hq + 2 * hkv, d, generator=g)
+    if rounded:
+        qkv[:, hq:] = bf16_exact(qkv[:, hq:])
+    else:
+        qkv[0, hq:] = awkward_values(2 * hkv * d).view(2 * hkv, d)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    kt, vt = bf16_exact(torch.randn(r, hkv, d, generator=g)), bf16_exact(torch.randn(r, hkv, d, generator=g))
+    template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), r) if r else None
+    slots = torch.tensor([int(table[p // BS]) * BS + p % BS for p in range(r + cached, r + cached + m)])
+    return q, k, v, kc, vc, table, template, slots
+
+
+@needs_bf16
+@pytest.mark.parametrize("r,cached,m,hq,hkv,d", [
+    (0, 0, 7, 6, 2, 32),  # plain causal
+    (8, 9, 7, 6, 2, 32),  # a template, cached context through the table, new tokens
+    (32, 70, 20, 4, 1, 64),  # more than one chunk of keys
+    (16, 0, 1, 8, 8, 16),  # one new token on a template
+    (0, 13, 66, 9, 3, 64),  # new tokens over several chunks
+])
+def test_prefill_over_a_bf16_cache_is_the_float32_result_bit_for_bit(r, cached, m, hq, hkv, d):
+    """The same bf16-representable K/V in a float32 and a bfloat16 cache: the same output, bit for
+    bit; after the store the bfloat16 cache is the float32 one narrowed."""
+    q, k, v, kc, vc, table, template, slots = prefill_case(r, cached, m, hq, hkv, d)
+    kc16, vc16 = kc.bfloat16(), vc.bfloat16()
+    assert torch.equal(kc16.float(), kc) and torch.equal(vc16.float(), vc)
+    outs = []
+    for cache in ((kc, vc), (kc16, vc16)):
+        outs.append(cpu_attention.prefill_attention(q, k, v, d ** -0.5, template=template, cache=cache,
+                                                    block_table=table, cached=(r, cached), slots=slots))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(kc.view(-1, hkv, d)[slots], k) and torch.equal(vc.view(-1, hkv, d)[slots], v)
+    assert torch.equal(kc16, kc.bfloat16()) and torch.equal(vc16, vc.bfloat16())
+
+
+@needs_bf16
+def test_prefill_narrows_what_it_stores_as_torch_does():
+    """New K/V that are not bf16-representable (ties, subnormals, overflow among them): the bfloat16
+    cache holds, bit for bit, torch's round-to-nearest-even of what the float32 cache holds."""
+    q, k, v, kc, vc, table, template, slots = prefill_case(8, 5, 9, 6, 2, 32, rounded=False)
+    kc16, vc16 = kc.bfloat16(), vc.bfloat16()
+    for cache in ((kc, vc), (kc16, vc16)):
+        cpu_attention.prefill_attention(q, k, v, 32 ** -0.5, template=template, cache=cache, block_table=table,
+                                        cached=(8, 5), slots=slots)
+    assert torch.equal(kc.view(-1, 2, 32)[slots], k)  # the float32 cache holds them as they are
+    assert not torch.equal(bf16_exact(k), k)  # so narrowing them is a real test
+    assert torch.equal(kc16.view(torch.int16), kc.bfloat16().view(torch.int16))  # bits: -0 and inf included
+    assert torch.equal(vc16.view(torch.int16), vc.bfloat16().view(torch.int16))
+
+
+def decode_case(lens: list[int], hq: int, hkv: int, d: int, seed: int, rounded: bool = True):
+    """Decodes over a float32 cache in shuffled blocks (bf16-representable values), their tables,
+    templates of two blocks packed for the sequences longer than that, and the new K/V with slots."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-n // BS) for n in lens]
+    num_blocks = sum(widths) + 3
+    kc = bf16_exact(torch.randn(num_blocks, BS, hkv, d, generator=g))
+    vc = bf16_exact(torch.randn(num_blocks, BS, hkv, d, generator=g))
+    order = torch.randperm(num_blocks, generator=g)[:sum(widths)].tolist()
+    tables = torch.full((len(lens), max(widths) + 1), -1, dtype=torch.int32)
+    for i, w in enumerate(widths):
+        tables[i, :w] = torch.tensor(order[:w], dtype=torch.int32)
+        order = order[w:]
+    q = torch.randn(len(lens), hq + 2 * hkv, d, generator=g)[:, :hq]  # strided rows
+    r = 2 * BS
+    kt, vt = bf16_exact(torch.randn(r, hkv, d, generator=g)), bf16_exact(torch.randn(r, hkv, d, generator=g))
+    packed = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), r)
+    templates = [packed if n > r else None for n in lens]
+    k, v = torch.randn(len(lens), hkv, d, generator=g), torch.randn(len(lens), hkv, d, generator=g)
+    if rounded:
+        k, v = bf16_exact(k), bf16_exact(v)
+    else:
+        k[0] = awkward_values(hkv * d).view(hkv, d)
+    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens)])
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), templates, (k, v, slots)
+
+
+@needs_bf16
+@pytest.mark.parametrize("with_templates", [False, True])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 32), (8, 1, 64), (4, 4, 16)])
+def test_decode_over_a_bf16_cache_is_the_float32_result_bit_for_bit(with_templates, hq, hkv, d):
+    """Decodes storing their new K/V (bf16-representable), over packed templates or not: the same
+    output over a float32 and a bfloat16 cache, bit for bit; the bfloat16 cache is the float32 one
+    narrowed."""
+    lens = [1, 5, 9, 13, 22, 71]
+    q, kc, vc, tables, ctx, templates, new_kv = decode_case(lens, hq, hkv, d, seed=hq + d + with_templates)
+    kc16, vc16 = kc.bfloat16(), vc.bfloat16()
+    outs = [cpu_attention.decode_attention(q, kcache, vcache, tables, ctx, d ** -0.5,
+                                           templates=templates if with_templates else None, new_kv=new_kv)
+            for kcache, vcache in ((kc, vc), (kc16, vc16))]
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
+    k, v, slots = new_kv
+    assert torch.equal(kc.view(-1, hkv, d)[slots], k) and torch.equal(vc.view(-1, hkv, d)[slots], v)
+    assert torch.equal(kc16, kc.bfloat16()) and torch.equal(vc16, vc.bfloat16())
+
+
+@needs_bf16
+def test_decode_narrows_what_it_stores_as_torch_does():
+    """new_kv that is not bf16-representable: stored as torch's round-to-nearest-even of it."""
+    q, kc, vc, tables, ctx, templates, new_kv = decode_case([3, 10, 17], 6, 2, 32, seed=9, rounded=False)
+    kc16, vc16 = kc.bfloat16(), vc.bfloat16()
+    for kcache, vcache in ((kc, vc), (kc16, vc16)):
+        cpu_attention.decode_attention(q, kcache, vcache, tables, ctx, 0.2, templates=templates, new_kv=new_kv)
+    k, _, slots = new_kv
+    assert torch.equal(kc.view(-1, 2, 32)[slots], k) and not torch.equal(bf16_exact(k), k)
+    assert torch.equal(kc16.view(torch.int16), kc.bfloat16().view(torch.int16))
+    assert torch.equal(vc16.view(torch.int16), vc.bfloat16().view(torch.int16))
+
+
+# --- the decoder stack in bfloat16 ----------------------------------------------------------------------
+
+@needs_bf16
+@pytest.mark.parametrize("which", ["llama", "qwen2", "qwen3"])
+def test_bf16_stack_gives_the_kernel_by_kernel_forward_with_rounded_kv(make_engine, model_dirs, which, monkeypatch):
+    """Every step of a mixed workload (test_cpu_stack's) runs kernel by kernel first, from a copy
+    of the bfloat16 cache, with the new K/V rounded to bf16 after the rotation, then through the
+    stack: the same hidden states and cache, bit for bit. Without that rounding the forward differs
+    (the stack's rounding is what the comparison sees)."""
+    seen, unrounded_differs = [], []
+    real = DecoderStack.forward
+    engine = make_engine(model_dirs[which], num_blocks=160, max_num_batched_tokens=24, dtype="bfloat16",
+                         backend="cpu")
+    backend = engine.core.backend
+    assert backend.name == "cpu" and all(k.dtype == v.dtype == torch.bfloat16 for k, v in backend.kv_layers)
+
+    def checked(self, x, plan):
+        before = [(k.clone(), v.clone()) for k, v in self.kv_layers]
+
+        def restore():
+            for (k, v), (k0, v0) in zip(self.kv_layers, before):
+                k.copy_(k0)
+                v.copy_(v0)
+        templates = templates_of(plan, backend.templates.values())
+        unrounded = kernel_by_kernel(self, x.clone(), plan, templates).clone()
+        restore()
+        x_ref = x.clone()
+        want = kernel_by_kernel(self, x_ref, plan, templates, round_kv=True)
+        after = [(k.clone(), v.clone()) for k, v in self.kv_layers]
+        restore()
+        got = real(self, x, plan)
+        assert torch.equal(got, want) and torch.equal(x, x_ref)
+        for (k, v), (k1, v1) in zip(self.kv_layers, after):
+            assert torch.equal(k, k1) and torch.equal(v, v1)
+        unrounded_differs.append(not torch.equal(unrounded, want))
+        nd = plan.num_decodes
+        seen.append((nd, sum(p is not None for p in templates[:nd]),
+                     [(q, c, f > 0) for q, c, f in plan.prefill_info.tolist()]))
+        return got
+    monkeypatch.setattr(DecoderStack, "forward", checked)
+    engine.add_prefix("tpl", token_ids=PREFIX)  # 5 full blocks + 2
+    prompts = [[(5 * i + k) % 500 + 3 for i in range(2 + 7 * k)] for k in range(4)]
+    batch = [GenerateRequest(prompt_token_ids=p, prefix_name="tpl" if k % 2 == 0 else None, sampling=greedy(6))
+             for k, p in enumerate(prompts)] + [GenerateRequest(prompt_token_ids=p, prefix_name="tpl",
+                                                                sampling=greedy(5)) for p in prompts[1::2]]
+    outs = generate_together(engine, batch)
+    assert all(len(ids) in (5, 6) for ids in outs)
+    assert any(nd and pre for nd, _, pre in seen)  # decodes and prefills in one step
+    assert any(t for _, t, _ in seen)  # decodes on the packed template
+    assert any(p for _, _, pre in seen for _, _, p in pre)  # prefills on it
+    assert any(c > 0 and not p for _, _, pre in seen for _, c, p in pre)  # a chunk after cached context
+    assert any(unrounded_differs)
+
+
+# --- the engine in bfloat16 -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory, tokenizer_dir):
+    from prefix_service import synthetic as models
+    return models.build_model(tmp_path_factory.mktemp("tied") / "llama", "llama", tokenizer_dir, seed=7,
+                              tie_word_embeddings=True)
+
+
+# The torch backend runs bf16 activations, the cpu backend float32 ones over the same bf16 weights
+# and bf16-rounded linear outputs, so their logits differ by a few bf16 steps (logits here are
+# |x| <= 6, where a bf16 step is 1/32). Measured max |diff| over these models and ids: 0.129
+# (mistral); each backend alone is within 0.14 of float32. The bound leaves ~2.3x margin.
+LOGITS_BOUND = 0.3
+
+
+@needs_bf16
+@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "qwen3", "tied"])
+def test_bf16_logits_match_the_torch_backend(make_engine, model_dirs, tied_llama_dir, which):
+    model_dir = tied_llama_dir if which == "tied" else model_dirs[which]
+    ref = make_engine(model_dir, dtype="bfloat16", backend="torch")
+    cpu = make_engine(model_dir, dtype="bfloat16", backend="cpu")
+    assert (ref.core.backend.name, cpu.core.backend.name) == ("torch", "cpu")
+    for ids in ([(7 * i + 3) % 500 + 3 for i in range(37)], PREFIX + PROMPTS[3], [5, 9, 11]):
+        got, want = engine_last_logits(cpu, ids), engine_last_logits(ref, ids)
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        assert (got - want).abs().max().item() <= LOGITS_BOUND, (which, len(ids))
+
+
+def ids_of(n: int, salt: int = 0) -> list[int]:
+    return [(13 * i + 7 * salt + 5) % 500 + 3 for i in range(n)]
+
+
+# A prefill over a packed template does not sum its scores in the order of a plain prefill (the
+# kernel's template panels vs its rows), so their float32 results differ by ~1e-5; in bfloat16
+# every linear output is rounded to bf16, which now and then turns that into one bf16 step of a
+# hidden value or logit (the logits are bf16 values too). Greedy ids then flip only where the top
+# two logits are that close. Measured over llama/qwen2/mistral/qwen3, template lengths 1..17 and 8
+# salts each: 1 of 192 runs differs (llama, length 4), at a top-two gap of 0.03125, one bf16 step at
+# |logit| in [4, 8).
+NEAR_TIE = 0.1
+
+
+def assert_same_or_near_tie(engine, ids: list[int], want: list[int], got: list[int], what) -> None:
+    """got (on a template) == want (the same ids without one), or at the first step where they
+    differ the no-template logits' top two are within NEAR_TIE and got took the runner-up."""
+    assert len(got) == len(want), what
+    if got == want:
+        return
+    j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    top = engine_last_logits(engine, ids + want[:j]).topk(2)
+    gap = (top.values[0] - top.values[1]).item()
+    assert top.indices.tolist() == [want[j], got[j]] and gap <= NEAR_TIE, (what, j, top, gap)
+
+
+@needs_bf16
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which):
+    """Greedy ids on a pinned template (read from its packed float32 copy) equal the ids of the same
+    tokens without it, or differ first at a near tie (NEAR_TIE), for templates around block
+    boundaries. llama's length-4 case takes the near-tie branch."""
+    engine = make_engine(model_dirs[which], block_size=BS, dtype="bfloat16", backend="cpu")
+    for prefix_len in (1, BS - 1, BS, BS + 1, 2 * BS, 4 * BS + 1):
+        full = ids_of(prefix_len + 9, salt=prefix_len)
+        expected = run_ids(engine, full, max_tokens=24)
+        engine.add_prefix("p", token_ids=full[:prefix_len])
+        got = run_ids(engine, full[prefix_len:], prefix="p", max_tokens=24)
+        assert engine.remove_prefix("p")
+        assert_same_or_near_tie(engine, full, expected, got, prefix_len)
+
+
+@needs_bf16
+@pytest.mark.parametrize("budget", [2048, 7], ids=["batched", "chunked-prefill"])
+def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget):
+    """Plain requests and requests on three templates, entering together (one schedule: prefills
+    beside decodes, chunked under a small budget): each request's greedy ids are those of its full
+    token ids run alone without a template, or differ first at a near tie."""
+    prefixes = {"a": ids_of(9, 100), "b": ids_of(4, 200), "c": ids_of(14, 300)}
+    engine = make_engine(block_size=BS, max_num_batched_tokens=budget, dtype="bfloat16", backend="cpu")
+    reqs, full, expected = [], [], []
+    for k in range(9):
+        name = [None, "a", "b", "c"][k % 4]
+        user = ids_of(3 + 2 * k, salt=k + 1)
+        reqs.append(GenerateRequest(prompt_token_ids=user, prefix_name=name, sampling=greedy(20)))
+        full.append((prefixes[name] if name else []) + user)
+        expected.append(run_ids(engine, full[-1], max_tokens=20))
+    for name, ids in prefixes.items():
+        engine.add_prefix(name, token_ids=ids)
+    for k, got in enumerate(generate_together(engine, reqs)):
+        assert_same_or_near_tie(engine, full[k], expected[k], got, k)
+
+
+@needs_bf16
+def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
+    engine = make_engine(dtype="bfloat16", backend="cpu")
+    core = engine.core
+    assert core.backend.name == "cpu" and core.dtype == torch.bfloat16
+    assert len(core.backend.kv_layers) > 0
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in core.backend.kv_layers)
+    engine.add_prefix("tpl", token_ids=PREFIX)
+
+    def sample(seed: int) -> list[list[int]]:
+        sampling = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)
+        reqs = [GenerateRequest(prompt_token_ids=p, prefix_name="tpl" if k % 2 else None, sampling=sampling)
+                for k, p in enumerate(PROMPTS)]
+        return [o.token_ids for o in engine.generate(reqs)]
+    first = sample(123)
+    assert all(len(ids) == 16 for ids in first)
+    assert sample(123) == first
+    assert sample(124) != first  # the seed is what makes it repeat: the tokens are sampled
