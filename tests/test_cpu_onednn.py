@@ -176,9 +176,11 @@ def test_the_c_functions_report_bad_operands():
     y = torch.empty(3, 20)
     assert lib.ps_onednn_linear(None, x.data_ptr(), 8, 3, y.data_ptr(), 20, 1) == 5
     assert b"null handle" in lib.ps_onednn_last_error()
+    assert "null handle" in onednn.last_error()  # what the decoder stack's errors quote
     layer = onednn.OneDnnLinear(torch.randn(20, 8), None)
     assert lib.ps_onednn_linear(layer.handle, x.data_ptr(), 4, 3, y.data_ptr(), 20, 1) == 5
     assert b"ldx = 4 for k = 8" in lib.ps_onednn_last_error()
+    assert "ldx = 4 for k = 8" in onednn.last_error()  # the latest failure, not the first
     assert lib.ps_onednn_linear(layer.handle, None, 8, 0, None, 20, 1) == 0  # no rows: nothing read
     assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0) is None
     assert b"at least 1 x 1" in lib.ps_onednn_last_error()

@@ -121,13 +121,13 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
     return lib, None
 
 
-@functools.lru_cache(maxsize=None)
 def last_error() -> str:
     """What the library's last failing call on this thread said ("" when nothing failed)."""
     lib = load()[0]
     return lib.ps_onednn_last_error().decode(errors="replace") if lib is not None else ""
 
 
+@functools.lru_cache(maxsize=None)
 def bf16_native() -> bool:
     """Whether torch's oneDNN multiplies bf16 here; elsewhere bf16 weights run emulated."""
     try:
