@@ -84,27 +84,36 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
-def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
-    """Compile `sources` into one library in cache_dir() (or find it there); its path. The key
-    covers the sources, the headers beside them, the compiler and the CPU."""
+def compile_library(cxx: str, stem: str, sources: tuple[Path, ...], flags: tuple[str, ...] = FLAGS,
+                    link: tuple[str, ...] = (), key_parts: tuple[bytes, ...] = (),
+                    error: type[Exception] = NativeBuildError) -> Path:
+    """Compile `sources` with `flags` (and `link` after them, so the linker resolves the sources'
+    references) into cache_dir()/`stem`-KEY.so, or find it there; its path. KEY covers the sources,
+    `key_parts` (what else the build depends on), the compiler, the flags and the CPU. A failed build
+    raises `error` with the compiler's message and leaves nothing behind."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    parts = [p.read_bytes() for p in (*sources, *HEADERS)]
-    parts += [version.encode(), " ".join(FLAGS).encode(), _cpu_signature().encode()]
+    parts = [p.read_bytes() for p in sources] + list(key_parts)
+    parts += [version.encode(), " ".join((*flags, *link)).encode(), _cpu_signature().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = cache_dir() / f"prefix_service_native-{key}.so"
+    target = cache_dir() / f"{stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        proc = subprocess.run([cxx, *FLAGS, "-o", str(built), *map(str, sources)], capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(built), *link], capture_output=True,
+                              text=True, check=False)
         if proc.returncode != 0:
             names = ", ".join(p.name for p in sources)
-            raise NativeBuildError(f"compiling {names} failed: {proc.stderr.strip()[-2000:]}")
+            raise error(f"compiling {names} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
-    log.info("built the native CPU kernels in %s", target)
+    log.info("built %s in %s", ", ".join(p.name for p in sources), target)
     return target
+
+
+def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """The native library of `sources` (compile_library), its key also covering the headers beside them."""
+    return compile_library(cxx, "prefix_service_native", sources, key_parts=tuple(h.read_bytes() for h in HEADERS))
 
 
 def require(error: type[Exception]) -> ctypes.CDLL:

@@ -26,20 +26,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
 import platform
-import subprocess
-import tempfile
 import weakref
 from pathlib import Path
 
 import torch
 
 from prefix_service.backends.cpu import native
-
-log = logging.getLogger("prefix_service.engine")
 
 SOURCE = native.CSRC / "onednn_linear.cpp"
 FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
@@ -72,27 +65,11 @@ def _torch_flags() -> tuple[list[str], list[str]]:
 
 
 def build(cxx: str) -> Path:
-    """Compile csrc/onednn_linear.cpp into native.cache_dir() (or find it there); its path. The key
-    covers the source, the torch build (version, ABI, location), the compiler, the flags and the CPU."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    """csrc/onednn_linear.cpp compiled against this torch (native.compile_library); its key also
+    covers the torch build (version, ABI, location)."""
     cflags, ldflags = _torch_flags()
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), version.encode(),
-             " ".join([*FLAGS, *cflags, *ldflags]).encode(), native._cpu_signature().encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    target = native.cache_dir() / f"prefix_service_onednn-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        # the libraries follow the source, so the linker resolves the source's references to them
-        cmd = [cxx, *FLAGS, *cflags, str(SOURCE), "-o", str(built), *ldflags]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise OneDnnBuildError(f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(built, target)  # atomic: a concurrent build of the same key writes the same file
-    log.info("built the oneDNN linear library in %s", target)
-    return target
+    return native.compile_library(cxx, "prefix_service_onednn", (SOURCE,), (*FLAGS, *cflags), tuple(ldflags),
+                                  (torch.__version__.encode(),), OneDnnBuildError)
 
 
 @functools.lru_cache(maxsize=None)
