@@ -16,8 +16,7 @@ from helpers import PREFIX, PROMPTS, engine_last_logits, generate_together, gree
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu import linear, native
-from prefix_service.backends.cpu.stack import DecoderStack
-from test_cpu_stack import kernel_by_kernel, templates_of
+from test_cpu_stack import check_mixed_workload
 
 REASON = native.load()[1] or linear.available(torch.bfloat16)
 needs_bf16 = pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels for bfloat16 here: {REASON}")
@@ -170,49 +169,10 @@ def test_bf16_stack_gives_the_kernel_by_kernel_forward_with_rounded_kv(make_engi
     of the bfloat16 cache, with the new K/V rounded to bf16 after the rotation, then through the
     stack: the same hidden states and cache, bit for bit. Without that rounding the forward differs
     (the stack's rounding is what the comparison sees)."""
-    seen, unrounded_differs = [], []
-    real = DecoderStack.forward
     engine = make_engine(model_dirs[which], num_blocks=160, max_num_batched_tokens=24, dtype="bfloat16",
                          backend="cpu")
-    backend = engine.core.backend
-    assert backend.name == "cpu" and all(k.dtype == v.dtype == torch.bfloat16 for k, v in backend.kv_layers)
-
-    def checked(self, x, plan):
-        before = [(k.clone(), v.clone()) for k, v in self.kv_layers]
-
-        def restore():
-            for (k, v), (k0, v0) in zip(self.kv_layers, before):
-                k.copy_(k0)
-                v.copy_(v0)
-        templates = templates_of(plan, backend.templates.values())
-        unrounded = kernel_by_kernel(self, x.clone(), plan, templates).clone()
-        restore()
-        x_ref = x.clone()
-        want = kernel_by_kernel(self, x_ref, plan, templates, round_kv=True)
-        after = [(k.clone(), v.clone()) for k, v in self.kv_layers]
-        restore()
-        got = real(self, x, plan)
-        assert torch.equal(got, want) and torch.equal(x, x_ref)
-        for (k, v), (k1, v1) in zip(self.kv_layers, after):
-            assert torch.equal(k, k1) and torch.equal(v, v1)
-        unrounded_differs.append(not torch.equal(unrounded, want))
-        nd = plan.num_decodes
-        seen.append((nd, sum(p is not None for p in templates[:nd]),
-                     [(q, c, f > 0) for q, c, f in plan.prefill_info.tolist()]))
-        return got
-    monkeypatch.setattr(DecoderStack, "forward", checked)
-    engine.add_prefix("tpl", token_ids=PREFIX)  # 5 full blocks + 2
-    prompts = [[(5 * i + k) % 500 + 3 for i in range(2 + 7 * k)] for k in range(4)]
-    batch = [GenerateRequest(prompt_token_ids=p, prefix_name="tpl" if k % 2 == 0 else None, sampling=greedy(6))
-             for k, p in enumerate(prompts)] + [GenerateRequest(prompt_token_ids=p, prefix_name="tpl",
-                                                                sampling=greedy(5)) for p in prompts[1::2]]
-    outs = generate_together(engine, batch)
-    assert all(len(ids) in (5, 6) for ids in outs)
-    assert any(nd and pre for nd, _, pre in seen)  # decodes and prefills in one step
-    assert any(t for _, t, _ in seen)  # decodes on the packed template
-    assert any(p for _, _, pre in seen for _, _, p in pre)  # prefills on it
-    assert any(c > 0 and not p for _, _, pre in seen for _, c, p in pre)  # a chunk after cached context
-    assert any(unrounded_differs)
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in engine.core.backend.kv_layers)
+    assert any(check_mixed_workload(engine, monkeypatch, round_kv=True))
 
 
 # --- the engine in bfloat16 -----------------------------------------------------------------------------

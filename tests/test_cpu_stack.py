@@ -77,31 +77,38 @@ def templates_of(plan: StackPlan, packed_templates) -> list:
     return [by_pointer.get(int(row[0, 0])) for row in plan.templates]
 
 
-@needs_native
-@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "qwen3"])
-def test_stack_gives_the_kernel_by_kernel_forward_bit_for_bit(make_engine, model_dirs, which, monkeypatch):
-    """Every step of a mixed workload (a pinned template with a packed copy, requests on it and
-    plain ones, prefills chunked beside decodes) runs kernel by kernel first, from a copy of the
-    cache, then through the stack: the same hidden states and cache, bit for bit."""
-    seen = []
+def check_mixed_workload(engine, monkeypatch, round_kv: bool = False) -> list[bool]:
+    """Every step of a mixed workload on `engine` (a pinned template with a packed copy, requests on
+    it and plain ones, prefills chunked beside decodes) runs kernel by kernel first (round_kv: with
+    the new K/V rounded to bf16 after the rotation), from a copy of the cache, then through the
+    stack: the same hidden states and cache, bit for bit. Returns, per step, whether the kernel by
+    kernel forward without the rounding differs from the one checked (all False unless round_kv)."""
+    seen, unrounded_differs = [], []
     real = DecoderStack.forward
-    engine = make_engine(model_dirs[which], num_blocks=160, max_num_batched_tokens=24)
     backend = engine.core.backend
     assert backend.name == "cpu"
 
     def checked(self, x, plan):
         before = [(k.clone(), v.clone()) for k, v in self.kv_layers]
+
+        def restore():
+            for (k, v), (k0, v0) in zip(self.kv_layers, before):
+                k.copy_(k0)
+                v.copy_(v0)
         templates = templates_of(plan, backend.templates.values())
+        unrounded = None
+        if round_kv:
+            unrounded = kernel_by_kernel(self, x.clone(), plan, templates).clone()
+            restore()
         x_ref = x.clone()
-        want = kernel_by_kernel(self, x_ref, plan, templates)
+        want = kernel_by_kernel(self, x_ref, plan, templates, round_kv=round_kv)
         after = [(k.clone(), v.clone()) for k, v in self.kv_layers]
-        for (k, v), (k0, v0) in zip(self.kv_layers, before):
-            k.copy_(k0)
-            v.copy_(v0)
+        restore()
         got = real(self, x, plan)
         assert torch.equal(got, want) and torch.equal(x, x_ref)
         for (k, v), (k1, v1) in zip(self.kv_layers, after):
             assert torch.equal(k, k1) and torch.equal(v, v1)
+        unrounded_differs.append(unrounded is not None and not torch.equal(unrounded, want))
         nd = plan.num_decodes
         seen.append((nd, sum(p is not None for p in templates[:nd]),
                      [(q, c, f > 0) for q, c, f in plan.prefill_info.tolist()]))
@@ -118,6 +125,15 @@ def test_stack_gives_the_kernel_by_kernel_forward_bit_for_bit(make_engine, model
     assert any(t for _, t, _ in seen)  # decodes on the packed template
     assert any(p for _, _, pre in seen for _, _, p in pre)  # prefills on it
     assert any(c > 0 and not p for _, _, pre in seen for _, c, p in pre)  # a chunk after cached context
+    return unrounded_differs
+
+
+@needs_native
+@pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "qwen3"])
+def test_stack_gives_the_kernel_by_kernel_forward_bit_for_bit(make_engine, model_dirs, which, monkeypatch):
+    """Every step of a mixed workload (check_mixed_workload) runs kernel by kernel first, from a
+    copy of the cache, then through the stack: the same hidden states and cache, bit for bit."""
+    check_mixed_workload(make_engine(model_dirs[which], num_blocks=160, max_num_batched_tokens=24), monkeypatch)
 
 
 def bound_stack(model_dir, num_blocks: int = 6, fill=torch.zeros):
