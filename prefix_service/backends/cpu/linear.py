@@ -89,18 +89,14 @@ class CpuLinear(Protocol):
     """A linear layer y = x W^T (+ b) with W packed once: x [M, in] float32 (rows may be strided) ->
     [M, out] float32. `fn` is the address of its C entry point and `handle` that of its state, the
     pair the decoder stack calls: int fn(const void* handle, const float* x, int64_t ldx, int M,
-    float* y, int64_t ldy, int threads), 0 on success."""
+    float* y, int64_t ldy, int threads), 0 on success; `call` holds the two as the stack reads them."""
     in_features: int
     out_features: int
     fn: int
     handle: int
+    call: native.LinearCall
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
-class LinearCall(ctypes.Structure):
-    """A CpuLinear as the decoder stack calls it (csrc/cpu_layer.cpp's PsLinear): its entry point and state."""
-    _fields_ = [("run", ctypes.c_void_p), ("self", ctypes.c_void_p)]
 
 
 class _PackedArgs(ctypes.Structure):  # csrc/cpu_linear.cpp's PsPackedLinear
@@ -120,6 +116,7 @@ class NativeLinear:
                                  self.bias.data_ptr() if self.bias is not None else None)
         self.handle = ctypes.addressof(self._args)
         self.fn = ctypes.cast(lib.ps_packed_linear, ctypes.c_void_p).value
+        self.call = native.LinearCall(self.fn, self.handle)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided."""

@@ -62,6 +62,12 @@ class NativeBuildError(RuntimeError):
     pass
 
 
+class LinearCall(ctypes.Structure):
+    """A linear layer as the decoder stack calls it (csrc/cpu_layer.cpp's PsLinear): the address of its C
+    entry point and that of its state (linear.CpuLinear)."""
+    _fields_ = [("run", ctypes.c_void_p), ("self", ctypes.c_void_p)]
+
+
 def cache_dir() -> Path:
     root = os.environ.get("PREFIX_SERVICE_CACHE_DIR")
     return Path(root) if root else Path.home() / ".cache" / "prefix_service"

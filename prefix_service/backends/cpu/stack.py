@@ -22,7 +22,7 @@ import torch
 from prefix_service.backends.base import StepInputs
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
-from prefix_service.backends.cpu.linear import CpuLinear, LinearCall, available, make_linear
+from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
@@ -67,17 +67,16 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [head_dim]: each k head's
     qk_eps: float = 0.0
 
-    def __post_init__(self) -> None:
-        # each linear as the stack calls it (csrc/cpu_layer.cpp's PsLinear), kept alive with the layer
-        object.__setattr__(self, "calls", [LinearCall(m.fn, m.handle) for m in (self.qkv, self.o, self.gate_up,
-                                                                                  self.down)])
-
     def pointers(self) -> list[int]:
-        """The layer's row of the stack's weight table, in ps_decoder_stack's order."""
-        qkv, o, gate_up, down = (ctypes.addressof(c) for c in self.calls)  # type: ignore[attr-defined]
-        vec = [t.data_ptr() if t is not None else 0 for t in (self.input_norm, self.post_norm, self.q_norm,
-                                                              self.k_norm)]
-        return [vec[0], qkv, vec[1], o, gate_up, down, vec[2], vec[3]]
+        """The layer's row of the stack's weight table, in ps_decoder_stack's order: norm weights by their
+        data, linear layers by their PsLinear (CpuLinear.call)."""
+        def vec(t: torch.Tensor | None) -> int:
+            return t.data_ptr() if t is not None else 0
+
+        def lin(m: CpuLinear) -> int:
+            return ctypes.addressof(m.call)
+        return [vec(self.input_norm), lin(self.qkv), vec(self.post_norm), lin(self.o), lin(self.gate_up),
+                lin(self.down), vec(self.q_norm), vec(self.k_norm)]
 
 
 @dataclass
@@ -124,8 +123,9 @@ class StackPlan:
 class DecoderStack:
     """Every DecoderLayer of `model`, its weights packed for the native kernels, bound to the KV
     caches `kv_layers` (per layer (k_cache, v_cache), contiguous [blocks, block_size, Hkv, D] of the
-    model's dtype, float32 or bfloat16). The layers' linear weights are released from the model as they are packed (so a large
-    model is not held twice): the model cannot run its own forward afterwards."""
+    model's dtype, float32 or bfloat16). The layers' linear weights are released from the model as
+    they are packed (so a large model is not held twice): the model cannot run its own forward
+    afterwards."""
 
     def __init__(self, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         why = unsupported(model.arch, model.embed_tokens.weight.dtype)
