@@ -66,13 +66,10 @@ def child(args: argparse.Namespace) -> None:
 
 
 def machine() -> dict:
+    """The benchmark harness's machine record (CPU, its instruction sets, load...)."""
     sys.path.insert(0, str(REPO))
-    from prefix_service import cpuinfo
-    with open("/proc/cpuinfo") as fh:
-        name = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
-    import torch
-    return {"cpu": name, "isa": cpuinfo.isa(), "bf16_units": cpuinfo.bf16_units(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "load_average_start": list(os.getloadavg())}
+    from prefix_service.bench.main import machine_info
+    return machine_info()
 
 
 def main() -> None:

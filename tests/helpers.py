@@ -46,11 +46,8 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float3
 def cpu_simd() -> str:
     """The vector instructions the CPU reports that the native CPU kernels can use: "avx512"
     (AVX-512 Foundation), "avx2" (AVX2 with FMA) or "" (neither)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
-    except OSError:
-        return ""
+    from prefix_service.cpuinfo import cpu_flags
+    flags = cpu_flags()
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else ""
 
 
