@@ -110,6 +110,23 @@ def test_server_environment(tmp_path, monkeypatch):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == f"0-{cores - 1}" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
 
 
+def test_the_server_runs_the_dtype_our_engine_resolves(llama_dir, monkeypatch):
+    """model.dtype auto: vLLM gets what our engine runs on this CPU (bfloat16 with bf16 matrix units,
+    float32 without), so the two compute alike; a dtype asked for goes as it is."""
+    from prefix_service import cpuinfo
+    from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    def args(dtype: str) -> list[str]:
+        cfg = EngineConfig(ModelConfig(path=str(llama_dir), dtype=dtype), CacheConfig(), SchedulerConfig(max_num_seqs=8))
+        got = vllm.server_args(cfg, 8123, prefix_caching=True)
+        assert got[got.index("--max-num-seqs") + 1] == "8" and "--enable-prefix-caching" in got
+        return got[got.index("--dtype") + 1]
+    monkeypatch.setattr(cpuinfo, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert args("auto") == "float32" and args("bfloat16") == "bfloat16"
+    monkeypatch.setattr(cpuinfo, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
+    assert args("auto") == "bfloat16" and args("float32") == "float32"
+
+
 def test_without_vllm_the_peers_are_skipped_with_the_way_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
     python, why = vllm.vllm_python()

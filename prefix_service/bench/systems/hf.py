@@ -13,7 +13,8 @@
 throughput at any concurrency is the sequential throughput; latency includes the wait). Time to
 first token comes from a streamer whose second `put` is the first generated token (the first
 is the prompt). Greedy, EOS ignored (`min_new_tokens` = `max_new_tokens`), sdpa attention, the
-engine's device and dtype (float32 on CPU), the same torch threads as our engine.
+engine's device and dtype (model.dtype as the engine resolves it), the same torch threads as our
+engine.
 """
 from __future__ import annotations
 

@@ -68,6 +68,20 @@ def server_env(python: str) -> dict[str, str]:
     return env
 
 
+def server_args(engine_config: EngineConfig, port: int, prefix_caching: bool) -> list[str]:
+    """The server's command line: the engine config's model, its dtype as our engine resolves it on
+    this CPU ('auto' included, so both compute alike), sequences and tokens per step."""
+    import torch
+
+    from prefix_service.model.loader import resolve_dtype
+    model, sched = engine_config.model, engine_config.scheduler
+    dtype = str(resolve_dtype(model.dtype, model.path, torch.device("cpu"))).replace("torch.", "")
+    return ["--model", model.path, "--served-model-name", SERVED_NAME, "--dtype", dtype,
+            "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3",
+            "--max-num-seqs", str(sched.max_num_seqs), "--max-num-batched-tokens", str(sched.max_num_batched_tokens),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+
+
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on the engine config's model, dtype and
     scheduler limits (sequences and tokens per step); started, waited on until /health answers,
@@ -76,14 +90,7 @@ class VllmServer:
     def __init__(self, python: str, engine_config: EngineConfig, prefix_caching: bool,
                  start_timeout_s: float = 900) -> None:
         self.port = _free_port()
-        model = engine_config.model
-        dtype = model.dtype if model.dtype != "auto" else "float32"
-        sched = engine_config.scheduler
-        self.args = ["--model", model.path, "--served-model-name", SERVED_NAME, "--dtype", dtype,
-                     "--host", "127.0.0.1", "--port", str(self.port), "--gpu-memory-utilization", "0.3",
-                     "--max-num-seqs", str(sched.max_num_seqs),
-                     "--max-num-batched-tokens", str(sched.max_num_batched_tokens),
-                     "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        self.args = server_args(engine_config, self.port, prefix_caching)
         env = server_env(python)
         self.settings = {"vllm_version": _version(python), "args": self.args,
                          **{k: env[k] for k in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND",
