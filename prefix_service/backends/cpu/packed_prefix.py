@@ -18,8 +18,8 @@ from prefix_service.backends.cpu.attention import pack_keys, pack_values
 
 class PackedTemplate:
     """The first `num_blocks` (full) blocks of a template, R = num_blocks * block_size tokens, per
-    layer: K panels [Hkv, R/16, D, 16] and V rows [Hkv, R, D], float32 whatever the cache holds; `pointers` [layers, 2] int64 holds
-    their addresses, as the decoder stack reads them."""
+    layer: K panels [Hkv, R/16, D, 16] and V rows [Hkv, R, D], float32 whatever the cache holds;
+    `pointers` [layers, 2] int64 holds their addresses, as the decoder stack reads them."""
 
     def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> None:
         if not block_ids:
