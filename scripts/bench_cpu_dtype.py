@@ -3,6 +3,11 @@ template pinned, 100-token user segments, 30 greedy tokens, EOS ignored): time t
 one request on the cached template, and output tokens per second with 16 and 64 requests submitted
 together (Engine.generate). Every timed request sends a segment never sent before.
 
+`--vllm-dtypes bfloat16,float32` adds vLLM engine to engine (its offline `LLM.generate`, automatic
+prefix caching on, the same token ids, sequences and tokens per step; its environment from `make
+bench-peers`, started as its CPU docs ask): one untimed request caches the template's blocks, its
+TTFT is the wall time of a one-token request (ours: the engine's own TTFT), tok/s as ours.
+
 Each (system, round) runs in a fresh child process, the systems in turns, so a noisy machine
 spreads over all of them; the table gives medians over rounds. A system is a dtype, optionally of
 another checkout of this repository (`--baseline PATH`: the same measures with that tree's
@@ -11,6 +16,7 @@ instruction sets (AMX-BF16, AVX512-BF16, AVX-512, AVX2) and the load.
 
     python scripts/bench_cpu_dtype.py --json bench_out/cpu_dtype.json
     python scripts/bench_cpu_dtype.py --dtypes float32 --baseline /tmp/before --json bench_out/ab.json
+    python scripts/bench_cpu_dtype.py --vllm-dtypes bfloat16,float32 --json bench_out/cpu_dtype_vllm.json
 """
 from __future__ import annotations
 
@@ -65,6 +71,50 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def vllm_child(args: argparse.Namespace) -> None:
+    """vLLM in one dtype, one round, in its own environment: measures printed as one JSON line. The
+    token ids come from the parent (--ids: the template's, and each round's segments)."""
+    import statistics as st
+
+    from vllm import LLM, SamplingParams, TokensPrompt
+    ids = json.loads(Path(args.ids).read_text())
+    prefix, segments = ids["prefix"], iter(ids["segments"][str(args.round)])  # this round's only
+    llm = LLM(model=ids["model"], dtype=args.vllm_child, enable_prefix_caching=True, max_num_seqs=64,
+              max_num_batched_tokens=2048, max_model_len=4096, seed=0,
+              gpu_memory_utilization=0.3)  # its CPU KV cache: 30% of memory, as the harness starts its server
+
+    def batch(n: int, tokens: int) -> float:
+        prompts = [TokensPrompt(prompt_token_ids=prefix + next(segments)) for _ in range(n)]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0),
+                            use_tqdm=False)
+        wall = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+        return wall
+
+    batch(2, ids["output_tokens"])  # the template's blocks cached, the kernels warm
+    ttft = [batch(1, 1) * 1e3 for _ in range(args.singles)]
+    result = {"ttft_ms": st.median(ttft), "ttft_all_ms": ttft, "backend": f"vllm {args.vllm_child}"}
+    for n in args.concurrency:
+        result[f"tok_s_{n}"] = n * ids["output_tokens"] / batch(n, ids["output_tokens"])
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def workload_ids(path: Path, rounds: int, per_round: int) -> None:
+    """The intent workload's token ids for vLLM: the template's, and per round `per_round` segments of
+    that round only (the same segments our engine gets in that round)."""
+    sys.path.insert(0, str(REPO))
+    from transformers import AutoTokenizer
+
+    from prefix_service.bench.workloads import Sizes, build_workload
+    from prefix_service.prepare_model import prepare_default_model
+    model = prepare_default_model(progress=False)
+    work = build_workload("intent", AutoTokenizer.from_pretrained(str(model)), Sizes())
+    segments = {r: [list(work.request(r * 100_000 + i).prompt_ids) for i in range(per_round)] for r in range(rounds)}
+    path.write_text(json.dumps({"model": str(model), "prefix": list(work.prefix_ids), "segments": segments,
+                                "output_tokens": work.output_tokens}))
+
+
 def machine() -> dict:
     """The benchmark harness's machine record (CPU, its instruction sets, load...)."""
     sys.path.insert(0, str(REPO))
@@ -79,8 +129,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--singles", type=int, default=5, help="single requests per round (TTFT median)")
     ap.add_argument("--concurrency", default="16,64")
+    ap.add_argument("--vllm-dtypes", default="", help="vLLM systems, e.g. bfloat16,float32 (make bench-peers)")
     ap.add_argument("--json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--vllm-child", help=argparse.SUPPRESS)
+    ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--repo", default=str(REPO), help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -88,17 +141,36 @@ def main() -> None:
     if args.child:
         child(args)
         return
+    if args.vllm_child:
+        vllm_child(args)
+        return
     systems = [(d, str(REPO), d) for d in args.dtypes.split(",")]
     if args.baseline:
         systems = [(f"base-{d}", args.baseline, d) for d in args.dtypes.split(",")] + systems
+    vllm_dtypes = [d for d in args.vllm_dtypes.split(",") if d]
+    ids_file = Path(tempfile.mkdtemp()) / "ids.json"
+    if vllm_dtypes:
+        sys.path.insert(0, str(REPO))
+        from prefix_service.bench.systems.vllm import server_env, vllm_python
+        python, why = vllm_python()
+        if python is None:
+            sys.exit(why)
+        workload_ids(ids_file, args.rounds, 2 + args.singles + sum(args.concurrency))
+        systems += [(f"vllm-{d}", "vllm", d) for d in vllm_dtypes]
     info = machine()
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
     for r in range(args.rounds):
         for name, repo, dtype in systems:
-            cmd = [sys.executable, __file__, "--child", dtype, "--repo", repo, "--round", str(r), "--singles",
-                   str(args.singles), "--concurrency", ",".join(map(str, args.concurrency))]
+            common = ["--round", str(r), "--singles", str(args.singles), "--concurrency",
+                      ",".join(map(str, args.concurrency))]
+            env = None
+            if repo == "vllm":
+                cmd = [python, __file__, "--vllm-child", dtype, "--ids", str(ids_file), *common]
+                env = server_env(python)
+            else:
+                cmd = [sys.executable, __file__, "--child", dtype, "--repo", repo, *common]
             with tempfile.TemporaryFile("w+") as err:
-                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
                 if proc.returncode != 0:
                     err.seek(0)
                     sys.exit(f"{name} (round {r}) failed:\n{err.read()[-3000:]}")
@@ -106,13 +178,15 @@ def main() -> None:
             runs[name].append(json.loads(line[len("RESULT "):]))
             print(f"round {r} {name}: {runs[name][-1]['backend']}", file=sys.stderr)
     keys = ["ttft_ms"] + [f"tok_s_{n}" for n in args.concurrency] + ["template_warmup_ms"]
-    table = {name: {k: statistics.median(run[k] for run in rs) for k in keys} for name, rs in runs.items()}
+    # a measure a system does not make (vLLM has no template warmup of its own) is None
+    table = {name: {k: statistics.median(run[k] for run in rs) if all(k in run for run in rs) else None
+                    for k in keys} for name, rs in runs.items()}
     info["load_average_end"] = list(os.getloadavg())
     print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds")
     print("| system | " + " | ".join(keys) + " |")
     print("| --- | " + " | ".join("---" for _ in keys) + " |")
     for name, row in table.items():
-        print(f"| {name} | " + " | ".join(f"{row[k]:.1f}" for k in keys) + " |")
+        print(f"| {name} | " + " | ".join("-" if row[k] is None else f"{row[k]:.1f}" for k in keys) + " |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "medians": table, "runs": runs,
