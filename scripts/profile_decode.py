@@ -3,9 +3,9 @@
 One EngineCore runs in this process and thread. A template of --prefix-tokens random ids is pinned;
 for each batch size of --batches, that many requests of --prompt-tokens ids name it and are stepped
 until every one has its first token (their prefills are not timed); then --steps decode steps are
-timed, each producing one token for every request, and the same number again under the backend's
-kernel_times() (which observes the path that serves: the cpu backend's native kernels time
-themselves, the torch backend's operators are read from torch's profiler). A step's time splits
+timed, each producing one token for every request, and the same number again under
+bench/profiling.py's kernel_times (which observes the path that serves: the cpu backend's native
+kernels time themselves, the torch backend's operators are read from torch's profiler). A step's time splits
 into linear layers, attention (K/V store included), element-wise kernels where the backend times
 them, and the rest: scheduling, input building, sampling, detokenizing, Python. The requests are
 then aborted; the next batch starts from the template alone.
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
-from prefix_service.bench.profiling import add_engine_args, engine_config, pin, with_scheduler  # noqa: E402
+from prefix_service.bench.profiling import add_engine_args, engine_config, kernel_times, pin, with_scheduler  # noqa: E402
 from prefix_service.engine.core import EngineCore  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
@@ -62,7 +62,7 @@ def decode_batch(core: EngineCore, prompts: list[list[int]], steps: int, tag: st
         start = time.perf_counter()
         core.step()
         wall.append(time.perf_counter() - start)
-    with core.backend.kernel_times() as kernel_ms:
+    with kernel_times(core.backend) as kernel_ms:
         start = time.perf_counter()
         for _ in range(steps):
             core.step()

@@ -7,8 +7,8 @@ computed. Where the backend packs the template's K/V (cache.pack_prefix_kv on th
 second engine with packing off runs (a) too (path prefix_unpacked), in the same turns. For each:
 time to first token (median and min over --runs), and, over --profile-runs more, the time in
 linear layers, in attention, and in everything else (element-wise work, the scheduler, Python),
-the last being the wall time minus the first two. The split comes from the backend's
-kernel_times(), which observes the path that serves: the cpu backend's native kernels time
+the last being the wall time minus the first two. The split comes from bench/profiling.py's
+kernel_times, which observes the path that serves: the cpu backend's native kernels time
 themselves, the torch backend's operators are read from torch's profiler.
 
 Next to the times, each path's FLOPs (linear layers: 2 x tokens x weights; attention: 4 x heads x
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
-from prefix_service.bench.profiling import add_engine_args, engine_config, pin, with_scheduler  # noqa: E402
+from prefix_service.bench.profiling import add_engine_args, engine_config, kernel_times, pin, with_scheduler  # noqa: E402
 from prefix_service.engine.core import EngineCore  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     split: dict[str, dict[str, float]] = {name: {"linear": 0.0, "attention": 0.0} for name in paths}
     if args.profile_runs:
         for name, (path_runner, by_name) in paths.items():
-            with path_runner.core.backend.kernel_times() as kernel_ms:
+            with kernel_times(path_runner.core.backend) as kernel_ms:
                 for prompt in prompts[2 + args.runs:]:
                     path_runner.ttft(prompt, by_name)
             split[name] = {kind: ms / args.profile_runs for kind, ms in kernel_ms.items()}  # ms per request

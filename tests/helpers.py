@@ -23,7 +23,7 @@ def engine_last_logits(engine, ids: list[int], prefix: str | None = None) -> tor
             logits = None
             while logits is None:
                 out = core.scheduler.schedule()
-                logits, _ = core.backend.execute(out)
+                logits = core.backend.execute(out.step)
                 core.scheduler.postprocess(out, [], [])
             return logits[0].clone()
         finally:

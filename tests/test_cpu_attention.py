@@ -5,19 +5,18 @@ result does not depend on the thread count; it shares torch's OpenMP runtime; ba
 clear error (the library's build: test_cpu_linear.py); a prefill step through it equals the torch
 backend's attention; the cpu backend decodes a shared template batch through it with the torch
 backend's tokens."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from helpers import cpu_simd, greedy
 from prefix_service import GenerateRequest
-from prefix_service.backends.base import StepInputs
+from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu import native
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
 from prefix_service.backends.cpu.stack import StackPlan
 from prefix_service.backends.torch.attention import PagedAttention, PagedMetadata
+from prefix_service.engine.step import ScheduledRow, StepBatch
 
 REASON = cpu_attention.available()
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU attention here: {REASON}")
@@ -137,16 +136,10 @@ def test_bad_input_is_refused_with_a_clear_error():
         cpu_attention.prefill_attention(q8, k8, v8, 0.3)
 
 
-def prefill_step(seqs, bs: int) -> StepInputs:
+def prefill_step(seqs) -> StepBatch:
     """A step of prefills only: (block table, cached context, new tokens) per sequence."""
-    step = StepInputs()
-    for table, ctx, n in seqs:
-        step.prefills.append(SimpleNamespace(block_table=table, prefix=None, num_shared_blocks=0))
-        step.prefill_context.append(ctx)
-        step.prefill_new.append(n)
-        step.slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + n)]
-        step.positions += range(ctx, ctx + n)
-    return step
+    return StepBatch(tuple(ScheduledRow(f"r{i}", False, (1,) * n, ctx, tuple(table))
+                           for i, (table, ctx, n) in enumerate(seqs)))
 
 
 @needs_native
@@ -163,20 +156,22 @@ def test_prefill_step_through_the_kernel_equals_torch():
                 (template, 3 * bs, 2), ([50], 0, 6), (template + [33], 3 * bs + 3, 1)]
     fresh = iter(range(60, 80))  # each sequence's own blocks for its new tokens
     seqs = [(t + [next(fresh) for _ in range(-(-(c + n) // bs) - len(t))], c, n) for t, c, n in contexts]
-    step = prefill_step(seqs, bs)
-    slots = torch.tensor(step.slots)
+    step = prefill_step(seqs)
+    host = StepTensors.build(step, bs)
+    slots = host.slots
     tq = sum(n for _, _, n in seqs)
     qkv = torch.randn(tq, hq + 2 * hkv, d, generator=g)  # strided rows, as the model's projection gives
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     scale = d ** -0.5
 
     want_k, want_v = kc.clone(), vc.clone()
-    want = PagedAttention([(want_k, want_v)], PagedMetadata.build(step, bs, torch.device("cpu")))(0, q, k, v, scale)
+    meta = PagedMetadata.build(step, host, bs, torch.device("cpu"))
+    want = PagedAttention([(want_k, want_v)], meta)(0, q, k, v, scale)
 
     for packed in (False, True):
         got_k, got_v = kc.clone(), vc.clone()
         template_kv = PackedTemplate([(got_k, got_v)], template) if packed else None
-        plan = StackPlan.build(step, bs, 1, lambda seq: template_kv if seq.block_table[:3] == template else None)
+        plan = StackPlan.build(step, host, 1, lambda row: template_kv if list(row.block_ids[:3]) == template else None)
         got = torch.empty_like(q)
         start = 0
         for i, (q_len, ctx, first) in enumerate(plan.prefill_info.tolist()):

@@ -14,6 +14,7 @@ from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
 from prefix_service.backends.cpu.stack import StackPlan
 from prefix_service.config import CacheConfig, ConfigError
+from prefix_service.engine.step import ScheduledRow
 
 BLOCK = 4
 needs_native = pytest.mark.skipif(cpu_attention.available() is not None,
@@ -81,9 +82,9 @@ def test_engine_tokens_with_packed_template_equal_without(prefix_len, make_engin
     assert out.token_ids == run_ids(engine, full[:prefix_len], max_tokens=8)
 
     def shares(core, num_shared):
-        handle = next(iter(core.backend.templates))
-        seq = type("Seq", (), {"prefix": handle, "num_shared_blocks": num_shared})()
-        return core.backend._template_of(seq) is not None
+        template_id = next(iter(core.backend.templates))
+        row = ScheduledRow("probe", True, (1,), prefix_len, (), template_id, num_shared)
+        return core.backend.template_of(row) is not None
     full_blocks = prefix_len // BLOCK
     assert engine._run(lambda core: (shares(core, full_blocks), shares(core, full_blocks - 1))) == (True, False)
 
@@ -91,7 +92,10 @@ def test_engine_tokens_with_packed_template_equal_without(prefix_len, make_engin
 @needs_native
 def test_packed_copy_dropped_with_the_template_blocks(make_engine):
     engine = make_engine(block_size=BLOCK)
-    packed = lambda: engine._run(lambda core: sorted(h.name for h in core.backend.templates))  # noqa: E731
+    def packed():
+        def names(core):
+            return sorted(h.name for h in core.prefixes.pinned_handles() if h.template_id in core.backend.templates)
+        return engine._run(names)
     engine.add_prefix("a", token_ids=ids_of(9))
     engine.add_prefix("b", token_ids=ids_of(3, salt=1))  # no full block: nothing to pack
     assert packed() == ["a"]

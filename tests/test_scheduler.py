@@ -11,6 +11,7 @@ from prefix_service.engine.prefix_cache import PrefixCacheManager
 from prefix_service.sampling_params import SamplingParams
 from prefix_service.engine.scheduler import Scheduler
 from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
+from prefix_service.engine.step import ScheduledRow, StepBatch
 
 B = 4
 
@@ -73,6 +74,56 @@ def test_decodes_first_then_chunked_prefill_then_fcfs():
     sched.postprocess(out, [a], [42])  # a sampled its first token: now a decode
     out = sched.schedule()
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 5)]
+
+
+def test_step_is_plain_data_per_row():
+    """The step a backend gets: frozen rows in the scheduler's order (decodes first, each flagged),
+    their new tokens, cached context, block ids as they stand after allocation, the template shared
+    and its block count, and which rows are sampled; later scheduling does not change a step."""
+    alloc, prefixes, sched = setup(num_blocks=64, budget=6)
+    handle = pin(alloc, prefixes, "p", 10)  # blocks [0, 1, 2]
+    a = seq("a", [1] * 5)
+    b = seq("b", list(range(10)) + [7, 8, 9], handle)
+    prefixes.acquire(handle)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()  # a: its 5 tokens; b: 1 of its 3 own tokens (budget 6)
+    assert out.step.rows == (
+        ScheduledRow("a", False, (1,) * 5, 0, (3, 4), None, 0, sample=True),
+        ScheduledRow("b", False, (7,), 10, (0, 1, 5), handle.template_id, 2, sample=False))
+    assert out.step.copies == ((2, 5),) and out.step.num_decodes == 0 and out.step.sampled == [0]
+    assert out.sampled == [a]
+    first = out.step
+    sched.postprocess(out, [a], [42])
+    out = sched.schedule()
+    assert [(r.request_id, r.is_decode, r.token_ids, r.num_computed, r.context_len) for r in out.step.rows] == [
+        ("a", True, (42,), 5, 6), ("b", False, (8, 9), 11, 13)]
+    assert out.step.decodes == out.step.rows[:1] and out.step.prefills == out.step.rows[1:]
+    assert out.step.sampled == [0, 1] and out.sampled == [a, b]
+    assert first.rows[1].block_ids == (0, 1, 5) and first.rows[1].num_computed == 10  # a step is a snapshot
+    assert out.step.rows[1].slots(B) == [5 * B + 3, 6 * B]  # positions 11, 12 in blocks 5 and 6
+    for s in (a, b):
+        sched.finish(s, FinishReason.ABORT)
+    alloc.check_integrity(prefixes.held_refs())
+
+
+def test_step_tensors_pad_block_tables_once():
+    """StepTensors flattens a step for every backend: ids, positions and slots per token (decode
+    rows first), one -1 padded block table per row, context lengths, and the sampled rows' last
+    tokens."""
+    from prefix_service.backends.base import StepTensors
+    step = StepBatch((ScheduledRow("d", True, (9,), 6, (4, 2), 1, 1, sample=True),
+                      ScheduledRow("p", False, (5, 6, 7), 2, (8, 9, 3), None, 0, sample=True),
+                      ScheduledRow("w", False, (1, 1), 0, (7,), None, 0, sample=False)))
+    host = StepTensors.build(step, B)
+    assert host.token_ids.tolist() == [9, 5, 6, 7, 1, 1]
+    assert host.positions.tolist() == [6, 2, 3, 4, 0, 1]
+    assert host.slots.tolist() == [2 * B + 2, 8 * B + 2, 8 * B + 3, 9 * B, 7 * B, 7 * B + 1]
+    assert host.block_tables.tolist() == [[4, 2, -1], [8, 9, 3], [7, -1, -1]]
+    assert host.context_lens.tolist() == [7, 5, 2]
+    assert host.logit_rows.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="decode rows first"):
+        StepBatch((step.rows[1], step.rows[0]))
 
 
 def test_preemption_takes_the_newest_and_spares_pinned_blocks():

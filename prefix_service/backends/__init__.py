@@ -15,12 +15,12 @@ import logging
 import torch
 
 from prefix_service.backends import hostmem
-from prefix_service.backends.base import Backend, StepInputs
+from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.config import BACKENDS
 from prefix_service.errors import ConfigError
 from prefix_service.model.llama import ModelArch
 
-__all__ = ["Backend", "StepInputs", "select_backend"]
+__all__ = ["Backend", "StepTensors", "select_backend"]
 
 log = logging.getLogger("prefix_service.engine")
 

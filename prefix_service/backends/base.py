@@ -3,19 +3,19 @@
 The engine (prefix_service/engine/) keeps every decision on plain CPU data: which sequences run,
 which blocks they own, which templates are pinned. A backend does everything that touches a
 device: it holds the model's weights in the form its kernels want and the KV cache tensors,
-turns a step's `SchedulerOutput` into device tensors, runs the forward pass, copies blocks
-(copy-on-write of a template's partial last block), and hears when a template is pinned and
-unpinned. One is chosen at start (`select_backend` in backends/__init__.py) and never changes.
+turns a step (`StepBatch`, engine/step.py: frozen rows, no live engine objects) into device
+tensors, runs the forward pass, copies blocks (copy-on-write of a template's partial last block),
+and hears when a template is pinned and unpinned. One is chosen at start (`select_backend` in
+backends/__init__.py) and never changes.
 
-    SchedulerOutput --StepInputs.build--> StepInputs (CPU lists, the same for every backend)
-                    --Backend.forward--> logits of the sequences to sample
+    StepBatch --StepTensors.build--> StepTensors (CPU tensors, built once, the same for every backend)
+              --Backend.forward--> logits of the rows to sample
 """
 from __future__ import annotations
 
 import abc
-import contextlib
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Collection, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Collection
 
 import torch
 
@@ -25,54 +25,40 @@ from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from prefix_service.engine.prefix_cache import PrefixHandle
-    from prefix_service.engine.scheduler import SchedulerOutput
-    from prefix_service.engine.sequence import Sequence
+    from prefix_service.engine.step import StepBatch
 
 
-@dataclass
-class StepInputs:
-    """One step, flattened on the CPU. Rows: decodes first (one token each), then prefill chunks.
-
-    decodes[i] attends over decode_context[i] tokens, its new one included; prefills[j] adds
-    prefill_new[j] tokens after prefill_context[j] tokens already in the cache (a template's
-    shared blocks, earlier chunks), so its token k sits at position prefill_context[j] + k.
-    """
-    token_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # each row's cache slot: block_id * block_size + offset
-    decodes: list[Sequence] = field(default_factory=list)
-    decode_context: list[int] = field(default_factory=list)
-    prefills: list[Sequence] = field(default_factory=list)
-    prefill_new: list[int] = field(default_factory=list)
-    prefill_context: list[int] = field(default_factory=list)
-    logit_rows: list[int] = field(default_factory=list)  # rows whose logits are sampled
-    sample: list[Sequence] = field(default_factory=list)  # the sequences of those rows, in order
+@dataclass(frozen=True)
+class StepTensors:
+    """A step's rows flattened into CPU tensors, once per step; each backend moves what it needs
+    to its device. T: the step's tokens (decode rows' first), N: its rows, S: its sampled rows."""
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: each token's cache slot, block_id * block_size + offset
+    block_tables: torch.Tensor  # [N, W] int32: each row's block ids, -1 padded
+    context_lens: torch.Tensor  # [N] int32: the tokens each row attends over, its new ones included
+    logit_rows: torch.Tensor  # [S] int64: the index in T of each sampled row's last token
 
     @classmethod
-    def build(cls, out: SchedulerOutput, block_size: int) -> StepInputs:
-        step = cls()
-        for s in out.scheduled:  # the scheduler puts the decodes first
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            step.token_ids += seq.token_ids[start:end]
-            step.positions += range(start, end)
-            table = seq.block_table
-            step.slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            if s.num_new_tokens == 1 and start > 0 and not step.prefills:
-                step.decodes.append(seq)
-                step.decode_context.append(end)
-            else:
-                step.prefills.append(seq)
-                step.prefill_new.append(s.num_new_tokens)
-                step.prefill_context.append(start)
-            if s.completes_prompt and not seq.prefill_only:  # a template's warmup samples nothing
-                step.logit_rows.append(len(step.token_ids) - 1)
-                step.sample.append(seq)
-        return step
+    def build(cls, step: StepBatch, block_size: int) -> StepTensors:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        for row in step.rows:
+            ids += row.token_ids
+            positions += range(row.num_computed, row.context_len)
+            slots += row.slots(block_size)
+            if row.sample:
+                logit_rows.append(len(ids) - 1)
+        width = max((len(r.block_ids) for r in step.rows), default=0)
+        tables = [list(r.block_ids) + [-1] * (width - len(r.block_ids)) for r in step.rows]
 
-    @property
-    def num_decodes(self) -> int:
-        return len(self.decodes)
+        def longs(data: list[int]) -> torch.Tensor:
+            return torch.tensor(data, dtype=torch.int64)
+        return cls(longs(ids), longs(positions), longs(slots),
+                   torch.tensor(tables, dtype=torch.int32).view(len(tables), width),
+                   torch.tensor([r.context_len for r in step.rows], dtype=torch.int32), longs(logit_rows))
 
 
 class Backend(abc.ABC):
@@ -101,20 +87,19 @@ class Backend(abc.ABC):
         return self.name
 
     # --- one step ------------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
+    def execute(self, step: StepBatch) -> torch.Tensor | None:
         """Run one step: the copy-on-write copies first, then the forward. Returns the logits
-        [N, vocab] (float32) of the sequences whose chunk reaches their last token (a template's
-        warmup excluded), and those sequences in order; (None, []) when there are none."""
-        if out.copies:  # before anything is written: a copy's source is a pinned block
-            self.copy_blocks(out.copies)
-        step = StepInputs.build(out, self.block_size)
-        logits = self.forward(step)
-        return (logits, step.sample) if step.sample else (None, [])
+        [S, vocab] (float32) of the rows marked `sample`, in row order; None when there are none."""
+        if step.copies:  # before anything is written: a copy's source is a pinned block
+            self.copy_blocks(list(step.copies))
+        if not step.rows:
+            return None
+        return self.forward(step, StepTensors.build(step, self.block_size))
 
     @abc.abstractmethod
-    def forward(self, step: StepInputs) -> torch.Tensor | None:
-        """Store every row's K/V in its slot, attend, and return the logits of step.logit_rows
-        ([len(logit_rows), vocab] float32; None when there are none)."""
+    def forward(self, step: StepBatch, host: StepTensors) -> torch.Tensor | None:
+        """Store every token's K/V in its slot, attend, and return the logits of host.logit_rows
+        ([S, vocab] float32; None when there are none)."""
 
     @abc.abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -134,30 +119,3 @@ class Backend(abc.ABC):
 
     def check_integrity(self, pinned: Collection[PrefixHandle]) -> None:
         """Raise AssertionError if the backend holds anything for a template that is not pinned."""
-
-    @contextlib.contextmanager
-    def kernel_times(self) -> Iterator[dict[str, float]]:
-        """Time the forwards run inside, by kind of work, without changing what runs: yields a dict
-        that holds, on exit, milliseconds in 'linear' (the linear layers, the output head
-        included) and 'attention' (K/V store and attention). This default reads torch's profiler
-        over the torch operators the backend runs."""
-        times: dict[str, float] = {}
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            yield times
-        times.update(linear=0.0, attention=0.0)
-        for event in prof.events():
-            kind = _torch_op_kind(event.name)
-            if kind is not None:
-                times[kind] += event.self_cpu_time_total / 1e3
-
-
-_LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear")
-_ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::logsumexp", "aten::index_copy_")  # the math path, the store
-
-
-def _torch_op_kind(name: str) -> str | None:
-    if name in _LINEAR_OPS:
-        return "linear"
-    if "attention" in name or name in _ATTENTION_OPS:
-        return "attention"
-    return None

@@ -1,13 +1,18 @@
 """What the engine profiling scripts (scripts/profile_prefill.py, scripts/profile_decode.py) share:
-the options that say which engine to build, the engine config they give, and pinning a template
-by stepping an EngineCore in this thread."""
+the options that say which engine to build, the engine config they give, pinning a template by
+stepping an EngineCore in this thread, and timing a backend's kernels by kind of work."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+from typing import Iterator
+
+import torch
 
 from prefix_service.bench.main import REPO
 from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config
+from prefix_service.backends.base import Backend
 from prefix_service.engine.core import EngineCore
 
 DEFAULT_CONFIG = str(REPO / "configs" / "default.yaml")
@@ -50,3 +55,43 @@ def pin(core: EngineCore, name: str, ids: list[int]) -> None:
         core.step()
     if isinstance(result.get("r"), BaseException):
         raise result["r"]
+
+
+@contextlib.contextmanager
+def kernel_times(backend: Backend) -> Iterator[dict[str, float]]:
+    """Time the forwards `backend` runs inside, by kind of work, without changing what runs: yields
+    a dict that holds, on exit, milliseconds in 'linear' (the linear layers, the output head
+    included) and 'attention' (K/V store and attention), and for the cpu backend 'elementwise'.
+    The cpu backend's native kernels time themselves (csrc/timers.h); for the torch backend, torch's
+    profiler is read over the operators it runs."""
+    times: dict[str, float] = {}
+    if backend.name == "cpu":
+        from prefix_service.backends.cpu.stack import kernel_timers
+        kernel_timers(True)
+        try:
+            yield times
+        finally:
+            times.update(kernel_timers(False))
+        return
+    if backend.name == "cuda":
+        raise NotImplementedError("the cuda backend has no kernel timers yet; profile it with torch.profiler "
+                                  "(CUDA activity) or nsys")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield times
+    times.update(linear=0.0, attention=0.0)
+    for event in prof.events():
+        kind = _torch_op_kind(event.name)
+        if kind is not None:
+            times[kind] += event.self_cpu_time_total / 1e3
+
+
+_LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear")
+_ATTENTION_OPS = ("aten::bmm", "aten::_softmax", "aten::logsumexp", "aten::index_copy_")  # the math path, the store
+
+
+def _torch_op_kind(name: str) -> str | None:
+    if name in _LINEAR_OPS:
+        return "linear"
+    if "attention" in name or name in _ATTENTION_OPS:
+        return "attention"
+    return None

@@ -205,7 +205,8 @@ class EngineCore:
         if out.is_empty:
             return
         self.stats["steps"] += 1
-        logits, sample_seqs = self.backend.execute(out)
+        logits = self.backend.execute(out.step)
+        sample_seqs = out.sampled
         tokens = sample(logits, sample_seqs) if logits is not None else []
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:

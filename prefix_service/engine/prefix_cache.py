@@ -8,6 +8,7 @@ request that uses the template finishes (deferred removal).
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import NewType, Protocol
@@ -23,6 +24,7 @@ class PrefixHandle:
     name: PrefixName
     token_ids: tuple[int, ...]
     block_table: tuple[BlockId, ...]  # ceil(len / block_size) blocks; the last may be partial
+    template_id: int  # unique for the engine's life: the steps' rows and the backend name the pin by it
     source: dict = field(default_factory=dict)  # how it was defined: {"content": ...} or {"system_prompt": ...}
     created_at: float = field(default_factory=time.time)
     requests_served: int = 0
@@ -78,6 +80,7 @@ class PrefixCacheManager:
         self._handles: dict[str, PrefixHandle] = {}
         self._pending: dict[str, int] = {}  # name -> blocks reserved while its warmup prefill runs
         self._detached: list[PrefixHandle] = []  # removed but still in use
+        self._ids = itertools.count(1)
 
     # --- lookup -----------------------------------------------------------------------------
     def get(self, name: str) -> PrefixHandle:
@@ -127,7 +130,7 @@ class PrefixCacheManager:
             raise RuntimeError(f"pin of {name!r} without reserve")
         assert len(block_table) == self.blocks_for(len(token_ids)), "block table does not cover the prefix"
         self.allocator.incref(block_table)
-        handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), source)
+        handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), next(self._ids), source)
         if self.hooks is not None:
             try:
                 self.hooks.on_pin(handle)

@@ -4,8 +4,8 @@ Each step: running sequences with one uncomputed token (decodes) first, oldest f
 running sequences part-way through their prompt (chunked prefill); then waiting requests in
 FCFS order while the budget, `max_num_seqs` and free blocks allow. When a decode needs a block
 and none is free, the newest running sequence is preempted (its own blocks freed, recomputed
-later); pinned prefix blocks are never touched. Output is plain CPU data; the model runner
-builds the tensors.
+later); pinned prefix blocks are never touched. The step goes to the backend as plain data
+(`StepBatch`, step.py); the backend builds the tensors.
 """
 from __future__ import annotations
 
@@ -16,17 +16,28 @@ from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.config import SchedulerConfig
 from prefix_service.engine.prefix_cache import PrefixCacheManager
 from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
+from prefix_service.engine.step import ScheduledRow, StepBatch
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens [num_computed, num_computed + num_new_tokens) run this step
+    is_decode: bool = False  # scheduled as a decode: one new token after its cached context
 
     @property
     def completes_prompt(self) -> bool:
         """True when this chunk reaches the last token, so its logits are sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+    def row(self) -> ScheduledRow:
+        """This sequence's part of the step, as the backend reads it."""
+        seq, start = self.seq, self.seq.num_computed_tokens
+        prefix = seq.prefix
+        return ScheduledRow(
+            seq.request_id, self.is_decode, tuple(seq.token_ids[start:start + self.num_new_tokens]), start,
+            tuple(seq.block_table), prefix.template_id if prefix is not None else None, seq.num_shared_blocks,
+            sample=self.completes_prompt and not seq.prefill_only)  # a template's warmup samples nothing
 
 
 @dataclass
@@ -35,6 +46,12 @@ class SchedulerOutput:
     copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # copy-on-write, before the step
     preempted: list[Sequence] = field(default_factory=list)
     unschedulable: list[Sequence] = field(default_factory=list)  # cannot fit even alone: the engine ends them
+    step: StepBatch = field(default_factory=StepBatch)  # `scheduled` and `copies` as plain data, row for row
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences whose logits the step returns, in its order."""
+        return [self.scheduled[i].seq for i in self.step.sampled]
 
     @property
     def num_tokens(self) -> int:
@@ -146,7 +163,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.block_table += self.allocator.allocate(need)
-            out.scheduled.append(ScheduledSeq(seq, 1))
+            out.scheduled.append(ScheduledSeq(seq, 1, is_decode=True))
             scheduled_ids.add(id(seq))
             budget -= 1
 
@@ -198,6 +215,7 @@ class Scheduler:
             stuck = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
             if stuck is not None:
                 out.unschedulable.append(stuck)
+        out.step = StepBatch(tuple(s.row() for s in out.scheduled), tuple(out.copies))
         return out
 
     def capacity_blocks(self) -> int:

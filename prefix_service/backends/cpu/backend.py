@@ -14,24 +14,23 @@ on first use with the system C++ compiler (native.py); `unsupported` says when i
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Collection, Iterator
+from typing import TYPE_CHECKING, Collection
 
 import torch
 
-from prefix_service.backends.base import Backend, StepInputs
+from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.backends.cpu import elementwise, linear
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
-from prefix_service.backends.cpu.stack import DecoderStack, StackPlan, kernel_timers
+from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
 from prefix_service.backends.cpu.stack import unsupported as stack_unsupported
 from prefix_service.config import CacheConfig
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
 if TYPE_CHECKING:
     from prefix_service.engine.prefix_cache import PrefixHandle
-    from prefix_service.engine.sequence import Sequence
+    from prefix_service.engine.step import ScheduledRow, StepBatch
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -56,7 +55,7 @@ class CpuBackend(Backend):
         if model.lm_head is not None:
             model.lm_head.weight = None
         self.pack_templates = cache.pack_prefix_kv
-        self.templates: dict[PrefixHandle, PackedTemplate] = {}
+        self.templates: dict[int, PackedTemplate] = {}  # by PrefixHandle.template_id
 
     def describe(self) -> str:
         if self.dtype == torch.bfloat16:
@@ -66,24 +65,25 @@ class CpuBackend(Backend):
         return "cpu (native kernels, decoder stack)"
 
     # --- one step ------------------------------------------------------------------------------
-    def forward(self, step: StepInputs) -> torch.Tensor | None:
-        plan = StackPlan.build(step, self.block_size, self.stack.num_layers, self._template_of)
-        x = self.embed.index_select(0, torch.tensor(step.token_ids, dtype=torch.int64))  # [T, hidden]
+    def forward(self, step: StepBatch, host: StepTensors) -> torch.Tensor | None:
+        plan = StackPlan.build(step, host, self.stack.num_layers, self.template_of)
+        x = self.embed.index_select(0, host.token_ids)  # [T, hidden]
         if x.dtype != torch.float32:  # the residual stream is float32
             x = x.float()
         pending = self.stack.forward(x, plan)  # x is the residual stream, pending the last MLP's output
-        if not step.logit_rows:
+        if not host.logit_rows.numel():
             return None
-        rows = torch.tensor(step.logit_rows, dtype=torch.int64)
+        rows = host.logit_rows
         h = elementwise.add_rms_norm(x.index_select(0, rows), pending.index_select(0, rows), self.norm_weight,
                                      self.norm_eps)
         return self.head(h)
 
-    def _template_of(self, seq: Sequence) -> PackedTemplate | None:
-        # only when the sequence shares all of the packed blocks (a prompt that adds nothing shares one
-        # block fewer: its last template token is computed again, in its own block)
-        packed = self.templates.get(seq.prefix) if seq.prefix is not None else None
-        return packed if packed is not None and seq.num_shared_blocks == packed.num_blocks else None
+    def template_of(self, row: ScheduledRow) -> PackedTemplate | None:
+        """The packed copy a row's attention reads: only when the row shares all of its template's
+        packed blocks (a prompt that adds nothing shares one block fewer: its last template token is
+        computed again, in its own block)."""
+        packed = self.templates.get(row.template_id) if row.template_id is not None else None
+        return packed if packed is not None and row.num_template_blocks == packed.num_blocks else None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self.stack.copy_blocks(pairs)
@@ -94,28 +94,17 @@ class CpuBackend(Backend):
         if not self.pack_templates or not full:
             return
         start = time.perf_counter()
-        packed = self.templates[handle] = PackedTemplate(self.kv_layers, list(handle.block_table[:full]))
+        packed = self.templates[handle.template_id] = PackedTemplate(self.kv_layers, list(handle.block_table[:full]))
         log.info("prefix template %r: K/V of its %d full blocks packed for CPU attention (%.1f MiB, %.0f ms)",
                  handle.name, packed.num_blocks, packed.nbytes / 2**20, (time.perf_counter() - start) * 1e3)
 
     def on_unpin(self, handle: PrefixHandle) -> None:
-        self.templates.pop(handle, None)
+        self.templates.pop(handle.template_id, None)
 
     # --- introspection -------------------------------------------------------------------------
     def packed_template_bytes(self) -> int:
         return sum(p.nbytes for p in self.templates.values())
 
     def check_integrity(self, pinned: Collection[PrefixHandle]) -> None:
-        if not set(self.templates) <= set(pinned):
+        if not set(self.templates) <= {h.template_id for h in pinned}:
             raise AssertionError("a packed template copy outlived its template's blocks")
-
-    @contextlib.contextmanager
-    def kernel_times(self) -> Iterator[dict[str, float]]:
-        """The native kernels' own timers (csrc/timers.h) around the calls that serve: linear,
-        attention and elementwise milliseconds."""
-        times: dict[str, float] = {}
-        kernel_timers(True)
-        try:
-            yield times
-        finally:
-            times.update(kernel_timers(False))

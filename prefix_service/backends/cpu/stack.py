@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from prefix_service.backends.base import StepInputs
+from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
+
+if TYPE_CHECKING:
+    from prefix_service.engine.step import ScheduledRow, StepBatch
 
 
 class NativeLayerError(RuntimeError):
@@ -93,30 +96,27 @@ class StackPlan:
     templates: torch.Tensor | None  # [Nd + Np, layers, 2] int64: packed K panels and V rows per layer, 0: none
 
     @classmethod
-    def build(cls, step: StepInputs, block_size: int, num_layers: int,
-              template_of: Callable[..., PackedTemplate | None]) -> StackPlan:
-        def tables(seqs) -> torch.Tensor:
-            width = max((len(s.block_table) for s in seqs), default=0)
-            return torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs],
-                                dtype=torch.int32).view(len(seqs), width)
-
-        dec = [template_of(s) for s in step.decodes]
-        pre = [template_of(s) for s in step.prefills]
-        info = [[n, c, p.num_tokens if p is not None else 0] for n, c, p in zip(step.prefill_new, step.prefill_context, pre)]
+    def build(cls, step: StepBatch, host: StepTensors, num_layers: int,
+              template_of: Callable[[ScheduledRow], PackedTemplate | None]) -> StackPlan:
+        nd = step.num_decodes
+        dec = [template_of(r) for r in step.decodes]
+        pre = [template_of(r) for r in step.prefills]
+        info = [[r.num_new_tokens, r.num_computed, p.num_tokens if p is not None else 0]
+                for r, p in zip(step.prefills, pre)]
         templates = None
         if any(p is not None for p in dec + pre):
             none = torch.zeros(num_layers, 2, dtype=torch.int64)
             templates = torch.stack([p.pointers if p is not None else none for p in dec + pre])
         return cls(
-            slots=torch.tensor(step.slots, dtype=torch.int64),
-            positions=torch.tensor(step.positions, dtype=torch.int64),
-            num_decodes=step.num_decodes,
-            decode_tables=tables(step.decodes),
-            decode_context=torch.tensor(step.decode_context, dtype=torch.int32),
+            slots=host.slots,
+            positions=host.positions,
+            num_decodes=nd,
+            decode_tables=host.block_tables[:nd],
+            decode_context=host.context_lens[:nd],
             decode_skip=(torch.tensor([p.num_blocks if p is not None else 0 for p in dec], dtype=torch.int32)
                          if any(p is not None for p in dec) else None),
             prefill_info=torch.tensor(info, dtype=torch.int32).view(-1, 3),
-            prefill_tables=tables(step.prefills),
+            prefill_tables=host.block_tables[nd:],
             templates=templates)
 
 

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 import cuda_ops
 from cuda_ops.paged_decode import paged_decode_attention, paged_decode_attention_ref, triton_available
-from prefix_service.backends.base import StepInputs
+from prefix_service.backends.base import StepTensors
 from prefix_service.backends.torch.attention import CausalMasks, attend_contiguous
+
+if TYPE_CHECKING:
+    from prefix_service.engine.step import StepBatch
 
 
 @dataclass
@@ -45,31 +48,30 @@ class VarlenMetadata:
     masks: CausalMasks = field(default_factory=CausalMasks, repr=False)  # the SDPA path's, for all layers
 
     @classmethod
-    def build(cls, step: StepInputs, device: torch.device) -> VarlenMetadata:
-        def tensor(data, dtype=torch.int32) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+    def build(cls, step: StepBatch, host: StepTensors, device: torch.device) -> VarlenMetadata:
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
 
-        def tables(seqs) -> torch.Tensor:
-            width = max((len(s.block_table) for s in seqs), default=0)
-            return tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]).view(len(seqs), width)
-
+        nd = step.num_decodes
+        new = [r.num_new_tokens for r in step.prefills]
+        context = [r.num_computed for r in step.prefills]
         cu_q = [0]
-        for n in step.prefill_new:
+        for n in new:
             cu_q.append(cu_q[-1] + n)
         return cls(
-            slots=tensor(step.slots, torch.int64),
-            num_decodes=step.num_decodes,
-            decode_tables=tables(step.decodes),
-            decode_lens=tensor(step.decode_context),
-            decode_max=max(step.decode_context, default=0),
-            prefill_tables=tables(step.prefills),
-            prefill_context=tensor(step.prefill_context),
-            cu_seqlens_q=tensor(cu_q),
-            prefill_new_list=step.prefill_new,
-            prefill_context_list=step.prefill_context,
-            max_q=max(step.prefill_new, default=0),
-            max_k=max((a + b for a, b in zip(step.prefill_new, step.prefill_context)), default=0),
-            total_k=sum(step.prefill_new) + sum(step.prefill_context))
+            slots=to_device(host.slots),
+            num_decodes=nd,
+            decode_tables=to_device(host.block_tables[:nd]),
+            decode_lens=to_device(host.context_lens[:nd]),
+            decode_max=max((r.context_len for r in step.decodes), default=0),
+            prefill_tables=to_device(host.block_tables[nd:]),
+            prefill_context=to_device(torch.tensor(context, dtype=torch.int32)),
+            cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32)),
+            prefill_new_list=new,
+            prefill_context_list=context,
+            max_q=max(new, default=0),
+            max_k=max((a + b for a, b in zip(new, context)), default=0),
+            total_k=sum(new) + sum(context))
 
 
 # prefill(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_seqlens_k [Np+1], meta, scale) -> [Tq, Hq, D]

@@ -4,15 +4,19 @@ and the Triton paged decode (attention.py)."""
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 import cuda_ops
-from prefix_service.backends.base import Backend, StepInputs
+from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata, pick_decode,
                                                     pick_prefill)
 from prefix_service.config import CacheConfig
 from prefix_service.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from prefix_service.engine.step import StepBatch
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -31,20 +35,15 @@ class CudaBackend(Backend):
     def describe(self) -> str:
         return f"cuda (prefill {self.prefill_name}, decode {self.decode_name})"
 
-    def forward(self, step: StepInputs) -> torch.Tensor | None:
+    def forward(self, step: StepBatch, host: StepTensors) -> torch.Tensor | None:
         device = self.device
-        meta = VarlenMetadata.build(step, device)
-        ids = torch.tensor(step.token_ids, dtype=torch.int64).to(device, non_blocking=True)
-        positions = torch.tensor(step.positions, dtype=torch.int64).to(device, non_blocking=True)
+        meta = VarlenMetadata.build(step, host, device)
+        ids = host.token_ids.to(device, non_blocking=True)
+        positions = host.positions.to(device, non_blocking=True)
         hidden = self.model(ids, positions, VarlenAttention(self.kv_layers, meta, self.prefill, self.decode))
-        if not step.logit_rows:
+        if not host.logit_rows.numel():
             return None
-        rows = torch.tensor(step.logit_rows, dtype=torch.int64).to(device, non_blocking=True)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[host.logit_rows.to(device, non_blocking=True)])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         cuda_ops.copy_blocks(self.kv_cache.k, self.kv_cache.v, torch.tensor(pairs, dtype=torch.int64))
-
-    def kernel_times(self):
-        raise NotImplementedError("the cuda backend has no kernel timers yet; profile it with torch.profiler "
-                                  "(CUDA activity) or nsys")

@@ -14,12 +14,16 @@ causal masking aligned bottom-right (query i of a chunk after c cached tokens se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from prefix_service.backends.base import StepInputs
+from prefix_service.backends.base import StepTensors
 from prefix_service.backends.torch.cascade import CascadeDecode, PrefixGroup, attend_paged, cascade_decode
+
+if TYPE_CHECKING:
+    from prefix_service.engine.step import StepBatch
 
 
 class CausalMasks:
@@ -54,55 +58,58 @@ class PagedMetadata:
     cache: dict = field(default_factory=dict, repr=False)  # attend_paged's gather index and mask, for all layers
 
     @classmethod
-    def build(cls, step: StepInputs, block_size: int, device: torch.device) -> PagedMetadata:
-        def tensor(data, dtype=torch.int64) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
+    def build(cls, step: StepBatch, host: StepTensors, block_size: int, device: torch.device) -> PagedMetadata:
+        def to_device(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
 
-        tables = [seq.block_table for seq in step.decodes]
-        width = max(map(len, tables), default=0)
+        nd = step.num_decodes
+        tables = host.block_tables
+        prefill_context = [r.num_computed for r in step.prefills]
         return cls(
-            slots=tensor(step.slots),
-            num_decodes=step.num_decodes,
-            decode_tables=tensor([t + [-1] * (width - len(t)) for t in tables], torch.int32).view(len(tables), width),
-            decode_lens=tensor(step.decode_context, torch.int32),
-            decode_max=max(step.decode_context, default=0),
-            cascade=_cascade(step, block_size, tensor),
-            prefill_blocks=[tensor(seq.block_table[:-(-ctx // block_size)])
-                            for seq, ctx in zip(step.prefills, step.prefill_context)],
-            prefill_new=step.prefill_new,
-            prefill_context=step.prefill_context)
+            slots=to_device(host.slots),
+            num_decodes=nd,
+            decode_tables=to_device(tables[:nd]),
+            decode_lens=to_device(host.context_lens[:nd]),
+            decode_max=max((r.context_len for r in step.decodes), default=0),
+            cascade=_cascade(step, host, block_size, to_device),
+            prefill_blocks=[to_device(tables[nd + j, :-(-ctx // block_size)].long())
+                            for j, ctx in enumerate(prefill_context)],
+            prefill_new=[r.num_new_tokens for r in step.prefills],
+            prefill_context=prefill_context)
 
 
-def _cascade(step: StepInputs, block_size: int, tensor) -> CascadeDecode | None:
+def _cascade(step: StepBatch, host: StepTensors, block_size: int, to_device) -> CascadeDecode | None:
     """Group the decodes by the pinned template blocks they share. A group pays off with two or
     more sequences (one read of the template instead of several; read in place when its blocks
     are consecutive, as a template's warmup allocates them); a lone sequence gathers its whole
     context instead, one attention over it costing less than two and a merge."""
+    decodes = step.decodes
     groups: dict[tuple[int, int], list[int]] = {}
-    for i, seq in enumerate(step.decodes):
-        if seq.prefix is not None and seq.num_shared_blocks > 0:
-            groups.setdefault((id(seq.prefix), seq.num_shared_blocks), []).append(i)
+    for i, row in enumerate(decodes):
+        if row.template_id is not None and row.num_template_blocks > 0:
+            groups.setdefault((row.template_id, row.num_template_blocks), []).append(i)
     chosen = []
     for rows in groups.values():
         if len(rows) < 2:
             continue
-        seq = step.decodes[rows[0]]
-        blocks = seq.block_table[:seq.num_shared_blocks]
+        first = decodes[rows[0]]
+        blocks = list(first.block_ids[:first.num_template_blocks])
         consecutive = blocks == list(range(blocks[0], blocks[0] + len(blocks)))
         chosen.append((rows, blocks, blocks[0] if consecutive else None))
     if not chosen:
         return None
-    shared = [0] * step.num_decodes
+    shared = [0] * len(decodes)
     for rows, blocks, _ in chosen:
         for i in rows:
             shared[i] = len(blocks)
-    suffix_lens = [c - n * block_size for c, n in zip(step.decode_context, shared)]
-    width = max(len(seq.block_table) - n for seq, n in zip(step.decodes, shared))
-    tables = [seq.block_table[n:] + [-1] * (width - len(seq.block_table) + n) for seq, n in zip(step.decodes, shared)]
+    suffix_lens = [r.context_len - n * block_size for r, n in zip(decodes, shared)]
+    width = max(len(r.block_ids) - n for r, n in zip(decodes, shared))
+    tables = [list(r.block_ids[n:]) + [-1] * (width - len(r.block_ids) + n) for r, n in zip(decodes, shared)]
     return CascadeDecode(
-        groups=[PrefixGroup(tensor(blocks), tensor(rows), first) for rows, blocks, first in chosen],
-        suffix_block_tables=tensor(tables, torch.int32).view(step.num_decodes, width),
-        suffix_lens=tensor(suffix_lens, torch.int32),
+        groups=[PrefixGroup(to_device(torch.tensor(blocks)), to_device(torch.tensor(rows)), first)
+                for rows, blocks, first in chosen],
+        suffix_block_tables=to_device(torch.tensor(tables, dtype=torch.int32).view(len(decodes), width)),
+        suffix_lens=to_device(torch.tensor(suffix_lens, dtype=torch.int32)),
         max_suffix=max(suffix_lens))
 
 

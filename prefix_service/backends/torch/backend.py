@@ -2,12 +2,17 @@
 the oracle the cpu and cuda backends are tested against."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from prefix_service.backends.base import Backend, StepInputs
+from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.backends.torch.attention import PagedAttention, PagedMetadata
 from prefix_service.config import CacheConfig
 from prefix_service.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from prefix_service.engine.step import StepBatch
 
 
 class TorchBackend(Backend):
@@ -17,16 +22,15 @@ class TorchBackend(Backend):
         super().__init__(model, cache)
         self.model = model
 
-    def forward(self, step: StepInputs) -> torch.Tensor | None:
+    def forward(self, step: StepBatch, host: StepTensors) -> torch.Tensor | None:
         device = self.device
-        meta = PagedMetadata.build(step, self.block_size, device)
-        ids = torch.tensor(step.token_ids, dtype=torch.int64).to(device, non_blocking=True)
-        positions = torch.tensor(step.positions, dtype=torch.int64).to(device, non_blocking=True)
+        meta = PagedMetadata.build(step, host, self.block_size, device)
+        ids = host.token_ids.to(device, non_blocking=True)
+        positions = host.positions.to(device, non_blocking=True)
         hidden = self.model(ids, positions, PagedAttention(self.kv_layers, meta))  # [T, hidden]
-        if not step.logit_rows:
+        if not host.logit_rows.numel():
             return None
-        rows = torch.tensor(step.logit_rows, dtype=torch.int64).to(device, non_blocking=True)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[host.logit_rows.to(device, non_blocking=True)])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
