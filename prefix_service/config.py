@@ -22,11 +22,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
-# keys that no longer exist, and what replaced them
-_REMOVED = {
-    "model": {key: "the execution backend is chosen as a whole with model.backend (auto, torch, cpu, cuda)"
-              for key in ("attention_backend", "cpu_linear", "cpu_attention", "cpu_elementwise")},
-}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ADDRESS_RE = re.compile(r"(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9_.\-]+)):(?P<port>\d{1,5})")  # fullmatch
@@ -344,9 +339,6 @@ def _build(cls: type, section: str, raw: Any, converters: Mapping[str, Any] | No
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{section}: expected a mapping, got {type(raw).__name__}")
     known = [f.name for f in dataclasses.fields(cls)]
-    for key, instead in _REMOVED.get(section, {}).items():
-        if key in raw:
-            raise ConfigError(f"{section}.{key}: this key was removed; {instead}")
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConfigError(f"{section}: unknown key(s) {', '.join(map(str, unknown))}; known keys: {', '.join(known)}")

@@ -85,7 +85,6 @@ class EngineCore:
         self._warmups = 0  # numbers the warmups' request ids
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
-        self.stats = {"requests": 0, "prefix_tokens_reused": 0, "generated_tokens": 0, "steps": 0}
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
                  self.block_size, self.max_model_len, self.backend.describe())
@@ -163,7 +162,6 @@ class EngineCore:
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
-        self.stats["requests"] += 1
 
     def add_prefix(self, name: str, token_ids: list[int], source: dict,
                    on_pinned: Callable[[PrefixInfo | BaseException], None]) -> None:
@@ -204,7 +202,6 @@ class EngineCore:
                          error=err if stuck.num_output_tokens == 0 else None)
         if out.is_empty:
             return
-        self.stats["steps"] += 1
         logits = self.backend.execute(out.step)
         sample_seqs = out.sampled
         tokens = sample(logits, sample_seqs) if logits is not None else []
@@ -232,7 +229,6 @@ class EngineCore:
     def _after_token(self, tracked: _Tracked, token: int, now: float) -> None:
         """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop."""
         seq = tracked.seq
-        self.stats["generated_tokens"] += 1
         if tracked.first_token_time is None:
             tracked.first_token_time = now
         reason = None
@@ -262,7 +258,6 @@ class EngineCore:
             if tracked.on_pinned:
                 tracked.on_pinned(error or PrefixServiceError(f"warmup of prefix template {tracked.prefix_name!r} was aborted"))
             return
-        self.stats["prefix_tokens_reused"] += reused
         if tracked.detok is not None:
             text += tracked.detok.flush()
         ttft = None if tracked.first_token_time is None else (tracked.first_token_time - tracked.arrival) * 1000

@@ -199,9 +199,6 @@ class PrefixServer:
             self._stopped.set()
             log.info("stopped")
 
-    async def wait_stopped(self) -> None:
-        await self._stopped.wait()
-
 
 
 async def serve(config: ServiceConfig, server_cls: type[PrefixServer] = PrefixServer, **kwargs) -> None:

@@ -72,10 +72,6 @@ class BearerAuth:
         self._digest = hashlib.sha256(self._token).digest() if self._token else b""
         self._carrier, self._missing, self._wrong = carrier, missing, wrong
 
-    @property
-    def required(self) -> bool:
-        return self._token is not None
-
     def check(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> None:
         """Raise Unauthenticated or PermissionDenied unless the metadata carries the token."""
         if self._token is None:

@@ -95,10 +95,6 @@ class TemplateRegistry:
         """list() with where each template lives: one process, so no replica ids."""
         return [(info, origin, ()) for info, origin in self.list()]
 
-    def origin(self, name: str) -> str:
-        with self._lock:
-            return self._origins.get(name, "admin")
-
     def _save(self) -> None:
         if self.store is not None:
             self.store.save(self._admin.values())
