@@ -13,6 +13,7 @@ from prefix_service import GenerateRequest
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
 from prefix_service.backends.cpu.stack import StackPlan
 from prefix_service.backends.torch.attention import PagedAttention, PagedMetadata
@@ -123,16 +124,16 @@ def test_writes_into_a_given_output_and_leaves_the_rest():
 @needs_native
 def test_bad_input_is_refused_with_a_clear_error():
     q, k, v, kt, vt = make_case(4, 16, 0, 4, 2, 16)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="float32"):
+    with pytest.raises(NativeKernelError, match="float32"):
         cpu_attention.prefill_attention(q.double(), k, v, 0.25)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="dense"):
+    with pytest.raises(NativeKernelError, match="dense"):
         cpu_attention.prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 0.25)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="shapes"):
+    with pytest.raises(NativeKernelError, match="shapes"):
         cpu_attention.prefill_attention(q, k[:3], v[:3], 0.25)  # fewer keys than queries
-    with pytest.raises(cpu_attention.NativeAttentionError, match="template layout"):
+    with pytest.raises(NativeKernelError, match="template layout"):
         cpu_attention.prefill_attention(q, k, v, 0.25, template=(kt, vt, 16))  # not packed
     q8, k8, v8, _, _ = make_case(3, 0, 0, 2, 1, 8)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="head size"):
+    with pytest.raises(NativeKernelError, match="head size"):
         cpu_attention.prefill_attention(q8, k8, v8, 0.3)
 
 
@@ -238,20 +239,20 @@ def test_stores_and_block_tables_outside_the_cache_are_refused():
     bs, hkv, d = 4, 2, 16
     kc, vc = torch.zeros(3, bs, hkv, d), torch.zeros(3, bs, hkv, d)
     q, k, v = torch.randn(2, 4, d), torch.randn(2, hkv, d), torch.randn(2, hkv, d)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
+    with pytest.raises(NativeKernelError, match="outside the cache"):
         cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 12]))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
+    with pytest.raises(NativeKernelError, match="outside the cache"):
         cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1, 3], dtype=torch.int32),
                                         cached=(0, 6))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):  # past the table's end
+    with pytest.raises(NativeKernelError, match="outside the cache"):  # past the table's end
         cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1], dtype=torch.int32),
                                         cached=(2, 4))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="block table"):
+    with pytest.raises(NativeKernelError, match="block table"):
         cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), cached=(0, 3))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="slots: int64"):
+    with pytest.raises(NativeKernelError, match="slots: int64"):
         cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 1], dtype=torch.int32))
     tables, ctx = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
+    with pytest.raises(NativeKernelError, match="outside the cache"):
         cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.25, new_kv=(k, v, torch.tensor([-1, 4])))
     assert not kc.any() and not vc.any()
 
@@ -335,12 +336,12 @@ def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
 @needs_native
 def test_decode_bad_input_is_refused():
     q, kc, vc, tables, ctx, _ = paged_case([5, 9], 4, 4, 2, 16)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="contiguous float32"):
+    with pytest.raises(NativeKernelError, match="contiguous float32"):
         cpu_attention.decode_attention(q, kc.double(), vc, tables, ctx, 0.25)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="int32"):
+    with pytest.raises(NativeKernelError, match="int32"):
         cpu_attention.decode_attention(q, kc, vc, tables.long(), ctx, 0.25)
     kt = cpu_attention.pack_keys(torch.randn(6, 2, 16))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="template layout"):  # 6 keys: not whole blocks
+    with pytest.raises(NativeKernelError, match="template layout"):  # 6 keys: not whole blocks
         cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.25,
                                        templates=[(kt, cpu_attention.pack_values(torch.randn(6, 2, 16)), 6), None])
 
