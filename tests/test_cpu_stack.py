@@ -1,7 +1,7 @@
 """The cpu backend's decoder stack (backends/cpu/stack.py): all layers of a forward in one native
 call give, bit for bit, the hidden states and cache of the same kernels called one by one from
-Python (linear, elementwise and attention wrappers, in the C++ loop's order), on every step of a
-mixed engine workload: decodes and prefills, on a packed template or not, chunked, in one step.
+Python (the linear layers, elementwise.add_rms_norm and native_harness.py's wrappers, in the C++
+loop's order), on every step of a mixed engine workload: decodes and prefills, on a packed template or not, chunked, in one step.
 Bad input is refused with nothing written; the copy-on-write copies blocks in every layer; the
 kernel timers observe the served path without changing it."""
 import dataclasses
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from helpers import generate_together, greedy, mixed_generate
+from native_harness import Rotation, decode_attention, head_rms_norm, prefill_attention, silu_mul
 from prefix_service import GenerateRequest
 from prefix_service.backends.cpu import native
 from prefix_service.backends.cpu import stack as stack_mod
-from prefix_service.backends.cpu.attention import decode_attention, prefill_attention
-from prefix_service.backends.cpu.elementwise import Rotation, add_rms_norm, head_rms_norm, silu_mul
+from prefix_service.backends.cpu.elementwise import add_rms_norm
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
 from prefix_service.bench.profiling import kernel_times
