@@ -1,18 +1,20 @@
-"""The cpu backend's attention kernel (backends/cpu/attention.py): it builds wherever a compiler and
-AVX-512 are present; prefill and decode equal attention computed in float64, for templates,
-context and causal new tokens of any length and layout, and paged caches in any block order; the
-result does not depend on the thread count; it shares torch's OpenMP runtime; bad input gets a
-clear error (the library's build: test_cpu_linear.py); a prefill step through it equals the torch
-backend's attention; the cpu backend decodes a shared template batch through it with the torch
-backend's tokens."""
+"""The cpu backend's attention kernel (csrc/cpu_attention.cpp, called through native_harness.py; its
+template layout: backends/cpu/attention.py): it builds wherever a compiler and AVX-512 are present;
+prefill and decode equal attention computed in float64, for templates, context and causal new tokens
+of any length and layout, and paged caches in any block order; the result does not depend on the
+thread count; it shares torch's OpenMP runtime; bad input gets a clear error (the library's build:
+test_cpu_linear.py); a prefill step through it equals the torch backend's attention; the cpu backend
+decodes a shared template batch through it with the torch backend's tokens."""
 import pytest
 import torch
 
 from helpers import cpu_simd, greedy
+from native_harness import decode_attention, prefill_attention
 from prefix_service import GenerateRequest
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
 from prefix_service.backends.cpu.stack import StackPlan
 from prefix_service.backends.torch.attention import PagedAttention, PagedMetadata
@@ -67,7 +69,7 @@ def make_case(m, r, rest, hq, hkv, d, seed=0, magnitude=1.0):
 def test_matches_float64_attention(m, r, rest, hq, hkv, d):
     q, k, v, kt, vt = make_case(m, r, rest, hq, hkv, d, seed=m + r)
     template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), r) if r else None
-    got = cpu_attention.prefill_attention(q, k, v, d ** -0.5, template=template)
+    got = prefill_attention(q, k, v, d ** -0.5, template=template)
     want = reference(q, k, v, d ** -0.5, kt if r else None, vt if r else None)
     assert got.shape == (m, hq, d) and got.dtype == torch.float32
     assert (got.double() - want).abs().max().item() < 2e-6
@@ -80,7 +82,7 @@ def test_peaked_and_flat_scores():
     for magnitude in (12.0, 0.0):
         q, k, v, kt, vt = make_case(20, 40, 5, 4, 2, 64, seed=3, magnitude=magnitude)
         template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 40)
-        got = cpu_attention.prefill_attention(q, k, v, 64 ** -0.5, template=template)
+        got = prefill_attention(q, k, v, 64 ** -0.5, template=template)
         want = reference(q, k, v, 64 ** -0.5, kt, vt)
         assert torch.isfinite(got).all()
         assert (got.double() - want).abs().max().item() < 2e-5 * max(1.0, want.abs().max().item())
@@ -93,9 +95,9 @@ def test_result_does_not_depend_on_the_thread_count():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_attention.prefill_attention(q, k, v, 0.125, template=template)
+        one = prefill_attention(q, k, v, 0.125, template=template)
         torch.set_num_threads(max(2, threads))
-        many = cpu_attention.prefill_attention(q, k, v, 0.125, template=template)
+        many = prefill_attention(q, k, v, 0.125, template=template)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)  # each query tile is one thread's work, in one order
@@ -104,7 +106,7 @@ def test_result_does_not_depend_on_the_thread_count():
 @needs_native
 def test_shares_torchs_openmp_runtime():
     """The library runs on the OpenMP runtime torch loaded, not a second one with its own threads."""
-    cpu_attention.prefill_attention(*make_case(4, 0, 0, 2, 1, 16)[:3], 0.25)
+    prefill_attention(*make_case(4, 0, 0, 2, 1, 16)[:3], 0.25)
     with open("/proc/self/maps") as fh:
         gomp = {line.split()[-1] for line in fh if "libgomp" in line}
     assert len(gomp) <= 1, gomp
@@ -114,7 +116,7 @@ def test_shares_torchs_openmp_runtime():
 def test_writes_into_a_given_output_and_leaves_the_rest():
     q, k, v, _, _ = make_case(6, 0, 2, 4, 2, 32, seed=8)
     out = torch.full((10, 4, 32), 7.0)
-    got = cpu_attention.prefill_attention(q, k, v, 0.2, out=out[2:8])
+    got = prefill_attention(q, k, v, 0.2, out=out[2:8])
     assert got.data_ptr() == out[2:8].data_ptr()
     assert (out[2:8].double() - reference(q, k, v, 0.2)).abs().max().item() < 2e-6
     assert (out[:2] == 7).all() and (out[8:] == 7).all()
@@ -123,17 +125,17 @@ def test_writes_into_a_given_output_and_leaves_the_rest():
 @needs_native
 def test_bad_input_is_refused_with_a_clear_error():
     q, k, v, kt, vt = make_case(4, 16, 0, 4, 2, 16)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="float32"):
-        cpu_attention.prefill_attention(q.double(), k, v, 0.25)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="dense"):
-        cpu_attention.prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 0.25)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="shapes"):
-        cpu_attention.prefill_attention(q, k[:3], v[:3], 0.25)  # fewer keys than queries
-    with pytest.raises(cpu_attention.NativeAttentionError, match="template layout"):
-        cpu_attention.prefill_attention(q, k, v, 0.25, template=(kt, vt, 16))  # not packed
+    with pytest.raises(NativeKernelError, match="float32"):
+        prefill_attention(q.double(), k, v, 0.25)
+    with pytest.raises(NativeKernelError, match="dense"):
+        prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, 0.25)
+    with pytest.raises(NativeKernelError, match="shapes"):
+        prefill_attention(q, k[:3], v[:3], 0.25)  # fewer keys than queries
+    with pytest.raises(NativeKernelError, match="template layout"):
+        prefill_attention(q, k, v, 0.25, template=(kt, vt, 16))  # not packed
     q8, k8, v8, _, _ = make_case(3, 0, 0, 2, 1, 8)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="head size"):
-        cpu_attention.prefill_attention(q8, k8, v8, 0.3)
+    with pytest.raises(NativeKernelError, match="head size"):
+        prefill_attention(q8, k8, v8, 0.3)
 
 
 def prefill_step(seqs) -> StepBatch:
@@ -176,10 +178,10 @@ def test_prefill_step_through_the_kernel_equals_torch():
         start = 0
         for i, (q_len, ctx, first) in enumerate(plan.prefill_info.tolist()):
             end = start + q_len
-            cpu_attention.prefill_attention(q[start:end], k[start:end], v[start:end], scale, out=got[start:end],
-                                            template=template_kv.layer(0) if first else None, cache=(got_k, got_v),
-                                            block_table=plan.prefill_tables[i], cached=(first, ctx - first),
-                                            slots=slots[start:end])
+            prefill_attention(q[start:end], k[start:end], v[start:end], scale, out=got[start:end],
+                              template=template_kv.layer(0) if first else None, cache=(got_k, got_v),
+                              block_table=plan.prefill_tables[i], cached=(first, ctx - first),
+                              slots=slots[start:end])
             start = end
         assert sum(f > 0 for _, _, f in plan.prefill_info.tolist()) == (4 if packed else 0)
         assert (got - want).abs().max().item() < 1e-5
@@ -207,8 +209,8 @@ def test_prefill_reads_context_through_its_block_table_and_stores_new_kv(r, cach
     slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(r + cached, r + cached + m)])
     want_k, want_v = kc.clone(), vc.clone()
     want_k.view(-1, hkv, d)[slots], want_v.view(-1, hkv, d)[slots] = k, v
-    got = cpu_attention.prefill_attention(q, k, v, d ** -0.5, template=template, cache=(kc, vc), block_table=table,
-                                          cached=(r, cached), slots=slots)
+    got = prefill_attention(q, k, v, d ** -0.5, template=template, cache=(kc, vc), block_table=table,
+                            cached=(r, cached), slots=slots)
     want = reference(q, torch.cat([ctx_k, k]), torch.cat([ctx_v, v]), d ** -0.5, kt if r else None, vt if r else None)
     assert (got.double() - want).abs().max().item() < 2e-6
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
@@ -226,8 +228,8 @@ def test_decode_stores_the_new_tokens_before_it_reads():
     slots = torch.tensor([rows[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)])
     want_k, want_v = kc.clone(), vc.clone()
     want_k.view(-1, hkv, d)[slots], want_v.view(-1, hkv, d)[slots] = k, v
-    want = cpu_attention.decode_attention(q, want_k, want_v, tables, ctx, 0.2)
-    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.2, new_kv=(k, v, slots))
+    want = decode_attention(q, want_k, want_v, tables, ctx, 0.2)
+    got = decode_attention(q, kc, vc, tables, ctx, 0.2, new_kv=(k, v, slots))
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     assert torch.equal(got, want)
 
@@ -238,21 +240,21 @@ def test_stores_and_block_tables_outside_the_cache_are_refused():
     bs, hkv, d = 4, 2, 16
     kc, vc = torch.zeros(3, bs, hkv, d), torch.zeros(3, bs, hkv, d)
     q, k, v = torch.randn(2, 4, d), torch.randn(2, hkv, d), torch.randn(2, hkv, d)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
-        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 12]))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
-        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1, 3], dtype=torch.int32),
-                                        cached=(0, 6))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):  # past the table's end
-        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1], dtype=torch.int32),
-                                        cached=(2, 4))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="block table"):
-        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), cached=(0, 3))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="slots: int64"):
-        cpu_attention.prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(NativeKernelError, match="outside the cache"):
+        prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 12]))
+    with pytest.raises(NativeKernelError, match="outside the cache"):
+        prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1, 3], dtype=torch.int32),
+                          cached=(0, 6))
+    with pytest.raises(NativeKernelError, match="outside the cache"):  # past the table's end
+        prefill_attention(q, k, v, 0.25, cache=(kc, vc), block_table=torch.tensor([1], dtype=torch.int32),
+                          cached=(2, 4))
+    with pytest.raises(NativeKernelError, match="block table"):
+        prefill_attention(q, k, v, 0.25, cache=(kc, vc), cached=(0, 3))
+    with pytest.raises(NativeKernelError, match="slots: int64"):
+        prefill_attention(q, k, v, 0.25, cache=(kc, vc), slots=torch.tensor([0, 1], dtype=torch.int32))
     tables, ctx = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="outside the cache"):
-        cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.25, new_kv=(k, v, torch.tensor([-1, 4])))
+    with pytest.raises(NativeKernelError, match="outside the cache"):
+        decode_attention(q, kc, vc, tables, ctx, 0.25, new_kv=(k, v, torch.tensor([-1, 4])))
     assert not kc.any() and not vc.any()
 
 
@@ -278,7 +280,7 @@ def paged_case(lens, bs, hq, hkv, d, seed=0):
 def test_decode_matches_float64_attention(bs, hq, hkv, d):
     lens = [1, bs, 3 * bs + 1, 70, 129]
     q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=bs + d)
-    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, d ** -0.5)
+    got = decode_attention(q, kc, vc, tables, ctx, d ** -0.5)
     for i, n in enumerate(lens):  # the one new token sees every key of its context
         k = kc[rows[i]].flatten(0, 1)[:n]
         v = vc[rows[i]].flatten(0, 1)[:n]
@@ -296,7 +298,7 @@ def test_decode_over_packed_templates():
     g = torch.Generator().manual_seed(12)
     kt, vt = torch.randn(2 * bs, hkv, d, generator=g), torch.randn(2 * bs, hkv, d, generator=g)
     template = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 2 * bs)
-    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.2, templates=[template, template, None])
+    got = decode_attention(q, kc, vc, tables, ctx, 0.2, templates=[template, template, None])
     for i, n in enumerate(lens):
         k, v = kc[rows[i]].flatten(0, 1)[:n], vc[rows[i]].flatten(0, 1)[:n]
         if i < 2:
@@ -319,7 +321,7 @@ def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
     lens = [(3 if w == 0 else 5) * bs + 1 + i % 7 if w is not None else 2 + i for i, w in enumerate(which)]
     q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=hq + 1)
     packed = [templates[w][2] if w is not None else None for w in which]
-    got = cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.3, templates=packed)
+    got = decode_attention(q, kc, vc, tables, ctx, 0.3, templates=packed)
     for i, (w, n) in enumerate(zip(which, lens)):
         k, v = kc[rows[i]].flatten(0, 1)[:n], vc[rows[i]].flatten(0, 1)[:n]
         if w is not None:
@@ -327,22 +329,22 @@ def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
             r = packed_w[2]
             k, v = torch.cat([kt, k[r:]]), torch.cat([vt, v[r:]])
         assert (got[i:i + 1].double() - reference(q[i:i + 1], k, v, 0.3)).abs().max().item() < 2e-6, i
-        alone = cpu_attention.decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], ctx[i:i + 1], 0.3,
-                                               templates=[packed[i]] if w is not None else None)
+        alone = decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], ctx[i:i + 1], 0.3,
+                                 templates=[packed[i]] if w is not None else None)
         assert torch.equal(alone, got[i:i + 1]), i
 
 
 @needs_native
 def test_decode_bad_input_is_refused():
     q, kc, vc, tables, ctx, _ = paged_case([5, 9], 4, 4, 2, 16)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="contiguous float32"):
-        cpu_attention.decode_attention(q, kc.double(), vc, tables, ctx, 0.25)
-    with pytest.raises(cpu_attention.NativeAttentionError, match="int32"):
-        cpu_attention.decode_attention(q, kc, vc, tables.long(), ctx, 0.25)
+    with pytest.raises(NativeKernelError, match="contiguous float32"):
+        decode_attention(q, kc.double(), vc, tables, ctx, 0.25)
+    with pytest.raises(NativeKernelError, match="int32"):
+        decode_attention(q, kc, vc, tables.long(), ctx, 0.25)
     kt = cpu_attention.pack_keys(torch.randn(6, 2, 16))
-    with pytest.raises(cpu_attention.NativeAttentionError, match="template layout"):  # 6 keys: not whole blocks
-        cpu_attention.decode_attention(q, kc, vc, tables, ctx, 0.25,
-                                       templates=[(kt, cpu_attention.pack_values(torch.randn(6, 2, 16)), 6), None])
+    with pytest.raises(NativeKernelError, match="template layout"):  # 6 keys: not whole blocks
+        decode_attention(q, kc, vc, tables, ctx, 0.25,
+                         templates=[(kt, cpu_attention.pack_values(torch.randn(6, 2, 16)), 6), None])
 
 
 @needs_native

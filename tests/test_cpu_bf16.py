@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import PREFIX, PROMPTS, engine_last_logits, generate_together, greedy, run_ids
+from native_harness import decode_attention, prefill_attention
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu import linear, native
@@ -77,8 +78,8 @@ def test_prefill_over_a_bf16_cache_is_the_float32_result_bit_for_bit(r, cached, 
     assert torch.equal(kc16.float(), kc) and torch.equal(vc16.float(), vc)
     outs = []
     for cache in ((kc, vc), (kc16, vc16)):
-        outs.append(cpu_attention.prefill_attention(q, k, v, d ** -0.5, template=template, cache=cache,
-                                                    block_table=table, cached=(r, cached), slots=slots))
+        outs.append(prefill_attention(q, k, v, d ** -0.5, template=template, cache=cache,
+                                      block_table=table, cached=(r, cached), slots=slots))
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(kc.view(-1, hkv, d)[slots], k) and torch.equal(vc.view(-1, hkv, d)[slots], v)
@@ -92,8 +93,8 @@ def test_prefill_narrows_what_it_stores_as_torch_does():
     q, k, v, kc, vc, table, template, slots = prefill_case(8, 5, 9, 6, 2, 32, rounded=False)
     kc16, vc16 = kc.bfloat16(), vc.bfloat16()
     for cache in ((kc, vc), (kc16, vc16)):
-        cpu_attention.prefill_attention(q, k, v, 32 ** -0.5, template=template, cache=cache, block_table=table,
-                                        cached=(8, 5), slots=slots)
+        prefill_attention(q, k, v, 32 ** -0.5, template=template, cache=cache, block_table=table,
+                          cached=(8, 5), slots=slots)
     assert torch.equal(kc.view(-1, 2, 32)[slots], k)  # the float32 cache holds them as they are
     assert not torch.equal(bf16_exact(k), k)  # so narrowing them is a real test
     assert torch.equal(kc16.view(torch.int16), kc.bfloat16().view(torch.int16))  # bits: -0 and inf included
@@ -137,8 +138,8 @@ def test_decode_over_a_bf16_cache_is_the_float32_result_bit_for_bit(with_templat
     lens = [1, 5, 9, 13, 22, 71]
     q, kc, vc, tables, ctx, templates, new_kv = decode_case(lens, hq, hkv, d, seed=hq + d + with_templates)
     kc16, vc16 = kc.bfloat16(), vc.bfloat16()
-    outs = [cpu_attention.decode_attention(q, kcache, vcache, tables, ctx, d ** -0.5,
-                                           templates=templates if with_templates else None, new_kv=new_kv)
+    outs = [decode_attention(q, kcache, vcache, tables, ctx, d ** -0.5,
+                             templates=templates if with_templates else None, new_kv=new_kv)
             for kcache, vcache in ((kc, vc), (kc16, vc16))]
     assert torch.isfinite(outs[0]).all()
     assert torch.equal(outs[0], outs[1])
@@ -153,7 +154,7 @@ def test_decode_narrows_what_it_stores_as_torch_does():
     q, kc, vc, tables, ctx, templates, new_kv = decode_case([3, 10, 17], 6, 2, 32, seed=9, rounded=False)
     kc16, vc16 = kc.bfloat16(), vc.bfloat16()
     for kcache, vcache in ((kc, vc), (kc16, vc16)):
-        cpu_attention.decode_attention(q, kcache, vcache, tables, ctx, 0.2, templates=templates, new_kv=new_kv)
+        decode_attention(q, kcache, vcache, tables, ctx, 0.2, templates=templates, new_kv=new_kv)
     k, _, slots = new_kv
     assert torch.equal(kc.view(-1, 2, 32)[slots], k) and not torch.equal(bf16_exact(k), k)
     assert torch.equal(kc16.view(torch.int16), kc.bfloat16().view(torch.int16))

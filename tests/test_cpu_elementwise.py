@@ -1,13 +1,15 @@
-"""The cpu backend's element-wise kernels (backends/cpu/elementwise.py): the fused residual add and
-RMSNorm, the gated activation and the rotary embedding equal their torch formulas computed in
-float64, for widths that are not multiples of the vector, strided rows and any positions; a row's
-result does not depend on the thread count; bad input gets a clear error. (The engine on them:
-test_backends.py.)"""
+"""The cpu backend's element-wise kernels (csrc/cpu_elementwise.cpp: elementwise.add_rms_norm, the
+others through native_harness.py): the fused residual add and RMSNorm, the gated activation and the
+rotary embedding equal their torch formulas computed in float64, for widths that are not multiples
+of the vector, strided rows and any positions; a row's result does not depend on the thread count;
+bad input gets a clear error. (The engine on them: test_backends.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from native_harness import Rotation, head_rms_norm, silu_mul
 from prefix_service.backends.cpu import elementwise as ce
+from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.model.llama import apply_rope
 
 REASON = ce.available(torch.float32)
@@ -61,7 +63,7 @@ def test_silu_mul_equals_float64(t, inter):
     gate_up = rand(t, 2 * inter, seed=7, scale=4.0)
     gate_up[0, :4] = torch.tensor([-100.0, -30.0, 30.0, 100.0])  # the exp's clamped range
     g, u = gate_up.double().split(inter, -1)
-    close(ce.silu_mul(gate_up), F.silu(g) * u)
+    close(silu_mul(gate_up), F.silu(g) * u)
 
 
 @needs_native
@@ -75,7 +77,7 @@ def test_rotation_equals_apply_rope(dim):
     positions = torch.tensor([0, 1, 2, 900, 901, 77, 5, 4095, 3, 1000, 42])
     cos, sin = rotary_tables(4096, dim)
     want = apply_rope(qk.double(), cos.double()[positions][:, None], sin.double()[positions][:, None])
-    got = ce.Rotation(positions, cos, sin)(qk)
+    got = Rotation(positions, cos, sin)(qk)
     assert got.data_ptr() == qk.data_ptr()  # in place
     close(qk, want)
     assert torch.equal(qkv[:, (hq + hkv) * dim:], v_before)  # v untouched
@@ -93,12 +95,12 @@ def test_head_rms_norm_equals_float64(dim):
     w = rand(dim, seed=10)
     x = q.double()
     want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-    got = ce.head_rms_norm(q, w, 1e-6)
+    got = head_rms_norm(q, w, 1e-6)
     assert got.data_ptr() == q.data_ptr()  # in place
     close(q, want)
     assert torch.equal(qkv[:, hq * dim:], rest_before)
-    with pytest.raises(ce.NativeElementwiseError, match="weight"):
-        ce.head_rms_norm(q, rand(dim + 1), 1e-6)
+    with pytest.raises(NativeKernelError, match="weight"):
+        head_rms_norm(q, rand(dim + 1), 1e-6)
 
 
 @needs_native
@@ -106,14 +108,14 @@ def test_results_do_not_depend_on_the_thread_count():
     x, r, w, gu = rand(400, 576, seed=9), rand(400, 576, seed=10), rand(576, seed=11), rand(400, 3072, seed=12)
     qk = rand(400, 12, 64, seed=13)
     cos, sin = rotary_tables(512, 64)
-    rot = ce.Rotation(torch.arange(400), cos, sin)
+    rot = Rotation(torch.arange(400), cos, sin)
     threads = torch.get_num_threads()
     outs = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             xs, q = x.clone(), qk.clone()
-            outs.append((ce.add_rms_norm(xs, r, w, 1e-5), xs, ce.silu_mul(gu), rot(q)))
+            outs.append((ce.add_rms_norm(xs, r, w, 1e-5), xs, silu_mul(gu), rot(q)))
     finally:
         torch.set_num_threads(threads)
     for a, b in zip(*outs):
@@ -123,22 +125,22 @@ def test_results_do_not_depend_on_the_thread_count():
 @needs_native
 def test_bad_input_is_refused():
     x, w = rand(4, 32), rand(32)
-    with pytest.raises(ce.NativeElementwiseError, match="float32 CPU tensor"):
+    with pytest.raises(NativeKernelError, match="float32 CPU tensor"):
         ce.add_rms_norm(x.double(), None, w, 1e-5)
-    with pytest.raises(ce.NativeElementwiseError, match="rows must be dense"):
+    with pytest.raises(NativeKernelError, match="rows must be dense"):
         ce.add_rms_norm(x.t().contiguous().t(), None, w, 1e-5)
-    with pytest.raises(ce.NativeElementwiseError, match="does not match"):
+    with pytest.raises(NativeKernelError, match="does not match"):
         ce.add_rms_norm(x, rand(4, 31), w, 1e-5)
-    with pytest.raises(ce.NativeElementwiseError, match="weight"):
+    with pytest.raises(NativeKernelError, match="weight"):
         ce.add_rms_norm(x, None, rand(31), 1e-5)
-    with pytest.raises(ce.NativeElementwiseError, match="even width"):
-        ce.silu_mul(rand(4, 33))
+    with pytest.raises(NativeKernelError, match="even width"):
+        silu_mul(rand(4, 33))
     cos, sin = rotary_tables(16, 8)
-    with pytest.raises(ce.NativeElementwiseError, match="out of the tables' range"):
-        ce.Rotation(torch.tensor([0, 16]), cos, sin)
-    with pytest.raises(ce.NativeElementwiseError, match="int64"):
-        ce.Rotation(torch.tensor([0, 1], dtype=torch.int32), cos, sin)
-    with pytest.raises(ce.NativeElementwiseError, match="does not match"):
-        ce.Rotation(torch.tensor([0, 1]), cos, sin)(rand(3, 2, 8))
-    with pytest.raises(ce.NativeElementwiseError, match="table"):
-        ce.Rotation(torch.tensor([0]), cos[:, :7].contiguous(), sin[:, :7].contiguous())
+    with pytest.raises(NativeKernelError, match="out of the tables' range"):
+        Rotation(torch.tensor([0, 16]), cos, sin)
+    with pytest.raises(NativeKernelError, match="int64"):
+        Rotation(torch.tensor([0, 1], dtype=torch.int32), cos, sin)
+    with pytest.raises(NativeKernelError, match="does not match"):
+        Rotation(torch.tensor([0, 1]), cos, sin)(rand(3, 2, 8))
+    with pytest.raises(NativeKernelError, match="table"):
+        Rotation(torch.tensor([0]), cos[:, :7].contiguous(), sin[:, :7].contiguous())

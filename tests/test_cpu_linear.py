@@ -2,8 +2,9 @@
 for any row count, output width (partial panels, partial groups) and input width, strided rows
 and both ways of sharing the work among threads; a row's result is the same bit for bit whatever
 the other rows of the call and the thread count; bad input gets a clear error; the shared native
-library's build (native.py) reports a compiler error and is cached. (The engine on it:
-test_backends.py.)"""
+library's build (native.py) reports a compiler error and is cached; its entry points' status codes
+are named by one decoder (native.check). (The engine on it: test_backends.py.)"""
+import re
 import shutil
 
 import pytest
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from helpers import cpu_simd
 from prefix_service.backends.cpu import linear as cpu_linear
 from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu.native import NativeKernelError
 
 REASON = cpu_linear.available(torch.float32)
 needs_native = pytest.mark.skipif(REASON is not None, reason=f"no native CPU linear here: {REASON}")
@@ -109,17 +111,17 @@ def test_rows_do_not_depend_on_the_batch_or_threads(n):
 def test_bad_input_is_refused():
     x, w, b = case(4, 20, 8)
     layer = cpu_linear.NativeLinear(w, b)
-    with pytest.raises(cpu_linear.NativeLinearError, match="float32 CPU tensor"):
+    with pytest.raises(NativeKernelError, match="float32 CPU tensor"):
         cpu_linear.linear(x.double(), layer.packed, 20)
-    with pytest.raises(cpu_linear.NativeLinearError, match="dense rows"):
+    with pytest.raises(NativeKernelError, match="dense rows"):
         cpu_linear.linear(x.t().contiguous().t(), layer.packed, 20)
-    with pytest.raises(cpu_linear.NativeLinearError, match="does not hold 33 x 8"):
+    with pytest.raises(NativeKernelError, match="does not hold 33 x 8"):
         cpu_linear.linear(x, layer.packed, 33)
-    with pytest.raises(cpu_linear.NativeLinearError, match="does not hold 20 x 9"):
+    with pytest.raises(NativeKernelError, match="does not hold 20 x 9"):
         cpu_linear.linear(torch.randn(4, 9), layer.packed, 20)
-    with pytest.raises(cpu_linear.NativeLinearError, match="bias"):
+    with pytest.raises(NativeKernelError, match="bias"):
         cpu_linear.linear(x, layer.packed, 20, bias=torch.zeros(19))
-    with pytest.raises(cpu_linear.NativeLinearError, match="out"):
+    with pytest.raises(NativeKernelError, match="out"):
         cpu_linear.linear(x, layer.packed, 20, out=torch.empty(4, 19))
 
 
@@ -146,3 +148,29 @@ def test_build_goes_to_the_cache_dir_and_is_reused(tmp_path, monkeypatch):
     assert first.parent == tmp_path and first.suffix == ".so"
     stamp = first.stat().st_mtime_ns
     assert native.build(cxx) == first and first.stat().st_mtime_ns == stamp  # not built again
+
+
+# --- the native library's status codes (native.check) ---------------------------------------------
+
+@pytest.mark.parametrize("code,meaning", [
+    (1, "the library was built without AVX-512 or AVX2"),
+    (2, "unsupported head size or head counts"),
+    (3, "out of memory"),
+    (4, "a slot or block id outside the cache"),
+    (5, "a linear layer's library failed: ps_onednn_linear: bad operands"),  # quoting the library's own reason
+])
+def test_each_status_is_named_with_the_entry_point(code, meaning):
+    with pytest.raises(NativeKernelError, match=re.escape(f"ps_decoder_stack failed with status {code}: {meaning}")):
+        native.check(code, "ps_decoder_stack", lambda: "ps_onednn_linear: bad operands")
+
+
+def test_an_unknown_status_still_raises_with_its_number_and_zero_raises_nothing():
+    with pytest.raises(NativeKernelError, match="ps_linear failed with status 17: a status the library does not"):
+        native.check(17, "ps_linear")
+    assert native.check(0, "ps_linear") is None
+
+
+def test_a_library_that_cannot_be_used_raises_the_same_error_with_the_reason(monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: (None, "no C++ compiler found (set CXX)"))
+    with pytest.raises(NativeKernelError, match=re.escape("no C++ compiler found (set CXX)")):
+        native.require()

@@ -1,7 +1,7 @@
 """The cpu backend's decoder stack (backends/cpu/stack.py): all layers of a forward in one native
 call give, bit for bit, the hidden states and cache of the same kernels called one by one from
-Python (linear, elementwise and attention wrappers, in the C++ loop's order), on every step of a
-mixed engine workload: decodes and prefills, on a packed template or not, chunked, in one step.
+Python (the linear layers, elementwise.add_rms_norm and native_harness.py's wrappers, in the C++
+loop's order), on every step of a mixed engine workload: decodes and prefills, on a packed template or not, chunked, in one step.
 Bad input is refused with nothing written; the copy-on-write copies blocks in every layer; the
 kernel timers observe the served path without changing it."""
 import dataclasses
@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from helpers import generate_together, greedy, mixed_generate
+from native_harness import Rotation, decode_attention, head_rms_norm, prefill_attention, silu_mul
 from prefix_service import GenerateRequest
 from prefix_service.backends.cpu import native
 from prefix_service.backends.cpu import stack as stack_mod
-from prefix_service.backends.cpu.attention import decode_attention, prefill_attention
-from prefix_service.backends.cpu.elementwise import Rotation, add_rms_norm, head_rms_norm, silu_mul
-from prefix_service.backends.cpu.stack import DecoderStack, NativeLayerError, StackPlan
+from prefix_service.backends.cpu.elementwise import add_rms_norm
+from prefix_service.backends.cpu.native import NativeKernelError
+from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
 from prefix_service.bench.profiling import kernel_times
 from prefix_service.model.loader import load_model
 
@@ -169,24 +170,24 @@ def test_stack_releases_the_models_linear_weights(llama_dir):
 
 @needs_native
 def test_stack_refuses_bad_input_and_leaves_the_cache(llama_dir):
-    with pytest.raises(NativeLayerError, match="KV caches for"):
+    with pytest.raises(NativeKernelError, match="KV caches for"):
         model = load_model(llama_dir, torch.float32, torch.device("cpu"), max_positions=64)
         DecoderStack(model, [(torch.zeros(6, BS, 2, 16),) * 2])
-    with pytest.raises(NativeLayerError, match="the KV cache"):
+    with pytest.raises(NativeKernelError, match="the KV cache"):
         bound_stack(llama_dir, fill=lambda *shape: torch.zeros(*shape, dtype=torch.float64))
     stack, caches, embed = bound_stack(llama_dir)
     n = 9
     plan = prefill_plan(n, [0, 1, 2])
     x = embed[3:3 + n].clone()
-    with pytest.raises(NativeLayerError, match="for 9 rows"):
+    with pytest.raises(NativeKernelError, match="for 9 rows"):
         stack.forward(x.clone(), dataclasses.replace(plan, slots=torch.arange(n - 1)))
-    with pytest.raises(NativeLayerError, match="x: contiguous float32"):
+    with pytest.raises(NativeKernelError, match="x: contiguous float32"):
         stack.forward(x.double(), plan)
-    with pytest.raises(NativeLayerError, match="rotary tables"):
+    with pytest.raises(NativeKernelError, match="rotary tables"):
         stack.forward(x.clone(), dataclasses.replace(plan, positions=torch.arange(n) + 60))
     outside = plan.slots.clone()
     outside[4] = 6 * BS  # one past the cache
-    with pytest.raises(NativeLayerError, match="status 4"):
+    with pytest.raises(NativeKernelError, match="status 4"):
         stack.forward(x.clone(), dataclasses.replace(plan, slots=outside))
     assert all(not k.any() and not v.any() for k, v in caches)  # nothing written
     good = stack.forward(x.clone(), plan)
@@ -205,11 +206,11 @@ def test_stack_copies_blocks_in_every_layer(llama_dir):
     stack.copy_blocks([(2, 5), (3, 0)])
     for (k, v), (k0, v0) in zip(caches, want):
         assert torch.equal(k, k0) and torch.equal(v, v0)
-    with pytest.raises(NativeLayerError, match="status 4"):
+    with pytest.raises(NativeKernelError, match="status 4"):
         stack.copy_blocks([(1, 6), (2, 7)])  # block 7: outside the cache
-    with pytest.raises(NativeLayerError, match="distinct"):
+    with pytest.raises(NativeKernelError, match="distinct"):
         stack.copy_blocks([(1, 4), (2, 4)])
-    with pytest.raises(NativeLayerError, match="distinct"):
+    with pytest.raises(NativeKernelError, match="distinct"):
         stack.copy_blocks([(1, 4), (4, 6)])
     for (k, v), (k0, v0) in zip(caches, want):
         assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -1,6 +1,7 @@
 """Native CPU prefill and decode attention (csrc/cpu_attention.cpp). The decoder stack calls the
-kernels from C++; `prefill_attention` and `decode_attention` are their checked Python entry points
-(tests), and `pack_keys` / `pack_values` make the layout a packed template is held in.
+kernels from C++ (stack.py; tests call them one at a time through tests/native_harness.py); here
+are the layouts they read: `pack_keys` / `pack_values` make the one a packed template is held in,
+and KV_DTYPES and HEAD_SIZES say what cache and head sizes they take.
 
 torch's CPU flash kernel does its products with the BLAS torch links, block by block; on small
 head sizes and on CPUs MKL does not tune for, that runs at a fraction of the machine's FLOP rate
@@ -23,13 +24,7 @@ from prefix_service.backends.cpu import native
 
 PANEL = 16  # keys per K panel: the layout of pack_keys, as the kernel reads it
 HEAD_SIZES = range(16, 257, 16)  # head sizes the kernel takes
-
-_ERRORS = {1: "the library was built without AVX-512 or AVX2", 2: "unsupported head size or head counts",
-           3: "out of memory", 4: "a slot or block id outside the cache"}
-
-
-class NativeAttentionError(RuntimeError):
-    pass
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the paged cache may hold (the arithmetic is float32)
 
 
 def available() -> str | None:
@@ -49,148 +44,3 @@ def pack_keys(k: torch.Tensor) -> torch.Tensor:
 def pack_values(v: torch.Tensor) -> torch.Tensor:
     """v [R, Hkv, D] -> the kernel's template V layout [Hkv, R, D]."""
     return v.transpose(0, 1).contiguous()
-
-
-def _rows(x: torch.Tensor, name: str) -> int:
-    """Row stride (in elements) of a [N, H, D] float32 CPU tensor whose heads are dense."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3:
-        raise NativeAttentionError(f"{name}: a float32 CPU tensor [N, H, D] is needed, got {x.dtype} {tuple(x.shape)}"
-                                   f" on {x.device}")
-    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-        raise NativeAttentionError(f"{name}: its heads must be dense (strides {x.stride()})")
-    return x.stride(0)
-
-
-KV_DTYPES = (torch.float32, torch.bfloat16)  # what the paged cache may hold (the arithmetic is float32)
-
-
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> int:
-    """1 for a bfloat16 cache, 0 for a float32 one; raises for anything else."""
-    if (v_cache.shape != k_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != d
-            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-            or k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype):
-        raise NativeAttentionError(f"the cache must be two contiguous float32 or bfloat16 [blocks, block_size, Hkv, {d}] "
-                                   f"tensors alike, got {k_cache.dtype} {tuple(k_cache.shape)} and {v_cache.dtype} "
-                                   f"{tuple(v_cache.shape)}")
-    return int(k_cache.dtype == torch.bfloat16)
-
-
-def _check_slots(slots: torch.Tensor, n: int) -> None:
-    if slots.dtype != torch.int64 or slots.shape != (n,) or not slots.is_contiguous():
-        raise NativeAttentionError(f"slots: int64 [{n}] is needed, got {slots.dtype} {tuple(slots.shape)}")
-
-
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      out: torch.Tensor | None = None,
-                      template: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                      cache: tuple[torch.Tensor, torch.Tensor] | None = None, block_table: torch.Tensor | None = None,
-                      cached: tuple[int, int] = (0, 0), slots: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one sequence's new tokens.
-
-    q: [M, Hq, D]; template: (K panels, V rows, R) from pack_keys/pack_values, R keys every query
-    sees, first; cached = (start, L): then the sequence's cached tokens [start, start + L), read
-    from cache = (k_cache, v_cache) [blocks, block_size, Hkv, D] (float32, or bfloat16) through
-    block_table (int32 [W]);
-    then k, v: [N, Hkv, D], N >= M (the new tokens' own K/V, after any further context); query i
-    sees all of those but the last M - i - 1. slots (int64 [N]): k and v are also written into
-    these slots of the cache, as a layer stores its new tokens. Rows may be strided (views of a
-    fused projection); heads must be dense. Returns out [M, Hq, D]."""
-    lib = native.require(NativeAttentionError)
-    m, hq, d = q.shape
-    n, hkv = k.shape[0], k.shape[1]
-    if v.shape != k.shape or k.shape[2] != d or n < m:
-        raise NativeAttentionError(f"shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if out is None:
-        out = torch.empty(m, hq, d, dtype=q.dtype)
-    qs, ks, vs, os_ = _rows(q, "q"), _rows(k, "k"), _rows(v, "v"), _rows(out, "out")
-    if template is None:
-        kt = vt = None
-        r = 0
-    else:
-        kt, vt, r = template
-        if kt.shape != (hkv, -(-r // PANEL), d, PANEL) or vt.shape != (hkv, r, d) or not (
-                kt.is_contiguous() and vt.is_contiguous()):
-            raise NativeAttentionError(f"template layout: K {tuple(kt.shape)}, V {tuple(vt.shape)} for {r} keys")
-    start, length = cached
-    kc = vc = None
-    blocks = bs = width = kv_bf16 = 0
-    if cache is not None:
-        kc, vc = cache
-        kv_bf16 = _check_cache(kc, vc, d)
-        blocks, bs = kc.shape[0], kc.shape[1]
-        if kc.shape[2] != hkv:
-            raise NativeAttentionError(f"the cache holds {kc.shape[2]} KV heads, k has {hkv}")
-    if length:
-        if kc is None or block_table is None:
-            raise NativeAttentionError("cached tokens need the cache and a block table")
-        if block_table.dtype != torch.int32 or block_table.dim() != 1 or block_table.stride(0) != 1:
-            raise NativeAttentionError(f"block_table: int32 [W] is needed, got {block_table.dtype} "
-                                       f"{tuple(block_table.shape)}")
-        width = block_table.shape[0]
-    if slots is not None:
-        if kc is None:
-            raise NativeAttentionError("storing into slots needs the cache")
-        _check_slots(slots, n)
-    code = lib.ps_prefill_attention(
-        q.data_ptr(), qs, out.data_ptr(), os_, m, hq, hkv, d, scale,
-        kt.data_ptr() if kt is not None else None, vt.data_ptr() if vt is not None else None, r,
-        k.data_ptr(), ks, v.data_ptr(), vs, n,
-        kc.data_ptr() if kc is not None else None, vc.data_ptr() if vc is not None else None, blocks, bs,
-        block_table.data_ptr() if length else None, width, start, length,
-        slots.data_ptr() if slots is not None else None, None, kv_bf16)
-    if code:
-        raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
-    return out
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
-                     templates: list[tuple[torch.Tensor, torch.Tensor, int] | None] | None = None,
-                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Attention of N decoding sequences' new tokens over their paged cache.
-
-    q: [N, Hq, D] (rows may be strided); k_cache, v_cache: [blocks, block_size, Hkv, D] (float32 or
-    bfloat16), the new tokens' K/V already stored, or new_kv = (k, v, slots): k, v [N, Hkv, D] written first into
-    the slots (int64 [N]); block_tables: int32 [N, W]; context_lens: int32 [N], the new token
-    included; templates: per sequence None or (K panels, V rows, R) of pack_keys/pack_values, R a
-    multiple of the block size: its first R / block_size blocks are read from there. Returns out."""
-    lib = native.require(NativeAttentionError)
-    n, hq, d = q.shape
-    kv_bf16 = _check_cache(k_cache, v_cache, d)
-    blocks, bs, hkv, _ = k_cache.shape
-    if (block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n
-            or block_tables.stride(1) != 1 or context_lens.dtype != torch.int32 or context_lens.shape != (n,)
-            or not context_lens.is_contiguous()):
-        raise NativeAttentionError(f"block_tables int32 [{n}, W] and context_lens int32 [{n}] are needed")
-    if out is None:
-        out = torch.empty(n, hq, d, dtype=q.dtype)
-    qs, os_ = _rows(q, "q"), _rows(out, "out")
-    skip = kt_ptrs = vt_ptrs = None
-    if templates is not None and any(t is not None for t in templates):
-        if len(templates) != n:
-            raise NativeAttentionError(f"{len(templates)} templates for {n} sequences")
-        for t in templates:
-            if t is not None and (t[2] % bs or t[0].shape != (hkv, -(-t[2] // PANEL), d, PANEL)
-                                  or t[1].shape != (hkv, t[2], d)):
-                raise NativeAttentionError(f"template layout: K {tuple(t[0].shape)}, V {tuple(t[1].shape)} for {t[2]} "
-                                           f"keys in blocks of {bs}")
-        skip = torch.tensor([t[2] // bs if t is not None else 0 for t in templates], dtype=torch.int32)
-        kt_ptrs = torch.tensor([t[0].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
-        vt_ptrs = torch.tensor([t[1].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
-    kn = vn = slots = None
-    if new_kv is not None:
-        kn, vn, slots = new_kv
-        if kn.shape != (n, hkv, d) or vn.shape != kn.shape:
-            raise NativeAttentionError(f"new K/V: [{n}, {hkv}, {d}] are needed, got {tuple(kn.shape)} and {tuple(vn.shape)}")
-        _check_slots(slots, n)
-    code = lib.ps_decode_attention(
-        q.data_ptr(), qs, out.data_ptr(), os_, n, hq, hkv, d, scale, k_cache.data_ptr(), v_cache.data_ptr(), bs,
-        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(),
-        skip.data_ptr() if skip is not None else None, kt_ptrs.data_ptr() if kt_ptrs is not None else None,
-        vt_ptrs.data_ptr() if vt_ptrs is not None else None,
-        kn.data_ptr() if kn is not None else None, _rows(kn, "k") if kn is not None else 0,
-        vn.data_ptr() if vn is not None else None, _rows(vn, "v") if vn is not None else 0,
-        slots.data_ptr() if slots is not None else None, blocks, None, kv_bf16)
-    if code:
-        raise NativeAttentionError(_ERRORS.get(code, f"error {code}"))
-    return out

@@ -20,12 +20,9 @@ from typing import Protocol
 import torch
 
 from prefix_service.backends.cpu import native, onednn
+from prefix_service.backends.cpu.native import NativeKernelError
 
 PANEL = 16  # output columns per weight panel: the layout of pack_weight, as the kernel reads it
-
-
-class NativeLinearError(RuntimeError):
-    pass
 
 
 def available(dtype: torch.dtype) -> str | None:
@@ -49,31 +46,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _check_x(x: torch.Tensor) -> None:
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
-        raise NativeLinearError(f"x: a float32 CPU tensor [M, K] with dense rows is needed, got {x.dtype} "
+        raise NativeKernelError(f"x: a float32 CPU tensor [M, K] with dense rows is needed, got {x.dtype} "
                                 f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
 
 
 def _check_weight(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
     if packed.shape != (-(-n // PANEL), k, PANEL) or not packed.is_contiguous():
-        raise NativeLinearError(f"packed weight {tuple(packed.shape)} does not hold {n} x {k}")
+        raise NativeKernelError(f"packed weight {tuple(packed.shape)} does not hold {n} x {k}")
     if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
-        raise NativeLinearError(f"bias: float32 [{n}] is needed, got {bias.dtype} {tuple(bias.shape)}")
+        raise NativeKernelError(f"bias: float32 [{n}] is needed, got {bias.dtype} {tuple(bias.shape)}")
 
 
 def _run(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """The kernel call, its operands checked by the caller."""
-    lib = native.require(NativeLinearError)
+    lib = native.require()
     args = (x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), n,
             bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
-    if lib.ps_linear(*args):
-        raise NativeLinearError("the library was built without AVX-512 or AVX2")
+    native.check(lib.ps_linear(*args), "ps_linear")
     return out
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ W.T + bias, W held as pack_weight(W) -> [M, N] float32."""
-    native.require(NativeLinearError)
+    native.require()
     _check_x(x)
     m, k = x.shape
     n = out_features
@@ -81,7 +77,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise NativeLinearError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
+        raise NativeKernelError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
     return _run(x, packed, n, bias, out)
 
 
@@ -107,7 +103,7 @@ class NativeLinear:
     """y = x @ W.T + b in the native float32 kernel, W held only in its layout (pack_weight)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        lib = native.require(NativeLinearError)
+        lib = native.require()
         self.out_features, self.in_features = weight.shape
         self.packed = pack_weight(weight)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
@@ -132,4 +128,4 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLi
         return NativeLinear(weight, bias)
     if weight.dtype == torch.bfloat16:
         return onednn.OneDnnLinear(weight, bias)
-    raise NativeLinearError(f"no CPU linear kernel for {weight.dtype} weights (float32 and bfloat16 are served)")
+    raise NativeKernelError(f"no CPU linear kernel for {weight.dtype} weights (float32 and bfloat16 are served)")

@@ -10,6 +10,11 @@ The kernels are written once against a 16-float vector (csrc/simd.h) that the bu
 AVX-512 or onto AVX2 with FMA, whichever the CPU has (`isa()`). `load()` says why the library
 cannot be used (not x86-64 Linux, no compiler, a failed build, neither AVX-512 nor AVX2), and
 backend selection then falls back to the torch backend.
+
+The entry points return 0 or a status (`STATUS`); `check` turns a nonzero one into a
+`NativeKernelError` naming the entry point and what the status means. The Python wrappers raise
+the same error for operands they refuse before the call, and `require()` for a library that
+cannot be used here.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -59,7 +65,38 @@ SIGNATURES = {
 
 
 class NativeBuildError(RuntimeError):
-    pass
+    """A library's compilation failed (compile_library): load() reports it as the reason the library
+    cannot be used."""
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel refused its operands or failed (its status, `check`), or the library cannot be
+    used here (`require`)."""
+
+
+# what each nonzero status of the library's entry points means (csrc/*.cpp); the decoder stack
+# returns the first failing kernel's
+STATUS = {
+    1: "the library was built without AVX-512 or AVX2",
+    2: "unsupported head size or head counts (attention: a multiple of 16 up to 256, query heads a multiple of "
+       "KV heads, no fewer keys than queries; rotation: an even head size)",
+    3: "out of memory",
+    4: "a slot or block id outside the cache",
+    5: "a linear layer's library failed",
+}
+
+
+def check(code: int, what: str, linear_error: Callable[[], str] | None = None) -> None:
+    """Raise NativeKernelError when the entry point `what` returned a nonzero status `code`: what
+    STATUS says it means, and for 5 what `linear_error()` says went wrong: the caller passes the
+    linear layers' library's own report (onednn.last_error; onednn.py imports this module, so this
+    one cannot import it)."""
+    if not code:
+        return
+    meaning = STATUS.get(code, "a status the library does not document")
+    if code == 5 and linear_error is not None:
+        meaning = f"{meaning}: {linear_error() or 'it gave no reason'}"
+    raise NativeKernelError(f"{what} failed with status {code}: {meaning}")
 
 
 class LinearCall(ctypes.Structure):
@@ -122,11 +159,11 @@ def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
     return compile_library(cxx, "prefix_service_native", sources, key_parts=tuple(h.read_bytes() for h in HEADERS))
 
 
-def require(error: type[Exception]) -> ctypes.CDLL:
-    """The library, or `error` with the reason it cannot be used here."""
+def require() -> ctypes.CDLL:
+    """The library, or NativeKernelError with the reason it cannot be used here."""
     lib, reason = load()
     if lib is None:
-        raise error(reason)
+        raise NativeKernelError(reason)
     return lib
 
 

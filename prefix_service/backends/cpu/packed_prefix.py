@@ -38,6 +38,7 @@ class PackedTemplate:
         self.pointers = torch.tensor([[kp.data_ptr(), vp.data_ptr()] for kp, vp in self.layers], dtype=torch.int64)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Layer `index`'s (K panels, V rows, R), as attention.prefill_attention / decode_attention take a template."""
+        """Layer `index`'s (K panels, V rows, R): a template as the attention kernels take it, called one at a
+        time (tests/native_harness.py); the decoder stack reads `pointers` instead."""
         k, v = self.layers[index]
         return k, v, self.num_tokens

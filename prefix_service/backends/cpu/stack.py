@@ -21,6 +21,7 @@ import torch
 
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cpu import native, onednn
+from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
 from prefix_service.backends.cpu.packed_prefix import PackedTemplate
@@ -28,18 +29,6 @@ from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
 if TYPE_CHECKING:
     from prefix_service.engine.step import ScheduledRow, StepBatch
-
-
-class NativeLayerError(RuntimeError):
-    pass
-
-
-def _status(code: int, name: str) -> None:
-    if code == 5:  # a linear layer's own library failed: it says why
-        raise NativeLayerError(f"{name} failed in a linear layer: {onednn.last_error()}")
-    if code:
-        raise NativeLayerError(f"{name} failed with status {code} (1: neither AVX-512 nor AVX2 in this build, 2: odd head size, "
-                               f"3: out of memory, 4: a slot or block id outside the cache)")
 
 
 def unsupported(arch: ModelArch, dtype: torch.dtype) -> str | None:
@@ -130,11 +119,11 @@ class DecoderStack:
     def __init__(self, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         why = unsupported(model.arch, model.embed_tokens.weight.dtype)
         if why is not None:
-            raise NativeLayerError(f"the native decoder stack cannot run this model: {why}")
+            raise NativeKernelError(f"the native decoder stack cannot run this model: {why}")
         arch = model.arch
         layers = list(model.layers)
         if len(kv_layers) != len(layers):
-            raise NativeLayerError(f"{len(kv_layers)} KV caches for {len(layers)} layers")
+            raise NativeKernelError(f"{len(kv_layers)} KV caches for {len(layers)} layers")
         self.hq, self.hkv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.hidden, self.inter = arch.hidden_size, arch.intermediate_size
         self.scale = layers[0].self_attn.scale
@@ -144,9 +133,9 @@ class DecoderStack:
                 if (c.shape != shape or c.dim() != 4 or c.shape[2:] != (self.hkv, self.head_dim)
                         or c.dtype != kv_dtype or kv_dtype not in KV_DTYPES or not c.is_contiguous()
                         or c.device.type != "cpu"):
-                    raise NativeLayerError(f"the KV cache: contiguous float32 or bfloat16 CPU [blocks, block_size, "
-                                           f"{self.hkv}, {self.head_dim}] tensors alike are needed, got {c.dtype} "
-                                           f"{tuple(c.shape)}")
+                    raise NativeKernelError(f"the KV cache: contiguous float32 or bfloat16 CPU [blocks, block_size, "
+                                            f"{self.hkv}, {self.head_dim}] tensors alike are needed, got {c.dtype} "
+                                            f"{tuple(c.shape)}")
         self.kv_bf16 = int(kv_dtype == torch.bfloat16)
         self.num_layers = len(layers)
         self.kv_layers = [(k, v) for k, v in kv_layers]
@@ -159,7 +148,7 @@ class DecoderStack:
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if any(m.bias is not None for m in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                raise NativeLayerError("only the q/k/v projection may have a bias")
+                raise NativeKernelError("only the q/k/v projection may have a bias")
             q_norm, k_norm = attn.q_norm, attn.k_norm
             self.layers.append(LayerWeights(
                 vector(layer.input_layernorm.weight), layer.input_layernorm.eps,
@@ -186,15 +175,15 @@ class DecoderStack:
         of the workspace: read it before the next forward)."""
         t = x.shape[0]
         if x.shape != (t, self.hidden) or x.dtype != torch.float32 or not x.is_contiguous():
-            raise NativeLayerError(f"x: contiguous float32 [T, {self.hidden}] is needed, got {x.dtype} {tuple(x.shape)}")
+            raise NativeKernelError(f"x: contiguous float32 [T, {self.hidden}] is needed, got {x.dtype} {tuple(x.shape)}")
         nd, n_pre = plan.num_decodes, plan.prefill_info.shape[0]
         if plan.slots.shape != (t,) or plan.positions.shape != (t,) or nd + int(plan.prefill_info[:, 0].sum()) != t:
-            raise NativeLayerError(f"the plan has {nd} decodes and prefills of {plan.prefill_info[:, 0].tolist()} "
-                                   f"tokens for {t} rows")
+            raise NativeKernelError(f"the plan has {nd} decodes and prefills of {plan.prefill_info[:, 0].tolist()} "
+                                    f"tokens for {t} rows")
         if t and (int(plan.positions.min()) < 0 or int(plan.positions.max()) >= self.cos.shape[0]):
-            raise NativeLayerError(f"positions outside the rotary tables' range [0, {self.cos.shape[0]})")
+            raise NativeKernelError(f"positions outside the rotary tables' range [0, {self.cos.shape[0]})")
         dec_tables, pre_tables = plan.decode_tables, plan.prefill_tables
-        lib = native.require(NativeLayerError)
+        lib = native.require()
         # the most keys a prefill attends over after its packed template: its cached context after it and its own
         max_keys = int((plan.prefill_info[:, 0] + plan.prefill_info[:, 1] - plan.prefill_info[:, 2]).max()) if n_pre else 0
         pending_floats = -(-t * self.hidden // 16) * 16
@@ -204,7 +193,7 @@ class DecoderStack:
             self.workspace = torch.empty(need, dtype=torch.float32)
         pending = self.workspace[:t * self.hidden].view(t, self.hidden)
         scratch = self.workspace[pending_floats:]
-        _status(lib.ps_decoder_stack(
+        native.check(lib.ps_decoder_stack(
             x.data_ptr(), t, self.hidden, self.num_layers, self.weights.data_ptr(), self.eps.data_ptr(),
             self.caches.data_ptr(), self.num_blocks, self.block_size, self.hq, self.hkv, self.head_dim, self.inter,
             self.scale, plan.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), plan.slots.data_ptr(),
@@ -214,7 +203,7 @@ class DecoderStack:
             n_pre, plan.prefill_info.data_ptr(), pre_tables.data_ptr() if n_pre else None,
             pre_tables.stride(0) if n_pre else 0, pre_tables.shape[1] if n_pre else 0,
             plan.templates.data_ptr() if plan.templates is not None else None, pending.data_ptr(), scratch.data_ptr(),
-            torch.get_num_threads(), self.kv_bf16), "ps_decoder_stack")
+            torch.get_num_threads(), self.kv_bf16), "ps_decoder_stack", onednn.last_error)
         return pending
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -223,11 +212,11 @@ class DecoderStack:
         destinations must be distinct from each other and from every source."""
         dst = [d for _, d in pairs]
         if len(set(dst)) != len(dst) or set(dst) & {s for s, _ in pairs}:
-            raise NativeLayerError(f"copy_blocks: the destinations must be distinct from each other and from the "
-                                   f"sources, got {pairs}")
+            raise NativeKernelError(f"copy_blocks: the destinations must be distinct from each other and from the "
+                                    f"sources, got {pairs}")
         k = self.kv_layers[0][0]
         flat = torch.tensor(pairs, dtype=torch.int64).view(-1)
-        _status(native.require(NativeLayerError).ps_copy_blocks(
+        native.check(native.require().ps_copy_blocks(
             self.caches.data_ptr(), self.num_layers, self.num_blocks, k[0].numel() * k.element_size(), flat.data_ptr(),
             len(pairs)),
             "ps_copy_blocks")
@@ -237,5 +226,5 @@ def kernel_timers(on: bool) -> dict[str, float]:
     """Turn the native kernels' timers (csrc/timers.h) on or off; returns the milliseconds each
     kind took since the last call: linear, attention, elementwise."""
     totals = (ctypes.c_int64 * 3)()
-    native.require(NativeLayerError).ps_timers(int(on), totals)
+    native.require().ps_timers(int(on), totals)
     return {"linear": totals[0] / 1e6, "attention": totals[1] / 1e6, "elementwise": totals[2] / 1e6}

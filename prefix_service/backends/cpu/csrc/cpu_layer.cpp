@@ -152,7 +152,7 @@ extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv
 // packed template's K panels and V rows of each sequence's layer (0: none). slots: each row's cache
 // slot. scratch: ps_stack_scratch_floats(...) floats, 64-byte aligned, for every intermediate (kept by
 // the caller from step to step, so a step allocates no activation memory). Returns 0 or the first
-// failing kernel's status (cpu_attention.py names them).
+// failing kernel's status (native.py's STATUS names them).
 extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, const int64_t* weights, const float* eps,
                                 const int64_t* caches, int num_blocks, int block_size, int hq, int hkv, int head_dim,
                                 int inter, float scale, const int64_t* positions, const float* cos_table,
