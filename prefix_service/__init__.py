@@ -16,13 +16,14 @@ _EXPORTS = {
     "PrefixNotFound": "errors", "PrefixServiceError": "errors", "PromptTooLong": "errors",
     "SamplingParams": "sampling_params",
     "FinishReason": "engine.sequence", "GenerateRequest": "engine.sequence", "RequestOutput": "engine.sequence",
+    "TokenLogprob": "engine.sequence",
 }
 
 __all__ = [
     "CacheConfig", "CacheExhausted", "Engine", "EngineConfig", "FinishReason", "GenerateRequest", "GenerateResult",
     "InvalidRequest", "ModelConfig", "PrefixBudgetExceeded", "PrefixExists", "PrefixNotFound",
     "PrefixServiceError", "PromptTooLong", "RequestOutput", "SamplingParams", "SchedulerConfig",
-    "ServiceConfig", "load_config",
+    "ServiceConfig", "TokenLogprob", "load_config",
 ]
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from prefix_service.errors import (CacheExhausted, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
                                        PrefixNotFound, PrefixServiceError, PromptTooLong)
     from prefix_service.sampling_params import SamplingParams
-    from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput
+    from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
 
 def __getattr__(name: str) -> Any:

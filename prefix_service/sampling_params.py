@@ -8,6 +8,8 @@ from prefix_service.errors import InvalidRequest
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 
 
 @dataclass(frozen=True)
@@ -20,10 +22,25 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (not included in the output)
     stop_token_ids: tuple[int, ...] = ()  # extra stop tokens besides EOS
     ignore_eos: bool = False
+    # None: no log-probabilities; k >= 0: each new token's, with the k most likely alternatives
+    # (the model's distribution: before penalties, logit_bias, min_tokens and temperature)
+    logprobs: int | None = None
+    presence_penalty: float = 0.0  # [-2, 2], subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # (0, 2]: logits of prompt and generated tokens divided (> 0) or multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, [-100, 100]) added to its logit
+    min_tokens: int = 0  # EOS and stop token ids are masked, stop strings unchecked, until this many
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the model's logits before the choice (besides temperature,
+        top-k and top-p)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self, *, max_tokens_cap: int, vocab_size: int) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -54,3 +71,27 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 bad(f"stop_token_ids must be token ids in [0, {vocab_size}), got {t!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token), got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not -2 <= value <= 2:
+                bad(f"{name} must be in [-2, 2], got {value!r}")
+        if not _real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            bad(f"repetition_penalty must be in (0, 2] (1 = none), got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                bad(f"logit_bias keys must be token ids in [0, {vocab_size}), got {t!r}", "logit_bias")
+            if not _real(b) or not -100 <= b <= 100:
+                bad(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}", "logit_bias")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

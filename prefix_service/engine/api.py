@@ -19,7 +19,7 @@ from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.engine.core import EngineCore
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.prefix_cache import PrefixHandle, PrefixInfo
-from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput
+from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
 log = logging.getLogger("prefix_service.engine")
 T = TypeVar("T")
@@ -36,6 +36,7 @@ class GenerateResult:
     prefix_tokens: int
     completion_tokens: int
     ttft_ms: float | None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class Engine:
@@ -289,6 +290,8 @@ class _Collector:
         last = self._parts[-1]
         if last.error is not None:
             raise last.error
+        logprobs = None if last.logprobs is None else [lp for p in self._parts for lp in p.logprobs or ()]
         return GenerateResult(
             last.request_id, "".join(p.text for p in self._parts), [t for p in self._parts for t in p.token_ids],
-            last.finish_reason, last.prompt_tokens, last.prefix_tokens, last.completion_tokens, last.ttft_ms)
+            last.finish_reason, last.prompt_tokens, last.prefix_tokens, last.completion_tokens, last.ttft_ms,
+            logprobs)

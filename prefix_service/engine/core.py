@@ -22,7 +22,7 @@ from prefix_service.model.loader import choose_dtype, dummy_model, load_model, l
 from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import Scheduler
-from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus
+from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
 from prefix_service.sampling_params import SamplingParams
 
 log = logging.getLogger("prefix_service.engine")
@@ -149,6 +149,9 @@ class EngineCore:
             raise QueueFull(f"the waiting queue is full ({max_queue} requests wait already, scheduler.max_queue); "
                             f"retry later with backoff")
         max_tokens = sampling.max_tokens or self.config.scheduler.default_max_tokens
+        if sampling.min_tokens > max_tokens:
+            raise InvalidRequest(f"invalid sampling parameters: min_tokens {sampling.min_tokens} exceeds max_tokens "
+                                 f"{max_tokens} (the server's default; set max_tokens)", param="min_tokens")
         generator = None
         if not sampling.greedy:
             seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
@@ -204,14 +207,14 @@ class EngineCore:
             return
         logits = self.backend.execute(out.step)
         sample_seqs = out.sampled
-        tokens = sample(logits, sample_seqs) if logits is not None else []
+        tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids) if logits is not None else ([], [])
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
             if s.seq.prefill_only and s.seq.num_uncomputed == 0:
                 self._pin_warmup(self._tracked[s.seq.request_id])
         now = time.perf_counter()
-        for seq, token in zip(sample_seqs, tokens):
-            self._after_token(self._tracked[seq.request_id], token, now)
+        for seq, token, logprob in zip(sample_seqs, tokens, logprobs):
+            self._after_token(self._tracked[seq.request_id], token, logprob, now)
 
     def _pin_warmup(self, tracked: _Tracked) -> None:
         seq = tracked.seq
@@ -226,29 +229,31 @@ class EngineCore:
         if tracked.on_pinned:
             tracked.on_pinned(handle.info())
 
-    def _after_token(self, tracked: _Tracked, token: int, now: float) -> None:
+    def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None, now: float) -> None:
         """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop."""
         seq = tracked.seq
         if tracked.first_token_time is None:
             tracked.first_token_time = now
         reason = None
         p = seq.sampling
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        may_stop = seq.num_output_tokens > p.min_tokens  # the sampler masks stop tokens until then
+        if may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
             reason = FinishReason.STOP
             text = ""
         else:
-            text, hit_stop = tracked.detok.add(token)
+            text, hit_stop = tracked.detok.add(token, check_stop=may_stop)
             if hit_stop:
                 reason = FinishReason.STOP
         if reason is None and (seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
+        logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            tracked.sink(RequestOutput(seq.request_id, text, [token]))
+            tracked.sink(RequestOutput(seq.request_id, text, [token], logprobs=logprobs))
         else:
-            self._finish(tracked, reason, text=text, token_ids=[token])
+            self._finish(tracked, reason, text=text, token_ids=[token], logprobs=logprobs)
 
     def _finish(self, tracked: _Tracked, reason: FinishReason, *, text: str = "", token_ids: list[int] | None = None,
-                error: BaseException | None = None) -> None:
+                error: BaseException | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
         seq = tracked.seq
         reused = seq.num_prefix_tokens_reused
         self.scheduler.finish(seq, reason)
@@ -264,7 +269,8 @@ class EngineCore:
         tracked.sink(RequestOutput(
             seq.request_id, text, token_ids or [], finished=True, finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens, prefix_tokens=reused,
-            completion_tokens=seq.num_output_tokens, ttft_ms=ttft, error=error))
+            completion_tokens=seq.num_output_tokens, ttft_ms=ttft, error=error,
+            logprobs=logprobs if logprobs is not None else ([] if seq.sampling.logprobs is not None else None)))
 
     # --- introspection -------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -23,9 +23,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def add(self, token_id: int) -> tuple[str, bool]:
+    def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
         """Add one token. Returns (text that is now final, whether a stop string was hit).
-        On a stop string, self.text is cut before it."""
+        On a stop string, self.text is cut before it. check_stop False: the text so far may hold
+        a stop string (before min_tokens), and it is not looked for."""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset:])
@@ -34,7 +35,7 @@ class IncrementalDetokenizer:
         search_from = max(0, len(self.text) - self._holdback)
         self.text += new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        if self.stop:
+        if self.stop and check_stop:
             hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[:min(hits)]

@@ -37,6 +37,15 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the most likely alternatives
+    (the sampling parameter `logprobs` says how many), most likely first."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request: the new text and token ids since the last output.
@@ -51,6 +60,7 @@ class RequestOutput:
     completion_tokens: int = 0
     ttft_ms: float | None = None
     error: BaseException | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class Sequence:

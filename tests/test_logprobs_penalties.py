@@ -1,0 +1,138 @@
+"""Log-probabilities, penalties, logit_bias and min_tokens in the engine.
+
+Each is checked against the model's own logits, taken by teacher forcing through the torch
+backend (the oracle): a generated token's reported log-probability is the log-softmax of those
+logits, and a penalized greedy choice is the argmax of those logits adjusted as the parameter says.
+"""
+import pytest
+import torch
+
+from helpers import engine_last_logits, greedy
+from prefix_service import FinishReason, GenerateRequest, InvalidRequest, SamplingParams
+from prefix_service.engine.sampler import _adjust_row
+from prefix_service.engine.sequence import Sequence
+
+PROMPT = [9, 40, 77, 120, 301, 17, 9, 40]
+
+
+def generate(engine, ids=PROMPT, prefix=None, **kw):
+    params = dict(max_tokens=8, ignore_eos=True)
+    params.update(kw)
+    return engine.generate([GenerateRequest(prompt_token_ids=list(ids), prefix_name=prefix,
+                                            sampling=SamplingParams(**params))])[0]
+
+
+def teacher_forced_logits(engine, ids, out_ids):
+    """The model's logits before each of out_ids, [len(out_ids), vocab]."""
+    return torch.stack([engine_last_logits(engine, list(ids) + out_ids[:k]) for k in range(len(out_ids))])
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_logprobs_are_the_models_log_softmax(make_engine, backend):
+    """Each token's logprob and its top alternatives equal a log-softmax of the torch backend's logits
+    at that position, under greedy and under temperature sampling (the model's distribution, not the
+    tempered one); on a template as without."""
+    oracle = make_engine(backend="torch")
+    engine = make_engine(backend=backend)
+    engine.add_prefix("t", token_ids=PROMPT[:5])
+    for kw in (dict(), dict(temperature=2.0, seed=5)):
+        out = generate(engine, logprobs=3, **kw)
+        assert [lp.token_id for lp in out.logprobs] == out.token_ids
+        want = torch.log_softmax(teacher_forced_logits(oracle, PROMPT, out.token_ids), dim=-1)
+        for k, lp in enumerate(out.logprobs):
+            assert abs(lp.logprob - want[k, lp.token_id].item()) < 1e-4
+            assert [t for t, _ in lp.top] == want[k].topk(3).indices.tolist()
+            assert max(abs(v - want[k, t].item()) for t, v in lp.top) < 1e-4
+        on_template = generate(engine, PROMPT[5:], prefix="t", logprobs=3, **kw)
+        assert on_template.token_ids == out.token_ids
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(on_template.logprobs, out.logprobs)) < 1e-4
+    assert generate(engine, logprobs=0).logprobs[0].top == ()
+    assert generate(engine).logprobs is None
+
+
+def test_logit_bias_moves_the_greedy_choice(make_engine):
+    engine = make_engine()
+    logits = engine_last_logits(engine, PROMPT)
+    first, second = logits.topk(2).indices.tolist()
+    assert generate(engine, max_tokens=1).token_ids == [first]
+    assert generate(engine, max_tokens=1, logit_bias=((first, -100.0),)).token_ids == [second]
+    forced = int(logits.argmin())
+    assert generate(engine, max_tokens=4, logit_bias=((forced, 100.0),)).token_ids == [forced] * 4
+
+
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
+                                dict(repetition_penalty=1.8), dict(repetition_penalty=0.5),
+                                dict(frequency_penalty=-2.0, presence_penalty=0.5)])
+def test_penalized_greedy_is_the_argmax_of_the_adjusted_logits(make_engine, kw):
+    """Greedy under a penalty picks, at every step, the argmax of the model's logits adjusted as
+    OpenAI (presence, frequency: over the generated tokens) and CTRL / vLLM (repetition: over
+    the prompt and the generated tokens; positive logits divided, negative multiplied) define."""
+    oracle = make_engine(backend="torch")
+    engine = make_engine()
+    out = generate(engine, max_tokens=20, **kw).token_ids
+    plain = generate(engine, max_tokens=20).token_ids
+    assert out != plain  # the penalty changed something, else this test shows nothing
+    logits = teacher_forced_logits(oracle, PROMPT, out)
+    p = SamplingParams(**kw)
+    for k, token in enumerate(out):
+        row = logits[k].clone()
+        counts = torch.bincount(torch.tensor(out[:k], dtype=torch.int64), minlength=row.shape[0]).float()
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        seen = torch.tensor(sorted(set(PROMPT + out[:k])))
+        r = p.repetition_penalty
+        row[seen] = torch.where(row[seen] > 0, row[seen] / r, row[seen] * r)
+        assert row[token] >= row.max() - 1e-4, f"step {k}: chose {token}, adjusted argmax {int(row.argmax())}"
+
+
+def test_adjust_row_arithmetic():
+    """The adjustments on a known row: every term exactly as documented."""
+    seq = Sequence("r", [1, 2, 3], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                                                  repetition_penalty=2.0, logit_bias=((0, 3.0),)), 8, None, None)
+    seq.token_ids += [4, 4, 2]  # generated: 4 twice, 2 once
+    row = torch.tensor([1.0, -1.0, 2.0, 4.0, 6.0, 8.0])
+    _adjust_row(row, seq, ())
+    # token 0: untouched but for its bias; 1..3: prompt, repetition only; 2 also generated once;
+    # 4: generated twice (repetition, then 2 x 0.25 + 0.5); 5: untouched
+    assert row.tolist() == [4.0, -2.0, 1.0 - 0.75, 2.0, 3.0 - 1.0, 8.0]
+
+
+def test_min_tokens_masks_stops_until_reached(make_engine):
+    engine = make_engine()
+    first = generate(engine, max_tokens=6, ignore_eos=False)
+    t0 = first.token_ids[0]
+    stopped = generate(engine, max_tokens=6, stop_token_ids=(t0,))
+    assert stopped.token_ids == [t0] and stopped.finish_reason is FinishReason.STOP
+    held = generate(engine, max_tokens=6, stop_token_ids=(t0,), min_tokens=3)
+    assert len(held.token_ids) >= 3 and t0 not in held.token_ids[:3]
+    # a stop string is not looked for before min_tokens either
+    stop = first.text.strip()[:2]
+    assert stop
+    early = generate(engine, max_tokens=6, stop=(stop,))
+    late = generate(engine, max_tokens=6, stop=(stop,), min_tokens=6)
+    assert len(late.token_ids) == 6 and late.finish_reason is FinishReason.LENGTH
+    assert len(early.token_ids) < 6 and early.finish_reason is FinishReason.STOP
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"), (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias=((10**6, 1.0),)), "logit_bias"), (dict(logit_bias=((3, 101.0),)), "logit_bias"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+    (dict(min_tokens=10**6, max_tokens=None), "min_tokens")])
+def test_bad_values_are_refused_naming_the_field(make_engine, kw, field):
+    engine = make_engine()
+    params = dict(max_tokens=8)
+    params.update(kw)
+    with pytest.raises(InvalidRequest, match=field) as e:
+        engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(**params))])
+    assert e.value.param == field
+
+
+def test_greedy_unchanged_by_neutral_parameters(make_engine):
+    engine = make_engine()
+    assert generate(engine, max_tokens=8, presence_penalty=0.0, repetition_penalty=1.0, logprobs=2).token_ids == \
+        generate(engine, max_tokens=8).token_ids == greedy_ids(engine)
+
+
+def greedy_ids(engine):
+    return engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(8))])[0].token_ids
