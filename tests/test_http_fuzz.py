@@ -28,8 +28,10 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                                                        st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                       max_leaves=12)
 COMPLETION_FIELDS = ["model", "prompt", "prefix_name", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stream", "stream_options", "n", "echo", "logprobs", "ignore_eos", "return_token_ids"]
-CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f != "prompt"] + ["messages", "max_completion_tokens", "tools"]
+                     "stream", "stream_options", "n", "echo", "logprobs", "ignore_eos", "return_token_ids",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"]
+CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f != "prompt"] + ["messages", "max_completion_tokens", "tools",
+                                                                  "top_logprobs"]
 message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
                                  "content": st.text("the order price refund ", max_size=40)})
 common = {"max_tokens": st.integers(1, 3), "temperature": st.sampled_from([0, 0.7, 1]), "stream": st.booleans(),

@@ -1,9 +1,9 @@
 """Proto messages <-> engine types. Proto3 defaults carry meaning here: temperature 0 is greedy,
 top_p 0 means 1.0, top_k 0 means no limit, max_tokens 0 means the configured default, an unset
-seed means random."""
+seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from prefix_service.errors import InvalidRequest
 from prefix_service.engine.prefix_cache import PrefixInfo
@@ -30,6 +30,12 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop=tuple(p.stop),
         stop_token_ids=tuple(int(t) for t in p.stop_token_ids),
         ignore_eos=bool(p.ignore_eos),
+        logprobs=int(p.logprobs) if p.HasField("logprobs") else None,
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+        repetition_penalty=float(p.repetition_penalty) if p.repetition_penalty != 0 else 1.0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
+        min_tokens=int(p.min_tokens),
     )
 
 
@@ -49,8 +55,14 @@ def messages_from_proto(messages) -> list[dict[str, str]]:
     return out
 
 
-def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
+def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None = None) -> pb.GenerateResponse:
+    """token_text: a token id's text for the log-probabilities (when the request asked for them)."""
     msg = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, request_id=out.request_id)
+    text = token_text or (lambda token: "")
+    for lp in out.logprobs or ():
+        msg.logprobs.append(pb.TokenLogprob(
+            token_id=lp.token_id, logprob=lp.logprob, token=text(lp.token_id),
+            top=[pb.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top]))
     if out.finished:
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens,

@@ -15,7 +15,7 @@ from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
 from prefix_service.server.convert import output_to_proto, spec_from_proto
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
-from prefix_service.server.requests import prepare, request_id_for
+from prefix_service.server.requests import TokenTexts, prepare, request_id_for
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import status_for
 from prefix_service.server.wire import check_decoded
@@ -27,6 +27,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, runtime: Runtime, metrics: ServiceMetrics) -> None:
         self.runtime = runtime
         self.metrics = metrics
+        self.token_texts = TokenTexts()  # for log-probabilities
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -40,6 +41,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 engine, req = await prepare(self.runtime, spec, request_id)
             except Exception as e:  # refused before anything was queued
                 await _fail(context, trace, e)
+            token_text = self.token_texts.of(engine.tokenizer) if spec.sampling.logprobs is not None else None
             # the stream aborts the request (and frees its blocks) if the call ends before it does
             async with contextlib.aclosing(engine.generate_stream(req, self.runtime.executor)) as stream:
                 while True:
@@ -50,7 +52,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     except Exception as e:  # refused at submission, or ended by an error
                         await _fail(context, trace, e)
                     trace.output(out)
-                    yield output_to_proto(out)
+                    yield output_to_proto(out, token_text)
             trace.code = grpc.StatusCode.OK
         except Exception:
             if trace.code is None:  # a bug; grpc answers UNKNOWN

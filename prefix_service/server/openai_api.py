@@ -7,8 +7,10 @@
 
 A template is chosen by `prefix_name` in the body (the SDKs' `extra_body`) or by `model` naming
 it; the served model's name (or no `model`) means none. Bodies are parsed here, strictly: a
-wrong type, an unknown field or a value this server does not support (n > 1, logprobs, ...) is a
-400 naming the field. From there the request takes the path gRPC takes (requests.py), and errors
+wrong type, an unknown field or a value this server does not support (n > 1, echo, ...) is a
+400 naming the field. Log-probabilities come in OpenAI's shapes (completions: tokens,
+token_logprobs, top_logprobs, text_offset; chat: content[] with token, logprob, bytes and
+top_logprobs), from the model's distribution (SamplingParams.logprobs). From there the request takes the path gRPC takes (requests.py), and errors
 map through the same table (status.classify) to an HTTP status and OpenAI's error body:
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
@@ -25,7 +27,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Literal, Union
+from typing import Any, AsyncIterator, Callable, Literal, Union
 
 import grpc
 from fastapi import FastAPI, Request
@@ -34,12 +36,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefix_service.engine.sequence import FinishReason, RequestOutput
+from prefix_service.engine.sequence import FinishReason, RequestOutput, TokenLogprob
 from prefix_service.errors import InvalidRequest
-from prefix_service.sampling_params import SamplingParams
+from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams
 from prefix_service.server.auth import BearerAuth
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
-from prefix_service.server.requests import RequestSpec, prepare, request_id_for
+from prefix_service.server.requests import RequestSpec, TokenTexts, prepare, request_id_for
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import ModelNotFound, RequestTooLarge, classify
 
@@ -75,11 +77,13 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
-    # OpenAI fields accepted only at the value that means "off" (anything else: 400, not ignored)
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # extension (vLLM's): 1 = none
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
+    min_tokens: int | None = None  # extension (vLLM's)
+    # OpenAI fields accepted only at the value that means "off" (anything else: 400, not ignored)
+    n: int | None = None
 
     def refuse_unsupported(self) -> None:
         def no(field: str, why: str) -> None:
@@ -87,13 +91,12 @@ class _Sampling(_Body):
 
         if self.n not in (None, 1):
             no("n", f"only n=1 is supported, got {self.n}; send {self.n} requests (with seeds) instead")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                no(name, "penalties are not supported; leave it unset or 0")
-        if self.logit_bias:
-            no("logit_bias", "not supported; leave it unset or empty")
         if self.stream_options is not None and not self.stream:
             no("stream_options", "only allowed with stream: true")
+
+    def top_logprobs_wanted(self) -> int | None:
+        """None: no log-probabilities; k: each token's, with k alternatives."""
+        return None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """Range checks are the engine's (SamplingParams.validate: 400 naming the field)."""
@@ -106,7 +109,22 @@ class _Sampling(_Body):
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            logprobs=self.top_logprobs_wanted(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            min_tokens=self.min_tokens or 0,
         )
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias")
+        out.append((int(key), value))
+    return tuple(sorted(out))
 
 
 class CompletionBody(_Sampling):
@@ -120,12 +138,13 @@ class CompletionBody(_Sampling):
         super().refuse_unsupported()
         if self.echo:
             raise InvalidRequest("echo: not supported; leave it false", param="echo")
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs: not supported; leave it unset", param="logprobs")
         if self.best_of not in (None, 1):
             raise InvalidRequest(f"best_of: only 1 is supported, got {self.best_of}", param="best_of")
         if self.suffix:
             raise InvalidRequest("suffix: not supported; leave it unset", param="suffix")
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     def prompt_fields(self) -> dict[str, Any]:
         p = self.prompt
@@ -173,16 +192,22 @@ class ChatBody(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs:
-            raise InvalidRequest("logprobs: not supported; leave it unset or false", param="logprobs")
-        if self.top_logprobs is not None:
-            raise InvalidRequest("top_logprobs: not supported; leave it unset", param="top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs: only with logprobs: true", param="top_logprobs")
         if self.tools:
             raise InvalidRequest("tools: tool calls are not supported; leave tools unset", param="tools")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidRequest("max_completion_tokens: give it or max_tokens, not two different values",
                                  param="max_completion_tokens")
+
+    def top_logprobs_wanted(self) -> int | None:
+        if not self.logprobs:
+            return None
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                 param="top_logprobs")
+        return self.top_logprobs or 0
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -203,14 +228,39 @@ def _finish(out: RequestOutput) -> str | None:
 
 
 class _Shape:
-    """How one endpoint writes its response, whole and streamed."""
+    """How one endpoint writes its response, whole and streamed. token_text: a token id's text,
+    when the request asked for log-probabilities (else None)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, token_ids: bool) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, token_ids: bool,
+                 token_text: Callable[[int], str] | None = None) -> None:
         self.chat = chat
         self.token_ids = token_ids
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
+        self.token_text = token_text
+        self._offset = 0  # completions' text_offset of the next token, across chunks
+
+    def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (None when the request asked for none)."""
+        text = self.token_text
+        if text is None or lps is None:
+            return None
+        if self.chat:  # the k most likely alternatives, each with its UTF-8 bytes
+            def entry(token: int, logprob: float) -> dict[str, Any]:
+                s = text(token)
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+            return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                              for x in lps], "refusal": None}
+        tokens = [text(x.token_id) for x in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(self._offset)
+            self._offset += len(s)
+        # as OpenAI's completions: the k most likely and the chosen token (up to k + 1 entries)
+        return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+                "top_logprobs": [{**{text(t): v for t, v in x.top}, tokens[i]: x.logprob} for i, x in enumerate(lps)],
+                "text_offset": offsets}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -220,25 +270,27 @@ class _Shape:
             choice["token_ids"] = ids
         return choice
 
-    def whole(self, text: str, ids: list[int], last: RequestOutput) -> dict[str, Any]:
+    def whole(self, text: str, ids: list[int], last: RequestOutput, lps: list[TokenLogprob] | None) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(lps),
                       "finish_reason": _finish(last)}
             return {**self._head("chat.completion"), "choices": [self._ids(choice, ids)], "usage": _usage(last)}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(last)}
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(lps), "finish_reason": _finish(last)}
         return {**self._head("text_completion"), "choices": [self._ids(choice, ids)], "usage": _usage(last)}
 
     def chunks(self, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
         if not self.chat:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": _finish(out)}
+            choice = {"index": 0, "text": out.text, "logprobs": self._logprobs(out.logprobs),
+                      "finish_reason": _finish(out)}
             return [{**self._head("text_completion"), "choices": [self._ids(choice, out.token_ids)]}]
         head = self._head("chat.completion.chunk")
         chunks = []
         if first:
             chunks.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
-        if out.text or (self.token_ids and out.token_ids):
-            choice = {"index": 0, "delta": {"content": out.text}, "logprobs": None, "finish_reason": None}
+        if out.text or ((self.token_ids or self.token_text is not None) and out.token_ids):
+            choice = {"index": 0, "delta": {"content": out.text}, "logprobs": self._logprobs(out.logprobs),
+                      "finish_reason": None}
             chunks.append({**head, "choices": [self._ids(choice, out.token_ids)]})
         if out.finished:
             chunks.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
@@ -261,6 +313,7 @@ class OpenAIApi:
         self.metrics = metrics
         self.auth = auth
         self.served_name = served_name
+        self.token_texts = TokenTexts()  # for log-probabilities
         self.app = FastAPI(title="prefix_service", summary="OpenAI-compatible API with operator-named, pinned "
                            "prompt templates", version="1", docs_url=None, redoc_url=None)
         app = self.app
@@ -345,7 +398,9 @@ class OpenAIApi:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - refused before any output
             return self.error(e, trace)
-        shape = _Shape(body_cls is ChatBody, request_id, body.model or self.served_name, body.return_token_ids)
+        token_text = self.token_texts.of(engine.tokenizer) if body.top_logprobs_wanted() is not None else None
+        shape = _Shape(body_cls is ChatBody, request_id, body.model or self.served_name, body.return_token_ids,
+                       token_text)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(first, stream, shape, trace, include_usage),
@@ -390,9 +445,10 @@ class OpenAIApi:
                     trace.output(out)
                     texts.append(out.text)
                     ids.extend(out.token_ids)
+                    lps.extend(out.logprobs or ())
             return out
 
-        texts, ids = [first.text], list(first.token_ids)
+        texts, ids, lps = [first.text], list(first.token_ids), list(first.logprobs or ())
         task = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -411,7 +467,7 @@ class OpenAIApi:
             return self.error(e, trace)
         trace.code, trace.http_status = grpc.StatusCode.OK, 200
         _end(trace)
-        return JSONResponse(shape.whole("".join(texts), ids, last))
+        return JSONResponse(shape.whole("".join(texts), ids, last, lps if last.logprobs is not None else None))
 
     async def _stream(self, first: RequestOutput, stream: AsyncIterator[RequestOutput], shape: _Shape,
                       trace: RequestTrace, include_usage: bool) -> AsyncIterator[bytes]:

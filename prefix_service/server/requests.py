@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from prefix_service.engine import Engine
 from prefix_service.engine.sequence import GenerateRequest
@@ -36,6 +36,24 @@ class RequestSpec:
     messages: Sequence[dict[str, str]] | None = None  # rendered with the model's chat template
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None  # None: one is generated
+
+
+class TokenTexts:
+    """A token id's text as log-probabilities show it: the token decoded alone (as vLLM does),
+    kept once decoded. One per front end, for the engine's tokenizer."""
+
+    def __init__(self) -> None:
+        self._texts: dict[int, str] = {}
+
+    def of(self, tokenizer: Any) -> Callable[[int], str]:
+        texts = self._texts
+
+        def text(token: int) -> str:
+            s = texts.get(token)
+            if s is None:
+                s = texts[token] = tokenizer.decode([token])
+            return s
+        return text
 
 
 def check_request_id(request_id: str) -> str:

@@ -1,0 +1,161 @@
+"""Log-probabilities and penalties through both front ends: OpenAI's shapes over HTTP (the official
+client, whole and streamed, completions and chat) and the same per token over gRPC; each equals
+what the engine itself reports for the same request (which tests/test_logprobs_penalties.py
+checks against the model's logits)."""
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+
+from server_fixtures import DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, make_config
+
+from prefix_service import GenerateRequest, SamplingParams
+from prefix_service.config import PrefixSpec
+from prefix_service.proto import prefix_service_pb2 as pb
+
+TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory, one_torch_thread):
+    st = ServerThread(make_config(model_dir, prefixes=TEMPLATES, http_address="127.0.0.1:0",
+                                  state_file=tmp_path_factory.mktemp("state") / "state.json")).start()
+    yield st
+    st.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_clients(server):
+    c = Clients(server.address)
+    yield c
+    c.close()
+
+
+def client(st: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{st.server.http_port}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+def engine_result(st: ServerThread, prompt: str, prefix: str | None, **kw):
+    """The engine's own answer for a completion on a template (the prompt continues it: no special tokens)."""
+    ids = st.engine.tokenizer.encode(prompt, add_special_tokens=not prefix)
+    return st.engine.generate([GenerateRequest(prompt_token_ids=ids, prefix_name=prefix,
+                                               sampling=SamplingParams(**kw))])[0]
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, abs_tol=1e-5)
+
+
+def text_of(st: ServerThread, token: int) -> str:
+    return st.engine.tokenizer.decode([token])
+
+
+def test_completion_logprobs_in_openais_shape(server):
+    want = engine_result(server, " the order", "doc", max_tokens=6, ignore_eos=True, logprobs=3)
+    resp = client(server).completions.create(model="doc", prompt=" the order", max_tokens=6, temperature=0,
+                                             logprobs=3, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert lp.tokens == [text_of(server, t) for t in want.token_ids]
+    assert all(close(a, b.logprob) for a, b in zip(lp.token_logprobs, want.logprobs, strict=True))
+    offsets = [0]
+    for tok in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(tok))
+    assert lp.text_offset == offsets
+    for top, w, tok in zip(lp.top_logprobs, want.logprobs, lp.tokens, strict=True):
+        expected = {text_of(server, t): v for t, v in w.top}
+        expected[tok] = w.logprob  # the chosen token is always there, as OpenAI's
+        assert top.keys() == expected.keys() and all(close(top[k], expected[k]) for k in top)
+
+    chunks = list(client(server).completions.create(model="doc", prompt=" the order", max_tokens=6, temperature=0,
+                                                    logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert all(close(a, b) for a, b in zip([x for s in streamed for x in s.token_logprobs], lp.token_logprobs))
+    plain = client(server).completions.create(model="doc", prompt=" the order", max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_logprobs_in_openais_shape(server):
+    api = client(server)
+    messages = [{"role": "user", "content": "refund the order"}]
+    whole = api.chat.completions.create(model="sys", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+                                        top_logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = whole.choices[0].model_extra["token_ids"]
+    content = whole.choices[0].logprobs.content
+    assert [c.token for c in content] == [text_of(server, t) for t in ids]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
+    assert all(c.logprob <= c.top_logprobs[0].logprob + 1e-6 for c in content)  # greedy: the chosen is the top one
+    assert all(c.token == c.top_logprobs[0].token for c in content)
+
+    chunks = list(api.chat.completions.create(model="sys", messages=messages, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(c.token, round(c.logprob, 5)) for c in content]
+    no_top = api.chat.completions.create(model="sys", messages=messages, max_tokens=2, temperature=0, logprobs=True)
+    assert all(c.top_logprobs == [] for c in no_top.choices[0].logprobs.content)
+    assert api.chat.completions.create(model="sys", messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
+def test_grpc_logprobs_per_token(server, grpc_clients):
+    want = engine_result(server, " the price", "doc", max_tokens=5, ignore_eos=True, logprobs=2)
+    req = pb.GenerateRequest(prefix_name="doc", prompt=" the price",
+                             sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2))
+    got = [lp for msg in grpc_clients.generation.Generate(req) for lp in msg.logprobs]
+    assert [lp.token_id for lp in got] == want.token_ids
+    assert all(close(a.logprob, b.logprob) for a, b in zip(got, want.logprobs, strict=True))
+    assert all([t.token_id for t in a.top] == [t for t, _ in b.top] for a, b in zip(got, want.logprobs))
+    assert all(a.token == text_of(server, a.token_id) for a in got)
+    plain = pb.GenerateRequest(prefix_name="doc", prompt=" the price", sampling=pb.SamplingParams(max_tokens=2))
+    assert all(not msg.logprobs for msg in grpc_clients.generation.Generate(plain))
+
+
+@pytest.mark.parametrize("kw", [dict(frequency_penalty=1.5, presence_penalty=0.5), dict(repetition_penalty=1.7),
+                                dict(min_tokens=4)])
+def test_penalties_reach_the_engine_from_both_front_ends(server, grpc_clients, kw):
+    """Each front end passes the parameters on unchanged: its tokens are the engine's for the same
+    parameters, which differ from the tokens without them."""
+    base = dict(max_tokens=16, ignore_eos=True)
+    plain = engine_result(server, " the order", "doc", **base).token_ids
+    if "min_tokens" in kw:  # stopping at the first token, unless min_tokens holds it off
+        kw = dict(kw, stop_token_ids=(plain[0],))
+    want = engine_result(server, " the order", "doc", **base, **kw).token_ids
+    assert want != plain
+    body = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()}
+    http = client(server).completions.create(model="doc", prompt=" the order", temperature=0, max_tokens=16,
+                                             extra_body={"ignore_eos": True, "return_token_ids": True, **body})
+    assert http.choices[0].model_extra["token_ids"] == want
+    req = pb.GenerateRequest(prefix_name="doc", prompt=" the order", sampling=pb.SamplingParams(**base, **kw))
+    assert [t for msg in grpc_clients.generation.Generate(req) for t in msg.token_ids] == want
+
+
+def test_logit_bias_from_both_front_ends(server, grpc_clients):
+    plain = engine_result(server, " the order", "doc", max_tokens=3, ignore_eos=True).token_ids
+    banned = plain[0]
+    want = engine_result(server, " the order", "doc", max_tokens=3, ignore_eos=True,
+                         logit_bias=((banned, -100.0),)).token_ids
+    assert want[0] != banned
+    http = client(server).completions.create(model="doc", prompt=" the order", temperature=0, max_tokens=3,
+                                             logit_bias={str(banned): -100},
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert http.choices[0].model_extra["token_ids"] == want
+    req = pb.GenerateRequest(prefix_name="doc", prompt=" the order",
+                             sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True, logit_bias={banned: -100.0}))
+    assert [t for msg in grpc_clients.generation.Generate(req) for t in msg.token_ids] == want
+
+
+def test_bad_values_over_grpc_are_invalid_argument(server, grpc_clients):
+    import grpc
+    for sampling in (pb.SamplingParams(logprobs=50), pb.SamplingParams(presence_penalty=3),
+                     pb.SamplingParams(logit_bias={10**6: 1.0}), pb.SamplingParams(min_tokens=5, max_tokens=2)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(grpc_clients.generation.Generate(pb.GenerateRequest(prefix_name="doc", prompt="x", sampling=sampling)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    server.check_clean()
