@@ -164,16 +164,35 @@ def running_fleet(config: ServiceConfig, root_certificates: bytes | None = None)
             ray.shutdown()
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "the fleet") -> Any:
-    """predicate()'s first true value, asked every 0.2 s; AssertionError naming `what` after timeout."""
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "the fleet",
+               interval: float = 0.05) -> Any:
+    """predicate()'s first true value, asked every `interval` seconds: a test waits for what it
+    needs rather than for a fixed time. AssertionError naming `what` (and the last value seen,
+    when it says more than false) after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached within {timeout:.0f} s")
-        time.sleep(0.2)
+            seen = "" if value is None or isinstance(value, bool) else f" (last seen: {value!r})"
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{seen}")
+        time.sleep(interval)
+
+
+def fresh_reports(server: ServerThread) -> dict[str, dict]:
+    """Every replica's report (FleetEngine.replica_reports), each made after this call began, so a
+    test reads counters that include what it did before, without waiting out a poll period.
+
+    A command reaches a replica as the answer to one of its polls, and the replica makes its next
+    report only after that poll returned; the controller keeps the report a poll brings before it
+    hands that poll its commands. So once a second command has run on every replica, the report the
+    controller holds for each comes from a poll after the one that took the first command. The
+    command is check_integrity, the one a replica runs with no arguments (it changes nothing)."""
+    controller = server.engine.controller
+    for _ in range(2):
+        controller.fan_out.remote("check_integrity").result(timeout_s=60)
+    return server.engine.replica_reports()
 
 
 class Clients:

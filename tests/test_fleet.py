@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -34,8 +35,8 @@ from prefix_service.fleet.placement import holders  # noqa: E402
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 from prefix_service.server.chat import render_ids  # noqa: E402
-from server_fixtures import (DOCUMENT, TOKEN_ENV, collect, greedy_request, make_config, running_fleet,  # noqa: E402
-                             wait_for)
+from server_fixtures import (DOCUMENT, TOKEN_ENV, collect, fresh_reports, greedy_request, make_config,  # noqa: E402
+                             running_fleet, wait_until)
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -135,7 +136,7 @@ def test_greedy_outputs_equal_one_process(fleet, reference):
 
 def test_requests_land_only_on_their_templates_holder(fleet):
     server, clients = fleet
-    time.sleep(1.5)  # every replica has polled since the last test's requests
+    fresh_reports(server)  # every replica has reported since the last test's requests
     before = taken(server)
     per_template = 3
     for name in TEMPLATES:
@@ -149,7 +150,7 @@ def test_requests_land_only_on_their_templates_holder(fleet):
         got = {t: sum(d.get(t, 0) for d in delta.values()) for t in TEMPLATES}
         return delta if all(n == per_template for n in got.values()) else None
 
-    delta = wait_for(settled, what="the replicas' request counters")
+    delta = wait_until(settled, what="the replicas' request counters")
     for replica, counts in delta.items():
         for template, n in counts.items():
             if n:
@@ -196,7 +197,7 @@ def test_http_through_ray_serve(fleet, reference):
                  for line in f.read_text().splitlines() if request_id in line]
         return [json.loads(line[line.index("{"):]) for line in lines]
 
-    line = wait_for(logged, timeout=10, what="the HTTP request's log line")[0]
+    line = wait_until(logged, timeout=10, what="the HTTP request's log line")[0]
     assert (line["protocol"], line["prefix"], line["code"], line["completion_tokens"]) == ("http", "t1", "OK",
                                                                                             MAX_TOKENS)
     collect(clients.generation.Generate(greedy_request("the order", "t1", 2)))
@@ -220,8 +221,8 @@ def test_admin_add_and_remove_reach_the_holders(fleet, reference):
     members = sorted(reports(server))
     want = holders("extra", members, 1)
     assert list(listing(clients)["extra"].replicas) == want
-    wait_for(lambda: {r for r, rep in reports(server).items() if "extra" in {i.name for i, _ in rep["held"]}}
-             == set(want), what="the replicas' reports of 'extra'")
+    wait_until(lambda: {r for r, rep in reports(server).items() if "extra" in {i.name for i, _ in rep["held"]}}
+               == set(want), what="the replicas' reports of 'extra'")
     saved = json.loads(Path(server.config.server.state_file).read_text())
     assert [t["name"] for t in saved["templates"]] == ["extra"]
     reference.add_prefix("extra", text)
@@ -233,8 +234,8 @@ def test_admin_add_and_remove_reach_the_holders(fleet, reference):
 
     clients.admin.RemovePrefixTemplate(pb.RemovePrefixTemplateRequest(name="extra"))
     assert "extra" not in listing(clients)
-    wait_for(lambda: not any("extra" in {i.name for i, _ in rep["held"]} for rep in reports(server).values()),
-             what="every replica dropping 'extra'")
+    wait_until(lambda: not any("extra" in {i.name for i, _ in rep["held"]} for rep in reports(server).values()),
+               what="every replica dropping 'extra'")
     assert json.loads(Path(server.config.server.state_file).read_text())["templates"] == []
     with pytest.raises(grpc.RpcError) as e:
         collect(clients.generation.Generate(greedy_request("the order", "extra", 2)))
@@ -277,8 +278,8 @@ def test_a_cancelled_stream_leaves_nothing_on_its_replica(fleet):
         return all(rep["stats"]["running"] == 0 and rep["stats"]["waiting"] == 0
                    and rep["stats"]["used"] == rep["stats"]["pinned"] for rep in reps.values())
 
-    time.sleep(1.5)  # a report made after the cancel
-    wait_for(idle, what="the cancelled request leaving its replica")
+    fresh_reports(server)  # reports made after the cancel
+    wait_until(idle, what="the cancelled request leaving its replica")
     server.engine.check_integrity()
 
 
@@ -289,7 +290,7 @@ def test_a_request_on_stale_routes_is_resent_to_the_holder(fleet, reference):
     engine = server.engine  # the FleetEngine of the gRPC front end, in this process
     holder = list(listing(clients)["t1"].replicas)[0]
     stranger = next(r for r in reports(server) if r != holder)
-    time.sleep(1.5)  # every replica has polled since the last test's requests
+    fresh_reports(server)  # every replica has reported since the last test's requests
     before = taken(server)
     engine._routes = {**engine._routes, "t1": (stranger,)}
     engine._routes_at = time.monotonic() + 3600  # no refresh until the resend asks for one
@@ -298,8 +299,8 @@ def test_a_request_on_stale_routes_is_resent_to_the_holder(fleet, reference):
     finally:
         engine._routes_at = -1e9
     assert ids == expected_ids(reference, "t1", "the order")
-    after = wait_for(lambda: (lambda t: t if t[holder].get("t1", 0) == before[holder].get("t1", 0) + 1 else None)(
-        taken(server)), what="the holder's request counter")
+    after = wait_until(lambda: (lambda t: t if t.get(holder, {}).get("t1", 0) == before[holder].get("t1", 0) + 1
+                                else None)(taken(server)), what="the holder's request counter")
     assert after[stranger].get("t1", 0) == before[stranger].get("t1", 0)
 
 
@@ -313,6 +314,16 @@ def test_a_request_waiting_for_an_unknown_holder_holds_up_no_other_call(fleet, r
     engine._routes = {**engine._routes, "t1": ("no-such-replica",)}
     engine._routes_at = time.monotonic() + 3600  # no refresh until the wait asks for one
     results: dict[str, object] = {}
+    handle = engine._streaming
+    handed = threading.Event()
+
+    def remote(req, **kwargs):  # the handle's generate.remote, noting when the router gets the request
+        stream = handle.generate.remote(req, **kwargs)
+        if kwargs.get("holders") == ["no-such-replica"]:
+            handed.set()
+        return stream
+
+    engine._streaming = types.SimpleNamespace(generate=types.SimpleNamespace(remote=remote))
 
     def run() -> None:
         try:
@@ -324,12 +335,15 @@ def test_a_request_waiting_for_an_unknown_holder_holds_up_no_other_call(fleet, r
     thread = threading.Thread(target=run)
     try:
         thread.start()
-        time.sleep(0.3)  # the request is waiting in the router for its holder
+        # the request is with the router, waiting for its holder (the front end asks for fresh
+        # routes after a second of that)
+        assert handed.wait(30), "the request never reached the router"
         assert "t1" in listing(clients)
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "t2", MAX_TOKENS), timeout=20))
         assert ids == expected_ids(reference, "t2", "the order")
         thread.join(30)
     finally:
+        engine._streaming = handle
         engine._routes_at = -1e9
     assert results["ids"] == expected_ids(reference, "t1", "the order"), results["ids"]
 
@@ -370,8 +384,8 @@ def test_front_end_shutdown_cuts_its_streams_off_with_unavailable(fleet):
         return all(rep["stats"]["running"] == 0 and rep["stats"]["used"] == rep["stats"]["pinned"]
                    for rep in reports(server).values())
 
-    time.sleep(1.5)
-    wait_for(idle, what="the cut-off request leaving its replica")
+    fresh_reports(server)  # reports made after the cut-off
+    wait_until(idle, what="the cut-off request leaving its replica")
     asyncio.run_coroutine_threadsafe(_serve_again(server.engine), server._loop).result(30)
 
 
@@ -429,7 +443,7 @@ def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
         t = listing(clients)
         return t if all(list(t[n].replicas) == holders(n, members, 1) for n in TEMPLATES) else None
 
-    wait_for(back, timeout=180, what="a replacement replica joining and the placement holding again")
+    wait_until(back, timeout=180, what="a replacement replica joining and the placement holding again")
     for name in TEMPLATES:  # every template serves again at once, on whichever replica now holds it
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
         assert ids == expected_ids(reference, name, "the order"), name
@@ -460,7 +474,7 @@ def test_a_replica_failing_its_health_check_is_replaced(fleet, reference):
         t = listing(clients)
         return all(list(t[n].replicas) == holders(n, members, 1) for n in TEMPLATES)
 
-    wait_for(replaced, timeout=180, what="the unhealthy replica replaced and the placement holding again")
+    wait_until(replaced, timeout=180, what="the unhealthy replica replaced and the placement holding again")
     for name in TEMPLATES:
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
         assert ids == expected_ids(reference, name, "the order"), name

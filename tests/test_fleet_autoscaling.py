@@ -27,7 +27,7 @@ from prefix_service.fleet.placement import holders  # noqa: E402
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, collect, greedy_request, make_config,  # noqa: E402
-                             running_fleet, self_signed_cert, wait_for)
+                             running_fleet, self_signed_cert, wait_until)
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -128,28 +128,37 @@ def test_the_fleet_scales_up_under_load_and_down_without_it(fleet, expected):
     assert placed(server, clients, 1)  # min_replicas: one replica holds every template
     first = members(server)[0]
 
-    def took(replica: str) -> int:  # its own counter, as of its last poll (a second old at most)
-        return sum(server.engine.replica_reports()[replica]["stats"].get("requests", {}).values())
+    def took(replica: str) -> int | None:
+        """Requests it took, by its own counter as of its last poll (a second old at most); None while
+        the controller holds no report of it (under load a replica that misses its lease leaves the
+        reports until its next poll)."""
+        report = server.engine.replica_reports().get(replica)
+        if report is None or "stats" not in report:
+            return None
+        return sum(report["stats"].get("requests", {}).values())
 
     load = Load(clients, expected, threads=4, max_tokens=LONG)  # 4 in flight, 1 wanted per replica
     try:
-        wait_for(lambda: placed(server, clients, 2), 180, "a second replica under load, holding its share")
-        second = next(m for m in members(server) if m != first)
+        wait_until(lambda: placed(server, clients, 2), 180, "a second replica under load, holding its share")
+        second = wait_until(lambda: next((m for m in members(server) if m != first), None), 60,
+                            "the second replica in the controller's reports")
         # it takes traffic (a request without a template goes to the least loaded replica, whatever
         # share of the templates the placement gave it)
-        wait_for(lambda: took(second) > 0, 120, "the newcomer taking requests")
+        wait_until(lambda: (took(second) or 0) > 0, 120,
+                   f"the newcomer {second} taking requests (its report present and counting them)")
     finally:
         load.stop()
     assert load.failures == [] and load.done > 0
 
     light = Load(clients, expected, threads=1, max_tokens=SHORT)  # at most 1 in flight: one replica is enough
     try:
-        wait_for(lambda: placed(server, clients, 1), 180, "one replica stopping and its templates moving")
-        gone = next(m for m in (first, second) if m not in members(server))
+        wait_until(lambda: placed(server, clients, 1), 180, "one replica stopping and its templates moving")
+        present = members(server)
+        gone = next(m for m in (first, second) if m not in present)
         # it said goodbye once drained, rather than being dropped at the lease
         assert server.engine.controller.departed.remote().result(timeout_s=30) == [gone]
         served = light.done
-        wait_for(lambda: light.done >= served + 4, 60, "requests on the remaining replica")
+        wait_until(lambda: light.done >= served + 4, 60, "requests on the remaining replica")
     finally:
         light.stop()
     assert light.failures == [] and light.done > 0

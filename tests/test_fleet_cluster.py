@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
@@ -24,7 +23,8 @@ from prefix_service.bench.systems.grpc import wait_serving  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
 from prefix_service.fleet.launcher import CONTROLLER_DEPLOYMENT  # noqa: E402
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
-from server_fixtures import DOCUMENT, TOKEN_ENV, Clients, collect, greedy_request, make_config  # noqa: E402
+from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, collect, greedy_request, make_config,  # noqa: E402
+                             wait_until)
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -96,8 +96,6 @@ def test_a_fleet_on_a_cluster_it_joined(cluster, model_dir, tmp_path):
             proc.wait()
     text = log.read_text()
     assert f"deleting the Ray Serve application '{APP}'" in text and "Traceback" not in text, text[-3000:]
-    deadline = time.monotonic() + 60
-    while APP in serve.status().applications and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: APP not in serve.status().applications, 60, f"Ray Serve deleting the application '{APP}'")
     assert APP not in serve.status().applications  # the application is gone...
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2  # ...the cluster it joined is not
