@@ -16,10 +16,12 @@ _EXPORTS = {
     "PrefixNotFound": "errors", "PrefixServiceError": "errors", "PromptTooLong": "errors",
     "SamplingParams": "sampling_params",
     "FinishReason": "engine.sequence", "GenerateRequest": "engine.sequence", "RequestOutput": "engine.sequence",
-    "TokenLogprob": "engine.sequence",
+    "TokenLogprob": "engine.sequence", "ScoreRequest": "engine.sequence", "ScoreOutput": "engine.sequence",
+    "CandidateScore": "engine.sequence",
 }
 
 __all__ = [
+    "CandidateScore", "ScoreOutput", "ScoreRequest",
     "CacheConfig", "CacheExhausted", "Engine", "EngineConfig", "FinishReason", "GenerateRequest", "GenerateResult",
     "InvalidRequest", "ModelConfig", "PrefixBudgetExceeded", "PrefixExists", "PrefixNotFound",
     "PrefixServiceError", "PromptTooLong", "RequestOutput", "SamplingParams", "SchedulerConfig",
@@ -33,7 +35,8 @@ if TYPE_CHECKING:
     from prefix_service.errors import (CacheExhausted, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
                                        PrefixNotFound, PrefixServiceError, PromptTooLong)
     from prefix_service.sampling_params import SamplingParams
-    from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+    from prefix_service.engine.sequence import (CandidateScore, FinishReason, GenerateRequest, RequestOutput,
+                                                ScoreOutput, ScoreRequest, TokenLogprob)
 
 
 def __getattr__(name: str) -> Any:

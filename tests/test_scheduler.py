@@ -89,17 +89,17 @@ def test_step_is_plain_data_per_row():
     sched.add(b)
     out = sched.schedule()  # a: its 5 tokens; b: 1 of its 3 own tokens (budget 6)
     assert out.step.rows == (
-        ScheduledRow("a", False, (1,) * 5, 0, (3, 4), None, 0, sample=True),
-        ScheduledRow("b", False, (7,), 10, (0, 1, 5), handle.template_id, 2, sample=False))
-    assert out.step.copies == ((2, 5),) and out.step.num_decodes == 0 and out.step.sampled == [0]
-    assert out.sampled == [a]
+        ScheduledRow("a", False, (1,) * 5, 0, (3, 4), None, 0, num_logits=1),
+        ScheduledRow("b", False, (7,), 10, (0, 1, 5), handle.template_id, 2, num_logits=0))
+    assert out.step.copies == ((2, 5),) and out.step.num_decodes == 0 and out.step.num_logits == 1
+    assert [s.seq for s in out.with_logits] == [a]
     first = out.step
     sched.postprocess(out, [a], [42])
     out = sched.schedule()
     assert [(r.request_id, r.is_decode, r.token_ids, r.num_computed, r.context_len) for r in out.step.rows] == [
         ("a", True, (42,), 5, 6), ("b", False, (8, 9), 11, 13)]
     assert out.step.decodes == out.step.rows[:1] and out.step.prefills == out.step.rows[1:]
-    assert out.step.sampled == [0, 1] and out.sampled == [a, b]
+    assert out.step.num_logits == 2 and [s.seq for s in out.with_logits] == [a, b]
     assert first.rows[1].block_ids == (0, 1, 5) and first.rows[1].num_computed == 10  # a step is a snapshot
     assert out.step.rows[1].slots(B) == [5 * B + 3, 6 * B]  # positions 11, 12 in blocks 5 and 6
     for s in (a, b):
@@ -109,19 +109,19 @@ def test_step_is_plain_data_per_row():
 
 def test_step_tensors_pad_block_tables_once():
     """StepTensors flattens a step for every backend: ids, positions and slots per token (decode
-    rows first), one -1 padded block table per row, context lengths, and the sampled rows' last
-    tokens."""
+    rows first), one -1 padded block table per row, context lengths, and the tokens whose logits
+    are returned (each row's last num_logits)."""
     from prefix_service.backends.base import StepTensors
-    step = StepBatch((ScheduledRow("d", True, (9,), 6, (4, 2), 1, 1, sample=True),
-                      ScheduledRow("p", False, (5, 6, 7), 2, (8, 9, 3), None, 0, sample=True),
-                      ScheduledRow("w", False, (1, 1), 0, (7,), None, 0, sample=False)))
+    step = StepBatch((ScheduledRow("d", True, (9,), 6, (4, 2), 1, 1, num_logits=1),
+                      ScheduledRow("p", False, (5, 6, 7), 2, (8, 9, 3), None, 0, num_logits=2),
+                      ScheduledRow("w", False, (1, 1), 0, (7,), None, 0, num_logits=0)))
     host = StepTensors.build(step, B)
     assert host.token_ids.tolist() == [9, 5, 6, 7, 1, 1]
     assert host.positions.tolist() == [6, 2, 3, 4, 0, 1]
     assert host.slots.tolist() == [2 * B + 2, 8 * B + 2, 8 * B + 3, 9 * B, 7 * B, 7 * B + 1]
     assert host.block_tables.tolist() == [[4, 2, -1], [8, 9, 3], [7, -1, -1]]
     assert host.context_lens.tolist() == [7, 5, 2]
-    assert host.logit_rows.tolist() == [0, 3]
+    assert host.logit_rows.tolist() == [0, 2, 3]  # d's token, p's last two
     with pytest.raises(ValueError, match="decode rows first"):
         StepBatch((step.rows[1], step.rows[0]))
 

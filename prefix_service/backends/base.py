@@ -37,7 +37,7 @@ class StepTensors:
     slots: torch.Tensor  # [T] int64: each token's cache slot, block_id * block_size + offset
     block_tables: torch.Tensor  # [N, W] int32: each row's block ids, -1 padded
     context_lens: torch.Tensor  # [N] int32: the tokens each row attends over, its new ones included
-    logit_rows: torch.Tensor  # [S] int64: the index in T of each sampled row's last token
+    logit_rows: torch.Tensor  # [S] int64: the index in T of each token whose logits are returned
 
     @classmethod
     def build(cls, step: StepBatch, block_size: int) -> StepTensors:
@@ -49,8 +49,7 @@ class StepTensors:
             ids += row.token_ids
             positions += range(row.num_computed, row.context_len)
             slots += row.slots(block_size)
-            if row.sample:
-                logit_rows.append(len(ids) - 1)
+            logit_rows += range(len(ids) - row.num_logits, len(ids))
         width = max((len(r.block_ids) for r in step.rows), default=0)
         tables = [list(r.block_ids) + [-1] * (width - len(r.block_ids)) for r in step.rows]
 
@@ -89,7 +88,8 @@ class Backend(abc.ABC):
     # --- one step ------------------------------------------------------------------------------
     def execute(self, step: StepBatch) -> torch.Tensor | None:
         """Run one step: the copy-on-write copies first, then the forward. Returns the logits
-        [S, vocab] (float32) of the rows marked `sample`, in row order; None when there are none."""
+        [S, vocab] (float32) of each row's last num_logits tokens, in row order; None when there are
+        none."""
         if step.copies:  # before anything is written: a copy's source is a pinned block
             self.copy_blocks(list(step.copies))
         if not step.rows:

@@ -19,7 +19,8 @@ from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.engine.core import EngineCore
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.prefix_cache import PrefixHandle, PrefixInfo
-from prefix_service.engine.sequence import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from prefix_service.engine.sequence import (FinishReason, GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest,
+                                            TokenLogprob)
 
 log = logging.getLogger("prefix_service.engine")
 T = TypeVar("T")
@@ -163,6 +164,58 @@ class Engine:
         self._run(lambda core: core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink))
         return request_id
 
+    def submit_score(self, req: ScoreRequest, sink: Callable[[ScoreOutput], None]) -> str:
+        """Queue a Score request; sink receives its ScoreOutput from the loop thread. Returns its id.
+        Raises the validation error."""
+        request_id = req.request_id or uuid.uuid4().hex
+        prompt_ids = self._prompt_ids(GenerateRequest(prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                                                      prefix_name=req.prefix_name))
+        candidates = [list(c) if not isinstance(c, str) else self.tokenizer.encode(c, add_special_tokens=False)
+                      for c in req.candidates]
+        self._run(lambda core: core.add_score(request_id, prompt_ids, req.prefix_name, candidates, sink))
+        return request_id
+
+    def score(self, req: ScoreRequest) -> ScoreOutput:
+        """Score the candidates (blocking). Raises the validation error, or the error that ended it."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.submit_score(req, done.set_result)
+        out = done.result()
+        if out.error is not None:
+            raise out.error
+        return out
+
+    async def score_async(self, req: ScoreRequest,
+                          executor: concurrent.futures.Executor | None = None) -> ScoreOutput:
+        """score() for an event loop: submitting runs on `executor`; cancelling aborts the request."""
+        loop = asyncio.get_running_loop()
+        if req.request_id is None:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        result: asyncio.Future[ScoreOutput] = loop.create_future()
+
+        def sink(out: ScoreOutput) -> None:  # on the loop thread
+            loop.call_soon_threadsafe(lambda: result.done() or result.set_result(out))
+
+        submitted = loop.run_in_executor(executor, self.submit_score, req, sink)
+        try:
+            await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            self._abort_later(submitted, req.request_id, executor)
+            raise
+        try:
+            out = await result
+        except asyncio.CancelledError:
+            self._abort_later(submitted, req.request_id, executor)
+            raise
+        if out.error is not None:
+            raise out.error
+        return out
+
+    def _abort_later(self, submitted: asyncio.Future, request_id: str,
+                     executor: concurrent.futures.Executor | None) -> None:
+        abort = asyncio.ensure_future(self._abort_when_submitted(submitted, request_id, executor))
+        self._aborts.add(abort)  # kept alive until done
+        abort.add_done_callback(self._aborts.discard)
+
     def abort(self, request_id: str) -> bool:
         """End a request (its last output has finish reason ABORT) and free its blocks."""
         try:
@@ -219,9 +272,7 @@ class Engine:
                 yield out
         finally:
             if not finished:
-                abort = asyncio.ensure_future(self._abort_when_submitted(submitted, req.request_id, executor))
-                self._aborts.add(abort)  # kept alive until done
-                abort.add_done_callback(self._aborts.discard)
+                self._abort_later(submitted, req.request_id, executor)
 
     async def _abort_when_submitted(self, submitted: asyncio.Future, request_id: str,
                                     executor: concurrent.futures.Executor | None) -> None:

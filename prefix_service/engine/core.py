@@ -17,11 +17,13 @@ from prefix_service.backends import select_backend
 from prefix_service.config import EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
-from prefix_service.errors import CacheExhausted, InvalidRequest, PrefixServiceError, PromptTooLong, QueueFull
+from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixServiceError, PromptTooLong,
+                                   QueueFull)
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
 from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixInfo
 from prefix_service.engine.sampler import sample
-from prefix_service.engine.scheduler import Scheduler
+from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
+from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
 from prefix_service.sampling_params import SamplingParams
 
@@ -82,6 +84,8 @@ class EngineCore:
                                            hooks=self.backend)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
         self._tracked: dict[str, _Tracked] = {}
+        self._scorings: dict[str, Scoring] = {}
+        self._scoring_of: dict[int, Scoring] = {}  # id(sequence) -> the Score request it belongs to
         self._warmups = 0  # numbers the warmups' request ids
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
@@ -125,8 +129,7 @@ class EngineCore:
                     sampling: SamplingParams, sink: Sink) -> None:
         """Validate and queue. Raises InvalidRequest, PromptTooLong (CacheExhausted), PrefixNotFound or
         QueueFull (when scheduler.max_queue requests wait already)."""
-        if request_id in self._tracked:
-            raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        self._check_new_id(request_id)
         sampling.validate(max_tokens_cap=self.config.scheduler.max_tokens_cap, vocab_size=self.arch.vocab_size)
         bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
@@ -166,6 +169,42 @@ class EngineCore:
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
 
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._tracked or request_id in self._scorings:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight")
+
+    def add_score(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
+                  candidates: list[list[int]], sink: ScoreSink) -> None:
+        """Validate and queue a Score request (scoring.py): sink gets its ScoreOutput once every
+        candidate is scored. Raises as add_request does."""
+        self._check_new_id(request_id)
+        check_candidates(candidates, self.arch.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
+        handle = self.prefixes.get(prefix_name) if prefix_name else None
+        use_prefix = handle is not None and self.config.cache.enable_prefix
+        base = (list(handle.token_ids) if handle else []) + list(prompt_ids)
+        if not base:
+            raise InvalidRequest("the prompt is empty and no prefix template was named: a candidate's first token "
+                                 "needs something before it")
+        longest = len(base) - 1 + max(len(c) for c in candidates)
+        shared = handle.num_tokens - 1 if use_prefix else 0
+        self._check_fits(longest, "the prompt with its longest candidate", shared // self.block_size * self.block_size)
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.config.scheduler.max_queue} requests wait already, "
+                            f"scheduler.max_queue); retry later with backoff")
+        scoring = Scoring(request_id, sink, [tuple(c) for c in candidates], len(base),
+                          handle.num_tokens if use_prefix else 0)
+        seq = scoring.fork_point(base, handle if use_prefix else None)
+        if use_prefix:
+            self.prefixes.acquire(handle)
+        elif handle is not None:
+            self.prefixes.count_unreused(handle)
+        self._scorings[request_id] = scoring
+        self._scoring_of[id(seq)] = scoring
+        self.scheduler.add(seq)
+
     def add_prefix(self, name: str, token_ids: list[int], source: dict,
                    on_pinned: Callable[[PrefixInfo | BaseException], None]) -> None:
         """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done."""
@@ -181,6 +220,10 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
+        scoring = self._scorings.get(request_id)
+        if scoring is not None:
+            self._end_scoring(scoring, FinishReason.ABORT, EngineStopped(f"score request {request_id} was aborted"))
+            return True
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return False
@@ -190,6 +233,8 @@ class EngineCore:
     def abort_all(self, error: BaseException | None = None) -> None:
         for tracked in list(self._tracked.values()):
             self._finish(tracked, FinishReason.ABORT, error=error)
+        for scoring in list(self._scorings.values()):
+            self._end_scoring(scoring, FinishReason.ABORT, error or EngineStopped("the engine stopped"))
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -201,20 +246,76 @@ class EngineCore:
             err = CacheExhausted(f"request {stuck.request_id} needs more KV blocks than the cache has beside the "
                                  f"pinned templates ({self.allocator.num_blocks} blocks in all); shorten the prompt, "
                                  f"or raise cache.kv_cache_memory (server operator)")
+            scoring = self._scoring_of.get(id(stuck))
+            if scoring is not None:
+                self._end_scoring(scoring, FinishReason.LENGTH, err)
+                continue
             self._finish(self._tracked[stuck.request_id], FinishReason.LENGTH,
                          error=err if stuck.num_output_tokens == 0 else None)
         if out.is_empty:
             return
         logits = self.backend.execute(out.step)
-        sample_seqs = out.sampled
-        tokens, logprobs = sample(logits, sample_seqs, self.eos_token_ids) if logits is not None else ([], [])
+        sample_seqs, sample_logits = self._score_rows(out.with_logits, logits)
+        tokens, logprobs = (sample(sample_logits, sample_seqs, self.eos_token_ids) if sample_seqs else ([], []))
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
-            if s.seq.prefill_only and s.seq.num_uncomputed == 0:
-                self._pin_warmup(self._tracked[s.seq.request_id])
+            seq = s.seq
+            if seq.num_uncomputed or seq.samples:
+                continue
+            if seq.prefill_only:
+                self._pin_warmup(self._tracked[seq.request_id])
+            elif seq.fork_point:
+                self._fork_scoring(seq)
+            else:
+                self._scored(seq)
         now = time.perf_counter()
         for seq, token, logprob in zip(sample_seqs, tokens, logprobs):
             self._after_token(self._tracked[seq.request_id], token, logprob, now)
+
+    def _score_rows(self, with_logits: list[ScheduledSeq], logits: torch.Tensor | None
+                    ) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Record the logits of scoring rows; -> the sequences to sample and their logits."""
+        if all(s.seq.samples for s in with_logits):
+            return [s.seq for s in with_logits], logits
+        sample_seqs, rows, start = [], [], 0
+        for s in with_logits:
+            n = s.num_logits
+            if s.seq.samples:
+                sample_seqs.append(s.seq)
+                rows.append(start)
+            else:
+                end = s.seq.num_computed_tokens + s.num_new_tokens
+                self._scoring_of[id(s.seq)].record(s.seq, end, logits[start:start + n])
+            start += n
+        return sample_seqs, logits[rows] if rows else None
+
+    def _fork_scoring(self, parent: Sequence) -> None:
+        """A Score request's prompt is computed: its candidates continue it (Scheduler.fork)."""
+        scoring = self._scoring_of.pop(id(parent))
+        children = scoring.candidate_sequences(parent)
+        for child in children:
+            self._scoring_of[id(child)] = scoring
+            if child.prefix is not None:
+                self.prefixes.acquire(child.prefix, served=False)
+        copies = self.scheduler.fork(parent, children)
+        if copies:  # now, while the parent's blocks are still held
+            self.backend.copy_blocks(copies)
+        self.scheduler.finish(parent, FinishReason.STOP)
+
+    def _scored(self, seq: Sequence) -> None:
+        scoring = self._scoring_of.pop(id(seq))
+        self.scheduler.finish(seq, FinishReason.STOP)
+        if scoring.finished(seq):
+            del self._scorings[scoring.request_id]
+            scoring.sink(scoring.output())
+
+    def _end_scoring(self, scoring: Scoring, reason: FinishReason, error: BaseException) -> None:
+        for seq in list(scoring.members):
+            self._scoring_of.pop(id(seq), None)
+            self.scheduler.finish(seq, reason)
+        scoring.members.clear()
+        del self._scorings[scoring.request_id]
+        scoring.sink(scoring.output(error))
 
     def _pin_warmup(self, tracked: _Tracked) -> None:
         seq = tracked.seq

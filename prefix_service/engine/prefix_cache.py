@@ -142,10 +142,11 @@ class PrefixCacheManager:
         return handle
 
     # --- use by requests ---------------------------------------------------------------------
-    def acquire(self, handle: PrefixHandle) -> None:
-        """A request continues the template from its pinned blocks: held until release()."""
+    def acquire(self, handle: PrefixHandle, served: bool = True) -> None:
+        """A request continues the template from its pinned blocks: held until release(). served
+        False: a further sequence of a request already counted (a scored candidate)."""
         handle.active_requests += 1
-        handle.requests_served += 1
+        handle.requests_served += int(served)
 
     def count_unreused(self, handle: PrefixHandle) -> None:
         """A request named the template but prefills its tokens itself (cache.enable_prefix false)."""

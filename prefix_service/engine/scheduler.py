@@ -37,7 +37,17 @@ class ScheduledSeq:
         return ScheduledRow(
             seq.request_id, self.is_decode, tuple(seq.token_ids[start:start + self.num_new_tokens]), start,
             tuple(seq.block_table), prefix.template_id if prefix is not None else None, seq.num_shared_blocks,
-            sample=self.completes_prompt and not seq.prefill_only)  # a template's warmup samples nothing
+            num_logits=self.num_logits)
+
+    @property
+    def num_logits(self) -> int:
+        """The new tokens whose logits the sequence needs: its last (when this chunk completes it and
+        it samples), or those from its score_from on."""
+        first = self.seq.first_logit_position
+        if first is None:
+            return 0
+        start = self.seq.num_computed_tokens
+        return max(0, start + self.num_new_tokens - max(start, first))
 
 
 @dataclass
@@ -49,9 +59,9 @@ class SchedulerOutput:
     step: StepBatch = field(default_factory=StepBatch)  # `scheduled` and `copies` as plain data, row for row
 
     @property
-    def sampled(self) -> list[Sequence]:
-        """The sequences whose logits the step returns, in its order."""
-        return [self.scheduled[i].seq for i in self.step.sampled]
+    def with_logits(self) -> list[ScheduledSeq]:
+        """The scheduled sequences the step returns logits for (num_logits rows each), in its order."""
+        return [s for s in self.scheduled if s.num_logits]
 
     @property
     def num_tokens(self) -> int:
@@ -88,8 +98,11 @@ class Scheduler:
     def _start_blocks(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
         """A waiting sequence's first blocks: the prefix it continues, or for a template's warmup
         its whole prompt as one run of consecutive blocks when one is free (its pinned KV is then
-        a plain slice of the cache, which attention reads without a gather)."""
-        if seq.prefill_only and not seq.block_table:
+        a plain slice of the cache, which attention reads without a gather). A forked sequence
+        has its blocks already (fork)."""
+        if seq.block_table:
+            return True
+        if seq.prefill_only:
             run = self.allocator.allocate_contiguous(-(-len(seq.token_ids) // self.block_size))
             if run is not None:
                 seq.block_table = run
@@ -107,6 +120,9 @@ class Scheduler:
         if handle is None:
             return True
         reuse = handle.reused_tokens(len(seq.token_ids))
+        first = seq.first_logit_position
+        if first is not None:  # a position whose logits it needs is computed, not taken
+            reuse = min(reuse, first)
         num_shared, tail = divmod(reuse, self.block_size)
         if tail and self.allocator.num_free < 1:
             return False
@@ -121,6 +137,38 @@ class Scheduler:
         seq.num_computed_tokens = reuse
         seq.num_prefix_tokens_reused = reuse
         return True
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[BlockId, BlockId]]:
+        """Start each child on the parent's KV, to run next (at the front of the queue, in order).
+        The parent's prompt is computed; each child's ids begin with the parent's P tokens and it
+        takes R = P - 1 of them, so that it computes the last one for its logits (as a prompt that
+        adds nothing to a template does):
+
+            child block_table: [ parent's blocks 0 .. R//B - 1 (shared) | own copy of block R//B if R % B | own ... ]
+
+        The template's blocks among them stay counted as the template's (num_shared_blocks). Returns
+        the (src, dst) block copies to make now, while the parent still holds its blocks; a child
+        no free block is left for starts unattached and computes its prompt itself."""
+        reuse = parent.num_computed_tokens - 1
+        assert parent.num_uncomputed == 0 and reuse >= 0, "fork of a sequence whose prompt is not computed"
+        num_shared, tail = divmod(reuse, self.block_size)
+        copies = []
+        for child in children:
+            assert child.token_ids[:reuse + 1] == parent.token_ids and child.block_table == []
+            if tail and self.allocator.num_free < 1:
+                continue
+            shared = list(parent.block_table[:num_shared])
+            self.allocator.incref(shared)
+            child.block_table = shared
+            if tail:
+                (own,) = self.allocator.allocate(1)
+                copies.append((parent.block_table[num_shared], own))
+                child.block_table.append(own)
+            child.num_shared_blocks = min(parent.num_shared_blocks, num_shared)
+            child.num_computed_tokens = reuse
+            child.num_prefix_tokens_reused = parent.num_prefix_tokens_reused
+        self.waiting.extendleft(reversed(children))
+        return copies
 
     def _free_blocks(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)

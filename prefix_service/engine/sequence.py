@@ -25,6 +25,17 @@ class GenerateRequest:
     request_id: str | None = None
 
 
+@dataclass
+class ScoreRequest:
+    """Score each candidate continuation after the prompt (text or ids; on `prefix_name`, the
+    template it continues). A text candidate is tokenized alone, without special tokens."""
+    candidates: list[str] | list[list[int]]
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    prefix_name: str | None = None
+    request_id: str | None = None
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
@@ -44,6 +55,30 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
+@dataclass(frozen=True)
+class CandidateScore:
+    """One candidate continuation's log-probability under the model, token by token (teacher
+    forced after the prompt)."""
+    token_ids: tuple[int, ...]
+    token_logprobs: tuple[float, ...]
+
+    @property
+    def logprob(self) -> float:
+        return sum(self.token_logprobs)
+
+
+@dataclass
+class ScoreOutput:
+    """A Score request's answer: each candidate's score in the order given. prompt_tokens counts
+    the template and the prompt once; prefix_tokens those of them whose KV came from the pinned
+    template."""
+    request_id: str
+    candidates: list[CandidateScore]
+    prompt_tokens: int = 0
+    prefix_tokens: int = 0
+    error: BaseException | None = None
 
 
 @dataclass
@@ -69,11 +104,19 @@ class Sequence:
     token_ids:  [0, prefix_len) prefix | [prefix_len, num_prompt_tokens) prompt | outputs
     KV state:   [0, num_computed_tokens) in the cache through block_table | the rest uncomputed
     block_table[:num_shared_blocks] are the prefix's pinned full blocks (read-only, shared);
-    every later block is the sequence's own (the first may be a copy of the prefix tail).
+    every later block is the sequence's own (the first may be a copy of the prefix tail), or, for
+    a sequence forked from another (Scheduler.fork), blocks it shares with its siblings.
+
+    What it does once its prompt is computed: a generation samples; a template's warmup
+    (prefill_only) is pinned; a fork point (fork_point) is forked into sequences that continue
+    it; a scoring sequence (score_from set) samples nothing, and the logits of each of its
+    positions from score_from on score its next token (score_targets[position - score_from]).
     """
 
     def __init__(self, request_id: str, token_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                 prefix: PrefixHandle | None, generator: torch.Generator | None, prefill_only: bool = False) -> None:
+                 prefix: PrefixHandle | None, generator: torch.Generator | None, prefill_only: bool = False,
+                 *, fork_point: bool = False, score_from: int | None = None,
+                 score_targets: tuple[int, ...] = ()) -> None:
         self.request_id = request_id
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -82,6 +125,9 @@ class Sequence:
         self.prefix = prefix
         self.generator = generator
         self.prefill_only = prefill_only  # a template's warmup: prefill, keep the blocks, no sampling
+        self.fork_point = fork_point
+        self.score_from = score_from
+        self.score_targets = score_targets
         self.status = SeqStatus.WAITING
         self.block_table: list[BlockId] = []
         self.num_shared_blocks = 0
@@ -97,6 +143,19 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        return not (self.prefill_only or self.fork_point or self.score_from is not None)
+
+    @property
+    def first_logit_position(self) -> int | None:
+        """The first position whose logits the sequence needs (its KV is never taken from a template
+        from there on): its last token's when it samples, each from score_from on when it scores,
+        none otherwise."""
+        if self.score_from is not None:
+            return self.score_from
+        return len(self.token_ids) - 1 if self.samples else None
 
     @property
     def own_blocks(self) -> list[BlockId]:

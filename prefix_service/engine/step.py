@@ -27,7 +27,7 @@ class ScheduledRow:
     block_ids: tuple[BlockId, ...]  # the block table, covering num_computed + len(token_ids) tokens
     template_id: int | None = None  # the pinned template it continues (PrefixHandle.template_id)
     num_template_blocks: int = 0  # the leading block_ids shared with that template (full blocks)
-    sample: bool = False  # the step ends this row's prompt (or is a decode): its last token's logits are sampled
+    num_logits: int = 0  # the logits of this many of its last new tokens are returned (to sample or score)
 
     @property
     def num_new_tokens(self) -> int:
@@ -74,6 +74,6 @@ class StepBatch:
         return sum(len(r.token_ids) for r in self.rows)
 
     @property
-    def sampled(self) -> list[int]:
-        """The indices of the rows whose logits are sampled, in order."""
-        return [i for i, r in enumerate(self.rows) if r.sample]
+    def num_logits(self) -> int:
+        """Rows of logits the step returns: each row's num_logits, in row order."""
+        return sum(r.num_logits for r in self.rows)

@@ -1,0 +1,161 @@
+"""Label scoring (engine/scoring.py): each candidate's score is the sum of its tokens'
+log-probabilities under teacher forcing (checked against log-softmaxes of the torch backend's
+logits, on every backend), computed on the template's and the prompt's KV without prefilling the
+prompt again per candidate, in one step; bad input is refused before anything is queued; a score
+survives preemption and leaves no block behind when aborted."""
+import threading
+
+import pytest
+import torch
+
+from helpers import engine_last_logits, greedy
+from prefix_service import GenerateRequest, InvalidRequest, PrefixNotFound, ScoreRequest
+from prefix_service.engine.scoring import MAX_CANDIDATES
+
+TEMPLATE = [(3 * i + 7) % 500 + 3 for i in range(22)]  # 5 full blocks of 4 and 2 tokens
+PROMPT = [41, 77, 301, 12, 9]
+CANDIDATES = [[17], [250, 3], [88, 402, 19, 7], [17, 250], [5, 5, 5, 5, 5, 5]]
+
+
+def teacher_forced(oracle, base: list[int], candidate: list[int]) -> list[float]:
+    return [torch.log_softmax(engine_last_logits(oracle, base + candidate[:k]), -1)[candidate[k]].item()
+            for k in range(len(candidate))]
+
+
+def count_steps(engine):
+    """Records each step's rows: (request id, new tokens, logits)."""
+    steps = []
+    backend = engine.core.backend
+    real = backend.execute
+
+    def execute(step):
+        steps.append([(r.request_id, r.num_new_tokens, r.num_logits) for r in step.rows])
+        return real(step)
+    backend.execute = execute
+    return steps
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("case", ["template+prompt", "template", "prompt"])
+def test_scores_are_teacher_forced_logprobs(make_engine, backend, case):
+    oracle = make_engine(backend="torch")
+    engine = make_engine(backend=backend)
+    engine.add_prefix("t", token_ids=TEMPLATE)
+    prefix = None if case == "prompt" else "t"
+    prompt = [] if case == "template" else PROMPT
+    base = (TEMPLATE if prefix else []) + prompt
+    out = engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=prompt, prefix_name=prefix))
+    assert [list(c.token_ids) for c in out.candidates] == CANDIDATES
+    for cand, score in zip(CANDIDATES, out.candidates):
+        want = teacher_forced(oracle, base, cand)
+        assert max(abs(a - b) for a, b in zip(score.token_logprobs, want)) < 1e-4
+        assert abs(score.logprob - sum(want)) < 1e-3
+    assert out.prompt_tokens == len(base)
+    assert out.prefix_tokens == (len(TEMPLATE) if prefix else 0)
+
+
+def test_no_candidate_prefills_the_prompt_again(make_engine):
+    """The prompt is computed once; then every candidate in one step, each computing the prompt's
+    last token (for the logits that score its first token) and its own tokens but the last."""
+    engine = make_engine()
+    engine.add_prefix("t", token_ids=TEMPLATE)
+    steps = count_steps(engine)
+    engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
+    assert steps[0] == [(steps[0][0][0], len(PROMPT), 0)]  # the prompt alone, after the template: no logits
+    assert len(steps) == 2
+    assert sorted(steps[1]) == sorted((r, len(c), len(c)) for r, c in zip((r for r, _, _ in steps[1]), CANDIDATES))
+    assert sum(n for _, n, _ in steps[1]) == sum(map(len, CANDIDATES))
+
+
+def test_text_candidates_and_prompts(make_engine):
+    engine = make_engine()
+    engine.add_prefix("t", token_ids=TEMPLATE)
+    tok = engine.tokenizer
+    labels = [" order", " refund", " shipping"]
+    by_text = engine.score(ScoreRequest(labels, prompt=" the price", prefix_name="t"))
+    ids = [tok.encode(s, add_special_tokens=False) for s in labels]
+    by_ids = engine.score(ScoreRequest(ids, prompt_token_ids=tok.encode(" the price", add_special_tokens=False),
+                                       prefix_name="t"))
+    assert [c.token_ids for c in by_text.candidates] == [tuple(i) for i in ids]
+    assert [c.logprob for c in by_text.candidates] == pytest.approx([c.logprob for c in by_ids.candidates], abs=1e-5)
+
+
+def test_score_beside_generation_and_under_preemption(make_engine):
+    """Scores are the same with generation running beside them, and in a cache so small that
+    sequences are preempted and recomputed."""
+    calm = make_engine(num_blocks=256)
+    calm.add_prefix("t", token_ids=TEMPLATE)
+    want = calm.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
+    tight = make_engine(num_blocks=28, block_size=4)
+    tight.add_prefix("t", token_ids=TEMPLATE)
+    done = threading.Event()
+    finished = []
+
+    def sink(out):
+        if out.finished:
+            finished.append(out)
+            if len(finished) == 4:
+                done.set()
+    for k in range(4):  # queued first: together they need more blocks than the cache has
+        tight.submit(GenerateRequest(prompt_token_ids=[5 + k] * 9, sampling=greedy(30)), sink)
+    got = tight.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
+    assert done.wait(120)
+    for a, b in zip(got.candidates, want.candidates):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    assert tight.kv_stats()["preemptions"] > 0
+
+
+def test_a_preempted_candidate_is_recomputed(make_engine):
+    """A candidate preempted part-way (its forked blocks freed) starts again from the template and
+    computes the prompt itself: the same scores."""
+    calm = make_engine()
+    calm.add_prefix("t", token_ids=TEMPLATE)
+    want = calm.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
+    engine = make_engine(max_num_batched_tokens=3)  # chunks of 3 tokens: candidates run part-way
+    engine.add_prefix("t", token_ids=TEMPLATE)
+
+    def drive(core):
+        from prefix_service.engine.scheduler import SchedulerOutput
+        got, victims = [], []
+        core.add_score("s", PROMPT, "t", CANDIDATES, got.append)
+        while not got:
+            core.step()
+            partial = [q for q in core.scheduler.running if q.score_from is not None and q.num_uncomputed]
+            if partial and not victims:
+                victims.append((partial[0].request_id, partial[0].num_computed_tokens))
+                core.scheduler._preempt(partial[0], SchedulerOutput())
+        return got[0], victims
+    got, victims = engine._run(drive)
+    assert victims and victims[0][1] >= len(TEMPLATE) + len(PROMPT) - 1  # it had started on the fork's KV
+    for a, b in zip(got.candidates, want.candidates):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+
+
+def test_abort_frees_every_block(make_engine):
+    engine = make_engine()
+    engine.add_prefix("t", token_ids=TEMPLATE)
+    got = []
+    engine._run(lambda core: core.add_score("s1", PROMPT, "t", CANDIDATES, got.append))
+    assert engine._run(lambda core: core.abort("s1")) is True
+    assert len(got) == 1 and got[0].error is not None and got[0].candidates == []
+    engine.check_integrity()
+    stats = engine.kv_stats()
+    assert stats["used"] == stats["pinned"] and stats["running"] == stats["waiting"] == 0
+
+
+@pytest.mark.parametrize("candidates,match", [
+    ([], "at least one"), ([[1], []], r"candidates\[1\] is empty"), ([[1]] * (MAX_CANDIDATES + 1), "at most"),
+    ([[10**6]], r"candidates\[0\]: token ids")])
+def test_bad_candidates_are_refused(make_engine, candidates, match):
+    engine = make_engine()
+    with pytest.raises(InvalidRequest, match=match) as e:
+        engine.score(ScoreRequest(candidates, prompt_token_ids=PROMPT))
+    assert e.value.param == "candidates"
+
+
+def test_unknown_template_and_empty_context_are_refused(make_engine):
+    engine = make_engine()
+    with pytest.raises(PrefixNotFound):
+        engine.score(ScoreRequest([[1]], prompt_token_ids=PROMPT, prefix_name="nope"))
+    with pytest.raises(InvalidRequest, match="needs something before it"):
+        engine.score(ScoreRequest([[1]], prompt_token_ids=[]))
