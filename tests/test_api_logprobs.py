@@ -4,6 +4,8 @@ what the engine itself reports for the same request (which tests/test_logprobs_p
 checks against the model's logits)."""
 from __future__ import annotations
 
+import http.client
+import json
 import math
 
 import openai
@@ -158,4 +160,59 @@ def test_bad_values_over_grpc_are_invalid_argument(server, grpc_clients):
         with pytest.raises(grpc.RpcError) as e:
             list(grpc_clients.generation.Generate(pb.GenerateRequest(prefix_name="doc", prompt="x", sampling=sampling)))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    server.check_clean()
+
+
+# --- label scoring ---------------------------------------------------------------------------------
+
+def post(st: ServerThread, path: str, body: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+LABELS = [" order", " refund", " shipping", " account"]
+
+
+def test_score_over_grpc_and_http_equals_the_engine(server, grpc_clients):
+    """Score(prefix_name, prompt, candidates) over gRPC and POST /v1/scores over HTTP answer what the
+    engine's own scoring does (which tests/test_scoring.py checks against teacher forcing)."""
+    from prefix_service import ScoreRequest
+    want = server.engine.score(ScoreRequest(LABELS, prompt=" the price of", prefix_name="doc"))
+    resp = grpc_clients.generation.Score(pb.ScoreRequest(prefix_name="doc", prompt=" the price of", candidates=LABELS))
+    assert [c.candidate for c in resp.candidates] == LABELS
+    for got, w in zip(resp.candidates, want.candidates, strict=True):
+        assert list(got.token_ids) == list(w.token_ids)
+        assert close(got.logprob, w.logprob) and all(close(a, b) for a, b in zip(got.token_logprobs, w.token_logprobs))
+    doc_tokens = server.engine.get_prefix("doc").num_tokens
+    assert resp.usage.prefix_tokens == doc_tokens and resp.usage.prompt_tokens == want.prompt_tokens
+
+    status, body = post(server, "/v1/scores", {"model": "doc", "prompt": " the price of", "candidates": LABELS})
+    assert status == 200, body
+    assert [d["candidate"] for d in body["data"]] == LABELS and [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    assert all(close(d["logprob"], w.logprob) for d, w in zip(body["data"], want.candidates))
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == doc_tokens
+    _, by_ids = post(server, "/v1/scores", {"prefix_name": "doc", "prompt": " the price of",
+                                            "candidates": [list(c.token_ids) for c in want.candidates]})
+    assert [round(d["logprob"], 4) for d in by_ids["data"]] == [round(d["logprob"], 4) for d in body["data"]]
+
+
+def test_score_refusals(server, grpc_clients):
+    import grpc
+    for body, status, param in [({"model": "doc", "prompt": "x", "candidates": []}, 400, "candidates"),
+                                ({"model": "doc", "prompt": "x", "candidates": ["a", ""]}, 400, "candidates"),
+                                ({"model": "doc", "prompt": "x"}, 400, "candidates"),
+                                ({"model": "nope", "prompt": "x", "candidates": ["a"]}, 404, "model"),
+                                ({"model": "doc", "prompt": "x", "candidates": ["a"], "n": 2}, 400, "n")]:
+        got_status, answer = post(server, "/v1/scores", body)
+        assert got_status == status and answer["error"]["param"] == param, (body, answer)
+    for req, code in [(pb.ScoreRequest(prefix_name="doc", prompt="x"), grpc.StatusCode.INVALID_ARGUMENT),
+                      (pb.ScoreRequest(prefix_name="nope", prompt="x", candidates=["a"]), grpc.StatusCode.NOT_FOUND)]:
+        with pytest.raises(grpc.RpcError) as e:
+            grpc_clients.generation.Score(req)
+        assert e.value.code() == code
     server.check_clean()

@@ -54,7 +54,7 @@ def test_no_runtime_version_check_above_the_protobuf_floor():
 def test_contract_names():
     services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
     assert pb.DESCRIPTOR.package == "prefix_service.v1"
-    assert services == {"Generation": ["Generate"],
+    assert services == {"Generation": ["Generate", "Score"],
                         "PrefixAdmin": ["AddPrefixTemplate", "RemovePrefixTemplate", "ListPrefixTemplates"]}
     gen = pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name["Generate"]
     from google.protobuf import descriptor_pb2
@@ -75,9 +75,16 @@ def test_contract_names():
         "RemovePrefixTemplateResponse": ["deferred"],
         "ListPrefixTemplatesRequest": [],
         "ListPrefixTemplatesResponse": ["templates"],
+        "ScoreRequest": ["prefix_name", "prompt", "candidates", "request_id"],
+        "CandidateScore": ["candidate", "logprob", "token_ids", "token_logprobs"],
+        "ScoreResponse": ["candidates", "usage", "request_id"],
+        "TokenLogprob": ["token_id", "logprob", "token", "top"],
     }
     for name, names in expected.items():
         assert fields[name][:len(names)] == names, name
     assert pb.SamplingParams.DESCRIPTOR.fields_by_name["seed"].has_presence
+    assert pb.SamplingParams.DESCRIPTOR.fields_by_name["logprobs"].has_presence
+    score = pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name["Score"]
+    assert (score.input_type.name, score.output_type.name) == ("ScoreRequest", "ScoreResponse")
     assert [v.name for v in pb.FinishReason.DESCRIPTOR.values] == [
         "FINISH_REASON_UNSPECIFIED", "FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_ABORT"]

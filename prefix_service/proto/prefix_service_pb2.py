@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)prefix_service/proto/prefix_service.proto\x12\x11prefix_service.v1\"\xae\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x44\n\nlogit_bias\x18\r \x03(\x0b\x32\x30.prefix_service.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb1\x01\n\x0fGenerateRequest\x12\x13\n\x0bprefix_name\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.prefix_service.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x30\n\x08messages\x18\x05 \x03(\x0b\x32\x1e.prefix_service.v1.ChatMessage\"a\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rprefix_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12*\n\x03top\x18\x04 \x03(\x0b\x32\x1d.prefix_service.v1.TopLogprob\"\xdb\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.prefix_service.v1.FinishReason\x12\'\n\x05usage\x18\x04 \x01(\x0b\x32\x18.prefix_service.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x31\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1f.prefix_service.v1.TokenLogprob\"P\n\x18\x41\x64\x64PrefixTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\"\xa8\x01\n\x0ePrefixTemplate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0frequests_served\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x0e\n\x06origin\x18\x06 \x01(\t\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x10\n\x08replicas\x18\x08 \x03(\t\"+\n\x1bRemovePrefixTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"0\n\x1cRemovePrefixTemplateResponse\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x01 \x01(\x08\"\x1c\n\x1aListPrefixTemplatesRequest\"S\n\x1bListPrefixTemplatesResponse\x12\x34\n\ttemplates\x18\x01 \x03(\x0b\x32!.prefix_service.v1.PrefixTemplate*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x63\n\nGeneration\x12U\n\x08Generate\x12\".prefix_service.v1.GenerateRequest\x1a#.prefix_service.v1.GenerateResponse0\x01\x32\xe1\x02\n\x0bPrefixAdmin\x12\x63\n\x11\x41\x64\x64PrefixTemplate\x12+.prefix_service.v1.AddPrefixTemplateRequest\x1a!.prefix_service.v1.PrefixTemplate\x12w\n\x14RemovePrefixTemplate\x12..prefix_service.v1.RemovePrefixTemplateRequest\x1a/.prefix_service.v1.RemovePrefixTemplateResponse\x12t\n\x13ListPrefixTemplates\x12-.prefix_service.v1.ListPrefixTemplatesRequest\x1a..prefix_service.v1.ListPrefixTemplatesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)prefix_service/proto/prefix_service.proto\x12\x11prefix_service.v1\"\xae\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x44\n\nlogit_bias\x18\r \x03(\x0b\x32\x30.prefix_service.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb1\x01\n\x0fGenerateRequest\x12\x13\n\x0bprefix_name\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.prefix_service.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x30\n\x08messages\x18\x05 \x03(\x0b\x32\x1e.prefix_service.v1.ChatMessage\"a\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rprefix_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12*\n\x03top\x18\x04 \x03(\x0b\x32\x1d.prefix_service.v1.TopLogprob\"\xdb\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x36\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1f.prefix_service.v1.FinishReason\x12\'\n\x05usage\x18\x04 \x01(\x0b\x32\x18.prefix_service.v1.Usage\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x31\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1f.prefix_service.v1.TokenLogprob\"[\n\x0cScoreRequest\x12\x13\n\x0bprefix_name\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncandidates\x18\x03 \x03(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"_\n\x0e\x43\x61ndidateScore\x12\x11\n\tcandidate\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x16\n\x0etoken_logprobs\x18\x04 \x03(\x02\"\x83\x01\n\rScoreResponse\x12\x35\n\ncandidates\x18\x01 \x03(\x0b\x32!.prefix_service.v1.CandidateScore\x12\'\n\x05usage\x18\x02 \x01(\x0b\x32\x18.prefix_service.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"P\n\x18\x41\x64\x64PrefixTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x15\n\rsystem_prompt\x18\x03 \x01(\t\"\xa8\x01\n\x0ePrefixTemplate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0frequests_served\x18\x04 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x0e\n\x06origin\x18\x06 \x01(\t\x12\x0c\n\x04kind\x18\x07 \x01(\t\x12\x10\n\x08replicas\x18\x08 \x03(\t\"+\n\x1bRemovePrefixTemplateRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"0\n\x1cRemovePrefixTemplateResponse\x12\x10\n\x08\x64\x65\x66\x65rred\x18\x01 \x01(\x08\"\x1c\n\x1aListPrefixTemplatesRequest\"S\n\x1bListPrefixTemplatesResponse\x12\x34\n\ttemplates\x18\x01 \x03(\x0b\x32!.prefix_service.v1.PrefixTemplate*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xaf\x01\n\nGeneration\x12U\n\x08Generate\x12\".prefix_service.v1.GenerateRequest\x1a#.prefix_service.v1.GenerateResponse0\x01\x12J\n\x05Score\x12\x1f.prefix_service.v1.ScoreRequest\x1a .prefix_service.v1.ScoreResponse2\xe1\x02\n\x0bPrefixAdmin\x12\x63\n\x11\x41\x64\x64PrefixTemplate\x12+.prefix_service.v1.AddPrefixTemplateRequest\x1a!.prefix_service.v1.PrefixTemplate\x12w\n\x14RemovePrefixTemplate\x12..prefix_service.v1.RemovePrefixTemplateRequest\x1a/.prefix_service.v1.RemovePrefixTemplateResponse\x12t\n\x13ListPrefixTemplates\x12-.prefix_service.v1.ListPrefixTemplatesRequest\x1a..prefix_service.v1.ListPrefixTemplatesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -23,8 +23,8 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1681
-  _globals['_FINISHREASON']._serialized_end=1801
+  _globals['_FINISHREASON']._serialized_start=2005
+  _globals['_FINISHREASON']._serialized_end=2125
   _globals['_SAMPLINGPARAMS']._serialized_start=65
   _globals['_SAMPLINGPARAMS']._serialized_end=495
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=425
@@ -41,20 +41,26 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['_TOKENLOGPROB']._serialized_end=994
   _globals['_GENERATERESPONSE']._serialized_start=997
   _globals['_GENERATERESPONSE']._serialized_end=1216
-  _globals['_ADDPREFIXTEMPLATEREQUEST']._serialized_start=1218
-  _globals['_ADDPREFIXTEMPLATEREQUEST']._serialized_end=1298
-  _globals['_PREFIXTEMPLATE']._serialized_start=1301
-  _globals['_PREFIXTEMPLATE']._serialized_end=1469
-  _globals['_REMOVEPREFIXTEMPLATEREQUEST']._serialized_start=1471
-  _globals['_REMOVEPREFIXTEMPLATEREQUEST']._serialized_end=1514
-  _globals['_REMOVEPREFIXTEMPLATERESPONSE']._serialized_start=1516
-  _globals['_REMOVEPREFIXTEMPLATERESPONSE']._serialized_end=1564
-  _globals['_LISTPREFIXTEMPLATESREQUEST']._serialized_start=1566
-  _globals['_LISTPREFIXTEMPLATESREQUEST']._serialized_end=1594
-  _globals['_LISTPREFIXTEMPLATESRESPONSE']._serialized_start=1596
-  _globals['_LISTPREFIXTEMPLATESRESPONSE']._serialized_end=1679
-  _globals['_GENERATION']._serialized_start=1803
-  _globals['_GENERATION']._serialized_end=1902
-  _globals['_PREFIXADMIN']._serialized_start=1905
-  _globals['_PREFIXADMIN']._serialized_end=2258
+  _globals['_SCOREREQUEST']._serialized_start=1218
+  _globals['_SCOREREQUEST']._serialized_end=1309
+  _globals['_CANDIDATESCORE']._serialized_start=1311
+  _globals['_CANDIDATESCORE']._serialized_end=1406
+  _globals['_SCORERESPONSE']._serialized_start=1409
+  _globals['_SCORERESPONSE']._serialized_end=1540
+  _globals['_ADDPREFIXTEMPLATEREQUEST']._serialized_start=1542
+  _globals['_ADDPREFIXTEMPLATEREQUEST']._serialized_end=1622
+  _globals['_PREFIXTEMPLATE']._serialized_start=1625
+  _globals['_PREFIXTEMPLATE']._serialized_end=1793
+  _globals['_REMOVEPREFIXTEMPLATEREQUEST']._serialized_start=1795
+  _globals['_REMOVEPREFIXTEMPLATEREQUEST']._serialized_end=1838
+  _globals['_REMOVEPREFIXTEMPLATERESPONSE']._serialized_start=1840
+  _globals['_REMOVEPREFIXTEMPLATERESPONSE']._serialized_end=1888
+  _globals['_LISTPREFIXTEMPLATESREQUEST']._serialized_start=1890
+  _globals['_LISTPREFIXTEMPLATESREQUEST']._serialized_end=1918
+  _globals['_LISTPREFIXTEMPLATESRESPONSE']._serialized_start=1920
+  _globals['_LISTPREFIXTEMPLATESRESPONSE']._serialized_end=2003
+  _globals['_GENERATION']._serialized_start=2128
+  _globals['_GENERATION']._serialized_end=2303
+  _globals['_PREFIXADMIN']._serialized_start=2306
+  _globals['_PREFIXADMIN']._serialized_end=2659
 # @@protoc_insertion_point(module_scope)

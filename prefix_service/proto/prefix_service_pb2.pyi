@@ -128,6 +128,40 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class ScoreRequest(_message.Message):
+    __slots__ = ("prefix_name", "prompt", "candidates", "request_id")
+    PREFIX_NAME_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prefix_name: str
+    prompt: str
+    candidates: _containers.RepeatedScalarFieldContainer[str]
+    request_id: str
+    def __init__(self, prefix_name: _Optional[str] = ..., prompt: _Optional[str] = ..., candidates: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CandidateScore(_message.Message):
+    __slots__ = ("candidate", "logprob", "token_ids", "token_logprobs")
+    CANDIDATE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    candidate: str
+    logprob: float
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, candidate: _Optional[str] = ..., logprob: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("candidates", "usage", "request_id")
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    candidates: _containers.RepeatedCompositeFieldContainer[CandidateScore]
+    usage: Usage
+    request_id: str
+    def __init__(self, candidates: _Optional[_Iterable[_Union[CandidateScore, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
 class AddPrefixTemplateRequest(_message.Message):
     __slots__ = ("name", "content", "system_prompt")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -20,6 +20,11 @@ class GenerationStub(object):
                 request_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.GenerateResponse.FromString,
                 )
+        self.Score = channel.unary_unary(
+                '/prefix_service.v1.Generation/Score',
+                request_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreResponse.FromString,
+                )
 
 
 class GenerationServicer(object):
@@ -38,6 +43,16 @@ class GenerationServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Scores each candidate continuation (a label) after the prompt on a template: its tokens'
+        log-probabilities under teacher forcing, and their sum. The prompt is computed once and every
+        candidate continues its KV. Errors as Generate's; INVALID_ARGUMENT names `candidates` when
+        one is empty or there are none or too many (256).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -45,6 +60,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.GenerateRequest.FromString,
                     response_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreRequest.FromString,
+                    response_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -71,6 +91,23 @@ class Generation(object):
         return grpc.experimental.unary_stream(request, target, '/prefix_service.v1.Generation/Generate',
             prefix__service_dot_proto_dot_prefix__service__pb2.GenerateRequest.SerializeToString,
             prefix__service_dot_proto_dot_prefix__service__pb2.GenerateResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/prefix_service.v1.Generation/Score',
+            prefix__service_dot_proto_dot_prefix__service__pb2.ScoreRequest.SerializeToString,
+            prefix__service_dot_proto_dot_prefix__service__pb2.ScoreResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

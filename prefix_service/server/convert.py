@@ -9,7 +9,7 @@ from prefix_service.errors import InvalidRequest
 from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import SamplingParams
-from prefix_service.engine.sequence import FinishReason, RequestOutput
+from prefix_service.engine.sequence import FinishReason, RequestOutput, ScoreOutput
 from prefix_service.server.requests import RequestSpec
 
 _FINISH = {
@@ -68,6 +68,13 @@ def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None 
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens,
                                     completion_tokens=out.completion_tokens, ttft_ms=out.ttft_ms or 0.0))
     return msg
+
+
+def score_to_proto(out: ScoreOutput, candidates: Sequence[str]) -> pb.ScoreResponse:
+    return pb.ScoreResponse(
+        candidates=[pb.CandidateScore(candidate=text, logprob=c.logprob, token_ids=c.token_ids,
+                                      token_logprobs=c.token_logprobs) for text, c in zip(candidates, out.candidates)],
+        usage=pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens), request_id=out.request_id)
 
 
 def template_to_proto(info: PrefixInfo, origin: str, replicas: Sequence[str] = ()) -> pb.PrefixTemplate:

@@ -13,9 +13,9 @@ import grpc
 
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
-from prefix_service.server.convert import output_to_proto, spec_from_proto
+from prefix_service.server.convert import output_to_proto, score_to_proto, spec_from_proto
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
-from prefix_service.server.requests import TokenTexts, prepare, request_id_for
+from prefix_service.server.requests import ScoreSpec, TokenTexts, prepare, request_id_for, score
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import status_for
 from prefix_service.server.wire import check_decoded
@@ -63,6 +63,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 trace.end(context.time_remaining())
             except Exception:  # noqa: BLE001 - bookkeeping must never change the call's outcome
                 log.exception("recording request %s failed", request_id or "(no id)")
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        trace = self.metrics.trace(request.prefix_name if isinstance(request, pb.ScoreRequest) else "", "grpc")
+        try:
+            try:
+                check_decoded(request)
+                spec = ScoreSpec(list(request.candidates), prefix_name=request.prefix_name or None,
+                                 prompt=request.prompt or None, request_id=request.request_id or None)
+                request_id = trace.request_id = request_id_for(spec)
+                out = await score(self.runtime, spec, request_id)
+            except Exception as e:  # refused, or ended by an error
+                await _fail(context, trace, e)
+            trace.code = grpc.StatusCode.OK
+            return score_to_proto(out, request.candidates)
+        finally:
+            try:
+                trace.end(context.time_remaining())
+            except Exception:  # noqa: BLE001 - bookkeeping must never change the call's outcome
+                log.exception("recording score request %s failed", trace.request_id or "(no id)")
 
     async def drain_aborts(self) -> None:
         """Wait for the aborts of calls that ended early (before the engine shuts down)."""

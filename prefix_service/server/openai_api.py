@@ -4,6 +4,7 @@
     GET  /v1/models            the served model, then every template as a model id of its own
     POST /v1/completions       prompt (text or token ids) continuing a template
     POST /v1/chat/completions  messages through the model's chat template (system_prompt templates reused)
+    POST /v1/scores            each candidate continuation's log-probability after a prompt (label scoring)
 
 A template is chosen by `prefix_name` in the body (the SDKs' `extra_body`) or by `model` naming
 it; the served model's name (or no `model`) means none. Bodies are parsed here, strictly: a
@@ -41,7 +42,7 @@ from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams
 from prefix_service.server.auth import BearerAuth
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
-from prefix_service.server.requests import RequestSpec, TokenTexts, prepare, request_id_for
+from prefix_service.server.requests import RequestSpec, ScoreSpec, TokenTexts, prepare, request_id_for, score
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import ModelNotFound, RequestTooLarge, classify
 
@@ -179,6 +180,14 @@ class ChatMessageBody(_Body):
 
 class ResponseFormat(_Body):
     type: Literal["text"]
+
+
+class ScoreBody(_Body):
+    model: str | None = None
+    prefix_name: str | None = None
+    prompt: Union[str, list[int]] = ""
+    candidates: Union[list[str], list[list[int]]]
+    user: str | None = None  # accepted, unused
 
 
 class ChatBody(_Sampling):
@@ -323,6 +332,7 @@ class OpenAIApi:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/scores", self.scores, methods=["POST"])
 
     # --- errors --------------------------------------------------------------------------------
     @staticmethod
@@ -375,6 +385,35 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, ChatBody)
+
+    async def scores(self, request: Request) -> Response:
+        """Label scoring: {"model" or "prefix_name", "prompt", "candidates": [...]} -> each candidate's
+        log-probability (the sum of its tokens'), its token ids and their log-probabilities."""
+        trace = self.metrics.trace("", "http")
+        try:
+            self.auth.check(request.headers.items())
+            body = ScoreBody.model_validate_json(await _read_body(request))
+            template = self._template(body.model, body.prefix_name)
+            trace.set_prefix(template or "")
+            prompt = body.prompt
+            spec = ScoreSpec(body.candidates, prefix_name=template, prompt=prompt if isinstance(prompt, str) else None,
+                             prompt_token_ids=prompt if isinstance(prompt, list) else None,
+                             request_id=request.headers.get(REQUEST_ID_HEADER))
+            request_id = trace.request_id = request_id_for(spec)
+            out = await score(self.runtime, spec, request_id)
+        except ValidationError as e:
+            return self.error(_validation_error(e), trace)
+        except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
+            return self.error(e, trace)
+        trace.code, trace.http_status = grpc.StatusCode.OK, 200
+        _end(trace)
+        data = [{"index": i, "object": "candidate_score", "candidate": cand, "logprob": c.logprob,
+                 "token_ids": list(c.token_ids), "token_logprobs": list(c.token_logprobs)}
+                for i, (cand, c) in enumerate(zip(body.candidates, out.candidates))]
+        return JSONResponse({"id": f"score-{request_id}", "object": "list", "created": int(time.time()),
+                             "model": body.model or self.served_name, "data": data,
+                             "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens,
+                                       "prompt_tokens_details": {"cached_tokens": out.prefix_tokens}}})
 
     # --- generation ----------------------------------------------------------------------------
     async def _generate(self, request: Request, body_cls: type[_Sampling]) -> Response:

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from prefix_service.engine import Engine
-from prefix_service.engine.sequence import GenerateRequest
+from prefix_service.engine.sequence import GenerateRequest, ScoreOutput, ScoreRequest
 from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import SamplingParams
 from prefix_service.server.chat import chat_prompt_ids
 from prefix_service.server.runtime import Runtime
+from prefix_service.server.status import NotSupported
 
 MAX_REQUEST_ID_CHARS = 128
 
@@ -63,7 +64,17 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def request_id_for(spec: RequestSpec) -> str:
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A Score request as a front end parsed it: candidates as text (each tokenized alone) or ids."""
+    candidates: Sequence[str] | Sequence[Sequence[int]]
+    prefix_name: str | None = None
+    prompt: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    request_id: str | None = None
+
+
+def request_id_for(spec: RequestSpec | ScoreSpec) -> str:
     return check_request_id(spec.request_id) if spec.request_id else uuid.uuid4().hex
 
 
@@ -83,6 +94,19 @@ def build_request(engine: Engine, spec: RequestSpec, request_id: str) -> Generat
     if spec.prompt_token_ids:
         return GenerateRequest(prompt_token_ids=list(spec.prompt_token_ids), **common)
     return GenerateRequest(prompt=spec.prompt or "", **common)
+
+
+async def score(runtime: Runtime, spec: ScoreSpec, request_id: str) -> ScoreOutput:
+    """Score spec's candidates once the server serves (ServerNotReady before). Cancelling aborts it."""
+    engine, _ = runtime.require_ready()
+    if not hasattr(engine, "score_async"):
+        raise NotSupported("label scoring runs in one server process; this fleet does not route Score requests")
+    if spec.prompt and spec.prompt_token_ids:
+        raise InvalidRequest("give prompt or prompt_token_ids, not both", param="prompt")
+    req = ScoreRequest([c if isinstance(c, str) else list(c) for c in spec.candidates], prompt=spec.prompt or None,
+                       prompt_token_ids=list(spec.prompt_token_ids) if spec.prompt_token_ids else None,
+                       prefix_name=spec.prefix_name or None, request_id=request_id)
+    return await engine.score_async(req, runtime.executor)
 
 
 async def prepare(runtime: Runtime, spec: RequestSpec, request_id: str) -> tuple[Engine, GenerateRequest]:

@@ -47,6 +47,9 @@ def add_generation(servicer: Any, server: grpc.aio.Server) -> None:
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=_decoder(pb.GenerateRequest),
             response_serializer=pb.GenerateResponse.SerializeToString),
+        "Score": grpc.unary_unary_rpc_method_handler(
+            servicer.Score, request_deserializer=_decoder(pb.ScoreRequest),
+            response_serializer=pb.ScoreResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
 
