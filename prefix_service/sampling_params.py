@@ -10,6 +10,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_N = 64  # samples per request
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # (0, 2]: logits of prompt and generated tokens divided (> 0) or multiplied
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, [-100, 100]) added to its logit
     min_tokens: int = 0  # EOS and stop token ids are masked, stop strings unchecked, until this many
+    n: int = 1  # samples of this prompt, each its own output (RequestOutput.index); the prompt is computed once
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +93,8 @@ class SamplingParams:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
 
 
 def _real(x: object) -> bool:

@@ -38,6 +38,7 @@ class GenerateResult:
     completion_tokens: int
     ttft_ms: float | None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    samples: list[GenerateResult] | None = None  # with n > 1: every sample in order (this result is the first)
 
 
 class Engine:
@@ -228,7 +229,7 @@ class Engine:
         error before any runs (the others are aborted)."""
         if isinstance(requests, GenerateRequest):
             requests = [requests]
-        collectors = [_Collector() for _ in requests]
+        collectors = [_Collector(req.sampling.n) for req in requests]
         ids: list[str] = []
         try:
             for req, col in zip(requests, collectors):
@@ -264,9 +265,11 @@ class Engine:
             except Exception:
                 finished = True  # refused: nothing was queued
                 raise
+            remaining = req.sampling.n  # samples not finished yet
             while not finished:
                 out = await queue.get()
-                finished = out.finished or out.error is not None
+                remaining -= int(out.finished)
+                finished = remaining == 0 or out.error is not None
                 if out.error is not None:
                     raise out.error
                 yield out
@@ -327,22 +330,31 @@ class Engine:
 class _Collector:
     """Gathers one request's outputs for the blocking API."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 1) -> None:
         self._done = threading.Event()
-        self._parts: list[RequestOutput] = []
+        self._parts: list[list[RequestOutput]] = [[] for _ in range(n)]
+        self._remaining = n
 
     def __call__(self, out: RequestOutput) -> None:
-        self._parts.append(out)
-        if out.finished:
+        self._parts[out.index].append(out)
+        self._remaining -= int(out.finished)
+        if self._remaining == 0 or out.error is not None:
             self._done.set()
 
     def result(self) -> GenerateResult:
         self._done.wait()
-        last = self._parts[-1]
+        results = [self._sample(parts) for parts in self._parts]
+        if len(results) > 1:
+            results[0].samples = results
+        return results[0]
+
+    @staticmethod
+    def _sample(parts: list[RequestOutput]) -> GenerateResult:
+        last = parts[-1]
         if last.error is not None:
             raise last.error
-        logprobs = None if last.logprobs is None else [lp for p in self._parts for lp in p.logprobs or ()]
+        logprobs = None if last.logprobs is None else [lp for p in parts for lp in p.logprobs or ()]
         return GenerateResult(
-            last.request_id, "".join(p.text for p in self._parts), [t for p in self._parts for t in p.token_ids],
+            last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
             last.finish_reason, last.prompt_tokens, last.prefix_tokens, last.completion_tokens, last.ttft_ms,
             logprobs)

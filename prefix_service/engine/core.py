@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -43,6 +43,19 @@ class _Tracked:
     on_pinned: Callable[[PrefixInfo | BaseException], None] | None = None
     source: dict | None = None
     prefix_name: str | None = None
+
+
+@dataclass
+class _Samples:
+    """A request for n > 1 samples: its prompt, a fork point, until it is computed; then n
+    sequences forked from it, each sampling on its own."""
+    request_id: str
+    sink: Sink
+    parent: Sequence | None
+    arrival: float
+    prefix_name: str | None
+    remaining: int  # samples not finished yet
+    children: list[str] = field(default_factory=list)  # the samples' tracked ids (request id NUL index)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,6 +99,8 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._scorings: dict[str, Scoring] = {}
         self._scoring_of: dict[int, Scoring] = {}  # id(sequence) -> the Score request it belongs to
+        self._samples: dict[str, _Samples] = {}  # requests with n > 1
+        self._samples_of: dict[int, _Samples] = {}  # id(fork point) -> its request
         self._warmups = 0  # numbers the warmups' request ids
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
@@ -155,6 +170,16 @@ class EngineCore:
         if sampling.min_tokens > max_tokens:
             raise InvalidRequest(f"invalid sampling parameters: min_tokens {sampling.min_tokens} exceeds max_tokens "
                                  f"{max_tokens} (the server's default; set max_tokens)", param="min_tokens")
+        if sampling.n > 1:
+            capacity = self.scheduler.capacity_blocks() * self.block_size
+            need = len(token_ids) - shared + sampling.n * max_tokens
+            if need > capacity:
+                raise CacheExhausted(f"n = {sampling.n} samples of up to {max_tokens} tokens each need {need} tokens of "
+                                     f"KV cache beside the pinned templates, which has room for {capacity}; lower n or "
+                                     f"max_tokens")
+            self._add_samples(request_id, token_ids, handle if use_prefix else None, handle, sampling, max_tokens,
+                              sink, prefix_name)
+            return
         generator = None
         if not sampling.greedy:
             seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
@@ -169,8 +194,68 @@ class EngineCore:
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
 
+    def _add_samples(self, request_id: str, token_ids: list[int], prefix, named, sampling: SamplingParams,
+                     max_tokens: int, sink: Sink, prefix_name: str | None) -> None:
+        parent = Sequence(f"{request_id}/prompt", token_ids, sampling, max_tokens, prefix, None, fork_point=True)
+        if prefix is not None:
+            self.prefixes.acquire(prefix)
+        elif named is not None:
+            self.prefixes.count_unreused(named)
+        group = _Samples(request_id, sink, parent, time.perf_counter(), prefix_name, sampling.n)
+        self._samples[request_id] = group
+        self._samples_of[id(parent)] = group
+        self.scheduler.add(parent)
+
+    def _fork_samples(self, parent: Sequence) -> None:
+        """A request's prompt is computed: its n samples continue it (Scheduler.fork), each with its own
+        generator (seeded seed + i when the request has a seed)."""
+        group = self._samples_of.pop(id(parent))
+        p = parent.sampling
+        children = []
+        for i in range(p.n):
+            generator = None
+            if not p.greedy:
+                seed = (p.seed + i) % 2**63 if p.seed is not None else self._seed_rng.getrandbits(63)
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+            # a NUL in the id: no request id a client can send collides with it
+            child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.prefix,
+                             generator)
+            group.children.append(child.request_id)
+            if child.prefix is not None:
+                self.prefixes.acquire(child.prefix, served=False)
+            detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop)
+            self._tracked[child.request_id] = _Tracked(child, self._sample_sink(group, i), detok, group.arrival,
+                                                       prefix_name=group.prefix_name)
+            children.append(child)
+        copies = self.scheduler.fork(parent, children)
+        if copies:  # now, while the parent's blocks are still held
+            self.backend.copy_blocks(copies)
+        self.scheduler.finish(parent, FinishReason.STOP)
+        group.parent = None
+
+    def _sample_sink(self, group: _Samples, index: int) -> Sink:
+        def sink(out: RequestOutput) -> None:
+            out.request_id, out.index = group.request_id, index
+            if out.finished:
+                group.remaining -= 1
+                if group.remaining == 0:
+                    del self._samples[group.request_id]
+            group.sink(out)
+        return sink
+
+    def _end_unforked(self, group: _Samples, reason: FinishReason, error: BaseException | None) -> None:
+        """End a request for n samples before its prompt was computed: each sample ends."""
+        parent = group.parent
+        self._samples_of.pop(id(parent), None)
+        self.scheduler.finish(parent, reason)
+        del self._samples[group.request_id]
+        for i in range(parent.sampling.n):
+            group.sink(RequestOutput(group.request_id, "", [], finished=True, finish_reason=reason,
+                                     prompt_tokens=parent.num_prompt_tokens, error=error, index=i))
+
     def _check_new_id(self, request_id: str) -> None:
-        if request_id in self._tracked or request_id in self._scorings:
+        if request_id in self._tracked or request_id in self._scorings or request_id in self._samples:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
 
     def add_score(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
@@ -220,6 +305,15 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
+        group = self._samples.get(request_id)
+        if group is not None:
+            if group.parent is not None:
+                self._end_unforked(group, FinishReason.ABORT, None)
+            else:  # each sample still running ends (its sink counts it)
+                for key in group.children:
+                    if key in self._tracked:
+                        self._finish(self._tracked[key], FinishReason.ABORT)
+            return True
         scoring = self._scorings.get(request_id)
         if scoring is not None:
             self._end_scoring(scoring, FinishReason.ABORT, EngineStopped(f"score request {request_id} was aborted"))
@@ -235,6 +329,9 @@ class EngineCore:
             self._finish(tracked, FinishReason.ABORT, error=error)
         for scoring in list(self._scorings.values()):
             self._end_scoring(scoring, FinishReason.ABORT, error or EngineStopped("the engine stopped"))
+        for group in list(self._samples.values()):
+            if group.parent is not None:
+                self._end_unforked(group, FinishReason.ABORT, error)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -250,6 +347,10 @@ class EngineCore:
             if scoring is not None:
                 self._end_scoring(scoring, FinishReason.LENGTH, err)
                 continue
+            group = self._samples_of.get(id(stuck))
+            if group is not None:
+                self._end_unforked(group, FinishReason.LENGTH, err)
+                continue
             self._finish(self._tracked[stuck.request_id], FinishReason.LENGTH,
                          error=err if stuck.num_output_tokens == 0 else None)
         if out.is_empty:
@@ -264,6 +365,8 @@ class EngineCore:
                 continue
             if seq.prefill_only:
                 self._pin_warmup(self._tracked[seq.request_id])
+            elif seq.fork_point and id(seq) in self._samples_of:
+                self._fork_samples(seq)
             elif seq.fork_point:
                 self._fork_scoring(seq)
             else:

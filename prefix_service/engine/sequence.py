@@ -96,6 +96,7 @@ class RequestOutput:
     ttft_ms: float | None = None
     error: BaseException | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    index: int = 0  # which of the request's n samples this output belongs to (finished: that sample is)
 
 
 class Sequence:

@@ -1,0 +1,120 @@
+"""n > 1 samples of one prompt: the prompt is computed once and each sample continues its KV
+(shared full blocks, its own copy of the partial tail); sample i of a seeded request draws what a
+request of seed + i draws alone; greedy samples equal the single greedy answer; bad n is refused;
+an abort before or after the fork frees every block."""
+import threading
+import time
+
+import pytest
+
+from helpers import greedy
+from prefix_service import CacheExhausted, GenerateRequest, InvalidRequest, SamplingParams
+
+TEMPLATE = [(3 * i + 7) % 500 + 3 for i in range(22)]
+PROMPT = [41, 77, 301, 12, 9, 130, 140]
+
+
+def request(n, prefix=None, **kw):
+    params = dict(max_tokens=10, ignore_eos=True, n=n)
+    params.update(kw)
+    return GenerateRequest(prompt_token_ids=PROMPT, prefix_name=prefix, sampling=SamplingParams(**params))
+
+
+@pytest.mark.parametrize("prefix", [None, "t"])
+def test_seeded_samples_equal_single_requests_of_seed_plus_i(make_engine, prefix):
+    engine = make_engine()
+    engine.add_prefix("t", token_ids=TEMPLATE)
+    out = engine.generate(request(4, prefix, temperature=1.0, seed=100))[0]
+    assert len(out.samples) == 4 and out.samples[0] is out
+    for i, sample in enumerate(out.samples):
+        alone = engine.generate(request(1, prefix, temperature=1.0, seed=100 + i))[0]
+        assert sample.token_ids == alone.token_ids and sample.text == alone.text
+        assert sample.completion_tokens == 10 and sample.prompt_tokens == alone.prompt_tokens
+        assert sample.prefix_tokens == alone.prefix_tokens
+    assert len({tuple(s.token_ids) for s in out.samples}) > 1  # different draws
+
+
+def test_greedy_samples_and_the_prompt_computed_once(make_engine):
+    engine = make_engine()
+    engine.add_prefix("t", token_ids=TEMPLATE)
+    single = engine.generate(request(1, "t"))[0].token_ids
+    steps = []
+    backend = engine.core.backend
+    execute = backend.execute
+    backend.execute = lambda step: steps.append([(r.num_new_tokens, r.num_computed) for r in step.rows]) \
+        or execute(step)
+    out = engine.generate(request(3, "t"))[0]
+    assert [s.token_ids for s in out.samples] == [single] * 3
+    assert steps[0] == [(len(PROMPT), len(TEMPLATE))]  # the prompt once, after the template
+    # then the three samples: each computes the prompt's last token on the shared KV, then decodes
+    assert steps[1] == [(1, len(TEMPLATE) + len(PROMPT) - 1)] * 3
+
+
+def test_samples_share_the_prompts_blocks(make_engine):
+    long_prompt = [(7 * i + 3) % 500 + 3 for i in range(60)]
+    engine = make_engine(num_blocks=256)
+
+    def peak(reqs):
+        engine.reset_kv_peak()
+        engine.generate(reqs)
+        return engine.kv_stats()["peak_used"]
+    params = dict(max_tokens=4, ignore_eos=True)
+    together = peak([GenerateRequest(prompt_token_ids=long_prompt, sampling=SamplingParams(n=4, **params))])
+    apart = peak([GenerateRequest(prompt_token_ids=long_prompt, sampling=SamplingParams(**params))
+                  for _ in range(4)])
+    # 60 tokens: 15 blocks of 4 each when apart; shared, the samples add a copy of the tail and their own
+    assert together < apart - 30, (together, apart)
+
+
+@pytest.mark.parametrize("kw,error,field", [(dict(n=0), InvalidRequest, "n"), (dict(n=65), InvalidRequest, "n"),
+                                            (dict(n=64, max_tokens=400), CacheExhausted, None)])
+def test_bad_n_is_refused(make_engine, kw, error, field):
+    engine = make_engine()
+    params = dict(max_tokens=8)
+    params.update(kw)
+    with pytest.raises(error) as e:
+        engine.generate(GenerateRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(**params)))
+    if field:
+        assert e.value.param == field
+
+
+def test_abort_before_and_after_the_fork_frees_everything(make_engine):
+    engine = make_engine(max_num_batched_tokens=2)  # the prompt takes several steps: abort it mid-way
+    got = []
+    done = threading.Event()
+
+    def sink(out):
+        got.append(out)
+        if sum(o.finished for o in got) == 3:
+            done.set()
+    engine._run(lambda core: core.add_request("r", PROMPT, None, SamplingParams(n=3, max_tokens=50), sink))
+    assert engine.abort("r") is True
+    assert done.wait(30) and sorted(o.index for o in got if o.finished) == [0, 1, 2]
+    engine.check_integrity()
+    assert engine.kv_stats()["used"] == 0
+
+    got.clear()
+    done.clear()
+    backend = engine.core.backend
+    execute = backend.execute
+    backend.execute = lambda step: time.sleep(0.01) or execute(step)  # 100 steps take a second at least
+    engine._run(lambda core: core.add_request("s", PROMPT, None, SamplingParams(n=3, max_tokens=100,
+                                                                                ignore_eos=True), sink))
+    while not any(o.token_ids for o in got):  # forked and decoding
+        engine._run(lambda core: None)
+    assert engine.abort("s") is True
+    assert done.wait(30)
+    assert sorted(o.index for o in got if o.finished) == [0, 1, 2]
+    assert all(o.request_id == "s" for o in got)
+    engine.check_integrity()
+    assert engine.kv_stats()["used"] == 0
+
+
+def test_one_request_id_is_one_request(make_engine):
+    """A sample's tracked id never collides with another request's id."""
+    engine = make_engine()
+    outs = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4, n=2), request_id="a"),
+                            GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4), request_id="a/0"),
+                            GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4), request_id="a\x01")])
+    assert [o.request_id for o in outs] == ["a", "a/0", "a\x01"]
+    assert outs[0].samples[1].token_ids == outs[1].token_ids
