@@ -216,3 +216,44 @@ def test_score_refusals(server, grpc_clients):
             grpc_clients.generation.Score(req)
         assert e.value.code() == code
     server.check_clean()
+
+
+# --- n samples ------------------------------------------------------------------------------------
+
+def engine_samples(st: ServerThread, prompt: str, prefix: str, **kw):
+    return engine_result(st, prompt, prefix, **kw).samples
+
+
+def test_n_choices_over_http_whole_and_streamed(server):
+    want = engine_samples(server, " the order", "doc", max_tokens=6, ignore_eos=True, temperature=1.0, seed=7, n=3)
+    api = client(server)
+    resp = api.completions.create(model="doc", prompt=" the order", max_tokens=6, temperature=1.0, seed=7, n=3,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in resp.choices] == [s.token_ids for s in want]
+    assert [c.text for c in resp.choices] == [s.text for s in want]
+    assert resp.usage.completion_tokens == 18 and resp.usage.prompt_tokens == want[0].prompt_tokens
+    assert resp.usage.prompt_tokens_details.cached_tokens == want[0].prefix_tokens
+
+    messages = [{"role": "user", "content": "refund the order"}]
+    whole = api.chat.completions.create(model="sys", messages=messages, max_tokens=5, temperature=1.0, seed=3, n=2,
+                                        extra_body={"ignore_eos": True})
+    chunks = list(api.chat.completions.create(model="sys", messages=messages, max_tokens=5, temperature=1.0, seed=3,
+                                              n=2, stream=True, stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[i].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
+
+
+def test_n_samples_over_grpc(server, grpc_clients):
+    want = engine_samples(server, " the price", "doc", max_tokens=5, ignore_eos=True, temperature=1.0, seed=11, n=2)
+    req = pb.GenerateRequest(prefix_name="doc", prompt=" the price",
+                             sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=11, n=2))
+    msgs = list(grpc_clients.generation.Generate(req))
+    for i in range(2):
+        mine = [m for m in msgs if m.index == i]
+        assert [t for m in mine for t in m.token_ids] == want[i].token_ids
+        assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH and mine[-1].usage.completion_tokens == 5

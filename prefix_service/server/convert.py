@@ -1,6 +1,6 @@
 """Proto messages <-> engine types. Proto3 defaults carry meaning here: temperature 0 is greedy,
 top_p 0 means 1.0, top_k 0 means no limit, max_tokens 0 means the configured default, an unset
-seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none."""
+seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none, n 0 means 1."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -36,6 +36,7 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=float(p.repetition_penalty) if p.repetition_penalty != 0 else 1.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
         min_tokens=int(p.min_tokens),
+        n=int(p.n) or 1,
     )
 
 
@@ -57,7 +58,7 @@ def messages_from_proto(messages) -> list[dict[str, str]]:
 
 def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None = None) -> pb.GenerateResponse:
     """token_text: a token id's text for the log-probabilities (when the request asked for them)."""
-    msg = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, request_id=out.request_id)
+    msg = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, request_id=out.request_id, index=out.index)
     text = token_text or (lambda token: "")
     for lp in out.logprobs or ():
         msg.logprobs.append(pb.TokenLogprob(

@@ -83,15 +83,12 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None  # extension (vLLM's): 1 = none
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
     min_tokens: int | None = None  # extension (vLLM's)
-    # OpenAI fields accepted only at the value that means "off" (anything else: 400, not ignored)
-    n: int | None = None
+    n: int | None = None  # samples of the prompt, each a choice (the prompt is computed once)
 
     def refuse_unsupported(self) -> None:
         def no(field: str, why: str) -> None:
             raise InvalidRequest(f"{field}: {why}", param=field)
 
-        if self.n not in (None, 1):
-            no("n", f"only n=1 is supported, got {self.n}; send {self.n} requests (with seeds) instead")
         if self.stream_options is not None and not self.stream:
             no("stream_options", "only allowed with stream: true")
 
@@ -116,6 +113,7 @@ class _Sampling(_Body):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=_logit_bias(self.logit_bias),
             min_tokens=self.min_tokens or 0,
+            n=1 if self.n is None else self.n,
         )
 
 
@@ -224,10 +222,11 @@ def error_body(message: str, type_: str, code: str, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.prefix_tokens}}
+def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of a request from its samples' last outputs: the prompt once, every sample's tokens."""
+    prompt, completion = lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": lasts[0].prefix_tokens}}
 
 
 def _finish(out: RequestOutput) -> str | None:
@@ -248,9 +247,11 @@ class _Shape:
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text
-        self._offset = 0  # completions' text_offset of the next token, across chunks
+        self._offsets: dict[int, int] = {}  # per choice: completions' text_offset of its next token
+        self._started: set[int] = set()  # choices whose first chunk went out
+        self._lasts: dict[int, RequestOutput] = {}  # per choice: its last output, once finished
 
-    def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def _logprobs(self, lps: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
         """OpenAI's logprobs object for these tokens (None when the request asked for none)."""
         text = self.token_text
         if text is None or lps is None:
@@ -262,10 +263,11 @@ class _Shape:
             return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
                               for x in lps], "refusal": None}
         tokens = [text(x.token_id) for x in lps]
-        offsets = []
+        offsets, offset = [], self._offsets.get(index, 0)
         for s in tokens:
-            offsets.append(self._offset)
-            self._offset += len(s)
+            offsets.append(offset)
+            offset += len(s)
+        self._offsets[index] = offset
         # as OpenAI's completions: the k most likely and the chosen token (up to k + 1 entries)
         return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
                 "top_logprobs": [{**{text(t): v for t, v in x.top}, tokens[i]: x.logprob} for i, x in enumerate(lps)],
@@ -279,36 +281,49 @@ class _Shape:
             choice["token_ids"] = ids
         return choice
 
-    def whole(self, text: str, ids: list[int], last: RequestOutput, lps: list[TokenLogprob] | None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(lps),
-                      "finish_reason": _finish(last)}
-            return {**self._head("chat.completion"), "choices": [self._ids(choice, ids)], "usage": _usage(last)}
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(lps), "finish_reason": _finish(last)}
-        return {**self._head("text_completion"), "choices": [self._ids(choice, ids)], "usage": _usage(last)}
+    def whole(self, samples: list[list[RequestOutput]]) -> dict[str, Any]:
+        """The response from each choice's outputs, in index order."""
+        choices = []
+        for index, parts in enumerate(samples):
+            text, ids, last = "".join(p.text for p in parts), [t for p in parts for t in p.token_ids], parts[-1]
+            lps = None if last.logprobs is None else [lp for p in parts for lp in p.logprobs or ()]
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text},
+                          "logprobs": self._logprobs(lps, index), "finish_reason": _finish(last)}
+            else:
+                choice = {"index": index, "text": text, "logprobs": self._logprobs(lps, index),
+                          "finish_reason": _finish(last)}
+            choices.append(self._ids(choice, ids))
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": choices, "usage": _usage([parts[-1] for parts in samples])}
 
-    def chunks(self, out: RequestOutput, first: bool) -> list[dict[str, Any]]:
+    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+        i = out.index
+        first = i not in self._started
+        self._started.add(i)
+        if out.finished:
+            self._lasts[i] = out
         if not self.chat:
-            choice = {"index": 0, "text": out.text, "logprobs": self._logprobs(out.logprobs),
+            choice = {"index": i, "text": out.text, "logprobs": self._logprobs(out.logprobs, i),
                       "finish_reason": _finish(out)}
             return [{**self._head("text_completion"), "choices": [self._ids(choice, out.token_ids)]}]
         head = self._head("chat.completion.chunk")
         chunks = []
         if first:
-            chunks.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+            chunks.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                 "logprobs": None, "finish_reason": None}]})
         if out.text or ((self.token_ids or self.token_text is not None) and out.token_ids):
-            choice = {"index": 0, "delta": {"content": out.text}, "logprobs": self._logprobs(out.logprobs),
+            choice = {"index": i, "delta": {"content": out.text}, "logprobs": self._logprobs(out.logprobs, i),
                       "finish_reason": None}
             chunks.append({**head, "choices": [self._ids(choice, out.token_ids)]})
         if out.finished:
-            chunks.append({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+            chunks.append({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
                                                 "finish_reason": _finish(out)}]})
         return chunks
 
-    def usage_chunk(self, last: RequestOutput) -> dict[str, Any]:
+    def usage_chunk(self) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": _usage(last)}
+        return {**self._head(obj), "choices": [], "usage": _usage([self._lasts[i] for i in sorted(self._lasts)])}
 
 
 def _sse(data: Any) -> bytes:
@@ -442,9 +457,9 @@ class OpenAIApi:
                        token_text)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(first, stream, shape, trace, include_usage),
+            return StreamingResponse(self._stream(first, stream, shape, trace, include_usage, req.sampling.n),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, first, stream, shape, trace)
+        return await self._whole(request, first, stream, shape, trace, req.sampling.n)
 
     def _template(self, model: str | None, prefix_name: str | None) -> str | None:
         """The template a request names: prefix_name, or `model` when it is a template's name."""
@@ -474,20 +489,20 @@ class OpenAIApi:
                            **body.prompt_fields())
 
     async def _whole(self, request: Request, first: RequestOutput, stream: AsyncIterator[RequestOutput],
-                     shape: _Shape, trace: RequestTrace) -> Response:
-        async def collect() -> RequestOutput:
+                     shape: _Shape, trace: RequestTrace, n: int) -> Response:
+        async def collect() -> None:
             out = first
+            samples[out.index].append(out)
             trace.output(out)
+            remaining = n - int(out.finished)
             async with contextlib.aclosing(stream):
-                while not out.finished:
+                while remaining:
                     out = await anext(stream)
                     trace.output(out)
-                    texts.append(out.text)
-                    ids.extend(out.token_ids)
-                    lps.extend(out.logprobs or ())
-            return out
+                    samples[out.index].append(out)
+                    remaining -= int(out.finished)
 
-        texts, ids, lps = [first.text], list(first.token_ids), list(first.logprobs or ())
+        samples: list[list[RequestOutput]] = [[] for _ in range(n)]
         task = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -501,25 +516,25 @@ class OpenAIApi:
         if task.cancelled():
             return Response(status_code=499)  # nobody reads it
         try:
-            last = task.result()
+            task.result()
         except Exception as e:  # noqa: BLE001 - ended by an error after it started (engine stopped)
             return self.error(e, trace)
         trace.code, trace.http_status = grpc.StatusCode.OK, 200
         _end(trace)
-        return JSONResponse(shape.whole("".join(texts), ids, last, lps if last.logprobs is not None else None))
+        return JSONResponse(shape.whole(samples))
 
     async def _stream(self, first: RequestOutput, stream: AsyncIterator[RequestOutput], shape: _Shape,
-                      trace: RequestTrace, include_usage: bool) -> AsyncIterator[bytes]:
+                      trace: RequestTrace, include_usage: bool, n: int) -> AsyncIterator[bytes]:
         trace.http_status = 200
         try:
             async with contextlib.aclosing(stream):
-                out, is_first = first, True
+                out, remaining = first, n
                 while True:
                     trace.output(out)
-                    for chunk in shape.chunks(out, is_first):
+                    for chunk in shape.chunks(out):
                         yield _sse(chunk)
-                    is_first = False
-                    if out.finished:
+                    remaining -= int(out.finished)
+                    if not remaining:
                         break
                     try:
                         out = await anext(stream)
@@ -529,7 +544,7 @@ class OpenAIApi:
                         yield _sse(error_body(message, kind.type, kind.code))
                         return
             if include_usage:
-                yield _sse(shape.usage_chunk(out))
+                yield _sse(shape.usage_chunk())
             yield b"data: [DONE]\n\n"
             trace.code = grpc.StatusCode.OK
         finally:  # a client that went away leaves code None: CANCELLED
