@@ -134,6 +134,20 @@ def test_greedy_outputs_equal_one_process(fleet, reference):
     assert ids == reference.generate(GenerateRequest(prompt="the table has a row", sampling=sampling))[0].token_ids
 
 
+def test_n_samples_through_the_fleet(fleet, reference):
+    """n > 1 reaches the holder's engine and every sample comes back, each with its index."""
+    server, clients = fleet
+    name = next(iter(TEMPLATES))
+    sampling = dict(max_tokens=5, ignore_eos=True, temperature=1.0, seed=21)
+    msgs = list(clients.generation.Generate(pb.GenerateRequest(prefix_name=name, prompt=PROMPTS[0],
+                                                               sampling=pb.SamplingParams(n=3, **sampling))))
+    want = reference.generate(GenerateRequest(prompt=PROMPTS[0], prefix_name=name,
+                                              sampling=SamplingParams(n=3, **sampling)))[0].samples
+    for i in range(3):
+        assert [t for m in msgs if m.index == i for t in m.token_ids] == want[i].token_ids
+    assert sum(m.finish_reason == pb.FINISH_REASON_LENGTH for m in msgs) == 3
+
+
 def test_requests_land_only_on_their_templates_holder(fleet):
     server, clients = fleet
     fresh_reports(server)  # every replica has reported since the last test's requests

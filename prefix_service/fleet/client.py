@@ -96,8 +96,8 @@ class FleetEngine:
 
     async def generate_stream(self, req: GenerateRequest,
                               executor: concurrent.futures.Executor | None = None) -> AsyncIterator[RequestOutput]:
-        """As Engine.generate_stream: outputs until the last (finished); closing early cancels the
-        call on its replica, which aborts the request there."""
+        """As Engine.generate_stream: outputs until the last sample's last (finished); closing early
+        cancels the call on its replica, which aborts the request there."""
         if self._stopped:
             raise EngineStopped("the server is shutting down and takes no new requests")
         if req.request_id is None:
@@ -106,6 +106,7 @@ class FleetEngine:
         self._active.add(stream)
         self._inflight[replica] += 1
         finished = False
+        remaining = req.sampling.n  # samples not finished yet
         try:
             while not finished:
                 try:
@@ -117,7 +118,8 @@ class FleetEngine:
                     if self._stopped:  # shutdown() cancelled it
                         raise EngineStopped("the server is shutting down; the request was cut off") from None
                     raise await self._error(e) from None
-                finished = out.finished or out.error is not None
+                remaining -= int(out.finished)
+                finished = remaining == 0 or out.error is not None
                 if out.error is not None:
                     raise out.error
                 yield out
