@@ -129,8 +129,8 @@ class ServerThread:
                 stats = engine.kv_stats()
             except EngineStopped:
                 engine.shutdown()  # joins the loop thread; the core is ours to read now
-                engine.core.check_integrity()
-                stats = engine.core.kv_stats()
+                engine._core.check_integrity()
+                stats = engine._core.kv_stats()
             if stats["running"] == 0 and stats["waiting"] == 0 and stats["used"] == stats["pinned"]:
                 return
             if time.monotonic() > deadline:
@@ -208,7 +208,7 @@ def collect(stream) -> tuple[str, list[int], pb.GenerateResponse]:
 
 def slow_steps(engine, seconds: float) -> Callable[[], None]:
     """Make every engine step take at least `seconds` (so a stream is surely mid-flight); returns undo."""
-    core = engine.core
+    core = engine._core
     step = core.step
 
     def slow() -> None:

@@ -61,7 +61,7 @@ def test_mixed_batch_of_prefixes_and_no_prefix(budget, num_blocks, make_engine):
     assert [o.token_ids for o in outs] == expected
     stats = engine.kv_stats()
     if budget == 3:
-        assert engine.core.stats["steps"] > sum(len(f) for f in full) // 3  # prompts really were chunked
+        assert engine._core.stats["steps"] > sum(len(f) for f in full) // 3  # prompts really were chunked
     if num_blocks == 40:
         assert stats["preemptions"] > 0, stats
 

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from prefix_service.backends import select_backend
+from prefix_service.backends import hostmem, select_backend
+from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
@@ -52,7 +53,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """backend: builds the backend instead of the class model.backend selects (select_backend);
+    for a benchmark that fixes a backend's kernel choices."""
+
+    def __init__(self, config: EngineConfig, backend: BackendFactory | None = None) -> None:
         self.config = config
         mc = config.model
         if mc.num_threads is not None:
@@ -66,13 +70,16 @@ class EngineCore:
             max_len = min(max_len, self.arch.sliding_window)  # full attention inside the window
         self.max_model_len = max_len
         # first of what the engine loads: on a CPU it also sets malloc up for the rest (hostmem.py)
-        backend_cls = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
+        if backend is None:
+            backend = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
+        elif self.device.type == "cpu":
+            hostmem.keep_freed_memory()
         self.tokenizer = load_tokenizer(mc.path)
         if mc.load_format == "dummy":
             model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
         else:
             model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
-        self.backend = backend_cls(model, config.cache)  # owns the model from here on
+        self.backend = backend(model, config.cache)  # owns the model from here on
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.backend.num_blocks)
         budget = config.cache.prefix_budget_blocks

@@ -49,6 +49,9 @@ class PrefixHandle:
         return PrefixInfo(self.name, self.num_tokens, self.num_blocks, self.requests_served, self.active_requests,
                           dict(self.source))
 
+    def view(self) -> PrefixView:
+        return PrefixView(self.name, self.token_ids, dict(self.source))
+
 
 @dataclass(frozen=True)
 class PrefixInfo:
@@ -59,6 +62,20 @@ class PrefixInfo:
     requests_served: int
     active_requests: int
     source: dict
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """What callers outside the engine read of one template (`get_prefix`): its name, its token
+    ids and how it was defined. A copy, taken on the engine's loop thread: the live PrefixHandle
+    (block table, counters) never leaves the engine."""
+    name: str
+    token_ids: tuple[int, ...]
+    source: dict[str, str]  # {"content": ...} or {"system_prompt": ...}; {} for one added as token ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 class TemplateHooks(Protocol):

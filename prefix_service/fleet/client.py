@@ -19,10 +19,9 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput
 from prefix_service.errors import EngineStopped, PrefixNotFound
 from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
@@ -36,14 +35,6 @@ ACCEPT_TIMEOUT_S = 60.0
 RESEND_PAUSE_S = 0.05  # before resending a request whose replica no longer held its template
 CALL_TIMEOUT_S = 30.0
 ADMIN_TIMEOUT_S = 900.0
-
-
-@dataclass(frozen=True)
-class PrefixView:
-    """What the chat path reads of a template (engine.get_prefix's handle, for a fleet)."""
-    name: str
-    token_ids: tuple[int, ...]
-    source: dict
 
 
 class FleetEngine:
