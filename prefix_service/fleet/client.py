@@ -1,5 +1,7 @@
-"""FleetEngine and FleetRegistry: the engine and template registry the front ends (gRPC servicers,
-the OpenAI HTTP API) call, backed by the fleet instead of one in-process Engine.
+"""FleetEngine and FleetRegistry: the engine client and template registry the front ends (gRPC
+servicers, the OpenAI HTTP API) call, backed by the fleet instead of one in-process Engine. They
+implement server/interfaces.py's EngineClient and TemplateRegistryClient, whose docstrings say
+where a fleet differs from one process.
 
 A generation request is tokenized by the front end as for one process, then sent through the
 replicas' deployment handle with its template's holders (the controller's routes, cached for
@@ -19,7 +21,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
 from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput
@@ -85,10 +87,11 @@ class FleetEngine:
         ids, source = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
         return PrefixView(name, tuple(ids), source)
 
-    async def generate_stream(self, req: GenerateRequest,
-                              executor: concurrent.futures.Executor | None = None) -> AsyncIterator[RequestOutput]:
-        """As Engine.generate_stream: outputs until the last (finished); closing early cancels the
-        call on its replica, which aborts the request there."""
+    async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None
+                              ) -> AsyncGenerator[RequestOutput, None]:
+        """EngineClient.generate_stream: outputs until the last (finished); closing early cancels
+        the call on its replica, which aborts the request there. Nothing here blocks, so
+        `executor` is not used."""
         if self._stopped:
             raise EngineStopped("the server is shutting down and takes no new requests")
         if req.request_id is None:
@@ -175,7 +178,8 @@ class FleetEngine:
         return err
 
     async def drain_aborts(self) -> None:
-        """Aborts happen on the replicas (the cancelled call closes the engine stream there)."""
+        """Nothing to wait for: a stream closed early cancels its call at once, and the replica
+        aborts the request itself (the cancelled call closes the engine stream there)."""
 
     def list_prefixes(self) -> list[PrefixInfo]:
         return [info for info, _, _ in call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S,
@@ -222,13 +226,14 @@ def _abandon(first: asyncio.Future, stream: Any) -> None:
 
 
 class FleetRegistry:
-    """TemplateRegistry's surface over the controller (admin fan-out)."""
+    """TemplateRegistryClient over the controller (admin fan-out; the controller keeps the state
+    file)."""
 
     def __init__(self, engine: FleetEngine) -> None:
         self.engine = engine
         self.controller = engine.controller
 
-    def add(self, src: TemplateSource, *, persist: bool = True) -> PrefixInfo:
+    def add(self, src: TemplateSource) -> PrefixInfo:
         info, _ = call_sync(self.controller.add.remote(src), ADMIN_TIMEOUT_S, "the fleet controller")
         return info
 

@@ -56,10 +56,9 @@ class HttpIngress:
         from prefix_service.server.runtime import Runtime
 
         log_to_serve()  # its request log lines, as a single process writes them, to its Ray Serve log
-        runtime = Runtime()
         engine = FleetEngine(replicas, controller, load_tokenizer(config.engine.model.path))
         await engine.start()
-        runtime.engine, runtime.registry, runtime.ready = engine, FleetRegistry(engine), True
+        runtime = Runtime(engine, FleetRegistry(engine), ready=True)
         # the per-request series only: the gRPC front end's endpoint reports the fleet and adds these
         self.metrics = ServiceMetrics(runtime, requests_only=True)
         # the key is read here, from the environment of the node this replica runs on

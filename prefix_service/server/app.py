@@ -30,6 +30,7 @@ from prefix_service.server.auth import (AdminAuth, ApiKeyAuth, check_admin_expos
                                         warn_cleartext_token)
 from prefix_service.server.generation import GenerationServicer
 from prefix_service.server.http import HttpServer
+from prefix_service.server.interfaces import EngineClient
 from prefix_service.server.metrics import ServiceMetrics
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.store import TemplateSource, TemplateStore
@@ -76,7 +77,7 @@ class PrefixServer:
         self._http: HttpServer | None = None
 
     @property
-    def engine(self) -> Engine | None:
+    def engine(self) -> EngineClient | None:
         return self.runtime.engine
 
     @property
