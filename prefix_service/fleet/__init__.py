@@ -5,7 +5,7 @@
     replica.py     EngineReplica: one Engine per replica; pins what the controller assigns
     controller.py  FleetController: members, placement, admin fan-out, the fleet's state file
     client.py      FleetEngine / FleetRegistry: what the gRPC and HTTP front ends call
-    launcher.py    FleetServer: PrefixServer with the engine replaced by the fleet; the HTTP ingress
+    launcher.py    fleet_server: PrefixServer with the fleet's parts (engine provider, HTTP front); the HTTP ingress
 
 Only placement.py imports without Ray (`pip install -e ".[ray]"`).
 """

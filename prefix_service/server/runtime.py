@@ -26,6 +26,11 @@ class Runtime:
     # from asyncio's small default pool, so a few long template adds cannot hold up generation.
     executor: concurrent.futures.ThreadPoolExecutor = field(default_factory=_rpc_executor)
 
+    def attach(self, engine: EngineClient, registry: TemplateRegistryClient) -> None:
+        """The engine client and registry, once loaded (before the warm-up: a stop during it then
+        shuts the engine down); `ready` stays false until the server has pinned its templates."""
+        self.engine, self.registry = engine, registry
+
     def require_ready(self) -> tuple[EngineClient, TemplateRegistryClient]:
         if not self.ready or self.engine is None or self.registry is None:
             raise ServerNotReady(f"the server is {self.phase}; retry when its health service reports SERVING")
