@@ -40,8 +40,8 @@ class _Tracked:
     arrival: float
     first_token_time: float | None = None
     on_pinned: Callable[[PrefixInfo | BaseException], None] | None = None
-    source: dict | None = None
-    prefix_name: str | None = None
+    source: dict[str, str] | None = None
+    prefix_name: str | None = None  # a warmup's template (always set), or the template a request names
 
 
 def resolve_device(name: str) -> torch.device:
@@ -143,13 +143,13 @@ class EngineCore:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap} "
                                 f"per request after the prefix template (scheduler.max_prompt_tokens)")
         handle = self.prefixes.get(prefix_name) if prefix_name else None
-        use_prefix = handle is not None and self.config.cache.enable_prefix
+        reused = handle if handle is not None and self.config.cache.enable_prefix else None  # its blocks shared
         token_ids = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not token_ids:
             raise InvalidRequest("the prompt is empty and no prefix template was named")
         shared = 0
-        if use_prefix:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
-            shared = handle.reused_tokens(len(token_ids)) // self.block_size * self.block_size
+        if reused is not None:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
+            shared = reused.reused_tokens(len(token_ids)) // self.block_size * self.block_size
         self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
         max_queue = self.config.scheduler.max_queue  # checked after validation: a bad request hears why
         if len(self.scheduler.waiting) >= max_queue:
@@ -161,16 +161,16 @@ class EngineCore:
             seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed % 2**63 if seed >= 2**63 else seed)
-        seq = Sequence(request_id, token_ids, sampling, max_tokens, handle if use_prefix else None, generator)
-        if use_prefix:
-            self.prefixes.acquire(handle)
+        seq = Sequence(request_id, token_ids, sampling, max_tokens, reused, generator)
+        if reused is not None:
+            self.prefixes.acquire(reused)
         elif handle is not None:
             self.prefixes.count_unreused(handle)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
 
-    def add_prefix(self, name: str, token_ids: list[int], source: dict,
+    def add_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
                    on_pinned: Callable[[PrefixInfo | BaseException], None]) -> None:
         """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done."""
         if not token_ids:
@@ -221,9 +221,10 @@ class EngineCore:
             self._after_token(self._tracked[seq.request_id], token, now)
 
     def _pin_warmup(self, tracked: _Tracked) -> None:
-        seq = tracked.seq
+        seq, name = tracked.seq, tracked.prefix_name
+        assert name is not None  # a warmup names its template
         try:  # the backend hears of the pin (on_pin) and may fail, e.g. out of memory for a packed copy
-            handle = self.prefixes.pin(tracked.prefix_name, seq.token_ids, seq.block_table, tracked.source or {})
+            handle = self.prefixes.pin(name, seq.token_ids, seq.block_table, tracked.source or {})
         except Exception as e:  # noqa: BLE001 - the warmup fails, nothing else does
             log.exception("pinning prefix template %r failed", tracked.prefix_name)
             self._finish(tracked, FinishReason.ABORT, error=e)
@@ -235,7 +236,8 @@ class EngineCore:
 
     def _after_token(self, tracked: _Tracked, token: int, now: float) -> None:
         """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop."""
-        seq = tracked.seq
+        seq, sink, detok = tracked.seq, tracked.sink, tracked.detok
+        assert sink is not None and detok is not None  # a request's (a warmup samples no token)
         if tracked.first_token_time is None:
             tracked.first_token_time = now
         reason = None
@@ -244,13 +246,13 @@ class EngineCore:
             reason = FinishReason.STOP
             text = ""
         else:
-            text, hit_stop = tracked.detok.add(token)
+            text, hit_stop = detok.add(token)
             if hit_stop:
                 reason = FinishReason.STOP
         if reason is None and (seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is None:
-            tracked.sink(RequestOutput(seq.request_id, text, [token]))
+            sink(RequestOutput(seq.request_id, text, [token]))
         else:
             self._finish(tracked, reason, text=text, token_ids=[token])
 
@@ -261,6 +263,7 @@ class EngineCore:
         self.scheduler.finish(seq, reason)
         del self._tracked[seq.request_id]
         if tracked.sink is None:  # a warmup that did not complete
+            assert tracked.prefix_name is not None  # a warmup names its template
             self.prefixes.cancel(tracked.prefix_name)
             if tracked.on_pinned:
                 tracked.on_pinned(error or PrefixServiceError(f"warmup of prefix template {tracked.prefix_name!r} was aborted"))
@@ -288,7 +291,7 @@ class EngineCore:
         """Start kv_stats()["peak_used"] over from the blocks in use now."""
         self.allocator.reset_peak()
 
-    def kv_stats(self) -> dict:
+    def kv_stats(self) -> dict[str, int]:
         return {"num_blocks": self.allocator.num_blocks, "used": self.allocator.num_used,
                 "peak_used": self.allocator.peak_used,  # most in use at once since reset_kv_peak()
                 "free": self.allocator.num_free, "pinned": self.prefixes.num_pinned_blocks,

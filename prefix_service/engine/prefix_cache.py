@@ -8,6 +8,7 @@ request that uses the template finishes (deferred removal).
 """
 from __future__ import annotations
 
+import builtins
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ class PrefixHandle:
     token_ids: tuple[int, ...]
     block_table: tuple[BlockId, ...]  # ceil(len / block_size) blocks; the last may be partial
     template_id: int  # unique for the engine's life: the steps' rows and the backend name the pin by it
-    source: dict = field(default_factory=dict)  # how it was defined: {"content": ...} or {"system_prompt": ...}
+    source: dict[str, str] = field(default_factory=dict)  # how it was defined: {"content": ...}, {"system_prompt": ...}
     created_at: float = field(default_factory=time.time)
     requests_served: int = 0
     active_requests: int = 0  # unfinished requests (waiting or running) that continue it
@@ -61,7 +62,7 @@ class PrefixInfo:
     num_blocks: int
     requests_served: int
     active_requests: int
-    source: dict
+    source: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ class PrefixCacheManager:
     def num_pinned_blocks(self) -> int:
         return sum(h.num_blocks for h in self.pinned_handles())
 
-    def pinned_handles(self) -> list[PrefixHandle]:
+    # below `def list`, the class body's `list` is that method: builtins.list is the type
+    def pinned_handles(self) -> builtins.list[PrefixHandle]:
         """Every template whose blocks are held: registered, or removed but still in use."""
         return list(self._handles.values()) + self._detached
 
@@ -141,7 +143,8 @@ class PrefixCacheManager:
     def cancel(self, name: str) -> None:
         self._pending.pop(name, None)
 
-    def pin(self, name: str, token_ids: list[int], block_table: list[BlockId], source: dict) -> PrefixHandle:
+    def pin(self, name: str, token_ids: builtins.list[int], block_table: builtins.list[BlockId],
+            source: dict[str, str]) -> PrefixHandle:
         """Take one reference on each block of a finished warmup prefill and register the name."""
         if self._pending.pop(name, None) is None:
             raise RuntimeError(f"pin of {name!r} without reserve")

@@ -157,6 +157,7 @@ class Scheduler:
                 continue
             while need > self.allocator.num_free:
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                assert victim is not None  # seq itself is one: running, not scheduled yet
                 self._preempt(victim, out)
                 if victim is seq:
                     break

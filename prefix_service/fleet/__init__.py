@@ -56,6 +56,8 @@ class AnsweredNotFailed(logging.Filter):
             return True
         from prefix_service.server.status import is_answer
         exc = record.exc_info[1]
+        if exc is None:
+            return True
         if is_answer(exc):
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
             record.msg, record.args = "request answered with %s: %s", (type(exc).__name__, exc)

@@ -49,9 +49,9 @@ class FleetEngine:
         self._routes_at = -1e9
         self._routes_lock = asyncio.Lock()
         self.accept_timeout_s = ACCEPT_TIMEOUT_S
-        self._refresher: asyncio.Task | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._active: set = set()  # the streams in flight (shutdown cuts them off)
+        self._active: set[Any] = set()  # the streams in flight (shutdown cuts them off)
         self._inflight: collections.Counter[str] = collections.Counter()  # this front end's calls, by replica
         self._stopped = False
 
@@ -85,7 +85,8 @@ class FleetEngine:
     # --- the engine surface -------------------------------------------------------------------
     def get_prefix(self, name: str) -> PrefixView:
         ids, source = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
-        return PrefixView(name, tuple(ids), source)
+        # the controller's definition also names the template: the view's source is as one process's
+        return PrefixView(name, tuple(ids), {k: v for k, v in source.items() if k != "name"})
 
     async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None
                               ) -> AsyncGenerator[RequestOutput, None]:
@@ -123,7 +124,7 @@ class FleetEngine:
             if not finished:
                 stream.cancel()
 
-    async def _submit(self, req: GenerateRequest):
+    async def _submit(self, req: GenerateRequest) -> tuple[Any, str]:
         """Send req to a replica that holds its template, the least loaded first (by this front
         end's calls in flight); returns (stream, replica id) once a replica took it."""
         name = req.prefix_name
@@ -185,19 +186,21 @@ class FleetEngine:
         return [info for info, _, _ in call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S,
                                                  "the fleet controller")]
 
-    def kv_stats(self) -> dict:
+    def kv_stats(self) -> dict[str, int]:
         """The replicas' KV counters (as of their last poll), summed."""
-        total: dict[str, float] = {}
+        total: dict[str, int] = {}
         for report in self.replica_reports().values():
             for key, value in report.get("stats", {}).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
         return total
 
-    def replica_reports(self) -> dict[str, dict]:
+    def replica_reports(self) -> dict[str, dict[str, Any]]:
         """replica id -> its last report: ready, held [(PrefixInfo, origin)], stats (KV counters,
         requests taken by template), node (the Ray node it runs on)."""
-        return call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S, "the fleet controller")
+        reports: dict[str, dict[str, Any]] = call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S,
+                                                       "the fleet controller")
+        return reports
 
     def check_integrity(self) -> None:
         call_sync(self.controller.fan_out.remote("check_integrity"), CALL_TIMEOUT_S, "the fleet controller")
@@ -217,7 +220,7 @@ class FleetEngine:
             stream.cancel()
 
 
-def _abandon(first: asyncio.Future, stream: Any) -> None:
+def _abandon(first: asyncio.Future[Any], stream: Any) -> None:
     """Give up a call no replica has taken yet: cancel it, and consume the error its first item
     then ends with (RequestCancelledError), which nobody awaits."""
     stream.cancel()
@@ -234,14 +237,18 @@ class FleetRegistry:
         self.controller = engine.controller
 
     def add(self, src: TemplateSource) -> PrefixInfo:
+        info: PrefixInfo
         info, _ = call_sync(self.controller.add.remote(src), ADMIN_TIMEOUT_S, "the fleet controller")
         return info
 
     def remove(self, name: str) -> bool:
-        return call_sync(self.controller.remove.remote(name), ADMIN_TIMEOUT_S, "the fleet controller")
+        freed: bool = call_sync(self.controller.remove.remote(name), ADMIN_TIMEOUT_S, "the fleet controller")
+        return freed
 
     def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
-        return call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S, "the fleet controller")
+        items: list[tuple[PrefixInfo, str, tuple[str, ...]]] = call_sync(
+            self.controller.listing.remote(), CALL_TIMEOUT_S, "the fleet controller")
+        return items
 
     def list(self) -> list[tuple[PrefixInfo, str]]:
         return [(info, origin) for info, origin, _ in self.listing()]

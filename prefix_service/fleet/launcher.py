@@ -48,7 +48,9 @@ METRICS_TIMEOUT_S = 5.0  # a scrape's wait for the HTTP ingress's series
 class HttpIngress:
     """The OpenAI HTTP API as a Ray Serve ingress deployment (built by build_app)."""
 
-    async def __init__(self, config: ServiceConfig, replicas: Any, controller: Any, served_name: str) -> None:
+    # Ray Serve awaits an async constructor, which the type checker's rule for __init__ does not know
+    async def __init__(self, config: ServiceConfig, replicas: Any, controller: Any,  # type: ignore[misc]
+                       served_name: str) -> None:
         from prefix_service.fleet import log_to_serve
         from prefix_service.fleet.client import FleetEngine, FleetRegistry
         from prefix_service.model.loader import load_tokenizer
@@ -66,7 +68,7 @@ class HttpIngress:
         # the key is read here, from the environment of the node this replica runs on
         self.api = OpenAIApi(runtime, self.metrics, ApiKeyAuth(read_api_key(config.server)), served_name)
 
-    def __serve_build_asgi_app__(self):
+    def __serve_build_asgi_app__(self) -> Any:
         return self.api.app
 
     def metrics_text(self) -> str:
@@ -74,7 +76,7 @@ class HttpIngress:
         return self.metrics.text()
 
 
-def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str):
+def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str) -> serve.Application:
     """The Ray Serve application: replicas and controller, behind HttpIngress when HTTP is on."""
     from ray.serve.config import RequestRouterConfig
 
@@ -82,31 +84,34 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
     from prefix_service.fleet.replica import EngineReplica
 
     rc = config.ray or RayConfig()
-    controller = serve.deployment(FleetController, name=CONTROLLER_DEPLOYMENT, num_replicas=1,
-                                  max_ongoing_requests=10_000, logging_config=QUIET,
+    controller = serve.deployment(name=CONTROLLER_DEPLOYMENT, num_replicas=1, max_ongoing_requests=10_000,
+                                  logging_config=QUIET,
                                   # its calls in flight are the replicas' polls: nothing to wait for
                                   graceful_shutdown_timeout_s=1.0, graceful_shutdown_wait_loop_s=0.2,
                                   # the state file is on the head node
                                   ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-                                  ).bind(config, state_file, in_serve=True)
-    scaling: dict = ({"autoscaling_config": {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
+                                  )(FleetController).bind(config, state_file, in_serve=True)
+    scaling: dict[str, Any] = ({"autoscaling_config": {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
                                              "target_ongoing_requests": rc.target_ongoing_requests,
                                              "upscale_delay_s": rc.upscale_delay_s,
                                              "downscale_delay_s": rc.downscale_delay_s,
                                              "look_back_period_s": rc.look_back_period_s}}
                      if rc.autoscaling else {"num_replicas": rc.num_replicas})
-    replicas = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
+    # RequestRouterConfig takes the router class or its import path; its pydantic signature says a dict
+    router = RequestRouterConfig(request_router_class=ROUTER_CLASS)  # type: ignore[arg-type]
+    replicas = serve.deployment(name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
                                 logging_config=QUIET,
                                 ray_actor_options={"num_cpus": rc.num_cpus_per_replica},
-                                request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
+                                request_router_config=router,
                                 health_check_period_s=2.0, health_check_timeout_s=30.0,
                                 graceful_shutdown_timeout_s=config.server.grace_period_s,
                                 graceful_shutdown_wait_loop_s=0.5, **scaling
-                                ).bind(config, controller)
+                                )(EngineReplica).bind(config, controller)
     if not http:
         return replicas
-    ingress = serve.deployment(serve.ingress()(HttpIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
-                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, logging_config=QUIET)
+    ingress = serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=10_000,
+                               ray_actor_options={"num_cpus": 0}, logging_config=QUIET
+                               )(serve.ingress()(HttpIngress))
     return ingress.bind(config, replicas, controller, served_name)
 
 
@@ -125,7 +130,8 @@ def restore_signal_handlers() -> None:
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class ServeProxyHttpFront:

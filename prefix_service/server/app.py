@@ -104,9 +104,9 @@ class PrefixServer:
     @staticmethod
     def _bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
         try:
-            if tls is None:
-                return server.add_insecure_port(address)
-            return server.add_secure_port(address, tls.grpc_credentials())
+            port: int = (server.add_insecure_port(address) if tls is None
+                         else server.add_secure_port(address, tls.grpc_credentials()))
+            return port
         except RuntimeError as e:
             raise OSError(f"cannot listen on {address}: {e} (is another server using the port?)") from None
 
@@ -142,8 +142,8 @@ class PrefixServer:
             if self._admin_grpc is not None:
                 await self._admin_grpc.start()
             if cfg.metrics_address:
-                self.metrics_port = self.metrics.serve(cfg.metrics_address, tls and tls.cert_file,
-                                                       tls and tls.key_file)
+                self.metrics_port = self.metrics.serve(cfg.metrics_address, tls.cert_file if tls else None,
+                                                       tls.key_file if tls else None)
             api_key = read_api_key(cfg)
             if cfg.http_address:
                 self.http_port = await self.http_front.start(self.context, cfg.http_address, tls, api_key)

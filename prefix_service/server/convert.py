@@ -3,7 +3,7 @@ top_p 0 means 1.0, top_k 0 means no limit, max_tokens 0 means the configured def
 seed means random."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from prefix_service.errors import InvalidRequest
 from prefix_service.engine.prefix_cache import PrefixInfo
@@ -39,7 +39,7 @@ def spec_from_proto(request: pb.GenerateRequest) -> RequestSpec:
                        sampling=sampling_from_proto(request.sampling), request_id=request.request_id or None)
 
 
-def messages_from_proto(messages) -> list[dict[str, str]]:
+def messages_from_proto(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if not m.role:
@@ -52,6 +52,7 @@ def messages_from_proto(messages) -> list[dict[str, str]]:
 def output_to_proto(out: RequestOutput) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(text=out.text, token_ids=out.token_ids, request_id=out.request_id)
     if out.finished:
+        assert out.finish_reason is not None  # the last output has its reason
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens,
                                     completion_tokens=out.completion_tokens, ttft_ms=out.ttft_ms or 0.0))
