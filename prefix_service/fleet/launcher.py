@@ -98,7 +98,8 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
                                              "look_back_period_s": rc.look_back_period_s}}
                      if rc.autoscaling else {"num_replicas": rc.num_replicas})
     # RequestRouterConfig takes the router class or its import path; its pydantic signature says a dict
-    router = RequestRouterConfig(request_router_class=ROUTER_CLASS)  # type: ignore[arg-type]
+    # (unused-ignore: a Ray whose signature is right)
+    router = RequestRouterConfig(request_router_class=ROUTER_CLASS)  # type: ignore[arg-type, unused-ignore]
     replicas = serve.deployment(name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
                                 logging_config=QUIET,
                                 ray_actor_options={"num_cpus": rc.num_cpus_per_replica},
