@@ -184,12 +184,12 @@ def _serve(args: argparse.Namespace) -> int:
                 logging.getLogger("prefix_service.fleet").info("Ray Serve setting from the environment: %s=%s",
                                                                key, value)
             try:
-                from prefix_service.fleet.launcher import FleetServer  # ray loads only for a fleet
+                from prefix_service.fleet.launcher import fleet_server  # ray loads only for a fleet
             except ImportError as e:
                 print(f"error: serving a fleet (the config's ray section, or --ray) needs Ray Serve: "
                       f"pip install 'prefix-service[ray]' ({e})", file=sys.stderr)
                 return 2
-            asyncio.run(serve(config, FleetServer))
+            asyncio.run(serve(config, fleet_server))
         else:
             asyncio.run(serve(config))
     except (PrefixServiceError, OSError) as e:

@@ -239,7 +239,7 @@ def _transformers_quiet(progress: bool) -> Iterator[None]:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         if saved_tqdm is not None:
-            gguf_utils.tqdm = functools.partial(saved_tqdm, disable=True)
+            setattr(gguf_utils, "tqdm", functools.partial(saved_tqdm, disable=True))
     try:
         yield
     finally:
@@ -248,7 +248,7 @@ def _transformers_quiet(progress: bool) -> Iterator[None]:
             if not bars_were_disabled:
                 hf_logging.enable_progress_bar()
             if saved_tqdm is not None:
-                gguf_utils.tqdm = saved_tqdm
+                setattr(gguf_utils, "tqdm", saved_tqdm)
 
 
 # --------------------------------------------------------------------------- building

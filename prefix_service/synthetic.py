@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -46,10 +47,10 @@ def build_tokenizer(path: Path) -> Path:
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
     from transformers import AutoConfig
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0,
-                  bos_token_id=0, rope_theta=10000.0)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, rope_theta=10000.0)
     model_type = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3"}[arch]
     if arch == "mistral":
         common["sliding_window"] = None

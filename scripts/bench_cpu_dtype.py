@@ -62,7 +62,7 @@ def child(args: argparse.Namespace) -> None:
     batch(2)  # warm: the kernels' first calls
     ttft = [batch(1)[1][0].ttft_ms for _ in range(args.singles)]
     result = {"template_warmup_ms": warm_ms, "ttft_ms": statistics.median(ttft), "ttft_all_ms": ttft,
-              "backend": engine.core.backend.describe()}
+              "backend": engine.info.backend_description}
     for n in args.concurrency:
         wall, out = batch(n)
         assert all(len(o.token_ids) == work.output_tokens for o in out)

@@ -7,7 +7,7 @@ Measures, in one run:
   * prefill TTFT with and without the named prefix, next to the roofline bound for those tokens
     (max of FLOP time at the measured matmul rate and weight-read time at the measured bandwidth);
   * decode tokens/s at batch 1, 16, 64 with and without the prefix, for each decode kernel
-    (Triton paged vs gather + SDPA).
+    (Triton paged vs gather + SDPA: an engine each, built with that kernel; TTFT on the first).
 Prints a table and writes JSON (--json). `--device cpu --shape tiny` is a smoke run of the script.
 
     python scripts/bench_gpu.py --json bench_out/gpu.json
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import gc
 import json
 import platform
 import statistics
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig, SamplingParams
+from prefix_service.backends.base import BackendFactory
 from prefix_service.config import SchedulerConfig
 from prefix_service.synthetic import LLAMA3_8B, build_config_only, build_tokenizer
 
@@ -138,8 +141,16 @@ def main(argv=None) -> int:
             CacheConfig(block_size=16, kv_cache_memory=_size(args.kv_cache_memory) if device.type == "cuda"
                         else 1 << 28),
             SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192, max_tokens_cap=8192))
-        with Engine(cfg) as engine:
-            result = bench(engine, args, ceilings, dtype, batches)
+        result: dict = {"ttft": [], "decode": []}
+        for i, (impl, backend) in enumerate(decode_engines(device)):
+            with Engine(cfg, backend=backend) as engine:
+                part = bench(engine, args, ceilings, dtype, batches, impl or engine.info.backend, ttft=i == 0)
+            del engine  # its weights and KV cache go before the next engine's are allocated
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            result["ttft"] += part["ttft"]
+            result["decode"] += part["decode"]
     result.update(machine=_machine(device), date=datetime.date.today().isoformat(), git_commit=_git_commit(),
                   shape=args.shape, dtype=str(dtype).replace("torch.", ""), ceilings=ceilings,
                   workload={"prefix_tokens": PREFIX_LEN, "user_tokens": USER_LEN, "output_tokens": OUT_LEN})
@@ -151,8 +162,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int]) -> dict:
-    arch, vocab = engine.core.arch, engine.core.arch.vocab_size
+def decode_engines(device: torch.device) -> list[tuple[str | None, BackendFactory | None]]:
+    """(decode kernel, backend) of each engine the decode table compares. On a GPU: the cuda
+    backend once per decode kernel (Triton paged, gather + SDPA), an engine each with its kernel
+    fixed; elsewhere one engine with the backend model.backend picks (None: named after it)."""
+    if device.type != "cuda":
+        return [(None, None)]
+    from prefix_service.backends.cuda.attention import decode_gather_sdpa, decode_triton
+    from prefix_service.backends.cuda.backend import CudaBackend
+    return [(name, functools.partial(CudaBackend, decode=(name, fn)))
+            for name, fn in (("triton_paged", decode_triton), ("gather_sdpa", decode_gather_sdpa))]
+
+
+def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int], impl_name: str, ttft: bool) -> dict:
+    """The decode rows of this engine (its kernel: impl_name), and the TTFT rows when `ttft`."""
+    arch = engine.info.arch
+    vocab = arch.vocab_size
     prefix = [(104729 * (i + 3)) % (vocab - 10) + 5 for i in range(PREFIX_LEN)]
     engine.add_prefix("seed", token_ids=prefix)
 
@@ -162,33 +187,26 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int]) -> di
         return (GenerateRequest(prompt_token_ids=user, prefix_name="seed", sampling=s) if with_prefix
                 else GenerateRequest(prompt_token_ids=prefix + user, sampling=s))
 
-    ttft = []
-    for with_prefix in (True, False):
+    ttft_rows = []
+    for with_prefix in ((True, False) if ttft else ()):
         engine.generate([request(-1, with_prefix), request(-2, with_prefix)])  # warm-up
         times = [engine.generate([request(k, with_prefix)])[0].ttft_ms for k in range(args.requests)]
         n_new = USER_LEN if with_prefix else PREFIX_LEN + USER_LEN
-        ttft.append({"system": "engine_prefix" if with_prefix else "engine_no_prefix",
-                     "ttft_p50_ms": statistics.median(times), "ttft_min_ms": min(times),
-                     "roofline_ms": roofline_ms(arch, n_new, PREFIX_LEN if with_prefix else 0, dtype, ceilings)})
-        print(f"ttft {ttft[-1]['system']}: {ttft[-1]['ttft_p50_ms']:.1f} ms "
-              f"(bound {ttft[-1]['roofline_ms']:.1f} ms)", flush=True)
+        ttft_rows.append({"system": "engine_prefix" if with_prefix else "engine_no_prefix",
+                          "ttft_p50_ms": statistics.median(times), "ttft_min_ms": min(times),
+                          "roofline_ms": roofline_ms(arch, n_new, PREFIX_LEN if with_prefix else 0, dtype, ceilings)})
+        print(f"ttft {ttft_rows[-1]['system']}: {ttft_rows[-1]['ttft_p50_ms']:.1f} ms "
+              f"(bound {ttft_rows[-1]['roofline_ms']:.1f} ms)", flush=True)
 
     decode = []
-    impls = [(engine.core.backend.name, None)]
-    if engine.core.backend.name == "cuda":  # its decode kernels side by side
-        from prefix_service.backends.cuda.attention import decode_gather_sdpa, decode_triton
-        impls = [("triton_paged", decode_triton), ("gather_sdpa", decode_gather_sdpa)]
-    for impl_name, fn in impls:
-        if fn is not None:
-            engine._run(lambda core, fn=fn: setattr(core.backend, "decode", fn))
-        for b in batches:
-            for with_prefix in (True, False):
-                run = run_batch(engine, [request(k, with_prefix, args.decode_tokens) for k in range(b)])
-                decode.append({"decode_impl": impl_name, "batch": b, "with_prefix": with_prefix,
-                               "decode_tok_s": run["decode_tok_s"], "ttft_p50_ms": statistics.median(run["ttft_ms"])})
-                print(f"decode {impl_name} batch {b} prefix={with_prefix}: {run['decode_tok_s']:.0f} tok/s", flush=True)
+    for b in batches:
+        for with_prefix in (True, False):
+            run = run_batch(engine, [request(k, with_prefix, args.decode_tokens) for k in range(b)])
+            decode.append({"decode_impl": impl_name, "batch": b, "with_prefix": with_prefix,
+                           "decode_tok_s": run["decode_tok_s"], "ttft_p50_ms": statistics.median(run["ttft_ms"])})
+            print(f"decode {impl_name} batch {b} prefix={with_prefix}: {run['decode_tok_s']:.0f} tok/s", flush=True)
     engine.check_integrity()
-    return {"ttft": ttft, "decode": decode}
+    return {"ttft": ttft_rows, "decode": decode}
 
 
 def print_table(r: dict) -> None:

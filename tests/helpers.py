@@ -15,6 +15,12 @@ def run_ids(engine, ids, prefix=None, max_tokens=32, **kw) -> list[int]:
     return engine.generate([req])[0].token_ids
 
 
+def pinned_handle(engine, name: str):
+    """The engine's live PrefixHandle of a template (block table, counters), white-box: get_prefix
+    hands out a PrefixView without them."""
+    return engine._run(lambda core: core.prefixes.get(name))
+
+
 def engine_last_logits(engine, ids: list[int], prefix: str | None = None) -> torch.Tensor:
     """Last-position logits [vocab] through the engine's own scheduler and backend."""
     def probe(core):

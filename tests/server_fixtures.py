@@ -21,6 +21,7 @@ from prefix_service.config import (CacheConfig, EngineConfig, ModelConfig, Prefi
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc  # noqa: E402
 from prefix_service.server import PrefixServer  # noqa: E402
+from prefix_service.server.parts import LocalEngineProvider  # noqa: E402
 
 TOKEN_ENV = "PREFIX_SERVICE_TEST_ADMIN_TOKEN"  # the servers under test read their token from here
 
@@ -54,12 +55,14 @@ def make_config(model_dir: Path, *, prefixes: tuple[PrefixSpec, ...] = (), state
 
 
 class ServerThread:
-    """A PrefixServer on its own event loop in a daemon thread."""
+    """A PrefixServer on its own event loop in a daemon thread: make_server(config) builds it (by
+    default a one-process PrefixServer whose warm-up calls warmup_hook before each template)."""
 
-    def __init__(self, config: ServiceConfig, server_cls: type[PrefixServer] = PrefixServer, **kwargs: Any) -> None:
+    def __init__(self, config: ServiceConfig, make_server: Callable[[ServiceConfig], PrefixServer] | None = None,
+                 warmup_hook: Any = None) -> None:
         self.config = config
-        self.server_cls = server_cls
-        self.kwargs = kwargs
+        self.make_server = make_server or (lambda cfg: PrefixServer(
+            cfg, engine_provider=LocalEngineProvider(warmup_hook=warmup_hook)))
         self.server: PrefixServer | None = None
         self.port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -95,7 +98,7 @@ class ServerThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.server = self.server_cls(self.config, **self.kwargs)
+        self.server = self.make_server(self.config)
         try:
             self.port = await self.server.start()
         except BaseException as e:  # handed to the test thread
@@ -129,8 +132,8 @@ class ServerThread:
                 stats = engine.kv_stats()
             except EngineStopped:
                 engine.shutdown()  # joins the loop thread; the core is ours to read now
-                engine.core.check_integrity()
-                stats = engine.core.kv_stats()
+                engine._core.check_integrity()
+                stats = engine._core.kv_stats()
             if stats["running"] == 0 and stats["waiting"] == 0 and stats["used"] == stats["pinned"]:
                 return
             if time.monotonic() > deadline:
@@ -140,17 +143,17 @@ class ServerThread:
 
 @contextlib.contextmanager
 def running_fleet(config: ServiceConfig, root_certificates: bytes | None = None) -> Iterator[tuple[ServerThread, Clients]]:
-    """A FleetServer (config.ray) on a local Ray cluster of this process, started here unless one is
+    """A fleet_server (config.ray) on a local Ray cluster of this process, started here unless one is
     up, and clients for it. Ray Serve is shut down before Ray: its handles left in this process would
     otherwise start a new cluster to report their metrics to."""
     import ray
     from ray import serve
 
-    from prefix_service.fleet.launcher import FleetServer
+    from prefix_service.fleet.launcher import fleet_server
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    server = ServerThread(config, server_cls=FleetServer)
+    server = ServerThread(config, make_server=fleet_server)
     server.start(wait=False)
     server.wait_started(timeout=240)
     clients = Clients(server.address, root_certificates)
@@ -227,7 +230,7 @@ def collect(stream) -> tuple[str, list[int], pb.GenerateResponse]:
 
 def slow_steps(engine, seconds: float) -> Callable[[], None]:
     """Make every engine step take at least `seconds` (so a stream is surely mid-flight); returns undo."""
-    core = engine.core
+    core = engine._core
     step = core.step
 
     def slow() -> None:

@@ -73,7 +73,7 @@ def test_backend_glue_in_engine_on_cpu(make_engine, monkeypatch):
     monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
         CudaBackend, prefill=("sdpa_loop", prefill_sdpa_loop), decode=("triton_paged", decode_triton)))
     engine = make_engine(block_size=4, max_num_batched_tokens=7)
-    assert engine.core.backend.describe() == "cuda (prefill sdpa_loop, decode triton_paged)"
+    assert engine.info.backend_description == "cuda (prefill sdpa_loop, decode triton_paged)"
     prefix = [(7 * i + 5) % 500 + 3 for i in range(10)]
     users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(3)]
     expected = [run_ids(ref_engine, prefix + u, max_tokens=6) for u in users]
@@ -123,7 +123,7 @@ def test_gpu_engine_prefix_vs_no_prefix(prefix_len, llama_dir, tmp_path):
                        CacheConfig(block_size=16, num_blocks=256))
     full = [(13 * i + 5) % 500 + 3 for i in range(prefix_len + 20)]
     with Engine(cfg) as engine:
-        assert engine.core.backend.name == "cuda"
+        assert engine.info.backend == "cuda"
         expected = run_ids(engine, full)
         engine.add_prefix("p", token_ids=full[:prefix_len])
         assert run_ids(engine, full[prefix_len:], prefix="p") == expected

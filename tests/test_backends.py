@@ -78,7 +78,7 @@ def test_cpu_backend_generates_the_torch_backends_tokens(make_engine, model_dirs
     model_dir = tied_llama_dir if which == "tied" else model_dirs[which]
     ref = make_engine(model_dir, num_blocks=160, max_num_batched_tokens=16, backend="torch")
     cpu = make_engine(model_dir, num_blocks=160, max_num_batched_tokens=16, backend="cpu")
-    assert (ref.core.backend.name, cpu.core.backend.name) == ("torch", "cpu")
+    assert (ref.info.backend, cpu.info.backend) == ("torch", "cpu")
     want = mixed_generate(ref)
     assert all(len(ids) == 24 for ids in want)
     assert mixed_generate(cpu) == want

@@ -7,7 +7,7 @@ import torch
 
 import prefix_service.backends.torch.cascade as cascade_mod
 from cuda_ops.paged_decode import paged_decode_attention_ref
-from helpers import greedy, run_ids
+from helpers import greedy, pinned_handle, run_ids
 from prefix_service import GenerateRequest
 from prefix_service.backends.torch.cascade import CascadeDecode, PrefixGroup, attend, cascade_decode
 
@@ -76,7 +76,7 @@ def test_engine_uses_cascade_for_shared_prefix_batches(make_engine, monkeypatch)
     assert calls and max(calls) == len(users)
     # the warmup pinned the template in consecutive blocks (the groups read it in place); a lone
     # request gathers its whole context instead of splitting it
-    table = engine.get_prefix("p").block_table
+    table = pinned_handle(engine, "p").block_table
     assert list(table) == list(range(table[0], table[0] + len(table)))
     calls.clear()
     assert run_ids(engine, users[0], prefix="p", max_tokens=12) == expected[0]

@@ -94,7 +94,7 @@ def test_dummy_load_format_runs_without_weight_files(tmp_path, tokenizer_dir, ma
     cfg = EngineConfig(ModelConfig(path=str(model_dir), device="cpu", load_format="dummy"),
                        CacheConfig(block_size=4, num_blocks=64))
     with Engine(cfg) as engine:
-        assert engine.core.arch.num_layers == 3 and engine.core.arch.qkv_bias
+        assert engine.info.arch.num_layers == 3 and engine.info.arch.qkv_bias
         out = run_ids(engine, [5, 6, 7, 8], max_tokens=5)
         assert len(out) == 5 and out == run_ids(engine, [5, 6, 7, 8], max_tokens=5)
         engine.check_integrity()

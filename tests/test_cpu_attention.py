@@ -375,7 +375,7 @@ def test_engine_decodes_a_shared_template_batch_through_the_kernel(make_engine, 
     assert cascades and not templated  # the torch backend groups them
     cascades.clear()
     engine = make_engine(block_size=4)
-    assert engine.core.backend.name == "cpu"
+    assert engine.info.backend == "cpu"
     engine.add_prefix("p", token_ids=prefix)
     assert [o.token_ids for o in engine.generate(batch)] == want
     assert not cascades and max(templated) == len(users)

@@ -172,7 +172,7 @@ def test_bf16_stack_gives_the_kernel_by_kernel_forward_with_rounded_kv(make_engi
     (the stack's rounding is what the comparison sees)."""
     engine = make_engine(model_dirs[which], num_blocks=160, max_num_batched_tokens=24, dtype="bfloat16",
                          backend="cpu")
-    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in engine.core.backend.kv_layers)
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in engine._core.backend.kv_layers)
     assert any(check_mixed_workload(engine, monkeypatch, round_kv=True))
 
 
@@ -198,7 +198,7 @@ def test_bf16_logits_match_the_torch_backend(make_engine, model_dirs, tied_llama
     model_dir = tied_llama_dir if which == "tied" else model_dirs[which]
     ref = make_engine(model_dir, dtype="bfloat16", backend="torch")
     cpu = make_engine(model_dir, dtype="bfloat16", backend="cpu")
-    assert (ref.core.backend.name, cpu.core.backend.name) == ("torch", "cpu")
+    assert (ref.info.backend, cpu.info.backend) == ("torch", "cpu")
     for ids in ([(7 * i + 3) % 500 + 3 for i in range(37)], PREFIX + PROMPTS[3], [5, 9, 11]):
         got, want = engine_last_logits(cpu, ids), engine_last_logits(ref, ids)
         assert got.shape == want.shape and torch.isfinite(got).all()
@@ -271,7 +271,7 @@ def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget):
 @needs_bf16
 def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     engine = make_engine(dtype="bfloat16", backend="cpu")
-    core = engine.core
+    core = engine._core
     assert core.backend.name == "cpu" and core.dtype == torch.bfloat16
     assert len(core.backend.kv_layers) > 0
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in core.backend.kv_layers)

@@ -87,7 +87,7 @@ def check_mixed_workload(engine, monkeypatch, round_kv: bool = False) -> list[bo
     kernel forward without the rounding differs from the one checked (all False unless round_kv)."""
     seen, unrounded_differs = [], []
     real = DecoderStack.forward
-    backend = engine.core.backend
+    backend = engine._core.backend
     assert backend.name == "cpu"
 
     def checked(self, x, plan):
@@ -222,7 +222,7 @@ def test_kernel_timers_observe_the_served_path(make_engine):
     serves: the same tokens with and without timing, and nothing counted once it is off."""
     engine = make_engine()
     want = mixed_generate(engine)
-    backend = engine.core.backend
+    backend = engine._core.backend
 
     def timed(core):
         with kernel_times(backend) as times:

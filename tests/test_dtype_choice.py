@@ -48,6 +48,6 @@ def test_the_engine_logs_the_dtype_and_why(make_engine, caplog):
     caplog.set_level(logging.INFO, logger="prefix_service.engine")
     engine = make_engine(dtype="auto")
     want = torch.bfloat16 if cpuinfo.bf16_units() else torch.float32
-    assert engine.core.dtype == want
+    assert engine._core.dtype == want
     assert f"model dtype {str(want).replace('torch.', '')}: auto, this CPU has" in caplog.text
-    assert all(k.dtype == want for k, _ in engine.core.backend.kv_layers)  # the cache in the compute dtype
+    assert all(k.dtype == want for k, _ in engine._core.backend.kv_layers)  # the cache in the compute dtype

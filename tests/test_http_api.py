@@ -423,8 +423,8 @@ def test_stop_ends_http_streams_and_frees_blocks(make_server):
             for _ in stream:
                 pass
         engine.shutdown()
-        engine.core.check_integrity()
-        assert engine.core.kv_stats()["running"] == 0
+        engine._core.check_integrity()
+        assert engine._core.kv_stats()["running"] == 0
     finally:
         undo()
 

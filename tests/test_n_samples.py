@@ -39,7 +39,7 @@ def test_greedy_samples_and_the_prompt_computed_once(make_engine):
     engine.add_prefix("t", token_ids=TEMPLATE)
     single = engine.generate(request(1, "t"))[0].token_ids
     steps = []
-    backend = engine.core.backend
+    backend = engine._core.backend
     execute = backend.execute
     backend.execute = lambda step: steps.append([(r.num_new_tokens, r.num_computed) for r in step.rows]) \
         or execute(step)
@@ -95,7 +95,7 @@ def test_abort_before_and_after_the_fork_frees_everything(make_engine):
 
     got.clear()
     done.clear()
-    backend = engine.core.backend
+    backend = engine._core.backend
     execute = backend.execute
     backend.execute = lambda step: time.sleep(0.01) or execute(step)  # 100 steps take a second at least
     engine._run(lambda core: core.add_request("s", PROMPT, None, SamplingParams(n=3, max_tokens=100,

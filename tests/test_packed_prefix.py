@@ -70,7 +70,7 @@ def test_engine_tokens_with_packed_template_equal_without(prefix_len, make_engin
     assert count_packed == [] and plain.kv_stats()["packed_prefix_bytes"] == 0  # packing off: never used
 
     engine = make_engine(block_size=BLOCK)
-    assert engine.core.backend.name == "cpu"
+    assert engine.info.backend == "cpu"
     engine.add_prefix("p", token_ids=full[:prefix_len])
     assert engine._run(lambda core: len(core.backend.templates)) == 1
     assert run_ids(engine, full[prefix_len:], prefix="p") == expected
@@ -99,7 +99,7 @@ def test_packed_copy_dropped_with_the_template_blocks(make_engine):
     engine.add_prefix("a", token_ids=ids_of(9))
     engine.add_prefix("b", token_ids=ids_of(3, salt=1))  # no full block: nothing to pack
     assert packed() == ["a"]
-    arch = engine.core.arch
+    arch = engine.info.arch
     # 2 full blocks of 4 tokens, K and V of every layer, float32
     assert engine.kv_stats()["packed_prefix_bytes"] == 2 * 2 * BLOCK * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
     assert engine.remove_prefix("a") is True  # unused: freed at once, and its packed copy with it

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from helpers import greedy, run_ids
+from helpers import greedy, pinned_handle, run_ids
 from prefix_service import GenerateRequest, PrefixNotFound
 
 BLOCK = 4
@@ -44,7 +44,7 @@ class Gate:
 def test_prefix_blocks_counted_once(prefix_len, make_engine):
     engine = make_engine(block_size=BLOCK, num_blocks=128)
     engine.add_prefix("p", token_ids=ids_of(prefix_len))
-    handle = engine.get_prefix("p")
+    handle = pinned_handle(engine, "p")
     n = 6
     gate = Gate(n)
     rids = [engine.submit(GenerateRequest(prompt_token_ids=ids_of(3 + k, k + 1), prefix_name="p",

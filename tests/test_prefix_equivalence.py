@@ -58,7 +58,7 @@ def test_mixed_batch_of_prefixes_and_no_prefix(budget, num_blocks, make_engine):
     for name, toks in prefixes.items():
         engine.add_prefix(name, token_ids=toks)
     steps = []
-    backend = engine.core.backend
+    backend = engine._core.backend
     execute = backend.execute
     backend.execute = lambda step: steps.append(step.num_tokens) or execute(step)
     outs = engine.generate(reqs)

@@ -25,7 +25,7 @@ def teacher_forced(oracle, base: list[int], candidate: list[int]) -> list[float]
 def count_steps(engine):
     """Records each step's rows: (request id, new tokens, logits)."""
     steps = []
-    backend = engine.core.backend
+    backend = engine._core.backend
     real = backend.execute
 
     def execute(step):

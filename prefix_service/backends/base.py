@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Collection
+from typing import TYPE_CHECKING, Callable, ClassVar, Collection
 
 import torch
 
@@ -119,3 +119,8 @@ class Backend(abc.ABC):
 
     def check_integrity(self, pinned: Collection[PrefixHandle]) -> None:
         """Raise AssertionError if the backend holds anything for a template that is not pinned."""
+
+
+# What builds a backend from the loaded model: a Backend subclass, or a function (e.g. a subclass
+# with some of its choices fixed, for a benchmark that compares a backend's kernels).
+BackendFactory = Callable[[LlamaForCausalLM, CacheConfig], Backend]

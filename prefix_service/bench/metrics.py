@@ -61,7 +61,7 @@ def summarize(timings: list[Timing], wall_s: float) -> dict:
     done = [t for t in timings if t.ok]
     ttft = [t.ttft_ms for t in done if t.ttft_ms is not None]
     tpot = [t.tpot_ms for t in done if t.tpot_ms is not None]
-    e2e = [t.e2e_ms for t in done]
+    e2e = [t.e2e_ms for t in done if t.e2e_ms is not None]  # every one: a done request has ended
     out_tokens = sum(t.output_tokens for t in done)
     return {
         "num_requests": len(timings),

@@ -47,6 +47,8 @@ def wait_idle(max_wait_s: float = IDLE_MAX_WAIT_S) -> float:
     while now() - start < max_wait_s:
         threading.Event().wait(IDLE_WINDOW_S)
         cur = _cpu_jiffies()
+        if cur is None:
+            break
         busy, total = cur[0] - last[0], cur[1] - last[1]
         last = cur
         if total > 0 and busy / total < IDLE_SHARE:
@@ -111,7 +113,8 @@ def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequ
 def poisson_arrivals(qps: float, duration_s: float, seed: int, min_requests: int) -> list[float]:
     """Arrival offsets (s) of a Poisson process at `qps` over `duration_s` (at least min_requests)."""
     rng = random.Random(seed)
-    t, out = 0.0, []
+    t = 0.0
+    out: list[float] = []
     while True:
         t += rng.expovariate(qps)
         if t > duration_s and len(out) >= min_requests:
@@ -147,10 +150,11 @@ def open_loop_summary(result: RunResult, offered_qps: float, slo_ms: float) -> d
     """One point of the latency-vs-load curve. A failed request (deadline missed) counts as an
     infinite latency, so p99 under the SLO means at least 99% of the requests finished within it."""
     point = {"offered_qps": offered_qps, **summarize(result.timings, result.wall_s)}
-    p99 = percentile([t.e2e_ms if t.ok else _MISSED for t in result.timings], 99)
-    missed = p99 is None or p99 >= _MISSED / 2
-    point["e2e_p99_ms"] = None if missed else round(p99, 1)  # None: more than 1% missed the deadline
-    point["under_slo"] = not missed and p99 < slo_ms
+    p99 = percentile([t.e2e_ms if t.ok and t.e2e_ms is not None else _MISSED for t in result.timings], 99)
+    if p99 is None or p99 >= _MISSED / 2:  # more than 1% missed the deadline
+        point["e2e_p99_ms"], point["under_slo"] = None, False
+    else:
+        point["e2e_p99_ms"], point["under_slo"] = round(p99, 1), p99 < slo_ms
     return point
 
 

@@ -77,9 +77,9 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
         for caching, name in ((True, "vllm_apc"), (False, "vllm_no_apc")):
             if name in peers and python is not None:
                 status(f"starting vLLM's server for {name} (model load + compilation)")
-                server = VllmServer(python, engine_config, prefix_caching=caching)
-                stack.callback(server.stop)
-                built[name] = VllmSystem(server, caching)
+                vllm = VllmServer(python, engine_config, prefix_caching=caching)
+                stack.callback(vllm.stop)
+                built[name] = VllmSystem(vllm, caching)
     return [built[n] for n in names if n in built]
 
 

@@ -8,10 +8,12 @@ import dataclasses
 import logging
 import os
 import warnings
+from typing import Any
 
 from prefix_service.bench.plan import Plan
 from prefix_service.bench.runner import Runner, build_systems
 from prefix_service.bench.systems import PEERS
+from prefix_service.bench.systems.vllm import VllmSystem
 from prefix_service.bench.workloads import build_workload
 from prefix_service.config import load_config
 
@@ -47,7 +49,7 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
         for mode in plan.modes:
             getattr(runner, mode)()
         status("done")
-        extra = {}
+        extra: dict[str, Any] = {}
         kv_blocks = next((s.kv_num_blocks for s in systems if getattr(s, "kv_num_blocks", None)), None)
         pinned = {s.name: s.kv_blocks_pinned() for s in systems if getattr(s, "kv_num_blocks", None)}
         if pinned:
@@ -57,7 +59,7 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
         if mismatches:
             extra["grpc_usage_mismatches"] = mismatches
         peers = {s.name: {**s.server.settings, "usage_mismatches": s.usage_mismatches}
-                 for s in systems if s.name in PEERS}
+                 for s in systems if isinstance(s, VllmSystem)}
         if peers:
             extra["peers"] = peers
         if skipped:

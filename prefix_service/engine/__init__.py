@@ -13,7 +13,7 @@
 Everything that touches a device (the model's weights, the KV cache tensors, the forward pass) is
 behind the backend boundary, prefix_service/backends/.
 """
-from prefix_service.engine.api import Engine, GenerateResult
+from prefix_service.engine.api import Engine, EngineInfo, GenerateResult
 from prefix_service.engine.core import EngineCore
 
-__all__ = ["Engine", "EngineCore", "GenerateResult"]
+__all__ = ["Engine", "EngineCore", "EngineInfo", "GenerateResult"]

@@ -1,7 +1,8 @@
 """Engine: the Python API. A background thread runs the step loop and is the only thread that
 touches EngineCore; callers reach it through a command queue (add, abort, prefix admin,
 introspection) answered with futures. `generate` blocks; `generate_stream` is an async iterator
-safe to call from many coroutines.
+safe to call from many coroutines. Engine is the one-process EngineClient the server drives
+(server/interfaces.py).
 """
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncGenerator, Callable, TypeVar
 
+from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.engine.core import EngineCore
 from prefix_service.errors import EngineStopped
-from prefix_service.engine.prefix_cache import PrefixHandle, PrefixInfo
+from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
 from prefix_service.engine.sequence import (FinishReason, GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest,
                                             TokenLogprob)
+from prefix_service.model.llama import ModelArch
 
 log = logging.getLogger("prefix_service.engine")
 T = TypeVar("T")
@@ -41,40 +44,67 @@ class GenerateResult:
     samples: list[GenerateResult] | None = None  # with n > 1: every sample in order (this result is the first)
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine runs, fixed once it is built (for benchmarks and reports)."""
+    model_path: str
+    device: str  # cpu, cuda:0, ...
+    dtype: str  # float32, bfloat16, ...
+    arch: ModelArch
+    max_model_len: int
+    num_blocks: int  # KV cache blocks
+    block_size: int
+    backend: str  # torch, cpu or cuda
+    backend_description: str  # with its kernel choices, e.g. "cuda (prefill flash_attn, decode triton_paged)"
+
+
 class Engine:
-    def __init__(self, config: EngineConfig | ServiceConfig) -> None:
+    """config: a ServiceConfig's engine part is used. backend: build the backend with this instead
+    of the class model.backend selects (a benchmark that compares one backend's kernels).
+
+    The EngineCore is private to the loop thread. Tests reach it white-box through `_core` (its
+    fixed attributes, or anything once the engine is shut down) and `_run` (a function of the core,
+    run on the loop thread between two steps)."""
+
+    def __init__(self, config: EngineConfig | ServiceConfig, *, backend: BackendFactory | None = None) -> None:
         if isinstance(config, ServiceConfig):
             config = config.engine
         self.config = config
-        self._commands: deque[tuple[Callable[[EngineCore], object], concurrent.futures.Future]] = deque()
+        self._commands: deque[tuple[Callable[[EngineCore], Any], concurrent.futures.Future[Any]]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self._aborts: set[asyncio.Future] = set()  # aborts of streams that ended early, still running
-        built: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._main, args=(config, built), name="prefix-service-engine",
-                                        daemon=True)
+        self._aborts: set[asyncio.Future[None]] = set()  # aborts of streams that ended early, still running
+        built: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(config, backend, built),
+                                        name="prefix-service-engine", daemon=True)
         self._thread.start()
-        self.core: EngineCore = built.result()  # the model load's error, if any, is raised here
-        self.tokenizer = self.core.tokenizer
+        self._core: EngineCore = built.result()  # the model load's error, if any, is raised here
+        self.tokenizer: Any = self._core.tokenizer
+        core = self._core
+        self.info = EngineInfo(config.model.path, str(core.device), str(core.dtype).replace("torch.", ""),
+                               core.arch, core.max_model_len, core.allocator.num_blocks, core.block_size,
+                               core.backend.name, core.backend.describe())
 
     # --- the loop thread ----------------------------------------------------------------------
-    def _main(self, config: EngineConfig, built: concurrent.futures.Future) -> None:
+    def _main(self, config: EngineConfig, backend: BackendFactory | None,
+              built: concurrent.futures.Future[EngineCore]) -> None:
         # The loop thread also builds the EngineCore, so that all of the engine's torch work (loading,
         # packing, every step) runs on one thread: OpenMP keeps one pool of workers per thread that
         # starts parallel work, and with more pool threads than cores GNU OpenMP's workers stop
         # spin-waiting between operations (docs/architecture.md, "Threads").
         try:
-            self.core = EngineCore(config)
+            self._core = EngineCore(config, backend)
         except BaseException as e:
             built.set_exception(e)
             return
-        built.set_result(self.core)
+        built.set_result(self._core)
         self._loop()
 
     def _loop(self) -> None:
+        core = self._core
         while True:
             with self._wake:
-                while not self._commands and not self.core.has_work() and not self._stopping:
+                while not self._commands and not core.has_work() and not self._stopping:
                     self._wake.wait()
                 if self._stopping and not self._commands:
                     break
@@ -83,19 +113,19 @@ class Engine:
             for fn, fut in commands:
                 if fut.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(self.core))
+                        fut.set_result(fn(core))
                     except BaseException as e:  # handed to the caller
                         fut.set_exception(e)
-            if self.core.has_work():
+            if core.has_work():
                 try:
-                    self.core.step()
+                    core.step()
                 except Exception as e:  # a bug or a device error: fail what is in flight, keep serving
                     log.exception("engine step failed; aborting in-flight requests")
-                    self.core.abort_all(error=e)
-        self.core.abort_all(error=EngineStopped("the engine shut down"))
+                    core.abort_all(error=e)
+        core.abort_all(error=EngineStopped("the engine shut down"))
 
-    def _call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+    def _call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._wake:
             if self._stopping:
                 raise EngineStopped("the engine is shut down")
@@ -108,10 +138,11 @@ class Engine:
 
     # --- prefixes -----------------------------------------------------------------------------
     def tokenize_prefix(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True)
+        return ids
 
     def add_prefix(self, name: str, text: str | None = None, *, token_ids: list[int] | None = None,
-                   source: dict | None = None) -> PrefixInfo:
+                   source: dict[str, str] | None = None) -> PrefixInfo:
         """Tokenize, prefill and pin a template. Blocks until it is pinned. Raises PrefixExists,
         PrefixBudgetExceeded, PromptTooLong or InvalidRequest."""
         from prefix_service.config import validate_prefix_name
@@ -125,7 +156,7 @@ class Engine:
                 raise InvalidRequest("add_prefix needs text or token_ids")
             token_ids = self.tokenize_prefix(text)
         source = source if source is not None else ({"content": text} if text is not None else {})
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
 
         def on_pinned(result: PrefixInfo | BaseException) -> None:
             if isinstance(result, BaseException):
@@ -133,7 +164,8 @@ class Engine:
             else:
                 done.set_result(result)
 
-        self._run(lambda core: core.add_prefix(name, list(token_ids), source, on_pinned))
+        ids, src = list(token_ids), source
+        self._run(lambda core: core.add_prefix(name, ids, src, on_pinned))
         return done.result()
 
     def remove_prefix(self, name: str) -> bool:
@@ -144,8 +176,9 @@ class Engine:
     def list_prefixes(self) -> list[PrefixInfo]:
         return self._run(lambda core: core.prefixes.list())
 
-    def get_prefix(self, name: str) -> PrefixHandle:
-        return self._run(lambda core: core.prefixes.get(name))
+    def get_prefix(self, name: str) -> PrefixView:
+        """The template's name, token ids and source (a copy). Raises PrefixNotFound."""
+        return self._run(lambda core: core.prefixes.get(name).view())
 
     # --- generation ---------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
@@ -155,7 +188,8 @@ class Engine:
                 raise InvalidRequest("give prompt or prompt_token_ids, not both")
             return list(req.prompt_token_ids)
         # with a prefix the prompt continues it: no special tokens (no second BOS)
-        return self.tokenizer.encode(req.prompt or "", add_special_tokens=not req.prefix_name)
+        ids: list[int] = self.tokenizer.encode(req.prompt or "", add_special_tokens=not req.prefix_name)
+        return ids
 
     def submit(self, req: GenerateRequest, sink: Callable[[RequestOutput], None]) -> str:
         """Queue a request; sink receives its outputs from the loop thread. Returns its id.
@@ -178,7 +212,7 @@ class Engine:
 
     def score(self, req: ScoreRequest) -> ScoreOutput:
         """Score the candidates (blocking). Raises the validation error, or the error that ended it."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
+        done: concurrent.futures.Future[ScoreOutput] = concurrent.futures.Future()
         self.submit_score(req, done.set_result)
         out = done.result()
         if out.error is not None:
@@ -189,29 +223,33 @@ class Engine:
                           executor: concurrent.futures.Executor | None = None) -> ScoreOutput:
         """score() for an event loop: submitting runs on `executor`; cancelling aborts the request."""
         loop = asyncio.get_running_loop()
-        if req.request_id is None:
-            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        request_id = req.request_id or uuid.uuid4().hex
+        req = dataclasses.replace(req, request_id=request_id)
         result: asyncio.Future[ScoreOutput] = loop.create_future()
 
+        def deliver(out: ScoreOutput) -> None:
+            if not result.done():
+                result.set_result(out)
+
         def sink(out: ScoreOutput) -> None:  # on the loop thread
-            loop.call_soon_threadsafe(lambda: result.done() or result.set_result(out))
+            loop.call_soon_threadsafe(deliver, out)
 
         submitted = loop.run_in_executor(executor, self.submit_score, req, sink)
         try:
             await asyncio.shield(submitted)
         except asyncio.CancelledError:
-            self._abort_later(submitted, req.request_id, executor)
+            self._abort_later(submitted, request_id, executor)
             raise
         try:
             out = await result
         except asyncio.CancelledError:
-            self._abort_later(submitted, req.request_id, executor)
+            self._abort_later(submitted, request_id, executor)
             raise
         if out.error is not None:
             raise out.error
         return out
 
-    def _abort_later(self, submitted: asyncio.Future, request_id: str,
+    def _abort_later(self, submitted: asyncio.Future[str], request_id: str,
                      executor: concurrent.futures.Executor | None) -> None:
         abort = asyncio.ensure_future(self._abort_when_submitted(submitted, request_id, executor))
         self._aborts.add(abort)  # kept alive until done
@@ -240,8 +278,8 @@ class Engine:
             raise
         return [col.result() for col in collectors]
 
-    async def generate_stream(self, req: GenerateRequest,
-                              executor: concurrent.futures.Executor | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None
+                              ) -> AsyncGenerator[RequestOutput, None]:
         """Yield a RequestOutput per step with new text; the last has finished=True. Raises the
         request's validation error, or the error that ended it. Closing the iterator early or
         cancelling its task, even while the request is still being submitted, aborts the request
@@ -251,8 +289,10 @@ class Engine:
         (default: asyncio's)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        if req.request_id is None:
-            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        request_id = req.request_id
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+            req = dataclasses.replace(req, request_id=request_id)
 
         def sink(out: RequestOutput) -> None:  # on the loop thread
             loop.call_soon_threadsafe(queue.put_nowait, out)
@@ -275,9 +315,9 @@ class Engine:
                 yield out
         finally:
             if not finished:
-                self._abort_later(submitted, req.request_id, executor)
+                self._abort_later(submitted, request_id, executor)
 
-    async def _abort_when_submitted(self, submitted: asyncio.Future, request_id: str,
+    async def _abort_when_submitted(self, submitted: asyncio.Future[str], request_id: str,
                                     executor: concurrent.futures.Executor | None) -> None:
         try:
             await submitted
@@ -302,7 +342,7 @@ class Engine:
     def check_integrity(self) -> None:
         self._run(lambda core: core.check_integrity())
 
-    def kv_stats(self) -> dict:
+    def kv_stats(self) -> dict[str, int]:
         """KV blocks: num_blocks, used (pinned templates included), peak_used (the most used at once
         since reset_kv_peak or the start), free, pinned; running, waiting, preemptions; the bytes of
         the templates' packed copies."""
@@ -323,7 +363,7 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
 
@@ -354,6 +394,7 @@ class _Collector:
         if last.error is not None:
             raise last.error
         logprobs = None if last.logprobs is None else [lp for p in parts for lp in p.logprobs or ()]
+        assert last.finish_reason is not None  # a finished output has its reason
         return GenerateResult(
             last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
             last.finish_reason, last.prompt_tokens, last.prefix_tokens, last.completion_tokens, last.ttft_ms,

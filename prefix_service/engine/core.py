@@ -13,14 +13,15 @@ from typing import Callable
 
 import torch
 
-from prefix_service.backends import select_backend
+from prefix_service.backends import hostmem, select_backend
+from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixServiceError, PromptTooLong,
                                    QueueFull)
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
-from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixInfo
+from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixHandle, PrefixInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
@@ -41,8 +42,8 @@ class _Tracked:
     arrival: float
     first_token_time: float | None = None
     on_pinned: Callable[[PrefixInfo | BaseException], None] | None = None
-    source: dict | None = None
-    prefix_name: str | None = None
+    source: dict[str, str] | None = None
+    prefix_name: str | None = None  # a warmup's template (always set), or the template a request names
 
 
 @dataclass
@@ -67,7 +68,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """backend: builds the backend instead of the class model.backend selects (select_backend);
+    for a benchmark that fixes a backend's kernel choices."""
+
+    def __init__(self, config: EngineConfig, backend: BackendFactory | None = None) -> None:
         self.config = config
         mc = config.model
         if mc.num_threads is not None:
@@ -81,13 +85,16 @@ class EngineCore:
             max_len = min(max_len, self.arch.sliding_window)  # full attention inside the window
         self.max_model_len = max_len
         # first of what the engine loads: on a CPU it also sets malloc up for the rest (hostmem.py)
-        backend_cls = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
+        if backend is None:
+            backend = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
+        elif self.device.type == "cpu":
+            hostmem.keep_freed_memory()
         self.tokenizer = load_tokenizer(mc.path)
         if mc.load_format == "dummy":
             model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
         else:
             model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
-        self.backend = backend_cls(model, config.cache)  # owns the model from here on
+        self.backend = backend(model, config.cache)  # owns the model from here on
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.backend.num_blocks)
         budget = config.cache.prefix_budget_blocks
@@ -154,13 +161,13 @@ class EngineCore:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap} "
                                 f"per request after the prefix template (scheduler.max_prompt_tokens)")
         handle = self.prefixes.get(prefix_name) if prefix_name else None
-        use_prefix = handle is not None and self.config.cache.enable_prefix
+        reused = handle if handle is not None and self.config.cache.enable_prefix else None  # its blocks shared
         token_ids = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not token_ids:
             raise InvalidRequest("the prompt is empty and no prefix template was named")
         shared = 0
-        if use_prefix:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
-            shared = handle.reused_tokens(len(token_ids)) // self.block_size * self.block_size
+        if reused is not None:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
+            shared = reused.reused_tokens(len(token_ids)) // self.block_size * self.block_size
         self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
         max_queue = self.config.scheduler.max_queue  # checked after validation: a bad request hears why
         if len(self.scheduler.waiting) >= max_queue:
@@ -177,7 +184,7 @@ class EngineCore:
                 raise CacheExhausted(f"n = {sampling.n} samples of up to {max_tokens} tokens each need {need} tokens of "
                                      f"KV cache beside the pinned templates, which has room for {capacity}; lower n or "
                                      f"max_tokens")
-            self._add_samples(request_id, token_ids, handle if use_prefix else None, handle, sampling, max_tokens,
+            self._add_samples(request_id, token_ids, reused, handle, sampling, max_tokens,
                               sink, prefix_name)
             return
         generator = None
@@ -185,17 +192,20 @@ class EngineCore:
             seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed % 2**63 if seed >= 2**63 else seed)
-        seq = Sequence(request_id, token_ids, sampling, max_tokens, handle if use_prefix else None, generator)
-        if use_prefix:
-            self.prefixes.acquire(handle)
+        seq = Sequence(request_id, token_ids, sampling, max_tokens, reused, generator)
+        if reused is not None:
+            self.prefixes.acquire(reused)
         elif handle is not None:
             self.prefixes.count_unreused(handle)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
 
-    def _add_samples(self, request_id: str, token_ids: list[int], prefix, named, sampling: SamplingParams,
-                     max_tokens: int, sink: Sink, prefix_name: str | None) -> None:
+    def _add_samples(self, request_id: str, token_ids: list[int], prefix: PrefixHandle | None,
+                     named: PrefixHandle | None, sampling: SamplingParams, max_tokens: int, sink: Sink,
+                     prefix_name: str | None) -> None:
+        """Queue a request for n > 1 samples: its prompt, as a fork point (prefix: the template it
+        continues on its pinned KV; named: the template named, for its count when not reused)."""
         parent = Sequence(f"{request_id}/prompt", token_ids, sampling, max_tokens, prefix, None, fork_point=True)
         if prefix is not None:
             self.prefixes.acquire(prefix)
@@ -247,6 +257,7 @@ class EngineCore:
     def _end_unforked(self, group: _Samples, reason: FinishReason, error: BaseException | None) -> None:
         """End a request for n samples before its prompt was computed: each sample ends."""
         parent = group.parent
+        assert parent is not None
         self._samples_of.pop(id(parent), None)
         self.scheduler.finish(parent, reason)
         del self._samples[group.request_id]
@@ -268,29 +279,29 @@ class EngineCore:
         if bad:
             raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
         handle = self.prefixes.get(prefix_name) if prefix_name else None
-        use_prefix = handle is not None and self.config.cache.enable_prefix
+        reused = handle if self.config.cache.enable_prefix else None  # the template whose KV it continues
         base = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not base:
             raise InvalidRequest("the prompt is empty and no prefix template was named: a candidate's first token "
                                  "needs something before it")
         longest = len(base) - 1 + max(len(c) for c in candidates)
-        shared = handle.num_tokens - 1 if use_prefix else 0
+        shared = reused.num_tokens - 1 if reused is not None else 0
         self._check_fits(longest, "the prompt with its longest candidate", shared // self.block_size * self.block_size)
         if len(self.scheduler.waiting) >= self.config.scheduler.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.config.scheduler.max_queue} requests wait already, "
                             f"scheduler.max_queue); retry later with backoff")
         scoring = Scoring(request_id, sink, [tuple(c) for c in candidates], len(base),
-                          handle.num_tokens if use_prefix else 0)
-        seq = scoring.fork_point(base, handle if use_prefix else None)
-        if use_prefix:
-            self.prefixes.acquire(handle)
+                          reused.num_tokens if reused is not None else 0)
+        seq = scoring.fork_point(base, reused)
+        if reused is not None:
+            self.prefixes.acquire(reused)
         elif handle is not None:
             self.prefixes.count_unreused(handle)
         self._scorings[request_id] = scoring
         self._scoring_of[id(seq)] = scoring
         self.scheduler.add(seq)
 
-    def add_prefix(self, name: str, token_ids: list[int], source: dict,
+    def add_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
                    on_pinned: Callable[[PrefixInfo | BaseException], None]) -> None:
         """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done."""
         if not token_ids:
@@ -357,7 +368,11 @@ class EngineCore:
             return
         logits = self.backend.execute(out.step)
         sample_seqs, sample_logits = self._score_rows(out.with_logits, logits)
-        tokens, logprobs = (sample(sample_logits, sample_seqs, self.eos_token_ids) if sample_seqs else ([], []))
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        if sample_seqs:
+            assert sample_logits is not None
+            tokens, logprobs = sample(sample_logits, sample_seqs, self.eos_token_ids)
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
             seq = s.seq
@@ -380,7 +395,10 @@ class EngineCore:
         """Record the logits of scoring rows; -> the sequences to sample and their logits."""
         if all(s.seq.samples for s in with_logits):
             return [s.seq for s in with_logits], logits
-        sample_seqs, rows, start = [], [], 0
+        assert logits is not None  # rows that score have logits
+        sample_seqs: list[Sequence] = []
+        rows: list[int] = []
+        start = 0
         for s in with_logits:
             n = s.num_logits
             if s.seq.samples:
@@ -421,9 +439,10 @@ class EngineCore:
         scoring.sink(scoring.output(error))
 
     def _pin_warmup(self, tracked: _Tracked) -> None:
-        seq = tracked.seq
+        seq, name = tracked.seq, tracked.prefix_name
+        assert name is not None  # a warmup names its template
         try:  # the backend hears of the pin (on_pin) and may fail, e.g. out of memory for a packed copy
-            handle = self.prefixes.pin(tracked.prefix_name, seq.token_ids, seq.block_table, tracked.source or {})
+            handle = self.prefixes.pin(name, seq.token_ids, seq.block_table, tracked.source or {})
         except Exception as e:  # noqa: BLE001 - the warmup fails, nothing else does
             log.exception("pinning prefix template %r failed", tracked.prefix_name)
             self._finish(tracked, FinishReason.ABORT, error=e)
@@ -435,7 +454,8 @@ class EngineCore:
 
     def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None, now: float) -> None:
         """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop."""
-        seq = tracked.seq
+        seq, sink, detok = tracked.seq, tracked.sink, tracked.detok
+        assert sink is not None and detok is not None  # a request's (a warmup samples no token)
         if tracked.first_token_time is None:
             tracked.first_token_time = now
         reason = None
@@ -445,14 +465,14 @@ class EngineCore:
             reason = FinishReason.STOP
             text = ""
         else:
-            text, hit_stop = tracked.detok.add(token, check_stop=may_stop)
+            text, hit_stop = detok.add(token, check_stop=may_stop)
             if hit_stop:
                 reason = FinishReason.STOP
         if reason is None and (seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
         logprobs = [logprob] if logprob is not None else None
         if reason is None:
-            tracked.sink(RequestOutput(seq.request_id, text, [token], logprobs=logprobs))
+            sink(RequestOutput(seq.request_id, text, [token], logprobs=logprobs))
         else:
             self._finish(tracked, reason, text=text, token_ids=[token], logprobs=logprobs)
 
@@ -463,6 +483,7 @@ class EngineCore:
         self.scheduler.finish(seq, reason)
         del self._tracked[seq.request_id]
         if tracked.sink is None:  # a warmup that did not complete
+            assert tracked.prefix_name is not None  # a warmup names its template
             self.prefixes.cancel(tracked.prefix_name)
             if tracked.on_pinned:
                 tracked.on_pinned(error or PrefixServiceError(f"warmup of prefix template {tracked.prefix_name!r} was aborted"))
@@ -491,7 +512,7 @@ class EngineCore:
         """Start kv_stats()["peak_used"] over from the blocks in use now."""
         self.allocator.reset_peak()
 
-    def kv_stats(self) -> dict:
+    def kv_stats(self) -> dict[str, int]:
         return {"num_blocks": self.allocator.num_blocks, "used": self.allocator.num_used,
                 "peak_used": self.allocator.peak_used,  # most in use at once since reset_kv_peak()
                 "free": self.allocator.num_free, "pinned": self.prefixes.num_pinned_blocks,

@@ -6,11 +6,13 @@ the last (longest stop - 1) characters are held back, since they may begin a sto
 """
 from __future__ import annotations
 
+from typing import Any
+
 CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so leading spaces come out right
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self._ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -21,7 +23,8 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return text
 
     def add(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
         """Add one token. Returns (text that is now final, whether a stop string was hit).

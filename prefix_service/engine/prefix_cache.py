@@ -8,6 +8,7 @@ request that uses the template finishes (deferred removal).
 """
 from __future__ import annotations
 
+import builtins
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ class PrefixHandle:
     token_ids: tuple[int, ...]
     block_table: tuple[BlockId, ...]  # ceil(len / block_size) blocks; the last may be partial
     template_id: int  # unique for the engine's life: the steps' rows and the backend name the pin by it
-    source: dict = field(default_factory=dict)  # how it was defined: {"content": ...} or {"system_prompt": ...}
+    source: dict[str, str] = field(default_factory=dict)  # how it was defined: {"content": ...}, {"system_prompt": ...}
     created_at: float = field(default_factory=time.time)
     requests_served: int = 0
     active_requests: int = 0  # unfinished requests (waiting or running) that continue it
@@ -49,6 +50,9 @@ class PrefixHandle:
         return PrefixInfo(self.name, self.num_tokens, self.num_blocks, self.requests_served, self.active_requests,
                           dict(self.source))
 
+    def view(self) -> PrefixView:
+        return PrefixView(self.name, self.token_ids, dict(self.source))
+
 
 @dataclass(frozen=True)
 class PrefixInfo:
@@ -58,7 +62,21 @@ class PrefixInfo:
     num_blocks: int
     requests_served: int
     active_requests: int
-    source: dict
+    source: dict[str, str]
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """What callers outside the engine read of one template (`get_prefix`): its name, its token
+    ids and how it was defined. A copy, taken on the engine's loop thread: the live PrefixHandle
+    (block table, counters) never leaves the engine."""
+    name: str
+    token_ids: tuple[int, ...]
+    source: dict[str, str]  # {"content": ...} or {"system_prompt": ...}; {} for one added as token ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 class TemplateHooks(Protocol):
@@ -100,7 +118,8 @@ class PrefixCacheManager:
     def num_pinned_blocks(self) -> int:
         return sum(h.num_blocks for h in self.pinned_handles())
 
-    def pinned_handles(self) -> list[PrefixHandle]:
+    # below `def list`, the class body's `list` is that method: builtins.list is the type
+    def pinned_handles(self) -> builtins.list[PrefixHandle]:
         """Every template whose blocks are held: registered, or removed but still in use."""
         return list(self._handles.values()) + self._detached
 
@@ -124,7 +143,8 @@ class PrefixCacheManager:
     def cancel(self, name: str) -> None:
         self._pending.pop(name, None)
 
-    def pin(self, name: str, token_ids: list[int], block_table: list[BlockId], source: dict) -> PrefixHandle:
+    def pin(self, name: str, token_ids: builtins.list[int], block_table: builtins.list[BlockId],
+            source: dict[str, str]) -> PrefixHandle:
         """Take one reference on each block of a finished warmup prefill and register the name."""
         if self._pending.pop(name, None) is None:
             raise RuntimeError(f"pin of {name!r} without reserve")

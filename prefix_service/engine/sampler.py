@@ -38,6 +38,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
             tokens[i] = _sample_row(logits[i], seq)
     out: list[TokenLogprob | None] = [None] * len(seqs)
     for j, i in enumerate(want):
+        assert model_logprobs is not None
         row, k = model_logprobs[j], seqs[i].sampling.logprobs
         top = row.topk(k) if k else None
         out[i] = TokenLogprob(tokens[i], float(row[tokens[i]]),
@@ -50,7 +51,7 @@ def _adjust_row(logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> No
     p = seq.sampling
     vocab = logits.shape[0]
     if p.repetition_penalty != 1.0:  # over the prompt and the output, as in the CTRL paper and vLLM
-        seen = torch.tensor(seq.token_ids, dtype=torch.int64).unique()
+        seen = torch.unique(torch.tensor(seq.token_ids, dtype=torch.int64))
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if p.presence_penalty or p.frequency_penalty:  # over the output only, as OpenAI

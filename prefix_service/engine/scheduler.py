@@ -138,7 +138,7 @@ class Scheduler:
         seq.num_prefix_tokens_reused = reuse
         return True
 
-    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[BlockId, BlockId]]:
+    def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
         """Start each child on the parent's KV, to run next (at the front of the queue, in order).
         The parent's prompt is computed; each child's ids begin with the parent's P tokens and it
         takes R = P - 1 of them, so that it computes the last one for its logits (as a prompt that
@@ -152,7 +152,7 @@ class Scheduler:
         reuse = parent.num_computed_tokens - 1
         assert parent.num_uncomputed == 0 and reuse >= 0, "fork of a sequence whose prompt is not computed"
         num_shared, tail = divmod(reuse, self.block_size)
-        copies = []
+        copies: list[tuple[int, int]] = []
         for child in children:
             assert child.token_ids[:reuse + 1] == parent.token_ids and child.block_table == []
             if tail and self.allocator.num_free < 1:
@@ -205,6 +205,7 @@ class Scheduler:
                 continue
             while need > self.allocator.num_free:
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
+                assert victim is not None  # seq itself is one: running, not scheduled yet
                 self._preempt(victim, out)
                 if victim is seq:
                     break

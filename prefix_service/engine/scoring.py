@@ -14,13 +14,16 @@ token computes one token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from prefix_service.engine.sequence import CandidateScore, ScoreOutput, Sequence
 from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from prefix_service.engine.prefix_cache import PrefixHandle
 
 MAX_CANDIDATES = 256
 
@@ -56,7 +59,7 @@ class Scoring:
     def __post_init__(self) -> None:
         self.logprobs = [[None] * len(c) for c in self.candidates]
 
-    def fork_point(self, token_ids: list[int], prefix) -> Sequence:
+    def fork_point(self, token_ids: list[int], prefix: PrefixHandle | None) -> Sequence:
         seq = Sequence(f"{self.request_id}/prompt", token_ids, SamplingParams(max_tokens=1), 1, prefix, None,
                        fork_point=True)
         self.members.append(seq)
@@ -76,6 +79,7 @@ class Scoring:
         """logits [n, vocab]: the model's at positions end - n .. end - 1 of `seq`, which score the
         tokens after them."""
         n = logits.shape[0]
+        assert seq.score_from is not None
         first = end - n - seq.score_from  # index of the first scored token
         targets = torch.tensor(seq.score_targets[first:first + n], dtype=torch.int64)
         values = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0].tolist()
@@ -90,6 +94,9 @@ class Scoring:
     def output(self, error: BaseException | None = None) -> ScoreOutput:
         if error is not None:
             return ScoreOutput(self.request_id, [], self.prompt_tokens, self.prefix_tokens, error)
-        assert all(v is not None for lps in self.logprobs for v in lps), "a candidate token was never scored"
-        scores = [CandidateScore(c, tuple(lps)) for c, lps in zip(self.candidates, self.logprobs)]
+        scores = []
+        for c, lps in zip(self.candidates, self.logprobs):
+            values = [v for v in lps if v is not None]
+            assert len(values) == len(c), "a candidate token was never scored"
+            scores.append(CandidateScore(c, tuple(values)))
         return ScoreOutput(self.request_id, scores, self.prompt_tokens, self.prefix_tokens)

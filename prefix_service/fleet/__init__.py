@@ -5,7 +5,7 @@
     replica.py     EngineReplica: one Engine per replica; pins what the controller assigns
     controller.py  FleetController: members, placement, admin fan-out, the fleet's state file
     client.py      FleetEngine / FleetRegistry: what the gRPC and HTTP front ends call
-    launcher.py    FleetServer: PrefixServer with the engine replaced by the fleet; the HTTP ingress
+    launcher.py    fleet_server: PrefixServer with the fleet's parts (engine provider, HTTP front); the HTTP ingress
 
 Only placement.py imports without Ray (`pip install -e ".[ray]"`).
 """
@@ -56,6 +56,8 @@ class AnsweredNotFailed(logging.Filter):
             return True
         from prefix_service.server.status import is_answer
         exc = record.exc_info[1]
+        if exc is None:
+            return True
         if is_answer(exc):
             record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
             record.msg, record.args = "request answered with %s: %s", (type(exc).__name__, exc)

@@ -1,5 +1,7 @@
-"""FleetEngine and FleetRegistry: the engine and template registry the front ends (gRPC servicers,
-the OpenAI HTTP API) call, backed by the fleet instead of one in-process Engine.
+"""FleetEngine and FleetRegistry: the engine client and template registry the front ends (gRPC
+servicers, the OpenAI HTTP API) call, backed by the fleet instead of one in-process Engine. They
+implement server/interfaces.py's EngineClient and TemplateRegistryClient, whose docstrings say
+where a fleet differs from one process.
 
 A generation request is tokenized by the front end as for one process, then sent through the
 replicas' deployment handle with its template's holders (the controller's routes, cached for
@@ -19,14 +21,13 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator
 
-from prefix_service.engine.prefix_cache import PrefixInfo
-from prefix_service.engine.sequence import GenerateRequest, RequestOutput
+from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
+from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import EngineStopped, PrefixNotFound
 from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
-from prefix_service.server.status import ReplicaUnavailable
+from prefix_service.server.status import NotSupported, ReplicaUnavailable
 from prefix_service.server.store import TemplateSource
 
 log = logging.getLogger("prefix_service.fleet")
@@ -36,14 +37,6 @@ ACCEPT_TIMEOUT_S = 60.0
 RESEND_PAUSE_S = 0.05  # before resending a request whose replica no longer held its template
 CALL_TIMEOUT_S = 30.0
 ADMIN_TIMEOUT_S = 900.0
-
-
-@dataclass(frozen=True)
-class PrefixView:
-    """What the chat path reads of a template (engine.get_prefix's handle, for a fleet)."""
-    name: str
-    token_ids: tuple[int, ...]
-    source: dict
 
 
 class FleetEngine:
@@ -56,9 +49,9 @@ class FleetEngine:
         self._routes_at = -1e9
         self._routes_lock = asyncio.Lock()
         self.accept_timeout_s = ACCEPT_TIMEOUT_S
-        self._refresher: asyncio.Task | None = None
+        self._refresher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._active: set = set()  # the streams in flight (shutdown cuts them off)
+        self._active: set[Any] = set()  # the streams in flight (shutdown cuts them off)
         self._inflight: collections.Counter[str] = collections.Counter()  # this front end's calls, by replica
         self._stopped = False
 
@@ -92,12 +85,14 @@ class FleetEngine:
     # --- the engine surface -------------------------------------------------------------------
     def get_prefix(self, name: str) -> PrefixView:
         ids, source = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
-        return PrefixView(name, tuple(ids), source)
+        # the controller's definition also names the template: the view's source is as one process's
+        return PrefixView(name, tuple(ids), {k: v for k, v in source.items() if k != "name"})
 
-    async def generate_stream(self, req: GenerateRequest,
-                              executor: concurrent.futures.Executor | None = None) -> AsyncIterator[RequestOutput]:
-        """As Engine.generate_stream: outputs until the last sample's last (finished); closing early
-        cancels the call on its replica, which aborts the request there."""
+    async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None
+                              ) -> AsyncGenerator[RequestOutput, None]:
+        """EngineClient.generate_stream: outputs until the last sample's last (finished); closing
+        early cancels the call on its replica, which aborts the request there. Nothing here blocks,
+        so `executor` is not used."""
         if self._stopped:
             raise EngineStopped("the server is shutting down and takes no new requests")
         if req.request_id is None:
@@ -131,7 +126,7 @@ class FleetEngine:
             if not finished:
                 stream.cancel()
 
-    async def _submit(self, req: GenerateRequest):
+    async def _submit(self, req: GenerateRequest) -> tuple[Any, str]:
         """Send req to a replica that holds its template, the least loaded first (by this front
         end's calls in flight); returns (stream, replica id) once a replica took it."""
         name = req.prefix_name
@@ -185,26 +180,34 @@ class FleetEngine:
             await self.routes(fresh=True)
         return err
 
+    async def score_async(self, req: ScoreRequest, executor: concurrent.futures.Executor | None = None
+                          ) -> ScoreOutput:
+        """EngineClient.score_async: the fleet does not route scoring yet."""
+        raise NotSupported("label scoring runs in one server process; this fleet does not route Score requests")
+
     async def drain_aborts(self) -> None:
-        """Aborts happen on the replicas (the cancelled call closes the engine stream there)."""
+        """Nothing to wait for: a stream closed early cancels its call at once, and the replica
+        aborts the request itself (the cancelled call closes the engine stream there)."""
 
     def list_prefixes(self) -> list[PrefixInfo]:
         return [info for info, _, _ in call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S,
                                                  "the fleet controller")]
 
-    def kv_stats(self) -> dict:
+    def kv_stats(self) -> dict[str, int]:
         """The replicas' KV counters (as of their last poll), summed."""
-        total: dict[str, float] = {}
+        total: dict[str, int] = {}
         for report in self.replica_reports().values():
             for key, value in report.get("stats", {}).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if isinstance(value, int) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
         return total
 
-    def replica_reports(self) -> dict[str, dict]:
+    def replica_reports(self) -> dict[str, dict[str, Any]]:
         """replica id -> its last report: ready, held [(PrefixInfo, origin)], stats (KV counters,
         requests taken by template), node (the Ray node it runs on)."""
-        return call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S, "the fleet controller")
+        reports: dict[str, dict[str, Any]] = call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S,
+                                                       "the fleet controller")
+        return reports
 
     def check_integrity(self) -> None:
         call_sync(self.controller.fan_out.remote("check_integrity"), CALL_TIMEOUT_S, "the fleet controller")
@@ -224,7 +227,7 @@ class FleetEngine:
             stream.cancel()
 
 
-def _abandon(first: asyncio.Future, stream: Any) -> None:
+def _abandon(first: asyncio.Future[Any], stream: Any) -> None:
     """Give up a call no replica has taken yet: cancel it, and consume the error its first item
     then ends with (RequestCancelledError), which nobody awaits."""
     stream.cancel()
@@ -233,21 +236,26 @@ def _abandon(first: asyncio.Future, stream: Any) -> None:
 
 
 class FleetRegistry:
-    """TemplateRegistry's surface over the controller (admin fan-out)."""
+    """TemplateRegistryClient over the controller (admin fan-out; the controller keeps the state
+    file)."""
 
     def __init__(self, engine: FleetEngine) -> None:
         self.engine = engine
         self.controller = engine.controller
 
-    def add(self, src: TemplateSource, *, persist: bool = True) -> PrefixInfo:
+    def add(self, src: TemplateSource) -> PrefixInfo:
+        info: PrefixInfo
         info, _ = call_sync(self.controller.add.remote(src), ADMIN_TIMEOUT_S, "the fleet controller")
         return info
 
     def remove(self, name: str) -> bool:
-        return call_sync(self.controller.remove.remote(name), ADMIN_TIMEOUT_S, "the fleet controller")
+        freed: bool = call_sync(self.controller.remove.remote(name), ADMIN_TIMEOUT_S, "the fleet controller")
+        return freed
 
     def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
-        return call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S, "the fleet controller")
+        items: list[tuple[PrefixInfo, str, tuple[str, ...]]] = call_sync(
+            self.controller.listing.remote(), CALL_TIMEOUT_S, "the fleet controller")
+        return items
 
     def list(self) -> list[tuple[PrefixInfo, str]]:
         return [(info, origin) for info, origin, _ in self.listing()]

@@ -34,7 +34,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Coroutine
 
 from prefix_service.config import ServiceConfig
 from prefix_service.engine.prefix_cache import PrefixInfo
@@ -42,7 +42,7 @@ from prefix_service.errors import PrefixExists, PrefixNotFound
 from prefix_service.fleet import log_to_serve
 from prefix_service.fleet.placement import holders
 from prefix_service.server.status import PersistError, ReplicaUnavailable
-from prefix_service.server.store import TemplateSource, TemplateStore
+from prefix_service.server.store import TemplateSource, TemplateStore, state_file_name
 
 log = logging.getLogger("prefix_service.fleet")
 
@@ -62,17 +62,17 @@ FORM_TIMEOUT_S = 120.0  # at the fleet's start: how long the first replicas wait
 class Command:
     id: int
     method: str  # an EngineReplica method named in replica.COMMANDS
-    args: tuple = ()
+    args: tuple[Any, ...] = ()
 
 
 @dataclass
 class Member:
     ready: bool = False  # its constructor returned: it serves
     last_seen: float = field(default_factory=time.monotonic)
-    report: dict = field(default_factory=dict)  # its last poll's: held templates, stats
+    report: dict[str, Any] = field(default_factory=dict)  # its last poll's: held templates, stats
     queue: list[Command] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
-    pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
 
 
 class FleetController:
@@ -103,7 +103,7 @@ class FleetController:
         self._busy: set[tuple[str, str]] = set()  # (template, replica) with a pin or unpin in flight
         self._ids = itertools.count(1)
         self._admin = asyncio.Lock()
-        self._loop_task: asyncio.Task | None = None
+        self._loop_task: asyncio.Task[None] | None = None
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
@@ -137,7 +137,7 @@ class FleetController:
                  len(mine), len(self.sources))
         return mine
 
-    async def ready(self, replica: str, held: dict[str, tuple[int, ...]], report: dict) -> None:
+    async def ready(self, replica: str, held: dict[str, tuple[int, ...]], report: dict[str, Any]) -> None:
         """The replica's constructor is done: it serves, holding these templates (token ids by
         name), and reports as in a poll."""
         member = self.members.setdefault(replica, Member())
@@ -149,7 +149,7 @@ class FleetController:
                 self.locations[name].add(replica)
                 self.token_ids.setdefault(name, tuple(ids))
 
-    async def poll(self, replica: str, report: dict) -> list[Command]:
+    async def poll(self, replica: str, report: dict[str, Any]) -> list[Command]:
         """A replica's heartbeat: its report in, the commands queued for it out (waits up to
         POLL_S for one)."""
         self._ensure_loop()
@@ -250,12 +250,14 @@ class FleetController:
                         # ...once the front ends' cached routes have expired: unpin after that
                         self._spawn(self._unpin(name, replica, after_s=HANDOVER_S))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         asyncio.get_running_loop().create_task(coro)
 
     async def _pin(self, src: TemplateSource, replica: str) -> PrefixInfo | None:
         key = (src.name, replica)
         self._busy.add(key)
+        info: PrefixInfo | None
+        ids: tuple[int, ...] | None
         try:
             info, ids = await self._command(replica, "pin", src, timeout_s=PIN_TIMEOUT_S)
         except PrefixExists:  # it holds it already
@@ -279,7 +281,8 @@ class FleetController:
         self._busy.add(key)
         try:
             await asyncio.sleep(after_s)
-            return await self._command(replica, "unpin", name)
+            freed: bool = await self._command(replica, "unpin", name)
+            return freed
         except Exception as e:  # noqa: BLE001 - a replica gone has nothing left to free
             log.warning("unpinning %r on replica %s failed: %s", name, replica, e)
             return True
@@ -295,7 +298,7 @@ class FleetController:
         out[""] = tuple(sorted(serving))
         return out
 
-    async def prefix(self, name: str) -> tuple[tuple[int, ...], dict]:
+    async def prefix(self, name: str) -> tuple[tuple[int, ...], dict[str, str]]:
         """A template's token ids and definition (the chat path needs them)."""
         src = self.sources.get(name)
         if src is None:
@@ -326,7 +329,7 @@ class FleetController:
             out.append((info, src.origin, routes[name]))
         return out
 
-    async def reports(self) -> dict[str, dict]:
+    async def reports(self) -> dict[str, dict[str, Any]]:
         """replica -> its last report (held templates, stats), for every member."""
         return {r: {"ready": m.ready, **m.report} for r, m in self.members.items()}
 
@@ -351,13 +354,14 @@ class FleetController:
             results = await asyncio.gather(*(self._command(r, "pin", src, timeout_s=PIN_TIMEOUT_S) for r in targets),
                                            return_exceptions=True)
             failed = [e for e in results if isinstance(e, BaseException)]
+            pinned = [p for p in results if not isinstance(p, BaseException)]  # (PrefixInfo, token ids) each
             if failed:
                 done = [r for r, e in zip(targets, results) if not isinstance(e, BaseException)]
                 await asyncio.gather(*(self._unpin(src.name, r) for r in done))
                 raise failed[0]
             self.sources[src.name] = src
             self.locations[src.name] = set(targets)
-            info, ids = results[0]
+            info, ids = pinned[0]
             self.token_ids[src.name] = tuple(ids)
             try:
                 self._save()
@@ -365,7 +369,7 @@ class FleetController:
                 del self.sources[src.name], self.locations[src.name]
                 await asyncio.gather(*(self._unpin(src.name, r) for r in targets))
                 raise PersistError(f"template {src.name!r} was not added: cannot write the state file "
-                                   f"{self.store.path}: {e}") from e
+                                   f"{state_file_name(self.store)}: {e}") from e
             log.info("template %r added on %s", src.name, ", ".join(targets))
             return info, tuple(sorted(targets))
 
@@ -383,8 +387,9 @@ class FleetController:
                 try:
                     self._save()
                 except OSError as e:
-                    raise PersistError(f"template {name!r} was removed, but the state file {self.store.path} could "
-                                       f"not be updated ({e}); it will come back at the next start") from e
+                    raise PersistError(f"template {name!r} was removed, but the state file "
+                                       f"{state_file_name(self.store)} could not be updated ({e}); it will come "
+                                       f"back at the next start") from e
             log.info("template %r removed from %s", name, ", ".join(sorted(where)) or "no replica")
             return all(freed)
 

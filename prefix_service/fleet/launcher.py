@@ -1,4 +1,5 @@
-"""FleetServer: PrefixServer with its engine replaced by a fleet of engine replicas on Ray Serve.
+"""fleet_server: a PrefixServer whose parts (server/parts.py) are a fleet of engine replicas on Ray
+Serve (FleetEngineProvider) and Ray Serve's HTTP proxy (ServeProxyHttpFront).
 
     gRPC (Generation, PrefixAdmin, health)   this process: our servicers over FleetEngine, which
                                               calls the replicas' deployment handle
@@ -19,7 +20,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 from ray import serve
@@ -29,6 +30,7 @@ from prefix_service.errors import EngineStopped
 from prefix_service.fleet import SERVE_ENV
 from prefix_service.fleet.calls import call_sync
 from prefix_service.server.app import PrefixServer
+from prefix_service.server.parts import ServerContext
 from prefix_service.server.store import TemplateSource, TemplateStore
 from prefix_service.server.tls import TlsFiles
 
@@ -46,7 +48,9 @@ METRICS_TIMEOUT_S = 5.0  # a scrape's wait for the HTTP ingress's series
 class HttpIngress:
     """The OpenAI HTTP API as a Ray Serve ingress deployment (built by build_app)."""
 
-    async def __init__(self, config: ServiceConfig, replicas: Any, controller: Any, served_name: str) -> None:
+    # Ray Serve awaits an async constructor, which the type checker's rule for __init__ does not know
+    async def __init__(self, config: ServiceConfig, replicas: Any, controller: Any,  # type: ignore[misc]
+                       served_name: str) -> None:
         from prefix_service.fleet import log_to_serve
         from prefix_service.fleet.client import FleetEngine, FleetRegistry
         from prefix_service.model.loader import load_tokenizer
@@ -56,16 +60,15 @@ class HttpIngress:
         from prefix_service.server.runtime import Runtime
 
         log_to_serve()  # its request log lines, as a single process writes them, to its Ray Serve log
-        runtime = Runtime()
         engine = FleetEngine(replicas, controller, load_tokenizer(config.engine.model.path))
         await engine.start()
-        runtime.engine, runtime.registry, runtime.ready = engine, FleetRegistry(engine), True
+        runtime = Runtime(engine, FleetRegistry(engine), ready=True)
         # the per-request series only: the gRPC front end's endpoint reports the fleet and adds these
         self.metrics = ServiceMetrics(runtime, requests_only=True)
         # the key is read here, from the environment of the node this replica runs on
         self.api = OpenAIApi(runtime, self.metrics, ApiKeyAuth(read_api_key(config.server)), served_name)
 
-    def __serve_build_asgi_app__(self):
+    def __serve_build_asgi_app__(self) -> Any:
         return self.api.app
 
     def metrics_text(self) -> str:
@@ -73,7 +76,7 @@ class HttpIngress:
         return self.metrics.text()
 
 
-def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str):
+def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str) -> serve.Application:
     """The Ray Serve application: replicas and controller, behind HttpIngress when HTTP is on."""
     from ray.serve.config import RequestRouterConfig
 
@@ -81,31 +84,35 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
     from prefix_service.fleet.replica import EngineReplica
 
     rc = config.ray or RayConfig()
-    controller = serve.deployment(FleetController, name=CONTROLLER_DEPLOYMENT, num_replicas=1,
-                                  max_ongoing_requests=10_000, logging_config=QUIET,
+    controller = serve.deployment(name=CONTROLLER_DEPLOYMENT, num_replicas=1, max_ongoing_requests=10_000,
+                                  logging_config=QUIET,
                                   # its calls in flight are the replicas' polls: nothing to wait for
                                   graceful_shutdown_timeout_s=1.0, graceful_shutdown_wait_loop_s=0.2,
                                   # the state file is on the head node
                                   ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-                                  ).bind(config, state_file, in_serve=True)
-    scaling: dict = ({"autoscaling_config": {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
+                                  )(FleetController).bind(config, state_file, in_serve=True)
+    scaling: dict[str, Any] = ({"autoscaling_config": {"min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
                                              "target_ongoing_requests": rc.target_ongoing_requests,
                                              "upscale_delay_s": rc.upscale_delay_s,
                                              "downscale_delay_s": rc.downscale_delay_s,
                                              "look_back_period_s": rc.look_back_period_s}}
                      if rc.autoscaling else {"num_replicas": rc.num_replicas})
-    replicas = serve.deployment(EngineReplica, name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
+    # RequestRouterConfig takes the router class or its import path; its pydantic signature says a dict
+    # (unused-ignore: a Ray whose signature is right)
+    router = RequestRouterConfig(request_router_class=ROUTER_CLASS)  # type: ignore[arg-type, unused-ignore]
+    replicas = serve.deployment(name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
                                 logging_config=QUIET,
                                 ray_actor_options={"num_cpus": rc.num_cpus_per_replica},
-                                request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS),
+                                request_router_config=router,
                                 health_check_period_s=2.0, health_check_timeout_s=30.0,
                                 graceful_shutdown_timeout_s=config.server.grace_period_s,
                                 graceful_shutdown_wait_loop_s=0.5, **scaling
-                                ).bind(config, controller)
+                                )(EngineReplica).bind(config, controller)
     if not http:
         return replicas
-    ingress = serve.deployment(serve.ingress()(HttpIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
-                               max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0}, logging_config=QUIET)
+    ingress = serve.deployment(name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=10_000,
+                               ray_actor_options={"num_cpus": 0}, logging_config=QUIET
+                               )(serve.ingress()(HttpIngress))
     return ingress.bind(config, replicas, controller, served_name)
 
 
@@ -124,16 +131,37 @@ def restore_signal_handlers() -> None:
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-class FleetServer(PrefixServer):
-    """PrefixServer whose engine is the fleet (config.ray; `prefix-service serve --ray`)."""
+class ServeProxyHttpFront:
+    """The HTTP front of a fleet: Ray Serve's proxy, in front of HttpIngress, serves the HTTP API.
+    It starts with the fleet, so start() only fixes its address (a free port for port 0), which
+    FleetEngineProvider reads when it deploys; Ray Serve's shutdown stops it."""
 
-    def __init__(self, config: ServiceConfig, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.ray_config = config.ray or RayConfig()
-        self._http_plan: tuple[str, int, TlsFiles | None] | None = None
+    def __init__(self) -> None:
+        self.plan: tuple[str, int, TlsFiles | None] | None = None  # host, port, TLS; None: no HTTP
+
+    async def start(self, ctx: ServerContext, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
+        host, port = split_address(address, "server.http_address")
+        port = port or _free_port(host)
+        self.plan = (host, port, tls)
+        return port
+
+    async def stop(self, grace: float) -> None:
+        """Nothing here: the proxy drains and stops with the fleet (FleetEngineProvider.close)."""
+
+
+class FleetEngineProvider:
+    """The engine provider of a fleet (config.ray): starts or joins a Ray cluster, deploys the
+    replicas and the controller (behind HttpIngress when `http` has a plan), and attaches a
+    FleetEngine and FleetRegistry; the replicas pin the templates themselves and the controller
+    keeps the state file. close() tears the fleet down."""
+
+    def __init__(self, ray_config: RayConfig, http: ServeProxyHttpFront) -> None:
+        self.ray_config = ray_config
+        self.http = http
         self._ray_started = False  # ray.init started a local cluster: it stops with the server
         self._ray_joined = False  # ray.init joined a running cluster: disconnect, leave it running
         self._deployed = False
@@ -141,36 +169,31 @@ class FleetServer(PrefixServer):
         # its children with a parent-death signal): one thread starts the cluster and stops it.
         self._ray_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ray-driver")
 
-    async def _start_http(self, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
-        """Ray Serve's proxy serves HTTP; it starts with the fleet, on a port fixed here."""
-        host, port = split_address(address, "server.http_address")
-        port = port or _free_port(host)
-        self._http_plan = (host, port, tls)
-        return port
-
-    async def _load_and_warm(self, store: TemplateStore | None, restored: list[TemplateSource]) -> int:
+    async def load(self, ctx: ServerContext, store: TemplateStore | None, restored: Sequence[TemplateSource]) -> int:
+        """`restored` is not used: the controller reads the state file itself (on the head node)."""
         from prefix_service.fleet.client import FleetEngine, FleetRegistry
         from prefix_service.model.loader import load_tokenizer
 
         loop = asyncio.get_running_loop()
         rc = self.ray_config
-        self.runtime.phase = "starting the fleet on Ray Serve"
-        replicas, controller, ingress = await loop.run_in_executor(self._ray_thread, self._deploy, loop,
-                                                                   str(store.path) if store is not None else None)
+        ctx.runtime.phase = "starting the fleet on Ray Serve"
+        replicas, controller, ingress = await loop.run_in_executor(
+            self._ray_thread, self._deploy, ctx, loop, str(store.path) if store is not None else None)
         if ingress is not None:  # the HTTP calls, counted in the ingress, join this endpoint's series
-            self.metrics.add_source(lambda: call_sync(ingress.metrics_text.remote(), METRICS_TIMEOUT_S,
-                                                      "the HTTP ingress"))
-        tokenizer = await loop.run_in_executor(self.runtime.executor, load_tokenizer, self.config.engine.model.path)
+            ctx.metrics.add_source(lambda: call_sync(ingress.metrics_text.remote(), METRICS_TIMEOUT_S,
+                                                     "the HTTP ingress"))
+        tokenizer = await loop.run_in_executor(ctx.runtime.executor, load_tokenizer, ctx.config.engine.model.path)
         engine = FleetEngine(replicas, controller, tokenizer)
         await engine.start()
-        self.runtime.engine, self.runtime.registry = engine, FleetRegistry(engine)
+        ctx.runtime.attach(engine, FleetRegistry(engine))
         routes = await engine.routes()  # start() has just fetched them
         members, templates = routes.get("", ()), [name for name in routes if name]
         log.info("fleet %r up: %d replicas (%s), %d templates, template_replication %s", rc.app_name, len(members),
                  ", ".join(members), len(templates), rc.template_replication or "all")
         return len(templates)
 
-    def _deploy(self, loop: asyncio.AbstractEventLoop, state_file: str | None):
+    def _deploy(self, ctx: ServerContext, loop: asyncio.AbstractEventLoop,
+                state_file: str | None) -> tuple[Any, Any, Any]:
         rc = self.ray_config
         if not ray.is_initialized():
             ray.init(address=rc.address, include_dashboard=False, logging_level=logging.WARNING,
@@ -179,36 +202,32 @@ class FleetServer(PrefixServer):
             joined = rc.address is not None or bool(os.environ.get("RAY_ADDRESS"))
             self._ray_started, self._ray_joined = not joined, joined
             loop.call_soon_threadsafe(restore_signal_handlers)
-        if self._stopping:  # stopped while Ray started: deploy nothing
+        if ctx.stopping.is_set():  # stopped while Ray started: deploy nothing
             raise EngineStopped("the server stopped while the fleet was starting")
-        if self._http_plan is not None:
-            host, port, tls = self._http_plan
-            http_options = {"host": host, "port": port}
+        plan = self.http.plan
+        if plan is not None:
+            host, port, tls = plan
+            http_options: dict[str, Any] = {"host": host, "port": port}
             if tls is not None:
                 http_options |= {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
             serve.start(proxy_location="HeadOnly", http_options=http_options, logging_config={"enable_access_log": False})
         else:
             serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False})
-        app = build_app(self.config, state_file, http=self._http_plan is not None, served_name=self.served_name)
+        app = build_app(ctx.config, state_file, http=plan is not None, served_name=ctx.served_name)
         log.info("deploying %s replicas of %s on Ray Serve (each loads the model and pins its templates; %s)",
                  f"{rc.min_replicas}-{rc.max_replicas}" if rc.autoscaling else rc.num_replicas,
-                 self.config.engine.model.path, " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in SERVE_ENV))
-        serve.run(app, name=rc.app_name, route_prefix="/" if self._http_plan is not None else None)
+                 ctx.config.engine.model.path, " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in SERVE_ENV))
+        serve.run(app, name=rc.app_name, route_prefix="/" if plan is not None else None)
         self._deployed = True
         return (serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=rc.app_name),
                 serve.get_deployment_handle(CONTROLLER_DEPLOYMENT, app_name=rc.app_name),
                 serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=rc.app_name)
-                if self._http_plan is not None else None)
+                if plan is not None else None)
 
-    async def stop(self, grace: float | None = None) -> None:
-        first = not self._stopping  # a stop during startup comes twice (start's own, then serve()'s)
-        try:
-            await super().stop(grace)
-        finally:
-            if first:
-                # on the thread that started the cluster, after a deployment under way has finished
-                await asyncio.get_running_loop().run_in_executor(self._ray_thread, self._teardown)
-                self._ray_thread.shutdown(wait=False)
+    async def close(self) -> None:
+        """On the thread that started the cluster, after a deployment under way has finished."""
+        await asyncio.get_running_loop().run_in_executor(self._ray_thread, self._teardown)
+        self._ray_thread.shutdown(wait=False)
 
     def _teardown(self) -> None:
         """A local cluster this process started goes with it; on a cluster it joined only the
@@ -231,3 +250,11 @@ class FleetServer(PrefixServer):
         if self._ray_joined:  # disconnect this driver only
             ray.shutdown()
             self._ray_joined = False
+
+
+def fleet_server(config: ServiceConfig) -> PrefixServer:
+    """A PrefixServer whose engine is the fleet (config.ray; `prefix-service serve --ray`): gRPC in
+    this process over a FleetEngine, HTTP on Ray Serve's proxy."""
+    http = ServeProxyHttpFront()
+    return PrefixServer(config, engine_provider=FleetEngineProvider(config.ray or RayConfig(), http),
+                        http_front=http)

@@ -17,7 +17,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import ray
 from ray import serve
@@ -33,6 +33,9 @@ from prefix_service.server.store import TemplateSource
 from prefix_service.server.templates import TemplateRegistry
 from prefix_service.server.warmup import warm_up
 
+if TYPE_CHECKING:
+    from prefix_service.fleet.controller import Command
+
 log = logging.getLogger("prefix_service.fleet")
 
 COMMANDS = ("pin", "unpin", "token_ids", "check_integrity")  # what the controller may ask a replica to run
@@ -40,7 +43,8 @@ LEAVE_TIMEOUT_S = 2.0  # a stopping replica's goodbye; the controller may be sto
 
 
 class EngineReplica:
-    async def __init__(self, config: ServiceConfig, controller: Any) -> None:
+    # Ray Serve awaits an async constructor, which the type checker's rule for __init__ does not know
+    async def __init__(self, config: ServiceConfig, controller: Any) -> None:  # type: ignore[misc]
         log_to_serve()
         self.id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()  # the Ray node it runs on, in its reports
@@ -48,7 +52,7 @@ class EngineReplica:
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(None, Engine, config)
         self.registry = TemplateRegistry(self.engine, None, config.server.max_template_bytes)
-        self.requests = collections.Counter()  # generation requests taken, by template ("" for none)
+        self.requests: collections.Counter[str] = collections.Counter()  # requests taken, by template ("" for none)
         assigned: list[TemplateSource] = await controller.join.remote(self.id)
         self._poller = asyncio.create_task(self._poll_forever())
         configured = [s for s in assigned if s.origin == "config"]
@@ -59,13 +63,13 @@ class EngineReplica:
         log.info("replica %s ready: %d of %d assigned templates pinned", self.id, pinned, len(assigned))
 
     def _token_ids(self) -> dict[str, tuple[int, ...]]:
-        out = {}
+        out: dict[str, tuple[int, ...]] = {}
         for info in self.engine.list_prefixes():
             with contextlib.suppress(PrefixNotFound):
                 out[info.name] = self.engine.get_prefix(info.name).token_ids
         return out
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         return {"held": self.registry.list(), "stats": self.stats(), "node": self.node}
 
     async def _poll_forever(self) -> None:
@@ -81,7 +85,7 @@ class EngineReplica:
             for cmd in commands:
                 asyncio.create_task(self._run(cmd))
 
-    async def _run(self, cmd) -> None:
+    async def _run(self, cmd: Command) -> None:
         try:
             if cmd.method not in COMMANDS:
                 raise ValueError(f"unknown command {cmd.method!r}")
@@ -122,7 +126,7 @@ class EngineReplica:
     def token_ids(self, name: str) -> tuple[int, ...]:
         return self.engine.get_prefix(name).token_ids
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """KV counters (Engine.kv_stats) and the generation requests taken, by template."""
         return {"requests": dict(self.requests), **self.engine.kv_stats()}
 

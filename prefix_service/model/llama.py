@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,7 @@ def _rope_inv_freq(arch: ModelArch) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables indexed by absolute position (a user token after a prefix of length P
     sits at position P + i: positions come from the runner, never from 0 per chunk)."""
+    inv_freq: torch.Tensor  # a buffer (nn.Module's attribute lookup types it loosely)
 
     def __init__(self, arch: ModelArch, max_positions: int) -> None:
         super().__init__()
@@ -151,7 +153,7 @@ class Attention(nn.Module):
     def forward(self, x, rotate, attention) -> torch.Tensor:
         # x: [T, hidden]; rotate: the forward's rotary embedding, applied to [T, heads, D]
         qk, v = self.heads(self.qkv_proj(x))  # [T, Hq + Hkv, D], [T, Hkv, D]
-        if self.q_norm is not None:  # Qwen3: q and k have their own norms, before the rotation
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: q and k norms, before the rotation
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])], dim=1)
         # one rotation for the q and k heads together (the same positions): half the small operations
         qk = rotate(qk)
@@ -194,6 +196,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(arch, max_positions)
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """self.layers as what they are (iterating an nn.ModuleList yields plain Modules)."""
+        return cast("list[DecoderLayer]", list(self.layers))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:

@@ -3,6 +3,9 @@ health and reflection services), the OpenAI-compatible HTTP API, and an optional
 endpoint.
 
     app.py         PrefixServer: start order, graceful stop, signals
+    parts.py       what PrefixServer is built from: an engine provider and an HTTP front (one process's by default)
+    interfaces.py  EngineClient, TemplateRegistryClient: what the server drives (one process or a fleet)
+    runtime.py     what the servicers share: the engine client, the registry, ready, the worker pool
     requests.py    the request path both front ends share: RequestSpec -> engine request
     generation.py  Generate: convert, submit, stream, abort on cancel
     openai_api.py  /v1/models, /v1/completions, /v1/chat/completions, /health;  http.py  uvicorn

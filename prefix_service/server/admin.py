@@ -7,6 +7,7 @@ import asyncio
 import functools
 import logging
 import time
+from typing import Any, Awaitable, Callable, TypeVar
 
 import grpc
 
@@ -15,6 +16,7 @@ from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
 from prefix_service.server.auth import BearerAuth
 from prefix_service.server.convert import template_to_proto
+from prefix_service.server.interfaces import TemplateRegistryClient
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import abort
 from prefix_service.server.store import TemplateSource
@@ -22,11 +24,18 @@ from prefix_service.server.wire import check_decoded
 
 log = logging.getLogger("prefix_service.server")
 
+T = TypeVar("T")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
-def _mapped(method):
+
+Handler = Callable[["PrefixAdminServicer", Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+
+def _mapped(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """Turn any exception of an admin handler into its status code."""
     @functools.wraps(method)
-    async def wrapper(self, request, context):
+    async def wrapper(self: PrefixAdminServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         try:
             return await method(self, request, context)
         except grpc.aio.AbortError:
@@ -48,17 +57,18 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
         self.runtime = runtime
         self.auth = auth
 
-    async def _call(self, fn, *args):
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.runtime.executor, fn, *args)
 
-    def _registry(self, request, context: grpc.aio.ServicerContext):
+    def _registry(self, request: object, context: grpc.aio.ServicerContext) -> TemplateRegistryClient:
         """Authorize first (a stranger learns nothing, not even that a request was malformed)."""
         self.auth.check(context.invocation_metadata())
         check_decoded(request)
         return self.runtime.require_ready()[1]
 
     @_mapped
-    async def AddPrefixTemplate(self, request, context):
+    async def AddPrefixTemplate(self, request: pb.AddPrefixTemplateRequest,
+                                context: grpc.aio.ServicerContext) -> pb.PrefixTemplate:
         registry = self._registry(request, context)
         src = source_from_proto(request)
         t0 = time.perf_counter()
@@ -69,7 +79,8 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
         return template_to_proto(info, "admin")
 
     @_mapped
-    async def RemovePrefixTemplate(self, request, context):
+    async def RemovePrefixTemplate(self, request: pb.RemovePrefixTemplateRequest,
+                                   context: grpc.aio.ServicerContext) -> pb.RemovePrefixTemplateResponse:
         registry = self._registry(request, context)
         freed = await self._call(registry.remove, request.name)
         log.info("prefix template %r removed%s", request.name,
@@ -77,7 +88,8 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
         return pb.RemovePrefixTemplateResponse(deferred=not freed)
 
     @_mapped
-    async def ListPrefixTemplates(self, request, context):
+    async def ListPrefixTemplates(self, request: pb.ListPrefixTemplatesRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.ListPrefixTemplatesResponse:
         registry = self._registry(request, context)
         items = await self._call(registry.listing)
         return pb.ListPrefixTemplatesResponse(templates=[template_to_proto(i, origin, replicas)

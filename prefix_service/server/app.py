@@ -1,14 +1,18 @@
-"""PrefixServer: the process around the servicers. Start order:
+"""PrefixServer: the process around the servicers, built from two parts (parts.py): an engine
+provider, which brings up the engine client and template registry, and an HTTP front. The
+defaults run the engine in this process and the HTTP API on uvicorn; a fleet passes its own
+(fleet/launcher.py, `fleet_server`). Start order:
 
     check admin exposure, TLS files, the state file   (fail fast, before anything heavy)
-    bind and start gRPC (and server.admin_address, the metrics endpoint, the HTTP API on
+    bind and start gRPC (and server.admin_address, the metrics endpoint, the HTTP front on
     server.http_address); health NOT_SERVING (HTTP: /health answers 503)
-    load the engine, warm up every template            (YAML first, then the state file's)
+    the engine provider: load the engine, warm up every template   (YAML first, then the state file's)
     health SERVING
 
 Stop (SIGTERM/SIGINT, or stop()): health NOT_SERVING, refuse new calls, give in-flight calls
 (gRPC and HTTP alike) server.grace_period_s to finish, cancel the rest (which aborts their
-requests and frees their blocks), then shut the engine down. A second signal cuts the grace short.
+requests and frees their blocks), then shut the engine down and close the engine provider. A
+second signal cuts the grace short.
 """
 from __future__ import annotations
 
@@ -16,26 +20,24 @@ import asyncio
 import json
 import logging
 import signal
+import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefix_service.config import ServiceConfig, split_address
-from prefix_service.engine import Engine
 from prefix_service.server.admin import PrefixAdminServicer
-from prefix_service.server.auth import (AdminAuth, ApiKeyAuth, check_admin_exposure, read_api_key, read_token,
-                                        warn_cleartext_token)
+from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_api_key, read_token, warn_cleartext_token
 from prefix_service.server.generation import GenerationServicer
-from prefix_service.server.http import HttpServer
+from prefix_service.server.interfaces import EngineClient
 from prefix_service.server.metrics import ServiceMetrics
+from prefix_service.server.parts import EngineProvider, HttpFront, LocalEngineProvider, ServerContext, UvicornHttpFront
 from prefix_service.server.runtime import Runtime
-from prefix_service.server.store import TemplateSource, TemplateStore
-from prefix_service.server.templates import TemplateRegistry
+from prefix_service.server.store import TemplateStore
 from prefix_service.server.tls import TlsFiles, load_tls
-from prefix_service.server.warmup import WarmupHook, warm_up
 from prefix_service.server.wire import ADMIN_SERVICE, GENERATION_SERVICE, add_admin, add_generation
 
 log = logging.getLogger("prefix_service.server")
@@ -54,29 +56,33 @@ def state_path(config: ServiceConfig) -> Path | None:
 
 
 class PrefixServer:
-    def __init__(self, config: ServiceConfig, *, engine_factory: Callable[[ServiceConfig], Engine] = Engine,
-                 warmup_hook: WarmupHook | None = None) -> None:
+    """engine_provider: brings up the engine and its templates (default: LocalEngineProvider, an
+    Engine in this process); http_front: serves the HTTP API when server.http_address is set
+    (default: UvicornHttpFront, on this server's event loop)."""
+
+    def __init__(self, config: ServiceConfig, *, engine_provider: EngineProvider | None = None,
+                 http_front: HttpFront | None = None) -> None:
         self.config = config
         self.runtime = Runtime()
         self.metrics = ServiceMetrics(self.runtime)
-        self._engine_factory = engine_factory
-        self._warmup_hook = warmup_hook
+        self.engine_provider: EngineProvider = engine_provider or LocalEngineProvider()
+        self.http_front: HttpFront = http_front or UvicornHttpFront()
         self._grpc: grpc.aio.Server | None = None
         self._admin_grpc: grpc.aio.Server | None = None  # only with server.admin_address
         self._health = health.aio.HealthServicer()
         self._generation = GenerationServicer(self.runtime, self.metrics)
         self._stopped = asyncio.Event()
-        self._stopping = False
+        self._stopping = threading.Event()
         self.port: int | None = None  # generation (and admin without server.admin_address)
         self.admin_port: int | None = None  # where PrefixAdmin listens; None when disabled
         self.metrics_port: int | None = None  # the Prometheus endpoint; None when off
         self.http_port: int | None = None  # the OpenAI-compatible HTTP API; None when off
         model = config.engine.model
         self.served_name = model.served_name or Path(model.path).name  # the base model's id over HTTP
-        self._http: HttpServer | None = None
+        self.context = ServerContext(config, self.runtime, self.metrics, self.served_name, self._stopping)
 
     @property
-    def engine(self) -> Engine | None:
+    def engine(self) -> EngineClient | None:
         return self.runtime.engine
 
     @property
@@ -98,9 +104,9 @@ class PrefixServer:
     @staticmethod
     def _bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
         try:
-            if tls is None:
-                return server.add_insecure_port(address)
-            return server.add_secure_port(address, tls.grpc_credentials())
+            port: int = (server.add_insecure_port(address) if tls is None
+                         else server.add_secure_port(address, tls.grpc_credentials()))
+            return port
         except RuntimeError as e:
             raise OSError(f"cannot listen on {address}: {e} (is another server using the port?)") from None
 
@@ -136,11 +142,11 @@ class PrefixServer:
             if self._admin_grpc is not None:
                 await self._admin_grpc.start()
             if cfg.metrics_address:
-                self.metrics_port = self.metrics.serve(cfg.metrics_address, tls and tls.cert_file,
-                                                       tls and tls.key_file)
+                self.metrics_port = self.metrics.serve(cfg.metrics_address, tls.cert_file if tls else None,
+                                                       tls.key_file if tls else None)
             api_key = read_api_key(cfg)
             if cfg.http_address:
-                self.http_port = await self._start_http(cfg.http_address, tls, api_key)
+                self.http_port = await self.http_front.start(self.context, cfg.http_address, tls, api_key)
             admin = "disabled" if not cfg.enable_admin else (
                 f"on port {self.admin_port}, " + ("needs a bearer token" if token else "open on loopback"))
             metrics = "off" if self.metrics_port is None else f"on port {self.metrics_port} (/metrics)"
@@ -148,7 +154,7 @@ class PrefixServer:
                 f"on port {self.http_port} (OpenAI API, " + ("needs an API key)" if api_key else "no API key)"))
             log.info("listening on %s:%d (%s; health NOT_SERVING until warmup ends); admin %s; metrics %s; HTTP %s",
                      cfg.host, self.port, "TLS" if tls else "plaintext", admin, metrics, http)
-            pinned = await self._load_and_warm(store, restored)
+            pinned = await self.engine_provider.load(self.context, store, restored)
         except BaseException:
             await self.stop(grace=0)
             raise
@@ -157,54 +163,43 @@ class PrefixServer:
         log.info("SERVING on %s:%d: %d prefix templates pinned", cfg.host, self.port, pinned)
         return self.port
 
-    async def _start_http(self, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
-        from prefix_service.server.openai_api import OpenAIApi  # fastapi loads only when HTTP is on
-        api = OpenAIApi(self.runtime, self.metrics, ApiKeyAuth(api_key), self.served_name)
-        self._http = HttpServer(api.app, address, certfile=tls and tls.cert_file, keyfile=tls and tls.key_file)
-        return await self._http.start(self.config.server.grace_period_s)
-
-    async def _load_and_warm(self, store: TemplateStore | None, restored: list[TemplateSource]) -> int:
-        loop = asyncio.get_running_loop()
-        self.runtime.phase = "loading the model"
-        self.runtime.engine = await loop.run_in_executor(self.runtime.executor, self._engine_factory, self.config)
-        self.runtime.registry = TemplateRegistry(self.runtime.engine, store, self.config.server.max_template_bytes)
-        configured = [TemplateSource(p.name, content=None if p.system_prompt is not None else p.read_text(),
-                                     system_prompt=p.system_prompt, origin="config")
-                      for p in self.config.prefixes]
-        self.runtime.phase = "warming up its prefix templates"
-        return await loop.run_in_executor(self.runtime.executor, warm_up, self.runtime.registry, configured,
-                                          restored, self._warmup_hook)
-
     async def stop(self, grace: float | None = None) -> None:
-        """Drain (grace seconds, default server.grace_period_s), cancel what is left, stop the engine."""
-        if self._stopping:
+        """Drain (grace seconds, default server.grace_period_s), cancel what is left, stop the
+        engine, close the engine provider."""
+        if self._stopping.is_set():
             await self._stopped.wait()
             return
-        self._stopping = True
+        self._stopping.set()
         grace = self.config.server.grace_period_s if grace is None else grace
         self.runtime.phase = "shutting down"
         try:
             await self._health.enter_graceful_shutdown()
             servers = [s for s in (self._grpc, self._admin_grpc) if s is not None]
-            await asyncio.gather(*(s.stop(grace) for s in servers),
-                                 *([self._http.stop(grace)] if self._http is not None else []))
+            await asyncio.gather(*(s.stop(grace) for s in servers), self.http_front.stop(grace))
             await self._generation.drain_aborts()
         finally:
-            engine = self.runtime.engine
-            self.runtime.ready = False
-            if engine is not None:
-                await asyncio.get_running_loop().run_in_executor(self.runtime.executor, engine.shutdown)
-            self.runtime.executor.shutdown(wait=False)
-            self.metrics.stop()
-            self._stopped.set()
-            log.info("stopped")
+            try:
+                engine = self.runtime.engine
+                self.runtime.ready = False
+                if engine is not None:
+                    await asyncio.get_running_loop().run_in_executor(self.runtime.executor, engine.shutdown)
+                self.runtime.executor.shutdown(wait=False)
+                self.metrics.stop()
+                log.info("stopped")
+            finally:
+                try:
+                    await self.engine_provider.close()
+                finally:
+                    self._stopped.set()
 
 
 
-async def serve(config: ServiceConfig, server_cls: type[PrefixServer] = PrefixServer, **kwargs) -> None:
-    """Run until SIGTERM or SIGINT, then stop gracefully. server_cls: PrefixServer, or the fleet's
-    FleetServer (prefix_service/fleet/launcher.py), which the CLI picks for a config with ray."""
-    server = server_cls(config, **kwargs)
+async def serve(config: ServiceConfig, make_server: Callable[..., PrefixServer] = PrefixServer,
+                **kwargs: Any) -> None:
+    """Run until SIGTERM or SIGINT, then stop gracefully. make_server(config, **kwargs) builds the
+    server: PrefixServer, or the fleet's fleet_server (prefix_service/fleet/launcher.py), which
+    the CLI picks for a config with ray."""
+    server = make_server(config, **kwargs)
     loop = asyncio.get_running_loop()
     signalled = asyncio.Event()
 

@@ -23,7 +23,8 @@ def render_ids(tokenizer: Any, messages: Sequence[dict[str, str]], *, add_genera
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja raises its own errors for messages a template refuses
         raise InvalidRequest(f"the model's chat template rejected the messages: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids
 
 
 def system_prompt_ids(tokenizer: Any, system_prompt: str) -> list[int]:
@@ -32,7 +33,7 @@ def system_prompt_ids(tokenizer: Any, system_prompt: str) -> list[int]:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], prefix_name: str | None,
-                    prefix_ids: Sequence[int] | None, prefix_source: dict | None) -> list[int]:
+                    prefix_ids: Sequence[int] | None, prefix_source: dict[str, str] | None) -> list[int]:
     """The ids a chat request submits after its prefix (all of them when there is none)."""
     system_prompt = (prefix_source or {}).get("system_prompt")
     if system_prompt is None:  # no prefix, or raw text that the conversation continues

@@ -3,7 +3,7 @@ top_p 0 means 1.0, top_k 0 means no limit, max_tokens 0 means the configured def
 seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none, n 0 means 1."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prefix_service.errors import InvalidRequest
 from prefix_service.engine.prefix_cache import PrefixInfo
@@ -46,7 +46,7 @@ def spec_from_proto(request: pb.GenerateRequest) -> RequestSpec:
                        sampling=sampling_from_proto(request.sampling), request_id=request.request_id or None)
 
 
-def messages_from_proto(messages) -> list[dict[str, str]]:
+def messages_from_proto(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(messages):
         if not m.role:
@@ -65,6 +65,7 @@ def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None 
             token_id=lp.token_id, logprob=lp.logprob, token=text(lp.token_id),
             top=[pb.TopLogprob(token_id=t, logprob=v, token=text(t)) for t, v in lp.top]))
     if out.finished:
+        assert out.finish_reason is not None  # the last output has its reason
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens,
                                     completion_tokens=out.completion_tokens, ttft_ms=out.ttft_ms or 0.0))

@@ -33,7 +33,7 @@ class HttpServer:
         self.certfile, self.keyfile = certfile, keyfile
         self.port: int | None = None
         self._server: _Uvicorn | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._sock: socket.socket | None = None
 
     def _bind(self) -> socket.socket:
@@ -56,7 +56,10 @@ class HttpServer:
         self.port = self._sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
                                 ssl_certfile=self.certfile, ssl_keyfile=self.keyfile,
-                                timeout_graceful_shutdown=max(grace_s, 0.01), server_header=False)
+                                # uvicorn annotates whole seconds, it waits any float (unused-ignore: a
+                                # uvicorn whose annotation is right)
+                                timeout_graceful_shutdown=max(grace_s, 0.01),  # type: ignore[arg-type, unused-ignore]
+                                server_header=False)
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._sock]))
         while not self._server.started:
@@ -74,7 +77,8 @@ class HttpServer:
             if self._sock is not None:
                 self._sock.close()
             return
-        self._server.config.timeout_graceful_shutdown = max(grace_s, 0.01)
+        # as in start()
+        self._server.config.timeout_graceful_shutdown = max(grace_s, 0.01)  # type: ignore[assignment, unused-ignore]
         self._server.should_exit = True
         try:
             await self._task

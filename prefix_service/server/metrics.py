@@ -89,7 +89,8 @@ class ServiceMetrics:
 
     def text(self) -> str:
         """This registry's series in the OpenMetrics text format (what a source's fetch returns)."""
-        return openmetrics_latest(self.registry).decode()
+        text: bytes = openmetrics_latest(self.registry)
+        return text.decode()
 
     def collect(self) -> Iterator[Metric]:
         """This registry's families, with the sources' added in (the endpoint's registry)."""
@@ -131,7 +132,7 @@ def merge_families(families: list[Metric]) -> list[Metric]:
     """One family per name, its samples summed where name and labels agree (counters and histograms
     of several processes; a _created sample keeps the earliest time)."""
     merged: dict[str, Metric] = {}
-    values: dict[str, dict[tuple, Sample]] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], Sample]] = {}
     for fam in families:
         if fam.name not in merged:
             merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
@@ -193,23 +194,24 @@ class RequestTrace:
         ttft = None if self.first_token is None else self.first_token - self.start
         if ttft is not None:
             m.ttft.labels(label).observe(ttft)
-        last = self.last if self.last is not None and self.last.finished else None
-        finished = code == grpc.StatusCode.OK and last is not None
-        if finished:
+        # the last output of a request that finished: its usage counts
+        done = self.last if code == grpc.StatusCode.OK and self.last is not None and self.last.finished else None
+        reason = done.finish_reason if done is not None else None
+        if done is not None:
             m.e2e.labels(label).observe(now - self.start)
-            if last.completion_tokens > 1 and self.first_token is not None:
-                m.tpot.labels(label).observe((now - self.first_token) / (last.completion_tokens - 1))
-            m.prefix_tokens.labels(label).inc(last.prefix_tokens)
-            m.prompt_tokens.labels(label).inc(last.prompt_tokens)
-            m.completion_tokens.labels(label).inc(last.completion_tokens)
+            if done.completion_tokens > 1 and self.first_token is not None:
+                m.tpot.labels(label).observe((now - self.first_token) / (done.completion_tokens - 1))
+            m.prefix_tokens.labels(label).inc(done.prefix_tokens)
+            m.prompt_tokens.labels(label).inc(done.prompt_tokens)
+            m.completion_tokens.labels(label).inc(done.completion_tokens)
         if request_log.isEnabledFor(logging.INFO):
             request_log.info("%s", json.dumps({
                 "request_id": self.request_id, "protocol": self.protocol, "prefix": self.prefix_name or None,
                 "code": code.name, **({"http_status": self.http_status} if self.http_status is not None else {}),
-                "finish_reason": last.finish_reason.value if finished else None,
-                "prompt_tokens": last.prompt_tokens if finished else None,
-                "prefix_tokens": last.prefix_tokens if finished else None,
-                "completion_tokens": last.completion_tokens if finished else None,
+                "finish_reason": reason.value if reason is not None else None,
+                "prompt_tokens": done.prompt_tokens if done is not None else None,
+                "prefix_tokens": done.prefix_tokens if done is not None else None,
+                "completion_tokens": done.completion_tokens if done is not None else None,
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
                 "latency_ms": round((now - self.start) * 1000, 3),
             }, ensure_ascii=True))

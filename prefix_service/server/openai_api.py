@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Callable, Literal, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Literal, Union
 
 import grpc
 from fastapi import FastAPI, Request
@@ -232,7 +232,8 @@ def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:
 def _finish(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
-    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(out.finish_reason, "abort")
+    reasons: dict[FinishReason | None, str] = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
+    return reasons.get(out.finish_reason, "abort")
 
 
 class _Shape:
@@ -467,10 +468,8 @@ class OpenAIApi:
         if model is not None and model != self.served_name:
             registry = self.runtime.registry
             if registry is None or not registry.known(model):
-                e = ModelNotFound(f"the model {model[:128]!r} does not exist here: use {self.served_name!r} or a "
-                                  f"template's name (GET /v1/models lists them)")
-                e.param = "model"
-                raise e
+                raise ModelNotFound(f"the model {model[:128]!r} does not exist here: use {self.served_name!r} or a "
+                                    f"template's name (GET /v1/models lists them)", param="model")
             template = model
         if prefix_name is not None:
             if template is not None and prefix_name != template:
@@ -488,7 +487,7 @@ class OpenAIApi:
         return RequestSpec(prefix_name=template, sampling=body.sampling(body.max_tokens), request_id=request_id,
                            **body.prompt_fields())
 
-    async def _whole(self, request: Request, first: RequestOutput, stream: AsyncIterator[RequestOutput],
+    async def _whole(self, request: Request, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None],
                      shape: _Shape, trace: RequestTrace, n: int) -> Response:
         async def collect() -> None:
             out = first
@@ -523,7 +522,7 @@ class OpenAIApi:
         _end(trace)
         return JSONResponse(shape.whole(samples))
 
-    async def _stream(self, first: RequestOutput, stream: AsyncIterator[RequestOutput], shape: _Shape,
+    async def _stream(self, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None], shape: _Shape,
                       trace: RequestTrace, include_usage: bool, n: int) -> AsyncIterator[bytes]:
         trace.http_status = 200
         try:

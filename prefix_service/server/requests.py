@@ -16,13 +16,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from prefix_service.engine import Engine
 from prefix_service.engine.sequence import GenerateRequest, ScoreOutput, ScoreRequest
 from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import SamplingParams
 from prefix_service.server.chat import chat_prompt_ids
+from prefix_service.server.interfaces import EngineClient
 from prefix_service.server.runtime import Runtime
-from prefix_service.server.status import NotSupported
 
 MAX_REQUEST_ID_CHARS = 128
 
@@ -78,38 +77,44 @@ def request_id_for(spec: RequestSpec | ScoreSpec) -> str:
     return check_request_id(spec.request_id) if spec.request_id else uuid.uuid4().hex
 
 
-def build_request(engine: Engine, spec: RequestSpec, request_id: str) -> GenerateRequest:
+def build_request(engine: EngineClient, spec: RequestSpec, request_id: str) -> GenerateRequest:
     """Spec -> engine request. Blocks (renders chat messages; looks the template up): call it off
     the event loop."""
     given = [name for name, value in (("prompt", spec.prompt), ("prompt_token_ids", spec.prompt_token_ids),
                                       ("messages", spec.messages)) if value]
     if len(given) > 1:
         raise InvalidRequest(f"give {given[0]} or {given[1]}, not both", param=given[1])
-    common = dict(prefix_name=spec.prefix_name or None, sampling=spec.sampling, request_id=request_id)
+    prefix_name = spec.prefix_name or None
     if spec.messages:
-        handle = engine.get_prefix(spec.prefix_name) if spec.prefix_name else None  # PrefixNotFound
-        ids = chat_prompt_ids(engine.tokenizer, spec.messages, spec.prefix_name, handle and handle.token_ids,
-                              handle and handle.source)
-        return GenerateRequest(prompt_token_ids=ids, **common)
+        view = engine.get_prefix(prefix_name) if prefix_name else None  # PrefixNotFound
+        ids = chat_prompt_ids(engine.tokenizer, spec.messages, prefix_name, view.token_ids if view else None,
+                              view.source if view else None)
+        return GenerateRequest(prompt_token_ids=ids, prefix_name=prefix_name, sampling=spec.sampling,
+                               request_id=request_id)
     if spec.prompt_token_ids:
-        return GenerateRequest(prompt_token_ids=list(spec.prompt_token_ids), **common)
-    return GenerateRequest(prompt=spec.prompt or "", **common)
+        return GenerateRequest(prompt_token_ids=list(spec.prompt_token_ids), prefix_name=prefix_name,
+                               sampling=spec.sampling, request_id=request_id)
+    return GenerateRequest(prompt=spec.prompt or "", prefix_name=prefix_name, sampling=spec.sampling,
+                           request_id=request_id)
 
 
 async def score(runtime: Runtime, spec: ScoreSpec, request_id: str) -> ScoreOutput:
     """Score spec's candidates once the server serves (ServerNotReady before). Cancelling aborts it."""
     engine, _ = runtime.require_ready()
-    if not hasattr(engine, "score_async"):
-        raise NotSupported("label scoring runs in one server process; this fleet does not route Score requests")
     if spec.prompt and spec.prompt_token_ids:
         raise InvalidRequest("give prompt or prompt_token_ids, not both", param="prompt")
-    req = ScoreRequest([c if isinstance(c, str) else list(c) for c in spec.candidates], prompt=spec.prompt or None,
+    candidates: list[str] | list[list[int]] = (
+        [c for c in spec.candidates if isinstance(c, str)] if all(isinstance(c, str) for c in spec.candidates)
+        else [list(c) for c in spec.candidates if not isinstance(c, str)])
+    if len(candidates) != len(spec.candidates):
+        raise InvalidRequest("candidates: all text or all token ids, not both", param="candidates")
+    req = ScoreRequest(candidates, prompt=spec.prompt or None,
                        prompt_token_ids=list(spec.prompt_token_ids) if spec.prompt_token_ids else None,
                        prefix_name=spec.prefix_name or None, request_id=request_id)
     return await engine.score_async(req, runtime.executor)
 
 
-async def prepare(runtime: Runtime, spec: RequestSpec, request_id: str) -> tuple[Engine, GenerateRequest]:
+async def prepare(runtime: Runtime, spec: RequestSpec, request_id: str) -> tuple[EngineClient, GenerateRequest]:
     """The engine request for spec, once the server serves (ServerNotReady before)."""
     engine, _ = runtime.require_ready()
     req = await asyncio.get_running_loop().run_in_executor(runtime.executor, build_request, engine, spec,

@@ -1,28 +1,37 @@
 """Runtime: what the servicers share. The gRPC server starts before the model is loaded (so
 health checks answer NOT_SERVING during startup); the engine and registry appear when loaded,
-and `ready` turns true once every configured template is pinned."""
+and `ready` turns true once every configured template is pinned. The engine and registry are the
+declared interfaces (interfaces.py): one process's Engine and TemplateRegistry, or the fleet's
+clients."""
 from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
 
-from prefix_service.engine import Engine
+from prefix_service.server.interfaces import EngineClient, TemplateRegistryClient
 from prefix_service.server.status import ServerNotReady
-from prefix_service.server.templates import TemplateRegistry
+
+
+def _rpc_executor() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefix-service-rpc")
 
 
 @dataclass
 class Runtime:
-    engine: Engine | None = None
-    registry: TemplateRegistry | None = None
+    engine: EngineClient | None = None
+    registry: TemplateRegistryClient | None = None
     ready: bool = False
     phase: str = "starting"  # what the server is doing while not ready: for error messages
     # Blocking calls of the servicers (tokenize + submit, abort, template admin) run here, apart
     # from asyncio's small default pool, so a few long template adds cannot hold up generation.
-    executor: concurrent.futures.ThreadPoolExecutor = field(default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
-        max_workers=32, thread_name_prefix="prefix-service-rpc"))
+    executor: concurrent.futures.ThreadPoolExecutor = field(default_factory=_rpc_executor)
 
-    def require_ready(self) -> tuple[Engine, TemplateRegistry]:
+    def attach(self, engine: EngineClient, registry: TemplateRegistryClient) -> None:
+        """The engine client and registry, once loaded (before the warm-up: a stop during it then
+        shuts the engine down); `ready` stays false until the server has pinned its templates."""
+        self.engine, self.registry = engine, registry
+
+    def require_ready(self) -> tuple[EngineClient, TemplateRegistryClient]:
         if not self.ready or self.engine is None or self.registry is None:
             raise ServerNotReady(f"the server is {self.phase}; retry when its health service reports SERVING")
         return self.engine, self.registry

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 
@@ -48,7 +49,12 @@ class NotSupported(PrefixServiceError):
 
 
 class ModelNotFound(PrefixNotFound):
-    """An HTTP request's `model` is neither the served model nor a template."""
+    """An HTTP request's `model` is neither the served model nor a template; `param` names the
+    field (the HTTP API reports it in the error body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestTooLarge(InvalidRequest):
@@ -117,7 +123,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return kind.grpc_code, message
 
 
-async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """End the call with the status that fits exc. Never returns (context.abort raises)."""
     code, message = status_for(exc)
     await context.abort(code, message)
+    raise AssertionError("grpc's context.abort returned")  # it raises grpc.aio.AbortError

@@ -34,9 +34,16 @@ class TemplateSource:
     system_prompt: str | None = None
     origin: str = "admin"  # "config" (the YAML file) or "admin" (added at run time)
 
-    def to_json(self) -> dict:
-        key = "content" if self.content is not None else "system_prompt"
-        return {"name": self.name, key: getattr(self, key)}
+    def to_json(self) -> dict[str, str]:
+        if self.content is not None:
+            return {"name": self.name, "content": self.content}
+        assert self.system_prompt is not None  # one of the two: the registry refuses a source without
+        return {"name": self.name, "system_prompt": self.system_prompt}
+
+
+def state_file_name(store: TemplateStore | None) -> str:
+    """The state file as an error message names it (a store that failed to save has one)."""
+    return str(store.path) if store is not None else "(no state file)"
 
 
 class StateFileError(ConfigError):
@@ -44,7 +51,7 @@ class StateFileError(ConfigError):
 
 
 class TemplateStore:
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
 
     def _temp_prefix(self) -> str:

@@ -8,6 +8,7 @@ admin templates the engine has. Listing does not wait for them.
 """
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 
@@ -16,7 +17,7 @@ from prefix_service.errors import InvalidRequest
 from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.server.chat import system_prompt_ids
 from prefix_service.server.status import PersistError
-from prefix_service.server.store import TemplateSource, TemplateStore
+from prefix_service.server.store import TemplateSource, TemplateStore, state_file_name
 
 log = logging.getLogger("prefix_service.server")
 
@@ -41,7 +42,7 @@ class TemplateRegistry:
     def _add(self, src: TemplateSource, persist: bool) -> PrefixInfo:
         if (src.content is None) == (src.system_prompt is None):
             raise InvalidRequest(f"template {src.name!r}: give exactly one of content or system_prompt")
-        text = src.content if src.content is not None else src.system_prompt
+        text = src.content if src.content is not None else src.system_prompt or ""
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.max_template_bytes:
             raise InvalidRequest(f"template {src.name!r} is {size} bytes; templates may have at most "
@@ -64,7 +65,7 @@ class TemplateRegistry:
                         del self._admin[src.name], self._origins[src.name]
                         self.engine.remove_prefix(src.name)
                         raise PersistError(f"template {src.name!r} was not added: cannot write the state "
-                                           f"file {self.store.path}: {e}") from e
+                                           f"file {state_file_name(self.store)}: {e}") from e
         return info
 
     def remove(self, name: str) -> bool:
@@ -77,8 +78,9 @@ class TemplateRegistry:
                 try:
                     self._save()
                 except OSError as e:
-                    raise PersistError(f"template {name!r} was removed, but the state file {self.store.path} "
-                                       f"could not be updated ({e}); it will come back at the next start") from e
+                    raise PersistError(f"template {name!r} was removed, but the state file "
+                                       f"{state_file_name(self.store)} could not be updated ({e}); it will come "
+                                       f"back at the next start") from e
         return freed
 
     def list(self) -> list[tuple[PrefixInfo, str]]:
@@ -91,7 +93,8 @@ class TemplateRegistry:
         lock (the holders of _lock may wait on the engine or an fsync): one dict lookup is atomic."""
         return name in self._origins
 
-    def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
+    # below `def list`, the class body's `list` is that method: builtins.list is the type
+    def listing(self) -> builtins.list[tuple[PrefixInfo, str, tuple[str, ...]]]:
         """list() with where each template lives: one process, so no replica ids."""
         return [(info, origin, ()) for info, origin in self.list()]
 

@@ -25,11 +25,11 @@ class TlsFiles:
 
 def load_tls(config: ServerConfig) -> TlsFiles | None:
     """None when TLS is not configured. Raises ConfigError naming the file that is wrong."""
-    if not config.tls:
+    cert_file, key_file = config.tls_cert_file, config.tls_key_file
+    if cert_file is None or key_file is None:  # TLS is off (the config gives both or neither)
         return None
     pems = {}
-    for key in ("tls_cert_file", "tls_key_file"):
-        path = getattr(config, key)
+    for key, path in (("tls_cert_file", cert_file), ("tls_key_file", key_file)):
         try:
             with open(path, "rb") as f:
                 pems[key] = f.read()
@@ -37,9 +37,8 @@ def load_tls(config: ServerConfig) -> TlsFiles | None:
             raise ConfigError(f"server.{key}: cannot read {path}: {e.strerror or e}") from None
     try:
         # an encrypted key gets an empty password (and fails) instead of a prompt on the terminal
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-            config.tls_cert_file, config.tls_key_file, password=lambda: b"")
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file, password=lambda: b"")
     except (ssl.SSLError, ValueError) as e:
-        raise ConfigError(f"server.tls_cert_file / server.tls_key_file: {config.tls_cert_file} and "
-                          f"{config.tls_key_file} are not a PEM certificate chain and its private key ({e})") from None
-    return TlsFiles(config.tls_cert_file, config.tls_key_file, pems["tls_cert_file"], pems["tls_key_file"])
+        raise ConfigError(f"server.tls_cert_file / server.tls_key_file: {cert_file} and "
+                          f"{key_file} are not a PEM certificate chain and its private key ({e})") from None
+    return TlsFiles(cert_file, key_file, pems["tls_cert_file"], pems["tls_key_file"])

@@ -55,7 +55,7 @@ def add_generation(servicer: Any, server: grpc.aio.Server) -> None:
 
 
 def add_admin(servicer: Any, server: grpc.aio.Server) -> None:
-    methods = {
+    methods: dict[str, tuple[Any, Any]] = {  # name -> (request class, response class)
         "AddPrefixTemplate": (pb.AddPrefixTemplateRequest, pb.PrefixTemplate),
         "RemovePrefixTemplate": (pb.RemovePrefixTemplateRequest, pb.RemovePrefixTemplateResponse),
         "ListPrefixTemplates": (pb.ListPrefixTemplatesRequest, pb.ListPrefixTemplatesResponse),

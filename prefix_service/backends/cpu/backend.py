@@ -53,7 +53,7 @@ class CpuBackend(Backend):
         head = model.lm_head if model.lm_head is not None else model.embed_tokens  # tied: the embedding
         self.head = linear.make_linear(head.weight)  # [vocab, hidden]
         if model.lm_head is not None:
-            model.lm_head.weight = None
+            model.lm_head.weight = None  # type: ignore[assignment]  # released; nn.Module takes None
         self.pack_templates = cache.pack_prefix_kv
         self.templates: dict[int, PackedTemplate] = {}  # by PrefixHandle.template_id
 

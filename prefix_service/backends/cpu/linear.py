@@ -111,7 +111,7 @@ class NativeLinear:
         self._args = _PackedArgs(self.packed.data_ptr(), self.out_features, self.in_features,
                                  self.bias.data_ptr() if self.bias is not None else None)
         self.handle = ctypes.addressof(self._args)
-        self.fn = ctypes.cast(lib.ps_packed_linear, ctypes.c_void_p).value
+        self.fn = native.address(lib.ps_packed_linear)
         self.call = native.LinearCall(self.fn, self.handle)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -103,6 +103,14 @@ class LinearCall(ctypes.Structure):
     """A linear layer as the decoder stack calls it (csrc/cpu_layer.cpp's PsLinear): the address of its C
     entry point and that of its state (linear.CpuLinear)."""
     _fields_ = [("run", ctypes.c_void_p), ("self", ctypes.c_void_p)]
+
+
+def address(fn: Any) -> int:
+    """The address of a library's C function, fn its ctypes function (a LinearCall's `run`)."""
+    value = ctypes.cast(fn, ctypes.c_void_p).value
+    if value is None:
+        raise NativeKernelError(f"{getattr(fn, '__name__', 'a C function')} has no address")
+    return value
 
 
 def cache_dir() -> Path:

@@ -153,7 +153,7 @@ class OneDnnLinear:
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
-        self.fn: int = ctypes.cast(lib.ps_onednn_linear, ctypes.c_void_p).value
+        self.fn = native.address(lib.ps_onednn_linear)
         self.call = native.LinearCall(self.fn, self.handle)
         self._lib = lib
         self._finalizer = weakref.finalize(self, lib.ps_onednn_free, handle)

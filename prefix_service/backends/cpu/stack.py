@@ -121,7 +121,7 @@ class DecoderStack:
         if why is not None:
             raise NativeKernelError(f"the native decoder stack cannot run this model: {why}")
         arch = model.arch
-        layers = list(model.layers)
+        layers = model.decoder_layers
         if len(kv_layers) != len(layers):
             raise NativeKernelError(f"{len(kv_layers)} KV caches for {len(layers)} layers")
         self.hq, self.hkv, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -157,8 +157,10 @@ class DecoderStack:
                 make_linear(mlp.gate_up_proj.weight), make_linear(mlp.down_proj.weight),
                 vector(q_norm.weight) if q_norm is not None else None,
                 vector(k_norm.weight) if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0))
+            # packed above: released (the q/k/v bias is kept as it is); nn.Module takes None for a
+            # parameter, which torch's annotations do not say
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                m.weight = None  # packed above (the q/k/v bias is kept as it is)
+                m.weight = None  # type: ignore[assignment]
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]
         self.eps = torch.tensor([[w.input_eps, w.post_eps, w.qk_eps] for w in self.layers], dtype=torch.float32)
         self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]

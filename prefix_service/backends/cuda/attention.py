@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
@@ -86,13 +86,13 @@ def prefill_flash_attn(q, k, v, cu_k, meta: VarlenMetadata, scale: float) -> tor
                                   causal=True)
 
 
-def _torch_varlen_kwargs() -> dict | None:
+def _torch_varlen_kwargs() -> dict[str, Any] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
     params = inspect.signature(varlen_attn).parameters
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if "is_causal" in params:
         kwargs["is_causal"] = True
     elif "window_size" in params:
@@ -116,7 +116,8 @@ def prefill_torch_varlen(q, k, v, cu_k, meta: VarlenMetadata, scale: float) -> t
         else:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return varlen_attn(q, k, v, meta.cu_seqlens_q, cu_k, meta.max_q, meta.max_k, scale=scale, **kwargs)
+    out = varlen_attn(q, k, v, meta.cu_seqlens_q, cu_k, meta.max_q, meta.max_k, scale=scale, **kwargs)
+    return cast(torch.Tensor, out)  # the output alone: no return_aux asked for
 
 
 def prefill_sdpa_loop(q, k, v, cu_k, meta: VarlenMetadata, scale: float) -> torch.Tensor:

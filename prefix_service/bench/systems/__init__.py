@@ -27,6 +27,7 @@ PEERS = ("vllm_apc", "vllm_no_apc")  # other serving systems: run where their en
 class System:
     name: str = ""
     uses_prefix: bool = False  # sends the workload's prefix by reference (name or cache) when it has one
+    kv_num_blocks: int | None = None  # our engine's KV cache blocks, where the system is our engine (hosted)
 
     def supports(self, workload: Workload) -> bool:
         """False where the system has nothing to show on this workload (e.g. a prefix cache, no prefix)."""
@@ -45,6 +46,10 @@ class System:
     def kv_blocks_peak(self) -> int | None:
         """The most KV blocks in use at once (pinned prefixes included) since kv_peak_start; None
         where the system cannot say."""
+        return None
+
+    def kv_blocks_pinned(self) -> int | None:
+        """KV blocks pinned by templates now; None where the system cannot say."""
         return None
 
     def close(self) -> None:

@@ -25,9 +25,10 @@ class EngineSystem(System):
         self._pinned: set[str] = set()
 
     def prepare(self, workload: Workload) -> None:
-        if self.uses_prefix and workload.has_prefix and workload.prefix_name not in self._pinned:
-            self.engine.add_prefix(workload.prefix_name, token_ids=list(workload.prefix_ids))
-            self._pinned.add(workload.prefix_name)
+        name = workload.prefix_name  # None: the workload has no prefix (has_prefix)
+        if self.uses_prefix and name is not None and name not in self._pinned:
+            self.engine.add_prefix(name, token_ids=list(workload.prefix_ids))
+            self._pinned.add(name)
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         by_name = self.uses_prefix and workload.has_prefix

@@ -35,7 +35,8 @@ def load_hf_model(path: str, device: torch.device, dtype: torch.dtype):
     """The checkpoint through transformers, on our engine's device and dtype."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    return model.to(device).eval()
+    # transformers wraps PreTrainedModel.to in a decorator whose annotations lose torch's signature
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 class _FirstTokenStreamer:

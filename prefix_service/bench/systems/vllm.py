@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from prefix_service.bench.metrics import Timing
 from prefix_service.bench.systems import System, now
@@ -92,9 +93,9 @@ class VllmServer:
         self.port = _free_port()
         self.args = server_args(engine_config, self.port, prefix_caching)
         env = server_env(python)
-        self.settings = {"vllm_version": _version(python), "args": self.args,
-                         **{k: env[k] for k in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND",
-                                                "VLLM_CPU_NUM_OF_RESERVED_CPU") if k in env}}
+        self.settings: dict[str, Any] = {"vllm_version": _version(python), "args": self.args,
+                                         **{k: env[k] for k in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND",
+                                                                "VLLM_CPU_NUM_OF_RESERVED_CPU") if k in env}}
         self._log_file = tempfile.NamedTemporaryFile(prefix="bench-vllm-", suffix=".log", delete=False)
         self.log_path = Path(self._log_file.name)
         self.proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", *self.args],
