@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -115,11 +114,6 @@ def workload_ids(path: Path, rounds: int, per_round: int) -> None:
                                 "output_tokens": work.output_tokens}))
 
 
-def machine() -> dict:
-    """The benchmark harness's machine record (CPU, its instruction sets, load...)."""
-    sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import machine_info
-    return machine_info()
 
 
 def main() -> None:
@@ -157,7 +151,9 @@ def main() -> None:
             sys.exit(why)
         workload_ids(ids_file, args.rounds, 2 + args.singles + sum(args.concurrency))
         systems += [(f"vllm-{d}", "vllm", d) for d in vllm_dtypes]
-    info = machine()
+    sys.path.insert(0, str(REPO))
+    from prefix_service.bench.main import child_result, machine_info
+    info = machine_info()
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
     for r in range(args.rounds):
         for name, repo, dtype in systems:
@@ -169,13 +165,7 @@ def main() -> None:
                 env = server_env(python)
             else:
                 cmd = [sys.executable, __file__, "--child", dtype, "--repo", repo, *common]
-            with tempfile.TemporaryFile("w+") as err:
-                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-                if proc.returncode != 0:
-                    err.seek(0)
-                    sys.exit(f"{name} (round {r}) failed:\n{err.read()[-3000:]}")
-            line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-            runs[name].append(json.loads(line[len("RESULT "):]))
+            runs[name].append(child_result(cmd, env, f"{name} (round {r})"))
             print(f"round {r} {name}: {runs[name][-1]['backend']}", file=sys.stderr)
     keys = ["ttft_ms"] + [f"tok_s_{n}" for n in args.concurrency] + ["template_warmup_ms"]
     # a measure a system does not make (vLLM has no template warmup of its own) is None

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -136,7 +135,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import machine_info
+    from prefix_service.bench.main import child_result, machine_info
     ids_file = Path(tempfile.mkdtemp()) / "ids.json"
     ids_file.write_text(json.dumps(workload(args.rounds, args.calls)))
     systems = [("score", sys.executable, "score", args.dtype, None), ("requests", sys.executable, "requests",
@@ -153,13 +152,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, python, system, dtype, env in systems:
             cmd = [python, __file__, "--system", system, "--dtype", dtype, "--ids", str(ids_file), "--round", str(r)]
-            with tempfile.TemporaryFile("w+") as err:
-                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-                if proc.returncode != 0:
-                    err.seek(0)
-                    sys.exit(f"{name} (round {r}) failed:\n{err.read()[-3000:]}")
-            line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
-            runs[name].append(json.loads(line[len("RESULT "):]))
+            runs[name].append(child_result(cmd, env, f"{name} (round {r})"))
             print(f"round {r} {name}: {runs[name][-1]['backend']}", file=sys.stderr)
     ref = [s for run in runs["score"] for s in run["scores"]]
     table = {}

@@ -138,6 +138,21 @@ def machine_info() -> dict:
             "load_average_start": list(os.getloadavg())}
 
 
+def child_result(cmd: list[str], env: dict[str, str] | None, what: str) -> dict:
+    """Run one measuring child process (a script's system in one round) and return the JSON it
+    printed on its line starting with "RESULT "; exits with the child's error output if it failed."""
+    import json
+    import tempfile
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        if proc.returncode != 0:
+            err.seek(0)
+            sys.exit(f"{what} failed:\n{err.read()[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    result: dict = json.loads(line[len("RESULT "):])
+    return result
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
