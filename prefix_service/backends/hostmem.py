@@ -4,9 +4,8 @@ torch's CPU tensors come from malloc. A prefill of a thousand tokens allocates a
 hundred megabytes of activations per forward, in blocks of up to tens of megabytes. glibc's
 defaults adapt to the history of the process: blocks above a moving threshold are mapped afresh
 for each allocation, and free memory at the top of a heap beyond another threshold is handed back
-to the kernel, so the next forward takes a page fault for every 4 KiB it touches again. On the
-benchmark machine a 1,000-token prefill took 175,000 such faults once a few short requests had
-run before it, and 25% longer (docs/benchmarks.md). `keep_freed_memory` fixes both thresholds:
+to the kernel, so the next forward takes a page fault for every 4 KiB it touches again
+(docs/benchmarks.md measures what that costs a long prefill). `keep_freed_memory` fixes both thresholds:
 blocks up to 32 MiB (glibc's largest mapping threshold) come from the heap, and up to 1 GiB of
 freed heap is kept for reuse.
 

@@ -14,13 +14,11 @@ import logging
 import os
 import sys
 
-# Ray Serve's throughput mode (docs/scale-out.md, "What it costs"), with some of its settings
-# changed: the handles' router keeps a loop of its own (the admin calls and the chat path wait on
-# calls from worker threads, which a router on the caller's loop refuses), and no direct ingress
-# (under it a replica's stop waited out a 35 s drain and quarantined its port). Log lines still
-# go to stderr, so a local cluster's replicas log to the server's output, and to the replicas' log
-# files as they come: the mode holds 1,000 lines back (meant for per-request access logs, which are
-# off here), so a replica's few lines of its life never reached its file.
+# Ray Serve's throughput mode (docs/scale-out.md), with these changes: the handles' router runs on
+# a loop of its own (the admin calls and the chat path wait on calls from worker threads, which a
+# router on the caller's loop refuses); no direct ingress (with it a replica's stop waits out a
+# drain and holds its port); log lines go to stderr (a local cluster's replicas log to the
+# server's output) and to the replicas' files as they come, not held back in a buffer.
 SERVE_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1",
