@@ -14,6 +14,17 @@ MAX_N = 64  # samples per request
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output (engine/structured.py): kind json_schema (spec: the schema as
+    JSON text), json_object (any JSON object), regex (spec), choice (choices: exactly one of
+    them) or grammar (spec: a Lark grammar). param: the request field it came from, for errors."""
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = "structured_output"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: the configured default
     temperature: float = 0.0  # 0: greedy
@@ -32,6 +43,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, [-100, 100]) added to its logit
     min_tokens: int = 0  # EOS and stop token ids are masked, stop strings unchecked, until this many
     n: int = 1  # samples of this prompt, each its own output (RequestOutput.index); the prompt is computed once
+    structured: StructuredOutput | None = None  # what the output must be; None: free text
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixHandle,
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
+from prefix_service.engine.structured import StructuredOutputs
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
 from prefix_service.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class _Samples:
     arrival: float
     prefix_name: str | None
     remaining: int  # samples not finished yet
+    grammar: str | None = None  # the samples' structured output, compiled
     children: list[str] = field(default_factory=list)  # the samples' tracked ids (request id NUL index)
 
 
@@ -111,6 +113,7 @@ class EngineCore:
         self._warmups = 0  # numbers the warmups' request ids
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
+        self.structured = StructuredOutputs(self.tokenizer)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
                  self.block_size, self.max_model_len, self.backend.describe())
@@ -177,6 +180,7 @@ class EngineCore:
         if sampling.min_tokens > max_tokens:
             raise InvalidRequest(f"invalid sampling parameters: min_tokens {sampling.min_tokens} exceeds max_tokens "
                                  f"{max_tokens} (the server's default; set max_tokens)", param="min_tokens")
+        grammar = self.structured.grammar(sampling.structured) if sampling.structured is not None else None
         if sampling.n > 1:
             capacity = self.scheduler.capacity_blocks() * self.block_size
             need = len(token_ids) - shared + sampling.n * max_tokens
@@ -186,6 +190,7 @@ class EngineCore:
                                      f"max_tokens")
             self._add_samples(request_id, token_ids, reused, handle, sampling, max_tokens,
                               sink, prefix_name)
+            self._samples[request_id].grammar = grammar
             return
         generator = None
         if not sampling.greedy:
@@ -193,6 +198,8 @@ class EngineCore:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed % 2**63 if seed >= 2**63 else seed)
         seq = Sequence(request_id, token_ids, sampling, max_tokens, reused, generator)
+        if grammar is not None:
+            seq.matcher = self.structured.matcher(grammar)
         if reused is not None:
             self.prefixes.acquire(reused)
         elif handle is not None:
@@ -232,6 +239,8 @@ class EngineCore:
             child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.prefix,
                              generator)
             group.children.append(child.request_id)
+            if group.grammar is not None:
+                child.matcher = self.structured.matcher(group.grammar)
             if child.prefix is not None:
                 self.prefixes.acquire(child.prefix, served=False)
             detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop)
@@ -460,6 +469,8 @@ class EngineCore:
             tracked.first_token_time = now
         reason = None
         p = seq.sampling
+        if seq.matcher is not None:  # the mask allowed it
+            seq.matcher.consume_token(token)
         may_stop = seq.num_output_tokens > p.min_tokens  # the sampler masks stop tokens until then
         if may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
             reason = FinishReason.STOP
@@ -468,6 +479,8 @@ class EngineCore:
             text, hit_stop = detok.add(token, check_stop=may_stop)
             if hit_stop:
                 reason = FinishReason.STOP
+        if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+            reason = FinishReason.STOP  # the structured output is complete
         if reason is None and (seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
         logprobs = [logprob] if logprob is not None else None

@@ -18,6 +18,7 @@ from typing import Iterable
 import torch
 
 from prefix_service.engine.sequence import Sequence, TokenLogprob
+from prefix_service.engine.structured import mask_rows
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int] = ()
@@ -27,11 +28,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     want = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
     model_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None  # [len(want), vocab]
     adjust = [i for i, seq in enumerate(seqs) if seq.sampling.adjusts_logits]
-    if adjust:
+    constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
+    if adjust or constrained:
         logits = logits.clone()
         eos = tuple(eos_token_ids)
         for i in adjust:
             _adjust_row(logits[i], seqs[i], eos)
+        if constrained:  # every constrained row of the batch in one mask
+            mask_rows(logits, constrained, [seqs[i].matcher for i in constrained])
     tokens = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         if not seq.sampling.greedy:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -129,6 +129,7 @@ class Sequence:
         self.fork_point = fork_point
         self.score_from = score_from
         self.score_targets = score_targets
+        self.matcher: Any = None  # a structured output's matcher (engine/structured.py), fed each token
         self.status = SeqStatus.WAITING
         self.block_table: list[BlockId] = []
         self.num_shared_blocks = 0
