@@ -196,6 +196,8 @@ class Engine:
         Raises the validation error (InvalidRequest, PromptTooLong, PrefixNotFound, QueueFull)."""
         request_id = req.request_id or uuid.uuid4().hex
         prompt_ids = self._prompt_ids(req)
+        if req.sampling.structured is not None:  # compiled here, not on the engine's thread (structured.py)
+            self._core.structured.grammar(req.sampling.structured)
         self._run(lambda core: core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink))
         return request_id
 

@@ -156,9 +156,7 @@ class EngineCore:
         QueueFull (when scheduler.max_queue requests wait already)."""
         self._check_new_id(request_id)
         sampling.validate(max_tokens_cap=self.config.scheduler.max_tokens_cap, vocab_size=self.arch.vocab_size)
-        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
+        self._check_prompt_ids(prompt_ids)
         cap = self.config.scheduler.max_prompt_tokens
         if cap is not None and len(prompt_ids) > cap:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap} "
@@ -172,10 +170,7 @@ class EngineCore:
         if reused is not None:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
             shared = reused.reused_tokens(len(token_ids)) // self.block_size * self.block_size
         self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
-        max_queue = self.config.scheduler.max_queue  # checked after validation: a bad request hears why
-        if len(self.scheduler.waiting) >= max_queue:
-            raise QueueFull(f"the waiting queue is full ({max_queue} requests wait already, scheduler.max_queue); "
-                            f"retry later with backoff")
+        self._check_queue()  # after validation: a bad request hears why
         max_tokens = sampling.max_tokens or self.config.scheduler.default_max_tokens
         if sampling.min_tokens > max_tokens:
             raise InvalidRequest(f"invalid sampling parameters: min_tokens {sampling.min_tokens} exceeds max_tokens "
@@ -188,69 +183,79 @@ class EngineCore:
                 raise CacheExhausted(f"n = {sampling.n} samples of up to {max_tokens} tokens each need {need} tokens of "
                                      f"KV cache beside the pinned templates, which has room for {capacity}; lower n or "
                                      f"max_tokens")
-            self._add_samples(request_id, token_ids, reused, handle, sampling, max_tokens,
-                              sink, prefix_name)
-            self._samples[request_id].grammar = grammar
+            parent = Sequence(f"{request_id}/prompt", token_ids, sampling, max_tokens, reused, None, fork_point=True)
+            group = _Samples(request_id, sink, parent, time.perf_counter(), prefix_name, sampling.n, grammar)
+            self._samples[request_id] = group
+            self._samples_of[id(parent)] = group
+            self._hold_template(reused, handle)
+            self.scheduler.add(parent)
             return
-        generator = None
-        if not sampling.greedy:
-            seed = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed % 2**63 if seed >= 2**63 else seed)
-        seq = Sequence(request_id, token_ids, sampling, max_tokens, reused, generator)
+        seq = Sequence(request_id, token_ids, sampling, max_tokens, reused, self._generator(sampling))
         if grammar is not None:
             seq.matcher = self.structured.matcher(grammar)
-        if reused is not None:
-            self.prefixes.acquire(reused)
-        elif handle is not None:
-            self.prefixes.count_unreused(handle)
+        self._hold_template(reused, handle)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
 
-    def _add_samples(self, request_id: str, token_ids: list[int], prefix: PrefixHandle | None,
-                     named: PrefixHandle | None, sampling: SamplingParams, max_tokens: int, sink: Sink,
-                     prefix_name: str | None) -> None:
-        """Queue a request for n > 1 samples: its prompt, as a fork point (prefix: the template it
-        continues on its pinned KV; named: the template named, for its count when not reused)."""
-        parent = Sequence(f"{request_id}/prompt", token_ids, sampling, max_tokens, prefix, None, fork_point=True)
-        if prefix is not None:
-            self.prefixes.acquire(prefix)
+    def _generator(self, sampling: SamplingParams, offset: int = 0) -> torch.Generator | None:
+        """A sampling request's own generator: seeded seed + offset (sample `offset` of n), or from the
+        engine's seed when the request has none; None for greedy."""
+        if sampling.greedy:
+            return None
+        seed = sampling.seed + offset if sampling.seed is not None else self._seed_rng.getrandbits(63)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed % 2**63)
+        return generator
+
+    def _hold_template(self, reused: PrefixHandle | None, named: PrefixHandle | None) -> None:
+        """A new request on a template: it holds the template's blocks it reuses, or, when the
+        engine reuses none (cache.enable_prefix false), only counts as served."""
+        if reused is not None:
+            self.prefixes.acquire(reused)
         elif named is not None:
             self.prefixes.count_unreused(named)
-        group = _Samples(request_id, sink, parent, time.perf_counter(), prefix_name, sampling.n)
-        self._samples[request_id] = group
-        self._samples_of[id(parent)] = group
-        self.scheduler.add(parent)
 
-    def _fork_samples(self, parent: Sequence) -> None:
-        """A request's prompt is computed: its n samples continue it (Scheduler.fork), each with its own
-        generator (seeded seed + i when the request has a seed)."""
-        group = self._samples_of.pop(id(parent))
-        p = parent.sampling
-        children = []
-        for i in range(p.n):
-            generator = None
-            if not p.greedy:
-                seed = (p.seed + i) % 2**63 if p.seed is not None else self._seed_rng.getrandbits(63)
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(seed)
-            # a NUL in the id: no request id a client can send collides with it
-            child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.prefix,
-                             generator)
-            group.children.append(child.request_id)
-            if group.grammar is not None:
-                child.matcher = self.structured.matcher(group.grammar)
+    def _check_prompt_ids(self, prompt_ids: list[int]) -> None:
+        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
+
+    def _check_queue(self) -> None:
+        max_queue = self.config.scheduler.max_queue
+        if len(self.scheduler.waiting) >= max_queue:
+            raise QueueFull(f"the waiting queue is full ({max_queue} requests wait already, scheduler.max_queue); "
+                            f"retry later with backoff")
+
+    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Start children on the computed parent's KV (Scheduler.fork) and end the parent. Each child
+        holds the template too; the request was counted as served once, by the parent."""
+        for child in children:
             if child.prefix is not None:
                 self.prefixes.acquire(child.prefix, served=False)
-            detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop)
-            self._tracked[child.request_id] = _Tracked(child, self._sample_sink(group, i), detok, group.arrival,
-                                                       prefix_name=group.prefix_name)
-            children.append(child)
         copies = self.scheduler.fork(parent, children)
         if copies:  # now, while the parent's blocks are still held
             self.backend.copy_blocks(copies)
         self.scheduler.finish(parent, FinishReason.STOP)
+
+    def _fork_samples(self, parent: Sequence) -> None:
+        """A request's prompt is computed: its n samples continue it, each with its own generator
+        (seeded seed + i when the request has a seed) and, for a structured output, its own matcher."""
+        group = self._samples_of.pop(id(parent))
+        p = parent.sampling
+        children = []
+        for i in range(p.n):
+            # a NUL in the id: no request id a client can send collides with it
+            child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.prefix,
+                             self._generator(p, i))
+            group.children.append(child.request_id)
+            if group.grammar is not None:
+                child.matcher = self.structured.matcher(group.grammar)
+            detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop)
+            self._tracked[child.request_id] = _Tracked(child, self._sample_sink(group, i), detok, group.arrival,
+                                                       prefix_name=group.prefix_name)
+            children.append(child)
+        self._fork(parent, children)
         group.parent = None
 
     def _sample_sink(self, group: _Samples, index: int) -> Sink:
@@ -284,9 +289,7 @@ class EngineCore:
         candidate is scored. Raises as add_request does."""
         self._check_new_id(request_id)
         check_candidates(candidates, self.arch.vocab_size)
-        bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
+        self._check_prompt_ids(prompt_ids)
         handle = self.prefixes.get(prefix_name) if prefix_name else None
         reused = handle if self.config.cache.enable_prefix else None  # the template whose KV it continues
         base = (list(handle.token_ids) if handle else []) + list(prompt_ids)
@@ -296,16 +299,11 @@ class EngineCore:
         longest = len(base) - 1 + max(len(c) for c in candidates)
         shared = reused.num_tokens - 1 if reused is not None else 0
         self._check_fits(longest, "the prompt with its longest candidate", shared // self.block_size * self.block_size)
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_queue:
-            raise QueueFull(f"the waiting queue is full ({self.config.scheduler.max_queue} requests wait already, "
-                            f"scheduler.max_queue); retry later with backoff")
+        self._check_queue()
         scoring = Scoring(request_id, sink, [tuple(c) for c in candidates], len(base),
                           reused.num_tokens if reused is not None else 0)
         seq = scoring.fork_point(base, reused)
-        if reused is not None:
-            self.prefixes.acquire(reused)
-        elif handle is not None:
-            self.prefixes.count_unreused(handle)
+        self._hold_template(reused, handle)
         self._scorings[request_id] = scoring
         self._scoring_of[id(seq)] = scoring
         self.scheduler.add(seq)
@@ -425,12 +423,7 @@ class EngineCore:
         children = scoring.candidate_sequences(parent)
         for child in children:
             self._scoring_of[id(child)] = scoring
-            if child.prefix is not None:
-                self.prefixes.acquire(child.prefix, served=False)
-        copies = self.scheduler.fork(parent, children)
-        if copies:  # now, while the parent's blocks are still held
-            self.backend.copy_blocks(copies)
-        self.scheduler.finish(parent, FinishReason.STOP)
+        self._fork(parent, children)
 
     def _scored(self, seq: Sequence) -> None:
         scoring = self._scoring_of.pop(id(seq))

@@ -55,6 +55,7 @@ class Scoring:
     prefix_tokens: int
     members: list[Sequence] = field(default_factory=list)  # unfinished sequences of this request
     logprobs: list[list[float | None]] = field(default_factory=list)  # [candidate][token]
+    index: dict[int, int] = field(default_factory=dict)  # id(candidate's sequence) -> its candidate
 
     def __post_init__(self) -> None:
         self.logprobs = [[None] * len(c) for c in self.candidates]
@@ -73,6 +74,7 @@ class Scoring:
                     for i, c in enumerate(self.candidates)]
         self.members.remove(parent)
         self.members += children
+        self.index.update((id(child), i) for i, child in enumerate(children))
         return children
 
     def record(self, seq: Sequence, end: int, logits: torch.Tensor) -> None:
@@ -83,8 +85,7 @@ class Scoring:
         first = end - n - seq.score_from  # index of the first scored token
         targets = torch.tensor(seq.score_targets[first:first + n], dtype=torch.int64)
         values = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0].tolist()
-        index = int(seq.request_id.rsplit("/", 1)[1])
-        self.logprobs[index][first:first + n] = values
+        self.logprobs[self.index[id(seq)]][first:first + n] = values
 
     def finished(self, seq: Sequence) -> bool:
         """seq is done; True when it was the last."""

@@ -1,9 +1,10 @@
 """Structured outputs: a constraint on what a request may generate, through llguidance.
 
 A request's `SamplingParams.structured` names a JSON schema, any JSON object, a regular
-expression, a choice of strings or a Lark grammar. At admission the constraint is compiled and
-checked (an error names the problem, before anything is queued; a compiled grammar is kept per
-constraint); the sequence gets its own matcher. Each step the sampler masks every constrained
+expression, a choice of strings or a Lark grammar. Engine.submit compiles and checks it on the
+caller's thread, so a long compile never holds up the engine's steps (an error names the problem,
+before anything is queued; a compiled grammar is kept per constraint, and admission on the
+engine's thread finds it there); the sequence gets its own matcher. Each step the sampler masks every constrained
 row's logits to the tokens its matcher allows, in the same batch as free rows, and the engine
 feeds the sampled token back; once the matcher can take nothing more, the output is complete
 (finish reason stop).
@@ -11,6 +12,7 @@ feeds the sampled token back; once the matcher can take nothing more, the output
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import torch
@@ -22,23 +24,27 @@ MAX_CACHED = 256  # compiled constraints kept
 
 
 class StructuredOutputs:
-    """Compiles constraints for one tokenizer (llguidance's view of it is built on first use)."""
+    """Compiles constraints for one tokenizer (llguidance's view of it is built on first use).
+    Thread-safe: callers' threads compile, the engine's thread finds the result."""
 
     def __init__(self, hf_tokenizer: Any) -> None:
         self._hf = hf_tokenizer
         self._tokenizer: Any = None
         self._grammars: dict[StructuredOutput, str] = {}
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            import llguidance.hf
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
+            return self._tokenizer
 
     def grammar(self, spec: StructuredOutput) -> str:
         """The checked grammar of a constraint; InvalidRequest naming the problem."""
-        cached = self._grammars.get(spec)
+        with self._lock:
+            cached = self._grammars.get(spec)
         if cached is not None:
             return cached
         import llguidance
@@ -65,9 +71,10 @@ class StructuredOutputs:
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise InvalidRequest(f"structured output ({spec.kind}): {error}", param=spec.param)
-        if len(self._grammars) >= MAX_CACHED:
-            self._grammars.pop(next(iter(self._grammars)))
-        self._grammars[spec] = grammar
+        with self._lock:
+            if len(self._grammars) >= MAX_CACHED:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[spec] = grammar
         return grammar
 
     def matcher(self, grammar: str) -> Any:

@@ -103,11 +103,10 @@ async def score(runtime: Runtime, spec: ScoreSpec, request_id: str) -> ScoreOutp
     engine, _ = runtime.require_ready()
     if spec.prompt and spec.prompt_token_ids:
         raise InvalidRequest("give prompt or prompt_token_ids, not both", param="prompt")
-    candidates: list[str] | list[list[int]] = (
-        [c for c in spec.candidates if isinstance(c, str)] if all(isinstance(c, str) for c in spec.candidates)
-        else [list(c) for c in spec.candidates if not isinstance(c, str)])
-    if len(candidates) != len(spec.candidates):
+    texts = [c for c in spec.candidates if isinstance(c, str)]
+    if texts and len(texts) != len(spec.candidates):
         raise InvalidRequest("candidates: all text or all token ids, not both", param="candidates")
+    candidates: list[str] | list[list[int]] = texts or [list(c) for c in spec.candidates if not isinstance(c, str)]
     req = ScoreRequest(candidates, prompt=spec.prompt or None,
                        prompt_token_ids=list(spec.prompt_token_ids) if spec.prompt_token_ids else None,
                        prefix_name=spec.prefix_name or None, request_id=request_id)
