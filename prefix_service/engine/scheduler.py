@@ -25,11 +25,6 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens [num_computed, num_computed + num_new_tokens) run this step
     is_decode: bool = False  # scheduled as a decode: one new token after its cached context
 
-    @property
-    def completes_prompt(self) -> bool:
-        """True when this chunk reaches the last token, so its logits are sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
-
     def row(self) -> ScheduledRow:
         """This sequence's part of the step, as the backend reads it."""
         seq, start = self.seq, self.seq.num_computed_tokens
