@@ -118,6 +118,11 @@ class SchedulerConfig:
     default_max_tokens: int = 256  # when a request gives max_tokens 0 / None
     max_tokens_cap: int = 4096  # largest max_tokens a request may ask for
     max_prompt_tokens: int | None = None  # most tokens a request may add after its template; None: no cap
+    # structured outputs' bounds, in llguidance's lexer fuel: a constraint whose compile needs more
+    # is refused (about 50k a millisecond); a sequence whose mask needs more in one step ends with
+    # an error (about 14k a millisecond), so no constraint can stall the batch
+    grammar_compile_fuel: int = 1_000_000
+    grammar_step_fuel: int = 200_000
 
     def __post_init__(self) -> None:
         _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
@@ -127,6 +132,8 @@ class SchedulerConfig:
         _check_int("scheduler.max_tokens_cap", self.max_tokens_cap, 1)
         if self.max_prompt_tokens is not None:
             _check_int("scheduler.max_prompt_tokens", self.max_prompt_tokens, 1)
+        _check_int("scheduler.grammar_compile_fuel", self.grammar_compile_fuel, 1)
+        _check_int("scheduler.grammar_step_fuel", self.grammar_step_fuel, 1)
 
 
 @dataclass(frozen=True)

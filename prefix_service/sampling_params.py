@@ -17,7 +17,8 @@ MAX_N = 64  # samples per request
 class StructuredOutput:
     """A constraint on the output (engine/structured.py): kind json_schema (spec: the schema as
     JSON text), json_object (any JSON object), regex (spec), choice (choices: exactly one of
-    them) or grammar (spec: a Lark grammar). param: the request field it came from, for errors."""
+    them), grammar (spec: a Lark grammar) or text (free text, even on a template that has a
+    default output). param: the request field it came from, for errors."""
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
@@ -43,7 +44,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, [-100, 100]) added to its logit
     min_tokens: int = 0  # EOS and stop token ids are masked, stop strings unchecked, until this many
     n: int = 1  # samples of this prompt, each its own output (RequestOutput.index); the prompt is computed once
-    structured: StructuredOutput | None = None  # what the output must be; None: free text
+    structured: StructuredOutput | None = None  # what the output must be; None: the template's default output, else free text
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,8 @@ def llama_dir(model_dirs) -> Path:
 
 @pytest.fixture
 def make_engine(llama_dir):
-    """make_engine(block_size=4, num_blocks=64, max_num_batched_tokens=..., model_dir=..., backend=...) -> Engine
+    """make_engine(block_size=4, num_blocks=64, max_num_batched_tokens=..., model_dir=..., backend=...,
+    **other SchedulerConfig fields) -> Engine
     on the CPU (backend auto: the cpu backend where its native kernels run the model, else torch).
     After the test: check_integrity() must hold, then the engine is shut down."""
     engines: list[Engine] = []
@@ -71,14 +73,14 @@ def make_engine(llama_dir):
                 prefix_budget_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 2048, max_queue: int = 1024, enable_prefix: bool = True,
                 dtype: str = "float32", max_model_len: int | None = None, backend: str = "auto",
-                pack_prefix_kv: bool = True) -> Engine:
+                pack_prefix_kv: bool = True, **scheduler: Any) -> Engine:
         cfg = EngineConfig(
             ModelConfig(path=str(model_dir or llama_dir), dtype=dtype, device="cpu", max_model_len=max_model_len,
                         backend=backend),
             CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_budget_blocks=prefix_budget_blocks,
                         enable_prefix=enable_prefix, pack_prefix_kv=pack_prefix_kv),
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_queue=max_queue),
+                            max_queue=max_queue, **scheduler),
         )
         engine = Engine(cfg)
         engines.append(engine)

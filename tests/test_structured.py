@@ -2,9 +2,11 @@
 schema and any JSON object constrain what a request generates, on a random model that would
 never produce them by itself; constrained and free requests share steps without changing the free
 ones; n samples each keep the constraint; a bad constraint is refused naming it, before anything
-is queued."""
+is queued; a template's default output applies to the requests on it that name none; the compile
+and per-step bounds refuse or end only the request that exceeds them."""
 import json
 import re
+import threading
 
 import pytest
 
@@ -67,3 +69,65 @@ def test_a_bad_constraint_is_refused_naming_it(make_engine, spec, match):
         generate(engine, spec)
     assert e.value.param == "structured_output"
     assert engine.kv_stats()["waiting"] == 0
+
+
+def test_a_template_default_output_applies_unless_a_request_names_its_own(make_engine):
+    engine = make_engine()
+    engine.add_prefix("intent", token_ids=[7, 8, 9, 10, 11], structured=StructuredOutput("choice", choices=CHOICES))
+    engine.add_prefix("plain", token_ids=[7, 8, 9, 10, 11])
+    assert engine.get_prefix("intent").structured == StructuredOutput("choice", choices=CHOICES)
+    assert {i.name: i.structured for i in engine.list_prefixes()}["plain"] is None
+
+    def on(name, **kw):
+        params = dict(max_tokens=12, ignore_eos=True)
+        params.update(kw)
+        return engine.generate(GenerateRequest(prompt_token_ids=PROMPT, prefix_name=name,
+                                               sampling=SamplingParams(**params)))[0]
+    assert on("intent").text in CHOICES
+    assert all(s.text in CHOICES for s in on("intent", n=3, temperature=1.5, seed=2).samples)
+    assert re.fullmatch(r"[0-9]{4}", on("intent", structured=StructuredOutput("regex", "[0-9]{4}")).text)
+    free = on("intent", structured=StructuredOutput("text"))  # free text: as on the same template without one
+    assert free.token_ids == on("plain").token_ids and free.finish_reason is FinishReason.LENGTH
+    with pytest.raises(InvalidRequest, match="regex") as e:
+        engine.add_prefix("bad", token_ids=[7, 8], structured=StructuredOutput("regex", "([a-", param="regex"))
+    assert e.value.param == "regex" and "bad" not in {i.name for i in engine.list_prefixes()}
+
+
+def test_a_constraint_over_the_compile_bound_is_refused(make_engine):
+    engine = make_engine(grammar_compile_fuel=5000)
+    big = StructuredOutput("regex", "(" + "|".join(f"word{i}x" for i in range(2000)) + ")", param="guided_regex")
+    with pytest.raises(InvalidRequest, match="too big") as e:
+        generate(engine, big)
+    assert e.value.param == "guided_regex" and engine.kv_stats()["waiting"] == 0
+    assert re.fullmatch(r"[0-9]{3}", generate(engine, StructuredOutput("regex", "[0-9]{3}")).text)
+
+
+def test_a_mask_over_the_step_bound_ends_its_request_alone(make_engine):
+    """With a step bound too small for any mask, each constrained request ends with an error naming
+    its field at its first step; the free requests of the same steps finish as they would alone."""
+    engine = make_engine(grammar_step_fuel=1)
+    free = [GenerateRequest(prompt_token_ids=[5 + k] * 6, sampling=SamplingParams(max_tokens=10, ignore_eos=True))
+            for k in range(2)]
+    alone = [o.token_ids for o in engine.generate(free)]
+    bad = GenerateRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(
+        max_tokens=10, structured=StructuredOutput("regex", "[0-9]{3}-[a-z]{2}", param="response_format")))
+    with pytest.raises(InvalidRequest, match="grammar_step_fuel") as e:
+        engine.generate([free[0], bad, free[1]])
+    assert e.value.param == "response_format"
+    assert [o.token_ids for o in engine.generate(free)] == alone
+    outs = {}
+    done = threading.Event()
+
+    def sink_for(key):
+        def sink(out):
+            outs.setdefault(key, []).append(out)
+            if len(outs) == 3 and all(v[-1].finished for v in outs.values()):
+                done.set()
+        return sink
+    for key, req in (("a", free[0]), ("bad", bad), ("b", free[1])):
+        engine.submit(req, sink_for(key))
+    assert done.wait(60)
+    assert [t for o in outs["a"] for t in o.token_ids] == alone[0]
+    assert [t for o in outs["b"] for t in o.token_ids] == alone[1]
+    last = outs["bad"][-1]
+    assert last.finish_reason is FinishReason.ABORT and isinstance(last.error, InvalidRequest)

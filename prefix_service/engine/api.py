@@ -24,6 +24,7 @@ from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
 from prefix_service.engine.sequence import (FinishReason, GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest,
                                             TokenLogprob)
 from prefix_service.model.llama import ModelArch
+from prefix_service.sampling_params import StructuredOutput
 
 log = logging.getLogger("prefix_service.engine")
 T = TypeVar("T")
@@ -142,9 +143,10 @@ class Engine:
         return ids
 
     def add_prefix(self, name: str, text: str | None = None, *, token_ids: list[int] | None = None,
-                   source: dict[str, str] | None = None) -> PrefixInfo:
+                   source: dict[str, str] | None = None, structured: StructuredOutput | None = None) -> PrefixInfo:
         """Tokenize, prefill and pin a template. Blocks until it is pinned. Raises PrefixExists,
-        PrefixBudgetExceeded, PromptTooLong or InvalidRequest."""
+        PrefixBudgetExceeded, PromptTooLong or InvalidRequest. structured: the default output of the
+        requests on it that name none (kind "text" or None: free text)."""
         from prefix_service.config import validate_prefix_name
         from prefix_service.errors import ConfigError, InvalidRequest
         try:
@@ -156,6 +158,8 @@ class Engine:
                 raise InvalidRequest("add_prefix needs text or token_ids")
             token_ids = self.tokenize_prefix(text)
         source = source if source is not None else ({"content": text} if text is not None else {})
+        compiled = self._core.structured.compile(structured) if structured is not None else None
+        output = (structured, compiled) if structured is not None and compiled is not None else None
         done: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
 
         def on_pinned(result: PrefixInfo | BaseException) -> None:
@@ -165,7 +169,7 @@ class Engine:
                 done.set_result(result)
 
         ids, src = list(token_ids), source
-        self._run(lambda core: core.add_prefix(name, ids, src, on_pinned))
+        self._run(lambda core: core.add_prefix(name, ids, src, on_pinned, output))
         return done.result()
 
     def remove_prefix(self, name: str) -> bool:
@@ -196,9 +200,9 @@ class Engine:
         Raises the validation error (InvalidRequest, PromptTooLong, PrefixNotFound, QueueFull)."""
         request_id = req.request_id or uuid.uuid4().hex
         prompt_ids = self._prompt_ids(req)
-        if req.sampling.structured is not None:  # compiled here, not on the engine's thread (structured.py)
-            self._core.structured.grammar(req.sampling.structured)
-        self._run(lambda core: core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink))
+        structured = req.sampling.structured  # compiled here, not on the engine's thread (structured.py)
+        matcher = self._core.structured.compile(structured) if structured is not None else None
+        self._run(lambda core: core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink, matcher))
         return request_id
 
     def submit_score(self, req: ScoreRequest, sink: Callable[[ScoreOutput], None]) -> str:

@@ -9,7 +9,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -25,9 +25,9 @@ from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixHandle,
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
-from prefix_service.engine.structured import StructuredOutputs
+from prefix_service.engine.structured import StructuredOutputs, start
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
-from prefix_service.sampling_params import SamplingParams
+from prefix_service.sampling_params import SamplingParams, StructuredOutput
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -45,6 +45,7 @@ class _Tracked:
     on_pinned: Callable[[PrefixInfo | BaseException], None] | None = None
     source: dict[str, str] | None = None
     prefix_name: str | None = None  # a warmup's template (always set), or the template a request names
+    default_output: tuple[StructuredOutput, Any] | None = None  # a warmup's template's: spec, compiled matcher
 
 
 @dataclass
@@ -57,7 +58,7 @@ class _Samples:
     arrival: float
     prefix_name: str | None
     remaining: int  # samples not finished yet
-    grammar: str | None = None  # the samples' structured output, compiled
+    matcher: Any = None  # the samples' structured output, compiled (each sample starts a copy)
     children: list[str] = field(default_factory=list)  # the samples' tracked ids (request id NUL index)
 
 
@@ -113,7 +114,8 @@ class EngineCore:
         self._warmups = 0  # numbers the warmups' request ids
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
-        self.structured = StructuredOutputs(self.tokenizer)
+        sc = config.scheduler
+        self.structured = StructuredOutputs(self.tokenizer, sc.grammar_compile_fuel, sc.grammar_step_fuel)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
                  self.block_size, self.max_model_len, self.backend.describe())
@@ -151,9 +153,10 @@ class EngineCore:
                 f"cache.kv_cache_memory (server operator)")
 
     def add_request(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
-                    sampling: SamplingParams, sink: Sink) -> None:
+                    sampling: SamplingParams, sink: Sink, matcher: Any = None) -> None:
         """Validate and queue. Raises InvalidRequest, PromptTooLong (CacheExhausted), PrefixNotFound or
-        QueueFull (when scheduler.max_queue requests wait already)."""
+        QueueFull (when scheduler.max_queue requests wait already). matcher: sampling.structured
+        compiled (StructuredOutputs.compile) off this thread; None: compiled here if needed."""
         self._check_new_id(request_id)
         sampling.validate(max_tokens_cap=self.config.scheduler.max_tokens_cap, vocab_size=self.arch.vocab_size)
         self._check_prompt_ids(prompt_ids)
@@ -175,7 +178,10 @@ class EngineCore:
         if sampling.min_tokens > max_tokens:
             raise InvalidRequest(f"invalid sampling parameters: min_tokens {sampling.min_tokens} exceeds max_tokens "
                                  f"{max_tokens} (the server's default; set max_tokens)", param="min_tokens")
-        grammar = self.structured.grammar(sampling.structured) if sampling.structured is not None else None
+        if sampling.structured is not None:  # the request's own (Engine.submit compiled it), or free text
+            compiled = matcher if matcher is not None else self.structured.compile(sampling.structured)
+        else:  # the template's default output, if it has one
+            compiled = handle.matcher if handle is not None else None
         if sampling.n > 1:
             capacity = self.scheduler.capacity_blocks() * self.block_size
             need = len(token_ids) - shared + sampling.n * max_tokens
@@ -184,15 +190,15 @@ class EngineCore:
                                      f"KV cache beside the pinned templates, which has room for {capacity}; lower n or "
                                      f"max_tokens")
             parent = Sequence(f"{request_id}/prompt", token_ids, sampling, max_tokens, reused, None, fork_point=True)
-            group = _Samples(request_id, sink, parent, time.perf_counter(), prefix_name, sampling.n, grammar)
+            group = _Samples(request_id, sink, parent, time.perf_counter(), prefix_name, sampling.n, compiled)
             self._samples[request_id] = group
             self._samples_of[id(parent)] = group
             self._hold_template(reused, handle)
             self.scheduler.add(parent)
             return
         seq = Sequence(request_id, token_ids, sampling, max_tokens, reused, self._generator(sampling))
-        if grammar is not None:
-            seq.matcher = self.structured.matcher(grammar)
+        if compiled is not None:
+            seq.matcher = start(compiled)
         self._hold_template(reused, handle)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
@@ -249,8 +255,8 @@ class EngineCore:
             child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.prefix,
                              self._generator(p, i))
             group.children.append(child.request_id)
-            if group.grammar is not None:
-                child.matcher = self.structured.matcher(group.grammar)
+            if group.matcher is not None:
+                child.matcher = start(group.matcher)
             detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop)
             self._tracked[child.request_id] = _Tracked(child, self._sample_sink(group, i), detok, group.arrival,
                                                        prefix_name=group.prefix_name)
@@ -309,8 +315,10 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def add_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
-                   on_pinned: Callable[[PrefixInfo | BaseException], None]) -> None:
-        """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done."""
+                   on_pinned: Callable[[PrefixInfo | BaseException], None],
+                   default_output: tuple[StructuredOutput, Any] | None = None) -> None:
+        """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done.
+        default_output: the output of requests on it that name none, and its compiled matcher."""
         if not token_ids:
             raise InvalidRequest(f"prefix template {name!r} is empty")
         self._check_fits(len(token_ids), f"prefix template {name!r}")
@@ -319,7 +327,7 @@ class EngineCore:
         self._warmups += 1
         seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), 1, None, None, prefill_only=True)
         self._tracked[request_id] = _Tracked(seq, None, None, time.perf_counter(), on_pinned=on_pinned, source=source,
-                                             prefix_name=name)
+                                             prefix_name=name, default_output=default_output)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -444,7 +452,9 @@ class EngineCore:
         seq, name = tracked.seq, tracked.prefix_name
         assert name is not None  # a warmup names its template
         try:  # the backend hears of the pin (on_pin) and may fail, e.g. out of memory for a packed copy
-            handle = self.prefixes.pin(name, seq.token_ids, seq.block_table, tracked.source or {})
+            output = tracked.default_output
+            handle = self.prefixes.pin(name, seq.token_ids, seq.block_table, tracked.source or {},
+                                       *(output or (None, None)))
         except Exception as e:  # noqa: BLE001 - the warmup fails, nothing else does
             log.exception("pinning prefix template %r failed", tracked.prefix_name)
             self._finish(tracked, FinishReason.ABORT, error=e)
@@ -462,8 +472,11 @@ class EngineCore:
             tracked.first_token_time = now
         reason = None
         p = seq.sampling
-        if seq.matcher is not None:  # the mask allowed it
+        if seq.matcher is not None:  # the mask allowed the token
             seq.matcher.consume_token(token)
+        if seq.matcher is not None and seq.matcher.is_error():  # its mask hit a bound (grammar_step_fuel)
+            self._finish(tracked, FinishReason.ABORT, token_ids=[token], error=self._structured_error(seq))
+            return
         may_stop = seq.num_output_tokens > p.min_tokens  # the sampler masks stop tokens until then
         if may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
             reason = FinishReason.STOP
@@ -481,6 +494,12 @@ class EngineCore:
             sink(RequestOutput(seq.request_id, text, [token], logprobs=logprobs))
         else:
             self._finish(tracked, reason, text=text, token_ids=[token], logprobs=logprobs)
+
+    def _structured_error(self, seq: Sequence) -> InvalidRequest:
+        spec = seq.sampling.structured
+        return InvalidRequest(f"structured output: {seq.matcher.get_error()} (a sequence's mask may take at most "
+                              f"scheduler.grammar_step_fuel = {self.config.scheduler.grammar_step_fuel} of work a "
+                              f"step)", param=spec.param if spec is not None else "prefix_name")
 
     def _finish(self, tracked: _Tracked, reason: FinishReason, *, text: str = "", token_ids: list[int] | None = None,
                 error: BaseException | None = None, logprobs: list[TokenLogprob] | None = None) -> None:

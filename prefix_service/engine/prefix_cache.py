@@ -12,10 +12,11 @@ import builtins
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import NewType, Protocol
+from typing import Any, NewType, Protocol
 
 from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
+from prefix_service.sampling_params import StructuredOutput
 
 PrefixName = NewType("PrefixName", str)
 
@@ -31,6 +32,9 @@ class PrefixHandle:
     requests_served: int = 0
     active_requests: int = 0  # unfinished requests (waiting or running) that continue it
     removed: bool = False  # unregistered; blocks freed when active_requests reaches 0
+    # the default output of requests that name no structured output, and its compiled matcher
+    structured: StructuredOutput | None = None
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,10 +52,10 @@ class PrefixHandle:
 
     def info(self) -> PrefixInfo:
         return PrefixInfo(self.name, self.num_tokens, self.num_blocks, self.requests_served, self.active_requests,
-                          dict(self.source))
+                          dict(self.source), self.structured)
 
     def view(self) -> PrefixView:
-        return PrefixView(self.name, self.token_ids, dict(self.source))
+        return PrefixView(self.name, self.token_ids, dict(self.source), self.structured)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class PrefixInfo:
     requests_served: int
     active_requests: int
     source: dict[str, str]
+    structured: StructuredOutput | None = None  # the default output
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class PrefixView:
     name: str
     token_ids: tuple[int, ...]
     source: dict[str, str]  # {"content": ...} or {"system_prompt": ...}; {} for one added as token ids
+    structured: StructuredOutput | None = None  # the default output of requests that name none
 
     @property
     def num_tokens(self) -> int:
@@ -144,13 +150,15 @@ class PrefixCacheManager:
         self._pending.pop(name, None)
 
     def pin(self, name: str, token_ids: builtins.list[int], block_table: builtins.list[BlockId],
-            source: dict[str, str]) -> PrefixHandle:
-        """Take one reference on each block of a finished warmup prefill and register the name."""
+            source: dict[str, str], structured: StructuredOutput | None = None, matcher: Any = None) -> PrefixHandle:
+        """Take one reference on each block of a finished warmup prefill and register the name.
+        structured, matcher: the template's default output and its compiled matcher, if it has one."""
         if self._pending.pop(name, None) is None:
             raise RuntimeError(f"pin of {name!r} without reserve")
         assert len(block_table) == self.blocks_for(len(token_ids)), "block table does not cover the prefix"
         self.allocator.incref(block_table)
-        handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), next(self._ids), source)
+        handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), next(self._ids), source,
+                              structured=structured, matcher=matcher)
         if self.hooks is not None:
             try:
                 self.hooks.on_pin(handle)

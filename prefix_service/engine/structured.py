@@ -1,13 +1,19 @@
 """Structured outputs: a constraint on what a request may generate, through llguidance.
 
 A request's `SamplingParams.structured` names a JSON schema, any JSON object, a regular
-expression, a choice of strings or a Lark grammar. Engine.submit compiles and checks it on the
-caller's thread, so a long compile never holds up the engine's steps (an error names the problem,
-before anything is queued; a compiled grammar is kept per constraint, and admission on the
-engine's thread finds it there); the sequence gets its own matcher. Each step the sampler masks every constrained
+expression, a choice of strings or a Lark grammar, or (kind "text") free text; a template may
+carry one as its default output, which a request's own replaces. Engine.submit (and
+Engine.add_prefix, for a template's) compiles and checks it on the caller's thread, so a long
+compile never holds up the engine's steps: an error names the problem before anything is
+queued, and a compiled constraint, kept per constraint, is a matcher that has consumed nothing.
+Each sequence takes a copy of it (microseconds). Each step the sampler masks every constrained
 row's logits to the tokens its matcher allows, in the same batch as free rows, and the engine
 feeds the sampled token back; once the matcher can take nothing more, the output is complete
 (finish reason stop).
+
+Work is bounded (scheduler.grammar_compile_fuel, scheduler.grammar_step_fuel: llguidance's lexer
+fuel): a constraint whose compile needs more is refused at admission; a sequence whose mask would
+need more in one step ends with an error naming its constraint, and the step goes on for the rest.
 """
 from __future__ import annotations
 
@@ -21,65 +27,88 @@ from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import StructuredOutput
 
 MAX_CACHED = 256  # compiled constraints kept
+DEFAULT_COMPILE_FUEL = 1_000_000  # llguidance's lexer fuel for a compile (about 50k a millisecond)
+DEFAULT_STEP_FUEL = 200_000  # for one sequence's mask in one step (about 14k a millisecond)
 
 
 class StructuredOutputs:
     """Compiles constraints for one tokenizer (llguidance's view of it is built on first use).
-    Thread-safe: callers' threads compile, the engine's thread finds the result."""
+    Thread-safe: callers' threads compile, the engine's thread copies the compiled matchers."""
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: Any, compile_fuel: int = DEFAULT_COMPILE_FUEL,
+                 step_fuel: int = DEFAULT_STEP_FUEL) -> None:
         self._hf = hf_tokenizer
         self._tokenizer: Any = None
-        self._grammars: dict[StructuredOutput, str] = {}
+        self._limits: Any = None
+        self._fuel = (compile_fuel, step_fuel)
+        self._compiled: dict[StructuredOutput, Any] = {}
         self._lock = threading.Lock()
 
-    @property
-    def tokenizer(self) -> Any:
+    def _llg(self) -> tuple[Any, Any]:
+        """llguidance's tokenizer and the parser limits, built once."""
         with self._lock:
             if self._tokenizer is None:
+                import llguidance
                 import llguidance.hf
+                # verbose_errors off: an error names the problem, not the parser's state
+                self._limits = llguidance.LLParserLimits(initial_lexer_fuel=self._fuel[0],
+                                                         step_lexer_fuel=self._fuel[1], verbose_errors=False)
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
-            return self._tokenizer
+            return self._tokenizer, self._limits
 
-    def grammar(self, spec: StructuredOutput) -> str:
-        """The checked grammar of a constraint; InvalidRequest naming the problem."""
+    def compile(self, spec: StructuredOutput) -> Any:
+        """A matcher for the constraint that has consumed nothing (each sequence takes a copy with
+        `start`), or None for free text (kind "text"). InvalidRequest naming the problem."""
+        if spec.kind == "text":
+            return None
         with self._lock:
-            cached = self._grammars.get(spec)
+            cached = self._compiled.get(spec)
         if cached is not None:
             return cached
         import llguidance
-        try:
-            if spec.kind in ("json_schema", "json_object"):
-                schema = json.loads(spec.spec) if spec.kind == "json_schema" else {"type": "object"}
-                if not isinstance(schema, dict):
-                    raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
-                # compact JSON, as OpenAI's outputs are: no run of whitespace for a model to wander in
-                schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
-                grammar = llguidance.grammar_from("json_schema", json.dumps(schema))
-            elif spec.kind == "regex":
-                grammar = llguidance.grammar_from("regex", spec.spec)
-            elif spec.kind == "choice":
-                if not spec.choices:
-                    raise ValueError("a choice needs at least one string")
-                grammar = llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in spec.choices))
-            elif spec.kind == "grammar":
-                grammar = llguidance.grammar_from("lark", spec.spec)
-            else:
-                raise ValueError(f"unknown kind {spec.kind!r} (json_schema, json_object, regex, choice, grammar)")
-        except ValueError as e:
-            raise InvalidRequest(f"structured output ({spec.kind}): {e}", param=spec.param) from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        tokenizer, limits = self._llg()
+        grammar = _grammar(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error:
             raise InvalidRequest(f"structured output ({spec.kind}): {error}", param=spec.param)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
+        if matcher.is_error():  # a limit the validation did not reach
+            raise InvalidRequest(f"structured output ({spec.kind}): {matcher.get_error()}", param=spec.param)
         with self._lock:
-            if len(self._grammars) >= MAX_CACHED:
-                self._grammars.pop(next(iter(self._grammars)))
-            self._grammars[spec] = grammar
-        return grammar
+            if len(self._compiled) >= MAX_CACHED:
+                self._compiled.pop(next(iter(self._compiled)))
+            self._compiled[spec] = matcher
+        return matcher
 
-    def matcher(self, grammar: str) -> Any:
-        import llguidance
-        return llguidance.LLMatcher(self.tokenizer, grammar)
+
+def start(compiled: Any) -> Any:
+    """A sequence's own matcher from a compiled one (StructuredOutputs.compile)."""
+    return compiled.deep_copy()
+
+
+def _grammar(spec: StructuredOutput) -> str:
+    import llguidance
+    try:
+        if spec.kind in ("json_schema", "json_object"):
+            schema = json.loads(spec.spec) if spec.kind == "json_schema" else {"type": "object"}
+            if not isinstance(schema, dict):
+                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+            # compact JSON, as OpenAI's outputs are: no run of whitespace for a model to wander in
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+            grammar: str = llguidance.grammar_from("json_schema", json.dumps(schema))
+        elif spec.kind == "regex":
+            grammar = llguidance.grammar_from("regex", spec.spec)
+        elif spec.kind == "choice":
+            if not spec.choices:
+                raise ValueError("a choice needs at least one string")
+            grammar = llguidance.grammar_from("lark", "start: " + " | ".join(json.dumps(c) for c in spec.choices))
+        elif spec.kind == "grammar":
+            grammar = llguidance.grammar_from("lark", spec.spec)
+        else:
+            raise ValueError(f"unknown kind {spec.kind!r} (json_schema, json_object, regex, choice, grammar, text)")
+    except ValueError as e:
+        raise InvalidRequest(f"structured output ({spec.kind}): {e}", param=spec.param) from None
+    return grammar
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
