@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from prefix_service.errors import ConfigError
+from prefix_service.errors import ConfigError, InvalidRequest
+from prefix_service.sampling_params import StructuredOutput
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -233,11 +234,14 @@ def split_address(address: Any, key: str = "server.address") -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class PrefixSpec:
-    """A template from YAML: exactly one of content, file or system_prompt."""
+    """A template from YAML: exactly one of content, file or system_prompt; structured_output:
+    the default output of the requests on it that name none (StructuredOutput.from_dict's form,
+    e.g. {choice: [billing, refund]})."""
     name: str
     content: str | None = None
     file: str | None = None
     system_prompt: str | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         validate_prefix_name(self.name)
@@ -401,9 +405,17 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     prefixes = []
     for i, p in enumerate(prefixes_raw):
         name = p.get("name") if isinstance(p, Mapping) else None
-        prefixes.append(_build(PrefixSpec, f"prefixes[{name or i}]", p, {"file": inside_base}))
+        prefixes.append(_build(PrefixSpec, f"prefixes[{name or i}]", p, {"file": inside_base,
+                                                                         "structured_output": _structured_output}))
     ray = _build(RayConfig, "ray", raw["ray"]) if "ray" in raw else None
     return ServiceConfig(EngineConfig(model, cache, scheduler), server, tuple(prefixes), ray=ray)
+
+
+def _structured_output(value: Any, key: str) -> StructuredOutput:
+    try:
+        return StructuredOutput.from_dict(value, param=key)
+    except InvalidRequest as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_config(path: str | os.PathLike) -> ServiceConfig:

@@ -1,8 +1,10 @@
 """Sampling parameters of one request, validated at the edge."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefix_service.errors import InvalidRequest
 
@@ -22,7 +24,42 @@ class StructuredOutput:
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
-    param: str = "structured_output"
+    param: str = field(default="structured_output", compare=False)
+
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "text")
+
+    @classmethod
+    def from_dict(cls, d: Any, param: str = "structured_output") -> StructuredOutput:
+        """From its written form (YAML, the state file): one key of json_schema (a mapping, or JSON
+        text), json_object (true), regex, choice (a list of strings), grammar or text (true).
+        InvalidRequest naming param."""
+        if not isinstance(d, dict) or len(d) != 1 or next(iter(d)) not in cls.KINDS:
+            raise InvalidRequest(f"{param}: expected one of {', '.join(cls.KINDS)}, as a mapping of one key "
+                                 f"(e.g. {{choice: [yes, no]}}), got {str(d)[:80]!r}", param=param)
+        (kind, value), = d.items()
+        where = f"{param}.{kind}"
+        if kind in ("json_object", "text"):
+            if value is not True:
+                raise InvalidRequest(f"{where}: expected true, got {value!r}", param=where)
+            return cls(kind, param=param)
+        if kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise InvalidRequest(f"{where}: expected a list of non-empty strings, got {str(value)[:80]!r}",
+                                     param=where)
+            return cls(kind, choices=tuple(value), param=param)
+        if kind == "json_schema" and isinstance(value, dict):
+            value = json.dumps(value)
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(f"{where}: expected a non-empty string, got {str(value)[:80]!r}", param=where)
+        return cls(kind, value, param=param)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The written form from_dict reads."""
+        if self.kind in ("json_object", "text"):
+            return {self.kind: True}
+        if self.kind == "choice":
+            return {"choice": list(self.choices)}
+        return {self.kind: self.spec}
 
 
 @dataclass(frozen=True)

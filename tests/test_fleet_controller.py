@@ -17,6 +17,7 @@ from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotF
 from prefix_service.fleet import controller as ctl_module
 from prefix_service.fleet.controller import FleetController
 from prefix_service.fleet.placement import holders
+from prefix_service.sampling_params import StructuredOutput
 from prefix_service.server.store import TemplateSource, TemplateStore
 from server_fixtures import make_config
 
@@ -209,15 +210,19 @@ def test_add_pins_on_every_holder_or_rolls_back(llama_dir, tmp_path):
 def test_a_restarted_controller_restores_the_state_file_and_learns_token_ids(llama_dir, tmp_path):
     async def main():
         state = tmp_path / "state.json"
-        TemplateStore(state).save([TemplateSource("saved", content="saved text")])
+        choice = StructuredOutput("choice", choices=("yes", "no"))
+        TemplateStore(state).save([TemplateSource("saved", content="saved text", structured=choice)])
         c = controller_for(llama_dir, 1, None, state)
         assert c.sources["saved"].origin == "admin"
         a = FakeReplica(c, "a")
         await a.start()
         assert "saved" in a.held and set(TEMPLATES) <= set(a.held)
         c.token_ids.clear()  # as after a restart: asked of a holder
-        ids, source = await c.prefix("saved")
-        assert ids == a.token_ids("saved") and source == {"name": "saved", "content": "saved text"}
+        view = await c.prefix("saved")
+        assert view.token_ids == a.token_ids("saved") and view.source == {"content": "saved text"}
+        assert view.structured == choice  # its default output, as the replicas pin it
+        assert a.held["saved"].structured == choice
+        assert {info.name: info.structured for info, _, _ in await c.listing()}["saved"] == choice
         with pytest.raises(PrefixNotFound):
             await c.prefix("nope")
         a.stop()

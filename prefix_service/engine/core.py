@@ -497,9 +497,10 @@ class EngineCore:
 
     def _structured_error(self, seq: Sequence) -> InvalidRequest:
         spec = seq.sampling.structured
-        return InvalidRequest(f"structured output: {seq.matcher.get_error()} (a sequence's mask may take at most "
+        param = spec.param if spec is not None else "prefix_name"
+        return InvalidRequest(f"{param}: {seq.matcher.get_error()} (a sequence's mask may take at most "
                               f"scheduler.grammar_step_fuel = {self.config.scheduler.grammar_step_fuel} of work a "
-                              f"step)", param=spec.param if spec is not None else "prefix_name")
+                              f"step)", param=param)
 
     def _finish(self, tracked: _Tracked, reason: FinishReason, *, text: str = "", token_ids: list[int] | None = None,
                 error: BaseException | None = None, logprobs: list[TokenLogprob] | None = None) -> None:

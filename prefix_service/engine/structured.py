@@ -70,10 +70,10 @@ class StructuredOutputs:
         grammar = _grammar(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error:
-            raise InvalidRequest(f"structured output ({spec.kind}): {error}", param=spec.param)
+            raise InvalidRequest(f"{spec.param} ({spec.kind}): {error}", param=spec.param)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():  # a limit the validation did not reach
-            raise InvalidRequest(f"structured output ({spec.kind}): {matcher.get_error()}", param=spec.param)
+            raise InvalidRequest(f"{spec.param} ({spec.kind}): {matcher.get_error()}", param=spec.param)
         with self._lock:
             if len(self._compiled) >= MAX_CACHED:
                 self._compiled.pop(next(iter(self._compiled)))
@@ -107,7 +107,7 @@ def _grammar(spec: StructuredOutput) -> str:
         else:
             raise ValueError(f"unknown kind {spec.kind!r} (json_schema, json_object, regex, choice, grammar, text)")
     except ValueError as e:
-        raise InvalidRequest(f"structured output ({spec.kind}): {e}", param=spec.param) from None
+        raise InvalidRequest(f"{spec.param} ({spec.kind}): {e}", param=spec.param) from None
     return grammar
 
 

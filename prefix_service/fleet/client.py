@@ -84,9 +84,8 @@ class FleetEngine:
 
     # --- the engine surface -------------------------------------------------------------------
     def get_prefix(self, name: str) -> PrefixView:
-        ids, source = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
-        # the controller's definition also names the template: the view's source is as one process's
-        return PrefixView(name, tuple(ids), {k: v for k, v in source.items() if k != "name"})
+        view: PrefixView = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
+        return view
 
     async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None
                               ) -> AsyncGenerator[RequestOutput, None]:

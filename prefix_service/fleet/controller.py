@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
 from prefix_service.config import ServiceConfig
-from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
 from prefix_service.errors import PrefixExists, PrefixNotFound
 from prefix_service.fleet import log_to_serve
 from prefix_service.fleet.placement import holders
@@ -90,7 +90,8 @@ class FleetController:
         self.sources: dict[str, TemplateSource] = {}
         for p in config.prefixes:
             self.sources[p.name] = TemplateSource(p.name, content=None if p.system_prompt is not None else p.read_text(),
-                                                  system_prompt=p.system_prompt, origin="config")
+                                                  system_prompt=p.system_prompt, origin="config",
+                                                  structured=p.structured_output)
         for src in self.store.load() if self.store is not None else []:
             if src.name in self.sources:
                 log.warning("template %r from the state file is also in the config; the config's wins", src.name)
@@ -298,8 +299,8 @@ class FleetController:
         out[""] = tuple(sorted(serving))
         return out
 
-    async def prefix(self, name: str) -> tuple[tuple[int, ...], dict[str, str]]:
-        """A template's token ids and definition (the chat path needs them)."""
+    async def prefix(self, name: str) -> PrefixView:
+        """A template's token ids, definition and default output (the chat path needs them)."""
         src = self.sources.get(name)
         if src is None:
             raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(self.sources))})")
@@ -308,7 +309,7 @@ class FleetController:
             if not where:
                 raise ReplicaUnavailable(f"prefix template {name!r} is not pinned on any replica yet; retry")
             self.token_ids[name] = tuple(await self._command(where[0], "token_ids", name))
-        return self.token_ids[name], src.to_json()
+        return PrefixView(name, self.token_ids[name], src.definition(), src.structured)
 
     async def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
         """Every template with its counters summed over its holders (as of their last poll), its
@@ -324,8 +325,7 @@ class FleetController:
             first = found[0] if found else None
             info = PrefixInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
                               first.num_blocks if first else 0, sum(i.requests_served for i in found),
-                              sum(i.active_requests for i in found),
-                              {k: v for k, v in src.to_json().items() if k != "name"})
+                              sum(i.active_requests for i in found), src.definition(), src.structured)
             out.append((info, src.origin, routes[name]))
         return out
 

@@ -15,7 +15,7 @@ from prefix_service.errors import InvalidRequest
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
 from prefix_service.server.auth import BearerAuth
-from prefix_service.server.convert import template_to_proto
+from prefix_service.server.convert import structured_from_proto, template_to_proto
 from prefix_service.server.interfaces import TemplateRegistryClient
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import abort
@@ -49,7 +49,11 @@ def source_from_proto(request: pb.AddPrefixTemplateRequest) -> TemplateSource:
     if bool(request.content) == bool(request.system_prompt):
         raise InvalidRequest("give exactly one of content (raw text) or system_prompt (a system message "
                              "rendered through the model's chat template)")
-    return TemplateSource(request.name, request.content or None, request.system_prompt or None, origin="admin")
+    structured = structured_from_proto(request.structured_output, "structured_output")
+    if structured is not None and structured.kind == "text":
+        structured = None  # free text is what a template without a default output gives
+    return TemplateSource(request.name, request.content or None, request.system_prompt or None, origin="admin",
+                          structured=structured)
 
 
 class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):

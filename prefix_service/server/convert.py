@@ -1,6 +1,7 @@
 """Proto messages <-> engine types. Proto3 defaults carry meaning here: temperature 0 is greedy,
 top_p 0 means 1.0, top_k 0 means no limit, max_tokens 0 means the configured default, an unset
-seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none, n 0 means 1."""
+seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none, n 0 means 1, an
+unset structured_output means the template's default output (or free text)."""
 from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
@@ -8,7 +9,7 @@ from typing import Callable, Iterable, Sequence
 from prefix_service.errors import InvalidRequest
 from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.proto import prefix_service_pb2 as pb
-from prefix_service.sampling_params import SamplingParams
+from prefix_service.sampling_params import SamplingParams, StructuredOutput
 from prefix_service.engine.sequence import FinishReason, RequestOutput, ScoreOutput
 from prefix_service.server.requests import RequestSpec
 
@@ -37,7 +38,35 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
         min_tokens=int(p.min_tokens),
         n=int(p.n) or 1,
+        structured=structured_from_proto(p.structured_output, "sampling.structured_output")
+        if p.HasField("structured_output") else None,
     )
+
+
+def structured_from_proto(msg: pb.StructuredOutput, param: str) -> StructuredOutput | None:
+    """None when no kind is set (an empty message)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    where = f"{param}.{kind}"
+    if kind in ("json_object", "text"):
+        if not getattr(msg, kind):
+            raise InvalidRequest(f"{where}: set it true, or leave the field unset", param=where)
+        return StructuredOutput(kind, param=where)
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.choices), param=where)
+    return StructuredOutput(kind, getattr(msg, kind), param=where)
+
+
+def structured_to_proto(spec: StructuredOutput | None) -> pb.StructuredOutput | None:
+    if spec is None:
+        return None
+    msg = pb.StructuredOutput()
+    if spec.kind == "choice":
+        msg.choice.choices.extend(spec.choices)
+    else:  # json_object and text are set true; the rest carry their text
+        setattr(msg, spec.kind, True if spec.kind in ("json_object", "text") else spec.spec)
+    return msg
 
 
 def spec_from_proto(request: pb.GenerateRequest) -> RequestSpec:
@@ -83,4 +112,5 @@ def template_to_proto(info: PrefixInfo, origin: str, replicas: Sequence[str] = (
     return pb.PrefixTemplate(
         name=info.name, num_tokens=info.num_tokens, num_blocks=info.num_blocks,
         requests_served=info.requests_served, active_requests=info.active_requests, origin=origin,
-        kind="system_prompt" if "system_prompt" in info.source else "content", replicas=replicas)
+        kind="system_prompt" if "system_prompt" in info.source else "content", replicas=replicas,
+        structured_output=structured_to_proto(info.structured))

@@ -91,7 +91,8 @@ class LocalEngineProvider:
         registry = TemplateRegistry(engine, store, config.server.max_template_bytes)
         runtime.attach(engine, registry)
         configured = [TemplateSource(p.name, content=None if p.system_prompt is not None else p.read_text(),
-                                     system_prompt=p.system_prompt, origin="config")
+                                     system_prompt=p.system_prompt, origin="config",
+                                     structured=p.structured_output)
                       for p in config.prefixes]
         runtime.phase = "warming up its prefix templates"
         return await loop.run_in_executor(runtime.executor, warm_up, registry, configured, restored,

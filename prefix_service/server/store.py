@@ -6,7 +6,8 @@ the old or the new file, never a torn one. Leftover temp files of a crashed writ
 (and removed) at load.
 
     {"version": 1, "templates": [{"name": "faq", "content": "..."},
-                                 {"name": "bot", "system_prompt": "..."}]}
+                                 {"name": "bot", "system_prompt": "...",
+                                  "structured_output": {"choice": ["yes", "no"]}}]}
 """
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from prefix_service.config import validate_prefix_name
-from prefix_service.errors import ConfigError
+from prefix_service.errors import ConfigError, InvalidRequest
+from prefix_service.sampling_params import StructuredOutput
 
 log = logging.getLogger("prefix_service.server")
 
@@ -28,17 +30,26 @@ STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class TemplateSource:
-    """How a template is defined: exactly one of content (raw text) or system_prompt."""
+    """How a template is defined: exactly one of content (raw text) or system_prompt, and the
+    default output of the requests on it that name none (structured)."""
     name: str
     content: str | None = None
     system_prompt: str | None = None
     origin: str = "admin"  # "config" (the YAML file) or "admin" (added at run time)
+    structured: StructuredOutput | None = None
 
-    def to_json(self) -> dict[str, str]:
+    def definition(self) -> dict[str, str]:
+        """{"content": ...} or {"system_prompt": ...}: its text, as PrefixView.source."""
         if self.content is not None:
-            return {"name": self.name, "content": self.content}
+            return {"content": self.content}
         assert self.system_prompt is not None  # one of the two: the registry refuses a source without
-        return {"name": self.name, "system_prompt": self.system_prompt}
+        return {"system_prompt": self.system_prompt}
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, **self.definition()}
+        if self.structured is not None:
+            out["structured_output"] = self.structured.to_dict()
+        return out
 
 
 def state_file_name(store: TemplateStore | None) -> str:
@@ -78,16 +89,19 @@ class TemplateStore:
                                  f"template list; {fix}")
         out = []
         for i, entry in enumerate(data["templates"]):
-            keys = set(entry) if isinstance(entry, dict) else set()
+            keys = set(entry) - {"structured_output"} if isinstance(entry, dict) else set()
             if not ({"name"} < keys <= {"name", "content", "system_prompt"}) or len(keys) != 2 \
-                    or not all(isinstance(v, str) for v in entry.values()):
+                    or not all(isinstance(entry[k], str) for k in keys):
                 raise StateFileError(f"{self.path}: templates[{i}] must be {{name, content}} or "
-                                     f"{{name, system_prompt}} with string values; {fix}")
+                                     f"{{name, system_prompt}} with string values (and a structured_output); {fix}")
             try:
                 validate_prefix_name(entry["name"])
-            except ConfigError as e:
+                structured = (StructuredOutput.from_dict(entry["structured_output"])
+                              if "structured_output" in entry else None)
+            except (ConfigError, InvalidRequest) as e:
                 raise StateFileError(f"{self.path}: templates[{i}]: {e}") from None
-            out.append(TemplateSource(entry["name"], entry.get("content"), entry.get("system_prompt")))
+            out.append(TemplateSource(entry["name"], entry.get("content"), entry.get("system_prompt"),
+                                      structured=structured))
         return out
 
     def save(self, templates: Iterable[TemplateSource]) -> None:

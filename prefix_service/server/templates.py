@@ -49,11 +49,12 @@ class TemplateRegistry:
                                  f"{self.max_template_bytes} bytes (server.max_template_bytes)")
         if src.system_prompt is not None:
             ids = system_prompt_ids(self.engine.tokenizer, src.system_prompt)
-            info = self.engine.add_prefix(src.name, token_ids=ids, source={"system_prompt": src.system_prompt})
+            info = self.engine.add_prefix(src.name, token_ids=ids, source={"system_prompt": src.system_prompt},
+                                          structured=src.structured)
         else:
             if not src.content:
                 raise InvalidRequest(f"template {src.name!r}: content is empty")
-            info = self.engine.add_prefix(src.name, src.content)
+            info = self.engine.add_prefix(src.name, src.content, structured=src.structured)
         with self._lock:
             self._origins[src.name] = src.origin
             if src.origin == "admin":
