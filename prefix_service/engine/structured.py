@@ -21,6 +21,7 @@ import json
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefix_service.errors import InvalidRequest
@@ -118,7 +119,8 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> Non
     bitmask = lt.allocate_token_bitmask(len(rows), vocab)  # [rows, ceil(vocab / 32)] int32, bit t: token t
     for i, matcher in enumerate(matchers):
         lt.fill_next_token_bitmask(matcher, bitmask, i)
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, words, 32]
-    allowed = bits.flatten(1)[:, :vocab].bool()
+    # bit t of a row is token t: numpy unpacks bits in C, a few times faster than shifts in torch
+    allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab])
     index = torch.tensor(rows, dtype=torch.int64)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+    masked = torch.where(allowed.bool(), logits.index_select(0, index), float("-inf"))
+    logits.index_copy_(0, index, masked)
