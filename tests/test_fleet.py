@@ -29,7 +29,7 @@ pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install
 
 from prefix_service import Engine  # noqa: E402
 from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
-from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
+from prefix_service.engine.sequence import GenerateRequest, ScoreRequest  # noqa: E402
 from prefix_service.fleet.launcher import REPLICA_DEPLOYMENT  # noqa: E402
 from prefix_service.fleet.placement import holders  # noqa: E402
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
@@ -146,6 +146,32 @@ def test_n_samples_through_the_fleet(fleet, reference):
     for i in range(3):
         assert [t for m in msgs if m.index == i for t in m.token_ids] == want[i].token_ids
     assert sum(m.finish_reason == pb.FINISH_REASON_LENGTH for m in msgs) == 3
+
+
+def test_label_scoring_through_the_fleet(fleet, reference):
+    """Score reaches the template's holder (even from stale routes, resent) and its scores equal
+    one process's."""
+    server, clients = fleet
+    labels = ["order", "refund", "shipping value"]
+    want = reference.score(ScoreRequest(labels, prompt=PROMPTS[0], prefix_name="t2"))
+    got = clients.generation.Score(pb.ScoreRequest(prefix_name="t2", prompt=PROMPTS[0], candidates=labels))
+    assert [c.candidate for c in got.candidates] == labels
+    for c, w in zip(got.candidates, want.candidates):
+        assert list(c.token_ids) == list(w.token_ids) and c.logprob == pytest.approx(w.logprob, abs=1e-4)
+    assert got.usage.prefix_tokens == want.prefix_tokens > 0
+    engine = server.engine
+    holder = list(listing(clients)["t2"].replicas)[0]
+    stranger = next(r for r in reports(server) if r != holder)
+    engine._routes = {**engine._routes, "t2": (stranger,)}
+    engine._routes_at = time.monotonic() + 3600  # no refresh until the resend asks for one
+    try:
+        again = clients.generation.Score(pb.ScoreRequest(prefix_name="t2", prompt=PROMPTS[0], candidates=labels))
+    finally:
+        engine._routes_at = -1e9
+    assert [c.logprob for c in again.candidates] == [c.logprob for c in got.candidates]
+    with pytest.raises(grpc.RpcError) as info:
+        clients.generation.Score(pb.ScoreRequest(prefix_name="nope", prompt="x", candidates=labels))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_requests_land_only_on_their_templates_holder(fleet):

@@ -21,13 +21,13 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Sequence
 
 from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import EngineStopped, PrefixNotFound
 from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
-from prefix_service.server.status import NotSupported, ReplicaUnavailable
+from prefix_service.server.status import ReplicaUnavailable
 from prefix_service.server.store import TemplateSource
 
 log = logging.getLogger("prefix_service.fleet")
@@ -36,6 +36,7 @@ ROUTES_TTL_S = 0.5
 ACCEPT_TIMEOUT_S = 60.0
 RESEND_PAUSE_S = 0.05  # before resending a request whose replica no longer held its template
 CALL_TIMEOUT_S = 30.0
+SCORE_TIMEOUT_S = 300.0  # a Score call's computing, after a replica took it
 ADMIN_TIMEOUT_S = 900.0
 
 
@@ -129,17 +130,10 @@ class FleetEngine:
         """Send req to a replica that holds its template, the least loaded first (by this front
         end's calls in flight); returns (stream, replica id) once a replica took it."""
         name = req.prefix_name
-        routes = await self.routes()
-        if name and name not in routes:
-            routes = await self.routes(fresh=True)
-            if name not in routes:
-                raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(filter(None, routes)))})")
+        routes = await self._routes_with(name)
         deadline = time.monotonic() + self.accept_timeout_s
         while True:
-            # a template's holders ("" in the routes: every serving replica), least loaded first
-            holders = list(routes.get(name or "", ()))
-            random.shuffle(holders)  # ties go to any of them, not always the first
-            kwargs = {"holders": sorted(holders, key=lambda r: self._inflight[r])}
+            kwargs = {"holders": self._least_loaded(routes.get(name or "", ()))}
             stream = self._streaming.generate.remote(req, **kwargs)
             first = asyncio.ensure_future(stream.__anext__())
             while True:
@@ -173,6 +167,22 @@ class FleetEngine:
                         routes = fresh
                         break
 
+    async def _routes_with(self, name: str | None, fresh: bool = False) -> dict[str, tuple[str, ...]]:
+        """The routes, fresh ones if they do not know the template; PrefixNotFound if it is not there."""
+        routes = await self.routes(fresh)
+        if name and name not in routes and not fresh:
+            routes = await self.routes(fresh=True)
+        if name and name not in routes:
+            raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(filter(None, routes)))})")
+        return routes
+
+    def _least_loaded(self, holders: Sequence[str]) -> list[str]:
+        """A template's holders ("" in the routes: every serving replica), the fewest of this front
+        end's calls in flight first; ties in any order, not always the first."""
+        shuffled = list(holders)
+        random.shuffle(shuffled)
+        return sorted(shuffled, key=lambda r: self._inflight[r])
+
     async def _error(self, exc: BaseException) -> BaseException:
         err = unwrap(exc, "the replica serving this request")
         if isinstance(err, ReplicaUnavailable):
@@ -181,8 +191,36 @@ class FleetEngine:
 
     async def score_async(self, req: ScoreRequest, executor: concurrent.futures.Executor | None = None
                           ) -> ScoreOutput:
-        """EngineClient.score_async: the fleet does not route scoring yet."""
-        raise NotSupported("label scoring runs in one server process; this fleet does not route Score requests")
+        """EngineClient.score_async: on a replica that holds the template, the least loaded first,
+        sent again with fresh routes when the placement moved the template away. Cancelling cancels
+        the call, which aborts the request on its replica. Nothing here blocks: `executor` is unused."""
+        if self._stopped:
+            raise EngineStopped("the server is shutting down and takes no new requests")
+        if req.request_id is None:
+            req = dataclasses.replace(req, request_id=uuid.uuid4().hex)
+        name = req.prefix_name
+        deadline = time.monotonic() + self.accept_timeout_s
+        routes = await self._routes_with(name)
+        while True:
+            holders = self._least_loaded(routes.get(name or "", ()))
+            first = holders[0] if holders else ""
+            self._inflight[first] += 1  # counted on the replica it most likely runs on
+            try:
+                out: ScoreOutput = await call(self.replicas.score.remote(req, holders=holders),
+                                              self.accept_timeout_s + SCORE_TIMEOUT_S, "the replica scoring this request")
+                return out
+            except TemplateNotHeld:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(RESEND_PAUSE_S)
+                routes = await self._routes_with(name, fresh=True)
+            except ReplicaUnavailable:
+                await self.routes(fresh=True)
+                raise
+            finally:
+                self._inflight[first] -= 1
+                if self._inflight[first] <= 0:
+                    del self._inflight[first]
 
     async def drain_aborts(self) -> None:
         """Nothing to wait for: a stream closed early cancels its call at once, and the replica

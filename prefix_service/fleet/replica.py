@@ -25,7 +25,7 @@ from ray import serve
 from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
 from prefix_service.engine.prefix_cache import PrefixInfo
-from prefix_service.engine.sequence import GenerateRequest, RequestOutput
+from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import PrefixNotFound
 from prefix_service.fleet import log_to_serve
 from prefix_service.fleet.calls import TemplateNotHeld
@@ -99,6 +99,14 @@ class EngineReplica:
             log.warning("replica %s: reporting command %s failed: %s", self.id, cmd.method, e)
 
     # --- serving ------------------------------------------------------------------------------
+    async def score(self, req: ScoreRequest, holders: Any = None) -> ScoreOutput:
+        """Score on this replica's engine (cancelling the call aborts it). A template this replica
+        does not hold (any more) raises TemplateNotHeld, which the caller retries elsewhere."""
+        if req.prefix_name and not self.registry.known(req.prefix_name):
+            raise TemplateNotHeld(f"replica {self.id} does not hold prefix template {req.prefix_name!r}")
+        self.requests[req.prefix_name or ""] += 1
+        return await self.engine.score_async(req)
+
     async def generate(self, req: GenerateRequest, holders: Any = None) -> AsyncIterator[RequestOutput | str]:
         """This replica's id first (it took the request), then the engine's outputs. Closing the
         stream (the caller cancelled) aborts the request and frees its blocks. A template this

@@ -55,7 +55,7 @@ class EngineClient(Protocol):
         """Score each candidate continuation after the prompt (engine/scoring.py). Raises the
         validation error, or the error that ended it; cancelling aborts it.
 
-        Fleet: not routed yet; raises NotSupported (UNIMPLEMENTED, HTTP 501)."""
+        Fleet: on a replica that holds the template."""
         ...
 
     async def drain_aborts(self) -> None:

@@ -44,10 +44,6 @@ class PersistError(PrefixServiceError):
     """The state file could not be written."""
 
 
-class NotSupported(PrefixServiceError):
-    """A call this deployment does not serve."""
-
-
 class ModelNotFound(PrefixNotFound):
     """An HTTP request's `model` is neither the served model nor a template; `param` names the
     field (the HTTP API reports it in the error body)."""
@@ -88,7 +84,6 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (Unauthenticated, ErrorKind(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error", "missing_api_key")),
     (PermissionDenied, ErrorKind(grpc.StatusCode.PERMISSION_DENIED, 401, "authentication_error",
                                  "invalid_api_key")),
-    (NotSupported, ErrorKind(grpc.StatusCode.UNIMPLEMENTED, 501, "invalid_request_error", "not_implemented")),
     (ChatTemplateMismatch, ErrorKind(grpc.StatusCode.FAILED_PRECONDITION, 409, "invalid_request_error",
                                      "chat_template_mismatch")),
 )
