@@ -1,10 +1,13 @@
 """Helpers for the server tests: a tiny random model, a PrefixServer running in a background
-thread on 127.0.0.1 (random free port), and sync gRPC clients for it."""
+thread on 127.0.0.1 (random free port), sync gRPC clients for it, and HTTP calls to its OpenAI API
+(the official client, plain requests, the error body's checks)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import http.client
+import json
 import os
 import threading
 import time
@@ -211,6 +214,43 @@ class Clients:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def openai_client(st: ServerThread, api_key: str = "unused") -> Any:
+    """The official client (openai.OpenAI) on a server's HTTP API, no retries."""
+    import openai
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{st.server.http_port}/v1", api_key=api_key, max_retries=0,
+                         timeout=60)
+
+
+def raw(st: ServerThread, method: str, path: str, body: bytes | str | dict | None = None,
+        headers: dict[str, str] | None = None) -> tuple[int, dict | str]:
+    """(status, parsed JSON body or text) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    try:
+        data = json.dumps(body) if isinstance(body, dict) else body
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        try:
+            return resp.status, json.loads(text)
+        except ValueError:
+            return resp.status, text
+    finally:
+        conn.close()
+
+
+def assert_error(status_body: tuple[int, object], status: int, code: str, param: str | None = None) -> dict:
+    """The `error` object of an HTTP answer in OpenAI's shape, checked: this status, code and param."""
+    got_status, body = status_body
+    assert got_status == status, body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
 
 
 def greedy_request(prompt: str = "", prefix: str = "", max_tokens: int = 12, **sampling: Any) -> pb.GenerateRequest:

@@ -15,8 +15,9 @@ import grpc
 import openai
 import pytest
 
-from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config,
-                             slow_steps, started_servers)
+from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, assert_error, collect, greedy_request,
+                             make_config, raw, slow_steps, started_servers)
+from server_fixtures import openai_client as client
 
 from prefix_service.config import PrefixSpec
 from prefix_service.proto import prefix_service_pb2 as pb
@@ -52,40 +53,6 @@ def make_server(model_dir, tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def no_api_key(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-
-
-def client(st: ServerThread, api_key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{st.server.http_port}/v1", api_key=api_key, max_retries=0,
-                         timeout=60)
-
-
-def raw(st: ServerThread, method: str, path: str, body: bytes | str | dict | None = None,
-        headers: dict[str, str] | None = None) -> tuple[int, dict | str]:
-    """(status, parsed JSON body or text) of one plain HTTP request."""
-    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
-    try:
-        data = json.dumps(body) if isinstance(body, dict) else body
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        text = resp.read().decode()
-        try:
-            return resp.status, json.loads(text)
-        except ValueError:
-            return resp.status, text
-    finally:
-        conn.close()
-
-
-def assert_error(status_body: tuple[int, object], status: int, code: str, param: str | None = None) -> dict:
-    got_status, body = status_body
-    assert got_status == status, body
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
-    assert err["code"] == code, err
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 def grpc_ids(clients: Clients, prompt: str, prefix: str = "", max_tokens: int = 8) -> list[int]:

@@ -8,11 +8,16 @@
 
 A template is chosen by `prefix_name` in the body (the SDKs' `extra_body`) or by `model` naming
 it; the served model's name (or no `model`) means none. Bodies are parsed here, strictly: a
-wrong type, an unknown field or a value this server does not support (n > 1, echo, ...) is a
-400 naming the field. Log-probabilities come in OpenAI's shapes (completions: tokens,
-token_logprobs, top_logprobs, text_offset; chat: content[] with token, logprob, bytes and
-top_logprobs), from the model's distribution (SamplingParams.logprobs). From there the request takes the path gRPC takes (requests.py), and errors
-map through the same table (status.classify) to an HTTP status and OpenAI's error body:
+wrong type, an unknown field or a value this server does not support (echo, best_of > 1,
+tools, structured_outputs.structural_tag, ...) is a 400 naming the field. Log-probabilities come
+in OpenAI's shapes (completions: tokens, token_logprobs, top_logprobs, text_offset; chat:
+content[] with token, logprob, bytes and top_logprobs), from the model's distribution
+(SamplingParams.logprobs). Structured outputs, on both endpoints, come as OpenAI's
+response_format (json_object, json_schema), vLLM's structured_outputs (json, regex, choice,
+grammar, json_object) or vLLM's older guided_* fields, at most one per request, each to a
+SamplingParams.structured whose param names the field (a schema the engine cannot compile is a
+400 naming it). From there the request takes the path gRPC takes (requests.py), and errors map
+through the same table (status.classify) to an HTTP status and OpenAI's error body:
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
@@ -39,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefix_service.engine.sequence import FinishReason, RequestOutput, TokenLogprob
 from prefix_service.errors import InvalidRequest
-from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams
+from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from prefix_service.server.auth import BearerAuth
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
 from prefix_service.server.requests import RequestSpec, ScoreSpec, TokenTexts, prepare, request_id_for, score
@@ -63,6 +68,120 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+# structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields,
+# each to one StructuredOutput whose param names the field that holds it (an engine error names it)
+class JsonSchemaFormat(_Body):
+    """OpenAI's response_format.json_schema. The schema is enforced whatever `strict` says; without
+    a schema the output is any JSON object."""
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutput:
+        if self.type != "json_schema":
+            if self.json_schema is not None:
+                raise InvalidRequest(f"response_format.json_schema: only with type json_schema, not {self.type}",
+                                     param="response_format.json_schema")
+            return StructuredOutput(self.type, param="response_format")
+        if self.json_schema is None:
+            raise InvalidRequest("response_format.json_schema is required with type json_schema",
+                                 param="response_format.json_schema")
+        if self.json_schema.schema_ is None:
+            return StructuredOutput("json_object", param="response_format.json_schema")
+        return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_),
+                                param="response_format.json_schema.schema")
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's structured_outputs: one constraint (json, regex, choice, grammar, json_object: true)
+    and its options."""
+    json_: Union[dict[str, Any], str, None] = Field(default=None, alias="json")  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark
+    json_object: bool | None = None  # false: not given
+    disable_any_whitespace: bool = False  # either value: JSON output is compact, which false (any whitespace) allows
+    disable_additional_properties: bool = False  # true: an object schema that says nothing takes no other keys
+    whitespace_pattern: Any = None  # refused: JSON output is compact
+    structural_tag: Any = None  # refused
+
+    def constraint(self) -> StructuredOutput:
+        for option in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, option) is not None:
+                raise InvalidRequest(f"structured_outputs.{option}: not supported; leave it unset",
+                                     param=f"structured_outputs.{option}")
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": True if self.json_object else None}
+        given = [kind for kind, value in values.items() if value is not None]
+        if not given:
+            raise InvalidRequest("structured_outputs: give one of json, regex, choice, grammar, json_object",
+                                 param="structured_outputs")
+        if len(given) > 1:
+            raise InvalidRequest(f"structured_outputs.{given[1]}: one constraint per request, and "
+                                 f"structured_outputs.{given[0]} gives one already",
+                                 param=f"structured_outputs.{given[1]}")
+        kind = given[0]
+        return _constraint(kind, values[kind], f"structured_outputs.{kind}",
+                           closed=self.disable_additional_properties)
+
+
+_CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")  # a second one given is the field a conflict names
+
+
+def _constraint(kind: str, value: Any, param: str, closed: bool = False) -> StructuredOutput:
+    """vLLM's constraint `kind` (json, regex, choice, grammar, json_object) as a StructuredOutput.
+    closed: object schemas that say nothing of additionalProperties get false."""
+    if kind == "json":
+        if closed:
+            try:
+                value = json.loads(value) if isinstance(value, str) else value
+            except ValueError as e:
+                raise InvalidRequest(f"{param}: not valid JSON: {e}", param=param) from None
+            value = _closed_objects(value)
+        return StructuredOutput("json_schema", value if isinstance(value, str) else json.dumps(value), param=param)
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(value), param=param)
+    if kind == "json_object":
+        return StructuredOutput("json_object", param=param)
+    return StructuredOutput(kind, value, param=param)  # regex, grammar
+
+
+# JSON Schema keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SUBSCHEMA = ("items", "additionalItems", "contains", "propertyNames", "not", "if", "then", "else",
+              "unevaluatedItems", "unevaluatedProperties", "additionalProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """A copy of `schema` where each object schema with properties (or patternProperties) and no
+    additionalProperties gets additionalProperties: false (vLLM's disable_additional_properties).
+    Property names are never taken for keywords: only the keywords above lead to subschemas."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed_objects(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed_objects(s) for name, s in out[key].items()}
+    if "additionalProperties" not in out and any(isinstance(out.get(k), dict)
+                                                 for k in ("properties", "patternProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
 class _Sampling(_Body):
     model: str | None = None
     prefix_name: str | None = None  # extension: the template to continue (else `model` may name it)
@@ -84,6 +203,36 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
     min_tokens: int | None = None  # extension (vLLM's)
     n: int | None = None  # samples of the prompt, each a choice (the prompt is computed once)
+    # structured outputs: at most one of response_format (json_object, json_schema), structured_outputs
+    # (vLLM's) and guided_* (vLLM's older fields); structured_output() maps it
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: Union[dict[str, Any], str, None] = None  # a JSON schema (or its text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark
+    guided_decoding_backend: str | None = None  # accepted, unused: llguidance serves every constraint
+    guided_whitespace_pattern: Any = None  # refused: JSON output is compact
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's one constraint; a second one is a 400 naming its field. response_format
+        text (explicitly free text) gives way to any other."""
+        if self.guided_whitespace_pattern is not None:
+            raise InvalidRequest("guided_whitespace_pattern: not supported; JSON output is always compact",
+                                 param="guided_whitespace_pattern")
+        text = self.response_format is not None and self.response_format.type == "text"
+        given = [name for name in _CONSTRAINT_FIELDS
+                 if getattr(self, name) is not None and not (name == "response_format" and text)]
+        if len(given) > 1:
+            raise InvalidRequest(f"{given[1]}: one structured output per request, and {given[0]} gives one already",
+                                 param=given[1])
+        chosen = None if self.response_format is None else self.response_format.constraint()  # text too
+        if not given or given[0] == "response_format":
+            return chosen
+        if given[0] == "structured_outputs":
+            assert self.structured_outputs is not None
+            return self.structured_outputs.constraint()
+        return _constraint(given[0].removeprefix("guided_"), getattr(self, given[0]), given[0])
 
     def refuse_unsupported(self) -> None:
         def no(field: str, why: str) -> None:
@@ -114,6 +263,7 @@ class _Sampling(_Body):
             logit_bias=_logit_bias(self.logit_bias),
             min_tokens=self.min_tokens or 0,
             n=1 if self.n is None else self.n,
+            structured=self.structured_output(),
         )
 
 
@@ -176,10 +326,6 @@ class ChatMessageBody(_Body):
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
-
-
 class ScoreBody(_Body):
     model: str | None = None
     prefix_name: str | None = None
@@ -195,7 +341,6 @@ class ChatBody(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None
-    response_format: ResponseFormat | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
