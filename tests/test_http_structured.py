@@ -3,7 +3,8 @@ them by itself: OpenAI's response_format (json_object, json_schema), vLLM's stru
 and its older guided_* fields, on chat and completions, whole and streamed, with n samples and
 log-probabilities, through the official client's `parse` too; each field maps to the engine's
 StructuredOutput naming it, and every bad constraint is a 400 naming its field, also in a burst
-beside good requests whose outputs it leaves unchanged."""
+beside good requests whose outputs it leaves unchanged; a template's default output applies
+unless a request names its own or asks for text."""
 from __future__ import annotations
 
 import json
@@ -15,14 +16,16 @@ from typing import Any, Literal
 import pytest
 from pydantic import BaseModel
 
-from server_fixtures import SYSTEM_PROMPT, ServerThread, assert_error, make_config, openai_client, raw
+from server_fixtures import DOCUMENT, SYSTEM_PROMPT, ServerThread, assert_error, make_config, openai_client, raw
 
 from prefix_service.config import PrefixSpec
 from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import StructuredOutput
 from prefix_service.server.openai_api import ChatBody, CompletionBody
 
-TEMPLATES = (PrefixSpec("sys", system_prompt=SYSTEM_PROMPT),)
+CHOICES = ["order", "refund", "shipping value"]
+TEMPLATES = (PrefixSpec("sys", system_prompt=SYSTEM_PROMPT), PrefixSpec("doc", content=DOCUMENT),
+             PrefixSpec("labels", content=DOCUMENT, structured_output=StructuredOutput("choice", choices=tuple(CHOICES))))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,7 +34,6 @@ INTENT = {"type": "object", "properties": {"intent": {"enum": ["order", "refund"
                                                                                     "minimum": 0, "maximum": 9}},
           "required": ["intent", "urgent", "items"], "additionalProperties": False}
 REGEX = r"[0-9]{3}-[a-z]{2}"
-CHOICES = ["order", "refund", "shipping value"]
 GRAMMAR = 'start: "ticket-" DIGIT DIGIT " " WORD\nDIGIT: /[0-9]/\nWORD: "open" | "closed"'
 GRAMMAR_RE = r"ticket-[0-9]{2} (open|closed)"
 
@@ -222,6 +224,22 @@ def test_without_a_constraint_the_model_conforms_to_none(server, chat):
         except ValueError:
             return False
     assert not any(conforms(form.values[1]) for form in FORMS), text
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_template_default_output_unless_the_request_names_one(server, chat):
+    """A template's default output (YAML structured_output) constrains the requests on it that name
+    none; response_format text opts out (the output is the same template's without a default), and
+    a request's own constraint replaces it."""
+    status, resp = generate(server, chat, {}, model="labels")
+    assert status == 200 and texts(resp, chat)[0] in CHOICES
+    status, free = generate(server, chat, {"response_format": {"type": "text"}}, model="labels", max_tokens=8,
+                            ignore_eos=True)
+    status_doc, doc = generate(server, chat, {}, model="doc", max_tokens=8, ignore_eos=True)
+    assert status == status_doc == 200 and texts(free, chat) == texts(doc, chat)
+    assert texts(free, chat)[0] not in CHOICES
+    status, own = generate(server, chat, {"guided_regex": REGEX}, model="labels")
+    assert status == 200 and re.fullmatch(REGEX, texts(own, chat)[0])
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
