@@ -21,7 +21,6 @@ import json
 import threading
 from typing import Any
 
-import numpy as np
 import torch
 
 from prefix_service.errors import InvalidRequest
@@ -112,6 +111,18 @@ def _grammar(spec: StructuredOutput) -> str:
     return grammar
 
 
+_BYTE_BIAS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where bit k is set and -inf where it is not."""
+    table = _BYTE_BIAS.get((device, dtype))
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = _BYTE_BIAS[(device, dtype)] = torch.where(bits.bool(), 0.0, float("-inf")).to(device, dtype)
+    return table
+
+
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
     """Set logits[rows[i]] to -inf wherever matchers[i] allows no token (in place)."""
     import llguidance.torch as lt
@@ -119,8 +130,8 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> Non
     bitmask = lt.allocate_token_bitmask(len(rows), vocab)  # [rows, ceil(vocab / 32)] int32, bit t: token t
     for i, matcher in enumerate(matchers):
         lt.fill_next_token_bitmask(matcher, bitmask, i)
-    # bit t of a row is token t: numpy unpacks bits in C, a few times faster than shifts in torch
-    allowed = torch.from_numpy(np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab])
-    index = torch.tensor(rows, dtype=torch.int64)
-    masked = torch.where(allowed.bool(), logits.index_select(0, index), float("-inf"))
-    logits.index_copy_(0, index, masked)
+    # each byte of the mask (8 tokens) looks up its 8 biases (0 or -inf), added to the rows: a
+    # boolean masked_fill of the same rows costs about ten times as much on a CPU
+    by = bitmask.view(torch.uint8).to(logits.device).flatten().long()
+    bias = _byte_bias(logits.device, logits.dtype).index_select(0, by).view(len(rows), -1)[:, :vocab]
+    logits.index_add_(0, torch.tensor(rows, dtype=torch.int64, device=logits.device), bias)
