@@ -406,12 +406,14 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [python, __file__, "--system", system, "--dtype", dtype, "--ids", str(ids_file), "--round", str(r),
                    "--concurrency", str(args.concurrency), "--pairs", str(args.pairs),
                    "--max-tokens", str(args.max_tokens)]
+            t0 = time.monotonic()
             try:
-                runs[name].append(child_result(cmd, env, f"{name} (round {r})",
-                                               timeout_s=args.child_timeout_s if system == "vllm" else None))
+                run = child_result(cmd, env, f"{name} (round {r})",
+                                   timeout_s=args.child_timeout_s if system == "vllm" else None)
             except TimeoutError as e:
                 skipped[name] = str(e)
                 continue
+            runs[name].append({**run, "child_s": round(time.monotonic() - t0, 1)})  # start-up included
             print(f"round {r} {name}: {runs[name][-1]['backend']}", file=sys.stderr)
     labels = set(INTENT_LABELS)
     table: dict[str, dict] = {}

@@ -26,6 +26,7 @@ def test_bench_structured_script(llama_dir, tmp_path):
     assert {"machine", "date", "git_commit", "command", "args", "schema", "medians", "per_pair", "runs"} <= set(data)
     assert data["schema"]["properties"]["intent"]["enum"] == list(INTENT_LABELS)
     assert list(data["medians"]) == ["engine"] and len(data["runs"]["engine"]) == 1
+    assert data["runs"]["engine"][0]["child_s"] > 0
 
     [pair] = data["runs"]["engine"][0]["pairs"]
     c, u = pair["constrained"], pair["unconstrained"]
