@@ -138,17 +138,32 @@ def machine_info() -> dict:
             "load_average_start": list(os.getloadavg())}
 
 
-def child_result(cmd: list[str], env: dict[str, str] | None, what: str) -> dict:
+def child_result(cmd: list[str], env: dict[str, str] | None, what: str, timeout_s: float | None = None) -> dict:
     """Run one measuring child process (a script's system in one round) and return the JSON it
-    printed on its line starting with "RESULT "; exits with the child's error output if it failed."""
+    printed on its line starting with "RESULT "; exits with the child's error output if it failed.
+    With timeout_s, a child still running after that long is killed with every process it started
+    (it runs in a session of its own: vLLM's engine core is a grandchild) and TimeoutError raised."""
     import json
+    import signal
     import tempfile
     with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                start_new_session=timeout_s is not None)
+        try:
+            stdout, _ = proc.communicate(timeout=timeout_s)
+        except BaseException as e:  # the timeout, or the parent interrupted: the child's session goes too
+            if timeout_s is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
+            proc.communicate()
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise TimeoutError(f"{what}: no result within {timeout_s:.0f} s") from None
+            raise
         if proc.returncode != 0:
             err.seek(0)
             sys.exit(f"{what} failed:\n{err.read()[-3000:]}")
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))
     result: dict = json.loads(line[len("RESULT "):])
     return result
 

@@ -28,6 +28,9 @@ from prefix_service.bench import corpus
 WORKLOADS = ("intent", "doc_qa", "ratio_0_32", "no_shared")
 PREFIX_NAMES = {"intent": "intent_classifier", "doc_qa": "table_qa", "ratio_0_32": "ratio_0_32_prefix"}
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "prompts"
+# the labels the intent template defines ("Labels and when to use them"), in its order
+INTENT_LABELS = ("order_status", "order_change", "cancel_order", "return_refund", "billing", "product_question",
+                 "damaged_item", "account", "warranty_repair", "feedback", "other")
 
 
 @dataclass(frozen=True)
