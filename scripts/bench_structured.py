@@ -28,7 +28,7 @@ Ours also times, from this script (wrapping the engine's functions; nothing in t
 changes), where a step's time goes: the whole step (EngineCore.step), the sampler (sample), the
 mask (structured.mask_rows: llguidance filling each constrained row's token bitmask, and the
 bitmask applied to the logits), each token's handling (EngineCore._after_token: the matcher fed,
-the text detokenized) and the matchers' creation (StructuredOutputs.matcher). vLLM's TPOT comes
+the text detokenized) and each sequence's matcher (structured.start: a copy of the compiled one). vLLM's TPOT comes
 from its per-request metrics (engine-core times of the first and last token) where it fills them,
 else from the batch's wall time over its longest output (`tpot_source` says which).
 
@@ -144,7 +144,7 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
     from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig, SamplingParams
     from prefix_service import SchedulerConfig
     from prefix_service.bench.metrics import Timing
-    from prefix_service.engine import core, sampler, structured
+    from prefix_service.engine import core, sampler
     from prefix_service.engine.sequence import RequestOutput
     from prefix_service.sampling_params import StructuredOutput
 
@@ -153,7 +153,7 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
     timers.wrap(core.EngineCore, "_after_token", "after_token")  # per token: the matcher fed, detokenized
     timers.wrap(core, "sample", "sample")  # the name the core calls
     timers.wrap(sampler, "mask_rows", "mask")  # the name the sampler calls
-    timers.wrap(structured.StructuredOutputs, "matcher", "matcher")
+    timers.wrap(core, "start", "matcher")  # the name the core calls: a sequence's copy of the compiled matcher
     engine = Engine(EngineConfig(ModelConfig(path=ids["model"], dtype=args.dtype, device="cpu"),
                                  CacheConfig(block_size=16, kv_cache_memory=1 << 30),
                                  SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
