@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 from prefix_service.config import validate_prefix_name
 from prefix_service.errors import ConfigError, InvalidRequest
+from prefix_service.fsutil import fsync_dir
 from prefix_service.sampling_params import StructuredOutput
 
 log = logging.getLogger("prefix_service.server")
@@ -119,18 +120,4 @@ class TemplateStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        _fsync_dir(self.path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename durable."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
+        fsync_dir(self.path.parent)
