@@ -1,0 +1,460 @@
+"""Template KV snapshots (prefix_service/engine/snapshots.py): a saved snapshot loads back bit for
+bit; every snapshot that must not be loaded (other weights, dtype, block size, layout, tokens or
+format; damaged or foreign bytes) raises SnapshotMismatch naming why, never returns tensors; saves
+are atomic and leave no temp file behind; the model fingerprint follows the weights it samples.
+No model is needed: the fingerprint tests write a tiny checkpoint directory of their own."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from prefix_service.engine import snapshots
+from prefix_service.engine.snapshots import (KV_LAYOUT, SnapshotKey, SnapshotMismatch, SnapshotStore,
+                                             model_fingerprint)
+from prefix_service.errors import ConfigError
+
+BLOCK_SIZE = 4
+TOKENS = list(range(100, 110))  # 10 tokens: 3 blocks, the last partial
+
+
+def make_kv(dtype: torch.dtype = torch.float32, layers: int = 2, blocks: int = 3,
+            seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # each: [blocks, block_size, num_kv_heads, head_dim]
+    return {f"{kind}.{i}": torch.randn(blocks, BLOCK_SIZE, 2, 8, generator=g).to(dtype)
+            for i in range(layers) for kind in "kv"}
+
+
+def make_store(folder: Path, dtype: str = "float32", fingerprint: str = "f" * 16,
+               block_size: int = BLOCK_SIZE, layout: str = KV_LAYOUT) -> SnapshotStore:
+    return SnapshotStore(folder, SnapshotKey(fingerprint, dtype, block_size, layout))
+
+
+def assert_same(got: dict[str, torch.Tensor] | None, want: dict[str, torch.Tensor]) -> None:
+    assert got is not None
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+        assert got[k].device.type == "cpu" and got[k].is_contiguous()
+        # bit for bit: compare the raw bytes, not the values (NaN-safe, -0.0 vs 0.0)
+        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
+def temp_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
+
+
+def data_offset(path: Path) -> int:
+    """Where a safetensors file's tensor bytes begin: after the 8-byte length and the JSON header."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+# --- round trip ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_bit_for_bit(tmp_path, dtype):
+    store = make_store(tmp_path / "snaps", dtype=str(dtype).removeprefix("torch."))
+    kv = make_kv(dtype)
+    kv["k.0"][0, 0, 0, 0] = float("nan")
+    kv["v.1"][1, 1, 1, 1] = -0.0
+    store.save("faq", TOKENS, kv)  # creates the folder
+    assert store.path("faq") == tmp_path / "snaps" / "faq.kv.safetensors"
+    assert_same(store.load("faq", TOKENS), kv)
+    assert temp_files(tmp_path / "snaps") == []
+
+
+def test_loaded_tensors_own_their_memory(tmp_path):
+    """The file changed in place after a load (as a careless copy over it would) must not change
+    the tensors handed out, nor crash the reader: they are not mapped from the file."""
+    store = make_store(tmp_path)
+    kv = make_kv()
+    store.save("faq", TOKENS, kv)
+    got = store.load("faq", TOKENS)
+    with open(store.path("faq"), "r+b") as f:
+        f.seek(data_offset(store.path("faq")))
+        f.write(b"\xff" * 64)
+    assert_same(got, kv)
+
+
+def test_missing_snapshot_is_none(tmp_path):
+    assert make_store(tmp_path / "absent").load("faq", TOKENS) is None
+    store = make_store(tmp_path)
+    store.save("other", TOKENS, make_kv())
+    assert store.load("faq", TOKENS) is None
+
+
+def test_save_replaces_the_previous_snapshot(tmp_path):
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv(seed=0))
+    new = make_kv(seed=1)
+    store.save("faq", TOKENS + [7], new)
+    assert_same(store.load("faq", TOKENS + [7]), new)
+
+
+def test_metadata_is_readable_strings(tmp_path):
+    """The header is what an operator inspects (safetensors' own tools print it)."""
+    from safetensors import safe_open
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    with safe_open(str(store.path("faq")), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["format"] == "1" and meta["name"] == "faq" and meta["num_tokens"] == "10"
+    assert meta["dtype"] == "float32" and meta["block_size"] == "4" and meta["layout"] == KV_LAYOUT
+    assert len(meta["tokens_sha256"]) == 64 and len(meta["data_sha256"]) == 64
+
+
+# --- mismatches --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"fingerprint": "0" * 16}, "made by other weights"),
+    ({"dtype": "bfloat16"}, "dtype"),
+    ({"block_size": 8}, "block_size"),
+    ({"layout": "paged-v2"}, "layout"),
+])
+def test_key_mismatch_is_refused(tmp_path, change, reason):
+    make_store(tmp_path).save("faq", TOKENS, make_kv())
+    with pytest.raises(SnapshotMismatch, match=reason):
+        make_store(tmp_path, **change).load("faq", TOKENS)
+
+
+@pytest.mark.parametrize("tokens", [TOKENS[:-1], TOKENS + [1], TOKENS[:-1] + [999], [], list(reversed(TOKENS))])
+def test_changed_tokens_are_refused(tmp_path, tokens):
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    with pytest.raises(SnapshotMismatch, match="the template's tokens changed"):
+        store.load("faq", tokens)
+
+
+def test_other_format_version_is_refused(tmp_path, monkeypatch):
+    store = make_store(tmp_path)
+    monkeypatch.setattr(snapshots, "FORMAT_VERSION", 2)
+    store.save("faq", TOKENS, make_kv())
+    monkeypatch.undo()
+    with pytest.raises(SnapshotMismatch, match="format version '2', expected '1'"):
+        store.load("faq", TOKENS)
+
+
+def test_safetensors_file_without_our_metadata_is_refused(tmp_path):
+    store = make_store(tmp_path)
+    save_file(make_kv(), store.path("faq"))
+    with pytest.raises(SnapshotMismatch, match="format version None"):
+        store.load("faq", TOKENS)
+
+
+def test_checks_run_in_order(tmp_path):
+    """With several things wrong, the first in the documented order is the reason given."""
+    make_store(tmp_path).save("faq", TOKENS, make_kv())
+    with pytest.raises(SnapshotMismatch, match="made by other weights"):
+        make_store(tmp_path, fingerprint="0" * 16, dtype="bfloat16", block_size=8).load("faq", [1])
+    with pytest.raises(SnapshotMismatch, match="dtype"):
+        make_store(tmp_path, dtype="bfloat16", block_size=8).load("faq", [1])
+
+
+# --- damaged or foreign files ---------------------------------------------------------------
+
+
+def damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    start = data_offset(path)
+    if how == "zero-length":
+        data = bytearray()
+    elif how == "truncated-half":
+        data = data[:len(data) // 2]
+    elif how == "truncated-1":
+        data = data[:-1]
+    elif how == "truncated-header":
+        data = data[:start - 5]
+    elif how == "extra-byte":
+        data += b"\0"
+    elif how == "not-safetensors":
+        data = bytearray(b"PK\x03\x04 this is a zip file, or a pickle, or anything else" * 4)
+    elif how == "huge-header-length":
+        data[:8] = struct.pack("<Q", 1 << 62)
+    elif how == "header-not-json":
+        data[8] = ord("[")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["zero-length", "truncated-half", "truncated-1", "truncated-header", "extra-byte",
+                                 "not-safetensors", "huge-header-length", "header-not-json"])
+def test_unreadable_file_is_refused(tmp_path, how):
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    damage(store.path("faq"), how)
+    with pytest.raises(SnapshotMismatch, match="^unreadable: "):
+        store.load("faq", TOKENS)
+
+
+@pytest.mark.parametrize("where", [0, 1, 0.5, -1])  # first byte, second, middle, last byte of the data
+@pytest.mark.parametrize("bit", [0, 7])
+def test_flipped_data_bit_is_refused(tmp_path, where, bit):
+    store = make_store(tmp_path, dtype="bfloat16")
+    store.save("faq", TOKENS, make_kv(torch.bfloat16))
+    path = store.path("faq")
+    data = bytearray(path.read_bytes())
+    start = data_offset(path)
+    offset = {0: start, 1: start + 1, 0.5: (start + len(data)) // 2, -1: len(data) - 1}[where]
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
+        store.load("faq", TOKENS)
+
+
+@pytest.mark.parametrize("old, new", [
+    (b'"v.1"', b'"x.1"'),  # a renamed tensor: the data, in the same order, would match
+    (b"[3,4,2,8]", b"[3,4,8,2]"),  # a reshaped tensor: the same bytes, read as the wrong heads
+])
+def test_damaged_header_that_still_parses_is_refused(tmp_path, old, new):
+    """The checksum covers each tensor's name, dtype and shape, not just its bytes."""
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    path = store.path("faq")
+    data = path.read_bytes()
+    header = data[8:data_offset(path)]
+    assert old in header
+    path.write_bytes(data[:8] + header.replace(old, new, 1) + data[8 + len(header):])
+    with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
+        store.load("faq", TOKENS)
+
+
+def test_wrong_tensor_dtype_or_shape_is_refused_at_save(tmp_path):
+    """A caller's bug is caught when saving, not at every later start."""
+    store = make_store(tmp_path)
+    with pytest.raises(ValueError, match="bfloat16, expected float32"):
+        store.save("faq", TOKENS, make_kv(torch.bfloat16))
+    kv = make_kv()
+    kv["v.1"] = kv["v.1"][:2]
+    with pytest.raises(ValueError, match="different block counts"):
+        store.save("faq", TOKENS, kv)
+    with pytest.raises(ValueError, match="expected \\[blocks, 4, heads, head_dim\\]"):
+        store.save("faq", TOKENS, {"k.0": torch.zeros(3, 8, 2, 8)})
+    with pytest.raises(ValueError, match="no tensors"):
+        store.save("faq", TOKENS, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wrong_tensor_dtype_in_file_is_refused(tmp_path, monkeypatch):
+    """A file whose metadata says float32 but holds bfloat16 (written by a buggy writer) is refused."""
+    store = make_store(tmp_path)
+    monkeypatch.setattr(SnapshotStore, "_check_tensors", lambda *args: None)
+    store.save("faq", TOKENS, make_kv(torch.bfloat16))
+    monkeypatch.undo()
+    with pytest.raises(SnapshotMismatch, match="tensor k.0 is bfloat16, expected float32"):
+        store.load("faq", TOKENS)
+
+
+def test_name_must_be_a_template_name(tmp_path):
+    store = make_store(tmp_path / "snaps")
+    for bad in ["../escape", "a/b", "", ".hidden", "x" * 129]:
+        with pytest.raises(ConfigError):
+            store.path(bad)
+    assert not (tmp_path / "escape.kv.safetensors").exists()
+
+
+# --- I/O failures and atomicity ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions, so a read-only folder does "
+                    "not make the save fail; test_save_write_failure_raises_oserror_and_keeps_the_old_snapshot "
+                    "covers the clean-up after a failed write")
+def test_save_into_read_only_folder_raises_oserror(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        with pytest.raises(OSError):
+            make_store(folder).save("faq", TOKENS, make_kv())
+        assert list(folder.iterdir()) == []
+    finally:
+        folder.chmod(0o755)
+
+
+def test_save_write_failure_raises_oserror_and_keeps_the_old_snapshot(tmp_path, monkeypatch):
+    """Disk full mid-write: the partly written temp file is removed, the old snapshot still loads."""
+    store = make_store(tmp_path)
+    old = make_kv(seed=0)
+    store.save("faq", TOKENS, old)
+
+    def fill_disk(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshots, "save_file", fill_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.save("faq", TOKENS, make_kv(seed=1))
+    monkeypatch.undo()
+    assert temp_files(tmp_path) == []
+    assert_same(store.load("faq", TOKENS), old)
+
+
+def test_save_is_atomic_when_the_rename_fails(tmp_path, monkeypatch):
+    store = make_store(tmp_path)
+    old = make_kv(seed=0)
+    store.save("faq", TOKENS, old)
+
+    def fail(src, dst):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="simulated crash"):
+        store.save("faq", TOKENS, make_kv(seed=1))
+    monkeypatch.undo()
+    assert temp_files(tmp_path) == []
+    assert_same(store.load("faq", TOKENS), old)
+
+
+def test_remove(tmp_path):
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    store.save("bot", TOKENS, make_kv())
+    store.remove("faq")
+    assert not store.path("faq").exists() and store.load("faq", TOKENS) is None
+    store.remove("faq")  # missing is fine
+    make_store(tmp_path / "absent").remove("faq")  # so is a missing folder
+    assert store.load("bot", TOKENS) is not None
+
+
+def test_stale_temp_files_removed(tmp_path):
+    store = make_store(tmp_path)
+    assert make_store(tmp_path / "absent").stale_temp_files_removed() == 0
+    store.save("faq", TOKENS, make_kv())
+    old = time.time() - snapshots.STALE_TEMP_AGE_S - 60
+    stale = [tmp_path / ".faq.kv.safetensors.tmp-abc123", tmp_path / ".bot.kv.safetensors.tmp-x"]
+    for p in stale:
+        p.write_bytes(b"partial")
+        os.utime(p, (old, old))
+    live = tmp_path / ".faq.kv.safetensors.tmp-live"  # another process's save in progress
+    live.write_bytes(b"partial")
+    other = tmp_path / ".templates.json.tmp-abc"  # the template store's, not ours
+    other.write_bytes(b"{}")
+    os.utime(other, (old, old))
+    assert store.stale_temp_files_removed() == 2
+    assert not any(p.exists() for p in stale)
+    assert live.exists() and other.exists()
+    assert store.load("faq", TOKENS) is not None
+
+
+# --- model fingerprint ---------------------------------------------------------------------------
+
+
+def make_model_dir(folder: Path) -> Path:
+    """config.json and one safetensors file with 4 MiB of data: samples at [0, 1), [1.5, 2.5) and
+    [3, 4) MiB of the data region, so [1, 1.5) and [2.5, 3) MiB are not read."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    weight = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    save_file({"model.embed_tokens.weight": weight}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def patch_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_fingerprint_is_stable(tmp_path):
+    model = make_model_dir(tmp_path / "m")
+    fp = model_fingerprint(model)
+    assert len(fp) == 16 and int(fp, 16) >= 0
+    assert model_fingerprint(str(model)) == fp
+    copy = tmp_path / "copy"  # the path is not part of it
+    copy.mkdir()
+    for p in model.iterdir():
+        (copy / p.name).write_bytes(p.read_bytes())
+    (copy / "tokenizer.json").write_text("{}")  # nor files other than config.json and the weights
+    assert model_fingerprint(copy) == fp
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("where", [0, MiB - 1, 2 * MiB, 4 * MiB - 1])
+def test_fingerprint_follows_sampled_weight_bytes(tmp_path, where):
+    model = make_model_dir(tmp_path / "m")
+    fp = model_fingerprint(model)
+    weights = model / "model.safetensors"
+    patch_byte(weights, data_offset(weights) + where)
+    assert model_fingerprint(model) != fp
+
+
+@pytest.mark.parametrize("where", [MiB + MiB // 4, 2 * MiB + 3 * MiB // 4])
+def test_fingerprint_skips_unsampled_weight_bytes(tmp_path, where):
+    """The trade-off for a cheap start: bytes between the samples are not read."""
+    model = make_model_dir(tmp_path / "m")
+    fp = model_fingerprint(model)
+    weights = model / "model.safetensors"
+    patch_byte(weights, data_offset(weights) + where)
+    assert model_fingerprint(model) == fp
+
+
+def test_fingerprint_follows_config_header_and_files(tmp_path):
+    model = make_model_dir(tmp_path / "m")
+    fp = model_fingerprint(model)
+    config = model / "config.json"
+    original = config.read_bytes()
+    config.write_bytes(original.replace(b"64", b"65"))
+    assert model_fingerprint(model) != fp
+    config.write_bytes(original)
+    assert model_fingerprint(model) == fp
+    weights = model / "model.safetensors"
+    patch_byte(weights, 8 + 2)  # inside the JSON header
+    assert model_fingerprint(model) != fp
+    patch_byte(weights, 8 + 2)
+    assert model_fingerprint(model) == fp
+    save_file({"lm_head.weight": torch.zeros(4)}, model / "model-2.safetensors")  # another shard
+    assert model_fingerprint(model) != fp
+    (model / "model-2.safetensors").unlink()
+    weights.rename(model / "renamed.safetensors")
+    assert model_fingerprint(model) != fp
+
+
+def test_fingerprint_of_small_or_damaged_weight_files(tmp_path):
+    """Data shorter than a sample, or a header length past the end, still fingerprints (the loader
+    reports a damaged file; the fingerprint only has to differ)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    save_file({"w": torch.ones(3)}, model / "model.safetensors")
+    fp = model_fingerprint(model)
+    patch_byte(model / "model.safetensors", data_offset(model / "model.safetensors"))
+    assert model_fingerprint(model) != fp
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    model_fingerprint(model)
+    (model / "model.safetensors").write_bytes(b"abc")
+    model_fingerprint(model)
+
+
+def test_fingerprint_needs_weights_and_a_known_format(tmp_path):
+    model = make_model_dir(tmp_path / "m")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(Exception, match="no \\*.safetensors"):
+        model_fingerprint(model)
+    with pytest.raises(ValueError, match="load_format"):
+        model_fingerprint(model, "gguf")
+    with pytest.raises(FileNotFoundError):
+        model_fingerprint(tmp_path / "absent")
+
+
+def test_dummy_fingerprint(tmp_path):
+    model = make_model_dir(tmp_path / "m")
+    fp = model_fingerprint(model, "dummy", seed=0)
+    assert fp == model_fingerprint(model, "dummy")
+    assert model_fingerprint(model, "dummy", seed=1) != fp
+    assert fp != model_fingerprint(model)
+    patch_byte(model / "model.safetensors", data_offset(model / "model.safetensors"))  # files are not read
+    assert model_fingerprint(model, "dummy", seed=0) == fp
+    (model / "config.json").write_text("{}")
+    assert model_fingerprint(model, "dummy", seed=0) != fp
