@@ -249,13 +249,15 @@ def _prefix(args: argparse.Namespace) -> int:
                 for t in templates:
                     print(json.dumps({"name": t.name, "num_tokens": t.num_tokens, "num_blocks": t.num_blocks,
                                       "requests_served": t.requests_served, "active_requests": t.active_requests,
-                                      "origin": t.origin, "kind": t.kind, "replicas": list(t.replicas)}))
+                                      "origin": t.origin, "kind": t.kind, "kv_source": t.kv_source,
+                                      "replicas": list(t.replicas)}))
             else:
                 fleet = any(t.replicas for t in templates)  # a fleet says where each template is pinned
-                rows = [("NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND") + (("REPLICAS",) if fleet
-                                                                                             else ())] + [
+                rows = [("NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND", "KV") +
+                        (("REPLICAS",) if fleet else ())] + [
                     (t.name, str(t.num_tokens), str(t.num_blocks), str(t.requests_served), str(t.active_requests),
-                     t.origin, t.kind) + ((",".join(t.replicas) or "-",) if fleet else ()) for t in templates]
+                     t.origin, t.kind, t.kv_source or "-") + ((",".join(t.replicas) or "-",) if fleet else ())
+                    for t in templates]
                 widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
                 for r in rows:
                     print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())

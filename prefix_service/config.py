@@ -98,6 +98,9 @@ class CacheConfig:
     prefix_budget_blocks: int | None = None  # max blocks pinned by templates; default: half the cache
     enable_prefix: bool = True  # False: requests on a template prefill it like any prompt
     pack_prefix_kv: bool = True  # cpu backend: templates' K/V also held packed for its attention
+    # pinned templates' K/V are saved here and loaded at the next pin instead of a prefill; None: the
+    # server's default (a folder next to its state file; an Engine alone: off); "": off
+    snapshot_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("cache.block_size", self.block_size, 1, 4096)
@@ -106,6 +109,9 @@ class CacheConfig:
             _check_int("cache.num_blocks", self.num_blocks, 1)
         if self.prefix_budget_blocks is not None:
             _check_int("cache.prefix_budget_blocks", self.prefix_budget_blocks, 0)
+        if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, str):
+            raise ConfigError(f"cache.snapshot_dir: expected a folder (or \"\" for no snapshots), got "
+                              f"{self.snapshot_dir!r}")
         for key in ("enable_prefix", "pack_prefix_kv"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"cache.{key}: expected true or false, got {getattr(self, key)!r}")
@@ -381,7 +387,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     if "model" not in raw:
         raise ConfigError("config: the 'model' section (with model.path) is required")
     model = _build(ModelConfig, "model", raw.get("model"), {"path": resolve})
-    cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": parse_size})
+    cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": parse_size, "snapshot_dir": resolve})
     scheduler = _build(SchedulerConfig, "scheduler", raw.get("scheduler"))
     server = _build(ServerConfig, "server", raw.get("server"),
                     {"state_file": resolve, "tls_cert_file": resolve, "tls_key_file": resolve,

@@ -100,9 +100,9 @@ def test_prefix_add_list_remove(server, capsys, tmp_path):
     capsys.readouterr()
     assert main(["prefix", "list", "--address", server.address]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND"]
+    assert table[0].split() == ["NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND", "KV"]
     assert [row.split()[0] for row in table[1:]] == ["doc", "sys", "faq", "bot", "raw"]
-    assert table[4].split()[-2:] == ["admin", "system_prompt"]
+    assert table[4].split()[-3:] == ["admin", "system_prompt", "prefill"]
     assert main(["prefix", "list", "--json", "--address", server.address]) == 0
     assert '"name": "doc"' in capsys.readouterr().out
     for name in ("faq", "bot", "raw"):

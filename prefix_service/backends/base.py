@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Collection
+from typing import TYPE_CHECKING, Callable, ClassVar, Collection, Sequence
 
 import torch
 
@@ -104,6 +104,29 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Block dst = block src in every layer's K and V cache, for each (src, dst) pair."""
+
+    # --- a template's K/V as data (snapshots) ---------------------------------------------------
+    def read_blocks(self, blocks: Sequence[int]) -> dict[str, torch.Tensor]:
+        """These blocks' K and V in every layer, copied to the host: {"k.<layer>", "v.<layer>"},
+        each [len(blocks), block_size, num_kv_heads, head_dim] in the cache's dtype (KVCache's layout,
+        the same on every backend)."""
+        index = torch.tensor(list(blocks), dtype=torch.int64, device=self.device)
+        out: dict[str, torch.Tensor] = {}
+        for layer, (k, v) in enumerate(self.kv_layers):
+            out[f"k.{layer}"] = k.index_select(0, index).cpu()
+            out[f"v.{layer}"] = v.index_select(0, index).cpu()
+        return out
+
+    def write_blocks(self, blocks: Sequence[int], kv: dict[str, torch.Tensor]) -> None:
+        """Set these blocks' K and V in every layer from read_blocks' form (shapes checked)."""
+        index = torch.tensor(list(blocks), dtype=torch.int64, device=self.device)
+        for layer, (k, v) in enumerate(self.kv_layers):
+            for name, cache in ((f"k.{layer}", k), (f"v.{layer}", v)):
+                data = kv[name]
+                if data.shape != (len(blocks), *cache.shape[1:]) or data.dtype != cache.dtype:
+                    raise ValueError(f"{name}: {tuple(data.shape)} {data.dtype}, the cache takes "
+                                     f"{(len(blocks), *cache.shape[1:])} {cache.dtype}")
+                cache.index_copy_(0, index, data.to(self.device))
 
     # --- templates (TemplateHooks of the PrefixCacheManager) ------------------------------------
     def on_pin(self, handle: PrefixHandle) -> None:

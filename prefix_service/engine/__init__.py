@@ -10,6 +10,7 @@
 | `sequence.py` | the request and output types, and a sequence's scheduling state | - |
 | `sampler.py`, `detokenizer.py` | sampling on the logits; incremental text and stop strings | - |
 | `snapshots.py` | a template's KV blocks on disk: the file format, its checks, atomic writes | snapshot files |
+| `template_snapshots.py` | the engine's side: save after a pin (one writer thread), load instead of a prefill, remove | the writer thread |
 
 Everything that touches a device (the model's weights, the KV cache tensors, the forward pass) is
 behind the backend boundary, prefix_service/backends/.

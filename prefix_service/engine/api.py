@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import threading
 import uuid
@@ -25,6 +26,8 @@ from prefix_service.engine.sequence import (FinishReason, GenerateRequest, Reque
                                             TokenLogprob)
 from prefix_service.model.llama import ModelArch
 from prefix_service.sampling_params import StructuredOutput
+from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore, model_fingerprint
+from prefix_service.engine.template_snapshots import TemplateSnapshots
 
 log = logging.getLogger("prefix_service.engine")
 T = TypeVar("T")
@@ -85,6 +88,15 @@ class Engine:
         self.info = EngineInfo(config.model.path, str(core.device), str(core.dtype).replace("torch.", ""),
                                core.arch, core.max_model_len, core.allocator.num_blocks, core.block_size,
                                core.backend.name, core.backend.describe())
+        self._snapshots: TemplateSnapshots | None = None
+        if config.cache.snapshot_dir:
+            mc = config.model
+            fingerprint = model_fingerprint(mc.path, mc.load_format, mc.seed)
+            if mc.load_format == "dummy":  # random weights differ by device (its generator), files do not
+                fingerprint = hashlib.sha256(f"{fingerprint}:{core.device.type}".encode()).hexdigest()[:16]
+            key = SnapshotKey(fingerprint, self.info.dtype, core.block_size)
+            self._snapshots = TemplateSnapshots(SnapshotStore(config.cache.snapshot_dir, key))
+            self._run(lambda c: setattr(c, "snapshots", self._snapshots))
 
     # --- the loop thread ----------------------------------------------------------------------
     def _main(self, config: EngineConfig, backend: BackendFactory | None,
@@ -160,6 +172,16 @@ class Engine:
         source = source if source is not None else ({"content": text} if text is not None else {})
         compiled = self._core.structured.compile(structured) if structured is not None else None
         output = (structured, compiled) if structured is not None and compiled is not None else None
+        ids, src = list(token_ids), source
+        kv = self._snapshots.load(name, ids) if self._snapshots is not None else None
+        if kv is not None:  # its K/V from a snapshot instead of a prefill
+            try:
+                restored = self._run(lambda core: core.restore_prefix(name, ids, src, kv, output))
+            except ValueError as e:  # shapes that are not this cache's: the snapshot is not used
+                log.warning("prefix template %r: its snapshot does not fit this KV cache (%s); prefilling it", name, e)
+                restored = None
+            if restored is not None:
+                return restored
         done: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
 
         def on_pinned(result: PrefixInfo | BaseException) -> None:
@@ -168,14 +190,21 @@ class Engine:
             else:
                 done.set_result(result)
 
-        ids, src = list(token_ids), source
         self._run(lambda core: core.add_prefix(name, ids, src, on_pinned, output))
         return done.result()
 
     def remove_prefix(self, name: str) -> bool:
         """Unregister a template. True if its blocks were freed now, False if deferred until the
         requests using it finish. Raises PrefixNotFound."""
-        return self._run(lambda core: core.prefixes.remove(name))
+        freed: bool = self._run(lambda core: core.prefixes.remove(name))
+        if self._snapshots is not None:  # after its save, on the same writer thread
+            self._snapshots.remove(name)
+        return freed
+
+    def flush_snapshots(self) -> None:
+        """Wait until the snapshots of the templates pinned so far are written (and removals done)."""
+        if self._snapshots is not None:
+            self._snapshots.flush()
 
     def list_prefixes(self) -> list[PrefixInfo]:
         return self._run(lambda core: core.prefixes.list())
@@ -365,6 +394,8 @@ class Engine:
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        if self._snapshots is not None:  # the pending writes finish
+            self._snapshots.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -26,6 +26,7 @@ from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
 from prefix_service.engine.structured import StructuredOutputs, start
+from prefix_service.engine.template_snapshots import TemplateSnapshots
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
 from prefix_service.sampling_params import SamplingParams, StructuredOutput
 
@@ -116,6 +117,7 @@ class EngineCore:
         self.eos_token_ids = self._eos_ids()
         sc = config.scheduler
         self.structured = StructuredOutputs(self.tokenizer, sc.grammar_compile_fuel, sc.grammar_step_fuel)
+        self.snapshots: TemplateSnapshots | None = None  # set by the Engine when cache.snapshot_dir is
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
                  self.block_size, self.max_model_len, self.backend.describe())
@@ -330,6 +332,31 @@ class EngineCore:
                                              prefix_name=name, default_output=default_output)
         self.scheduler.add(seq)
 
+    def restore_prefix(self, name: str, token_ids: list[int], source: dict[str, str], kv: dict[str, torch.Tensor],
+                       default_output: tuple[StructuredOutput, Any] | None = None) -> PrefixInfo | None:
+        """Pin a template from a snapshot's K/V (read and checked off this thread) instead of a
+        prefill: fresh blocks, the K/V written into them, pinned. None when its blocks are not free
+        now (requests hold them): the caller prefills it instead, queued like any request."""
+        if not token_ids:
+            raise InvalidRequest(f"prefix template {name!r} is empty")
+        self._check_fits(len(token_ids), f"prefix template {name!r}")
+        self.prefixes.reserve(name, len(token_ids))
+        need = self.prefixes.blocks_for(len(token_ids))
+        if need > self.allocator.num_free:
+            self.prefixes.cancel(name)
+            return None
+        blocks = self.allocator.allocate(need)
+        try:
+            self.backend.write_blocks(blocks, kv)
+            structured, matcher = default_output or (None, None)
+            handle = self.prefixes.pin(name, token_ids, blocks, source, structured, matcher, kv_source="snapshot")
+        except BaseException:
+            self.prefixes.cancel(name)
+            raise
+        finally:
+            self.allocator.free(blocks)  # the pin holds its own reference
+        return handle.info()
+
     def abort(self, request_id: str) -> bool:
         group = self._samples.get(request_id)
         if group is not None:
@@ -461,6 +488,8 @@ class EngineCore:
             return
         self.scheduler.finish(seq, FinishReason.STOP)  # the pin keeps the blocks
         del self._tracked[seq.request_id]
+        if self.snapshots is not None:  # a copy of its K/V, written off this thread
+            self.snapshots.save(name, handle.token_ids, self.backend.read_blocks(handle.block_table))
         if tracked.on_pinned:
             tracked.on_pinned(handle.info())
 

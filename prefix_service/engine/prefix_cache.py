@@ -35,6 +35,7 @@ class PrefixHandle:
     # the default output of requests that name no structured output, and its compiled matcher
     structured: StructuredOutput | None = None
     matcher: Any = None
+    kv_source: str = "prefill"  # where its K/V came from: "prefill" or "snapshot" (a file of an earlier pin)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +53,7 @@ class PrefixHandle:
 
     def info(self) -> PrefixInfo:
         return PrefixInfo(self.name, self.num_tokens, self.num_blocks, self.requests_served, self.active_requests,
-                          dict(self.source), self.structured)
+                          dict(self.source), self.structured, self.kv_source)
 
     def view(self) -> PrefixView:
         return PrefixView(self.name, self.token_ids, dict(self.source), self.structured)
@@ -68,6 +69,7 @@ class PrefixInfo:
     active_requests: int
     source: dict[str, str]
     structured: StructuredOutput | None = None  # the default output
+    kv_source: str = "prefill"  # "prefill" or "snapshot"
 
 
 @dataclass(frozen=True)
@@ -150,15 +152,17 @@ class PrefixCacheManager:
         self._pending.pop(name, None)
 
     def pin(self, name: str, token_ids: builtins.list[int], block_table: builtins.list[BlockId],
-            source: dict[str, str], structured: StructuredOutput | None = None, matcher: Any = None) -> PrefixHandle:
-        """Take one reference on each block of a finished warmup prefill and register the name.
-        structured, matcher: the template's default output and its compiled matcher, if it has one."""
+            source: dict[str, str], structured: StructuredOutput | None = None, matcher: Any = None,
+            kv_source: str = "prefill") -> PrefixHandle:
+        """Take one reference on each block of a finished warmup prefill (or of blocks a snapshot
+        filled, kv_source "snapshot") and register the name. structured, matcher: the template's
+        default output and its compiled matcher, if it has one."""
         if self._pending.pop(name, None) is None:
             raise RuntimeError(f"pin of {name!r} without reserve")
         assert len(block_table) == self.blocks_for(len(token_ids)), "block table does not cover the prefix"
         self.allocator.incref(block_table)
         handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), next(self._ids), source,
-                              structured=structured, matcher=matcher)
+                              structured=structured, matcher=matcher, kv_source=kv_source)
         if self.hooks is not None:
             try:
                 self.hooks.on_pin(handle)

@@ -325,7 +325,8 @@ class FleetController:
             first = found[0] if found else None
             info = PrefixInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
                               first.num_blocks if first else 0, sum(i.requests_served for i in found),
-                              sum(i.active_requests for i in found), src.definition(), src.structured)
+                              sum(i.active_requests for i in found), src.definition(), src.structured,
+                              ",".join(sorted({i.kv_source for i in found})))  # each holder's: prefill, snapshot
             out.append((info, src.origin, routes[name]))
         return out
 

@@ -203,7 +203,7 @@ class AddPrefixTemplateRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., content: _Optional[str] = ..., system_prompt: _Optional[str] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class PrefixTemplate(_message.Message):
-    __slots__ = ("name", "num_tokens", "num_blocks", "requests_served", "active_requests", "origin", "kind", "replicas", "structured_output")
+    __slots__ = ("name", "num_tokens", "num_blocks", "requests_served", "active_requests", "origin", "kind", "replicas", "structured_output", "kv_source")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,7 @@ class PrefixTemplate(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_tokens: int
     num_blocks: int
@@ -222,7 +223,8 @@ class PrefixTemplate(_message.Message):
     kind: str
     replicas: _containers.RepeatedScalarFieldContainer[str]
     structured_output: StructuredOutput
-    def __init__(self, name: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests_served: _Optional[int] = ..., active_requests: _Optional[int] = ..., origin: _Optional[str] = ..., kind: _Optional[str] = ..., replicas: _Optional[_Iterable[str]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    kv_source: str
+    def __init__(self, name: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., requests_served: _Optional[int] = ..., active_requests: _Optional[int] = ..., origin: _Optional[str] = ..., kind: _Optional[str] = ..., replicas: _Optional[_Iterable[str]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., kv_source: _Optional[str] = ...) -> None: ...
 
 class RemovePrefixTemplateRequest(_message.Message):
     __slots__ = ("name",)

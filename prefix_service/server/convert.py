@@ -113,4 +113,4 @@ def template_to_proto(info: PrefixInfo, origin: str, replicas: Sequence[str] = (
         name=info.name, num_tokens=info.num_tokens, num_blocks=info.num_blocks,
         requests_served=info.requests_served, active_requests=info.active_requests, origin=origin,
         kind="system_prompt" if "system_prompt" in info.source else "content", replicas=replicas,
-        structured_output=structured_to_proto(info.structured))
+        structured_output=structured_to_proto(info.structured), kv_source=info.kv_source)

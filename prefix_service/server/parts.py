@@ -17,6 +17,7 @@ hands each part a ServerContext when it starts it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -73,6 +74,17 @@ class HttpFront(Protocol):
         their requests). Called once when the server stops, also when start never ran."""
 
 
+def with_snapshot_dir(config: ServiceConfig, store: TemplateStore | None) -> ServiceConfig:
+    """cache.snapshot_dir unset: a folder next to the state file (state.json: state.snapshots/);
+    without a state file, none."""
+    cache = config.engine.cache
+    if cache.snapshot_dir is not None or store is None:
+        return config
+    folder = store.path.with_name(store.path.name.removesuffix(".json").removesuffix(".state") + ".snapshots")
+    return dataclasses.replace(config, engine=dataclasses.replace(
+        config.engine, cache=dataclasses.replace(cache, snapshot_dir=str(folder))))
+
+
 class LocalEngineProvider:
     """The engine in this process: engine_factory builds it (on a worker thread), a
     TemplateRegistry over it keeps the admin templates in the state file, and warm_up pins the
@@ -87,7 +99,7 @@ class LocalEngineProvider:
         loop = asyncio.get_running_loop()
         runtime, config = ctx.runtime, ctx.config
         runtime.phase = "loading the model"
-        engine = await loop.run_in_executor(runtime.executor, self.engine_factory, config)
+        engine = await loop.run_in_executor(runtime.executor, self.engine_factory, with_snapshot_dir(config, store))
         registry = TemplateRegistry(engine, store, config.server.max_template_bytes)
         runtime.attach(engine, registry)
         configured = [TemplateSource(p.name, content=None if p.system_prompt is not None else p.read_text(),

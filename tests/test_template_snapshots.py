@@ -1,0 +1,140 @@
+"""Template KV snapshots in the engine (cache.snapshot_dir): a template pinned after a prefill is
+saved; the next engine pins it from the file instead of prefilling, with K/V bit for bit the
+prefill's and the same greedy outputs, on each CPU backend; a snapshot of another block size, of
+changed token ids or with a flipped byte is not used (one warning naming the template and the
+reason, then a prefill); removing a template removes its snapshot; a folder that cannot be
+written turns saving off and serving goes on."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from prefix_service import GenerateRequest, SamplingParams
+
+TEMPLATE = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]  # 4 full blocks of 4, and 2
+PROMPTS = [[40, 41, 42], [50, 51, 52, 53, 54]]
+
+
+def greedy(engine, prefix="doc"):
+    reqs = [GenerateRequest(prompt_token_ids=p, prefix_name=prefix,
+                            sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for p in PROMPTS]
+    return [o.token_ids for o in engine.generate(reqs)]
+
+
+def template_kv(engine, name="doc"):
+    return engine._run(lambda core: core.backend.read_blocks(core.prefixes.get(name).block_table))
+
+
+def kv_source(engine, name="doc"):
+    return {i.name: i.kv_source for i in engine.list_prefixes()}[name]
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_restored_template_equals_the_prefilled_one(make_engine, tmp_path, backend):
+    folder = str(tmp_path / "snapshots")
+    first = make_engine(snapshot_dir=folder, backend=backend)
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    assert kv_source(first) == "prefill" and len(list((tmp_path / "snapshots").glob("doc*"))) == 1
+    want, kv = greedy(first), template_kv(first)
+
+    second = make_engine(snapshot_dir=folder, backend=backend)
+    info = second.add_prefix("doc", token_ids=TEMPLATE)
+    assert info.kv_source == "snapshot" == kv_source(second)
+    restored = template_kv(second)
+    assert restored.keys() == kv.keys() and all(restored[k].equal(kv[k]) for k in kv)  # bit for bit
+    assert greedy(second) == want
+    plain = make_engine(backend=backend)  # no snapshots: a prefill, the reference
+    plain.add_prefix("doc", token_ids=TEMPLATE)
+    assert greedy(plain) == want
+
+
+def test_a_snapshot_that_does_not_match_is_not_used(make_engine, tmp_path, caplog):
+    folder = tmp_path / "snapshots"
+    first = make_engine(snapshot_dir=str(folder), backend="torch")
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    [snapshot] = folder.iterdir()
+    good = snapshot.read_bytes()
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+
+    other = make_engine(snapshot_dir=str(folder), backend="torch", block_size=8)  # another block size
+    assert other.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
+    other.flush_snapshots()
+    snapshot.write_bytes(good)  # the prefill above saved its own: put the first one back
+    changed = make_engine(snapshot_dir=str(folder), backend="torch")  # the template's tokens changed
+    assert changed.add_prefix("doc", token_ids=TEMPLATE[:-1] + [99]).kv_source == "prefill"
+    changed.flush_snapshots()
+    flipped = bytearray(good)
+    flipped[-5] ^= 0x40
+    snapshot.write_bytes(bytes(flipped))  # a bit flipped in the K/V
+    corrupt = make_engine(snapshot_dir=str(folder), backend="torch")
+    assert corrupt.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
+    warnings = [r.getMessage() for r in caplog.records if "snapshot" in r.getMessage()]
+    assert len(warnings) == 3 and all("'doc'" in w and "prefilling" in w for w in warnings), warnings
+    assert "block" in warnings[0] and "token" in warnings[1] and "checksum" in warnings[2]
+
+
+def test_removing_a_template_removes_its_snapshot(make_engine, tmp_path):
+    folder = tmp_path / "snapshots"
+    engine = make_engine(snapshot_dir=str(folder), backend="torch")
+    engine.add_prefix("doc", token_ids=TEMPLATE)
+    engine.add_prefix("other", token_ids=TEMPLATE[:6])
+    engine.flush_snapshots()
+    assert len(list(folder.iterdir())) == 2
+    engine.remove_prefix("doc")
+    engine.flush_snapshots()
+    assert [p.name.split(".")[0] for p in folder.iterdir()] == ["other"]
+
+
+def test_a_folder_that_cannot_be_written_turns_saving_off(make_engine, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    engine = make_engine(snapshot_dir=str(blocker / "snapshots"), backend="torch")
+    engine.add_prefix("doc", token_ids=TEMPLATE)
+    engine.flush_snapshots()
+    engine.add_prefix("other", token_ids=TEMPLATE[:6])
+    engine.flush_snapshots()
+    plain = make_engine(backend="torch")
+    plain.add_prefix("doc", token_ids=TEMPLATE)
+    assert greedy(engine) == greedy(plain)  # serving goes on, as without snapshots
+    offs = [r.getMessage() for r in caplog.records if "snapshots are off" in r.getMessage()]
+    assert len(offs) == 1  # one warning, then no more tries
+
+
+def test_a_restarted_server_pins_its_templates_from_snapshots(model_dir, tmp_path, monkeypatch):
+    """The server's default folder is next to its state file; ListPrefixTemplates says where each
+    template's K/V came from; snapshot_dir "" turns snapshots off."""
+    import dataclasses
+
+    from server_fixtures import DOCUMENT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request, make_config
+
+    from prefix_service.config import PrefixSpec
+    from prefix_service.proto import prefix_service_pb2 as pb
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    config = make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),), state_file=tmp_path / "state.json")
+
+    def run(cfg) -> tuple[dict[str, str], list[int]]:
+        st = ServerThread(cfg).start()
+        try:
+            c = Clients(st.address)
+            c.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(name="faq", content=DOCUMENT[:200]))
+            sources = {t.name: t.kv_source for t in c.admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest()).templates}
+            _, ids, _ = collect(c.generation.Generate(greedy_request(" the order", "doc", 10)))
+            c.admin.RemovePrefixTemplate(pb.RemovePrefixTemplateRequest(name="faq"))
+            st.engine.flush_snapshots()
+            st.check_clean()
+        finally:
+            st.stop()
+        return sources, ids
+
+    first, want = run(config)
+    assert first == {"doc": "prefill", "faq": "prefill"}
+    assert sorted(p.name for p in (tmp_path / "state.snapshots").iterdir()) == ["doc.kv.safetensors"]  # faq removed
+    again, ids = run(config)
+    assert again == {"doc": "snapshot", "faq": "prefill"} and ids == want
+    off = dataclasses.replace(config, engine=dataclasses.replace(
+        config.engine, cache=dataclasses.replace(config.engine.cache, snapshot_dir="")))
+    assert run(off)[0] == {"doc": "prefill", "faq": "prefill"}
