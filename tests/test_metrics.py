@@ -110,6 +110,7 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
     assert value(m, "prefix_service_preemptions_total") == stats["preemptions"]
     assert value(m, "prefix_service_templates") == 2
     assert value(m, "prefix_service_template_tokens", prefix="doc") == doc_tokens
+    assert value(m, "prefix_service_template_from_snapshot", prefix="doc") == 0  # a first start: prefilled
     # requests accepted on the template: the bad-sampling one was refused before
     assert value(m, "prefix_service_template_requests_served_total", prefix="doc") == 3
 
