@@ -6,6 +6,7 @@ one warning."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import signal
@@ -14,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.engine import snapshots
 from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore
 
@@ -128,3 +131,83 @@ def test_snapshot_survives_20_kills_mid_write(tmp_path, monkeypatch):
         zygote.kill()
         zygote.wait(30)
     assert killed_mid_write > 0 and temp_files_removed > 0
+
+
+# --- through the engine ------------------------------------------------------------------------
+
+TEMPLATE = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]  # 4 full blocks of 4, and 2
+PROMPTS = [[40, 41, 42], [50, 51, 52, 53, 54]]
+
+
+def greedy(engine, prefix="doc"):
+    reqs = [GenerateRequest(prompt_token_ids=p, prefix_name=prefix,
+                            sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for p in PROMPTS]
+    return [o.token_ids for o in engine.generate(reqs)]
+
+
+def snapshot_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "snapshot" in r.getMessage()]
+
+
+@pytest.mark.parametrize("fault", ["disk full mid-write", "read-only at the rename", "folder under a file"])
+def test_a_folder_that_cannot_be_written_is_one_warning_and_serving_goes_on(make_engine, tmp_path, caplog,
+                                                                            monkeypatch, fault):
+    folder = tmp_path / "snapshots"
+    tries: list[str] = []
+    if fault == "disk full mid-write":
+        def fill_disk(tensors, filename, metadata=None):
+            tries.append(filename)
+            Path(filename).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(snapshots, "save_file", fill_disk)
+        reason = "No space left"
+    elif fault == "read-only at the rename":
+        real_replace = os.replace
+
+        def read_only(src, dst):
+            if str(dst).endswith(snapshots.SUFFIX):
+                tries.append(str(dst))
+                raise OSError(errno.EROFS, "Read-only file system")
+            real_replace(src, dst)
+
+        monkeypatch.setattr(snapshots.os, "replace", read_only)
+        reason = "Read-only"
+    else:
+        (tmp_path / "a-file").write_text("not a folder")
+        folder = tmp_path / "a-file" / "snapshots"
+        real_mkdir = Path.mkdir
+
+        def mkdir(self, *args, **kwargs):
+            if self == folder:
+                tries.append(str(self))
+            real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        reason = "Not a directory"
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    engine = make_engine(snapshot_dir=str(folder), backend="torch")
+    copies: list[int] = []
+    read_blocks = engine._core.backend.read_blocks
+
+    def counted_read_blocks(block_table):
+        copies.append(len(block_table))
+        return read_blocks(block_table)
+
+    monkeypatch.setattr(engine._core.backend, "read_blocks", counted_read_blocks)
+    engine.add_prefix("doc", token_ids=TEMPLATE)
+    engine.flush_snapshots()
+    engine.add_prefix("other", token_ids=TEMPLATE[:6])
+    engine.remove_prefix("other")
+    engine.add_prefix("other", token_ids=TEMPLATE[:6])
+    engine.flush_snapshots()
+    assert len(tries) == 1 and len(copies) == 1  # later pins neither copy their K/V nor try to write it
+    [off] = snapshot_warnings(caplog)
+    assert "snapshots are off" in off and reason in off, off
+    if folder.exists():
+        assert list(folder.iterdir()) == []  # no temp file left behind
+    plain = make_engine(backend="torch")  # no snapshots: the reference
+    plain.add_prefix("doc", token_ids=TEMPLATE)
+    assert greedy(engine) == greedy(plain)
+    assert {i.name: i.kv_source for i in engine.list_prefixes()} == {"doc": "prefill", "other": "prefill"}

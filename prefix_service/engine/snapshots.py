@@ -204,8 +204,12 @@ class SnapshotStore:
         return tensors
 
     def remove(self, name: str) -> None:
-        """Delete name's snapshot if any (missing is fine), durably."""
-        self.path(name).unlink(missing_ok=True)
+        """Delete name's snapshot if any (missing is fine, as is a folder under a regular file,
+        which holds none), durably."""
+        try:
+            self.path(name).unlink()
+        except (FileNotFoundError, NotADirectoryError):
+            return
         fsync_dir(self.folder)
 
     def stale_temp_files_removed(self) -> int:
