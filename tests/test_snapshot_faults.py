@@ -2,9 +2,11 @@
 times and the file always loads as the last snapshot saved or the one in flight, bit for bit, with
 its temp files removed at the next start; through the engine, a full folder (ENOSPC), a folder that
 cannot be written and a snapshot that cannot be read each leave serving as without snapshots, with
-one warning."""
+one warning; a restore gives the greedy outputs of a prefill on each tiny architecture and CPU
+backend; a restore whose blocks are not free falls back to a queued prefill."""
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import logging
 import os
@@ -12,13 +14,15 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from prefix_service import GenerateRequest, SamplingParams
+from prefix_service import GenerateRequest, RequestOutput, SamplingParams
+from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.engine import snapshots
 from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore
 
@@ -211,3 +215,86 @@ def test_a_folder_that_cannot_be_written_is_one_warning_and_serving_goes_on(make
     plain.add_prefix("doc", token_ids=TEMPLATE)
     assert greedy(engine) == greedy(plain)
     assert {i.name: i.kv_source for i in engine.list_prefixes()} == {"doc": "prefill", "other": "prefill"}
+
+
+def test_a_snapshot_that_cannot_be_read_is_one_warning_and_a_prefill(make_engine, tmp_path, caplog, monkeypatch):
+    folder = str(tmp_path / "snapshots")
+    first = make_engine(snapshot_dir=folder, backend="torch")
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    want = greedy(first)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", args[0])
+
+    monkeypatch.setattr(snapshots, "safe_open", denied)
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    second = make_engine(snapshot_dir=folder, backend="torch")
+    assert second.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
+    [warning] = snapshot_warnings(caplog)
+    assert "'doc'" in warning and "Permission denied" in warning and "prefilling" in warning, warning
+    assert greedy(second) == want
+    second.flush_snapshots()  # the prefill saved the template again
+    monkeypatch.undo()
+    third = make_engine(snapshot_dir=folder, backend="torch")
+    assert third.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot"
+    assert greedy(third) == want
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3"])  # conftest's other archs; llama: test_template_snapshots.py
+def test_greedy_outputs_after_a_restore_equal_those_after_a_prefill(make_engine, model_dirs, tmp_path, arch, backend):
+    folder = str(tmp_path / "snapshots")
+    first = make_engine(model_dirs[arch], snapshot_dir=folder, backend=backend)
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    kv = first._run(lambda core: core.backend.read_blocks(core.prefixes.get("doc").block_table))
+    second = make_engine(model_dirs[arch], snapshot_dir=folder, backend=backend)
+    assert second.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot"
+    restored = second._run(lambda core: core.backend.read_blocks(core.prefixes.get("doc").block_table))
+    assert restored.keys() == kv.keys() and all(restored[k].equal(kv[k]) for k in kv)  # bit for bit
+    assert greedy(second) == greedy(first)
+
+
+def test_a_restore_into_a_full_cache_falls_back_to_a_queued_prefill(make_engine, tmp_path, monkeypatch):
+    """The template's 5 blocks are not free when its restore runs (a request holds 9 of 12), so it is
+    prefilled once the request has left them, and pinned correctly."""
+    folder = str(tmp_path / "snapshots")
+    first = make_engine(snapshot_dir=folder, backend="torch")
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    want = greedy(first)
+    engine = make_engine(snapshot_dir=folder, backend="torch", num_blocks=12, prefix_budget_blocks=6)
+    restores: list[object] = []
+    restore_prefix = engine._core.restore_prefix
+
+    def spied_restore_prefix(*args, **kwargs):
+        restores.append(restore_prefix(*args, **kwargs))
+        return restores[-1]
+
+    monkeypatch.setattr(engine._core, "restore_prefix", spied_restore_prefix)
+    # The engine's thread is held in the request's first output until add_prefix has queued its
+    # restore, which then runs while the request holds its blocks.
+    first_output, restore_queued = threading.Event(), threading.Event()
+    outputs: list[RequestOutput] = []
+
+    def sink(out: RequestOutput) -> None:
+        outputs.append(out)
+        if not first_output.is_set():
+            first_output.set()
+            assert restore_queued.wait(30)
+
+    engine.submit(GenerateRequest(prompt_token_ids=list(range(60, 92)),  # 32 tokens: 8 blocks, then 9
+                                  sampling=SamplingParams(max_tokens=16, ignore_eos=True)), sink)
+    assert first_output.wait(30)
+    added: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
+    threading.Thread(target=lambda: added.set_result(engine.add_prefix("doc", token_ids=TEMPLATE)), daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not engine._commands:  # add_prefix read the snapshot and queued the restore
+        assert time.monotonic() < deadline and not added.done()
+        time.sleep(0.001)
+    restore_queued.set()
+    info = added.result(60)
+    assert restores == [None] and info.kv_source == "prefill"
+    assert outputs[-1].finished and sum(len(o.token_ids) for o in outputs) == 16  # the request was not cut short
+    assert greedy(engine) == want
