@@ -338,9 +338,19 @@ def test_stale_temp_files_removed(tmp_path):
     other = tmp_path / ".templates.json.tmp-abc"  # the template store's, not ours
     other.write_bytes(b"{}")
     os.utime(other, (old, old))
-    assert store.stale_temp_files_removed() == 2
-    assert not any(p.exists() for p in stale)
-    assert live.exists() and other.exists()
+    # a save's temp folder, holding its file and safetensors' own temp file: stale, or still written to
+    stale_dir, live_dir = tmp_path / ".faq.kv.safetensors.tmp-dead", tmp_path / ".bot.kv.safetensors.tmp-busy"
+    for folder in (stale_dir, live_dir):
+        folder.mkdir()
+        for p in (folder / "faq.kv.safetensors", folder / ".tmpAb3dEf"):
+            p.write_bytes(b"partial")
+            os.utime(p, (old, old))
+    (live_dir / ".tmpAb3dEf").touch()  # being written now
+    os.utime(stale_dir, (old, old))
+    os.utime(live_dir, (old, old))
+    assert store.stale_temp_files_removed() == 3
+    assert not any(p.exists() for p in stale) and not stale_dir.exists()
+    assert live.exists() and other.exists() and live_dir.exists()
     assert store.load("faq", TOKENS) is not None
 
 

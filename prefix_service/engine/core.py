@@ -488,7 +488,7 @@ class EngineCore:
             return
         self.scheduler.finish(seq, FinishReason.STOP)  # the pin keeps the blocks
         del self._tracked[seq.request_id]
-        if self.snapshots is not None:  # a copy of its K/V, written off this thread
+        if self.snapshots is not None and self.snapshots.saving:  # a copy of its K/V, written off this thread
             self.snapshots.save(name, handle.token_ids, self.backend.read_blocks(handle.block_table))
         if tracked.on_pinned:
             tracked.on_pinned(handle.info())

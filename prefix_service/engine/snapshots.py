@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import struct
 import tempfile
 import time
@@ -165,16 +166,18 @@ class SnapshotStore:
             "data_sha256": data_sha256(tensors),
         }
         self.folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=self.folder)
+        # A temp folder of this save's own, not a temp file: safetensors writes a temp file of its
+        # own next to the file it is given ('.tmpXXXXXX', renamed over it when done), and a kill
+        # mid-write must leave nothing that stale_temp_files_removed cannot recognise.
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=self.folder))
+        tmp = tmp_dir / path.name
         try:
-            os.close(fd)  # safetensors writes by file name
-            save_file(tensors, tmp, metadata=metadata)
+            save_file(tensors, str(tmp), metadata=metadata)
             with open(tmp, "r+b") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
         fsync_dir(self.folder)
 
     def load(self, name: str, token_ids: Sequence[int]) -> dict[str, torch.Tensor] | None:
@@ -201,21 +204,31 @@ class SnapshotStore:
         return tensors
 
     def remove(self, name: str) -> None:
-        """Delete name's snapshot if any (missing is fine), durably."""
-        self.path(name).unlink(missing_ok=True)
+        """Delete name's snapshot if any (missing is fine, as is a folder under a regular file,
+        which holds none), durably."""
+        try:
+            self.path(name).unlink()
+        except (FileNotFoundError, NotADirectoryError):
+            return
         fsync_dir(self.folder)
 
     def stale_temp_files_removed(self) -> int:
-        """Remove the temp files of saves that never finished (a crash or a kill mid-write) and
-        return how many; called at start. Only temp files of snapshots ('.{name}.kv.safetensors.tmp-*')
-        older than STALE_TEMP_AGE_S: a younger one may be a live save of another process."""
+        """Remove the temp folders (and files) of saves that never finished (a crash or a kill
+        mid-write) and return how many; called at start. Only those of snapshots
+        ('.{name}.kv.safetensors.tmp-*') last written more than STALE_TEMP_AGE_S ago: a younger one
+        may be a live save of another process."""
         removed = 0
         now = time.time()
         for stale in self.folder.glob(f".*{SUFFIX}.tmp-*"):
             try:
-                if now - stale.stat().st_mtime < STALE_TEMP_AGE_S:
-                    continue
-                stale.unlink()
+                if stale.is_dir():  # a save's folder: its age is that of the newest file in it
+                    if now - max(p.stat().st_mtime for p in (stale, *stale.iterdir())) < STALE_TEMP_AGE_S:
+                        continue
+                    shutil.rmtree(stale)
+                else:
+                    if now - stale.stat().st_mtime < STALE_TEMP_AGE_S:
+                        continue
+                    stale.unlink()
             except FileNotFoundError:  # another process removed or renamed it
                 continue
             log.info("removed %s, left by an interrupted snapshot save", stale)
