@@ -31,6 +31,11 @@ examples:
   prefix-service prefix list
   prefix-service prefix remove faq
 
+  # template KV snapshots, offline (no server): check them, move them between machines
+  prefix-service snapshot verify --config configs/default.yaml
+  prefix-service snapshot export faq faq.kv.safetensors --config configs/default.yaml
+  prefix-service snapshot import faq.kv.safetensors --config configs/default.yaml
+
 environment:
   PREFIX_SERVICE_ADDRESS      default --address (127.0.0.1:50051)
   PREFIX_SERVICE_ADMIN_TOKEN  default --token for the prefix commands; the server reads its
@@ -99,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(p)
     _add_tls(p)
 
-    p = sub.add_parser("prefix", help="add, list or remove prefix templates (admin API)")
+    p = sub.add_parser("prefix", help="add, list or remove prefix templates (admin API of a running server)")
     psub = p.add_subparsers(dest="prefix_command", required=True, metavar="ACTION")
     a = psub.add_parser("add", help="prefill and pin a template (persisted across restarts)",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -120,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_tls(q)
         _add_token(q)
 
+    from prefix_service.snapshot_cli import add_parser as add_snapshot_parser
+    add_snapshot_parser(sub)
+
     sub.add_parser("prepare-model", add_help=False,
                    help="convert the bundled SmolLM2-135M-Instruct into a model directory (once)")
     sub.add_parser("bench", add_help=False,  # options: prefix_service/bench/main.py
@@ -138,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "snapshot":  # offline: files and a config, no server
+        from prefix_service.snapshot_cli import main as snapshot_main
+        return snapshot_main(args)
     import grpc
     try:
         if args.command == "generate":

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from prefix_service.engine import snapshots
 from prefix_service.engine.snapshots import (KV_LAYOUT, SnapshotKey, SnapshotMismatch, SnapshotStore,
-                                             model_fingerprint)
+                                             model_fingerprint, read_snapshot_file, snapshot_key)
 from prefix_service.errors import ConfigError
 
 BLOCK_SIZE = 4
@@ -352,6 +352,98 @@ def test_stale_temp_files_removed(tmp_path):
     assert not any(p.exists() for p in stale) and not stale_dir.exists()
     assert live.exists() and other.exists() and live_dir.exists()
     assert store.load("faq", TOKENS) is not None
+
+
+# --- offline: verify, install, export ---------------------------------------------------------
+
+
+def test_read_snapshot_file_needs_no_key(tmp_path):
+    store = make_store(tmp_path, fingerprint="a" * 16)
+    store.save("faq", TOKENS, make_kv())
+    info = read_snapshot_file(store.path("faq"))
+    assert info.path == store.path("faq") and info.size == store.path("faq").stat().st_size
+    assert info.num_tokens == 10 and info.metadata["fingerprint"] == "a" * 16 and info.metadata["name"] == "faq"
+    (tmp_path / "junk.kv.safetensors").write_bytes(b"not safetensors at all")
+    with pytest.raises(SnapshotMismatch, match="unreadable"):
+        read_snapshot_file(tmp_path / "junk.kv.safetensors")
+    with pytest.raises(FileNotFoundError):
+        read_snapshot_file(tmp_path / "absent.kv.safetensors")
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"fingerprint": "0" * 16}, "made by other weights"),
+    ({"dtype": "bfloat16"}, "dtype"),
+    ({"block_size": 8}, "block_size"),
+    ({"layout": "paged-v2"}, "layout"),
+])
+def test_verify_checks_the_key_but_not_the_tokens(tmp_path, change, reason):
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    assert store.verify(store.path("faq")).num_tokens == len(TOKENS)  # no token ids asked for
+    with pytest.raises(SnapshotMismatch, match=reason):
+        make_store(tmp_path, **change).verify(store.path("faq"))
+
+
+def test_verify_reads_the_whole_file(tmp_path):
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    patch_byte(store.path("faq"), store.path("faq").stat().st_size - 1)  # the last data byte
+    with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
+        store.verify(store.path("faq"))
+
+
+def test_install_copies_a_verified_file_under_a_name(tmp_path):
+    source = make_store(tmp_path / "a")
+    kv = make_kv()
+    source.save("faq", TOKENS, kv)
+    target = make_store(tmp_path / "b" / "new")  # created by install
+    assert target.install(source.path("faq"), "help") == tmp_path / "b" / "new" / "help.kv.safetensors"
+    assert_same(target.load("help", TOKENS), kv)
+    assert temp_files(tmp_path / "b" / "new") == []
+    with pytest.raises(ConfigError):
+        target.install(source.path("faq"), "../escape")
+
+
+@pytest.mark.parametrize("damage", ["key", "bit"])
+def test_install_refuses_a_mismatch_and_keeps_the_previous_snapshot(tmp_path, damage):
+    target = make_store(tmp_path / "b")
+    old = make_kv(seed=0)
+    target.save("faq", TOKENS, old)
+    other = make_store(tmp_path / "a", block_size=8) if damage == "key" else make_store(tmp_path / "a")
+    other.save("faq", TOKENS, {k: torch.zeros(3, other.key.block_size, 2, 8) for k in make_kv()})
+    if damage == "bit":
+        patch_byte(other.path("faq"), data_offset(other.path("faq")))
+    with pytest.raises(SnapshotMismatch, match="block_size" if damage == "key" else "corrupt"):
+        target.install(other.path("faq"), "faq")
+    assert_same(target.load("faq", TOKENS), old)
+    assert temp_files(tmp_path / "b") == []
+
+
+def test_export_copies_a_verified_snapshot_out(tmp_path):
+    store = make_store(tmp_path / "snaps")
+    kv = make_kv()
+    store.save("faq", TOKENS, kv)
+    out = tmp_path / "out" / "faq-copy.safetensors"
+    out.parent.mkdir()
+    assert store.export("faq", out).num_tokens == len(TOKENS)
+    assert out.read_bytes() == store.path("faq").read_bytes() and temp_files(out.parent) == []
+    with pytest.raises(FileNotFoundError, match="'bot' has no snapshot"):
+        store.export("bot", tmp_path / "out" / "bot.safetensors")
+    with pytest.raises(SnapshotMismatch, match="made by other weights"):
+        make_store(tmp_path / "snaps", fingerprint="0" * 16).export("faq", tmp_path / "out" / "x.safetensors")
+    assert sorted(p.name for p in out.parent.iterdir()) == ["faq-copy.safetensors"]
+
+
+def test_snapshot_key_of_a_config(tmp_path):
+    from prefix_service.config import CacheConfig, EngineConfig, ModelConfig
+    model = make_model_dir(tmp_path / "m")
+    config = EngineConfig(ModelConfig(path=str(model)), CacheConfig(block_size=8))
+    key = snapshot_key(config, torch.device("cpu"), torch.bfloat16)
+    assert key == SnapshotKey(model_fingerprint(model), "bfloat16", 8)
+    dummy = EngineConfig(ModelConfig(path=str(model), load_format="dummy"), CacheConfig(block_size=8))
+    on_cpu = snapshot_key(dummy, torch.device("cpu"), torch.float32)
+    assert on_cpu.fingerprint != model_fingerprint(model, "dummy")  # it names the device type
+    assert snapshot_key(dummy, torch.device("cuda", 1), torch.float32).fingerprint != on_cpu.fingerprint
 
 
 # --- model fingerprint ---------------------------------------------------------------------------

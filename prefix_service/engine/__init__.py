@@ -9,7 +9,7 @@
 | `prefix_cache.py` | `PrefixCacheManager`: reserve, pin, use and remove named templates; tells the backend | pins, template counters |
 | `sequence.py` | the request and output types, and a sequence's scheduling state | - |
 | `sampler.py`, `detokenizer.py` | sampling on the logits; incremental text and stop strings | - |
-| `snapshots.py` | a template's KV blocks on disk: the file format, its checks, atomic writes | snapshot files |
+| `snapshots.py` | a template's KV blocks on disk: the file format, its checks, atomic writes; offline verify, install, export | snapshot files |
 | `template_snapshots.py` | the engine's side: save after a pin (one writer thread), load instead of a prefill, remove | the writer thread |
 
 Everything that touches a device (the model's weights, the KV cache tensors, the forward pass) is

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import threading
 import uuid
@@ -26,7 +25,7 @@ from prefix_service.engine.sequence import (FinishReason, GenerateRequest, Reque
                                             TokenLogprob)
 from prefix_service.model.llama import ModelArch
 from prefix_service.sampling_params import StructuredOutput
-from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore, model_fingerprint
+from prefix_service.engine.snapshots import SnapshotStore, snapshot_key
 from prefix_service.engine.template_snapshots import TemplateSnapshots
 
 log = logging.getLogger("prefix_service.engine")
@@ -90,11 +89,7 @@ class Engine:
                                core.backend.name, core.backend.describe())
         self._snapshots: TemplateSnapshots | None = None
         if config.cache.snapshot_dir:
-            mc = config.model
-            fingerprint = model_fingerprint(mc.path, mc.load_format, mc.seed)
-            if mc.load_format == "dummy":  # random weights differ by device (its generator), files do not
-                fingerprint = hashlib.sha256(f"{fingerprint}:{core.device.type}".encode()).hexdigest()[:16]
-            key = SnapshotKey(fingerprint, self.info.dtype, core.block_size)
+            key = snapshot_key(config, core.device, core.dtype)
             self._snapshots = TemplateSnapshots(SnapshotStore(config.cache.snapshot_dir, key))
             self._run(lambda c: setattr(c, "snapshots", self._snapshots))
 

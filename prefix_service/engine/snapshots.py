@@ -12,6 +12,11 @@ snapshot would silently change every answer on the template, a missing one costs
 Files are written as TemplateStore writes its state file (temp file, fsync, rename, fsync the
 folder), so a crash leaves the old snapshot or the new one, never a torn file under the name.
 Nothing here unpickles: safetensors holds raw tensor bytes and a JSON header.
+
+Offline, without an engine (`prefix-service snapshot verify/export/import`): snapshot_key gives
+the key an engine on a config would use, SnapshotStore.verify checks any file against it (all but
+the token ids, which only a template names) and install/export copy a file in or out of a folder,
+verified and atomically.
 """
 from __future__ import annotations
 
@@ -24,15 +29,16 @@ import shutil
 import struct
 import tempfile
 import time
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from prefix_service.config import validate_prefix_name
+from prefix_service.config import EngineConfig, validate_prefix_name
 from prefix_service.errors import ModelLoadError
 from prefix_service.fsutil import fsync_dir
 
@@ -117,6 +123,64 @@ class SnapshotKey:
             raise ValueError(f"SnapshotKey needs a fingerprint, dtype and layout: {self!r}")
 
 
+def snapshot_key(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> SnapshotKey:
+    """The key of the snapshots an engine on `config` makes and loads, given the device and dtype it
+    runs on (EngineCore's: resolve_device, choose_dtype). Reads config.json and samples of the
+    weight files (model_fingerprint), never loads the weights. A dummy model's fingerprint also
+    names the device type: its random weights come from that device's generator."""
+    mc = config.model
+    fingerprint = model_fingerprint(mc.path, mc.load_format, mc.seed)
+    if mc.load_format == "dummy":
+        fingerprint = hashlib.sha256(f"{fingerprint}:{device.type}".encode()).hexdigest()[:16]
+    return SnapshotKey(fingerprint, str(dtype).removeprefix("torch."), config.cache.block_size)
+
+
+@dataclass(frozen=True)
+class SnapshotFile:
+    """A snapshot file as it describes itself (its metadata), whatever it was made for."""
+    path: Path
+    size: int  # bytes on disk
+    metadata: Mapping[str, str]
+
+    @property
+    def num_tokens(self) -> int | None:
+        """The template's token count the file says it holds (None if it says none)."""
+        value = self.metadata.get("num_tokens", "")
+        return int(value) if value.isdigit() else None
+
+
+def read_snapshot_file(path: str | os.PathLike[str]) -> SnapshotFile:
+    """A snapshot file's size and metadata, without its tensors and without a key. Raises
+    SnapshotMismatch ("unreadable: ...") for a file that is not safetensors; OSError passes."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = dict(f.metadata() or {})
+    except Exception as e:  # SafetensorError: a zero-length, truncated or foreign file
+        raise SnapshotMismatch(f"unreadable: {e}") from e
+    return SnapshotFile(path, size, meta)
+
+
+def write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    """Make `path` by write(temp file name), fsync it, rename it over path and fsync the folder: a
+    crash leaves the old file or the new one, never a torn one. The temp file is in a temp folder
+    of its own in path's folder ('.{name}.tmp-*'), not beside path: a writer may put temp files of
+    its own next to the file it is given (safetensors does, renaming one over it when done), and a
+    kill mid-write must leave only what stale_temp_files_removed recognises. If write raises, the
+    temp folder is removed and path is left as it was."""
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = tmp_dir / path.name
+    try:
+        write(str(tmp))
+        with open(tmp, "r+b") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    fsync_dir(path.parent)
+
+
 def tokens_sha256(token_ids: Sequence[int]) -> str:
     """sha256 of the token ids as little-endian int64: the same on every platform."""
     return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()
@@ -166,19 +230,7 @@ class SnapshotStore:
             "data_sha256": data_sha256(tensors),
         }
         self.folder.mkdir(parents=True, exist_ok=True)
-        # A temp folder of this save's own, not a temp file: safetensors writes a temp file of its
-        # own next to the file it is given ('.tmpXXXXXX', renamed over it when done), and a kill
-        # mid-write must leave nothing that stale_temp_files_removed cannot recognise.
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=self.folder))
-        tmp = tmp_dir / path.name
-        try:
-            save_file(tensors, str(tmp), metadata=metadata)
-            with open(tmp, "r+b") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        fsync_dir(self.folder)
+        write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     def load(self, name: str, token_ids: Sequence[int]) -> dict[str, torch.Tensor] | None:
         """name's snapshot for these token ids: CPU, contiguous tensors in memory of their own
@@ -189,6 +241,41 @@ class SnapshotStore:
         path = self.path(name)
         if not path.exists():
             return None
+        return self._read(path, token_ids)
+
+    def verify(self, path: str | os.PathLike[str]) -> SnapshotFile:
+        """Check any snapshot file against this key as load does, all but the template's token ids
+        (which only a template names): readable, format, fingerprint, dtype, block size, layout, the
+        data checksum, the tensors (the whole file is read). Returns what the file says of itself;
+        raises SnapshotMismatch with the reason, OSError when it cannot be opened."""
+        self._read(Path(path), None)
+        return read_snapshot_file(path)
+
+    def install(self, source: str | os.PathLike[str], name: str) -> Path:
+        """Copy a snapshot file in as template name's snapshot, atomically (a temp file in the
+        folder, fsync, rename), and only if the copy passes verify: else SnapshotMismatch, and
+        name's previous snapshot, if any, is left as it was. Creates the folder. Returns the path."""
+        path = self.path(name)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: self._copy_verified(source, tmp))
+        return path
+
+    def export(self, name: str, dest: str | os.PathLike[str]) -> SnapshotFile:
+        """Copy name's snapshot to dest (atomically, in dest's folder) if it passes verify; raises
+        SnapshotMismatch, or FileNotFoundError when name has none. Returns what the copy says."""
+        source = self.path(name)
+        if not source.exists():
+            raise FileNotFoundError(f"template {name!r} has no snapshot in {self.folder} ({source.name})")
+        dest = Path(dest)
+        write_atomically(dest, lambda tmp: self._copy_verified(source, tmp))
+        return read_snapshot_file(dest)
+
+    def _copy_verified(self, source: str | os.PathLike[str], tmp: str) -> None:
+        shutil.copyfile(source, tmp)
+        self.verify(tmp)  # the copy is checked, not the source: what lands is what was verified
+
+    def _read(self, path: Path, token_ids: Sequence[int] | None) -> dict[str, torch.Tensor]:
+        """The file's tensors, every check of load passed (token ids None: those not checked)."""
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 meta = f.metadata() or {}
@@ -235,7 +322,7 @@ class SnapshotStore:
             removed += 1
         return removed
 
-    def _check_metadata(self, meta: Mapping[str, str], token_ids: Sequence[int]) -> None:
+    def _check_metadata(self, meta: Mapping[str, str], token_ids: Sequence[int] | None) -> None:
         def differs(field: str, expected: str, what: str) -> None:
             got = meta.get(field)
             if got != expected:
@@ -248,6 +335,8 @@ class SnapshotStore:
         differs("dtype", self.key.dtype, "dtype")
         differs("block_size", str(self.key.block_size), "block_size")
         differs("layout", self.key.layout, "layout")
+        if token_ids is None:
+            return
         if meta.get("num_tokens") != str(len(token_ids)) or meta.get("tokens_sha256") != tokens_sha256(token_ids):
             raise SnapshotMismatch(f"the template's tokens changed ({meta.get('num_tokens')} tokens saved, "
                                    f"{len(token_ids)} now)")

@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["PrefixServer", "serve", "state_path"]
 
 if TYPE_CHECKING:
-    from prefix_service.server.app import PrefixServer, serve, state_path
+    from prefix_service.server.app import PrefixServer, serve
+    from prefix_service.server.store import state_path
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'prefix_service.server' has no attribute {name!r}")
-    value = getattr(importlib.import_module("prefix_service.server.app"), name)
+    module = "prefix_service.server.store" if name == "state_path" else "prefix_service.server.app"
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -36,23 +36,13 @@ from prefix_service.server.interfaces import EngineClient
 from prefix_service.server.metrics import ServiceMetrics
 from prefix_service.server.parts import EngineProvider, HttpFront, LocalEngineProvider, ServerContext, UvicornHttpFront
 from prefix_service.server.runtime import Runtime
-from prefix_service.server.store import TemplateStore
+from prefix_service.server.store import TemplateStore, state_path
 from prefix_service.server.tls import TlsFiles, load_tls
 from prefix_service.server.wire import ADMIN_SERVICE, GENERATION_SERVICE, add_admin, add_generation
 
 log = logging.getLogger("prefix_service.server")
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-
-
-def state_path(config: ServiceConfig) -> Path | None:
-    """server.state_file, else <config stem>.state.json next to the config file, else None."""
-    if config.server.state_file:
-        return Path(config.server.state_file)
-    if config.source:
-        src = Path(config.source)
-        return src.with_name(f"{src.stem}.state.json")
-    return None
 
 
 class PrefixServer:

@@ -28,7 +28,7 @@ from prefix_service.server.auth import ApiKeyAuth
 from prefix_service.server.http import HttpServer
 from prefix_service.server.metrics import ServiceMetrics
 from prefix_service.server.runtime import Runtime
-from prefix_service.server.store import TemplateSource, TemplateStore
+from prefix_service.server.store import TemplateSource, TemplateStore, snapshot_dir
 from prefix_service.server.templates import TemplateRegistry
 from prefix_service.server.tls import TlsFiles
 from prefix_service.server.warmup import WarmupHook, warm_up
@@ -75,12 +75,12 @@ class HttpFront(Protocol):
 
 
 def with_snapshot_dir(config: ServiceConfig, store: TemplateStore | None) -> ServiceConfig:
-    """cache.snapshot_dir unset: a folder next to the state file (state.json: state.snapshots/);
-    without a state file, none."""
+    """cache.snapshot_dir unset: a folder next to the state file (store.snapshot_dir: state.json:
+    state.snapshots/); without a state file, none."""
     cache = config.engine.cache
     if cache.snapshot_dir is not None or store is None:
         return config
-    folder = store.path.with_name(store.path.name.removesuffix(".json").removesuffix(".state") + ".snapshots")
+    folder = snapshot_dir(config, store.path)
     return dataclasses.replace(config, engine=dataclasses.replace(
         config.engine, cache=dataclasses.replace(cache, snapshot_dir=str(folder))))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from prefix_service.config import validate_prefix_name
+from prefix_service.config import ServiceConfig, validate_prefix_name
 from prefix_service.errors import ConfigError, InvalidRequest
 from prefix_service.fsutil import fsync_dir
 from prefix_service.sampling_params import StructuredOutput
@@ -51,6 +51,29 @@ class TemplateSource:
         if self.structured is not None:
             out["structured_output"] = self.structured.to_dict()
         return out
+
+
+def state_path(config: ServiceConfig) -> Path | None:
+    """server.state_file, else <config stem>.state.json next to the config file, else None."""
+    if config.server.state_file:
+        return Path(config.server.state_file)
+    if config.source:
+        src = Path(config.source)
+        return src.with_name(f"{src.stem}.state.json")
+    return None
+
+
+def snapshot_dir(config: ServiceConfig, state_file: Path | None) -> Path | None:
+    """The template snapshot folder of a one-process server on `config` whose state file is
+    state_file: cache.snapshot_dir when set ("" : none), else a folder next to the state file
+    (state.json: state.snapshots/, default.state.json: default.snapshots/), else none. The server
+    (parts.with_snapshot_dir) and `prefix-service snapshot` both ask this."""
+    folder = config.engine.cache.snapshot_dir
+    if folder is not None:
+        return Path(folder) if folder else None
+    if state_file is None:
+        return None
+    return state_file.with_name(state_file.name.removesuffix(".json").removesuffix(".state") + ".snapshots")
 
 
 def state_file_name(store: TemplateStore | None) -> str:
