@@ -58,6 +58,8 @@ def workload(model: str | None, n: int, tokens: int) -> dict:
 def child(args: argparse.Namespace, ids: dict, snapshot_dir: str) -> dict:
     from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig, SamplingParams
     from prefix_service import SchedulerConfig
+    from prefix_service.backends.kv_cache import block_bytes
+    import torch
     block = 16
     pinned_blocks = sum(-(-len(t) // block) for t in ids["templates"].values())
     start = time.perf_counter()
@@ -85,18 +87,12 @@ def child(args: argparse.Namespace, ids: dict, snapshot_dir: str) -> dict:
     t = time.perf_counter()
     engine.flush_snapshots()
     flush_ms = (time.perf_counter() - t) * 1000
-    kv_bytes = engine.kv_stats()["pinned"] * engine.info.block_size * _bytes_per_token(engine)
+    kv_bytes = engine.kv_stats()["pinned"] * block_bytes(engine.info.arch, block, getattr(torch, engine.info.dtype))
     engine.shutdown()
     return {"backend": engine.info.backend_description, "load_ms": (loaded - start) * 1000,
             "templates_ms": (pinned - loaded) * 1000, "to_serving_ms": (pinned - start) * 1000,
             "per_template_ms": per_template, "kv_sources": sources, "ttft_ms": ttft, "first_tokens": firsts,
             "snapshot_flush_ms": flush_ms, "pinned_kv_bytes": kv_bytes}
-
-
-def _bytes_per_token(engine) -> int:
-    arch = engine.info.arch
-    elem = 2 if engine.info.dtype in ("bfloat16", "float16") else 4
-    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem
 
 
 def read_speed(folder: Path) -> dict:

@@ -9,7 +9,8 @@ import re
 
 import grpc
 import pytest
-from server_fixtures import DOCUMENT, TOKEN_ENV, Clients, ServerThread, collect, make_config
+from server_fixtures import DOCUMENT, Clients, collect
+from test_server_admin import make_server  # noqa: F401 - the fixture: servers leak-checked and stopped
 
 from prefix_service.config import ConfigError, PrefixSpec, config_from_dict
 from prefix_service.proto import prefix_service_pb2 as pb
@@ -18,25 +19,6 @@ from prefix_service.sampling_params import StructuredOutput
 LABELS = ("order", "refund", "shipping")
 SCHEMA = {"type": "object", "properties": {"intent": {"enum": list(LABELS)}, "urgent": {"type": "boolean"}},
           "required": ["intent", "urgent"], "additionalProperties": False}
-
-
-@pytest.fixture
-def make_server(model_dir, tmp_path, monkeypatch):
-    started: list[ServerThread] = []
-    monkeypatch.delenv(TOKEN_ENV, raising=False)
-
-    def factory(**kwargs) -> ServerThread:
-        kwargs.setdefault("prefixes", (PrefixSpec("doc", content=DOCUMENT),))
-        kwargs.setdefault("state_file", tmp_path / "state.json")
-        st = ServerThread(make_config(model_dir, **kwargs))
-        started.append(st)
-        return st.start()
-
-    yield factory
-    for st in started:
-        if st.engine is not None:
-            st.check_clean()
-        st.stop()
 
 
 def request(prefix: str = "doc", structured: pb.StructuredOutput | None = None, **sampling) -> pb.GenerateRequest:

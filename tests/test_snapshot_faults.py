@@ -25,6 +25,7 @@ from prefix_service import GenerateRequest, RequestOutput, SamplingParams
 from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.engine import snapshots
 from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore
+from test_template_snapshots import TEMPLATE, greedy, template_kv
 
 REPO = Path(__file__).resolve().parent.parent
 KILLS = 20
@@ -139,14 +140,6 @@ def test_snapshot_survives_20_kills_mid_write(tmp_path, monkeypatch):
 
 # --- through the engine ------------------------------------------------------------------------
 
-TEMPLATE = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]  # 4 full blocks of 4, and 2
-PROMPTS = [[40, 41, 42], [50, 51, 52, 53, 54]]
-
-
-def greedy(engine, prefix="doc"):
-    reqs = [GenerateRequest(prompt_token_ids=p, prefix_name=prefix,
-                            sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for p in PROMPTS]
-    return [o.token_ids for o in engine.generate(reqs)]
 
 
 def snapshot_warnings(caplog) -> list[str]:
@@ -248,10 +241,10 @@ def test_greedy_outputs_after_a_restore_equal_those_after_a_prefill(make_engine,
     first = make_engine(model_dirs[arch], snapshot_dir=folder, backend=backend)
     first.add_prefix("doc", token_ids=TEMPLATE)
     first.flush_snapshots()
-    kv = first._run(lambda core: core.backend.read_blocks(core.prefixes.get("doc").block_table))
+    kv = template_kv(first)
     second = make_engine(model_dirs[arch], snapshot_dir=folder, backend=backend)
     assert second.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot"
-    restored = second._run(lambda core: core.backend.read_blocks(core.prefixes.get("doc").block_table))
+    restored = template_kv(second)
     assert restored.keys() == kv.keys() and all(restored[k].equal(kv[k]) for k in kv)  # bit for bit
     assert greedy(second) == greedy(first)
 
