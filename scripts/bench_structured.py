@@ -389,13 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ids_file.write_text(json.dumps(ids))
     systems: list[tuple[str, str, str, str, dict[str, str] | None]] = [
         ("engine", sys.executable, "engine", args.dtype, None)]
-    vllm_dtypes = [d for d in args.vllm_dtypes.split(",") if d]
-    if vllm_dtypes:
-        from prefix_service.bench.systems.vllm import server_env, vllm_python
-        python, why = vllm_python()
-        if python is None:
-            sys.exit(why)
-        systems += [(f"vllm-{d}", python, "vllm", d, server_env(python)) for d in vllm_dtypes]
+    if args.vllm_dtypes:
+        from prefix_service.bench.systems.vllm import child_systems
+        systems += child_systems(args.vllm_dtypes)
     info = machine_info()
     runs: dict[str, list[dict]] = {name: [] for name, *_ in systems}
     skipped: dict[str, str] = {}

@@ -69,6 +69,19 @@ def server_env(python: str) -> dict[str, str]:
     return env
 
 
+def child_systems(dtypes: str) -> list[tuple[str, str, str, str, dict[str, str]]]:
+    """A benchmark script's vLLM children, one per dtype of the comma-separated list: (name
+    "vllm-<dtype>", its python, system "vllm", the dtype, its environment). Exits with the reason
+    when make bench-peers' environment is missing; an empty list when no dtype is given."""
+    names = [d for d in dtypes.split(",") if d]
+    if not names:
+        return []
+    python, why = vllm_python()
+    if python is None:
+        raise SystemExit(why)
+    return [(f"vllm-{d}", python, "vllm", d, server_env(python)) for d in names]
+
+
 def server_args(engine_config: EngineConfig, port: int, prefix_caching: bool) -> list[str]:
     """The server's command line: the engine config's model, its dtype as our engine resolves it on
     this CPU ('auto' included, so both compute alike), sequences and tokens per step."""
