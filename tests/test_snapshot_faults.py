@@ -7,6 +7,7 @@ backend; a restore whose blocks are not free falls back to a queued prefill."""
 from __future__ import annotations
 
 import concurrent.futures
+import builtins
 import errno
 import logging
 import os
@@ -217,10 +218,12 @@ def test_a_snapshot_that_cannot_be_read_is_one_warning_and_a_prefill(make_engine
     first.flush_snapshots()
     want = greedy(first)
 
-    def denied(*args, **kwargs):
-        raise PermissionError(errno.EACCES, "Permission denied", args[0])
+    def denied(file, *args, **kwargs):  # a snapshot file cannot be opened; other files can
+        if str(file).endswith(snapshots.SUFFIX):
+            raise PermissionError(errno.EACCES, "Permission denied", file)
+        return builtins.open(file, *args, **kwargs)
 
-    monkeypatch.setattr(snapshots, "safe_open", denied)
+    monkeypatch.setattr(snapshots, "open", denied, raising=False)
     caplog.set_level(logging.WARNING, logger="prefix_service.engine")
     second = make_engine(snapshot_dir=folder, backend="torch")
     assert second.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
@@ -232,6 +235,39 @@ def test_a_snapshot_that_cannot_be_read_is_one_warning_and_a_prefill(make_engine
     third = make_engine(snapshot_dir=folder, backend="torch")
     assert third.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot"
     assert greedy(third) == want
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_snapshot_damaged_while_it_is_read_into_the_cache_is_one_warning_and_a_prefill(
+        make_engine, tmp_path, caplog, monkeypatch, backend):
+    """On a CPU the engine's thread reads the snapshot straight into the template's blocks after the
+    caller's thread checked it: bytes that changed in between (a copy over the file in place) fail
+    that read's own checksum, the blocks go back to the free list (the fixture checks the allocator
+    at the end) and the template is prefilled."""
+    folder = str(tmp_path / "snapshots")
+    first = make_engine(snapshot_dir=folder, backend=backend)
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    want = greedy(first)
+    check = snapshots.SnapshotReader.check
+
+    def check_then_damage(reader: snapshots.SnapshotReader) -> None:
+        check(reader)
+        with open(reader.path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            f.write(b"\x00\x01\x02")
+
+    monkeypatch.setattr(snapshots.SnapshotReader, "check", check_then_damage)
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    second = make_engine(snapshot_dir=folder, backend=backend)
+    free = second.kv_stats()["free"]
+    info = second.add_prefix("doc", token_ids=TEMPLATE)
+    assert info.kv_source == "prefill"
+    [warning] = snapshot_warnings(caplog)
+    assert "'doc'" in warning and "checksum mismatch" in warning, warning
+    second.check_integrity()
+    assert second.kv_stats()["free"] == free - info.num_blocks  # the restore's blocks were given back
+    assert greedy(second) == want
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])

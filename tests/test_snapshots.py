@@ -85,6 +85,98 @@ def test_loaded_tensors_own_their_memory(tmp_path):
     assert_same(got, kv)
 
 
+def cache_blocks(kv: dict[str, torch.Tensor], num_blocks: int, ids: list[int]) -> tuple[dict, dict]:
+    """A host KV cache (per tensor key: [num_blocks, ...], filled with a sentinel) and, per key,
+    the views of `ids` in it, as Backend.host_blocks gives them."""
+    caches = {k: torch.full((num_blocks, *t.shape[1:]), 7.0, dtype=t.dtype) for k, t in kv.items()}
+    return caches, {k: [caches[k][b] for b in ids] for k in kv}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ids", [[4, 5, 6], [9, 0, 5]])  # a run of blocks, and scattered ones
+def test_read_into_fills_the_blocks_bit_for_bit(tmp_path, dtype, ids):
+    store = make_store(tmp_path, dtype=str(dtype).removeprefix("torch."))
+    kv = make_kv(dtype)
+    store.save("faq", TOKENS, kv)
+    caches, views = cache_blocks(kv, 10, ids)
+    with store.open("faq", TOKENS) as reader:
+        assert reader.num_blocks == 3 and reader.nbytes == sum(t.numel() * t.element_size() for t in kv.values())
+        reader.check()
+        reader.read_into(views)
+    others = [b for b in range(10) if b not in ids]
+    for k, t in kv.items():
+        assert torch.equal(caches[k][ids].view(torch.uint8), t.view(torch.uint8)), k
+        assert (caches[k][others] == 7.0).all(), f"{k}: a block that was not given was written"
+
+
+def test_read_into_refuses_blocks_that_do_not_fit(tmp_path):
+    store = make_store(tmp_path)
+    kv = make_kv()
+    store.save("faq", TOKENS, kv)
+    with store.open("faq", TOKENS) as reader:
+        _, views = cache_blocks(kv, 10, [1, 2])
+        with pytest.raises(ValueError, match="3 blocks in the snapshot, 2 given"):
+            reader.read_into(views)
+        _, views = cache_blocks({k: t.to(torch.bfloat16) for k, t in kv.items()}, 10, [1, 2, 3])
+        with pytest.raises(ValueError, match="the cache's are \\(4, 2, 8\\) bfloat16"):
+            reader.read_into(views)
+        _, views = cache_blocks({k: t[:, :, :1] for k, t in kv.items()}, 10, [1, 2, 3])
+        with pytest.raises(ValueError, match="the cache's are \\(4, 1, 8\\) float32"):
+            reader.read_into(views)
+        _, views = cache_blocks(kv, 10, [1, 2, 3])
+        reader.read_into(views)  # the refusals read nothing: the reader still works
+
+
+def test_read_into_checks_the_bytes_it_reads(tmp_path):
+    """A file damaged after check() (another writer copying over it in place) fails read_into's own checksum."""
+    store = make_store(tmp_path)
+    kv = make_kv()
+    store.save("faq", TOKENS, kv)
+    with store.open("faq", TOKENS) as reader:
+        reader.check()
+        with open(store.path("faq"), "r+b") as f:
+            f.seek(data_offset(store.path("faq")) + 5)
+            f.write(b"\x01")
+        with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
+            reader.read_into(cache_blocks(kv, 10, [0, 1, 2])[1])
+        with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
+            reader.check()
+
+
+def test_reads_survive_short_reads(tmp_path, monkeypatch):
+    """preadv may return fewer bytes than asked (a signal, a network filesystem): the reader goes on
+    where it stopped, inside a buffer or between two."""
+    store = make_store(tmp_path)
+    kv = make_kv()
+    store.save("faq", TOKENS, kv)
+    preadv = os.preadv
+
+    def short_preadv(fd, buffers, offset):  # at most 100 bytes a call
+        first = memoryview(buffers[0])[:100]
+        return preadv(fd, [first], offset)
+
+    monkeypatch.setattr(snapshots.os, "preadv", short_preadv)
+    assert_same(store.load("faq", TOKENS), kv)
+    caches, views = cache_blocks(kv, 10, [3, 1, 8])
+    with store.open("faq", TOKENS) as reader:
+        reader.check()
+        reader.read_into(views)
+    for k, t in kv.items():
+        assert torch.equal(caches[k][[3, 1, 8]], t), k
+
+
+def test_a_read_error_is_an_unreadable_snapshot(tmp_path, monkeypatch):
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+
+    def failing_preadv(fd, buffers, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(snapshots.os, "preadv", failing_preadv)
+    with pytest.raises(SnapshotMismatch, match="unreadable: .*Input/output error"):
+        store.load("faq", TOKENS)
+
+
 def test_missing_snapshot_is_none(tmp_path):
     assert make_store(tmp_path / "absent").load("faq", TOKENS) is None
     store = make_store(tmp_path)
@@ -107,9 +199,9 @@ def test_metadata_is_readable_strings(tmp_path):
     store.save("faq", TOKENS, make_kv())
     with safe_open(str(store.path("faq")), framework="pt") as f:
         meta = f.metadata()
-    assert meta["format"] == "1" and meta["name"] == "faq" and meta["num_tokens"] == "10"
+    assert meta["format"] == "2" and meta["name"] == "faq" and meta["num_tokens"] == "10"
     assert meta["dtype"] == "float32" and meta["block_size"] == "4" and meta["layout"] == KV_LAYOUT
-    assert len(meta["tokens_sha256"]) == 64 and len(meta["data_sha256"]) == 64
+    assert len(meta["tokens_sha256"]) == 64 and len(meta["data_xxh3"]) == 32
 
 
 # --- mismatches --------------------------------------------------------------------------------
@@ -137,10 +229,10 @@ def test_changed_tokens_are_refused(tmp_path, tokens):
 
 def test_other_format_version_is_refused(tmp_path, monkeypatch):
     store = make_store(tmp_path)
-    monkeypatch.setattr(snapshots, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(snapshots, "FORMAT_VERSION", 3)
     store.save("faq", TOKENS, make_kv())
     monkeypatch.undo()
-    with pytest.raises(SnapshotMismatch, match="format version '2', expected '1'"):
+    with pytest.raises(SnapshotMismatch, match="format version '3', expected '2'"):
         store.load("faq", TOKENS)
 
 

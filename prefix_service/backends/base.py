@@ -117,6 +117,19 @@ class Backend(abc.ABC):
             out[f"v.{layer}"] = v.index_select(0, index).cpu()
         return out
 
+    def host_blocks(self, blocks: Sequence[int]) -> dict[str, list[torch.Tensor]] | None:
+        """Where these blocks' K and V live, when the cache is in host memory: {"k.<layer>",
+        "v.<layer>"} -> one view per block ([block_size, num_kv_heads, head_dim], contiguous), for a
+        reader to fill in place (a snapshot read straight into the cache). None when the cache is
+        on a device: write_blocks then."""
+        if self.device.type != "cpu":
+            return None
+        out: dict[str, list[torch.Tensor]] = {}
+        for layer, (k, v) in enumerate(self.kv_layers):
+            out[f"k.{layer}"] = [k[b] for b in blocks]
+            out[f"v.{layer}"] = [v[b] for b in blocks]
+        return out
+
     def write_blocks(self, blocks: Sequence[int], kv: dict[str, torch.Tensor]) -> None:
         """Set these blocks' K and V in every layer from read_blocks' form (shapes checked)."""
         index = torch.tensor(list(blocks), dtype=torch.int64, device=self.device)

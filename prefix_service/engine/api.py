@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Callable, TypeVar
 
+import torch
+
 from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.engine.core import EngineCore
@@ -25,7 +27,7 @@ from prefix_service.engine.sequence import (FinishReason, GenerateRequest, Reque
                                             TokenLogprob)
 from prefix_service.model.llama import ModelArch
 from prefix_service.sampling_params import StructuredOutput
-from prefix_service.engine.snapshots import SnapshotStore, snapshot_key
+from prefix_service.engine.snapshots import SnapshotMismatch, SnapshotReader, SnapshotStore, snapshot_key
 from prefix_service.engine.template_snapshots import TemplateSnapshots
 
 log = logging.getLogger("prefix_service.engine")
@@ -168,13 +170,10 @@ class Engine:
         compiled = self._core.structured.compile(structured) if structured is not None else None
         output = (structured, compiled) if structured is not None and compiled is not None else None
         ids, src = list(token_ids), source
-        kv = self._snapshots.load(name, ids) if self._snapshots is not None else None
-        if kv is not None:  # its K/V from a snapshot instead of a prefill
-            try:
-                restored = self._run(lambda core: core.restore_prefix(name, ids, src, kv, output))
-            except ValueError as e:  # shapes that are not this cache's: the snapshot is not used
-                log.warning("prefix template %r: its snapshot does not fit this KV cache (%s); prefilling it", name, e)
-                restored = None
+        reader = self._snapshots.open(name, ids) if self._snapshots is not None else None
+        if reader is not None:  # its K/V from a snapshot instead of a prefill
+            with reader:
+                restored = self._restore(name, ids, src, reader, output)
             if restored is not None:
                 return restored
         done: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
@@ -187,6 +186,29 @@ class Engine:
 
         self._run(lambda core: core.add_prefix(name, ids, src, on_pinned, output))
         return done.result()
+
+    def _restore(self, name: str, ids: list[int], src: dict[str, str], reader: SnapshotReader,
+                 output: tuple[StructuredOutput, Any] | None) -> PrefixInfo | None:
+        """Pin a template from its open snapshot; None when it is not used (one warning) or its
+        blocks are not free now: the caller prefills it. The data is read and checked here first,
+        so a damaged file costs the engine's thread nothing; a cache in host memory then gets it
+        straight from the file (in the page cache now) on the engine's thread, any other through
+        tensors read here."""
+        assert self._snapshots is not None
+        try:
+            kv: SnapshotReader | dict[str, torch.Tensor]
+            if self._core.device.type == "cpu":
+                reader.check()
+                kv = reader
+            else:
+                kv = reader.read()
+            restored: PrefixInfo | None = self._run(lambda core: core.restore_prefix(name, ids, src, kv, output))
+            return restored
+        except (SnapshotMismatch, OSError) as e:
+            self._snapshots.not_used(name, e)
+        except ValueError as e:  # shapes that are not this cache's: the snapshot is not used
+            log.warning("prefix template %r: its snapshot does not fit this KV cache (%s); prefilling it", name, e)
+        return None
 
     def remove_prefix(self, name: str) -> bool:
         """Unregister a template. True if its blocks were freed now, False if deferred until the

@@ -26,6 +26,7 @@ from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
 from prefix_service.engine.structured import StructuredOutputs, start
+from prefix_service.engine.snapshots import SnapshotReader
 from prefix_service.engine.template_snapshots import TemplateSnapshots
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
 from prefix_service.sampling_params import SamplingParams, StructuredOutput
@@ -332,11 +333,14 @@ class EngineCore:
                                              prefix_name=name, default_output=default_output)
         self.scheduler.add(seq)
 
-    def restore_prefix(self, name: str, token_ids: list[int], source: dict[str, str], kv: dict[str, torch.Tensor],
+    def restore_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
+                       kv: dict[str, torch.Tensor] | SnapshotReader,
                        default_output: tuple[StructuredOutput, Any] | None = None) -> PrefixInfo | None:
-        """Pin a template from a snapshot's K/V (read and checked off this thread) instead of a
-        prefill: fresh blocks, the K/V written into them, pinned. None when its blocks are not free
-        now (requests hold them): the caller prefills it instead, queued like any request."""
+        """Pin a template from a snapshot instead of a prefill: fresh blocks, the K/V written into
+        them, pinned. kv: the K/V, read and checked off this thread, or an open snapshot whose data
+        is read here straight into the blocks when the cache is in host memory (its checksum
+        failing raises SnapshotMismatch, the blocks freed). None when its blocks are not free now
+        (requests hold them): the caller prefills it instead, queued like any request."""
         if not token_ids:
             raise InvalidRequest(f"prefix template {name!r} is empty")
         self._check_fits(len(token_ids), f"prefix template {name!r}")
@@ -347,7 +351,14 @@ class EngineCore:
             return None
         blocks = self.allocator.allocate(need)
         try:
-            self.backend.write_blocks(blocks, kv)
+            if isinstance(kv, SnapshotReader):
+                views = self.backend.host_blocks(blocks)
+                if views is not None:
+                    kv.read_into(views)
+                else:  # a cache on a device: through host memory
+                    self.backend.write_blocks(blocks, kv.read())
+            else:
+                self.backend.write_blocks(blocks, kv)
             structured, matcher = default_output or (None, None)
             handle = self.prefixes.pin(name, token_ids, blocks, source, structured, matcher, kv_source="snapshot")
         except BaseException:

@@ -22,19 +22,21 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import json
 import logging
+import math
 import os
 import shutil
 import struct
 import tempfile
 import time
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -44,7 +46,7 @@ from prefix_service.fsutil import fsync_dir
 
 log = logging.getLogger("prefix_service.engine")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the data checksum is XXH3-128 (data_xxh3); 1 had sha256
 KV_LAYOUT = "paged-v1"  # per layer K and V: [blocks, block_size, num_kv_heads, head_dim]
 
 SUFFIX = ".kv.safetensors"
@@ -53,6 +55,11 @@ SUFFIX = ".kv.safetensors"
 # and renames it within seconds of the last write.
 STALE_TEMP_AGE_S = 600.0
 _SAMPLE_BYTES = 1 << 20  # model_fingerprint reads three samples of this size per weight file
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+_READ_CHUNK = 4 << 20  # bytes read (and hashed while in cache) at a time
+_IOV_MAX = 1024  # buffers one preadv call takes (Linux's IOV_MAX)
+# safetensors' dtype names of the K/V dtypes a cache may hold
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 class SnapshotMismatch(Exception):
@@ -186,20 +193,195 @@ def tokens_sha256(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()
 
 
-def data_sha256(kv: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over, in sorted key order, each tensor's name, dtype, shape and bytes. The header
-    fields are in it too, so a damaged header that safetensors still parses (a renamed key, two
-    dimensions swapped) fails the check as damaged data does."""
-    digest = hashlib.sha256()
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory, in place (no copy), as bytes: to hash or to read into."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("a snapshot's tensors are contiguous CPU tensors")
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B") if nbytes else memoryview(b"")
+
+
+def _entry_id(key: str, dtype: str, shape: Sequence[int]) -> bytes:
+    return json.dumps([key, dtype, list(shape)]).encode()
+
+
+def data_digest(kv: Mapping[str, torch.Tensor]) -> str:
+    """The checksum of a snapshot's data: XXH3-128 over, in sorted key order, each tensor's name,
+    dtype and shape, then its bytes. The header fields are in it too, so a damaged header that
+    still parses (a renamed key, two dimensions swapped) fails the check as damaged data does.
+    A checksum against damage (a torn write, a flipped bit), not a signature: XXH3 reads several
+    GB/s, so checking a snapshot costs a small part of reading it."""
+    digest = xxhash.xxh3_128()
     for key in sorted(kv):
         t = kv[key]
-        if t.device.type != "cpu" or not t.is_contiguous():  # its memory is read directly below
-            raise ValueError(f"data_sha256 takes contiguous CPU tensors; {key} is not")
-        digest.update(json.dumps([key, str(t.dtype), list(t.shape)]).encode())
-        nbytes = t.numel() * t.element_size()
-        if nbytes:  # the tensor's memory, read in place (no copy)
-            digest.update(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
+        digest.update(_entry_id(key, str(t.dtype).removeprefix("torch."), t.shape))
+        digest.update(_bytes_of(t))
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a snapshot file as its header describes it."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+    nbytes: int
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def _parse_header(raw: bytes, data_bytes: int, data_start: int) -> tuple[dict[str, str], dict[str, _Entry]]:
+    """A safetensors header (JSON: tensor entries and an optional __metadata__ of strings): the
+    metadata and the tensors, each of a K/V dtype and lying inside the data, which they cover.
+    Raises ValueError naming what is wrong."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError("__metadata__ is not an object of strings")
+    entries: dict[str, _Entry] = {}
+    covered = 0
+    for key, entry in header.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"tensor {key}: not a tensor entry")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in _DTYPES:
+            raise ValueError(f"tensor {key}: dtype {dtype!r} is not one a KV cache holds")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ValueError(f"tensor {key}: bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ValueError(f"tensor {key}: bad data_offsets {offsets!r}")
+        begin, end = offsets
+        torch_dtype = _DTYPES[dtype]
+        if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * torch_dtype.itemsize:
+            raise ValueError(f"tensor {key}: data_offsets {offsets} do not hold {shape} {dtype} "
+                             f"in {data_bytes} bytes of data")
+        entries[key] = _Entry(torch_dtype, tuple(shape), data_start + begin, end - begin)
+        covered += end - begin
+    if covered != data_bytes:
+        raise ValueError(f"its tensors cover {covered} of its {data_bytes} bytes of data")
+    return meta, entries
+
+
+class SnapshotReader:
+    """An open snapshot file whose header passed every check of its store (format, weights, dtype,
+    block size, layout, token ids, tensors) and whose data is not read yet: read() reads it into
+    tensors of its own, read_into() straight into the KV blocks given. Both verify the checksum
+    over the bytes they read and raise SnapshotMismatch if it differs. The file stays open until
+    close(): a snapshot saved again meanwhile is a new file, and this one reads the old one whole."""
+
+    def __init__(self, f: io.RawIOBase, path: Path, meta: Mapping[str, str], entries: Mapping[str, _Entry]) -> None:
+        self._f = f
+        self.path = path
+        self.metadata = dict(meta)
+        self.entries = dict(entries)
+        self.num_blocks = next(iter(entries.values())).shape[0]
+        self.nbytes = sum(e.nbytes for e in entries.values())
+
+    def __enter__(self) -> "SnapshotReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def _pread_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill buffers, in order, from the file at offset (scatter reads, IOV_MAX buffers a call).
+        A read error or an early end of file raises SnapshotMismatch ("unreadable: ...")."""
+        fd = self._f.fileno()
+        for i in range(0, len(buffers), _IOV_MAX):
+            group = list(buffers[i:i + _IOV_MAX])
+            want = sum(len(b) for b in group)
+            while want:
+                try:
+                    n = os.preadv(fd, group, offset)
+                except OSError as e:  # EIO, a network filesystem gone: the snapshot cannot be used
+                    raise SnapshotMismatch(f"unreadable: {e}") from e
+                if n == 0:
+                    raise SnapshotMismatch(f"unreadable: the file ends before byte {offset + want}")
+                offset, want = offset + n, want - n
+                while group and n >= len(group[0]):  # a short read: go on after what was filled
+                    n -= len(group[0])
+                    group.pop(0)
+                if n:
+                    group[0] = group[0][n:]
+
+    def _check(self, digest: "xxhash.xxh3_128") -> None:
+        if digest.hexdigest() != self.metadata.get("data_xxh3"):
+            raise SnapshotMismatch("corrupt: checksum mismatch")
+
+    def check(self) -> None:
+        """Read the data through a small buffer and verify the checksum, keeping nothing: a
+        damaged file is refused before anything is allocated for it, and the file is in the page
+        cache for the read_into that follows (which checks what it reads again)."""
+        digest = xxhash.xxh3_128()
+        buffer = memoryview(bytearray(min(_READ_CHUNK, max(self.nbytes, 1))))
+        for key in sorted(self.entries):
+            e = self.entries[key]
+            digest.update(_entry_id(key, e.dtype_name, e.shape))
+            for chunk in range(0, e.nbytes, len(buffer)):
+                part = buffer[:min(len(buffer), e.nbytes - chunk)]
+                self._pread_into([part], e.offset + chunk)
+                digest.update(part)
+        self._check(digest)
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """The tensors (keys "k.0", "v.0", ...), read into memory of their own: views of one buffer."""
+        data = torch.empty(self.nbytes, dtype=torch.uint8)
+        tensors: dict[str, torch.Tensor] = {}
+        start = 0
+        for key in sorted(self.entries):
+            e = self.entries[key]
+            tensors[key] = data[start:start + e.nbytes].view(e.dtype).view(e.shape)
+            start += e.nbytes
+        digest = xxhash.xxh3_128()
+        for key in sorted(self.entries):
+            e = self.entries[key]
+            view = _bytes_of(tensors[key])
+            digest.update(_entry_id(key, e.dtype_name, e.shape))
+            for chunk in range(0, e.nbytes, _READ_CHUNK):  # in chunks: hashing a chunk while it is in cache
+                part = view[chunk:chunk + _READ_CHUNK]
+                self._pread_into([part], e.offset + chunk)
+                digest.update(part)
+        self._check(digest)
+        return tensors
+
+    def read_into(self, blocks: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """Read each tensor straight into its blocks: blocks[key][i] is where block i of tensor key
+        goes, a contiguous CPU tensor [block_size, heads, head_dim] of its dtype (a KV cache's
+        block, Backend.host_blocks). Raises ValueError when they do not fit the file's tensors
+        (nothing read then), SnapshotMismatch when the bytes read fail the checksum (the blocks
+        hold garbage then: the caller frees them)."""
+        for key, e in self.entries.items():
+            dest = blocks.get(key)
+            if dest is None or len(dest) != e.shape[0]:
+                raise ValueError(f"{key}: {e.shape[0]} blocks in the snapshot, {0 if dest is None else len(dest)} given")
+            for block in dest:
+                if tuple(block.shape) != e.shape[1:] or block.dtype != e.dtype or not block.is_contiguous():
+                    raise ValueError(f"{key}: blocks of {e.shape[1:]} {e.dtype_name} in the snapshot, the cache's "
+                                     f"are {tuple(block.shape)} {str(block.dtype).removeprefix('torch.')}")
+        digest = xxhash.xxh3_128()
+        for key in sorted(self.entries):
+            e = self.entries[key]
+            views = [_bytes_of(block) for block in blocks[key]]
+            digest.update(_entry_id(key, e.dtype_name, e.shape))
+            per_call = max(1, _READ_CHUNK // max(len(views[0]) if views else 1, 1))
+            offset = e.offset
+            for i in range(0, len(views), per_call):  # a few MiB a call, hashed while in cache
+                group = views[i:i + per_call]
+                self._pread_into(group, offset)
+                offset += sum(len(v) for v in group)
+                for v in group:
+                    digest.update(v)
+        self._check(digest)
 
 
 class SnapshotStore:
@@ -222,12 +404,12 @@ class SnapshotStore:
         key could never load (a caller's bug, caught here rather than at every later start)."""
         path = self.path(name)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in kv.items()}
-        self._check_tensors(tensors, ValueError)
+        self._check_tensors({k: (str(t.dtype).removeprefix("torch."), t.shape) for k, t in tensors.items()}, ValueError)
         metadata = {
             "format": str(FORMAT_VERSION), "fingerprint": self.key.fingerprint, "dtype": self.key.dtype,
             "block_size": str(self.key.block_size), "layout": self.key.layout, "name": name,
             "num_tokens": str(len(token_ids)), "tokens_sha256": tokens_sha256(token_ids),
-            "data_sha256": data_sha256(tensors),
+            "data_xxh3": data_digest(tensors),
         }
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
@@ -237,11 +419,21 @@ class SnapshotStore:
         (not mapped from the file, which may be replaced later), or None if there is no file.
         Raises SnapshotMismatch, with the reason, for a file that must not be loaded; the checks
         run in this order: readable safetensors, format version, fingerprint, dtype, block size,
-        layout, the token ids, the data checksum, each tensor's dtype and shape."""
+        layout, the token ids, each tensor's dtype and shape, the data checksum."""
+        reader = self.open(name, token_ids)
+        if reader is None:
+            return None
+        with reader:
+            return reader.read()
+
+    def open(self, name: str, token_ids: Sequence[int]) -> SnapshotReader | None:
+        """name's snapshot for these token ids, open with every check but the checksum passed (its
+        data, and the checksum over it, are read by SnapshotReader.read or read_into), or None if
+        there is no file. Raises SnapshotMismatch as load does."""
         path = self.path(name)
         if not path.exists():
             return None
-        return self._read(path, token_ids)
+        return self._open(path, token_ids)
 
     def verify(self, path: str | os.PathLike[str]) -> SnapshotFile:
         """Check any snapshot file against this key as load does, all but the template's token ids
@@ -274,21 +466,38 @@ class SnapshotStore:
         shutil.copyfile(source, tmp)
         self.verify(tmp)  # the copy is checked, not the source: what lands is what was verified
 
+    def _open(self, path: Path, token_ids: Sequence[int] | None) -> SnapshotReader:
+        """The file, open, its header read and checked (token ids None: those not checked)."""
+        try:
+            f = open(path, "rb", buffering=0)
+        except OSError as e:
+            raise SnapshotMismatch(f"unreadable: {e}") from e
+        try:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError(f"{size} bytes: not a safetensors file")
+            header_len = int.from_bytes(head, "little")
+            if header_len > min(size - 8, _MAX_HEADER_BYTES):
+                raise ValueError(f"a header of {header_len} bytes in a {size}-byte file")
+            raw = f.read(header_len)
+            if len(raw) != header_len:
+                raise ValueError("the file ends inside its header")
+            meta, entries = _parse_header(raw, size - 8 - header_len, 8 + header_len)
+            self._check_metadata(meta, token_ids)
+            self._check_tensors({k: (e.dtype_name, e.shape) for k, e in entries.items()}, SnapshotMismatch)
+        except SnapshotMismatch:
+            f.close()
+            raise
+        except (OSError, ValueError) as e:  # a zero-length, truncated or foreign file
+            f.close()
+            raise SnapshotMismatch(f"unreadable: {e}") from e
+        return SnapshotReader(f, path, meta, entries)
+
     def _read(self, path: Path, token_ids: Sequence[int] | None) -> dict[str, torch.Tensor]:
         """The file's tensors, every check of load passed (token ids None: those not checked)."""
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-                self._check_metadata(meta, token_ids)
-                tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
-        except SnapshotMismatch:
-            raise
-        except Exception as e:  # SafetensorError, OSError: a zero-length, truncated or foreign file
-            raise SnapshotMismatch(f"unreadable: {e}") from e
-        if data_sha256(tensors) != meta.get("data_sha256"):
-            raise SnapshotMismatch("corrupt: checksum mismatch")
-        self._check_tensors(tensors, SnapshotMismatch)
-        return tensors
+        with self._open(path, token_ids) as reader:
+            return reader.read()
 
     def remove(self, name: str) -> None:
         """Delete name's snapshot if any (missing is fine, as is a folder under a regular file,
@@ -341,17 +550,17 @@ class SnapshotStore:
             raise SnapshotMismatch(f"the template's tokens changed ({meta.get('num_tokens')} tokens saved, "
                                    f"{len(token_ids)} now)")
 
-    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], error: type[Exception]) -> None:
-        """Every tensor [blocks, block_size, heads, head_dim] of key.dtype, all with the same blocks."""
+    def _check_tensors(self, tensors: Mapping[str, tuple[str, Sequence[int]]], error: type[Exception]) -> None:
+        """Every tensor (its dtype name and shape) [blocks, block_size, heads, head_dim] of
+        key.dtype, all with the same blocks."""
         if not tensors:
             raise error("holds no tensors")
-        for k, t in sorted(tensors.items()):
-            dtype = str(t.dtype).removeprefix("torch.")
+        for k, (dtype, shape) in sorted(tensors.items()):
             if dtype != self.key.dtype:
                 raise error(f"tensor {k} is {dtype}, expected {self.key.dtype}")
-            if t.dim() != 4 or t.shape[1] != self.key.block_size:
-                raise error(f"tensor {k} has shape {tuple(t.shape)}, expected "
+            if len(shape) != 4 or shape[1] != self.key.block_size:
+                raise error(f"tensor {k} has shape {tuple(shape)}, expected "
                             f"[blocks, {self.key.block_size}, heads, head_dim]")
-        blocks = sorted({t.shape[0] for t in tensors.values()})
+        blocks = sorted({shape[0] for _, shape in tensors.values()})
         if len(blocks) != 1:
             raise error(f"tensors of different block counts {blocks}")

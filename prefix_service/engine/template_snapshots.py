@@ -4,7 +4,9 @@ are engine/snapshots.py's).
 A template the engine pins after a prefill is saved: the engine's thread copies its blocks' K/V
 (Backend.read_blocks, a memory copy) and one writer thread writes the file, so neither a step nor
 a caller waits on the disk. Saves and removals run in order on that thread, so a template removed
-right after its pin leaves no file. Loads run on the caller's thread (Engine.add_prefix): a
+right after its pin leaves no file. Loads start on the caller's thread (Engine.add_prefix: the
+header checked, the data read and its checksum verified), and on a CPU the engine's thread then
+reads the data straight into the template's blocks (the file is in the page cache by then): a
 snapshot that does not match (other weights, dtype, block size, layout, token ids) or does not
 read back whole (checksum) is one warning naming the template and the reason, then the template
 is prefilled as if there were none. A save that fails (a read-only or full folder) turns saving
@@ -19,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from prefix_service.engine.snapshots import SnapshotMismatch, SnapshotStore
+from prefix_service.engine.snapshots import SnapshotMismatch, SnapshotReader, SnapshotStore
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -33,14 +35,19 @@ class TemplateSnapshots:
         if removed:
             log.warning("removed %d temp file(s) of interrupted snapshot writes in %s", removed, store.folder)
 
-    def load(self, name: str, token_ids: Sequence[int]) -> dict[str, torch.Tensor] | None:
-        """The template's K/V from its snapshot; None when there is none or it must not be used."""
+    def open(self, name: str, token_ids: Sequence[int]) -> SnapshotReader | None:
+        """The template's snapshot, open, its header checked (SnapshotStore.open); None when there
+        is none or it must not be used (one warning)."""
         try:
-            return self.store.load(name, token_ids)
+            return self.store.open(name, token_ids)
         except (SnapshotMismatch, OSError) as e:
-            log.warning("prefix template %r: its snapshot %s is not used (%s); prefilling it instead",
-                        name, self.store.path(name), e)
+            self.not_used(name, e)
             return None
+
+    def not_used(self, name: str, reason: object) -> None:
+        """The one warning of a snapshot that is not used: the template is prefilled instead."""
+        log.warning("prefix template %r: its snapshot %s is not used (%s); prefilling it instead",
+                    name, self.store.path(name), reason)
 
     def save(self, name: str, token_ids: Sequence[int], kv: dict[str, torch.Tensor]) -> None:
         """Write the snapshot on the writer thread (kv: a copy the engine no longer touches)."""

@@ -27,12 +27,20 @@ class PackedTemplate:
         self.num_blocks = len(block_ids)
         self.num_tokens = self.num_blocks * kv_layers[0][0].shape[1]  # full blocks of block_size tokens
         idx = torch.tensor(block_ids, dtype=torch.int64)
+        first = block_ids[0]
+        # blocks in one run (as a template's fresh blocks mostly are) are read in place: one copy
+        # into the packed layout instead of a gather, then that copy
+        run = block_ids == list(range(first, first + self.num_blocks))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.nbytes = 0
         for k_cache, v_cache in kv_layers:
             # [R, Hkv, D] as float32, which the kernels read (a bfloat16 cache widens exactly)
-            k = k_cache.index_select(0, idx).flatten(0, 1).float()
-            v = v_cache.index_select(0, idx).flatten(0, 1).float()
+            if run:
+                k = k_cache[first:first + self.num_blocks].flatten(0, 1).float()
+                v = v_cache[first:first + self.num_blocks].flatten(0, 1).float()
+            else:
+                k = k_cache.index_select(0, idx).flatten(0, 1).float()
+                v = v_cache.index_select(0, idx).flatten(0, 1).float()
             self.layers.append((pack_keys(k), pack_values(v)))
             self.nbytes += 2 * k.numel() * k.element_size()
         self.pointers = torch.tensor([[kp.data_ptr(), vp.data_ptr()] for kp, vp in self.layers], dtype=torch.int64)
