@@ -278,6 +278,9 @@ class RayConfig:
     downscale_delay_s: float = 600.0  # autoscaling: how long it must ask for fewer before one stops
     look_back_period_s: float = 30.0  # autoscaling: the window the load is averaged over (> 10 s)
     template_replication: int | None = None  # replicas that pin each template; null: every replica
+    # a replica pinning a template it has no snapshot of gets its K/V from a replica holding it
+    # (through Ray's object store) instead of prefilling it
+    template_kv_from_peers: bool = True
     num_cpus_per_replica: float = 1.0  # the Ray CPU resource each replica reserves
     max_ongoing_requests: int = 256  # requests one replica accepts at once (the rest wait at the router)
     app_name: str = "prefix-service"  # the Ray Serve application
@@ -297,6 +300,8 @@ class RayConfig:
             _check_int("ray.max_replicas", self.max_replicas, self.min_replicas)
         if self.template_replication is not None:
             _check_int("ray.template_replication", self.template_replication, 1)
+        if not isinstance(self.template_kv_from_peers, bool):
+            raise ConfigError(f"ray.template_kv_from_peers: expected true or false, got {self.template_kv_from_peers!r}")
         # Ray Serve wants the look-back window longer than its autoscaling metrics' interval, 10 s
         for key, bound in (("upscale_delay_s", ">= 0"), ("downscale_delay_s", ">= 0"), ("look_back_period_s", "> 10")):
             value = getattr(self, key)

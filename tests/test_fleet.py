@@ -1,9 +1,10 @@
 """The fleet on a local Ray cluster (tiny random model, 2 replicas, template_replication 1, four
-templates): greedy outputs equal one process's, requests land only on their template's holder,
-admin add/remove reach the holders, HTTP through Ray Serve's proxy, chat on a system-prompt
-template, a cancelled stream and a request on stale routes, a request waiting for a holder holds up
-no other call, the front end's shutdown cuts its streams off, a replica killed mid-stream fails
-only its own streams and comes back holding its templates, and one failing its health check is
+templates, a snapshot folder the replicas share): greedy outputs equal one process's, requests
+land only on their template's holder, admin add/remove reach the holders (and the shared
+snapshots), HTTP through Ray Serve's proxy, chat on a system-prompt template, a cancelled stream
+and a request on stale routes, a request waiting for a holder holds up no other call, the front
+end's shutdown cuts its streams off, a replica killed mid-stream fails only its own streams and
+comes back holding its templates (from the shared snapshots), and one failing its health check is
 replaced.
 
 One fleet serves the whole module (starting one takes ~20 s); the tests run in file order and
@@ -54,8 +55,17 @@ def fleet(model_dir, tmp_path_factory):
                          metrics_address="127.0.0.1:0")
     config = dataclasses.replace(config, ray=RayConfig(num_replicas=2, template_replication=1,
                                                        num_cpus_per_replica=1, app_name="prefix-service-test"))
+    # a snapshot folder the replicas share (as on a cluster's shared storage)
+    shared = dataclasses.replace(config.engine.cache, snapshot_dir=str(state.parent / "snapshots"))
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, cache=shared))
     with running_fleet(config) as (server, clients):
         yield server, clients
+
+
+def snapshots(server) -> set[str]:
+    """The templates with a snapshot in the replicas' shared folder."""
+    folder = Path(server.config.engine.cache.snapshot_dir)
+    return {p.name.removesuffix(".kv.safetensors") for p in folder.glob("*.kv.safetensors")}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +108,8 @@ def test_startup_places_each_template_on_its_rendezvous_holder(fleet):
         assert t.origin == "config" and t.num_tokens > 0
     held = {r: {info.name for info, _ in rep["held"]} for r, rep in reports(server).items()}
     assert set().union(*held.values()) == set(TEMPLATES) and not set.intersection(*held.values())
+    # each holder wrote its templates' snapshots to the shared folder
+    wait_until(lambda: snapshots(server) == set(TEMPLATES), what="a snapshot of every template in the shared folder")
 
 
 def scrape(server) -> dict[tuple[str, frozenset], float]:
@@ -265,6 +277,7 @@ def test_admin_add_and_remove_reach_the_holders(fleet, reference):
                == set(want), what="the replicas' reports of 'extra'")
     saved = json.loads(Path(server.config.server.state_file).read_text())
     assert [t["name"] for t in saved["templates"]] == ["extra"]
+    wait_until(lambda: "extra" in snapshots(server), what="the holder writing the snapshot of 'extra'")
     reference.add_prefix("extra", text)
     _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "extra", MAX_TOKENS)))
     assert ids == expected_ids(reference, "extra", "the order")
@@ -277,6 +290,9 @@ def test_admin_add_and_remove_reach_the_holders(fleet, reference):
     wait_until(lambda: not any("extra" in {i.name for i, _ in rep["held"]} for rep in reports(server).values()),
                what="every replica dropping 'extra'")
     assert json.loads(Path(server.config.server.state_file).read_text())["templates"] == []
+    # removed from the fleet: its snapshot goes too (a template that only moves keeps its snapshot)
+    wait_until(lambda: "extra" not in snapshots(server), what="the snapshot of 'extra' removed")
+    assert set(TEMPLATES) <= snapshots(server)
     with pytest.raises(grpc.RpcError) as e:
         collect(clients.generation.Generate(greedy_request("the order", "extra", 2)))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -483,7 +499,13 @@ def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
         t = listing(clients)
         return t if all(list(t[n].replicas) == holders(n, members, 1) for n in TEMPLATES) else None
 
-    wait_until(back, timeout=180, what="a replacement replica joining and the placement holding again")
+    placed = wait_until(back, timeout=180, what="a replacement replica joining and the placement holding again")
+    newcomer = next(m for m in sorted(reports(server)) if m != survivor)
+    # every template has a snapshot in the shared folder since the start: the survivor took the
+    # victim's share over from it, and the newcomer its share (a local snapshot comes before a peer)
+    share = [n for n in TEMPLATES if list(placed[n].replicas) == [newcomer]]
+    sources = {info.name: info.kv_source for info, _ in reports(server)[newcomer]["held"]}
+    assert all(sources[n] == "snapshot" for n in share), sources
     for name in TEMPLATES:  # every template serves again at once, on whichever replica now holds it
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
         assert ids == expected_ids(reference, name, "the order"), name

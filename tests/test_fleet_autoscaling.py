@@ -146,6 +146,10 @@ def test_the_fleet_scales_up_under_load_and_down_without_it(fleet, expected):
         # share of the templates the placement gave it)
         wait_until(lambda: (took(second) or 0) > 0, 120,
                    f"the newcomer {second} taking requests (its report present and counting them)")
+        # the newcomer's share came from the first replica's K/V (Ray's object store), not a prefill
+        share = [n for n in TEMPLATES if holders(n, members(server), 1) == [second]]
+        sources = {info.name: info.kv_source for info, _ in server.engine.replica_reports()[second]["held"]}
+        assert all(sources[n] == "peer" for n in share), sources
     finally:
         load.stop()
     assert load.failures == [] and load.done > 0

@@ -39,6 +39,10 @@ class FakeReplica:
         self.controller, self.id, self.refuse = controller, rid, refuse
         self.held: dict[str, TemplateSource] = {}
         self.task: asyncio.Task | None = None
+        self.kv_from: dict[str, str] = {}  # template -> what the controller's template_kv gave ("prefill": none)
+        self.exports: list[str] = []  # templates whose K/V it exported for another replica
+        self.unpins: list[tuple[str, bool]] = []  # (template, forget)
+        self.fail_export = False
 
     def pin(self, src: TemplateSource):
         if src.name in self.refuse:
@@ -48,9 +52,17 @@ class FakeReplica:
         self.held[src.name] = src
         return self.info(src.name), self.token_ids(src.name)
 
-    def unpin(self, name: str) -> bool:
+    def unpin(self, name: str, forget: bool = False) -> bool:
         self.held.pop(name, None)
+        self.unpins.append((name, forget))
         return True
+
+    def export_kv(self, name: str) -> list[str]:
+        if self.fail_export:
+            raise RuntimeError(f"replica {self.id}: out of object store memory")
+        assert name in self.held
+        self.exports.append(name)
+        return [f"kv of {name} from {self.id}"]
 
     def token_ids(self, name: str) -> tuple[int, ...]:
         return tuple(range(len(self.held[name].content or "")))
@@ -63,7 +75,9 @@ class FakeReplica:
 
     async def start(self) -> None:
         for src in await self.controller.join(self.id):
+            answer = await self.controller.template_kv(self.id, src.name)  # as its engine's peer_kv asks
             self.pin(src)
+            self.kv_from[src.name] = answer[0] if answer else "prefill"
         await self.controller.ready(self.id, {n: self.token_ids(n) for n in self.held}, self.report())
         self.task = asyncio.ensure_future(self._poll_forever())
 
@@ -84,9 +98,11 @@ class FakeReplica:
         await self.controller.leave(self.id)
 
 
-def controller_for(model_dir, replicas: int, replication: int | None, state_file=None) -> FleetController:
+def controller_for(model_dir, replicas: int, replication: int | None, state_file=None,
+                   kv_from_peers: bool = True) -> FleetController:
     config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()))
-    config = dataclasses.replace(config, ray=RayConfig(num_replicas=replicas, template_replication=replication))
+    config = dataclasses.replace(config, ray=RayConfig(num_replicas=replicas, template_replication=replication,
+                                                       template_kv_from_peers=kv_from_peers))
     return FleetController(config, str(state_file) if state_file else None)
 
 
@@ -149,6 +165,46 @@ def test_a_joining_replica_takes_its_share_and_the_old_holder_lets_go_after(llam
     run(main())
 
 
+@pytest.mark.parametrize("kv_from_peers", [True, False])
+def test_a_joining_replica_gets_its_shares_kv_from_the_holder(llama_dir, kv_from_peers):
+    """Each template b pins at its start comes from a, which holds it, through a's export_kv; a
+    then lets the template go without forgetting it (a snapshot a shared folder holds stays). With
+    ray.template_kv_from_peers off, b prefills and a exports nothing."""
+    async def main():
+        c = controller_for(llama_dir, 1, 1, kv_from_peers=kv_from_peers)
+        a = FakeReplica(c, "a")
+        await a.start()
+        assert set(a.kv_from.values()) == {"prefill"}  # nobody held anything yet
+        b = FakeReplica(c, "b")
+        await b.start()
+        share = {n for n in TEMPLATES if holders(n, ["a", "b"], 1) == ["b"]}
+        assert share and set(b.held) == share
+        if kv_from_peers:
+            assert b.kv_from == {n: f"kv of {n} from a" for n in share}
+            assert sorted(a.exports) == sorted(share)
+        else:
+            assert set(b.kv_from.values()) == {"prefill"} and a.exports == []
+        await until(lambda: set(a.held) == set(TEMPLATES) - share, what="a unpinning b's share")
+        assert sorted(a.unpins) == sorted((n, False) for n in share)  # moved, not removed
+        a.stop(), b.stop()
+    run(main())
+
+
+def test_a_holder_that_cannot_export_leaves_the_joiner_to_prefill(llama_dir, caplog):
+    async def main():
+        c = controller_for(llama_dir, 1, 1)
+        a = FakeReplica(c, "a")
+        await a.start()
+        a.fail_export = True
+        b = FakeReplica(c, "b")
+        await b.start()
+        assert b.held and set(b.kv_from.values()) == {"prefill"}
+        assert await c.template_kv("b", "no-such-template") is None
+        a.stop(), b.stop()
+    run(main())
+    assert "could not export its K/V" in caplog.text and "out of object store memory" in caplog.text
+
+
 def test_a_replica_that_stops_polling_leaves_and_its_templates_move(llama_dir):
     async def main():
         c = controller_for(llama_dir, 2, 1)
@@ -200,6 +256,7 @@ def test_add_pins_on_every_holder_or_rolls_back(llama_dir, tmp_path):
         assert [t["name"] for t in json.loads(state.read_text())["templates"]] == ["small"]
         assert await c.remove("small") is True
         assert "small" not in a.held and "small" not in b.held and "small" not in (await c.routes())
+        assert ("small", True) in a.unpins and ("small", True) in b.unpins  # removed: its snapshots go too
         assert json.loads(state.read_text())["templates"] == []
         with pytest.raises(PrefixNotFound):
             await c.remove("small")

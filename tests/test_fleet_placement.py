@@ -111,6 +111,7 @@ def test_ray_config_section(tmp_path):
     ({"upscale_delay_s": -1}, "ray.upscale_delay_s: expected a number of seconds >= 0"),
     ({"downscale_delay_s": "soon"}, "ray.downscale_delay_s"),
     ({"look_back_period_s": 10}, "ray.look_back_period_s: expected a number of seconds > 10"),
+    ({"template_kv_from_peers": "yes"}, "ray.template_kv_from_peers: expected true or false"),
     ({"replicas": 2}, "unknown key"),
 ])
 def test_ray_config_errors_name_the_key(tmp_path, raw, match):

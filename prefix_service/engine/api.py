@@ -89,11 +89,16 @@ class Engine:
         self.info = EngineInfo(config.model.path, str(core.device), str(core.dtype).replace("torch.", ""),
                                core.arch, core.max_model_len, core.allocator.num_blocks, core.block_size,
                                core.backend.name, core.backend.describe())
+        self._config = config
         self._snapshots: TemplateSnapshots | None = None
+        self._codec: SnapshotStore | None = None  # the snapshot format of this engine's KV (made when needed)
         if config.cache.snapshot_dir:
-            key = snapshot_key(config, core.device, core.dtype)
-            self._snapshots = TemplateSnapshots(SnapshotStore(config.cache.snapshot_dir, key))
+            self._codec = SnapshotStore(config.cache.snapshot_dir, snapshot_key(config, core.device, core.dtype))
+            self._snapshots = TemplateSnapshots(self._codec)
             self._run(lambda c: setattr(c, "snapshots", self._snapshots))
+        # Where a template's K/V may come from when it has no snapshot here, before a prefill: a
+        # fleet replica asks one that holds it (name, token ids -> a snapshot's bytes, or None).
+        self.peer_kv: Callable[[str, list[int]], bytes | None] | None = None
 
     # --- the loop thread ----------------------------------------------------------------------
     def _main(self, config: EngineConfig, backend: BackendFactory | None,
@@ -170,10 +175,16 @@ class Engine:
         compiled = self._core.structured.compile(structured) if structured is not None else None
         output = (structured, compiled) if structured is not None and compiled is not None else None
         ids, src = list(token_ids), source
-        reader = self._snapshots.open(name, ids) if self._snapshots is not None else None
-        if reader is not None:  # its K/V from a snapshot instead of a prefill
+        snapshots = self._snapshots
+        reader = snapshots.open(name, ids) if snapshots is not None else None
+        if reader is not None and snapshots is not None:  # its K/V from a snapshot instead of a prefill
             with reader:
-                restored = self._restore(name, ids, src, reader, output)
+                restored = self._restore(name, ids, src, reader, output, "snapshot",
+                                         lambda why: snapshots.not_used(name, why))
+            if restored is not None:
+                return restored
+        if self.peer_kv is not None:  # or from a replica that holds it
+            restored = self._from_peer(name, ids, src, output)
             if restored is not None:
                 return restored
         done: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
@@ -188,13 +199,13 @@ class Engine:
         return done.result()
 
     def _restore(self, name: str, ids: list[int], src: dict[str, str], reader: SnapshotReader,
-                 output: tuple[StructuredOutput, Any] | None) -> PrefixInfo | None:
-        """Pin a template from its open snapshot; None when it is not used (one warning) or its
-        blocks are not free now: the caller prefills it. The data is read and checked here first,
-        so a damaged file costs the engine's thread nothing; a cache in host memory then gets it
-        straight from the file (in the page cache now) on the engine's thread, any other through
-        tensors read here."""
-        assert self._snapshots is not None
+                 output: tuple[StructuredOutput, Any] | None, kv_source: str,
+                 refused: Callable[[object], None]) -> PrefixInfo | None:
+        """Pin a template from an open snapshot; None when it is not used (refused(reason): one
+        warning) or its blocks are not free now: the caller prefills it. The data is read and
+        checked here first, so a damaged snapshot costs the engine's thread nothing; a cache in
+        host memory then gets it straight from the snapshot (a file in the page cache by now) on
+        the engine's thread, any other through tensors read here."""
         try:
             kv: SnapshotReader | dict[str, torch.Tensor]
             if self._core.device.type == "cpu":
@@ -202,19 +213,60 @@ class Engine:
                 kv = reader
             else:
                 kv = reader.read()
-            restored: PrefixInfo | None = self._run(lambda core: core.restore_prefix(name, ids, src, kv, output))
+            restored: PrefixInfo | None = self._run(
+                lambda core: core.restore_prefix(name, ids, src, kv, output, kv_source))
             return restored
         except (SnapshotMismatch, OSError) as e:
-            self._snapshots.not_used(name, e)
-        except ValueError as e:  # shapes that are not this cache's: the snapshot is not used
-            log.warning("prefix template %r: its snapshot does not fit this KV cache (%s); prefilling it", name, e)
+            refused(e)
+        except ValueError as e:  # shapes that are not this cache's
+            refused(f"it does not fit this KV cache: {e}")
         return None
 
-    def remove_prefix(self, name: str) -> bool:
-        """Unregister a template. True if its blocks were freed now, False if deferred until the
-        requests using it finish. Raises PrefixNotFound."""
+    def _from_peer(self, name: str, ids: list[int], src: dict[str, str],
+                   output: tuple[StructuredOutput, Any] | None) -> PrefixInfo | None:
+        """Pin a template from the snapshot bytes peer_kv brings (kv_source "peer"); None when
+        there are none or they are not used (one warning): the caller prefills it."""
+        assert self.peer_kv is not None
+
+        def refused(why: object) -> None:
+            log.warning("prefix template %r: the K/V another replica sent is not used (%s); prefilling it instead",
+                        name, why)
+        try:
+            data = self.peer_kv(name, ids)
+        except Exception as e:  # noqa: BLE001 - a holder gone, a timeout: prefill as without peers
+            refused(f"fetching it failed: {type(e).__name__}: {e}")
+            return None
+        if data is None:
+            return None
+        try:
+            reader = self.snapshot_codec().decode(data, ids)
+        except SnapshotMismatch as e:
+            refused(e)
+            return None
+        with reader:
+            return self._restore(name, ids, src, reader, output, "peer", refused)
+
+    def snapshot_codec(self) -> SnapshotStore:
+        """The snapshot format of this engine's K/V (its weights, dtype, block size): the snapshot
+        folder's store, or one without a folder (encode and decode only)."""
+        if self._codec is None:
+            core = self._core
+            self._codec = SnapshotStore(None, snapshot_key(self._config, core.device, core.dtype))
+        return self._codec
+
+    def export_prefix_kv(self, name: str) -> bytes:
+        """A pinned template's K/V as a snapshot's bytes (what its snapshot file would hold), for
+        another replica of the same model to pin it from (add_prefix through peer_kv) instead of
+        prefilling it. Raises PrefixNotFound."""
+        ids, kv = self._run(lambda core: core.prefix_kv(name))
+        return self.snapshot_codec().encode(name, ids, kv)
+
+    def remove_prefix(self, name: str, *, keep_snapshot: bool = False) -> bool:
+        """Unregister a template, and remove its snapshot unless keep_snapshot (a fleet replica
+        letting a template move to another keeps it: the folder may be shared). True if its blocks
+        were freed now, False if deferred until the requests using it finish. Raises PrefixNotFound."""
         freed: bool = self._run(lambda core: core.prefixes.remove(name))
-        if self._snapshots is not None:  # after its save, on the same writer thread
+        if self._snapshots is not None and not keep_snapshot:  # after its save, on the same writer thread
             self._snapshots.remove(name)
         return freed
 

@@ -335,7 +335,8 @@ class EngineCore:
 
     def restore_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
                        kv: dict[str, torch.Tensor] | SnapshotReader,
-                       default_output: tuple[StructuredOutput, Any] | None = None) -> PrefixInfo | None:
+                       default_output: tuple[StructuredOutput, Any] | None = None,
+                       kv_source: str = "snapshot") -> PrefixInfo | None:
         """Pin a template from a snapshot instead of a prefill: fresh blocks, the K/V written into
         them, pinned. kv: the K/V, read and checked off this thread, or an open snapshot whose data
         is read here straight into the blocks when the cache is in host memory (its checksum
@@ -360,13 +361,18 @@ class EngineCore:
             else:
                 self.backend.write_blocks(blocks, kv)
             structured, matcher = default_output or (None, None)
-            handle = self.prefixes.pin(name, token_ids, blocks, source, structured, matcher, kv_source="snapshot")
+            handle = self.prefixes.pin(name, token_ids, blocks, source, structured, matcher, kv_source=kv_source)
         except BaseException:
             self.prefixes.cancel(name)
             raise
         finally:
             self.allocator.free(blocks)  # the pin holds its own reference
         return handle.info()
+
+    def prefix_kv(self, name: str) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
+        """A pinned template's token ids and a host copy of its K/V (Backend.read_blocks)."""
+        handle = self.prefixes.get(name)
+        return handle.token_ids, self.backend.read_blocks(handle.block_table)
 
     def abort(self, request_id: str) -> bool:
         group = self._samples.get(request_id)

@@ -35,7 +35,7 @@ class PrefixHandle:
     # the default output of requests that name no structured output, and its compiled matcher
     structured: StructuredOutput | None = None
     matcher: Any = None
-    kv_source: str = "prefill"  # where its K/V came from: "prefill" or "snapshot" (a file of an earlier pin)
+    kv_source: str = "prefill"  # where its K/V came from: "prefill", "snapshot" (a file of an earlier pin) or "peer" (another replica)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +69,7 @@ class PrefixInfo:
     active_requests: int
     source: dict[str, str]
     structured: StructuredOutput | None = None  # the default output
-    kv_source: str = "prefill"  # "prefill" or "snapshot"
+    kv_source: str = "prefill"  # "prefill", "snapshot" or "peer"
 
 
 @dataclass(frozen=True)

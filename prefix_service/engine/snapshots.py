@@ -38,6 +38,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import xxhash
 from safetensors import safe_open
+from safetensors.torch import save as safetensors_save
 from safetensors.torch import save_file
 
 from prefix_service.config import EngineConfig, validate_prefix_name
@@ -270,15 +271,17 @@ def _parse_header(raw: bytes, data_bytes: int, data_start: int) -> tuple[dict[st
 
 
 class SnapshotReader:
-    """An open snapshot file whose header passed every check of its store (format, weights, dtype,
-    block size, layout, token ids, tensors) and whose data is not read yet: read() reads it into
-    tensors of its own, read_into() straight into the KV blocks given. Both verify the checksum
-    over the bytes they read and raise SnapshotMismatch if it differs. The file stays open until
-    close(): a snapshot saved again meanwhile is a new file, and this one reads the old one whole."""
+    """An open snapshot (a file, or a snapshot's bytes sent by another replica) whose header passed
+    every check of its store (format, weights, dtype, block size, layout, token ids, tensors) and
+    whose data is not read yet: read() reads it into tensors of its own, read_into() straight into
+    the KV blocks given. Both verify the checksum over the bytes they read and raise
+    SnapshotMismatch if it differs. A file stays open until close(): a snapshot saved again
+    meanwhile is a new file, and this one reads the old one whole."""
 
-    def __init__(self, f: io.RawIOBase, path: Path, meta: Mapping[str, str], entries: Mapping[str, _Entry]) -> None:
-        self._f = f
-        self.path = path
+    def __init__(self, source: io.RawIOBase | memoryview, path: Path | None, meta: Mapping[str, str],
+                 entries: Mapping[str, _Entry]) -> None:
+        self._source = source
+        self.path = path  # None: bytes in memory
         self.metadata = dict(meta)
         self.entries = dict(entries)
         self.num_blocks = next(iter(entries.values())).shape[0]
@@ -291,12 +294,21 @@ class SnapshotReader:
         self.close()
 
     def close(self) -> None:
-        self._f.close()
+        if not isinstance(self._source, memoryview):
+            self._source.close()
 
     def _pread_into(self, buffers: Sequence[memoryview], offset: int) -> None:
-        """Fill buffers, in order, from the file at offset (scatter reads, IOV_MAX buffers a call).
-        A read error or an early end of file raises SnapshotMismatch ("unreadable: ...")."""
-        fd = self._f.fileno()
+        """Fill buffers, in order, from the snapshot's bytes at offset (from a file: scatter reads,
+        IOV_MAX buffers a call). A read error or an early end raises SnapshotMismatch
+        ("unreadable: ...")."""
+        if isinstance(self._source, memoryview):
+            for b in buffers:
+                if offset + len(b) > len(self._source):
+                    raise SnapshotMismatch(f"unreadable: the snapshot ends before byte {offset + len(b)}")
+                b[:] = self._source[offset:offset + len(b)]
+                offset += len(b)
+            return
+        fd = self._source.fileno()
         for i in range(0, len(buffers), _IOV_MAX):
             group = list(buffers[i:i + _IOV_MAX])
             want = sum(len(b) for b in group)
@@ -385,11 +397,18 @@ class SnapshotReader:
 
 
 class SnapshotStore:
-    """The snapshots of one engine: a folder, and the key every snapshot in it must match."""
+    """The snapshots of one engine: a folder, and the key every snapshot in it must match. Without
+    a folder (None) it encodes and decodes snapshots in memory only (another replica's)."""
 
-    def __init__(self, folder: str | os.PathLike[str], key: SnapshotKey) -> None:
-        self.folder = Path(folder)
+    def __init__(self, folder: str | os.PathLike[str] | None, key: SnapshotKey) -> None:
+        self._folder = Path(folder) if folder is not None else None  # None: encode and decode only
         self.key = key
+
+    @property
+    def folder(self) -> Path:
+        if self._folder is None:
+            raise ValueError("this snapshot store has no folder: it only encodes and decodes snapshots")
+        return self._folder
 
     def path(self, name: str) -> Path:
         """The file of template `name`. Template names are safe file names ([A-Za-z0-9_.-],
@@ -403,6 +422,14 @@ class SnapshotStore:
         off; the previous snapshot, if any, is left as it was. Raises ValueError on tensors this
         key could never load (a caller's bug, caught here rather than at every later start)."""
         path = self.path(name)
+        tensors, metadata = self._contents(name, token_ids, kv)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+    def _contents(self, name: str, token_ids: Sequence[int],
+                  kv: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """A snapshot's tensors (CPU, contiguous) and metadata; ValueError for tensors this key
+        could never load."""
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in kv.items()}
         self._check_tensors({k: (str(t.dtype).removeprefix("torch."), t.shape) for k, t in tensors.items()}, ValueError)
         metadata = {
@@ -411,8 +438,7 @@ class SnapshotStore:
             "num_tokens": str(len(token_ids)), "tokens_sha256": tokens_sha256(token_ids),
             "data_xxh3": data_digest(tensors),
         }
-        self.folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        return tensors, metadata
 
     def load(self, name: str, token_ids: Sequence[int]) -> dict[str, torch.Tensor] | None:
         """name's snapshot for these token ids: CPU, contiguous tensors in memory of their own
@@ -475,24 +501,49 @@ class SnapshotStore:
         try:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+            raw = f.read(header_len) if 0 <= header_len <= min(size - 8, _MAX_HEADER_BYTES) else b""
+            meta, entries = self._header(head, raw, size, token_ids)
+        except BaseException as e:
+            f.close()
+            if isinstance(e, OSError):
+                raise SnapshotMismatch(f"unreadable: {e}") from e
+            raise
+        return SnapshotReader(f, path, meta, entries)
+
+    def _header(self, head: bytes, raw: bytes, size: int,
+                token_ids: Sequence[int] | None) -> tuple[dict[str, str], dict[str, _Entry]]:
+        """A snapshot's header (head: its first 8 bytes, raw: the header they announce), checked."""
+        try:
             if len(head) != 8:
                 raise ValueError(f"{size} bytes: not a safetensors file")
             header_len = int.from_bytes(head, "little")
             if header_len > min(size - 8, _MAX_HEADER_BYTES):
                 raise ValueError(f"a header of {header_len} bytes in a {size}-byte file")
-            raw = f.read(header_len)
             if len(raw) != header_len:
                 raise ValueError("the file ends inside its header")
             meta, entries = _parse_header(raw, size - 8 - header_len, 8 + header_len)
-            self._check_metadata(meta, token_ids)
-            self._check_tensors({k: (e.dtype_name, e.shape) for k, e in entries.items()}, SnapshotMismatch)
-        except SnapshotMismatch:
-            f.close()
-            raise
-        except (OSError, ValueError) as e:  # a zero-length, truncated or foreign file
-            f.close()
+        except ValueError as e:  # a zero-length, truncated or foreign file
             raise SnapshotMismatch(f"unreadable: {e}") from e
-        return SnapshotReader(f, path, meta, entries)
+        self._check_metadata(meta, token_ids)
+        self._check_tensors({k: (e.dtype_name, e.shape) for k, e in entries.items()}, SnapshotMismatch)
+        return meta, entries
+
+    def encode(self, name: str, token_ids: Sequence[int], kv: dict[str, torch.Tensor]) -> bytes:
+        """name's snapshot for these token ids as bytes, what save would write (for another
+        replica: decode there). Raises ValueError as save does."""
+        tensors, metadata = self._contents(name, token_ids, kv)
+        return safetensors_save(tensors, metadata=metadata)
+
+    def decode(self, data: bytes | bytearray | memoryview, token_ids: Sequence[int]) -> SnapshotReader:
+        """A snapshot's bytes (encode's, or a file's), its header checked as open checks a file's;
+        the reader reads from data, which must outlive it. Raises SnapshotMismatch as load does."""
+        view = memoryview(data).cast("B")
+        head = bytes(view[:8])
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+        raw = bytes(view[8:8 + header_len]) if 0 <= header_len <= min(len(view) - 8, _MAX_HEADER_BYTES) else b""
+        meta, entries = self._header(head, raw, len(view), token_ids)
+        return SnapshotReader(view, None, meta, entries)
 
     def _read(self, path: Path, token_ids: Sequence[int] | None) -> dict[str, torch.Tensor]:
         """The file's tensors, every check of load passed (token ids None: those not checked)."""

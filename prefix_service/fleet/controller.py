@@ -7,7 +7,7 @@ the members (replicas that joined and still poll), where each template is pinned
 
 Replicas talk to the controller, never the reverse: each long-polls `poll` (at most POLL_S
 apart) with a report of what it holds and its counters, and gets back the commands queued for it
-(pin, unpin, token_ids, check_integrity), whose results it returns through `done`. The poll is
+(pin, unpin, token_ids, export_kv, check_integrity), whose results it returns through `done`. The poll is
 also the heartbeat: a member silent for LEASE_S has left, and its pending commands fail. A
 replica that Ray Serve stops (scaled down, replaced, the application deleted) says so once its
 requests have drained (`leave`), and its templates move at once instead of at the lease.
@@ -51,6 +51,7 @@ POLL_S = 1.0  # the longest a replica's poll waits for a command
 LEASE_S = 6.0  # a member that has not polled for this long has left
 PIN_TIMEOUT_S = 600.0  # a template's prefill on one replica
 CALL_TIMEOUT_S = 30.0
+KV_EXPORT_TIMEOUT_S = 60.0  # a holder copying out a template's K/V for another replica
 # A template moving off a replica: its routes drop the replica at once, its blocks are unpinned
 # this much later, when every front end's cached routes (client.ROUTES_TTL_S) have been refreshed.
 # A request that still reaches it is answered TemplateNotHeld and resent.
@@ -81,6 +82,7 @@ class FleetController:
             log_to_serve()
         ray_cfg = config.ray
         self.replication = ray_cfg.template_replication if ray_cfg is not None else None
+        self.kv_from_peers = ray_cfg.template_kv_from_peers if ray_cfg is not None else True
         # The first replicas to start wait (in join) until this many have joined, so the first
         # placement spreads the templates over the whole fleet instead of loading them all onto
         # the first replica up.
@@ -277,18 +279,41 @@ class FleetController:
             self._spawn(self._unpin(src.name, replica))
         return info
 
-    async def _unpin(self, name: str, replica: str, after_s: float = 0.0) -> bool:
+    async def _unpin(self, name: str, replica: str, after_s: float = 0.0, forget: bool = False) -> bool:
+        """Unpin name on replica (after after_s). forget: the template is removed from the fleet,
+        so its snapshot goes too; a template that only moves keeps it (a folder replicas share
+        still serves the others)."""
         key = (name, replica)
         self._busy.add(key)
         try:
             await asyncio.sleep(after_s)
-            freed: bool = await self._command(replica, "unpin", name)
+            freed: bool = await self._command(replica, "unpin", name, forget)
             return freed
         except Exception as e:  # noqa: BLE001 - a replica gone has nothing left to free
             log.warning("unpinning %r on replica %s failed: %s", name, replica, e)
             return True
         finally:
             self._busy.discard(key)
+
+    async def template_kv(self, replica: str, name: str) -> list[Any] | None:
+        """A replica about to pin `name` asks for its K/V: a serving holder other than itself
+        exports it (its `export_kv` command: a snapshot's bytes, put in Ray's object store) and the
+        answer is [the object's ref] (a ref inside a list stays a ref), which the replica gets from
+        the holder's node directly. None when no holder is serving, when every one tried failed,
+        or with ray.template_kv_from_peers off: the replica prefills."""
+        if not self.kv_from_peers:
+            return None
+        holding = [r for r in sorted(self.locations.get(name, ()))
+                   if r != replica and r in self.members and self.members[r].ready]
+        for holder in holding[:2]:
+            try:
+                answer: list[Any] = await self._command(holder, "export_kv", name, timeout_s=KV_EXPORT_TIMEOUT_S)
+                log.info("template %r: replica %s gets its K/V from replica %s", name, replica, holder)
+                return answer
+            except Exception as e:  # noqa: BLE001 - the next holder, else a prefill
+                log.warning("template %r: replica %s could not export its K/V for replica %s: %s", name, holder,
+                            replica, e)
+        return None
 
     # --- what front ends ask ------------------------------------------------------------------
     async def routes(self) -> dict[str, tuple[str, ...]]:
@@ -326,7 +351,7 @@ class FleetController:
             info = PrefixInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
                               first.num_blocks if first else 0, sum(i.requests_served for i in found),
                               sum(i.active_requests for i in found), src.definition(), src.structured,
-                              ",".join(sorted({i.kv_source for i in found})))  # each holder's: prefill, snapshot
+                              ",".join(sorted({i.kv_source for i in found})))  # each holder's: prefill, snapshot, peer
             out.append((info, src.origin, routes[name]))
         return out
 
@@ -358,7 +383,7 @@ class FleetController:
             pinned = [p for p in results if not isinstance(p, BaseException)]  # (PrefixInfo, token ids) each
             if failed:
                 done = [r for r, e in zip(targets, results) if not isinstance(e, BaseException)]
-                await asyncio.gather(*(self._unpin(src.name, r) for r in done))
+                await asyncio.gather(*(self._unpin(src.name, r, forget=True) for r in done))
                 raise failed[0]
             self.sources[src.name] = src
             self.locations[src.name] = set(targets)
@@ -368,7 +393,7 @@ class FleetController:
                 self._save()
             except OSError as e:
                 del self.sources[src.name], self.locations[src.name]
-                await asyncio.gather(*(self._unpin(src.name, r) for r in targets))
+                await asyncio.gather(*(self._unpin(src.name, r, forget=True) for r in targets))
                 raise PersistError(f"template {src.name!r} was not added: cannot write the state file "
                                    f"{state_file_name(self.store)}: {e}") from e
             log.info("template %r added on %s", src.name, ", ".join(targets))
@@ -383,7 +408,7 @@ class FleetController:
                 raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(self.sources))})")
             where = self.locations.pop(name, set())
             self.token_ids.pop(name, None)
-            freed = await asyncio.gather(*(self._unpin(name, r) for r in where))
+            freed = await asyncio.gather(*(self._unpin(name, r, forget=True) for r in where))
             if src.origin == "admin":
                 try:
                     self._save()

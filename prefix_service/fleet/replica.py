@@ -7,7 +7,7 @@ request.
 
 Then the replica long-polls the controller: each poll carries its report (the templates it holds
 with their counters, its KV and request counters) and brings back the commands queued for it
-(pin, unpin, token_ids, check_integrity), whose outcomes go back through `done`. The poll is the
+(pin, unpin, token_ids, export_kv, check_integrity), whose outcomes go back through `done`. The poll is the
 replica's heartbeat: one that stops polling (killed, hung) leaves the placement at the controller's
 lease; one that Ray Serve stops says goodbye (`leave`) once its requests have drained.
 """
@@ -28,7 +28,7 @@ from prefix_service.engine.prefix_cache import PrefixInfo
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import PrefixNotFound
 from prefix_service.fleet import log_to_serve
-from prefix_service.fleet.calls import TemplateNotHeld
+from prefix_service.fleet.calls import TemplateNotHeld, call_sync
 from prefix_service.server.store import TemplateSource
 from prefix_service.server.templates import TemplateRegistry
 from prefix_service.server.warmup import warm_up
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefix_service.fleet")
 
-COMMANDS = ("pin", "unpin", "token_ids", "check_integrity")  # what the controller may ask a replica to run
+COMMANDS = ("pin", "unpin", "token_ids", "export_kv", "check_integrity")  # what the controller may ask a replica to run
+KV_FETCH_TIMEOUT_S = 120.0  # asking the controller for a template's K/V and getting it from the holder
 LEAVE_TIMEOUT_S = 2.0  # a stopping replica's goodbye; the controller may be stopping as well
 
 
@@ -51,6 +52,7 @@ class EngineReplica:
         self._controller = controller
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(None, Engine, config)
+        self.engine.peer_kv = self._kv_from_peer  # a template it pins comes from a holder if one serves
         self.registry = TemplateRegistry(self.engine, None, config.server.max_template_bytes)
         self.requests: collections.Counter[str] = collections.Counter()  # requests taken, by template ("" for none)
         assigned: list[TemplateSource] = await controller.join.remote(self.id)
@@ -124,12 +126,27 @@ class EngineReplica:
         info = self.registry.add(src, persist=False)
         return info, self.engine.get_prefix(src.name).token_ids
 
-    def unpin(self, name: str) -> bool:
-        """True if freed now (or not held), False if deferred until its requests finish."""
+    def unpin(self, name: str, forget: bool = False) -> bool:
+        """True if freed now (or not held), False if deferred until its requests finish. forget:
+        the template left the fleet (its snapshot, if any, goes too); else it only moves."""
         try:
-            return self.registry.remove(name)
+            return self.registry.remove(name, keep_snapshot=not forget)
         except PrefixNotFound:
             return True
+
+    def export_kv(self, name: str) -> list[Any]:
+        """A template this replica holds, as a snapshot's bytes in Ray's object store, for a replica
+        that pins it (FleetController.template_kv): [the object's ref]."""
+        return [ray.put(self.engine.export_prefix_kv(name))]
+
+    def _kv_from_peer(self, name: str, token_ids: list[int]) -> bytes | None:
+        """Engine.peer_kv, on the thread pinning the template: a holder's snapshot bytes, or None
+        (no holder serving: prefill). Raises on a failed fetch (the engine warns, then prefills)."""
+        answer = call_sync(self._controller.template_kv.remote(self.id, name), KV_FETCH_TIMEOUT_S, "the controller")
+        if not answer:
+            return None
+        data: bytes = ray.get(answer[0], timeout=KV_FETCH_TIMEOUT_S)  # from the holder's node
+        return data
 
     def token_ids(self, name: str) -> tuple[int, ...]:
         return self.engine.get_prefix(name).token_ids

@@ -256,11 +256,12 @@ class _EngineCollector(Collector):
         served = CounterMetricFamily("prefix_service_template_requests_served", "Requests accepted on each "
                                      "template since it was added", labels=["prefix"])
         restored = GaugeMetricFamily("prefix_service_template_from_snapshot", "1 for a template whose K/V was "
-                                     "loaded from its snapshot (cache.snapshot_dir), 0 for one prefilled",
+                                     "loaded from a snapshot (cache.snapshot_dir, or another replica's copy), "
+                                     "0 for one prefilled",
                                      labels=["prefix"])
         for t in templates:
             tokens.add_metric([t.name], t.num_tokens)
-            restored.add_metric([t.name], float(t.kv_source == "snapshot"))
+            restored.add_metric([t.name], float(t.kv_source in ("snapshot", "peer")))
             active.add_metric([t.name], t.active_requests)
             served.add_metric([t.name], t.requests_served)
         yield tokens

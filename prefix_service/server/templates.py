@@ -69,11 +69,12 @@ class TemplateRegistry:
                                            f"file {state_file_name(self.store)}: {e}") from e
         return info
 
-    def remove(self, name: str) -> bool:
+    def remove(self, name: str, *, keep_snapshot: bool = False) -> bool:
         """Unregister. True if the blocks were freed now, False if deferred until the requests
-        using it finish. Raises PrefixNotFound or PersistError."""
+        using it finish. keep_snapshot: leave its snapshot file (the template moves to another
+        replica rather than leaving). Raises PrefixNotFound or PersistError."""
         with self._mutate, self._lock:
-            freed = self.engine.remove_prefix(name)
+            freed = self.engine.remove_prefix(name, keep_snapshot=keep_snapshot)
             self._origins.pop(name, None)
             if self._admin.pop(name, None) is not None:
                 try:

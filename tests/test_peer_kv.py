@@ -1,0 +1,96 @@
+"""A template's K/V from another engine instead of a prefill (what a fleet replica does through
+Engine.peer_kv and export_prefix_kv, here without Ray): bit for bit the holder's blocks and the
+same greedy outputs, on each CPU backend, with or without a snapshot folder; a local snapshot comes
+first; bytes from another model shape or block size, damaged bytes and a failing fetch are one
+warning naming the template, then a prefill; no holder is a quiet prefill."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from prefix_service.errors import PrefixNotFound
+from test_template_snapshots import TEMPLATE, greedy, kv_source, template_kv
+
+
+def peer_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "another replica" in r.getMessage()]
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_template_from_a_peer_equals_the_holders(make_engine, backend):
+    holder = make_engine(backend=backend)
+    holder.add_prefix("doc", token_ids=TEMPLATE)
+    want, kv = greedy(holder), template_kv(holder)
+    asked: list[tuple[str, list[int]]] = []
+
+    def from_holder(name: str, ids: list[int]) -> bytes:
+        asked.append((name, ids))
+        return holder.export_prefix_kv(name)
+
+    joiner = make_engine(backend=backend)
+    joiner.peer_kv = from_holder
+    info = joiner.add_prefix("doc", token_ids=TEMPLATE)
+    assert asked == [("doc", TEMPLATE)]
+    assert info.kv_source == "peer" == kv_source(joiner)
+    got = template_kv(joiner)
+    assert got.keys() == kv.keys() and all(got[k].equal(kv[k]) for k in kv)  # bit for bit
+    assert greedy(joiner) == want
+    with pytest.raises(PrefixNotFound):
+        holder.export_prefix_kv("nope")
+
+
+def test_a_local_snapshot_comes_before_a_peer_and_a_peer_before_a_prefill(make_engine, tmp_path):
+    folder = str(tmp_path / "snapshots")
+    first = make_engine(snapshot_dir=folder, backend="torch")
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    asked: list[str] = []
+    second = make_engine(snapshot_dir=folder, backend="torch")
+    second.peer_kv = lambda name, ids: asked.append(name) or first.export_prefix_kv(name)
+    assert second.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot" and asked == []
+    assert second.add_prefix("other", token_ids=TEMPLATE[:7]).kv_source == "prefill" and asked == ["other"]
+    # "other" is pinned on no holder: export raised PrefixNotFound, which is a failed fetch (warned)
+
+
+def test_no_holder_is_a_quiet_prefill(make_engine, caplog):
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    engine = make_engine(backend="torch")
+    engine.peer_kv = lambda name, ids: None
+    assert engine.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
+    assert peer_warnings(caplog) == []
+
+
+@pytest.mark.parametrize("fault, reason", [
+    ("block size", "block_size"),
+    ("tokens", "the template's tokens changed"),
+    ("flipped bit", "checksum mismatch"),
+    ("truncated", "unreadable"),
+    ("fetch fails", "fetching it failed: TimeoutError"),
+])
+def test_bytes_that_must_not_be_used_are_one_warning_and_a_prefill(make_engine, caplog, fault, reason):
+    holder = make_engine(backend="torch", block_size=8 if fault == "block size" else 4)
+    holder.add_prefix("doc", token_ids=TEMPLATE[:-1] + [99] if fault == "tokens" else TEMPLATE)
+    data = bytearray(holder.export_prefix_kv("doc"))
+    if fault == "flipped bit":
+        data[-3] ^= 0x10
+    elif fault == "truncated":
+        data = data[:len(data) // 2]
+
+    def fetch(name: str, ids: list[int]) -> bytes:
+        if fault == "fetch fails":
+            raise TimeoutError("the holder did not answer")
+        return bytes(data)
+
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    plain = make_engine(backend="torch")
+    plain.add_prefix("doc", token_ids=TEMPLATE)
+    joiner = make_engine(backend="torch")
+    joiner.peer_kv = fetch
+    free = joiner.kv_stats()["free"]
+    info = joiner.add_prefix("doc", token_ids=TEMPLATE)
+    assert info.kv_source == "prefill"
+    [warning] = peer_warnings(caplog)
+    assert "'doc'" in warning and reason in warning and "prefilling" in warning, warning
+    assert joiner.kv_stats()["free"] == free - info.num_blocks  # nothing else held
+    assert greedy(joiner) == greedy(plain)
