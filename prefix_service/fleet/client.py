@@ -241,7 +241,8 @@ class FleetEngine:
 
     def replica_reports(self) -> dict[str, dict[str, Any]]:
         """replica id -> its last report: ready, held [(PrefixInfo, origin)], stats (KV counters,
-        requests taken by template), node (the Ray node it runs on)."""
+        requests taken by template), node (the Ray node it runs on), startup (seconds from its
+        start to its engine loaded and to its templates pinned, and where their K/V came from)."""
         reports: dict[str, dict[str, Any]] = call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S,
                                                        "the fleet controller")
         return reports

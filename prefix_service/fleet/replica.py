@@ -17,6 +17,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import ray
@@ -50,8 +51,11 @@ class EngineReplica:
         self.id = serve.get_replica_context().replica_id.unique_id
         self.node = ray.get_runtime_context().get_node_id()  # the Ray node it runs on, in its reports
         self._controller = controller
+        self.startup: dict[str, Any] = {}  # how its start went (in its reports): seconds, K/V sources
+        started = time.monotonic()
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(None, Engine, config)
+        loaded = time.monotonic()
         self.engine.peer_kv = self._kv_from_peer  # a template it pins comes from a holder if one serves
         self.registry = TemplateRegistry(self.engine, None, config.server.max_template_bytes)
         self.requests: collections.Counter[str] = collections.Counter()  # requests taken, by template ("" for none)
@@ -60,9 +64,15 @@ class EngineReplica:
         configured = [s for s in assigned if s.origin == "config"]
         admin = [s for s in assigned if s.origin != "config"]
         pinned = await loop.run_in_executor(None, warm_up, self.registry, configured, admin)
+        done = time.monotonic()
+        sources = collections.Counter(info.kv_source for info, _ in self.registry.list())
+        self.startup = {"engine_s": loaded - started, "templates_s": done - loaded, "total_s": done - started,
+                        "templates": pinned, "kv_sources": dict(sources)}
         report = await loop.run_in_executor(None, self.report)
         await controller.ready.remote(self.id, self._token_ids(), report)
-        log.info("replica %s ready: %d of %d assigned templates pinned", self.id, pinned, len(assigned))
+        log.info("replica %s ready in %.1f s (engine %.1f s, templates %.1f s): %d of %d assigned templates pinned "
+                 "(K/V: %s)", self.id, done - started, loaded - started, done - loaded, pinned, len(assigned),
+                 ", ".join(f"{n} {k}" for k, n in sorted(sources.items())) or "none")
 
     def _token_ids(self) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
@@ -72,7 +82,7 @@ class EngineReplica:
         return out
 
     def report(self) -> dict[str, Any]:
-        return {"held": self.registry.list(), "stats": self.stats(), "node": self.node}
+        return {"held": self.registry.list(), "stats": self.stats(), "node": self.node, "startup": self.startup}
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()
