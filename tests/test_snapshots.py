@@ -93,7 +93,7 @@ def cache_blocks(kv: dict[str, torch.Tensor], num_blocks: int, ids: list[int]) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ids", [[4, 5, 6], [9, 0, 5]])  # a run of blocks, and scattered ones
+@pytest.mark.parametrize("ids", [[4, 5, 6], [9, 0, 5], [1, 2, 6]])  # a run of blocks, scattered ones, both
 def test_read_into_fills_the_blocks_bit_for_bit(tmp_path, dtype, ids):
     store = make_store(tmp_path, dtype=str(dtype).removeprefix("torch."))
     kv = make_kv(dtype)

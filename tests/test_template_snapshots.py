@@ -44,6 +44,8 @@ def test_a_restored_template_equals_the_prefilled_one(make_engine, tmp_path, bac
     assert info.kv_source == "snapshot" == kv_source(second)
     restored = template_kv(second)
     assert restored.keys() == kv.keys() and all(restored[k].equal(kv[k]) for k in kv)  # bit for bit
+    table = list(second._run(lambda core: core.prefixes.get("doc").block_table))
+    assert table == list(range(table[0], table[0] + len(table)))  # one run of blocks, as a prefill gets
     assert greedy(second) == want
     plain = make_engine(backend=backend)  # no snapshots: a prefill, the reference
     plain.add_prefix("doc", token_ids=TEMPLATE)

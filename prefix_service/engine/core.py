@@ -350,7 +350,8 @@ class EngineCore:
         if need > self.allocator.num_free:
             self.prefixes.cancel(name)
             return None
-        blocks = self.allocator.allocate(need)
+        # one run of blocks where there is one, as a prefilled template gets (its K/V one slice of the cache)
+        blocks = self.allocator.allocate_contiguous(need) or self.allocator.allocate(need)
         try:
             if isinstance(kv, SnapshotReader):
                 views = self.backend.host_blocks(blocks)

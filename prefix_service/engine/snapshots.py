@@ -202,6 +202,24 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B") if nbytes else memoryview(b"")
 
 
+def _runs(blocks: Sequence[torch.Tensor]) -> list[memoryview]:
+    """The memory of these blocks, in order, as few buffers as they allow: blocks that follow each
+    other in memory (consecutive blocks of one cache) make one buffer."""
+    runs: list[memoryview] = []
+    start = end = 0
+    for block in blocks:
+        view = _bytes_of(block)
+        address = block.data_ptr()
+        if runs and address == end:
+            start_view = runs.pop()
+            runs.append(memoryview((ctypes.c_char * (len(start_view) + len(view))).from_address(start)).cast("B"))
+        else:
+            start = address
+            runs.append(view)
+        end = address + len(view)
+    return runs
+
+
 def _entry_id(key: str, dtype: str, shape: Sequence[int]) -> bytes:
     return json.dumps([key, dtype, list(shape)]).encode()
 
@@ -383,16 +401,15 @@ class SnapshotReader:
         digest = xxhash.xxh3_128()
         for key in sorted(self.entries):
             e = self.entries[key]
-            views = [_bytes_of(block) for block in blocks[key]]
+            views = _runs(blocks[key])
             digest.update(_entry_id(key, e.dtype_name, e.shape))
-            per_call = max(1, _READ_CHUNK // max(len(views[0]) if views else 1, 1))
             offset = e.offset
-            for i in range(0, len(views), per_call):  # a few MiB a call, hashed while in cache
-                group = views[i:i + per_call]
-                self._pread_into(group, offset)
-                offset += sum(len(v) for v in group)
-                for v in group:
-                    digest.update(v)
+            for view in views:  # a few MiB a read, hashed while in cache
+                for chunk in range(0, len(view), _READ_CHUNK):
+                    part = view[chunk:chunk + _READ_CHUNK]
+                    self._pread_into([part], offset)
+                    offset += len(part)
+                    digest.update(part)
         self._check(digest)
 
 
