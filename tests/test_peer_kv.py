@@ -94,3 +94,31 @@ def test_bytes_that_must_not_be_used_are_one_warning_and_a_prefill(make_engine, 
     assert "'doc'" in warning and reason in warning and "prefilling" in warning, warning
     assert joiner.kv_stats()["free"] == free - info.num_blocks  # nothing else held
     assert greedy(joiner) == greedy(plain)
+
+
+def test_a_template_that_would_be_refused_reads_no_snapshot_and_asks_no_peer(make_engine, tmp_path, monkeypatch):
+    """The name taken, the budget exceeded or the context exceeded: the same error as without
+    snapshots, before a snapshot file is opened or a holder is asked (a fetch can be a network copy)."""
+    from prefix_service.engine import snapshots
+    from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PromptTooLong
+    folder = str(tmp_path / "snapshots")
+    first = make_engine(snapshot_dir=folder, backend="torch")
+    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.flush_snapshots()
+    engine = make_engine(snapshot_dir=folder, backend="torch", prefix_budget_blocks=6, max_model_len=64)
+    engine.add_prefix("doc", token_ids=TEMPLATE)  # from its snapshot: 5 of the 6 budget blocks
+    opened: list[str] = []
+    open_snapshot = snapshots.SnapshotStore.open
+    monkeypatch.setattr(snapshots.SnapshotStore, "open",
+                        lambda self, name, ids: opened.append(name) or open_snapshot(self, name, ids))
+    asked: list[str] = []
+    engine.peer_kv = lambda name, ids: asked.append(name)
+    with pytest.raises(PrefixExists):
+        engine.add_prefix("doc", token_ids=TEMPLATE)
+    with pytest.raises(PrefixBudgetExceeded):
+        engine.add_prefix("big", token_ids=list(range(30, 50)))
+    with pytest.raises(PromptTooLong):
+        engine.add_prefix("long", token_ids=list(range(100, 170)))
+    assert opened == [] and asked == []
+    assert engine.add_prefix("small", token_ids=[5, 6, 7]).kv_source == "prefill"  # fits: looked for, then prefilled
+    assert opened == ["small"] and asked == ["small"]

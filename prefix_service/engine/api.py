@@ -176,6 +176,8 @@ class Engine:
         output = (structured, compiled) if structured is not None and compiled is not None else None
         ids, src = list(token_ids), source
         snapshots = self._snapshots
+        if snapshots is not None or self.peer_kv is not None:  # a template refused costs no snapshot read or fetch
+            self._run(lambda core: core.check_prefix(name, ids))
         reader = snapshots.open(name, ids) if snapshots is not None else None
         if reader is not None and snapshots is not None:  # its K/V from a snapshot instead of a prefill
             with reader:

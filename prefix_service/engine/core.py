@@ -317,6 +317,14 @@ class EngineCore:
         self._scoring_of[id(seq)] = scoring
         self.scheduler.add(seq)
 
+    def check_prefix(self, name: str, token_ids: list[int]) -> None:
+        """Raise what add_prefix would raise now for this template (empty, too long, the name
+        taken, over the budget), claiming nothing: before a snapshot is read or fetched for it."""
+        if not token_ids:
+            raise InvalidRequest(f"prefix template {name!r} is empty")
+        self._check_fits(len(token_ids), f"prefix template {name!r}")
+        self.prefixes.check(name, len(token_ids))
+
     def add_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
                    on_pinned: Callable[[PrefixInfo | BaseException], None],
                    default_output: tuple[StructuredOutput, Any] | None = None) -> None:

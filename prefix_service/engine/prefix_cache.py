@@ -137,6 +137,11 @@ class PrefixCacheManager:
 
     def reserve(self, name: str, num_tokens: int) -> None:
         """Claim the name and budget before the template's prefill runs."""
+        self._pending[name] = self.check(name, num_tokens)
+
+    def check(self, name: str, num_tokens: int) -> int:
+        """The blocks a template of num_tokens under this name would take, if reserve would claim
+        them now: else PrefixExists or PrefixBudgetExceeded, as reserve raises."""
         if name in self._handles or name in self._pending:
             raise PrefixExists(f"a prefix template named {name!r} already exists; remove it first")
         need = self.blocks_for(num_tokens)
@@ -146,7 +151,7 @@ class PrefixCacheManager:
                 f"prefix template {name!r} needs {need} blocks ({num_tokens} tokens) but the prefix budget "
                 f"has {self.budget_blocks - used} of {self.budget_blocks} blocks left; raise "
                 f"cache.prefix_budget_blocks or remove a template")
-        self._pending[name] = need
+        return need
 
     def cancel(self, name: str) -> None:
         self._pending.pop(name, None)
