@@ -11,7 +11,8 @@ after it, with the intent template pinned, called over gRPC with the same reques
     fleet_N_ray_defaults   (--ray-defaults) the same fleet with Ray Serve's own defaults instead of
                the throughput mode `serve --ray` sets (RAY_SERVE_THROUGHPUT_OPTIMIZED=0)
 
-In each turn every system runs two timed sections, each on an idle CPU:
+In each turn every system runs two timed sections, each on an idle CPU (modes.wait_idle, waiting at
+most --idle-wait-s before each request and before the burst):
 
     latency    --latency-requests requests one after another: TTFT, TPOT and end-to-end p50; the
                fleet's added latency is fleet_1's minus single's (the same engine behind one more
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
 from prefix_service.bench.metrics import Timing, summarize  # noqa: E402
-from prefix_service.bench.modes import run_closed_loop, wait_idle  # noqa: E402
+from prefix_service.bench.modes import IDLE_MAX_WAIT_S, run_closed_loop, wait_idle  # noqa: E402
 from prefix_service.bench.systems import KVPeak, System, now  # noqa: E402
 from prefix_service.bench.systems.grpc import ServerProcess  # noqa: E402
 from prefix_service.bench.workloads import BenchRequest, Sizes, Workload, build_workload  # noqa: E402
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefix-tokens", type=int, default=400, help="cut the intent template to this many tokens")
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--start-timeout", type=float, default=300, help="seconds a server may take to report SERVING")
+    p.add_argument("--idle-wait-s", type=float, default=IDLE_MAX_WAIT_S, metavar="S",
+                   help="before each timed request and burst, wait up to S seconds for the CPUs to go idle "
+                        "(default %(default)g; 0: start at once, e.g. for a smoke run)")
     p.add_argument("--json", default="bench_out/fleet.json")
     return p
 
@@ -138,7 +142,8 @@ def make_model(args: argparse.Namespace, folder: Path) -> Path:
 
 
 def run_system(spec: SystemSpec, engine: EngineConfig, workload: Workload, latency_reqs: list[BenchRequest],
-               throughput_reqs: list[BenchRequest], concurrency: int, start_timeout_s: float) -> dict:
+               throughput_reqs: list[BenchRequest], concurrency: int, start_timeout_s: float,
+               idle_wait_s: float = IDLE_MAX_WAIT_S) -> dict:
     engine = dataclasses.replace(engine, model=dataclasses.replace(engine.model, num_threads=spec.threads))
     started = time.monotonic()
     server = ServerProcess(engine, [workload], start_timeout_s=start_timeout_s, extra=spec.extra_config(),
@@ -150,11 +155,12 @@ def run_system(spec: SystemSpec, engine: EngineConfig, workload: Workload, laten
             system.run(workload, req)
         timings = []
         for req in latency_reqs:
-            wait_idle()
+            wait_idle(idle_wait_s)
             timings.append(system.run(workload, req))
         latency = summarize(timings, sum((t.e2e_ms or 0) for t in timings) / 1000)
         ids = {i: system.token_ids[i] for i in (r.index for r in latency_reqs)}
-        result = run_closed_loop(system, workload, throughput_reqs, concurrency, KVPeak(system), lambda: None)
+        result = run_closed_loop(system, workload, throughput_reqs, concurrency, KVPeak(system), lambda: None,
+                                 idle_wait_s)
         throughput = summarize(result.timings, result.wall_s)
         errors = sorted({t.error for t in timings + result.timings if t.error})
     except BaseException:
@@ -228,8 +234,8 @@ def table(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = [int(x) for x in args.replicas.split(",") if x.strip()]
-    if any(n < 1 for n in sizes) or args.turns < 1:
-        raise SystemExit("--replicas takes fleet sizes >= 1, --turns at least 1")
+    if any(n < 1 for n in sizes) or args.turns < 1 or not args.idle_wait_s >= 0:
+        raise SystemExit("--replicas takes fleet sizes >= 1, --turns at least 1, --idle-wait-s seconds >= 0")
     cores = os.cpu_count() or 1
     specs = [SystemSpec("single", 0, cores)]
     for n in sizes:
@@ -255,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             for spec in order:
                 print(f"turn {turn + 1}/{args.turns}: {spec.name} ...", flush=True)
                 run = run_system(spec, engine, workload, latency_reqs, throughput_reqs, args.concurrency,
-                                 args.start_timeout)
+                                 args.start_timeout, args.idle_wait_s)
                 runs.append({"turn": turn, **run})
     reference = runs[0]["token_ids"]
     outputs_equal = all(r["token_ids"] == reference for r in runs)
@@ -271,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                      "layers": None if args.model else args.layers},
            "workload": {"name": "intent", "prefix_tokens": len(workload.prefix_ids), "prompt_tokens": args.prompt_tokens,
                         "output_tokens": args.output_tokens, "latency_requests": args.latency_requests,
-                        "requests": args.requests, "concurrency": args.concurrency},
+                        "requests": args.requests, "concurrency": args.concurrency,
+                        "idle_wait_s": args.idle_wait_s},
            "outputs_equal": outputs_equal, "summary": summary, "ratios": ratios(summary), "runs": runs}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")

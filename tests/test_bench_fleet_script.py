@@ -1,7 +1,8 @@
 """scripts/bench_fleet.py on a tiny model: one process and a fleet of 2 replicas, in Ray Serve's
-throughput mode and with its defaults, one turn; the JSON has every section's figures and each
-fleet's Ray Serve settings, the fleets' outputs equal the single process's, nothing failed, and every
-server stopped on SIGTERM with exit code 0."""
+throughput mode and with its defaults, one turn, no wait for an idle CPU (a local Ray cluster keeps
+the CPUs busy enough that every timed request would wait the full 5 s); the JSON has every
+section's figures and each fleet's Ray Serve settings, the fleets' outputs equal the single
+process's, nothing failed, and every server stopped on SIGTERM with exit code 0."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,7 +27,8 @@ def test_bench_fleet_smoke(tmp_path, capsys, monkeypatch):
     out = tmp_path / "fleet.json"
     assert bench.main(["--hidden-size", "64", "--layers", "2", "--replicas", "2", "--ray-defaults", "--turns", "1",
                        "--latency-requests", "3", "--requests", "6", "--concurrency", "2", "--max-prefix-tokens", "60",
-                       "--prompt-tokens", "30", "--output-tokens", "4", "--json", str(out)]) == 0
+                       "--prompt-tokens", "30", "--output-tokens", "4", "--idle-wait-s", "0",
+                       "--json", str(out)]) == 0
 
     report = json.loads(out.read_text())
     assert {"machine", "date", "git_commit", "command", "model", "workload", "summary", "ratios", "runs"} <= set(report)
@@ -46,6 +48,6 @@ def test_bench_fleet_smoke(tmp_path, capsys, monkeypatch):
     # no fleet_1 run: no router figure
     assert set(report["ratios"]) == {"fleet_2_vs_single_throughput", "fleet_2_vs_ray_defaults_throughput",
                                      "fleet_2_vs_ray_defaults_ttft_ms", "fleet_2_vs_ray_defaults_tpot_ms"}
-    assert report["workload"]["prefix_tokens"] > 0
+    assert report["workload"]["prefix_tokens"] > 0 and report["workload"]["idle_wait_s"] == 0
     printed = capsys.readouterr().out
     assert "fleet_2" in printed and "greedy outputs equal on every system: True" in printed

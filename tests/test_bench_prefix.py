@@ -1,6 +1,7 @@
 """scripts/bench_prefix.py end to end on a tiny random model: every system, every mode, a couple of
-requests each (the vLLM peers skipped, with the reason, as where `make bench-peers` never ran);
-checks the JSON schema of docs/benchmarks.md and that the plots are written."""
+requests each, no wait for an idle CPU before them (the vLLM peers skipped, with the reason, as
+where `make bench-peers` never ran); checks the JSON schema of docs/benchmarks.md and that the plots
+are written."""
 import importlib.util
 import json
 from pathlib import Path
@@ -30,10 +31,11 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
                        "--workloads", "intent,no_shared", "--max-prefix-tokens", "60", "--prompt-tokens", "30",
                        "--total-tokens", "90", "--output-tokens", "4", "--warmup", "0", "--single-requests", "2",
                        "--concurrency", "2", "--closed-min-requests", "2", "--qps", "4,8",
-                       "--open-duration-s", "0.5", "--open-timeout-s", "30"]) == 0
+                       "--open-duration-s", "0.5", "--open-timeout-s", "30", "--idle-wait-s", "0"]) == 0
 
     report = json.loads(out.read_text())
     assert {"machine", "model", "date", "git_commit", "records", "targets"} <= set(report)
+    assert report["plan"]["idle_wait_s"] == 0
     records = report["records"]
     for r in records:
         assert RECORD_KEYS <= set(r), r

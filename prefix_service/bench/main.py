@@ -55,6 +55,16 @@ def _ints(value: str) -> tuple[int, ...]:
     return out
 
 
+def _seconds(value: str) -> float:
+    try:
+        out = float(value)
+    except ValueError:
+        out = -1.0
+    if not out >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {value!r}")
+    return out
+
+
 def _floats(value: str) -> tuple[float, ...]:
     try:
         out = tuple(float(v) for v in value.split(",") if v.strip())
@@ -91,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--open-duration-s", type=float, metavar="S", help="open loop: seconds of arrivals per rate")
     g.add_argument("--open-timeout-s", type=float, metavar="S", help="open loop: deadline of each request")
     g.add_argument("--slo-ms", type=float, metavar="MS", help="p99 end-to-end latency SLO (default 2000)")
+    g.add_argument("--idle-wait-s", type=_seconds, metavar="S",
+                   help="before each timed section, wait up to S seconds for the CPUs to go idle (default 5; "
+                        "0: start at once, e.g. for a smoke run)")
     g = p.add_argument_group("workload sizes")
     g.add_argument("--prompt-tokens", type=int, metavar="N", help="intent: user prompt tokens (default 100)")
     g.add_argument("--total-tokens", type=int, metavar="N", help="ratio_0_32, no_shared: prompt tokens (default 1000)")
@@ -117,7 +130,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
                           single_by_workload=() if args.single_requests is not None else None,
                           closed_min_requests=args.closed_min_requests, closed_rounds=args.closed_rounds,
                           qps=args.qps, open_duration_s=args.open_duration_s, open_timeout_s=args.open_timeout_s,
-                          slo_ms=args.slo_ms)
+                          slo_ms=args.slo_ms, idle_wait_s=args.idle_wait_s)
 
 
 def machine_info() -> dict:

@@ -21,7 +21,7 @@ Tick = Callable[[], None]  # called once per finished request (the progress bar)
 
 IDLE_SHARE = 0.15  # the CPU counts as idle when under this share of it is busy for IDLE_WINDOW_S
 IDLE_WINDOW_S = 0.1
-IDLE_MAX_WAIT_S = 5.0
+IDLE_MAX_WAIT_S = 5.0  # the default of Plan.idle_wait_s and the scripts' --idle-wait-s
 
 
 def _cpu_jiffies() -> tuple[int, int] | None:
@@ -37,9 +37,9 @@ def _cpu_jiffies() -> tuple[int, int] | None:
 
 def wait_idle(max_wait_s: float = IDLE_MAX_WAIT_S) -> float:
     """Wait until the machine's CPUs are idle (under IDLE_SHARE busy over IDLE_WINDOW_S), at most
-    max_wait_s; returns the seconds waited. A timed section starts on an idle machine, not in the
-    tail of what ran before it: vLLM's CPU server keeps a core busy for about a second after it
-    answers, which slowed whichever system came next by up to a third."""
+    max_wait_s (0: not at all); returns the seconds waited. A timed section starts on an idle
+    machine, not in the tail of what ran before it: vLLM's CPU server keeps a core busy for about a
+    second after it answers, which slowed whichever system came next by up to a third."""
     start = now()
     last = _cpu_jiffies()
     if last is None:
@@ -64,15 +64,15 @@ class RunResult:
 
 
 def run_single(systems: list[System], workload: Workload, requests: list[BenchRequest],
-               peaks: dict[str, KVPeak], tick: Tick) -> dict[str, RunResult]:
-    """Every request on every system, in turns, each on an idle machine (wait_idle); each round
-    starts one system later, so that no system always follows the same one. Wall time of a system
-    = the sum of its latencies."""
+               peaks: dict[str, KVPeak], tick: Tick, idle_wait_s: float = IDLE_MAX_WAIT_S) -> dict[str, RunResult]:
+    """Every request on every system, in turns, each on an idle machine (wait_idle, at most
+    idle_wait_s); each round starts one system later, so that no system always follows the same
+    one. Wall time of a system = the sum of its latencies."""
     timings: dict[str, list[Timing]] = {s.name: [] for s in systems}
     for i, req in enumerate(requests):
         k = i % len(systems)
         for system in systems[k:] + systems[:k]:
-            wait_idle()
+            wait_idle(idle_wait_s)
             with peaks[system.name]:
                 timings[system.name].append(system.run(workload, req))
             tick()
@@ -81,8 +81,9 @@ def run_single(systems: list[System], workload: Workload, requests: list[BenchRe
 
 
 def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequest], concurrency: int,
-                    peak_window: KVPeak, tick: Tick) -> RunResult:
-    """`concurrency` clients share the request list; wall time runs from the first send to the last answer."""
+                    peak_window: KVPeak, tick: Tick, idle_wait_s: float = IDLE_MAX_WAIT_S) -> RunResult:
+    """`concurrency` clients share the request list; wall time runs from the first send to the last
+    answer. It starts on an idle machine (wait_idle, at most idle_wait_s)."""
     todo = list(reversed(requests))
     lock = threading.Lock()
     timings: list[Timing] = []
@@ -98,7 +99,7 @@ def run_closed_loop(system: System, workload: Workload, requests: list[BenchRequ
                 timings.append(t)
             tick()
 
-    wait_idle()
+    wait_idle(idle_wait_s)
     with peak_window:
         start = now()
         threads = [threading.Thread(target=client, name=f"bench-client-{i}") for i in range(concurrency)]
@@ -123,8 +124,9 @@ def poisson_arrivals(qps: float, duration_s: float, seed: int, min_requests: int
 
 
 def run_open_loop_point(system: System, workload: Workload, requests: list[BenchRequest], arrivals: list[float],
-                        timeout_s: float, tick: Tick) -> RunResult:
-    """Send requests[i] at arrivals[i] (one thread each), wait for all (each bounded by timeout_s)."""
+                        timeout_s: float, tick: Tick, idle_wait_s: float = IDLE_MAX_WAIT_S) -> RunResult:
+    """Send requests[i] at arrivals[i] (one thread each), wait for all (each bounded by timeout_s).
+    The first is sent on an idle machine (wait_idle, at most idle_wait_s)."""
     timings: list[Timing | None] = [None] * len(arrivals)
 
     def send(i: int) -> None:
@@ -132,7 +134,7 @@ def run_open_loop_point(system: System, workload: Workload, requests: list[Bench
         tick()
 
     threads = []
-    wait_idle()
+    wait_idle(idle_wait_s)
     start = now()
     for i, offset in enumerate(arrivals):
         delay = start + offset - now()

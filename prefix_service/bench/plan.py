@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from prefix_service.bench.modes import IDLE_MAX_WAIT_S
 from prefix_service.bench.systems import SYSTEMS
 from prefix_service.bench.workloads import WORKLOADS, Sizes
 
@@ -80,6 +81,9 @@ class Plan:
     min_points: int = 2
     open_stop_factor: float = 2.5
     slo_ms: float = 2000.0
+    # each timed section (a single-mode request, a closed-loop burst, an open-loop rate) first waits
+    # up to this long for the CPUs to go idle (modes.wait_idle); 0: it starts at once
+    idle_wait_s: float = IDLE_MAX_WAIT_S
     hf_page_size: int = 16  # generate_batch page size (our block size by default)
 
     def single_requests_for(self, workload: str) -> int:

@@ -169,7 +169,8 @@ class Runner:
             requests = [workload.request(SINGLE_BASE + i) for i in range(self.plan.single_requests_for(workload.name))]
             self.status(f"single: {workload.name}")
             peaks = {s.name: KVPeak(s) for s in systems}
-            for name, result in modes.run_single(systems, workload, requests, peaks, self.tick).items():
+            results = modes.run_single(systems, workload, requests, peaks, self.tick, self.plan.idle_wait_s)
+            for name, result in results.items():
                 self._record(next(s for s in systems if s.name == name), workload, "single", 1, result)
 
     def closed_loop(self) -> None:
@@ -188,7 +189,7 @@ class Runner:
                 for system in systems:
                     self.status(f"closed loop: {system.name} {workload.name} c={c}")
                     result = modes.run_closed_loop(system, workload, requests, c, KVPeak(system),
-                                                   self.tick)
+                                                   self.tick, self.plan.idle_wait_s)
                     self._record(system, workload, "closed_loop", c, result)
 
     def _closed_in_turns(self, systems: list[System], workload: Workload, requests: list, c: int, turns: int) -> None:
@@ -214,7 +215,8 @@ class Runner:
             for system in (systems if k % 2 == 0 else systems[::-1]):
                 self.status(f"closed loop: {system.name} {workload.name} c={c} (turn {k + 1}/{turns})")
                 parts[system.name].append(modes.run_closed_loop(system, workload, batch, c,
-                                                                windows[system.name], self.tick))
+                                                                windows[system.name], self.tick,
+                                                                self.plan.idle_wait_s))
         for system in systems:
             runs = parts[system.name]
             self._record(system, workload, "closed_loop", c,
@@ -239,7 +241,7 @@ class Runner:
                     requests = [workload.request(base + i) for i in range(len(arrivals))]
                     self.status(f"open loop: {system.name} {name} {qps:g} QPS ({len(arrivals)} requests)")
                     result = modes.run_open_loop_point(system, workload, requests, arrivals, plan.open_timeout_s,
-                                                       self.tick)
+                                                       self.tick, plan.idle_wait_s)
                     points.append(modes.open_loop_summary(result, qps, plan.slo_ms))
                     results.append(result)
                     if len(points) >= plan.min_points and not self._keeps_up(points):
