@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from prefix_service.bench import modes
 from prefix_service.bench.metrics import summarize
@@ -18,6 +18,9 @@ from prefix_service.bench.plan import Plan
 from prefix_service.bench.systems import PEERS, KVPeak, System
 from prefix_service.bench.workloads import Workload
 from prefix_service.config import EngineConfig
+
+if TYPE_CHECKING:
+    from prefix_service.bench.systems.hosted import HostProcess
 
 log = logging.getLogger("prefix_service.bench")
 
@@ -29,35 +32,48 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
                   skipped: dict[str, str] | None = None) -> list[System]:
     """The plan's systems, in the plan's order; each is closed by `stack`. The in-process ones run in
     child processes of their own (systems/hosted.py says why); the gRPC and vLLM servers are processes
-    too. A peer whose environment is not installed is left out, with the reason in `skipped`."""
+    too. A peer whose environment is not installed is left out, with the reason in `skipped`.
+
+    Nothing is timed yet, so the groups load at the same time: our engines and transformers'
+    `generate` at once; continuous batching once an engine has said how large its KV cache is
+    (it gets as much), beside the gRPC server's start. On the way out every group is asked to
+    close before any is waited for."""
     from prefix_service.bench.systems.hosted import HostedSystem, HostProcess
     built: dict[str, System] = {}
     names = plan.systems
+    hosts: list[HostProcess] = []
 
-    def host(label: str, factory, args: tuple, serial: bool) -> None:
+    def start(label: str, factory, args: tuple, serial: bool) -> HostProcess:
         proc = HostProcess(label, factory, args, serial)
         stack.callback(proc.stop)
-        for name in proc.systems:
+        hosts.append(proc)
+        return proc
+
+    def settle(proc: HostProcess) -> None:
+        for name in proc.ready():
             built[name] = HostedSystem(proc, name)
 
-    for use_prefix, name in ((True, "engine_prefix"), (False, "engine_no_prefix")):
-        if name in names:
-            status(f"loading {name}")
-            host(name, _engine_group, (engine_config, use_prefix), serial=False)
+    engines = [start(name, _engine_group, (engine_config, use_prefix), serial=False)
+               for use_prefix, name in ((True, "engine_prefix"), (False, "engine_no_prefix")) if name in names]
     device, dtype = _device_dtype(engine_config)
     threads = engine_config.model.num_threads
-    hf = [n for n in ("hf_generate", "hf_prompt_cache") if n in names]
+    hf = tuple(n for n in ("hf_generate", "hf_prompt_cache") if n in names)
+    later: list[HostProcess] = []  # the transformers groups, waited for after the gRPC server's start
     if hf:
-        status("loading the transformers model")
-        host("hf_generate", _hf_group, (engine_config.model.path, device, dtype, threads, tuple(hf)), serial=True)
+        later.append(start("hf_generate", _hf_group, (engine_config.model.path, device, dtype, threads, hf),
+                           serial=True))
+    if engines:
+        status(f"loading {', '.join(proc.label for proc in engines)}" + (" and the transformers model" if hf else ""))
+    for proc in engines:
+        settle(proc)
     if "hf_generate_batch" in names:
-        status("starting transformers continuous batching")
         cfg = engine_config
         capacity = _engine_capacity_tokens(built, cfg)
         options = dict(page_size=plan.hf_page_size, num_blocks=max(1, capacity // plan.hf_page_size),
                        max_batch_tokens=cfg.scheduler.max_num_batched_tokens, max_requests=cfg.scheduler.max_num_seqs,
                        output_tokens=plan.sizes.output_tokens)
-        host("hf_generate_batch", _hf_batch_group, (cfg.model.path, device, dtype, threads, options), serial=False)
+        later.append(start("hf_generate_batch", _hf_batch_group, (cfg.model.path, device, dtype, threads, options),
+                           serial=False))
     if {"grpc_prefix", "grpc_no_prefix"} & set(names):
         from prefix_service.bench.systems.grpc import GrpcSystem, ServerProcess
         status("starting the gRPC server (model load + template warmup)")
@@ -66,6 +82,10 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
         for use_prefix, name in ((True, "grpc_prefix"), (False, "grpc_no_prefix")):
             if name in names:
                 built[name] = stack.enter_context(contextlib.closing(GrpcSystem(server, use_prefix)))
+    if later:
+        status(f"loading {', '.join(proc.label for proc in later)}")
+    for proc in later:
+        settle(proc)
     peers = [n for n in PEERS if n in names]
     if peers:
         from prefix_service.bench.systems.vllm import VllmServer, VllmSystem, vllm_python
@@ -80,7 +100,13 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
                 vllm = VllmServer(python, engine_config, prefix_caching=caching)
                 stack.callback(vllm.stop)
                 built[name] = VllmSystem(vllm, caching)
+    stack.callback(_request_stops, hosts)  # registered last, so it runs first: the groups close at once
     return [built[n] for n in names if n in built]
+
+
+def _request_stops(hosts: list[HostProcess]) -> None:
+    for proc in hosts:
+        proc.request_stop()
 
 
 # Group factories: run in the child process (module-level, so that they pickle by name).

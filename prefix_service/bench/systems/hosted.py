@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import multiprocessing
 import threading
+import time
 from typing import Any, Callable
 
 from prefix_service.bench.metrics import Timing
@@ -111,29 +112,43 @@ def _settle(fut: concurrent.futures.Future, factory, args) -> None:
 
 class HostProcess:
     """A child process holding a group of systems, built there by `factory(*args)` (a module-level
-    function returning {name: System})."""
+    function returning {name: System}). The constructor starts the child and returns; ready() waits
+    until the systems are built, so that several groups can load at the same time."""
 
     def __init__(self, label: str, factory: Callable[..., dict[str, System]], args: tuple, serial: bool,
                  start_timeout_s: float = 900) -> None:
         ctx = multiprocessing.get_context("spawn")
+        self.label = label
+        self._start_timeout_s = start_timeout_s
+        self._deadline = time.monotonic() + start_timeout_s
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child, args=(child_conn, factory, args, serial), name=f"bench-{label}",
                                  daemon=True)
         self._proc.start()
         child_conn.close()
-        if not self._conn.poll(start_timeout_s):
-            self._proc.kill()
-            raise RuntimeError(f"bench host {label}: not ready within {start_timeout_s:.0f} s")
-        kind, info = self._conn.recv()
-        if kind != "ready":
-            self._proc.join(10)
-            raise RuntimeError(f"bench host {label} failed to start: {info}")
-        self.systems: dict[str, dict] = info
+        self.systems: dict[str, dict] = {}  # filled by ready()
+        self._ready = False
+        self._stop_sent = False
         self._send_lock = threading.Lock()
         self._pending: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
-        self._reader = threading.Thread(target=self._read, name=f"bench-{label}-replies", daemon=True)
+
+    def ready(self) -> dict[str, dict]:
+        """Wait until the child has built its systems (start_timeout_s after the start at most);
+        returns what it says of each, by name. RuntimeError if it failed or took too long."""
+        if self._ready:
+            return self.systems
+        if not self._conn.poll(max(0.0, self._deadline - time.monotonic())):
+            self._proc.kill()
+            raise RuntimeError(f"bench host {self.label}: not ready within {self._start_timeout_s:.0f} s")
+        kind, info = self._conn.recv()
+        if kind != "ready":
+            self._proc.join(10)
+            raise RuntimeError(f"bench host {self.label} failed to start: {info}")
+        self.systems, self._ready = info, True
+        self._reader = threading.Thread(target=self._read, name=f"bench-{self.label}-replies", daemon=True)
         self._reader.start()
+        return self.systems
 
     def _read(self) -> None:
         while True:
@@ -155,12 +170,19 @@ class HostProcess:
             self._conn.send((call_id, name, method, args))
         return fut.result()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Ask the child to close its systems and exit, without waiting for it (stop() waits)."""
+        if self._stop_sent:
+            return
+        self._stop_sent = True
         try:
             with self._send_lock:
                 self._conn.send(None)
         except (OSError, ValueError):
             pass
+
+    def stop(self) -> None:
+        self.request_stop()
         self._proc.join(60)
         if self._proc.is_alive():
             self._proc.kill()
