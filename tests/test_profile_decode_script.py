@@ -1,25 +1,37 @@
 """scripts/profile_decode.py on a tiny model, on the backend auto picks and on the torch backend:
 every batch decodes together, the backend's kernel timing finds the linear and attention work,
-and the table and JSON agree."""
+and the table and JSON agree; bad values are rejected. The script's main() runs in this process
+(torch and the engine are imported here already: a process of its own would spend most of its time
+importing them again), its one torch thread (--threads 1) undone after it."""
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from server_fixtures import torch_threads
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "profile_decode.py"
 
 
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("profile_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_profile_decode_script(llama_dir, tmp_path, backend):
+def test_profile_decode_script(script, llama_dir, tmp_path, capsys, backend):
     out = tmp_path / "decode.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--prefix-tokens", "40",
-                           "--prompt-tokens", "6", "--batches", "1,5", "--steps", "3", "--threads", "1",
-                           "--backend", backend, "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    with torch_threads(1):  # what --threads sets, process-wide; restored after
+        assert script.main(["--model", str(llama_dir), "--prefix-tokens", "40", "--prompt-tokens", "6",
+                            "--batches", "1,5", "--steps", "3", "--threads", "1", "--backend", backend,
+                            "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     from prefix_service.backends.cpu import native
     assert data["backend"] == ("cpu" if backend == "auto" and native.load()[1] is None else "torch")
@@ -30,11 +42,11 @@ def test_profile_decode_script(llama_dir, tmp_path, backend):
         assert r["kernels_ms"]["linear"] > 0 and r["kernels_ms"]["attention"] > 0
         assert r["other_ms"] == pytest.approx(r["profiled_step_ms"] - sum(r["kernels_ms"].values()), abs=0.01)
     assert data["steps"] == 3 and data["prefix_tokens"] == 40 and data["git_commit"]
-    assert "step p50 ms" in proc.stdout and "JSON:" in proc.stdout
+    assert "step p50 ms" in printed and "JSON:" in printed
 
 
-def test_profile_decode_script_rejects_bad_values(llama_dir):
+def test_profile_decode_script_rejects_bad_values(script, llama_dir, capsys):
     for bad in (["--batches", "1,x"], ["--steps", "0"]):
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), *bad],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and bad[0] in proc.stderr
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(["--model", str(llama_dir), *bad])
+        assert exit_info.value.code == 2 and bad[0] in capsys.readouterr().err

@@ -1,17 +1,28 @@
 """scripts/profile_prefill.py on a tiny model, on the backend auto picks and on the torch backend:
 the paths run, the FLOP counts match the weights, the backend's kernel timing finds the linear and
-attention work, and the table and JSON agree."""
+attention work, and the table and JSON agree; bad counts are rejected. The script's main() runs in
+this process (torch and the engine are imported here already: a process of its own would spend most
+of its time importing them again), its one torch thread (--threads 1) undone after it."""
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
+from server_fixtures import torch_threads
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "profile_prefill.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("profile_prefill", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _linear_weights(model_dir: Path) -> tuple[int, int]:
@@ -29,13 +40,14 @@ def _linear_weights(model_dir: Path) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_profile_prefill_script(llama_dir, tmp_path, backend):
+def test_profile_prefill_script(script, llama_dir, tmp_path, capsys, backend):
     out = tmp_path / "profile.json"
     prefix, prompt = 40, 8
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--prefix-tokens", str(prefix),
-                           "--prompt-tokens", str(prompt), "--runs", "2", "--profile-runs", "1", "--threads", "1",
-                           "--backend", backend, "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    with torch_threads(1):  # what --threads sets, process-wide; restored after
+        assert script.main(["--model", str(llama_dir), "--prefix-tokens", str(prefix), "--prompt-tokens", str(prompt),
+                            "--runs", "2", "--profile-runs", "1", "--threads", "1", "--backend", backend,
+                            "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     from prefix_service.backends.cpu import native
     native_runs = native.load()[1] is None
@@ -67,10 +79,10 @@ def test_profile_prefill_script(llama_dir, tmp_path, backend):
         assert ratio["packing_p50"] == pytest.approx(
             rows["prefix_unpacked"]["ttft_p50_ms"] / rows["prefix"]["ttft_p50_ms"], rel=0.01)
     assert data["threads"] == 1 and data["prefix_tokens"] == prefix and data["git_commit"]
-    assert "TTFT ratio no_prefix / prefix" in proc.stdout and "JSON:" in proc.stdout
+    assert "TTFT ratio no_prefix / prefix" in printed and "JSON:" in printed
 
 
-def test_profile_prefill_script_rejects_bad_counts(llama_dir):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--prompt-tokens", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--prompt-tokens" in proc.stderr
+def test_profile_prefill_script_rejects_bad_counts(script, llama_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--model", str(llama_dir), "--prompt-tokens", "0"])
+    assert exit_info.value.code == 2 and "--prompt-tokens" in capsys.readouterr().err
