@@ -85,11 +85,9 @@ def test_loaded_tensors_own_their_memory(tmp_path):
     assert_same(got, kv)
 
 
-def cache_blocks(kv: dict[str, torch.Tensor], num_blocks: int, ids: list[int]) -> tuple[dict, dict]:
-    """A host KV cache (per tensor key: [num_blocks, ...], filled with a sentinel) and, per key,
-    the views of `ids` in it, as Backend.host_blocks gives them."""
-    caches = {k: torch.full((num_blocks, *t.shape[1:]), 7.0, dtype=t.dtype) for k, t in kv.items()}
-    return caches, {k: [caches[k][b] for b in ids] for k in kv}
+def host_cache(kv: dict[str, torch.Tensor], num_blocks: int = 10) -> dict[str, torch.Tensor]:
+    """A host KV cache as Backend.host_cache gives it (per tensor key: [num_blocks, ...]), filled with a sentinel."""
+    return {k: torch.full((num_blocks, *t.shape[1:]), 7.0, dtype=t.dtype) for k, t in kv.items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -98,11 +96,11 @@ def test_read_into_fills_the_blocks_bit_for_bit(tmp_path, dtype, ids):
     store = make_store(tmp_path, dtype=str(dtype).removeprefix("torch."))
     kv = make_kv(dtype)
     store.save("faq", TOKENS, kv)
-    caches, views = cache_blocks(kv, 10, ids)
+    caches = host_cache(kv)
     with store.open("faq", TOKENS) as reader:
         assert reader.num_blocks == 3 and reader.nbytes == sum(t.numel() * t.element_size() for t in kv.values())
         reader.check()
-        reader.read_into(views)
+        reader.read_into(caches, ids)
     others = [b for b in range(10) if b not in ids]
     for k, t in kv.items():
         assert torch.equal(caches[k][ids].view(torch.uint8), t.view(torch.uint8)), k
@@ -113,18 +111,21 @@ def test_read_into_refuses_blocks_that_do_not_fit(tmp_path):
     store = make_store(tmp_path)
     kv = make_kv()
     store.save("faq", TOKENS, kv)
+    caches = host_cache(kv)
     with store.open("faq", TOKENS) as reader:
-        _, views = cache_blocks(kv, 10, [1, 2])
         with pytest.raises(ValueError, match="3 blocks in the snapshot, 2 given"):
-            reader.read_into(views)
-        _, views = cache_blocks({k: t.to(torch.bfloat16) for k, t in kv.items()}, 10, [1, 2, 3])
+            reader.read_into(caches, [1, 2])
+        with pytest.raises(ValueError, match="block ids outside the cache's 10 blocks"):
+            reader.read_into(caches, [8, 9, 10])
+        with pytest.raises(ValueError, match="the cache has no such tensor"):
+            reader.read_into({k: c for k, c in caches.items() if k != "v.1"}, [1, 2, 3])
         with pytest.raises(ValueError, match="the cache's are \\(4, 2, 8\\) bfloat16"):
-            reader.read_into(views)
-        _, views = cache_blocks({k: t[:, :, :1] for k, t in kv.items()}, 10, [1, 2, 3])
+            reader.read_into(host_cache({k: t.to(torch.bfloat16) for k, t in kv.items()}), [1, 2, 3])
         with pytest.raises(ValueError, match="the cache's are \\(4, 1, 8\\) float32"):
-            reader.read_into(views)
-        _, views = cache_blocks(kv, 10, [1, 2, 3])
-        reader.read_into(views)  # the refusals read nothing: the reader still works
+            reader.read_into(host_cache({k: t[:, :, :1] for k, t in kv.items()}), [1, 2, 3])
+        assert all((c == 7.0).all() for c in caches.values())  # the refusals wrote nothing
+        reader.read_into(caches, [1, 2, 3])  # and read nothing: the reader still works
+    assert all(torch.equal(caches[k][1:4], t) for k, t in kv.items())
 
 
 def test_read_into_checks_the_bytes_it_reads(tmp_path):
@@ -138,7 +139,7 @@ def test_read_into_checks_the_bytes_it_reads(tmp_path):
             f.seek(data_offset(store.path("faq")) + 5)
             f.write(b"\x01")
         with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
-            reader.read_into(cache_blocks(kv, 10, [0, 1, 2])[1])
+            reader.read_into(host_cache(kv), [0, 1, 2])
         with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
             reader.check()
 
@@ -157,10 +158,10 @@ def test_reads_survive_short_reads(tmp_path, monkeypatch):
 
     monkeypatch.setattr(snapshots.os, "preadv", short_preadv)
     assert_same(store.load("faq", TOKENS), kv)
-    caches, views = cache_blocks(kv, 10, [3, 1, 8])
+    caches = host_cache(kv)
     with store.open("faq", TOKENS) as reader:
         reader.check()
-        reader.read_into(views)
+        reader.read_into(caches, [3, 1, 8])
     for k, t in kv.items():
         assert torch.equal(caches[k][[3, 1, 8]], t), k
 

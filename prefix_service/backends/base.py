@@ -117,17 +117,16 @@ class Backend(abc.ABC):
             out[f"v.{layer}"] = v.index_select(0, index).cpu()
         return out
 
-    def host_blocks(self, blocks: Sequence[int]) -> dict[str, list[torch.Tensor]] | None:
-        """Where these blocks' K and V live, when the cache is in host memory: {"k.<layer>",
-        "v.<layer>"} -> one view per block ([block_size, num_kv_heads, head_dim], contiguous), for a
-        reader to fill in place (a snapshot read straight into the cache). None when the cache is
-        on a device: write_blocks then."""
+    def host_cache(self) -> dict[str, torch.Tensor] | None:
+        """The KV cache tensors when they are in host memory: {"k.<layer>", "v.<layer>"} ->
+        [num_blocks, block_size, num_kv_heads, head_dim], for a reader to fill blocks of in place
+        (a snapshot read straight into the cache). None when the cache is on a device:
+        write_blocks then."""
         if self.device.type != "cpu":
             return None
-        out: dict[str, list[torch.Tensor]] = {}
+        out: dict[str, torch.Tensor] = {}
         for layer, (k, v) in enumerate(self.kv_layers):
-            out[f"k.{layer}"] = [k[b] for b in blocks]
-            out[f"v.{layer}"] = [v[b] for b in blocks]
+            out[f"k.{layer}"], out[f"v.{layer}"] = k, v
         return out
 
     def write_blocks(self, blocks: Sequence[int], kv: dict[str, torch.Tensor]) -> None:

@@ -362,9 +362,9 @@ class EngineCore:
         blocks = self.allocator.allocate_contiguous(need) or self.allocator.allocate(need)
         try:
             if isinstance(kv, SnapshotReader):
-                views = self.backend.host_blocks(blocks)
-                if views is not None:
-                    kv.read_into(views)
+                caches = self.backend.host_cache()
+                if caches is not None:
+                    kv.read_into(caches, blocks)
                 else:  # a cache on a device: through host memory
                     self.backend.write_blocks(blocks, kv.read())
             else:

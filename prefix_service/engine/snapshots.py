@@ -30,10 +30,12 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 import xxhash
@@ -59,6 +61,7 @@ _SAMPLE_BYTES = 1 << 20  # model_fingerprint reads three samples of this size pe
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 _READ_CHUNK = 4 << 20  # bytes read (and hashed while in cache) at a time
 _IOV_MAX = 1024  # buffers one preadv call takes (Linux's IOV_MAX)
+_thread_buffers = threading.local()  # each reading thread's chunk buffer (SnapshotReader._chunks)
 # safetensors' dtype names of the K/V dtypes a cache may hold
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -202,21 +205,14 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B") if nbytes else memoryview(b"")
 
 
-def _runs(blocks: Sequence[torch.Tensor]) -> list[memoryview]:
-    """The memory of these blocks, in order, as few buffers as they allow: blocks that follow each
-    other in memory (consecutive blocks of one cache) make one buffer."""
-    runs: list[memoryview] = []
-    start = end = 0
-    for block in blocks:
-        view = _bytes_of(block)
-        address = block.data_ptr()
-        if runs and address == end:
-            start_view = runs.pop()
-            runs.append(memoryview((ctypes.c_char * (len(start_view) + len(view))).from_address(start)).cast("B"))
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Block ids as runs of consecutive ids: (first id, count) each, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
-            start = address
-            runs.append(view)
-        end = address + len(view)
+            runs.append((b, 1))
     return runs
 
 
@@ -348,19 +344,36 @@ class SnapshotReader:
         if digest.hexdigest() != self.metadata.get("data_xxh3"):
             raise SnapshotMismatch("corrupt: checksum mismatch")
 
+    def _chunks(self, e: _Entry) -> Iterator[memoryview]:
+        """A tensor's bytes, in order, a few MiB at a time: from a file through a buffer this
+        thread reuses (each chunk valid until the next; the kernel copies into memory it already
+        knows, the copy out to the destination is a plain memory copy), from bytes in memory as
+        slices of them."""
+        if isinstance(self._source, memoryview):
+            for start in range(0, e.nbytes, _READ_CHUNK):
+                end = min(start + _READ_CHUNK, e.nbytes)
+                if e.offset + end > len(self._source):
+                    raise SnapshotMismatch(f"unreadable: the snapshot ends before byte {e.offset + end}")
+                yield self._source[e.offset + start:e.offset + end]
+            return
+        buffer = getattr(_thread_buffers, "buffer", None)
+        if buffer is None:
+            buffer = _thread_buffers.buffer = memoryview(bytearray(_READ_CHUNK))
+        for start in range(0, e.nbytes, _READ_CHUNK):
+            part = buffer[:min(_READ_CHUNK, e.nbytes - start)]
+            self._pread_into([part], e.offset + start)
+            yield part
+
     def check(self) -> None:
-        """Read the data through a small buffer and verify the checksum, keeping nothing: a
-        damaged file is refused before anything is allocated for it, and the file is in the page
-        cache for the read_into that follows (which checks what it reads again)."""
+        """Read the data and verify the checksum, keeping nothing: a damaged file is refused
+        before anything is allocated for it, and the file is in the page cache for the read_into
+        that follows (which checks what it reads again)."""
         digest = xxhash.xxh3_128()
-        buffer = memoryview(bytearray(min(_READ_CHUNK, max(self.nbytes, 1))))
         for key in sorted(self.entries):
             e = self.entries[key]
             digest.update(_entry_id(key, e.dtype_name, e.shape))
-            for chunk in range(0, e.nbytes, len(buffer)):
-                part = buffer[:min(len(buffer), e.nbytes - chunk)]
-                self._pread_into([part], e.offset + chunk)
-                digest.update(part)
+            for chunk in self._chunks(e):
+                digest.update(chunk)
         self._check(digest)
 
     def read(self) -> dict[str, torch.Tensor]:
@@ -375,42 +388,57 @@ class SnapshotReader:
         digest = xxhash.xxh3_128()
         for key in sorted(self.entries):
             e = self.entries[key]
-            view = _bytes_of(tensors[key])
-            digest.update(_entry_id(key, e.dtype_name, e.shape))
-            for chunk in range(0, e.nbytes, _READ_CHUNK):  # in chunks: hashing a chunk while it is in cache
-                part = view[chunk:chunk + _READ_CHUNK]
-                self._pread_into([part], e.offset + chunk)
-                digest.update(part)
+            _fill([tensors[key].view(torch.uint8).reshape(-1)], self._chunks(e), digest,
+                  _entry_id(key, e.dtype_name, e.shape))
         self._check(digest)
         return tensors
 
-    def read_into(self, blocks: Mapping[str, Sequence[torch.Tensor]]) -> None:
-        """Read each tensor straight into its blocks: blocks[key][i] is where block i of tensor key
-        goes, a contiguous CPU tensor [block_size, heads, head_dim] of its dtype (a KV cache's
-        block, Backend.host_blocks). Raises ValueError when they do not fit the file's tensors
-        (nothing read then), SnapshotMismatch when the bytes read fail the checksum (the blocks
-        hold garbage then: the caller frees them)."""
+    def read_into(self, caches: Mapping[str, torch.Tensor], block_ids: Sequence[int]) -> None:
+        """Read each tensor into its blocks of a host KV cache: caches[key] is the cache tensor of
+        "k.0", "v.0", ... ([num_blocks, block_size, heads, head_dim], contiguous, on the CPU:
+        Backend.host_cache) and block i of each tensor goes to block block_ids[i]. Raises
+        ValueError when the cache does not fit the snapshot (nothing read then), SnapshotMismatch
+        when the bytes read fail the checksum (the blocks hold garbage then: the caller frees them)."""
         for key, e in self.entries.items():
-            dest = blocks.get(key)
-            if dest is None or len(dest) != e.shape[0]:
-                raise ValueError(f"{key}: {e.shape[0]} blocks in the snapshot, {0 if dest is None else len(dest)} given")
-            for block in dest:
-                if tuple(block.shape) != e.shape[1:] or block.dtype != e.dtype or not block.is_contiguous():
-                    raise ValueError(f"{key}: blocks of {e.shape[1:]} {e.dtype_name} in the snapshot, the cache's "
-                                     f"are {tuple(block.shape)} {str(block.dtype).removeprefix('torch.')}")
+            cache = caches.get(key)
+            if cache is None:
+                raise ValueError(f"{key}: the cache has no such tensor")
+            if len(block_ids) != e.shape[0]:
+                raise ValueError(f"{key}: {e.shape[0]} blocks in the snapshot, {len(block_ids)} given")
+            if tuple(cache.shape[1:]) != e.shape[1:] or cache.dtype != e.dtype or not cache.is_contiguous() \
+                    or cache.device.type != "cpu":
+                raise ValueError(f"{key}: blocks of {e.shape[1:]} {e.dtype_name} in the snapshot, the cache's "
+                                 f"are {tuple(cache.shape[1:])} {str(cache.dtype).removeprefix('torch.')}")
+            if block_ids and not 0 <= min(block_ids) <= max(block_ids) < cache.shape[0]:
+                raise ValueError(f"{key}: block ids outside the cache's {cache.shape[0]} blocks")
+        runs = _runs(block_ids)
         digest = xxhash.xxh3_128()
         for key in sorted(self.entries):
             e = self.entries[key]
-            views = _runs(blocks[key])
-            digest.update(_entry_id(key, e.dtype_name, e.shape))
-            offset = e.offset
-            for view in views:  # a few MiB a read, hashed while in cache
-                for chunk in range(0, len(view), _READ_CHUNK):
-                    part = view[chunk:chunk + _READ_CHUNK]
-                    self._pread_into([part], offset)
-                    offset += len(part)
-                    digest.update(part)
+            dest = [caches[key][first:first + count].view(torch.uint8).reshape(-1) for first, count in runs]
+            _fill(dest, self._chunks(e), digest, _entry_id(key, e.dtype_name, e.shape))
         self._check(digest)
+
+
+def _fill(dest: Sequence[torch.Tensor], chunks: Iterator[memoryview], digest: "xxhash.xxh3_128", entry_id: bytes) -> None:
+    """Copy chunks, in order, into the dest tensors (flat uint8) one after another, hashing
+    entry_id and then each chunk. The copies are torch's (memcpy speed; a memoryview slice
+    assignment copies far slower)."""
+    digest.update(entry_id)
+    i, at = 0, 0
+    for chunk in chunks:
+        digest.update(chunk)
+        with warnings.catch_warnings():  # a read-only chunk (bytes from another replica) is only read
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(chunk, dtype=torch.uint8) if len(chunk) else torch.empty(0, dtype=torch.uint8)
+        pos = 0
+        while pos < len(chunk):
+            target = dest[i]
+            n = min(len(chunk) - pos, target.numel() - at)
+            target[at:at + n].copy_(source[pos:pos + n])
+            pos, at = pos + n, at + n
+            if at == target.numel():
+                i, at = i + 1, 0
 
 
 class SnapshotStore:
