@@ -148,3 +148,37 @@ def test_gpu_smollm2_float32_matches_transformers():
                        CacheConfig(block_size=16, num_blocks=256))
     with Engine(cfg) as engine:
         assert run_ids(engine, ids, max_tokens=32) == ref
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_snapshot_and_peer_restore_equal_a_prefill(dtype, llama_dir, tmp_path):
+    """On the cuda backend a snapshot (its file) and a peer's bytes restore through host memory
+    (SnapshotReader.read, Backend.write_blocks): the K/V bit for bit the prefill's, the same greedy ids."""
+    from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
+
+    def config(snapshot_dir):
+        return EngineConfig(ModelConfig(path=str(llama_dir), device="cuda", dtype=dtype, backend="cuda"),
+                            CacheConfig(block_size=16, num_blocks=256, snapshot_dir=snapshot_dir))
+    template = [(7 * i + 3) % 500 + 3 for i in range(45)]
+    prompt = [(11 * i + 1) % 500 + 3 for i in range(9)]
+    folder = str(tmp_path / "snapshots")
+
+    def template_kv(engine):
+        return engine._run(lambda core: core.backend.read_blocks(core.prefixes.get("doc").block_table))
+
+    with Engine(config(folder)) as first:
+        assert first.add_prefix("doc", token_ids=template).kv_source == "prefill"
+        first.flush_snapshots()
+        want, kv = run_ids(first, prompt, prefix="doc"), template_kv(first)
+        with Engine(config(folder)) as restored:
+            assert restored.add_prefix("doc", token_ids=template).kv_source == "snapshot"
+            got = template_kv(restored)
+            assert all(torch.equal(got[k], kv[k]) for k in kv)
+            assert run_ids(restored, prompt, prefix="doc") == want
+            restored.check_integrity()
+        with Engine(config(None)) as joiner:
+            joiner.peer_kv = lambda name, ids: first.export_prefix_kv(name)
+            assert joiner.add_prefix("doc", token_ids=template).kv_source == "peer"
+            assert run_ids(joiner, prompt, prefix="doc") == want
+            joiner.check_integrity()
