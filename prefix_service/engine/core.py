@@ -330,9 +330,7 @@ class EngineCore:
                    default_output: tuple[StructuredOutput, Any] | None = None) -> None:
         """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done.
         default_output: the output of requests on it that name none, and its compiled matcher."""
-        if not token_ids:
-            raise InvalidRequest(f"prefix template {name!r} is empty")
-        self._check_fits(len(token_ids), f"prefix template {name!r}")
+        self.check_prefix(name, token_ids)
         self.prefixes.reserve(name, len(token_ids))
         request_id = f"prefix-warmup:{name}:{self._warmups}"
         self._warmups += 1
@@ -350,9 +348,7 @@ class EngineCore:
         is read here straight into the blocks when the cache is in host memory (its checksum
         failing raises SnapshotMismatch, the blocks freed). None when its blocks are not free now
         (requests hold them): the caller prefills it instead, queued like any request."""
-        if not token_ids:
-            raise InvalidRequest(f"prefix template {name!r} is empty")
-        self._check_fits(len(token_ids), f"prefix template {name!r}")
+        self.check_prefix(name, token_ids)
         self.prefixes.reserve(name, len(token_ids))
         need = self.prefixes.blocks_for(len(token_ids))
         if need > self.allocator.num_free:

@@ -60,7 +60,6 @@ STALE_TEMP_AGE_S = 600.0
 _SAMPLE_BYTES = 1 << 20  # model_fingerprint reads three samples of this size per weight file
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 _READ_CHUNK = 4 << 20  # bytes read (and hashed while in cache) at a time
-_IOV_MAX = 1024  # buffers one preadv call takes (Linux's IOV_MAX)
 _thread_buffers = threading.local()  # each reading thread's chunk buffer (SnapshotReader._chunks)
 # safetensors' dtype names of the K/V dtypes a cache may hold
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -311,34 +310,19 @@ class SnapshotReader:
         if not isinstance(self._source, memoryview):
             self._source.close()
 
-    def _pread_into(self, buffers: Sequence[memoryview], offset: int) -> None:
-        """Fill buffers, in order, from the snapshot's bytes at offset (from a file: scatter reads,
-        IOV_MAX buffers a call). A read error or an early end raises SnapshotMismatch
-        ("unreadable: ...")."""
-        if isinstance(self._source, memoryview):
-            for b in buffers:
-                if offset + len(b) > len(self._source):
-                    raise SnapshotMismatch(f"unreadable: the snapshot ends before byte {offset + len(b)}")
-                b[:] = self._source[offset:offset + len(b)]
-                offset += len(b)
-            return
+    def _pread_into(self, buffer: memoryview, offset: int) -> None:
+        """Fill buffer from the file at offset, going on after a short read. A read error or an
+        early end of the file raises SnapshotMismatch ("unreadable: ...")."""
+        assert not isinstance(self._source, memoryview)
         fd = self._source.fileno()
-        for i in range(0, len(buffers), _IOV_MAX):
-            group = list(buffers[i:i + _IOV_MAX])
-            want = sum(len(b) for b in group)
-            while want:
-                try:
-                    n = os.preadv(fd, group, offset)
-                except OSError as e:  # EIO, a network filesystem gone: the snapshot cannot be used
-                    raise SnapshotMismatch(f"unreadable: {e}") from e
-                if n == 0:
-                    raise SnapshotMismatch(f"unreadable: the file ends before byte {offset + want}")
-                offset, want = offset + n, want - n
-                while group and n >= len(group[0]):  # a short read: go on after what was filled
-                    n -= len(group[0])
-                    group.pop(0)
-                if n:
-                    group[0] = group[0][n:]
+        while len(buffer):
+            try:
+                n = os.preadv(fd, [buffer], offset)
+            except OSError as e:  # EIO, a network filesystem gone: the snapshot cannot be used
+                raise SnapshotMismatch(f"unreadable: {e}") from e
+            if n == 0:
+                raise SnapshotMismatch(f"unreadable: the file ends before byte {offset + len(buffer)}")
+            buffer, offset = buffer[n:], offset + n
 
     def _check(self, digest: "xxhash.xxh3_128") -> None:
         if digest.hexdigest() != self.metadata.get("data_xxh3"):
@@ -349,19 +333,16 @@ class SnapshotReader:
         thread reuses (each chunk valid until the next; the kernel copies into memory it already
         knows, the copy out to the destination is a plain memory copy), from bytes in memory as
         slices of them."""
-        if isinstance(self._source, memoryview):
+        if isinstance(self._source, memoryview):  # its header's offsets were checked against its length
             for start in range(0, e.nbytes, _READ_CHUNK):
-                end = min(start + _READ_CHUNK, e.nbytes)
-                if e.offset + end > len(self._source):
-                    raise SnapshotMismatch(f"unreadable: the snapshot ends before byte {e.offset + end}")
-                yield self._source[e.offset + start:e.offset + end]
+                yield self._source[e.offset + start:e.offset + min(start + _READ_CHUNK, e.nbytes)]
             return
         buffer = getattr(_thread_buffers, "buffer", None)
         if buffer is None:
             buffer = _thread_buffers.buffer = memoryview(bytearray(_READ_CHUNK))
         for start in range(0, e.nbytes, _READ_CHUNK):
             part = buffer[:min(_READ_CHUNK, e.nbytes - start)]
-            self._pread_into([part], e.offset + start)
+            self._pread_into(part, e.offset + start)
             yield part
 
     def check(self) -> None:
@@ -380,16 +361,14 @@ class SnapshotReader:
         """The tensors (keys "k.0", "v.0", ...), read into memory of their own: views of one buffer."""
         data = torch.empty(self.nbytes, dtype=torch.uint8)
         tensors: dict[str, torch.Tensor] = {}
+        digest = xxhash.xxh3_128()
         start = 0
         for key in sorted(self.entries):
             e = self.entries[key]
-            tensors[key] = data[start:start + e.nbytes].view(e.dtype).view(e.shape)
+            flat = data[start:start + e.nbytes]
+            _fill([flat], self._chunks(e), digest, _entry_id(key, e.dtype_name, e.shape))
+            tensors[key] = flat.view(e.dtype).view(e.shape)
             start += e.nbytes
-        digest = xxhash.xxh3_128()
-        for key in sorted(self.entries):
-            e = self.entries[key]
-            _fill([tensors[key].view(torch.uint8).reshape(-1)], self._chunks(e), digest,
-                  _entry_id(key, e.dtype_name, e.shape))
         self._check(digest)
         return tensors
 
@@ -544,27 +523,27 @@ class SnapshotStore:
         except OSError as e:
             raise SnapshotMismatch(f"unreadable: {e}") from e
         try:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
-            raw = f.read(header_len) if 0 <= header_len <= min(size - 8, _MAX_HEADER_BYTES) else b""
-            meta, entries = self._header(head, raw, size, token_ids)
-        except BaseException as e:
+            fd = f.fileno()
+            meta, entries = self._header(lambda offset, n: os.pread(fd, n, offset), os.fstat(fd).st_size, token_ids)
+        except OSError as e:
             f.close()
-            if isinstance(e, OSError):
-                raise SnapshotMismatch(f"unreadable: {e}") from e
+            raise SnapshotMismatch(f"unreadable: {e}") from e
+        except BaseException:
+            f.close()
             raise
         return SnapshotReader(f, path, meta, entries)
 
-    def _header(self, head: bytes, raw: bytes, size: int,
+    def _header(self, read: Callable[[int, int], bytes], size: int,
                 token_ids: Sequence[int] | None) -> tuple[dict[str, str], dict[str, _Entry]]:
-        """A snapshot's header (head: its first 8 bytes, raw: the header they announce), checked."""
+        """A snapshot's header, read(offset, n) from its `size` bytes, parsed and checked."""
         try:
+            head = read(0, 8)
             if len(head) != 8:
                 raise ValueError(f"{size} bytes: not a safetensors file")
             header_len = int.from_bytes(head, "little")
             if header_len > min(size - 8, _MAX_HEADER_BYTES):
                 raise ValueError(f"a header of {header_len} bytes in a {size}-byte file")
+            raw = read(8, header_len)
             if len(raw) != header_len:
                 raise ValueError("the file ends inside its header")
             meta, entries = _parse_header(raw, size - 8 - header_len, 8 + header_len)
@@ -584,10 +563,7 @@ class SnapshotStore:
         """A snapshot's bytes (encode's, or a file's), its header checked as open checks a file's;
         the reader reads from data, which must outlive it. Raises SnapshotMismatch as load does."""
         view = memoryview(data).cast("B")
-        head = bytes(view[:8])
-        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
-        raw = bytes(view[8:8 + header_len]) if 0 <= header_len <= min(len(view) - 8, _MAX_HEADER_BYTES) else b""
-        meta, entries = self._header(head, raw, len(view), token_ids)
+        meta, entries = self._header(lambda offset, n: bytes(view[offset:offset + n]), len(view), token_ids)
         return SnapshotReader(view, None, meta, entries)
 
     def _read(self, path: Path, token_ids: Sequence[int] | None) -> dict[str, torch.Tensor]:
