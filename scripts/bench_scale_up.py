@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import statistics
@@ -180,6 +179,7 @@ def main() -> None:
         return
 
     from prefix_service.bench.main import child_result, git_commit, machine_info
+    from prefix_service.bench.report import write_json
     work = Path(tempfile.mkdtemp(prefix="bench-scale-up-"))
     texts_file = work / "texts.json"
     texts_file.write_text(json.dumps(templates(args.model, args.templates, args.template_tokens)))
@@ -219,12 +219,11 @@ def main() -> None:
     print(f"the new replica's templates: {speedup:.1f}x faster from its peer than prefilled; kv sources as expected: "
           f"{sources_ok}; failed calls: {failures}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        write_json(args.json, {
             "machine": info, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit(),
             "command": " ".join(["python scripts/bench_scale_up.py", *sys.argv[1:]]), "args": vars(args),
             "medians": table, "speedup_templates": speedup, "kv_sources_ok": sources_ok, "failed_calls": failures,
-            "runs": runs}, indent=1))
+            "runs": runs})
 
 
 if __name__ == "__main__":

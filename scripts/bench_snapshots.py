@@ -137,6 +137,7 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from prefix_service.bench.main import child_result, git_commit, machine_info
+    from prefix_service.bench.report import write_json
     work = Path(tempfile.mkdtemp(prefix="bench-snapshots-"))
     ids = workload(args.model, args.templates, args.template_tokens)
     if args.model_config:  # the default model's tokenizer files beside another config: random weights
@@ -192,13 +193,11 @@ def main() -> None:
           f"against a sequential read of {disk_mb_s:.0f} MB/s ({'cold' if disk[0]['cold_cache'] else 'page'} cache); "
           f"kv sources as expected: {sources_ok}; first tokens equal: {same_tokens}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        write_json(args.json, {
             "machine": info, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit(),
             "command": " ".join(["python scripts/bench_snapshots.py", *sys.argv[1:]]), "args": vars(args),
             "medians": table, "speedup_templates": speedup, "restore_mb_s": restore_mb_s, "disk_read": disk,
-            "kv_bytes": kv_bytes, "kv_sources_ok": sources_ok, "first_tokens_equal": same_tokens, "runs": runs},
-            indent=2))
+            "kv_bytes": kv_bytes, "kv_sources_ok": sources_ok, "first_tokens_equal": same_tokens, "runs": runs})
     if not (sources_ok and same_tokens):
         sys.exit("restored templates did not come from snapshots, or answered otherwise than prefilled ones")
 
