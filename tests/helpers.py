@@ -1,6 +1,10 @@
 """Test helpers that drive the engine and Hugging Face transformers on the same token ids."""
 from __future__ import annotations
 
+import importlib.util
+import types
+from pathlib import Path
+
 import torch
 
 from prefix_service import GenerateRequest, SamplingParams
@@ -94,3 +98,12 @@ def generate_together(engine, requests) -> list[list[int]]:
     for event in done:
         event.wait()
     return ids
+
+
+def load_script(name: str) -> types.ModuleType:
+    """scripts/<name>.py imported as a module, for a test to call its functions (main) in this process."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,15 +1,11 @@
 """scripts/bench_gpu.py runs end to end (tiny shape on CPU) and writes the JSON it documents."""
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "bench_gpu.py"
+from helpers import load_script
 
 
 def test_bench_gpu_smoke_on_cpu(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_gpu")
     out = tmp_path / "gpu.json"
     assert bench.main(["--device", "cpu", "--shape", "tiny", "--requests", "2", "--decode-batches", "1,3",
                        "--decode-tokens", "6", "--json", str(out)]) == 0

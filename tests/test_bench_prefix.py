@@ -2,15 +2,14 @@
 requests each, no wait for an idle CPU before them (the vLLM peers skipped, with the reason, as
 where `make bench-peers` never ran); checks the JSON schema of docs/benchmarks.md and that the plots
 are written."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 pytest.importorskip("matplotlib")
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "bench_prefix.py"
 SYSTEMS = {"engine_prefix", "engine_no_prefix", "hf_generate", "hf_prompt_cache", "hf_generate_batch",
            "grpc_prefix", "grpc_no_prefix"}
 RECORD_KEYS = {"system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
@@ -23,9 +22,7 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
     config.write_text(f"model: {{path: {llama_dir}, device: cpu}}\n"
                       "cache: {block_size: 4, num_blocks: 256}\n"
                       "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 256}\n")
-    spec = importlib.util.spec_from_file_location("bench_prefix", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_prefix")
     out = tmp_path / "bench.json"
     assert bench.main(["--config", str(config), "--json", str(out), "--no-progress",
                        "--workloads", "intent,no_shared", "--max-prefix-tokens", "60", "--prompt-tokens", "30",

@@ -5,7 +5,6 @@ process (what it imports is imported here already); its engine child is a proces
 always."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,14 +13,13 @@ from pathlib import Path
 import pytest
 
 from prefix_service.bench.workloads import INTENT_LABELS
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_structured.py"
 
 
 def test_bench_structured_script(llama_dir, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_structured", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("bench_structured")
     out = tmp_path / "structured.json"
     assert script.main(["--model", str(llama_dir), "--max-prefix-tokens", "120", "--prompt-tokens", "20",
                         "--concurrency", "3", "--rounds", "1", "--pairs", "1", "--max-tokens", "80",

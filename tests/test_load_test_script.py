@@ -2,7 +2,6 @@
 failures by status code and latency percentiles."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 from server_fixtures import DOCUMENT, ServerThread, make_config
 
 from prefix_service.config import PrefixSpec
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
 
@@ -74,9 +74,7 @@ def test_load_test_refuses_unbounded_runs():
 
 
 def test_percentile():
-    spec = importlib.util.spec_from_file_location("load_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("load_test")
     values = [float(v) for v in range(1, 101)]
     assert (mod.percentile(values, 50), mod.percentile(values, 99), mod.percentile(values, 100)) == (50, 99, 100)
     assert mod.percentile([], 50) is None and mod.percentile([7.0], 90) == 7.0

@@ -5,23 +5,18 @@ and the table and JSON agree; bad values are rejected. The script's main() runs 
 importing them again), its one torch thread (--threads 1) undone after it."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from server_fixtures import torch_threads
+from helpers import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "profile_decode.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("profile_decode", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_decode")
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -5,7 +5,6 @@ this process (torch and the engine are imported here already: a process of its o
 of its time importing them again), its one torch thread (--threads 1) undone after it."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,16 +12,13 @@ import pytest
 from safetensors import safe_open
 
 from server_fixtures import torch_threads
+from helpers import load_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "profile_prefill.py"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("profile_prefill", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("profile_prefill")
 
 
 def _linear_weights(model_dir: Path) -> tuple[int, int]:
