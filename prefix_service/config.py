@@ -239,7 +239,7 @@ def split_address(address: Any, key: str = "server.address") -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class PrefixSpec:
+class TemplateSpec:
     """A template from YAML: exactly one of content, file or system_prompt; structured_output:
     the default output of the requests on it that name none (StructuredOutput.from_dict's form,
     e.g. {choice: [billing, refund]})."""
@@ -332,7 +332,7 @@ class EngineConfig:
 class ServiceConfig:
     engine: EngineConfig
     server: ServerConfig = field(default_factory=ServerConfig)
-    prefixes: tuple[PrefixSpec, ...] = ()
+    prefixes: tuple[TemplateSpec, ...] = ()
     source: str | None = None  # the YAML file this came from
     ray: RayConfig | None = None  # set: serve as a fleet of replicas on Ray (prefix_service/fleet/)
 
@@ -416,7 +416,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     prefixes = []
     for i, p in enumerate(prefixes_raw):
         name = p.get("name") if isinstance(p, Mapping) else None
-        prefixes.append(_build(PrefixSpec, f"prefixes[{name or i}]", p, {"file": inside_base,
+        prefixes.append(_build(TemplateSpec, f"prefixes[{name or i}]", p, {"file": inside_base,
                                                                          "structured_output": _structured_output}))
     ray = _build(RayConfig, "ray", raw["ray"]) if "ray" in raw else None
     return ServiceConfig(EngineConfig(model, cache, scheduler), server, tuple(prefixes), ray=ray)

@@ -89,7 +89,7 @@ def child(args: argparse.Namespace, system: str, texts: dict[str, str]) -> dict:
     from ray import serve
 
     from prefix_service.client import PrefixServiceClient
-    from prefix_service.config import (CacheConfig, EngineConfig, ModelConfig, PrefixSpec, RayConfig, SchedulerConfig,
+    from prefix_service.config import (CacheConfig, EngineConfig, ModelConfig, TemplateSpec, RayConfig, SchedulerConfig,
                                        ServerConfig, ServiceConfig)
     block = 16
     pinned = sum(-(-args.template_tokens // block) for _ in texts) + len(texts)
@@ -99,7 +99,7 @@ def child(args: argparse.Namespace, system: str, texts: dict[str, str]) -> dict:
                      CacheConfig(block_size=block, num_blocks=pinned + 512, prefix_budget_blocks=pinned),
                      SchedulerConfig(max_num_batched_tokens=2048)),
         ServerConfig(address="127.0.0.1:0", http_address="", metrics_address="127.0.0.1:0"),
-        tuple(PrefixSpec(name=n, content=t) for n, t in texts.items()), None,
+        tuple(TemplateSpec(name=n, content=t) for n, t in texts.items()), None,
         RayConfig(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=0.0,
                   downscale_delay_s=3600.0, look_back_period_s=11.0, template_replication=1,
                   num_cpus_per_replica=1, template_kv_from_peers=system == "peers",

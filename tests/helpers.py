@@ -20,8 +20,8 @@ def run_ids(engine, ids, prefix=None, max_tokens=32, **kw) -> list[int]:
 
 
 def pinned_handle(engine, name: str):
-    """The engine's live PrefixHandle of a template (block table, counters), white-box: get_prefix
-    hands out a PrefixView without them."""
+    """The engine's live TemplateHandle of a template (block table, counters), white-box: get_prefix
+    hands out a TemplateView without them."""
     return engine._run(lambda core: core.prefixes.get(name))
 
 

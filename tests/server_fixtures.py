@@ -19,7 +19,7 @@ import grpc
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from prefix_service import synthetic  # noqa: E402
-from prefix_service.config import (CacheConfig, EngineConfig, ModelConfig, PrefixSpec, SchedulerConfig,  # noqa: E402
+from prefix_service.config import (CacheConfig, EngineConfig, ModelConfig, TemplateSpec, SchedulerConfig,  # noqa: E402
                                    ServerConfig, ServiceConfig)
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc  # noqa: E402
@@ -38,7 +38,7 @@ def build_tiny_model(root: Path) -> Path:
     return synthetic.build_model(root / "llama", "llama", tok, seed=11)
 
 
-def make_config(model_dir: Path, *, prefixes: tuple[PrefixSpec, ...] = (), state_file: Path | None = None,
+def make_config(model_dir: Path, *, prefixes: tuple[TemplateSpec, ...] = (), state_file: Path | None = None,
                 num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 64, max_queue: int = 1024,
                 prefix_budget_blocks: int | None = None, grace_period_s: float = 5.0,
                 source: str | None = None, max_num_batched_tokens: int = 512, max_tokens_cap: int = 4096,
@@ -287,7 +287,7 @@ def with_server(config: ServiceConfig, **changes: Any) -> ServiceConfig:
 
 @contextlib.contextmanager
 def started_servers(model_dir: Path, tmp_path: Path, monkeypatch, *,
-                    prefixes: tuple[PrefixSpec, ...] = ()) -> Iterator[Callable[..., ServerThread]]:
+                    prefixes: tuple[TemplateSpec, ...] = ()) -> Iterator[Callable[..., ServerThread]]:
     """The body of a `make_server` fixture: make_server(token=None, warmup_hook=None, **config)
     starts a ServerThread (make_config's keys; `prefixes` by default); after the test each one is
     checked (check_clean: integrity, no request or block left) and stopped."""

@@ -10,7 +10,7 @@ import pytest
 
 from server_fixtures import DOCUMENT, Clients, collect, greedy_request, slow_steps, started_servers
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture
 def make_server(model_dir, tmp_path, monkeypatch):
-    with started_servers(model_dir, tmp_path, monkeypatch, prefixes=(PrefixSpec("doc", content=DOCUMENT),)) as f:
+    with started_servers(model_dir, tmp_path, monkeypatch, prefixes=(TemplateSpec("doc", content=DOCUMENT),)) as f:
         yield f
 
 

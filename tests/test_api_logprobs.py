@@ -14,10 +14,10 @@ import pytest
 from server_fixtures import DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, make_config
 
 from prefix_service import GenerateRequest, SamplingParams
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
-TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+TEMPLATES = (TemplateSpec("doc", content=DOCUMENT), TemplateSpec("sys", system_prompt=SYSTEM_PROMPT))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

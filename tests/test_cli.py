@@ -19,7 +19,7 @@ from server_fixtures import DOCUMENT, SYSTEM_PROMPT, TOKEN_ENV, ServerThread, ma
 
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.cli import main
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     os.environ.pop(TOKEN_ENV, None)
-    cfg = make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),
-                                           PrefixSpec("sys", system_prompt=SYSTEM_PROMPT)),
+    cfg = make_config(model_dir, prefixes=(TemplateSpec("doc", content=DOCUMENT),
+                                           TemplateSpec("sys", system_prompt=SYSTEM_PROMPT)),
                       state_file=tmp_path_factory.mktemp("cli-state") / "state.json")
     st = ServerThread(cfg).start()
     yield st

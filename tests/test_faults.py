@@ -16,12 +16,12 @@ import pytest
 from server_fixtures import DOCUMENT, SYSTEM_PROMPT, Clients, collect, greedy_request, slow_steps, started_servers
 
 from prefix_service import GenerateRequest, SamplingParams
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
 
 
-TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+TEMPLATES = (TemplateSpec("doc", content=DOCUMENT), TemplateSpec("sys", system_prompt=SYSTEM_PROMPT))
 WORDS = "the order price refund shipping account table row value music weather".split()
 
 
@@ -153,7 +153,7 @@ def test_kv_exhaustion_200_concurrent(make_server):
     small = "You classify the intent of the user and answer with one label"
     # 48 blocks of 4 tokens; the template pins a few; requests need far more than the rest together
     st = make_server(num_blocks=48, max_num_seqs=16, max_queue=32, max_num_batched_tokens=128,
-                     prefixes=(PrefixSpec("small", content=small),), metrics_address="127.0.0.1:0")
+                     prefixes=(TemplateSpec("small", content=small),), metrics_address="127.0.0.1:0")
     c = Clients(st.address)
     capacity = (48 - st.engine.kv_stats()["pinned"]) * 4
     prompts = [" " + " ".join(WORDS[j % 11] for j in range(i, i + 4 + i % 9)) for i in range(12)]

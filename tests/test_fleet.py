@@ -29,7 +29,7 @@ ray = pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install
 pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 
 from prefix_service import Engine  # noqa: E402
-from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
+from prefix_service.config import TemplateSpec, RayConfig  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest, ScoreRequest  # noqa: E402
 from prefix_service.fleet.launcher import REPLICA_DEPLOYMENT  # noqa: E402
 from prefix_service.fleet.placement import holders  # noqa: E402
@@ -50,7 +50,7 @@ MAX_TOKENS = 8
 def fleet(model_dir, tmp_path_factory):
     os.environ.pop(TOKEN_ENV, None)  # admin open on loopback
     state = tmp_path_factory.mktemp("fleet") / "state.json"
-    config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()),
+    config = make_config(model_dir, prefixes=tuple(TemplateSpec(name=n, content=c) for n, c in TEMPLATES.items()),
                          state_file=state, num_blocks=1024, http_address="127.0.0.1:0",
                          metrics_address="127.0.0.1:0")
     config = dataclasses.replace(config, ray=RayConfig(num_replicas=2, template_replication=1,

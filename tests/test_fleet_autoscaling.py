@@ -21,7 +21,7 @@ pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.
 pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 
 from prefix_service import Engine  # noqa: E402
-from prefix_service.config import PrefixSpec, RayConfig  # noqa: E402
+from prefix_service.config import TemplateSpec, RayConfig  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
 from prefix_service.fleet.placement import holders  # noqa: E402
 from prefix_service.proto import prefix_service_pb2 as pb  # noqa: E402
@@ -46,7 +46,7 @@ def fleet(model_dir, tmp_path_factory):
     os.environ[API_KEY_ENV] = API_KEY  # before the local cluster starts: the HTTP ingress reads it there
     folder = tmp_path_factory.mktemp("autoscaling")
     cert, key = self_signed_cert(folder / "tls")
-    config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()),
+    config = make_config(model_dir, prefixes=tuple(TemplateSpec(name=n, content=c) for n, c in TEMPLATES.items()),
                          num_blocks=1024, http_address="127.0.0.1:0", api_key_env=API_KEY_ENV,
                          tls_cert_file=str(cert), tls_key_file=str(key), grace_period_s=10.0)
     config = dataclasses.replace(config, ray=RayConfig(

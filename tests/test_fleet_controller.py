@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from prefix_service.config import PrefixSpec, RayConfig
-from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.config import TemplateSpec, RayConfig
+from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
 from prefix_service.fleet import controller as ctl_module
 from prefix_service.fleet.controller import FleetController
@@ -67,8 +67,8 @@ class FakeReplica:
     def token_ids(self, name: str) -> tuple[int, ...]:
         return tuple(range(len(self.held[name].content or "")))
 
-    def info(self, name: str) -> PrefixInfo:
-        return PrefixInfo(name, len(self.held[name].content or ""), 1, 0, 0, {})
+    def info(self, name: str) -> TemplateInfo:
+        return TemplateInfo(name, len(self.held[name].content or ""), 1, 0, 0, {})
 
     def report(self) -> dict:
         return {"held": [(self.info(n), s.origin) for n, s in self.held.items()], "stats": {}}
@@ -100,7 +100,7 @@ class FakeReplica:
 
 def controller_for(model_dir, replicas: int, replication: int | None, state_file=None,
                    kv_from_peers: bool = True) -> FleetController:
-    config = make_config(model_dir, prefixes=tuple(PrefixSpec(name=n, content=c) for n, c in TEMPLATES.items()))
+    config = make_config(model_dir, prefixes=tuple(TemplateSpec(name=n, content=c) for n, c in TEMPLATES.items()))
     config = dataclasses.replace(config, ray=RayConfig(num_replicas=replicas, template_replication=replication,
                                                        template_kv_from_peers=kv_from_peers))
     return FleetController(config, str(state_file) if state_file else None)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from server_fixtures import DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
 
@@ -123,8 +123,8 @@ def expected(req: pb.GenerateRequest, tokenizer) -> set:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    st_ = ServerThread(make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),
-                                                    PrefixSpec("sys", system_prompt=SYSTEM_PROMPT)),
+    st_ = ServerThread(make_config(model_dir, prefixes=(TemplateSpec("doc", content=DOCUMENT),
+                                                    TemplateSpec("sys", system_prompt=SYSTEM_PROMPT)),
                                    state_file=tmp_path_factory.mktemp("fuzz-state") / "state.json",
                                    max_tokens_cap=CAP, default_max_tokens=DEFAULT_MAX_TOKENS,
                                    max_prompt_tokens=MAX_PROMPT_TOKENS)).start()

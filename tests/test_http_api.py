@@ -19,10 +19,10 @@ from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, ass
                              make_config, raw, slow_steps, started_servers)
 from server_fixtures import openai_client as client
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
-TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+TEMPLATES = (TemplateSpec("doc", content=DOCUMENT), TemplateSpec("sys", system_prompt=SYSTEM_PROMPT))
 API_KEY_ENV = "PREFIX_SERVICE_TEST_API_KEY"
 HTTP = {"http_address": "127.0.0.1:0", "api_key_env": API_KEY_ENV}
 

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from server_fixtures import DOCUMENT, SYSTEM_PROMPT, ServerThread, make_config
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 
 FUZZ = settings(max_examples=150, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
-TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+TEMPLATES = (TemplateSpec("doc", content=DOCUMENT), TemplateSpec("sys", system_prompt=SYSTEM_PROMPT))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,14 +18,14 @@ from pydantic import BaseModel
 
 from server_fixtures import DOCUMENT, SYSTEM_PROMPT, ServerThread, assert_error, make_config, openai_client, raw
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import StructuredOutput
 from prefix_service.server.openai_api import ChatBody, CompletionBody
 
 CHOICES = ["order", "refund", "shipping value"]
-TEMPLATES = (PrefixSpec("sys", system_prompt=SYSTEM_PROMPT), PrefixSpec("doc", content=DOCUMENT),
-             PrefixSpec("labels", content=DOCUMENT, structured_output=StructuredOutput("choice", choices=tuple(CHOICES))))
+TEMPLATES = (TemplateSpec("sys", system_prompt=SYSTEM_PROMPT), TemplateSpec("doc", content=DOCUMENT),
+             TemplateSpec("labels", content=DOCUMENT, structured_output=StructuredOutput("choice", choices=tuple(CHOICES))))
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,7 +12,7 @@ import pytest
 
 from server_fixtures import DOCUMENT, ServerThread, make_config
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "load_test.py"
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    st = ServerThread(make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),), max_queue=4,
+    st = ServerThread(make_config(model_dir, prefixes=(TemplateSpec("doc", content=DOCUMENT),), max_queue=4,
                                   max_num_seqs=2)).start()
     yield st
     st.check_clean()

@@ -14,11 +14,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config,
                              slow_steps, started_servers)
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
 
-TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+TEMPLATES = (TemplateSpec("doc", content=DOCUMENT), TemplateSpec("sys", system_prompt=SYSTEM_PROMPT))
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -22,7 +22,7 @@ import yaml
 
 from server_fixtures import DOCUMENT, Clients, ServerThread, collect, greedy_request, make_config
 
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.server.store import TemplateStore
 
@@ -103,7 +103,7 @@ def test_state_file_survives_20_kills_mid_write(tmp_path, model_dir):
     assert killed_mid_write > 0
 
     # the next start restores exactly that registry, each template usable
-    st = ServerThread(make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),),
+    st = ServerThread(make_config(model_dir, prefixes=(TemplateSpec("doc", content=DOCUMENT),),
                                   state_file=state)).start()
     try:
         c = Clients(st.address)

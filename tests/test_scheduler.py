@@ -7,7 +7,7 @@ from helpers import greedy, run_ids
 from prefix_service import GenerateRequest
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.config import SchedulerConfig
-from prefix_service.engine.prefix_cache import PrefixCacheManager
+from prefix_service.engine.template_pins import TemplatePins
 from prefix_service.sampling_params import SamplingParams
 from prefix_service.engine.scheduler import Scheduler
 from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
@@ -18,7 +18,7 @@ B = 4
 
 def setup(num_blocks=16, budget=2048, max_seqs=8):
     alloc = BlockAllocator(num_blocks)
-    prefixes = PrefixCacheManager(alloc, B, budget_blocks=8)
+    prefixes = TemplatePins(alloc, B, budget_blocks=8)
     return alloc, prefixes, Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
                                       alloc, prefixes, B)
 

@@ -13,14 +13,14 @@ import pytest
 
 from server_fixtures import DOCUMENT, Clients, collect, greedy_request, self_signed_cert, started_servers
 
-from prefix_service.config import PrefixSpec, ServerConfig, config_from_dict, load_config, validate_prefix_name
+from prefix_service.config import TemplateSpec, ServerConfig, config_from_dict, load_config, validate_prefix_name
 from prefix_service.errors import ConfigError
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.server.auth import AdminAuth, check_admin_exposure
 from prefix_service.server.status import PermissionDenied
 
 
-TEMPLATES = (PrefixSpec("doc", content=DOCUMENT),)
+TEMPLATES = (TemplateSpec("doc", content=DOCUMENT),)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -17,10 +17,10 @@ from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, col
                              slow_steps)
 
 from prefix_service import GenerateRequest, SamplingParams
-from prefix_service.config import PrefixSpec
+from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
-TEMPLATES = (PrefixSpec("doc", content=DOCUMENT), PrefixSpec("sys", system_prompt=SYSTEM_PROMPT))
+TEMPLATES = (TemplateSpec("doc", content=DOCUMENT), TemplateSpec("sys", system_prompt=SYSTEM_PROMPT))
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_chat_template_that_moves_the_system_prompt(model_dir, tmp_path, make_se
                             "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
     cfg_path.write_text(json.dumps(cfg))
     (odd / "chat_template.jinja").unlink(missing_ok=True)
-    st = make_server(model=odd, prefixes=(PrefixSpec("sys", system_prompt=SYSTEM_PROMPT),))
+    st = make_server(model=odd, prefixes=(TemplateSpec("sys", system_prompt=SYSTEM_PROMPT),))
     req = pb.GenerateRequest(prefix_name="sys", messages=[pb.ChatMessage(role="user", content="hi")])
     code, details = code_of(Clients(st.address).generation.Generate(req))
     assert code == grpc.StatusCode.FAILED_PRECONDITION

@@ -11,7 +11,7 @@ import pytest
 from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request,
                              make_config, slow_steps)
 
-from prefix_service.config import PrefixSpec, ServerConfig
+from prefix_service.config import TemplateSpec, ServerConfig
 from prefix_service.errors import ConfigError
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.server.auth import AdminAuth, check_admin_exposure
@@ -31,7 +31,7 @@ def make_server(model_dir, tmp_path, monkeypatch):
             monkeypatch.delenv(TOKEN_ENV, raising=False)
         else:
             monkeypatch.setenv(TOKEN_ENV, token)
-        kwargs.setdefault("prefixes", (PrefixSpec("doc", content=DOCUMENT),))
+        kwargs.setdefault("prefixes", (TemplateSpec("doc", content=DOCUMENT),))
         kwargs.setdefault("state_file", tmp_path / "state.json")
         st = ServerThread(make_config(model_dir, **kwargs))
         started.append(st)

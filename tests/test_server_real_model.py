@@ -16,7 +16,7 @@ from server_fixtures import Clients, ServerThread, TOKEN_ENV, collect
 
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.cli import main
-from prefix_service.config import PrefixSpec, load_config
+from prefix_service.config import TemplateSpec, load_config
 from prefix_service.proto import prefix_service_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def test_real_model_end_to_end(real_model_dir, tmp_path, capsys, monkeypatch):
                                    cache=dataclasses.replace(cfg.engine.cache, kv_cache_memory=256 << 20)),
         server=dataclasses.replace(cfg.server, address="127.0.0.1:0", admin_token_env=TOKEN_ENV,
                                    state_file=str(tmp_path / "state.json")),
-        prefixes=(PrefixSpec("intent_head", content=intent_head), PrefixSpec("assistant", system_prompt=SYSTEM)))
+        prefixes=(TemplateSpec("intent_head", content=intent_head), TemplateSpec("assistant", system_prompt=SYSTEM)))
     st = ServerThread(cfg).start()
     try:
         c = Clients(st.address)

@@ -12,7 +12,7 @@ import pytest
 from server_fixtures import DOCUMENT, Clients, collect
 from test_server_admin import make_server  # noqa: F401 - the fixture: servers leak-checked and stopped
 
-from prefix_service.config import ConfigError, PrefixSpec, config_from_dict
+from prefix_service.config import ConfigError, TemplateSpec, config_from_dict
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import StructuredOutput
 
@@ -71,8 +71,8 @@ def test_a_bad_constraint_is_invalid_argument_naming_it(make_server, structured,
 def test_a_template_default_output_from_yaml_and_the_admin_api(make_server, tmp_path):
     state = tmp_path / "state.json"
     choice = StructuredOutput("choice", choices=LABELS)
-    st = make_server(state_file=state, prefixes=(PrefixSpec("doc", content=DOCUMENT),
-                                                 PrefixSpec("intent", content=DOCUMENT, structured_output=choice)))
+    st = make_server(state_file=state, prefixes=(TemplateSpec("doc", content=DOCUMENT),
+                                                 TemplateSpec("intent", content=DOCUMENT, structured_output=choice)))
     c = Clients(st.address)
     text, _, _ = collect(c.generation.Generate(request("intent")))
     assert text in LABELS

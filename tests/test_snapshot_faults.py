@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from prefix_service import GenerateRequest, RequestOutput, SamplingParams
-from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.engine import snapshots
 from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore
 from test_template_snapshots import TEMPLATE, greedy, template_kv
@@ -316,7 +316,7 @@ def test_a_restore_into_a_full_cache_falls_back_to_a_queued_prefill(make_engine,
     engine.submit(GenerateRequest(prompt_token_ids=list(range(60, 92)),  # 32 tokens: 8 blocks, then 9
                                   sampling=SamplingParams(max_tokens=16, ignore_eos=True)), sink)
     assert first_output.wait(30)
-    added: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
+    added: concurrent.futures.Future[TemplateInfo] = concurrent.futures.Future()
     threading.Thread(target=lambda: added.set_result(engine.add_prefix("doc", token_ids=TEMPLATE)), daemon=True).start()
     deadline = time.monotonic() + 30
     while not engine._commands:  # add_prefix read the snapshot and queued the restore

@@ -113,10 +113,10 @@ def test_a_restarted_server_pins_its_templates_from_snapshots(model_dir, tmp_pat
 
     from server_fixtures import DOCUMENT, TOKEN_ENV, Clients, ServerThread, collect, greedy_request, make_config
 
-    from prefix_service.config import PrefixSpec
+    from prefix_service.config import TemplateSpec
     from prefix_service.proto import prefix_service_pb2 as pb
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    config = make_config(model_dir, prefixes=(PrefixSpec("doc", content=DOCUMENT),), state_file=tmp_path / "state.json")
+    config = make_config(model_dir, prefixes=(TemplateSpec("doc", content=DOCUMENT),), state_file=tmp_path / "state.json")
 
     def run(cfg) -> tuple[dict[str, str], list[int]]:
         st = ServerThread(cfg).start()

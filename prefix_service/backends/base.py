@@ -24,7 +24,7 @@ from prefix_service.config import CacheConfig
 from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from prefix_service.engine.prefix_cache import PrefixHandle
+    from prefix_service.engine.template_pins import TemplateHandle
     from prefix_service.engine.step import StepBatch
 
 
@@ -64,7 +64,7 @@ class Backend(abc.ABC):
     """A platform: the model's weights, the KV cache and the forward pass on it.
 
     The engine calls, on its one loop thread: `execute` once per step, `on_pin`/`on_unpin` as
-    templates come and go (through the PrefixCacheManager), and the introspection methods.
+    templates come and go (through the TemplatePins), and the introspection methods.
     A backend that cannot serve a model says so once, in `select_backend`, before it is built.
     """
     name: ClassVar[str]
@@ -140,11 +140,11 @@ class Backend(abc.ABC):
                                      f"{(len(blocks), *cache.shape[1:])} {cache.dtype}")
                 cache.index_copy_(0, index, data.to(self.device))
 
-    # --- templates (TemplateHooks of the PrefixCacheManager) ------------------------------------
-    def on_pin(self, handle: PrefixHandle) -> None:
+    # --- templates (TemplateHooks of the TemplatePins) ------------------------------------
+    def on_pin(self, handle: TemplateHandle) -> None:
         """A template's blocks were just pinned: they hold its K/V and never change until on_unpin."""
 
-    def on_unpin(self, handle: PrefixHandle) -> None:
+    def on_unpin(self, handle: TemplateHandle) -> None:
         """A template's blocks are about to be freed: drop anything derived from them."""
 
     # --- introspection --------------------------------------------------------------------------
@@ -152,7 +152,7 @@ class Backend(abc.ABC):
         """Host memory held for pinned templates beside the KV cache (kv_stats, metrics)."""
         return 0
 
-    def check_integrity(self, pinned: Collection[PrefixHandle]) -> None:
+    def check_integrity(self, pinned: Collection[TemplateHandle]) -> None:
         """Raise AssertionError if the backend holds anything for a template that is not pinned."""
 
 

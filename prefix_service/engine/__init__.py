@@ -6,7 +6,7 @@
 | `core.py` | `EngineCore.step()`: schedule, run the backend, sample, detokenize, check stops | tracked requests |
 | `scheduler.py` | continuous batching, chunked prefill, preemption, the post-step update | sequences |
 | `block_allocator.py` | block ids, reference counts, the free list, `check_integrity()` | ref counts |
-| `prefix_cache.py` | `PrefixCacheManager`: reserve, pin, use and remove named templates; tells the backend | pins, template counters |
+| `template_pins.py` | `TemplatePins`: reserve, pin, use and remove named templates; tells the backend | pins, template counters |
 | `sequence.py` | the request and output types, and a sequence's scheduling state | - |
 | `sampler.py`, `detokenizer.py` | sampling on the logits; incremental text and stop strings | - |
 | `snapshots.py` | a template's KV blocks on disk: the file format, its checks, atomic writes; offline verify, install, export | snapshot files |

@@ -22,7 +22,7 @@ from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.engine.core import EngineCore
 from prefix_service.errors import EngineStopped
-from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
+from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import (FinishReason, GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest,
                                             TokenLogprob)
 from prefix_service.model.llama import ModelArch
@@ -157,7 +157,7 @@ class Engine:
         return ids
 
     def add_prefix(self, name: str, text: str | None = None, *, token_ids: list[int] | None = None,
-                   source: dict[str, str] | None = None, structured: StructuredOutput | None = None) -> PrefixInfo:
+                   source: dict[str, str] | None = None, structured: StructuredOutput | None = None) -> TemplateInfo:
         """Tokenize, prefill and pin a template. Blocks until it is pinned. Raises PrefixExists,
         PrefixBudgetExceeded, PromptTooLong or InvalidRequest. structured: the default output of the
         requests on it that name none (kind "text" or None: free text)."""
@@ -189,9 +189,9 @@ class Engine:
             restored = self._from_peer(name, ids, src, output)
             if restored is not None:
                 return restored
-        done: concurrent.futures.Future[PrefixInfo] = concurrent.futures.Future()
+        done: concurrent.futures.Future[TemplateInfo] = concurrent.futures.Future()
 
-        def on_pinned(result: PrefixInfo | BaseException) -> None:
+        def on_pinned(result: TemplateInfo | BaseException) -> None:
             if isinstance(result, BaseException):
                 done.set_exception(result)
             else:
@@ -202,7 +202,7 @@ class Engine:
 
     def _restore(self, name: str, ids: list[int], src: dict[str, str], reader: SnapshotReader,
                  output: tuple[StructuredOutput, Any] | None, kv_source: str,
-                 refused: Callable[[object], None]) -> PrefixInfo | None:
+                 refused: Callable[[object], None]) -> TemplateInfo | None:
         """Pin a template from an open snapshot; None when it is not used (refused(reason): one
         warning) or its blocks are not free now: the caller prefills it. The data is read and
         checked here first, so a damaged snapshot costs the engine's thread nothing; a cache in
@@ -215,7 +215,7 @@ class Engine:
                 kv = reader
             else:
                 kv = reader.read()
-            restored: PrefixInfo | None = self._run(
+            restored: TemplateInfo | None = self._run(
                 lambda core: core.restore_prefix(name, ids, src, kv, output, kv_source))
             return restored
         except (SnapshotMismatch, OSError) as e:
@@ -225,7 +225,7 @@ class Engine:
         return None
 
     def _from_peer(self, name: str, ids: list[int], src: dict[str, str],
-                   output: tuple[StructuredOutput, Any] | None) -> PrefixInfo | None:
+                   output: tuple[StructuredOutput, Any] | None) -> TemplateInfo | None:
         """Pin a template from the snapshot bytes peer_kv brings (kv_source "peer"); None when
         there are none or they are not used (one warning): the caller prefills it."""
         assert self.peer_kv is not None
@@ -277,10 +277,10 @@ class Engine:
         if self._snapshots is not None:
             self._snapshots.flush()
 
-    def list_prefixes(self) -> list[PrefixInfo]:
+    def list_prefixes(self) -> list[TemplateInfo]:
         return self._run(lambda core: core.prefixes.list())
 
-    def get_prefix(self, name: str) -> PrefixView:
+    def get_prefix(self, name: str) -> TemplateView:
         """The template's name, token ids and source (a copy). Raises PrefixNotFound."""
         return self._run(lambda core: core.prefixes.get(name).view())
 

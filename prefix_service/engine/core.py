@@ -1,5 +1,5 @@
 """EngineCore: one step of the engine, single-threaded. Owns the backend (the model and the KV
-cache on a device), the scheduler and the prefix manager; validates requests, samples,
+cache on a device), the scheduler and the template pins; validates requests, samples,
 detokenizes, checks stops and hands each request's outputs to its sink. `Engine` (api.py)
 drives it from a background thread.
 """
@@ -21,7 +21,7 @@ from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixServiceError, PromptTooLong,
                                    QueueFull)
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
-from prefix_service.engine.prefix_cache import PrefixCacheManager, PrefixHandle, PrefixInfo
+from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, TemplateInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
@@ -44,7 +44,7 @@ class _Tracked:
     detok: IncrementalDetokenizer | None
     arrival: float
     first_token_time: float | None = None
-    on_pinned: Callable[[PrefixInfo | BaseException], None] | None = None
+    on_pinned: Callable[[TemplateInfo | BaseException], None] | None = None
     source: dict[str, str] | None = None
     prefix_name: str | None = None  # a warmup's template (always set), or the template a request names
     default_output: tuple[StructuredOutput, Any] | None = None  # a warmup's template's: spec, compiled matcher
@@ -105,7 +105,7 @@ class EngineCore:
         budget = config.cache.prefix_budget_blocks
         if budget is None:
             budget = self.allocator.num_blocks // 2
-        self.prefixes = PrefixCacheManager(self.allocator, self.block_size, min(budget, self.allocator.num_blocks),
+        self.prefixes = TemplatePins(self.allocator, self.block_size, min(budget, self.allocator.num_blocks),
                                            hooks=self.backend)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
         self._tracked: dict[str, _Tracked] = {}
@@ -217,7 +217,7 @@ class EngineCore:
         generator.manual_seed(seed % 2**63)
         return generator
 
-    def _hold_template(self, reused: PrefixHandle | None, named: PrefixHandle | None) -> None:
+    def _hold_template(self, reused: TemplateHandle | None, named: TemplateHandle | None) -> None:
         """A new request on a template: it holds the template's blocks it reuses, or, when the
         engine reuses none (cache.enable_prefix false), only counts as served."""
         if reused is not None:
@@ -326,9 +326,9 @@ class EngineCore:
         self.prefixes.check(name, len(token_ids))
 
     def add_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
-                   on_pinned: Callable[[PrefixInfo | BaseException], None],
+                   on_pinned: Callable[[TemplateInfo | BaseException], None],
                    default_output: tuple[StructuredOutput, Any] | None = None) -> None:
-        """Queue a template's warmup prefill; on_pinned gets its PrefixInfo (or the error) when done.
+        """Queue a template's warmup prefill; on_pinned gets its TemplateInfo (or the error) when done.
         default_output: the output of requests on it that name none, and its compiled matcher."""
         self.check_prefix(name, token_ids)
         self.prefixes.reserve(name, len(token_ids))
@@ -342,7 +342,7 @@ class EngineCore:
     def restore_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
                        kv: dict[str, torch.Tensor] | SnapshotReader,
                        default_output: tuple[StructuredOutput, Any] | None = None,
-                       kv_source: str = "snapshot") -> PrefixInfo | None:
+                       kv_source: str = "snapshot") -> TemplateInfo | None:
         """Pin a template from a snapshot instead of a prefill: fresh blocks, the K/V written into
         them, pinned. kv: the K/V, read and checked off this thread, or an open snapshot whose data
         is read here straight into the blocks when the cache is in host memory (its checksum

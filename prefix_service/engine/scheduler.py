@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.config import SchedulerConfig
-from prefix_service.engine.prefix_cache import PrefixCacheManager
+from prefix_service.engine.template_pins import TemplatePins
 from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
 from prefix_service.engine.step import ScheduledRow, StepBatch
 
@@ -68,7 +68,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, prefixes: PrefixCacheManager,
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, prefixes: TemplatePins,
                  block_size: int) -> None:
         self.config = config
         self.allocator = allocator

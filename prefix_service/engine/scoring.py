@@ -23,7 +23,7 @@ from prefix_service.errors import InvalidRequest
 from prefix_service.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from prefix_service.engine.prefix_cache import PrefixHandle
+    from prefix_service.engine.template_pins import TemplateHandle
 
 MAX_CANDIDATES = 256
 
@@ -60,7 +60,7 @@ class Scoring:
     def __post_init__(self) -> None:
         self.logprobs = [[None] * len(c) for c in self.candidates]
 
-    def fork_point(self, token_ids: list[int], prefix: PrefixHandle | None) -> Sequence:
+    def fork_point(self, token_ids: list[int], prefix: TemplateHandle | None) -> Sequence:
         seq = Sequence(f"{self.request_id}/prompt", token_ids, SamplingParams(max_tokens=1), 1, prefix, None,
                        fork_point=True)
         self.members.append(seq)

@@ -11,7 +11,7 @@ from prefix_service.engine.block_allocator import BlockId
 from prefix_service.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from prefix_service.engine.prefix_cache import PrefixHandle
+    from prefix_service.engine.template_pins import TemplateHandle
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, token_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                 prefix: PrefixHandle | None, generator: torch.Generator | None, prefill_only: bool = False,
+                 prefix: TemplateHandle | None, generator: torch.Generator | None, prefill_only: bool = False,
                  *, fork_point: bool = False, score_from: int | None = None,
                  score_targets: tuple[int, ...] = ()) -> None:
         self.request_id = request_id

@@ -25,7 +25,7 @@ class ScheduledRow:
     token_ids: tuple[int, ...]  # the tokens this step computes
     num_computed: int  # tokens of this sequence already in the cache
     block_ids: tuple[BlockId, ...]  # the block table, covering num_computed + len(token_ids) tokens
-    template_id: int | None = None  # the pinned template it continues (PrefixHandle.template_id)
+    template_id: int | None = None  # the pinned template it continues (TemplateHandle.template_id)
     num_template_blocks: int = 0  # the leading block_ids shared with that template (full blocks)
     num_logits: int = 0  # the logits of this many of its last new tokens are returned (to sample or score)
 

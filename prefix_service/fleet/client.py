@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any, AsyncGenerator, Sequence
 
-from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
+from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import EngineStopped, PrefixNotFound
 from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
@@ -84,8 +84,8 @@ class FleetEngine:
         return bool(name) and name in self._routes
 
     # --- the engine surface -------------------------------------------------------------------
-    def get_prefix(self, name: str) -> PrefixView:
-        view: PrefixView = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
+    def get_prefix(self, name: str) -> TemplateView:
+        view: TemplateView = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
         return view
 
     async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None
@@ -226,7 +226,7 @@ class FleetEngine:
         """Nothing to wait for: a stream closed early cancels its call at once, and the replica
         aborts the request itself (the cancelled call closes the engine stream there)."""
 
-    def list_prefixes(self) -> list[PrefixInfo]:
+    def list_prefixes(self) -> list[TemplateInfo]:
         return [info for info, _, _ in call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S,
                                                  "the fleet controller")]
 
@@ -240,7 +240,7 @@ class FleetEngine:
         return total
 
     def replica_reports(self) -> dict[str, dict[str, Any]]:
-        """replica id -> its last report: ready, held [(PrefixInfo, origin)], stats (KV counters,
+        """replica id -> its last report: ready, held [(TemplateInfo, origin)], stats (KV counters,
         requests taken by template), node (the Ray node it runs on), startup (seconds from its
         start to its engine loaded and to its templates pinned, and where their K/V came from)."""
         reports: dict[str, dict[str, Any]] = call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S,
@@ -281,8 +281,8 @@ class FleetRegistry:
         self.engine = engine
         self.controller = engine.controller
 
-    def add(self, src: TemplateSource) -> PrefixInfo:
-        info: PrefixInfo
+    def add(self, src: TemplateSource) -> TemplateInfo:
+        info: TemplateInfo
         info, _ = call_sync(self.controller.add.remote(src), ADMIN_TIMEOUT_S, "the fleet controller")
         return info
 
@@ -290,12 +290,12 @@ class FleetRegistry:
         freed: bool = call_sync(self.controller.remove.remote(name), ADMIN_TIMEOUT_S, "the fleet controller")
         return freed
 
-    def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
-        items: list[tuple[PrefixInfo, str, tuple[str, ...]]] = call_sync(
+    def listing(self) -> list[tuple[TemplateInfo, str, tuple[str, ...]]]:
+        items: list[tuple[TemplateInfo, str, tuple[str, ...]]] = call_sync(
             self.controller.listing.remote(), CALL_TIMEOUT_S, "the fleet controller")
         return items
 
-    def list(self) -> list[tuple[PrefixInfo, str]]:
+    def list(self) -> list[tuple[TemplateInfo, str]]:
         return [(info, origin) for info, origin, _ in self.listing()]
 
     def known(self, name: str) -> bool:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
 from prefix_service.config import ServiceConfig
-from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
+from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.errors import PrefixExists, PrefixNotFound
 from prefix_service.fleet import log_to_serve
 from prefix_service.fleet.placement import holders
@@ -256,10 +256,10 @@ class FleetController:
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         asyncio.get_running_loop().create_task(coro)
 
-    async def _pin(self, src: TemplateSource, replica: str) -> PrefixInfo | None:
+    async def _pin(self, src: TemplateSource, replica: str) -> TemplateInfo | None:
         key = (src.name, replica)
         self._busy.add(key)
-        info: PrefixInfo | None
+        info: TemplateInfo | None
         ids: tuple[int, ...] | None
         try:
             info, ids = await self._command(replica, "pin", src, timeout_s=PIN_TIMEOUT_S)
@@ -324,7 +324,7 @@ class FleetController:
         out[""] = tuple(sorted(serving))
         return out
 
-    async def prefix(self, name: str) -> PrefixView:
+    async def prefix(self, name: str) -> TemplateView:
         """A template's token ids, definition and default output (the chat path needs them)."""
         src = self.sources.get(name)
         if src is None:
@@ -334,12 +334,12 @@ class FleetController:
             if not where:
                 raise ReplicaUnavailable(f"prefix template {name!r} is not pinned on any replica yet; retry")
             self.token_ids[name] = tuple(await self._command(where[0], "token_ids", name))
-        return PrefixView(name, self.token_ids[name], src.definition(), src.structured)
+        return TemplateView(name, self.token_ids[name], src.definition(), src.structured)
 
-    async def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
+    async def listing(self) -> list[tuple[TemplateInfo, str, tuple[str, ...]]]:
         """Every template with its counters summed over its holders (as of their last poll), its
         origin and its holders."""
-        per: dict[str, list[PrefixInfo]] = {}
+        per: dict[str, list[TemplateInfo]] = {}
         for member in self.members.values():
             for info, _ in member.report.get("held", ()):
                 per.setdefault(info.name, []).append(info)
@@ -348,7 +348,7 @@ class FleetController:
         for name, src in self.sources.items():
             found = per.get(name, [])
             first = found[0] if found else None
-            info = PrefixInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
+            info = TemplateInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
                               first.num_blocks if first else 0, sum(i.requests_served for i in found),
                               sum(i.active_requests for i in found), src.definition(), src.structured,
                               ",".join(sorted({i.kv_source for i in found})))  # each holder's: prefill, snapshot, peer
@@ -366,7 +366,7 @@ class FleetController:
         return dict(zip(serving, answers))
 
     # --- admin --------------------------------------------------------------------------------
-    async def add(self, src: TemplateSource) -> tuple[PrefixInfo, tuple[str, ...]]:
+    async def add(self, src: TemplateSource) -> tuple[TemplateInfo, tuple[str, ...]]:
         """Pin on every target; returns once all hold it (its info and its holders). Rolls the
         pins back if any fails, or if the state file cannot be written."""
         async with self._admin:
@@ -380,7 +380,7 @@ class FleetController:
             results = await asyncio.gather(*(self._command(r, "pin", src, timeout_s=PIN_TIMEOUT_S) for r in targets),
                                            return_exceptions=True)
             failed = [e for e in results if isinstance(e, BaseException)]
-            pinned = [p for p in results if not isinstance(p, BaseException)]  # (PrefixInfo, token ids) each
+            pinned = [p for p in results if not isinstance(p, BaseException)]  # (TemplateInfo, token ids) each
             if failed:
                 done = [r for r, e in zip(targets, results) if not isinstance(e, BaseException)]
                 await asyncio.gather(*(self._unpin(src.name, r, forget=True) for r in done))

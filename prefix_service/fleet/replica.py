@@ -25,7 +25,7 @@ from ray import serve
 
 from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
-from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import PrefixNotFound
 from prefix_service.fleet import log_to_serve
@@ -132,7 +132,7 @@ class EngineReplica:
                 yield out
 
     # --- the controller's commands -----------------------------------------------------------
-    def pin(self, src: TemplateSource) -> tuple[PrefixInfo, tuple[int, ...]]:
+    def pin(self, src: TemplateSource) -> tuple[TemplateInfo, tuple[int, ...]]:
         info = self.registry.add(src, persist=False)
         return info, self.engine.get_prefix(src.name).token_ids
 

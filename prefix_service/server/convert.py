@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Sequence
 
 from prefix_service.errors import InvalidRequest
-from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import SamplingParams, StructuredOutput
 from prefix_service.engine.sequence import FinishReason, RequestOutput, ScoreOutput
@@ -108,7 +108,7 @@ def score_to_proto(out: ScoreOutput, candidates: Sequence[str]) -> pb.ScoreRespo
         usage=pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens), request_id=out.request_id)
 
 
-def template_to_proto(info: PrefixInfo, origin: str, replicas: Sequence[str] = ()) -> pb.PrefixTemplate:
+def template_to_proto(info: TemplateInfo, origin: str, replicas: Sequence[str] = ()) -> pb.PrefixTemplate:
     return pb.PrefixTemplate(
         name=info.name, num_tokens=info.num_tokens, num_blocks=info.num_blocks,
         requests_served=info.requests_served, active_requests=info.active_requests, origin=origin,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Protocol
 if TYPE_CHECKING:
     import concurrent.futures
 
-    from prefix_service.engine.prefix_cache import PrefixInfo, PrefixView
+    from prefix_service.engine.template_pins import TemplateInfo, TemplateView
     from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
     from prefix_service.server.store import TemplateSource
 
@@ -65,14 +65,14 @@ class EngineClient(Protocol):
         Fleet: returns at once. Closing a stream cancels its call to the replica right there, and
         the replica aborts the request itself; nothing is left running in this process."""
 
-    def get_prefix(self, name: str) -> PrefixView:
+    def get_prefix(self, name: str) -> TemplateView:
         """A template's name, token ids and source: a frozen copy, never the engine's live state.
         Raises PrefixNotFound.
 
         Fleet: from the controller, which keeps every template's token ids."""
         ...
 
-    def list_prefixes(self) -> list[PrefixInfo]:
+    def list_prefixes(self) -> list[TemplateInfo]:
         """The registered templates with their counters, in the order they were added.
 
         Fleet: the controller's view, from the replicas' last reports (at most a poll old); a
@@ -105,7 +105,7 @@ class TemplateRegistryClient(Protocol):
     state file. Every method but `known` blocks (an add prefills the template): the servicers call
     them from worker threads."""
 
-    def add(self, src: TemplateSource) -> PrefixInfo:
+    def add(self, src: TemplateSource) -> TemplateInfo:
         """Tokenize, prefill and pin src, and keep it in the state file when it is an admin
         template. Raises InvalidRequest, the engine's errors (PrefixExists, PrefixBudgetExceeded,
         PromptTooLong, CacheExhausted) or PersistError (the template is then not added).
@@ -122,7 +122,7 @@ class TemplateRegistryClient(Protocol):
         Fleet: True only when every holder freed them at once."""
         ...
 
-    def listing(self) -> list[tuple[PrefixInfo, str, tuple[str, ...]]]:
+    def listing(self) -> list[tuple[TemplateInfo, str, tuple[str, ...]]]:
         """(info, origin, replica ids) of each template: the replicas that hold it.
 
         One process: no replica ids (an empty tuple)."""
@@ -137,6 +137,6 @@ class TemplateRegistryClient(Protocol):
         ...
 
     # last: below it, `list` in the class body would name this method
-    def list(self) -> list[tuple[PrefixInfo, str]]:
+    def list(self) -> list[tuple[TemplateInfo, str]]:
         """(info, origin) of each template."""
         ...

@@ -40,7 +40,7 @@ class TemplateSource:
     structured: StructuredOutput | None = None
 
     def definition(self) -> dict[str, str]:
-        """{"content": ...} or {"system_prompt": ...}: its text, as PrefixView.source."""
+        """{"content": ...} or {"system_prompt": ...}: its text, as TemplateView.source."""
         if self.content is not None:
             return {"content": self.content}
         assert self.system_prompt is not None  # one of the two: the registry refuses a source without

@@ -14,7 +14,7 @@ import threading
 
 from prefix_service.engine import Engine
 from prefix_service.errors import InvalidRequest
-from prefix_service.engine.prefix_cache import PrefixInfo
+from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.server.chat import system_prompt_ids
 from prefix_service.server.status import PersistError
 from prefix_service.server.store import TemplateSource, TemplateStore, state_file_name
@@ -32,14 +32,14 @@ class TemplateRegistry:
         self._lock = threading.Lock()  # guards _origins and _admin
         self._mutate = threading.Lock()  # one add or remove at a time
 
-    def add(self, src: TemplateSource, *, persist: bool = True) -> PrefixInfo:
+    def add(self, src: TemplateSource, *, persist: bool = True) -> TemplateInfo:
         """Tokenize, prefill and pin; then (for admin templates) persist. Raises InvalidRequest
         (also for a text over max_template_bytes), the engine's errors (PrefixExists,
         PrefixBudgetExceeded, PromptTooLong, CacheExhausted) or PersistError."""
         with self._mutate:
             return self._add(src, persist)
 
-    def _add(self, src: TemplateSource, persist: bool) -> PrefixInfo:
+    def _add(self, src: TemplateSource, persist: bool) -> TemplateInfo:
         if (src.content is None) == (src.system_prompt is None):
             raise InvalidRequest(f"template {src.name!r}: give exactly one of content or system_prompt")
         text = src.content if src.content is not None else src.system_prompt or ""
@@ -85,7 +85,7 @@ class TemplateRegistry:
                                        f"back at the next start") from e
         return freed
 
-    def list(self) -> list[tuple[PrefixInfo, str]]:
+    def list(self) -> list[tuple[TemplateInfo, str]]:
         infos = self.engine.list_prefixes()
         with self._lock:
             return [(info, self._origins.get(info.name, "admin")) for info in infos]
@@ -96,7 +96,7 @@ class TemplateRegistry:
         return name in self._origins
 
     # below `def list`, the class body's `list` is that method: builtins.list is the type
-    def listing(self) -> builtins.list[tuple[PrefixInfo, str, tuple[str, ...]]]:
+    def listing(self) -> builtins.list[tuple[TemplateInfo, str, tuple[str, ...]]]:
         """list() with where each template lives: one process, so no replica ids."""
         return [(info, origin, ()) for info, origin in self.list()]
 

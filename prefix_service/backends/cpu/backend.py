@@ -29,7 +29,7 @@ from prefix_service.config import CacheConfig
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
 if TYPE_CHECKING:
-    from prefix_service.engine.prefix_cache import PrefixHandle
+    from prefix_service.engine.template_pins import TemplateHandle
     from prefix_service.engine.step import ScheduledRow, StepBatch
 
 log = logging.getLogger("prefix_service.engine")
@@ -55,7 +55,7 @@ class CpuBackend(Backend):
         if model.lm_head is not None:
             model.lm_head.weight = None  # type: ignore[assignment]  # released; nn.Module takes None
         self.pack_templates = cache.pack_prefix_kv
-        self.templates: dict[int, PackedTemplate] = {}  # by PrefixHandle.template_id
+        self.templates: dict[int, PackedTemplate] = {}  # by TemplateHandle.template_id
 
     def describe(self) -> str:
         if self.dtype == torch.bfloat16:
@@ -89,7 +89,7 @@ class CpuBackend(Backend):
         self.stack.copy_blocks(pairs)
 
     # --- templates ---------------------------------------------------------------------------
-    def on_pin(self, handle: PrefixHandle) -> None:
+    def on_pin(self, handle: TemplateHandle) -> None:
         full = handle.num_tokens // self.block_size
         if not self.pack_templates or not full:
             return
@@ -98,13 +98,13 @@ class CpuBackend(Backend):
         log.info("prefix template %r: K/V of its %d full blocks packed for CPU attention (%.1f MiB, %.0f ms)",
                  handle.name, packed.num_blocks, packed.nbytes / 2**20, (time.perf_counter() - start) * 1e3)
 
-    def on_unpin(self, handle: PrefixHandle) -> None:
+    def on_unpin(self, handle: TemplateHandle) -> None:
         self.templates.pop(handle.template_id, None)
 
     # --- introspection -------------------------------------------------------------------------
     def packed_template_bytes(self) -> int:
         return sum(p.nbytes for p in self.templates.values())
 
-    def check_integrity(self, pinned: Collection[PrefixHandle]) -> None:
+    def check_integrity(self, pinned: Collection[TemplateHandle]) -> None:
         if not set(self.templates) <= {h.template_id for h in pinned}:
             raise AssertionError("a packed template copy outlived its template's blocks")

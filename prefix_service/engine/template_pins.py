@@ -1,7 +1,7 @@
-"""PrefixCacheManager: the one owner of named, pinned prefixes.
+"""TemplatePins: the one owner of the named, pinned templates (a pin registry, not a cache).
 
 A template is tokenized once, prefilled through the engine like any request, and its block
-table pinned: the manager holds one reference on each of its blocks, so the allocator never
+table pinned: TemplatePins holds one reference on each of its blocks, so the allocator never
 frees them and (since requests write only to their own blocks) nothing writes them while the
 template exists. Removal unregisters the name at once; the pin is dropped when the last
 request that uses the template finishes (deferred removal).
@@ -18,12 +18,12 @@ from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
 from prefix_service.sampling_params import StructuredOutput
 
-PrefixName = NewType("PrefixName", str)
+TemplateName = NewType("TemplateName", str)
 
 
 @dataclass(eq=False)
-class PrefixHandle:
-    name: PrefixName
+class TemplateHandle:
+    name: TemplateName
     token_ids: tuple[int, ...]
     block_table: tuple[BlockId, ...]  # ceil(len / block_size) blocks; the last may be partial
     template_id: int  # unique for the engine's life: the steps' rows and the backend name the pin by it
@@ -51,16 +51,16 @@ class PrefixHandle:
         adds no token of its own (one token is computed to get its logits)."""
         return self.num_tokens if num_tokens > self.num_tokens else self.num_tokens - 1
 
-    def info(self) -> PrefixInfo:
-        return PrefixInfo(self.name, self.num_tokens, self.num_blocks, self.requests_served, self.active_requests,
+    def info(self) -> TemplateInfo:
+        return TemplateInfo(self.name, self.num_tokens, self.num_blocks, self.requests_served, self.active_requests,
                           dict(self.source), self.structured, self.kv_source)
 
-    def view(self) -> PrefixView:
-        return PrefixView(self.name, self.token_ids, dict(self.source), self.structured)
+    def view(self) -> TemplateView:
+        return TemplateView(self.name, self.token_ids, dict(self.source), self.structured)
 
 
 @dataclass(frozen=True)
-class PrefixInfo:
+class TemplateInfo:
     """A read-only snapshot for listing."""
     name: str
     num_tokens: int
@@ -73,9 +73,9 @@ class PrefixInfo:
 
 
 @dataclass(frozen=True)
-class PrefixView:
+class TemplateView:
     """What callers outside the engine read of one template (`get_prefix`): its name, its token
-    ids and how it was defined. A copy, taken on the engine's loop thread: the live PrefixHandle
+    ids and how it was defined. A copy, taken on the engine's loop thread: the live TemplateHandle
     (block table, counters) never leaves the engine."""
     name: str
     token_ids: tuple[int, ...]
@@ -91,25 +91,25 @@ class TemplateHooks(Protocol):
     """Told when a template's blocks are pinned and just before they are freed (the backend keeps
     what it derives from a template's K/V, e.g. a packed copy, exactly that long)."""
 
-    def on_pin(self, handle: PrefixHandle) -> None: ...
+    def on_pin(self, handle: TemplateHandle) -> None: ...
 
-    def on_unpin(self, handle: PrefixHandle) -> None: ...
+    def on_unpin(self, handle: TemplateHandle) -> None: ...
 
 
-class PrefixCacheManager:
+class TemplatePins:
     def __init__(self, allocator: BlockAllocator, block_size: int, budget_blocks: int,
                  hooks: TemplateHooks | None = None) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.budget_blocks = budget_blocks
         self.hooks = hooks
-        self._handles: dict[str, PrefixHandle] = {}
+        self._handles: dict[str, TemplateHandle] = {}
         self._pending: dict[str, int] = {}  # name -> blocks reserved while its warmup prefill runs
-        self._detached: list[PrefixHandle] = []  # removed but still in use
+        self._detached: list[TemplateHandle] = []  # removed but still in use
         self._ids = itertools.count(1)
 
     # --- lookup -----------------------------------------------------------------------------
-    def get(self, name: str) -> PrefixHandle:
+    def get(self, name: str) -> TemplateHandle:
         handle = self._handles.get(name)
         if handle is None:
             known = ", ".join(sorted(self._handles)) or "none"
@@ -119,7 +119,7 @@ class PrefixCacheManager:
     def __contains__(self, name: str) -> bool:
         return name in self._handles
 
-    def list(self) -> list[PrefixInfo]:
+    def list(self) -> list[TemplateInfo]:
         return [h.info() for h in sorted(self._handles.values(), key=lambda h: h.created_at)]
 
     @property
@@ -127,7 +127,7 @@ class PrefixCacheManager:
         return sum(h.num_blocks for h in self.pinned_handles())
 
     # below `def list`, the class body's `list` is that method: builtins.list is the type
-    def pinned_handles(self) -> builtins.list[PrefixHandle]:
+    def pinned_handles(self) -> builtins.list[TemplateHandle]:
         """Every template whose blocks are held: registered, or removed but still in use."""
         return list(self._handles.values()) + self._detached
 
@@ -158,7 +158,7 @@ class PrefixCacheManager:
 
     def pin(self, name: str, token_ids: builtins.list[int], block_table: builtins.list[BlockId],
             source: dict[str, str], structured: StructuredOutput | None = None, matcher: Any = None,
-            kv_source: str = "prefill") -> PrefixHandle:
+            kv_source: str = "prefill") -> TemplateHandle:
         """Take one reference on each block of a finished warmup prefill (or of blocks a snapshot
         filled, kv_source "snapshot") and register the name. structured, matcher: the template's
         default output and its compiled matcher, if it has one."""
@@ -166,7 +166,7 @@ class PrefixCacheManager:
             raise RuntimeError(f"pin of {name!r} without reserve")
         assert len(block_table) == self.blocks_for(len(token_ids)), "block table does not cover the prefix"
         self.allocator.incref(block_table)
-        handle = PrefixHandle(PrefixName(name), tuple(token_ids), tuple(block_table), next(self._ids), source,
+        handle = TemplateHandle(TemplateName(name), tuple(token_ids), tuple(block_table), next(self._ids), source,
                               structured=structured, matcher=matcher, kv_source=kv_source)
         if self.hooks is not None:
             try:
@@ -179,17 +179,17 @@ class PrefixCacheManager:
         return handle
 
     # --- use by requests ---------------------------------------------------------------------
-    def acquire(self, handle: PrefixHandle, served: bool = True) -> None:
+    def acquire(self, handle: TemplateHandle, served: bool = True) -> None:
         """A request continues the template from its pinned blocks: held until release(). served
         False: a further sequence of a request already counted (a scored candidate)."""
         handle.active_requests += 1
         handle.requests_served += int(served)
 
-    def count_unreused(self, handle: PrefixHandle) -> None:
+    def count_unreused(self, handle: TemplateHandle) -> None:
         """A request named the template but prefills its tokens itself (cache.enable_prefix false)."""
         handle.requests_served += 1
 
-    def release(self, handle: PrefixHandle) -> None:
+    def release(self, handle: TemplateHandle) -> None:
         handle.active_requests -= 1
         if handle.removed and handle.active_requests == 0:
             self._unpin(handle)
@@ -207,11 +207,11 @@ class PrefixCacheManager:
         self._detached.append(handle)
         return False
 
-    def _unpin(self, handle: PrefixHandle) -> None:
+    def _unpin(self, handle: TemplateHandle) -> None:
         self._detached.remove(handle)
         self._free(handle)
 
-    def _free(self, handle: PrefixHandle) -> None:
+    def _free(self, handle: TemplateHandle) -> None:
         if self.hooks is not None:
             self.hooks.on_unpin(handle)
         self.allocator.free(handle.block_table)
