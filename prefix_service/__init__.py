@@ -12,8 +12,8 @@ _EXPORTS = {
     "CacheConfig": "config", "EngineConfig": "config", "ModelConfig": "config", "SchedulerConfig": "config",
     "ServiceConfig": "config", "load_config": "config",
     "Engine": "engine", "GenerateResult": "engine",
-    "CacheExhausted": "errors", "InvalidRequest": "errors", "PrefixBudgetExceeded": "errors", "PrefixExists": "errors",
-    "PrefixNotFound": "errors", "PrefixServiceError": "errors", "PromptTooLong": "errors",
+    "CacheExhausted": "errors", "InvalidRequest": "errors", "TemplateBudgetExceeded": "errors", "TemplateExists": "errors",
+    "TemplateNotFound": "errors", "PrefixServiceError": "errors", "PromptTooLong": "errors",
     "SamplingParams": "sampling_params",
     "FinishReason": "engine.sequence", "GenerateRequest": "engine.sequence", "RequestOutput": "engine.sequence",
     "TokenLogprob": "engine.sequence", "ScoreRequest": "engine.sequence", "ScoreOutput": "engine.sequence",
@@ -23,7 +23,7 @@ _EXPORTS = {
 __all__ = [
     "CandidateScore", "ScoreOutput", "ScoreRequest",
     "CacheConfig", "CacheExhausted", "Engine", "EngineConfig", "FinishReason", "GenerateRequest", "GenerateResult",
-    "InvalidRequest", "ModelConfig", "PrefixBudgetExceeded", "PrefixExists", "PrefixNotFound",
+    "InvalidRequest", "ModelConfig", "TemplateBudgetExceeded", "TemplateExists", "TemplateNotFound",
     "PrefixServiceError", "PromptTooLong", "RequestOutput", "SamplingParams", "SchedulerConfig",
     "ServiceConfig", "TokenLogprob", "load_config",
 ]
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from prefix_service.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServiceConfig,
                                        load_config)
     from prefix_service.engine import Engine, GenerateResult
-    from prefix_service.errors import (CacheExhausted, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
-                                       PrefixNotFound, PrefixServiceError, PromptTooLong)
+    from prefix_service.errors import (CacheExhausted, InvalidRequest, TemplateBudgetExceeded, TemplateExists,
+                                       TemplateNotFound, PrefixServiceError, PromptTooLong)
     from prefix_service.sampling_params import SamplingParams
     from prefix_service.engine.sequence import (CandidateScore, FinishReason, GenerateRequest, RequestOutput,
                                                 ScoreOutput, ScoreRequest, TokenLogprob)

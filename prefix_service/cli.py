@@ -252,10 +252,10 @@ def _prefix(args: argparse.Namespace) -> int:
                 except OSError as e:
                     print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
                     return 2
-            t = client.add_prefix(args.name, content, system_prompt=args.system_prompt)
+            t = client.add_template(args.name, content, system_prompt=args.system_prompt)
             print(f"added {t.name}: {t.num_tokens} tokens, {t.num_blocks} blocks pinned")
         elif args.prefix_command == "list":
-            templates = client.list_prefixes()
+            templates = client.list_templates()
             if args.json:
                 for t in templates:
                     print(json.dumps({"name": t.name, "num_tokens": t.num_tokens, "num_blocks": t.num_blocks,
@@ -273,7 +273,7 @@ def _prefix(args: argparse.Namespace) -> int:
                 for r in rows:
                     print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         else:
-            resp = client.remove_prefix(args.name)
+            resp = client.remove_template(args.name)
             print(f"removed {args.name}" + (" (its blocks are freed when the requests using it finish)"
                                              if resp.deferred else ""))
     return 0

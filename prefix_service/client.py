@@ -60,16 +60,16 @@ class PrefixServiceClient:
         finally:
             call.cancel()  # no-op once finished
 
-    def add_prefix(self, name: str, content: str | None = None, *, system_prompt: str | None = None,
+    def add_template(self, name: str, content: str | None = None, *, system_prompt: str | None = None,
                    timeout: float | None = None) -> pb.PrefixTemplate:
         request = pb.AddPrefixTemplateRequest(name=name, content=content or "", system_prompt=system_prompt or "")
         return self._admin.AddPrefixTemplate(request, metadata=self._metadata, timeout=timeout)
 
-    def remove_prefix(self, name: str, timeout: float | None = None) -> pb.RemovePrefixTemplateResponse:
+    def remove_template(self, name: str, timeout: float | None = None) -> pb.RemovePrefixTemplateResponse:
         return self._admin.RemovePrefixTemplate(pb.RemovePrefixTemplateRequest(name=name),
                                                 metadata=self._metadata, timeout=timeout)
 
-    def list_prefixes(self, timeout: float | None = None) -> list[pb.PrefixTemplate]:
+    def list_templates(self, timeout: float | None = None) -> list[pb.PrefixTemplate]:
         resp = self._admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest(), metadata=self._metadata,
                                                timeout=timeout)
         return list(resp.templates)

@@ -51,7 +51,7 @@ def parse_size(value: Any, key: str) -> int:
     raise ConfigError(f"{key}: expected a size like '2GiB', '512MiB' or a byte count, got {value!r}")
 
 
-def validate_prefix_name(name: Any) -> str:
+def validate_template_name(name: Any) -> str:
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
         raise ConfigError(
             f"invalid prefix name {name!r}: use 1-128 characters from letters, digits, '_', '-', '.',"
@@ -250,7 +250,7 @@ class TemplateSpec:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        validate_prefix_name(self.name)
+        validate_template_name(self.name)
         given = [k for k in ("content", "file", "system_prompt") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ConfigError(

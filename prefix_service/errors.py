@@ -33,18 +33,18 @@ class CacheExhausted(PromptTooLong):
     capacity limit of this server rather than of the model (RESOURCE_EXHAUSTED at the API)."""
 
 
-class PrefixNotFound(PrefixServiceError, KeyError):
+class TemplateNotFound(PrefixServiceError, KeyError):
     """No prefix template has this name."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "prefix not found"
 
 
-class PrefixExists(PrefixServiceError):
+class TemplateExists(PrefixServiceError):
     """A prefix template with this name already exists."""
 
 
-class PrefixBudgetExceeded(PrefixServiceError):
+class TemplateBudgetExceeded(PrefixServiceError):
     """Pinning this template would exceed the prefix budget (or the free KV blocks)."""
 
 

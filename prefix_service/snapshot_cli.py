@@ -162,12 +162,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from prefix_service.config import validate_prefix_name
+    from prefix_service.config import validate_template_name
     from prefix_service.engine.snapshots import SUFFIX, SnapshotMismatch
     from prefix_service.errors import ConfigError
 
     try:
-        validate_prefix_name(args.name)
+        validate_template_name(args.name)
     except ConfigError as e:
         raise UsageError(str(e)) from e
     store = _store(args.config)
@@ -190,7 +190,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from prefix_service.config import validate_prefix_name
+    from prefix_service.config import validate_template_name
     from prefix_service.engine.snapshots import SUFFIX, SnapshotMismatch, read_snapshot_file
     from prefix_service.errors import ConfigError
 
@@ -205,7 +205,7 @@ def _import(args: argparse.Namespace) -> int:
         return EXIT_MISMATCH
     name = args.name or recorded or source.name.removesuffix(SUFFIX)
     try:
-        validate_prefix_name(name)
+        validate_template_name(name)
     except ConfigError as e:
         raise UsageError(f"{e} (name the template with --name)") from e
     replaced = store.path(name).exists()

@@ -46,7 +46,7 @@ def child(args: argparse.Namespace) -> None:
                                  SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)))
     work = build_workload("intent", engine.tokenizer, Sizes())
     start = time.perf_counter()
-    engine.add_prefix(work.prefix_name, token_ids=list(work.prefix_ids))
+    engine.add_template(work.prefix_name, token_ids=list(work.prefix_ids))
     warm_ms = (time.perf_counter() - start) * 1e3
     params = SamplingParams(max_tokens=work.output_tokens, ignore_eos=True)
     index = iter(range(args.round * 100_000, 10**9))  # segments of this round only: never sent before

@@ -179,7 +179,7 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int], impl_
     arch = engine.info.arch
     vocab = arch.vocab_size
     prefix = [(104729 * (i + 3)) % (vocab - 10) + 5 for i in range(PREFIX_LEN)]
-    engine.add_prefix("seed", token_ids=prefix)
+    engine.add_template("seed", token_ids=prefix)
 
     def request(k, with_prefix, max_tokens=OUT_LEN):
         user = seed_ids(k, vocab)

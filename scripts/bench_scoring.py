@@ -56,7 +56,7 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
     engine = Engine(EngineConfig(ModelConfig(path=ids["model"], dtype=args.dtype, device="cpu"),
                                  CacheConfig(block_size=16, kv_cache_memory=1 << 30),
                                  SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
-    engine.add_prefix(ids["prefix_name"], token_ids=ids["prefix"])
+    engine.add_template(ids["prefix_name"], token_ids=ids["prefix"])
     labels = ids["labels"]
 
     def by_score(message: list[int]) -> list[float]:

@@ -72,7 +72,7 @@ def child(args: argparse.Namespace, ids: dict, snapshot_dir: str) -> dict:
     per_template, sources = [], []
     for name, tokens in ids["templates"].items():
         t = time.perf_counter()
-        info = engine.add_prefix(name, token_ids=tokens)
+        info = engine.add_template(name, token_ids=tokens)
         per_template.append((time.perf_counter() - t) * 1000)
         sources.append(info.kv_source)
     pinned = time.perf_counter()

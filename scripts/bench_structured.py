@@ -157,7 +157,7 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
     engine = Engine(EngineConfig(ModelConfig(path=ids["model"], dtype=args.dtype, device="cpu"),
                                  CacheConfig(block_size=16, kv_cache_memory=1 << 30),
                                  SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
-    engine.add_prefix(ids["prefix_name"], token_ids=ids["prefix"])
+    engine.add_template(ids["prefix_name"], token_ids=ids["prefix"])
     constraint = StructuredOutput("json_schema", ids["schema"])
 
     def run(messages: list[list[int]], params: list[Any]) -> dict:

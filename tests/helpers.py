@@ -20,7 +20,7 @@ def run_ids(engine, ids, prefix=None, max_tokens=32, **kw) -> list[int]:
 
 
 def pinned_handle(engine, name: str):
-    """The engine's live TemplateHandle of a template (block table, counters), white-box: get_prefix
+    """The engine's live TemplateHandle of a template (block table, counters), white-box: get_template
     hands out a TemplateView without them."""
     return engine._run(lambda core: core.prefixes.get(name))
 
@@ -69,10 +69,10 @@ def mixed_generate(engine, max_tokens: int = 24) -> list[list[int]]:
     """Plain prompts (batched prefill + decode), then the same prompts on a pinned template
     (prefills over its blocks, decodes that share them): every sequence's greedy ids."""
     plain = engine.generate([GenerateRequest(prompt_token_ids=p, sampling=greedy(max_tokens)) for p in PROMPTS])
-    engine.add_prefix("tpl", token_ids=PREFIX)
+    engine.add_template("tpl", token_ids=PREFIX)
     on_tpl = engine.generate([GenerateRequest(prompt_token_ids=p, prefix_name="tpl", sampling=greedy(max_tokens))
                               for p in PROMPTS])
-    assert engine.remove_prefix("tpl")
+    assert engine.remove_template("tpl")
     return [o.token_ids for o in plain + on_tpl]
 
 

@@ -188,7 +188,7 @@ def test_score_over_grpc_and_http_equals_the_engine(server, grpc_clients):
     for got, w in zip(resp.candidates, want.candidates, strict=True):
         assert list(got.token_ids) == list(w.token_ids)
         assert close(got.logprob, w.logprob) and all(close(a, b) for a, b in zip(got.token_logprobs, w.token_logprobs))
-    doc_tokens = server.engine.get_prefix("doc").num_tokens
+    doc_tokens = server.engine.get_template("doc").num_tokens
     assert resp.usage.prefix_tokens == doc_tokens and resp.usage.prompt_tokens == want.prompt_tokens
 
     status, body = post(server, "/v1/scores", {"model": "doc", "prompt": " the price of", "candidates": LABELS})

@@ -12,7 +12,7 @@ def _ids(k):
 
 def test_many_concurrent_streams_equal_blocking_results(make_engine):
     engine = make_engine(block_size=4)
-    engine.add_prefix("p", token_ids=_ids(100) * 2)
+    engine.add_template("p", token_ids=_ids(100) * 2)
     reqs = [GenerateRequest(prompt_token_ids=_ids(k), prefix_name="p" if k % 2 else None, sampling=greedy(16))
             for k in range(24)]
 
@@ -56,14 +56,14 @@ def test_closing_a_stream_aborts_and_frees_blocks(make_engine):
 
 def test_stream_raises_validation_errors(make_engine):
     import pytest
-    from prefix_service import PrefixNotFound
+    from prefix_service import TemplateNotFound
     engine = make_engine()
 
     async def main():
         async for _ in engine.generate_stream(GenerateRequest(prompt="x", prefix_name="nope")):
             pass
 
-    with pytest.raises(PrefixNotFound):
+    with pytest.raises(TemplateNotFound):
         asyncio.run(main())
 
 

@@ -77,7 +77,7 @@ def test_backend_glue_in_engine_on_cpu(make_engine, monkeypatch):
     prefix = [(7 * i + 5) % 500 + 3 for i in range(10)]
     users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(3)]
     expected = [run_ids(ref_engine, prefix + u, max_tokens=6) for u in users]
-    engine.add_prefix("p", token_ids=prefix)
+    engine.add_template("p", token_ids=prefix)
     outs = engine.generate([GenerateRequest(prompt_token_ids=u, prefix_name="p", sampling=greedy(6)) for u in users])
     assert [o.token_ids for o in outs] == expected
 
@@ -125,7 +125,7 @@ def test_gpu_engine_prefix_vs_no_prefix(prefix_len, llama_dir, tmp_path):
     with Engine(cfg) as engine:
         assert engine.info.backend == "cuda"
         expected = run_ids(engine, full)
-        engine.add_prefix("p", token_ids=full[:prefix_len])
+        engine.add_template("p", token_ids=full[:prefix_len])
         assert run_ids(engine, full[prefix_len:], prefix="p") == expected
         engine.check_integrity()
 
@@ -168,17 +168,17 @@ def test_gpu_snapshot_and_peer_restore_equal_a_prefill(dtype, llama_dir, tmp_pat
         return engine._run(lambda core: core.backend.read_blocks(core.prefixes.get("doc").block_table))
 
     with Engine(config(folder)) as first:
-        assert first.add_prefix("doc", token_ids=template).kv_source == "prefill"
+        assert first.add_template("doc", token_ids=template).kv_source == "prefill"
         first.flush_snapshots()
         want, kv = run_ids(first, prompt, prefix="doc"), template_kv(first)
         with Engine(config(folder)) as restored:
-            assert restored.add_prefix("doc", token_ids=template).kv_source == "snapshot"
+            assert restored.add_template("doc", token_ids=template).kv_source == "snapshot"
             got = template_kv(restored)
             assert all(torch.equal(got[k], kv[k]) for k in kv)
             assert run_ids(restored, prompt, prefix="doc") == want
             restored.check_integrity()
         with Engine(config(None)) as joiner:
-            joiner.peer_kv = lambda name, ids: first.export_prefix_kv(name)
-            assert joiner.add_prefix("doc", token_ids=template).kv_source == "peer"
+            joiner.peer_kv = lambda name, ids: first.export_template_kv(name)
+            assert joiner.add_template("doc", token_ids=template).kv_source == "peer"
             assert run_ids(joiner, prompt, prefix="doc") == want
             joiner.check_integrity()

@@ -98,7 +98,7 @@ def test_cpu_backend_equals_torch_under_preemption_and_copy_on_write(make_engine
     for backend in ("torch", "cpu"):
         engine = make_engine(num_blocks=40, prefix_budget_blocks=10, max_num_batched_tokens=20, backend=backend)
         for name, ids in prefixes.items():
-            engine.add_prefix(name, token_ids=ids)
+            engine.add_template(name, token_ids=ids)
         results[backend] = generate_together(engine, batch)
         assert engine.kv_stats()["preemptions"] > 0
     assert results["cpu"] == results["torch"]

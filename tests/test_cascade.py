@@ -70,7 +70,7 @@ def test_engine_uses_cascade_for_shared_prefix_batches(make_engine, monkeypatch)
     users = [[(5 * i + k) % 500 + 3 for i in range(2 + k)] for k in range(5)]
     expected = [run_ids(engine, prefix + u, max_tokens=12) for u in users]
     assert not calls  # no shared prefix, no cascade
-    engine.add_prefix("p", token_ids=prefix)
+    engine.add_template("p", token_ids=prefix)
     outs = engine.generate([GenerateRequest(prompt_token_ids=u, prefix_name="p", sampling=greedy(12)) for u in users])
     assert [o.token_ids for o in outs] == expected
     assert calls and max(calls) == len(users)

@@ -48,7 +48,7 @@ def test_generate_streams_the_engines_output(server, capsys):
     ref = server.engine.generate(GenerateRequest(prompt=" the order", prefix_name="doc",
                                                  sampling=SamplingParams(max_tokens=9)))[0]
     assert out == ref.text + "\n"
-    prefix_len = server.engine.get_prefix("doc").num_tokens
+    prefix_len = server.engine.get_template("doc").num_tokens
     assert re.search(rf"\[(length|stop)\] prompt {ref.prompt_tokens} tokens \({prefix_len} reused from the prefix\), "
                      rf"{ref.completion_tokens} completion tokens, ttft \d+ ms", err), err
 
@@ -61,7 +61,7 @@ def test_generate_chat_with_system_message(server, capsys):
                  "refund please"]) == 0
     out, err = capsys.readouterr()
     assert out == via_system  # the pinned system prompt gives the same answer
-    assert f"({server.engine.get_prefix('sys').num_tokens} reused" in err
+    assert f"({server.engine.get_template('sys').num_tokens} reused" in err
 
 
 def test_generate_reads_stdin(server, capsys, monkeypatch):

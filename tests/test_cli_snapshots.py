@@ -37,8 +37,8 @@ def folder(make_engine, tmp_path) -> Path:
     """A snapshot folder holding doc's and faq's snapshots, written by an Engine (block size 4)."""
     folder = tmp_path / "a" / "snaps"
     engine = make_engine(snapshot_dir=str(folder), backend="torch")
-    engine.add_prefix("doc", token_ids=TEMPLATE)
-    engine.add_prefix("faq", token_ids=TEMPLATE[:5])
+    engine.add_template("doc", token_ids=TEMPLATE)
+    engine.add_template("faq", token_ids=TEMPLATE[:5])
     engine.flush_snapshots()
     assert sorted(p.name for p in folder.iterdir()) == ["doc.kv.safetensors", "faq.kv.safetensors"]
     return folder
@@ -130,8 +130,8 @@ def test_export_then_import_pins_from_the_snapshot(config, folder, llama_dir, tm
 
     engine = Engine(load_config(target))
     try:
-        assert engine.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot"
-        assert engine.add_prefix("help", token_ids=TEMPLATE).kv_source == "snapshot"
+        assert engine.add_template("doc", token_ids=TEMPLATE).kv_source == "snapshot"
+        assert engine.add_template("help", token_ids=TEMPLATE).kv_source == "snapshot"
         engine.check_integrity()
     finally:
         engine.shutdown()

@@ -369,13 +369,13 @@ def test_engine_decodes_a_shared_template_batch_through_the_kernel(make_engine, 
     prefix = [(3 * i + 7) % 500 + 3 for i in range(23)]
     users = [[(5 * i + k) % 500 + 3 for i in range(2 + k)] for k in range(5)]
     torch_engine = make_engine(block_size=4, backend="torch")
-    torch_engine.add_prefix("p", token_ids=prefix)
+    torch_engine.add_template("p", token_ids=prefix)
     batch = [GenerateRequest(prompt_token_ids=u, prefix_name="p", sampling=greedy(12)) for u in users]
     want = [o.token_ids for o in torch_engine.generate(batch)]
     assert cascades and not templated  # the torch backend groups them
     cascades.clear()
     engine = make_engine(block_size=4)
     assert engine.info.backend == "cpu"
-    engine.add_prefix("p", token_ids=prefix)
+    engine.add_template("p", token_ids=prefix)
     assert [o.token_ids for o in engine.generate(batch)] == want
     assert not cascades and max(templated) == len(users)

@@ -241,9 +241,9 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which):
     for prefix_len in (1, BS - 1, BS, BS + 1, 2 * BS, 4 * BS + 1):
         full = ids_of(prefix_len + 9, salt=prefix_len)
         expected = run_ids(engine, full, max_tokens=24)
-        engine.add_prefix("p", token_ids=full[:prefix_len])
+        engine.add_template("p", token_ids=full[:prefix_len])
         got = run_ids(engine, full[prefix_len:], prefix="p", max_tokens=24)
-        assert engine.remove_prefix("p")
+        assert engine.remove_template("p")
         assert_same_or_near_tie(engine, full, expected, got, prefix_len)
 
 
@@ -263,7 +263,7 @@ def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget):
         full.append((prefixes[name] if name else []) + user)
         expected.append(run_ids(engine, full[-1], max_tokens=20))
     for name, ids in prefixes.items():
-        engine.add_prefix(name, token_ids=ids)
+        engine.add_template(name, token_ids=ids)
     for k, got in enumerate(generate_together(engine, reqs)):
         assert_same_or_near_tie(engine, full[k], expected[k], got, k)
 
@@ -275,7 +275,7 @@ def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     assert core.backend.name == "cpu" and core.dtype == torch.bfloat16
     assert len(core.backend.kv_layers) > 0
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in core.backend.kv_layers)
-    engine.add_prefix("tpl", token_ids=PREFIX)
+    engine.add_template("tpl", token_ids=PREFIX)
 
     def sample(seed: int) -> list[list[int]]:
         sampling = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True)

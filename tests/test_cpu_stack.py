@@ -116,7 +116,7 @@ def check_mixed_workload(engine, monkeypatch, round_kv: bool = False) -> list[bo
                      [(q, c, f > 0) for q, c, f in plan.prefill_info.tolist()]))
         return got
     monkeypatch.setattr(DecoderStack, "forward", checked)
-    engine.add_prefix("tpl", token_ids=[(3 * i + 7) % 500 + 3 for i in range(22)])  # 5 full blocks + 2
+    engine.add_template("tpl", token_ids=[(3 * i + 7) % 500 + 3 for i in range(22)])  # 5 full blocks + 2
     prompts = [[(5 * i + k) % 500 + 3 for i in range(2 + 7 * k)] for k in range(4)]
     batch = [GenerateRequest(prompt_token_ids=p, prefix_name="tpl" if k % 2 == 0 else None, sampling=greedy(6))
              for k, p in enumerate(prompts)] + [GenerateRequest(prompt_token_ids=p, prefix_name="tpl",

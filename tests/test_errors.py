@@ -3,42 +3,42 @@ the engine intact (the fixture checks integrity afterwards)."""
 import pytest
 
 from helpers import greedy, run_ids
-from prefix_service import (GenerateRequest, InvalidRequest, PrefixBudgetExceeded, PrefixExists,
-                            PrefixNotFound, PromptTooLong, SamplingParams)
+from prefix_service import (GenerateRequest, InvalidRequest, TemplateBudgetExceeded, TemplateExists,
+                            TemplateNotFound, PromptTooLong, SamplingParams)
 
 
 def test_unknown_prefix(make_engine):
     engine = make_engine()
-    engine.add_prefix("known", token_ids=[5, 6, 7])
-    with pytest.raises(PrefixNotFound, match=r"no prefix template named 'nope' \(known: known\)"):
+    engine.add_template("known", token_ids=[5, 6, 7])
+    with pytest.raises(TemplateNotFound, match=r"no prefix template named 'nope' \(known: known\)"):
         engine.generate([GenerateRequest(prompt="hi", prefix_name="nope")])
 
 
 def test_duplicate_name(make_engine):
     engine = make_engine()
-    engine.add_prefix("p", token_ids=[5, 6, 7])
-    with pytest.raises(PrefixExists, match="'p' already exists"):
-        engine.add_prefix("p", token_ids=[8, 9])
+    engine.add_template("p", token_ids=[5, 6, 7])
+    with pytest.raises(TemplateExists, match="'p' already exists"):
+        engine.add_template("p", token_ids=[8, 9])
 
 
 def test_prefix_over_budget(make_engine):
     engine = make_engine(block_size=4, prefix_budget_blocks=3)
-    engine.add_prefix("a", token_ids=list(range(3, 11)))  # 2 blocks
-    with pytest.raises(PrefixBudgetExceeded, match=r"needs 2 blocks \(5 tokens\).*1 of 3 blocks left"):
-        engine.add_prefix("b", token_ids=list(range(3, 8)))
-    assert [p.name for p in engine.list_prefixes()] == ["a"]
-    engine.add_prefix("c", token_ids=[3, 4])  # 1 block still fits
+    engine.add_template("a", token_ids=list(range(3, 11)))  # 2 blocks
+    with pytest.raises(TemplateBudgetExceeded, match=r"needs 2 blocks \(5 tokens\).*1 of 3 blocks left"):
+        engine.add_template("b", token_ids=list(range(3, 8)))
+    assert [p.name for p in engine.list_templates()] == ["a"]
+    engine.add_template("c", token_ids=[3, 4])  # 1 block still fits
 
 
 def test_prompt_over_max_length(make_engine):
     engine = make_engine(max_model_len=32)
     with pytest.raises(PromptTooLong, match="40 tokens; the model's context is 32"):
         run_ids(engine, list(range(3, 43)))
-    engine.add_prefix("p", token_ids=list(range(3, 23)))
+    engine.add_template("p", token_ids=list(range(3, 23)))
     with pytest.raises(PromptTooLong, match="with prefix 'p'"):
         run_ids(engine, list(range(3, 15)), prefix="p")
     with pytest.raises(PromptTooLong, match="prefix template 'big'"):
-        engine.add_prefix("big", token_ids=list(range(3, 40)))
+        engine.add_template("big", token_ids=list(range(3, 40)))
 
 
 def test_prompt_larger_than_cache(make_engine):
@@ -72,15 +72,15 @@ def test_invalid_inputs(make_engine):
     with pytest.raises(InvalidRequest, match=r"token ids must be in \[0, 512\)"):
         engine.generate([GenerateRequest(prompt_token_ids=[1, 99999])])
     with pytest.raises(InvalidRequest, match="invalid prefix name"):
-        engine.add_prefix("bad name!", token_ids=[1, 2])
+        engine.add_template("bad name!", token_ids=[1, 2])
     with pytest.raises(InvalidRequest, match="is empty"):
-        engine.add_prefix("empty", token_ids=[])
+        engine.add_template("empty", token_ids=[])
 
 
 def test_bad_request_in_a_batch_runs_nothing(make_engine):
     engine = make_engine()
     good = GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=greedy(50))
     bad = GenerateRequest(prompt_token_ids=[5], prefix_name="missing")
-    with pytest.raises(PrefixNotFound):
+    with pytest.raises(TemplateNotFound):
         engine.generate([good, bad])
     assert engine.kv_stats()["used"] == 0

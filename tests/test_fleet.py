@@ -74,7 +74,7 @@ def reference(model_dir):
     config = make_config(model_dir, num_blocks=1024)
     engine = Engine(config)
     for name, text in TEMPLATES.items():
-        engine.add_prefix(name, text)
+        engine.add_template(name, text)
     yield engine
     engine.shutdown()
 
@@ -278,7 +278,7 @@ def test_admin_add_and_remove_reach_the_holders(fleet, reference):
     saved = json.loads(Path(server.config.server.state_file).read_text())
     assert [t["name"] for t in saved["templates"]] == ["extra"]
     wait_until(lambda: "extra" in snapshots(server), what="the holder writing the snapshot of 'extra'")
-    reference.add_prefix("extra", text)
+    reference.add_template("extra", text)
     _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "extra", MAX_TOKENS)))
     assert ids == expected_ids(reference, "extra", "the order")
     with pytest.raises(grpc.RpcError) as e:

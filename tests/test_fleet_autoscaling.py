@@ -66,7 +66,7 @@ def expected(model_dir):
     out = {}
     for name in CALLED:
         if name:
-            engine.add_prefix(name, TEMPLATES[name])
+            engine.add_template(name, TEMPLATES[name])
         for n in (LONG, SHORT):
             sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
             out[name, n] = engine.generate(GenerateRequest(prompt="the order", prefix_name=name or None,

@@ -80,7 +80,7 @@ def test_a_fleet_on_a_cluster_it_joined(cluster, model_dir, tmp_path):
         clients = Clients(address)
         sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         for name, text in TEMPLATES.items():
-            engine.add_prefix(name, text)
+            engine.add_template(name, text)
             want = engine.generate(GenerateRequest(prompt="the order", prefix_name=name, sampling=sampling))[0]
             _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, 8), timeout=60))
             assert ids == want.token_ids, name

@@ -13,7 +13,7 @@ import pytest
 
 from prefix_service.config import TemplateSpec, RayConfig
 from prefix_service.engine.template_pins import TemplateInfo
-from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
+from prefix_service.errors import TemplateBudgetExceeded, TemplateExists, TemplateNotFound
 from prefix_service.fleet import controller as ctl_module
 from prefix_service.fleet.controller import FleetController
 from prefix_service.fleet.placement import holders
@@ -46,9 +46,9 @@ class FakeReplica:
 
     def pin(self, src: TemplateSource):
         if src.name in self.refuse:
-            raise PrefixBudgetExceeded(f"replica {self.id}: no room for {src.name!r}")
+            raise TemplateBudgetExceeded(f"replica {self.id}: no room for {src.name!r}")
         if src.name in self.held:
-            raise PrefixExists(src.name)
+            raise TemplateExists(src.name)
         self.held[src.name] = src
         return self.info(src.name), self.token_ids(src.name)
 
@@ -248,9 +248,9 @@ def test_add_pins_on_every_holder_or_rolls_back(llama_dir, tmp_path):
         info, where = await c.add(TemplateSource("small", content="fits"))
         assert info.name == "small" and where == ("a", "b") and "small" in a.held and "small" in b.held
         assert [t["name"] for t in json.loads(state.read_text())["templates"]] == ["small"]
-        with pytest.raises(PrefixExists):
+        with pytest.raises(TemplateExists):
             await c.add(TemplateSource("small", content="again"))
-        with pytest.raises(PrefixBudgetExceeded, match="no room"):  # b refuses: a's pin is undone
+        with pytest.raises(TemplateBudgetExceeded, match="no room"):  # b refuses: a's pin is undone
             await c.add(TemplateSource("big", content="too big for b"))
         assert "big" not in a.held and "big" not in (await c.routes())
         assert [t["name"] for t in json.loads(state.read_text())["templates"]] == ["small"]
@@ -258,7 +258,7 @@ def test_add_pins_on_every_holder_or_rolls_back(llama_dir, tmp_path):
         assert "small" not in a.held and "small" not in b.held and "small" not in (await c.routes())
         assert ("small", True) in a.unpins and ("small", True) in b.unpins  # removed: its snapshots go too
         assert json.loads(state.read_text())["templates"] == []
-        with pytest.raises(PrefixNotFound):
+        with pytest.raises(TemplateNotFound):
             await c.remove("small")
         a.stop(), b.stop()
     run(main())
@@ -280,7 +280,7 @@ def test_a_restarted_controller_restores_the_state_file_and_learns_token_ids(lla
         assert view.structured == choice  # its default output, as the replicas pin it
         assert a.held["saved"].structured == choice
         assert {info.name: info.structured for info, _, _ in await c.listing()}["saved"] == choice
-        with pytest.raises(PrefixNotFound):
+        with pytest.raises(TemplateNotFound):
             await c.prefix("nope")
         a.stop()
     run(main())

@@ -223,7 +223,7 @@ def test_the_services_answers_are_not_logged_as_failed_requests():
     import logging
     import sys
 
-    from prefix_service.errors import PrefixExists
+    from prefix_service.errors import TemplateExists
     from prefix_service.fleet import AnsweredNotFailed
 
     def record(exc: BaseException) -> logging.LogRecord:
@@ -232,10 +232,10 @@ def test_the_services_answers_are_not_logged_as_failed_requests():
         except BaseException:
             return logging.LogRecord("ray.serve", logging.ERROR, __file__, 1, "Request failed.", (), sys.exc_info())
 
-    answered = record(PrefixExists("a prefix template named 'x' already exists"))
+    answered = record(TemplateExists("a prefix template named 'x' already exists"))
     assert AnsweredNotFailed().filter(answered)
     assert answered.levelno == logging.INFO and answered.exc_info is None
-    assert answered.getMessage() == "request answered with PrefixExists: a prefix template named 'x' already exists"
+    assert answered.getMessage() == "request answered with TemplateExists: a prefix template named 'x' already exists"
     failed = record(RuntimeError("boom"))
     assert AnsweredNotFailed().filter(failed)
     assert failed.levelno == logging.ERROR and failed.exc_info is not None and failed.getMessage() == "Request failed."

@@ -72,7 +72,7 @@ def test_models_lists_the_model_and_every_template(server):
     assert sorted(ids[1:]) == ["doc", "sys"]
     doc = next(m for m in models if m.id == "doc")
     assert doc.parent == ids[0] and doc.metadata["kind"] == "prefix_template"
-    assert doc.metadata["template_tokens"] == server.engine.get_prefix("doc").num_tokens
+    assert doc.metadata["template_tokens"] == server.engine.get_template("doc").num_tokens
 
 
 def test_completion_on_a_template_equals_grpc_token_for_token(server, grpc_clients):
@@ -86,7 +86,7 @@ def test_completion_on_a_template_equals_grpc_token_for_token(server, grpc_clien
         assert choice.model_extra["token_ids"] == expected
         assert choice.text == server.engine.tokenizer.decode(expected)
         assert choice.finish_reason == "length"
-        doc_tokens = server.engine.get_prefix("doc").num_tokens
+        doc_tokens = server.engine.get_template("doc").num_tokens
         assert resp.usage.prompt_tokens_details.cached_tokens == doc_tokens
         assert resp.usage.completion_tokens == 8
         assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
@@ -110,7 +110,7 @@ def test_streamed_completion_equals_the_whole_one(server, grpc_clients):
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens == 8
-    assert usage.usage.prompt_tokens_details.cached_tokens == server.engine.get_prefix("doc").num_tokens
+    assert usage.usage.prompt_tokens_details.cached_tokens == server.engine.get_template("doc").num_tokens
 
 
 def test_prompt_as_token_ids_and_without_a_template(server, grpc_clients):

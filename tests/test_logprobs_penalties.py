@@ -34,7 +34,7 @@ def test_logprobs_are_the_models_log_softmax(make_engine, backend):
     tempered one); on a template as without."""
     oracle = make_engine(backend="torch")
     engine = make_engine(backend=backend)
-    engine.add_prefix("t", token_ids=PROMPT[:5])
+    engine.add_template("t", token_ids=PROMPT[:5])
     for kw in (dict(), dict(temperature=2.0, seed=5)):
         out = generate(engine, logprobs=3, **kw)
         assert [lp.token_id for lp in out.logprobs] == out.token_ids

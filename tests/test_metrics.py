@@ -94,7 +94,7 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
         value(m, "prefix_service_e2e_latency_seconds_sum", prefix="doc")
     assert value(m, "prefix_service_e2e_latency_seconds_bucket", prefix="doc", le="+Inf") == 3
 
-    doc_tokens = st.engine.get_prefix("doc").num_tokens
+    doc_tokens = st.engine.get_template("doc").num_tokens
     assert value(m, "prefix_service_prefix_tokens_reused_total", prefix="doc") == 3 * doc_tokens
     assert value(m, "prefix_service_completion_tokens_total", prefix="doc") == 15
 

@@ -23,7 +23,7 @@ def request(n, prefix=None, **kw):
 @pytest.mark.parametrize("prefix", [None, "t"])
 def test_seeded_samples_equal_single_requests_of_seed_plus_i(make_engine, prefix):
     engine = make_engine()
-    engine.add_prefix("t", token_ids=TEMPLATE)
+    engine.add_template("t", token_ids=TEMPLATE)
     out = engine.generate(request(4, prefix, temperature=1.0, seed=100))[0]
     assert len(out.samples) == 4 and out.samples[0] is out
     for i, sample in enumerate(out.samples):
@@ -36,7 +36,7 @@ def test_seeded_samples_equal_single_requests_of_seed_plus_i(make_engine, prefix
 
 def test_greedy_samples_and_the_prompt_computed_once(make_engine):
     engine = make_engine()
-    engine.add_prefix("t", token_ids=TEMPLATE)
+    engine.add_template("t", token_ids=TEMPLATE)
     single = engine.generate(request(1, "t"))[0].token_ids
     steps = []
     backend = engine._core.backend

@@ -64,14 +64,14 @@ def count_packed(monkeypatch):
 def test_engine_tokens_with_packed_template_equal_without(prefix_len, make_engine, count_packed):
     full = ids_of(prefix_len + 11)
     plain = make_engine(block_size=BLOCK, pack_prefix_kv=False)
-    plain.add_prefix("p", token_ids=full[:prefix_len])
+    plain.add_template("p", token_ids=full[:prefix_len])
     expected = run_ids(plain, full)
     assert run_ids(plain, full[prefix_len:], prefix="p") == expected
     assert count_packed == [] and plain.kv_stats()["packed_prefix_bytes"] == 0  # packing off: never used
 
     engine = make_engine(block_size=BLOCK)
     assert engine.info.backend == "cpu"
-    engine.add_prefix("p", token_ids=full[:prefix_len])
+    engine.add_template("p", token_ids=full[:prefix_len])
     assert engine._run(lambda core: len(core.backend.templates)) == 1
     assert run_ids(engine, full[prefix_len:], prefix="p") == expected
     assert count_packed == [11]  # the prompt's prefill, over the packed template
@@ -96,17 +96,17 @@ def test_packed_copy_dropped_with_the_template_blocks(make_engine):
         def names(core):
             return sorted(h.name for h in core.prefixes.pinned_handles() if h.template_id in core.backend.templates)
         return engine._run(names)
-    engine.add_prefix("a", token_ids=ids_of(9))
-    engine.add_prefix("b", token_ids=ids_of(3, salt=1))  # no full block: nothing to pack
+    engine.add_template("a", token_ids=ids_of(9))
+    engine.add_template("b", token_ids=ids_of(3, salt=1))  # no full block: nothing to pack
     assert packed() == ["a"]
     arch = engine.info.arch
     # 2 full blocks of 4 tokens, K and V of every layer, float32
     assert engine.kv_stats()["packed_prefix_bytes"] == 2 * 2 * BLOCK * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
-    assert engine.remove_prefix("a") is True  # unused: freed at once, and its packed copy with it
+    assert engine.remove_template("a") is True  # unused: freed at once, and its packed copy with it
     assert packed() == []
 
     # removed while requests still read it: the copy stays until the last of them ends
-    engine.add_prefix("c", token_ids=ids_of(10, salt=2))
+    engine.add_template("c", token_ids=ids_of(10, salt=2))
     outputs = {0: [], 1: []}
     started = [threading.Event(), threading.Event()]
 
@@ -119,7 +119,7 @@ def test_packed_copy_dropped_with_the_template_blocks(make_engine):
         engine.submit(GenerateRequest(prompt_token_ids=ids_of(4, salt=3 + k), prefix_name="c", sampling=greedy(40)),
                       sink_for(k))
     assert all(e.wait(30) for e in started)
-    assert engine.remove_prefix("c") is False
+    assert engine.remove_template("c") is False
     assert packed() == ["c"]
     for k in range(2):
         while not outputs[k][-1].finished:
@@ -131,7 +131,7 @@ def test_packed_copy_dropped_with_the_template_blocks(make_engine):
 
 def test_the_torch_backend_packs_nothing(make_engine):
     engine = make_engine(block_size=BLOCK, backend="torch")
-    engine.add_prefix("a", token_ids=ids_of(9))
+    engine.add_template("a", token_ids=ids_of(9))
     assert engine.kv_stats()["packed_prefix_bytes"] == 0
 
 

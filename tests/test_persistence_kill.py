@@ -111,7 +111,7 @@ def test_state_file_survives_20_kills_mid_write(tmp_path, model_dir):
         assert [(t.name, t.origin) for t in listed] == [("doc", "config")] + [(t["name"], "admin") for t in previous]
         for t in previous:
             assert collect(c.generation.Generate(greedy_request(" the", t["name"], max_tokens=2)))[2] \
-                .usage.prefix_tokens == st.engine.get_prefix(t["name"]).num_tokens
+                .usage.prefix_tokens == st.engine.get_template(t["name"]).num_tokens
         st.check_clean()
     finally:
         st.stop()

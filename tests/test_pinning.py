@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import greedy, pinned_handle, run_ids
-from prefix_service import GenerateRequest, PrefixNotFound
+from prefix_service import GenerateRequest, TemplateNotFound
 
 BLOCK = 4
 
@@ -43,7 +43,7 @@ class Gate:
 @pytest.mark.parametrize("prefix_len", [12, 14])  # 3 full blocks; 3 full blocks + a partial tail
 def test_prefix_blocks_counted_once(prefix_len, make_engine):
     engine = make_engine(block_size=BLOCK, num_blocks=128)
-    engine.add_prefix("p", token_ids=ids_of(prefix_len))
+    engine.add_template("p", token_ids=ids_of(prefix_len))
     handle = pinned_handle(engine, "p")
     n = 6
     gate = Gate(n)
@@ -70,7 +70,7 @@ def test_prefix_blocks_counted_once(prefix_len, make_engine):
 def test_pinned_blocks_survive_preemption_storm(make_engine):
     engine = make_engine(block_size=BLOCK, num_blocks=36, prefix_budget_blocks=8, max_num_batched_tokens=64)
     prefix = ids_of(10)  # 2 full blocks + a partial tail that every request copies
-    engine.add_prefix("p", token_ids=prefix)
+    engine.add_template("p", token_ids=prefix)
     before = _pinned_bytes(engine, "p")
     reqs = [GenerateRequest(prompt_token_ids=ids_of(6 + k, k + 1), prefix_name="p", sampling=greedy(30))
             for k in range(10)]
@@ -87,16 +87,16 @@ def test_pinned_blocks_survive_preemption_storm(make_engine):
 def test_remove_while_in_use_is_deferred(make_engine):
     engine = make_engine(block_size=BLOCK)
     prefix = ids_of(9)
-    engine.add_prefix("p", token_ids=prefix)
+    engine.add_template("p", token_ids=prefix)
     pinned = engine.kv_stats()["pinned"]
     gate = Gate(2)
     for k in range(2):
         engine.submit(GenerateRequest(prompt_token_ids=ids_of(5, k), prefix_name="p", sampling=greedy(30)),
                       gate.sink_for(k))
     assert gate.all_started.wait(30)
-    assert engine.remove_prefix("p") is False  # deferred: two requests still use it
-    assert engine.list_prefixes() == []
-    with pytest.raises(PrefixNotFound):
+    assert engine.remove_template("p") is False  # deferred: two requests still use it
+    assert engine.list_templates() == []
+    with pytest.raises(TemplateNotFound):
         engine.generate([GenerateRequest(prompt_token_ids=[5], prefix_name="p", sampling=greedy(2))])
     stats = engine.kv_stats()
     assert stats["pinned"] == pinned and stats["used"] >= pinned
@@ -113,8 +113,8 @@ def test_remove_while_in_use_is_deferred(make_engine):
 
 def test_remove_unused_frees_at_once_and_name_can_be_reused(make_engine):
     engine = make_engine(block_size=BLOCK)
-    engine.add_prefix("p", token_ids=ids_of(9))
-    assert engine.remove_prefix("p") is True
+    engine.add_template("p", token_ids=ids_of(9))
+    assert engine.remove_template("p") is True
     assert engine.kv_stats()["used"] == 0
-    info = engine.add_prefix("p", token_ids=ids_of(5))
+    info = engine.add_template("p", token_ids=ids_of(5))
     assert info.num_tokens == 5

@@ -17,9 +17,9 @@ def test_prefix_lengths_around_block_boundaries(prefix_len, make_engine):
     engine = make_engine(block_size=BLOCK)
     full = ids_of(prefix_len + 9)
     expected = run_ids(engine, full)
-    engine.add_prefix("p", token_ids=full[:prefix_len])
+    engine.add_template("p", token_ids=full[:prefix_len])
     assert run_ids(engine, full[prefix_len:], prefix="p") == expected
-    info = engine.list_prefixes()[0]
+    info = engine.list_templates()[0]
     assert (info.num_tokens, info.num_blocks) == (prefix_len, -(-prefix_len // BLOCK))
 
 
@@ -28,7 +28,7 @@ def test_empty_user_prompt(prefix_len, make_engine):
     engine = make_engine(block_size=BLOCK)
     full = ids_of(prefix_len)
     expected = run_ids(engine, full)
-    engine.add_prefix("p", token_ids=full)
+    engine.add_template("p", token_ids=full)
     out = engine.generate([GenerateRequest(prompt_token_ids=[], prefix_name="p", sampling=greedy(32))])[0]
     assert out.token_ids == expected
     assert out.prefix_tokens == prefix_len - 1  # the last prefix token is recomputed for its logits
@@ -56,7 +56,7 @@ def test_mixed_batch_of_prefixes_and_no_prefix(budget, num_blocks, make_engine):
     engine = make_engine(block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=budget,
                          prefix_budget_blocks=10)
     for name, toks in prefixes.items():
-        engine.add_prefix(name, token_ids=toks)
+        engine.add_template(name, token_ids=toks)
     steps = []
     backend = engine._core.backend
     execute = backend.execute
@@ -74,7 +74,7 @@ def test_prefix_disabled_gives_same_outputs(make_engine):
     """enable_prefix: false prefills the template's tokens per request: same output, no reuse."""
     engine = make_engine(block_size=BLOCK, enable_prefix=False)
     full = ids_of(21)
-    engine.add_prefix("p", token_ids=full[:13])
+    engine.add_template("p", token_ids=full[:13])
     out = engine.generate([GenerateRequest(prompt_token_ids=full[13:], prefix_name="p", sampling=greedy(16))])[0]
     assert out.prefix_tokens == 0
     assert out.token_ids == run_ids(engine, full, max_tokens=16)
@@ -84,7 +84,7 @@ def test_text_prompt_on_prefix_equals_concatenated_ids(make_engine):
     """request ids = prefix ids + prompt ids (prompt tokenized without special tokens)."""
     engine = make_engine(block_size=BLOCK)
     text, prompt = "system: classify the user intent label.", " user: refund my order"
-    engine.add_prefix("p", text)
+    engine.add_template("p", text)
     tok = engine.tokenizer
     ids = tok.encode(text, add_special_tokens=True) + tok.encode(prompt, add_special_tokens=False)
     out = engine.generate([GenerateRequest(prompt=prompt, prefix_name="p", sampling=greedy(16))])[0]

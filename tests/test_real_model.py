@@ -37,7 +37,7 @@ def test_smollm2_matches_transformers_and_prefix(smollm2_dir, make_engine):
     # the system prompt as a pinned prefix (27 tokens: a partial tail block) gives the same tokens
     sys_len = len(tok.encode(tok.apply_chat_template(messages[:1], tokenize=False), add_special_tokens=False))
     assert ids[:sys_len] == tok.encode(tok.apply_chat_template(messages[:1], tokenize=False), add_special_tokens=False)
-    engine.add_prefix("system", token_ids=ids[:sys_len])
+    engine.add_template("system", token_ids=ids[:sys_len])
     assert run_ids(engine, ids[sys_len:], prefix="system") == ref_ids
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import engine_last_logits, greedy
-from prefix_service import GenerateRequest, InvalidRequest, PrefixNotFound, ScoreRequest
+from prefix_service import GenerateRequest, InvalidRequest, TemplateNotFound, ScoreRequest
 from prefix_service.engine.scoring import MAX_CANDIDATES
 
 TEMPLATE = [(3 * i + 7) % 500 + 3 for i in range(22)]  # 5 full blocks of 4 and 2 tokens
@@ -40,7 +40,7 @@ def count_steps(engine):
 def test_scores_are_teacher_forced_logprobs(make_engine, backend, case):
     oracle = make_engine(backend="torch")
     engine = make_engine(backend=backend)
-    engine.add_prefix("t", token_ids=TEMPLATE)
+    engine.add_template("t", token_ids=TEMPLATE)
     prefix = None if case == "prompt" else "t"
     prompt = [] if case == "template" else PROMPT
     base = (TEMPLATE if prefix else []) + prompt
@@ -58,7 +58,7 @@ def test_no_candidate_prefills_the_prompt_again(make_engine):
     """The prompt is computed once; then every candidate in one step, each computing the prompt's
     last token (for the logits that score its first token) and its own tokens but the last."""
     engine = make_engine()
-    engine.add_prefix("t", token_ids=TEMPLATE)
+    engine.add_template("t", token_ids=TEMPLATE)
     steps = count_steps(engine)
     engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
     assert steps[0] == [(steps[0][0][0], len(PROMPT), 0)]  # the prompt alone, after the template: no logits
@@ -69,7 +69,7 @@ def test_no_candidate_prefills_the_prompt_again(make_engine):
 
 def test_text_candidates_and_prompts(make_engine):
     engine = make_engine()
-    engine.add_prefix("t", token_ids=TEMPLATE)
+    engine.add_template("t", token_ids=TEMPLATE)
     tok = engine.tokenizer
     labels = [" order", " refund", " shipping"]
     by_text = engine.score(ScoreRequest(labels, prompt=" the price", prefix_name="t"))
@@ -84,10 +84,10 @@ def test_score_beside_generation_and_under_preemption(make_engine):
     """Scores are the same with generation running beside them, and in a cache so small that
     sequences are preempted and recomputed."""
     calm = make_engine(num_blocks=256)
-    calm.add_prefix("t", token_ids=TEMPLATE)
+    calm.add_template("t", token_ids=TEMPLATE)
     want = calm.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
     tight = make_engine(num_blocks=28, block_size=4)
-    tight.add_prefix("t", token_ids=TEMPLATE)
+    tight.add_template("t", token_ids=TEMPLATE)
     done = threading.Event()
     finished = []
 
@@ -109,10 +109,10 @@ def test_a_preempted_candidate_is_recomputed(make_engine):
     """A candidate preempted part-way (its forked blocks freed) starts again from the template and
     computes the prompt itself: the same scores."""
     calm = make_engine()
-    calm.add_prefix("t", token_ids=TEMPLATE)
+    calm.add_template("t", token_ids=TEMPLATE)
     want = calm.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
     engine = make_engine(max_num_batched_tokens=3)  # chunks of 3 tokens: candidates run part-way
-    engine.add_prefix("t", token_ids=TEMPLATE)
+    engine.add_template("t", token_ids=TEMPLATE)
 
     def drive(core):
         from prefix_service.engine.scheduler import SchedulerOutput
@@ -133,7 +133,7 @@ def test_a_preempted_candidate_is_recomputed(make_engine):
 
 def test_abort_frees_every_block(make_engine):
     engine = make_engine()
-    engine.add_prefix("t", token_ids=TEMPLATE)
+    engine.add_template("t", token_ids=TEMPLATE)
     got = []
     engine._run(lambda core: core.add_score("s1", PROMPT, "t", CANDIDATES, got.append))
     assert engine._run(lambda core: core.abort("s1")) is True
@@ -155,7 +155,7 @@ def test_bad_candidates_are_refused(make_engine, candidates, match):
 
 def test_unknown_template_and_empty_context_are_refused(make_engine):
     engine = make_engine()
-    with pytest.raises(PrefixNotFound):
+    with pytest.raises(TemplateNotFound):
         engine.score(ScoreRequest([[1]], prompt_token_ids=PROMPT, prefix_name="nope"))
     with pytest.raises(InvalidRequest, match="needs something before it"):
         engine.score(ScoreRequest([[1]], prompt_token_ids=[]))

@@ -13,7 +13,7 @@ import pytest
 
 from server_fixtures import DOCUMENT, Clients, collect, greedy_request, self_signed_cert, started_servers
 
-from prefix_service.config import TemplateSpec, ServerConfig, config_from_dict, load_config, validate_prefix_name
+from prefix_service.config import TemplateSpec, ServerConfig, config_from_dict, load_config, validate_template_name
 from prefix_service.errors import ConfigError
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.server.auth import AdminAuth, check_admin_exposure
@@ -89,7 +89,7 @@ def test_client_and_cli_speak_tls(make_server, cert, capsys):
     cert_file, key_file = cert
     st = make_server(tls_cert_file=str(cert_file), tls_key_file=str(key_file))
     with PrefixServiceClient(st.address, tls_ca_file=str(cert_file)) as client:
-        assert [t.name for t in client.list_prefixes()] == ["doc"]
+        assert [t.name for t in client.list_templates()] == ["doc"]
         assert list(client.generate(" the", "doc", max_tokens=2))[-1].usage.completion_tokens == 2
     assert main(["generate", "--address", st.address, "--tls-ca", str(cert_file), "--prefix", "doc",
                  "--max-tokens", "2", " the"]) == 0
@@ -184,12 +184,12 @@ def test_malformed_admin_request_from_a_stranger_is_unauthenticated(make_server)
                                   "../x", "東京", "emoji😀"])
 def test_bad_template_names(name):
     with pytest.raises(ConfigError, match="invalid prefix name"):
-        validate_prefix_name(name)
+        validate_template_name(name)
 
 
 def test_good_template_names():
     for name in ("a", "A" * 128, "intent_classifier", "v1.2-beta", "0day"):
-        assert validate_prefix_name(name) == name
+        assert validate_template_name(name) == name
 
 
 def test_template_size_limit(make_server):

@@ -95,7 +95,7 @@ def test_stream_equals_engine_generate(server, clients, prefix):
     assert last.usage.ttft_ms > 0
     assert len({m.request_id for m in msgs}) == 1 and msgs[0].request_id
     if prefix:
-        assert last.usage.prefix_tokens == server.engine.get_prefix(prefix).num_tokens > 0
+        assert last.usage.prefix_tokens == server.engine.get_template(prefix).num_tokens > 0
 
 
 def test_32_concurrent_streams(server, clients):
@@ -144,7 +144,7 @@ def test_chat_on_system_prompt_template_equals_full_conversation(server, clients
     ids = lambda msgs: [t for m in msgs for t in m.token_ids]  # noqa: E731
     assert ids(with_prefix) == ids(without) and len(ids(without)) == 12
     assert "".join(m.text for m in with_prefix) == "".join(m.text for m in without)
-    n_template = server.engine.get_prefix("sys").num_tokens
+    n_template = server.engine.get_template("sys").num_tokens
     assert with_prefix[-1].usage.prefix_tokens == n_template
     assert with_prefix[-1].usage.prompt_tokens == without[-1].usage.prompt_tokens
     assert without[-1].usage.prefix_tokens == 0

@@ -144,7 +144,7 @@ def test_system_prompt_template_added_at_run_time(make_server):
     assert t.kind == "system_prompt"
     tok = st.engine.tokenizer
     rendered = tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=False)
-    assert list(st.engine.get_prefix("bot").token_ids) == tok.encode(rendered, add_special_tokens=False)
+    assert list(st.engine.get_template("bot").token_ids) == tok.encode(rendered, add_special_tokens=False)
     user = [pb.ChatMessage(role="user", content="refund please")]
     sampling = pb.SamplingParams(max_tokens=8, ignore_eos=True)
     a = collect(c.generation.Generate(pb.GenerateRequest(prefix_name="bot", messages=user, sampling=sampling)))

@@ -56,7 +56,7 @@ def test_real_model_end_to_end(real_model_dir, tmp_path, capsys, monkeypatch):
         ref = st.engine.generate(GenerateRequest(prompt=prompt, prefix_name="intent_head",
                                                  sampling=SamplingParams(max_tokens=6)))[0]
         assert (text, ids) == (ref.text, ref.token_ids) and text.strip()
-        assert last.usage.prefix_tokens == st.engine.get_prefix("intent_head").num_tokens > 200
+        assert last.usage.prefix_tokens == st.engine.get_template("intent_head").num_tokens > 200
 
         # chat on a system_prompt template == the same conversation sent whole, through the CLI
         assert main(["generate", "--address", st.address, "--chat", "--prefix", "assistant", "--max-tokens", "12",

@@ -194,11 +194,11 @@ def test_a_folder_that_cannot_be_written_is_one_warning_and_serving_goes_on(make
         return read_blocks(block_table)
 
     monkeypatch.setattr(engine._core.backend, "read_blocks", counted_read_blocks)
-    engine.add_prefix("doc", token_ids=TEMPLATE)
+    engine.add_template("doc", token_ids=TEMPLATE)
     engine.flush_snapshots()
-    engine.add_prefix("other", token_ids=TEMPLATE[:6])
-    engine.remove_prefix("other")
-    engine.add_prefix("other", token_ids=TEMPLATE[:6])
+    engine.add_template("other", token_ids=TEMPLATE[:6])
+    engine.remove_template("other")
+    engine.add_template("other", token_ids=TEMPLATE[:6])
     engine.flush_snapshots()
     assert len(tries) == 1 and len(copies) == 1  # later pins neither copy their K/V nor try to write it
     [off] = snapshot_warnings(caplog)
@@ -206,15 +206,15 @@ def test_a_folder_that_cannot_be_written_is_one_warning_and_serving_goes_on(make
     if folder.exists():
         assert list(folder.iterdir()) == []  # no temp file left behind
     plain = make_engine(backend="torch")  # no snapshots: the reference
-    plain.add_prefix("doc", token_ids=TEMPLATE)
+    plain.add_template("doc", token_ids=TEMPLATE)
     assert greedy(engine) == greedy(plain)
-    assert {i.name: i.kv_source for i in engine.list_prefixes()} == {"doc": "prefill", "other": "prefill"}
+    assert {i.name: i.kv_source for i in engine.list_templates()} == {"doc": "prefill", "other": "prefill"}
 
 
 def test_a_snapshot_that_cannot_be_read_is_one_warning_and_a_prefill(make_engine, tmp_path, caplog, monkeypatch):
     folder = str(tmp_path / "snapshots")
     first = make_engine(snapshot_dir=folder, backend="torch")
-    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.add_template("doc", token_ids=TEMPLATE)
     first.flush_snapshots()
     want = greedy(first)
 
@@ -226,14 +226,14 @@ def test_a_snapshot_that_cannot_be_read_is_one_warning_and_a_prefill(make_engine
     monkeypatch.setattr(snapshots, "open", denied, raising=False)
     caplog.set_level(logging.WARNING, logger="prefix_service.engine")
     second = make_engine(snapshot_dir=folder, backend="torch")
-    assert second.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
+    assert second.add_template("doc", token_ids=TEMPLATE).kv_source == "prefill"
     [warning] = snapshot_warnings(caplog)
     assert "'doc'" in warning and "Permission denied" in warning and "prefilling" in warning, warning
     assert greedy(second) == want
     second.flush_snapshots()  # the prefill saved the template again
     monkeypatch.undo()
     third = make_engine(snapshot_dir=folder, backend="torch")
-    assert third.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot"
+    assert third.add_template("doc", token_ids=TEMPLATE).kv_source == "snapshot"
     assert greedy(third) == want
 
 
@@ -246,7 +246,7 @@ def test_a_snapshot_damaged_while_it_is_read_into_the_cache_is_one_warning_and_a
     at the end) and the template is prefilled."""
     folder = str(tmp_path / "snapshots")
     first = make_engine(snapshot_dir=folder, backend=backend)
-    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.add_template("doc", token_ids=TEMPLATE)
     first.flush_snapshots()
     want = greedy(first)
     check = snapshots.SnapshotReader.check
@@ -261,7 +261,7 @@ def test_a_snapshot_damaged_while_it_is_read_into_the_cache_is_one_warning_and_a
     caplog.set_level(logging.WARNING, logger="prefix_service.engine")
     second = make_engine(snapshot_dir=folder, backend=backend)
     free = second.kv_stats()["free"]
-    info = second.add_prefix("doc", token_ids=TEMPLATE)
+    info = second.add_template("doc", token_ids=TEMPLATE)
     assert info.kv_source == "prefill"
     [warning] = snapshot_warnings(caplog)
     assert "'doc'" in warning and "checksum mismatch" in warning, warning
@@ -275,11 +275,11 @@ def test_a_snapshot_damaged_while_it_is_read_into_the_cache_is_one_warning_and_a
 def test_greedy_outputs_after_a_restore_equal_those_after_a_prefill(make_engine, model_dirs, tmp_path, arch, backend):
     folder = str(tmp_path / "snapshots")
     first = make_engine(model_dirs[arch], snapshot_dir=folder, backend=backend)
-    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.add_template("doc", token_ids=TEMPLATE)
     first.flush_snapshots()
     kv = template_kv(first)
     second = make_engine(model_dirs[arch], snapshot_dir=folder, backend=backend)
-    assert second.add_prefix("doc", token_ids=TEMPLATE).kv_source == "snapshot"
+    assert second.add_template("doc", token_ids=TEMPLATE).kv_source == "snapshot"
     restored = template_kv(second)
     assert restored.keys() == kv.keys() and all(restored[k].equal(kv[k]) for k in kv)  # bit for bit
     assert greedy(second) == greedy(first)
@@ -290,19 +290,19 @@ def test_a_restore_into_a_full_cache_falls_back_to_a_queued_prefill(make_engine,
     prefilled once the request has left them, and pinned correctly."""
     folder = str(tmp_path / "snapshots")
     first = make_engine(snapshot_dir=folder, backend="torch")
-    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.add_template("doc", token_ids=TEMPLATE)
     first.flush_snapshots()
     want = greedy(first)
     engine = make_engine(snapshot_dir=folder, backend="torch", num_blocks=12, prefix_budget_blocks=6)
     restores: list[object] = []
-    restore_prefix = engine._core.restore_prefix
+    restore_template = engine._core.restore_template
 
-    def spied_restore_prefix(*args, **kwargs):
-        restores.append(restore_prefix(*args, **kwargs))
+    def spied_restore_template(*args, **kwargs):
+        restores.append(restore_template(*args, **kwargs))
         return restores[-1]
 
-    monkeypatch.setattr(engine._core, "restore_prefix", spied_restore_prefix)
-    # The engine's thread is held in the request's first output until add_prefix has queued its
+    monkeypatch.setattr(engine._core, "restore_template", spied_restore_template)
+    # The engine's thread is held in the request's first output until add_template has queued its
     # restore, which then runs while the request holds its blocks.
     first_output, restore_queued = threading.Event(), threading.Event()
     outputs: list[RequestOutput] = []
@@ -317,9 +317,9 @@ def test_a_restore_into_a_full_cache_falls_back_to_a_queued_prefill(make_engine,
                                   sampling=SamplingParams(max_tokens=16, ignore_eos=True)), sink)
     assert first_output.wait(30)
     added: concurrent.futures.Future[TemplateInfo] = concurrent.futures.Future()
-    threading.Thread(target=lambda: added.set_result(engine.add_prefix("doc", token_ids=TEMPLATE)), daemon=True).start()
+    threading.Thread(target=lambda: added.set_result(engine.add_template("doc", token_ids=TEMPLATE)), daemon=True).start()
     deadline = time.monotonic() + 30
-    while not engine._commands:  # add_prefix read the snapshot and queued the restore
+    while not engine._commands:  # add_template read the snapshot and queued the restore
         assert time.monotonic() < deadline and not added.done()
         time.sleep(0.001)
     restore_queued.set()

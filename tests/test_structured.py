@@ -73,10 +73,10 @@ def test_a_bad_constraint_is_refused_naming_it(make_engine, spec, match):
 
 def test_a_template_default_output_applies_unless_a_request_names_its_own(make_engine):
     engine = make_engine()
-    engine.add_prefix("intent", token_ids=[7, 8, 9, 10, 11], structured=StructuredOutput("choice", choices=CHOICES))
-    engine.add_prefix("plain", token_ids=[7, 8, 9, 10, 11])
-    assert engine.get_prefix("intent").structured == StructuredOutput("choice", choices=CHOICES)
-    assert {i.name: i.structured for i in engine.list_prefixes()}["plain"] is None
+    engine.add_template("intent", token_ids=[7, 8, 9, 10, 11], structured=StructuredOutput("choice", choices=CHOICES))
+    engine.add_template("plain", token_ids=[7, 8, 9, 10, 11])
+    assert engine.get_template("intent").structured == StructuredOutput("choice", choices=CHOICES)
+    assert {i.name: i.structured for i in engine.list_templates()}["plain"] is None
 
     def on(name, **kw):
         params = dict(max_tokens=12, ignore_eos=True)
@@ -89,8 +89,8 @@ def test_a_template_default_output_applies_unless_a_request_names_its_own(make_e
     free = on("intent", structured=StructuredOutput("text"))  # free text: as on the same template without one
     assert free.token_ids == on("plain").token_ids and free.finish_reason is FinishReason.LENGTH
     with pytest.raises(InvalidRequest, match="regex") as e:
-        engine.add_prefix("bad", token_ids=[7, 8], structured=StructuredOutput("regex", "([a-", param="regex"))
-    assert e.value.param == "regex" and "bad" not in {i.name for i in engine.list_prefixes()}
+        engine.add_template("bad", token_ids=[7, 8], structured=StructuredOutput("regex", "([a-", param="regex"))
+    assert e.value.param == "regex" and "bad" not in {i.name for i in engine.list_templates()}
 
 
 def test_a_constraint_over_the_compile_bound_is_refused(make_engine):

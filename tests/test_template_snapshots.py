@@ -27,20 +27,20 @@ def template_kv(engine, name="doc"):
 
 
 def kv_source(engine, name="doc"):
-    return {i.name: i.kv_source for i in engine.list_prefixes()}[name]
+    return {i.name: i.kv_source for i in engine.list_templates()}[name]
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_a_restored_template_equals_the_prefilled_one(make_engine, tmp_path, backend):
     folder = str(tmp_path / "snapshots")
     first = make_engine(snapshot_dir=folder, backend=backend)
-    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.add_template("doc", token_ids=TEMPLATE)
     first.flush_snapshots()
     assert kv_source(first) == "prefill" and len(list((tmp_path / "snapshots").glob("doc*"))) == 1
     want, kv = greedy(first), template_kv(first)
 
     second = make_engine(snapshot_dir=folder, backend=backend)
-    info = second.add_prefix("doc", token_ids=TEMPLATE)
+    info = second.add_template("doc", token_ids=TEMPLATE)
     assert info.kv_source == "snapshot" == kv_source(second)
     restored = template_kv(second)
     assert restored.keys() == kv.keys() and all(restored[k].equal(kv[k]) for k in kv)  # bit for bit
@@ -48,31 +48,31 @@ def test_a_restored_template_equals_the_prefilled_one(make_engine, tmp_path, bac
     assert table == list(range(table[0], table[0] + len(table)))  # one run of blocks, as a prefill gets
     assert greedy(second) == want
     plain = make_engine(backend=backend)  # no snapshots: a prefill, the reference
-    plain.add_prefix("doc", token_ids=TEMPLATE)
+    plain.add_template("doc", token_ids=TEMPLATE)
     assert greedy(plain) == want
 
 
 def test_a_snapshot_that_does_not_match_is_not_used(make_engine, tmp_path, caplog):
     folder = tmp_path / "snapshots"
     first = make_engine(snapshot_dir=str(folder), backend="torch")
-    first.add_prefix("doc", token_ids=TEMPLATE)
+    first.add_template("doc", token_ids=TEMPLATE)
     first.flush_snapshots()
     [snapshot] = folder.iterdir()
     good = snapshot.read_bytes()
     caplog.set_level(logging.WARNING, logger="prefix_service.engine")
 
     other = make_engine(snapshot_dir=str(folder), backend="torch", block_size=8)  # another block size
-    assert other.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
+    assert other.add_template("doc", token_ids=TEMPLATE).kv_source == "prefill"
     other.flush_snapshots()
     snapshot.write_bytes(good)  # the prefill above saved its own: put the first one back
     changed = make_engine(snapshot_dir=str(folder), backend="torch")  # the template's tokens changed
-    assert changed.add_prefix("doc", token_ids=TEMPLATE[:-1] + [99]).kv_source == "prefill"
+    assert changed.add_template("doc", token_ids=TEMPLATE[:-1] + [99]).kv_source == "prefill"
     changed.flush_snapshots()
     flipped = bytearray(good)
     flipped[-5] ^= 0x40
     snapshot.write_bytes(bytes(flipped))  # a bit flipped in the K/V
     corrupt = make_engine(snapshot_dir=str(folder), backend="torch")
-    assert corrupt.add_prefix("doc", token_ids=TEMPLATE).kv_source == "prefill"
+    assert corrupt.add_template("doc", token_ids=TEMPLATE).kv_source == "prefill"
     warnings = [r.getMessage() for r in caplog.records if "snapshot" in r.getMessage()]
     assert len(warnings) == 3 and all("'doc'" in w and "prefilling" in w for w in warnings), warnings
     assert "block" in warnings[0] and "token" in warnings[1] and "checksum" in warnings[2]
@@ -81,11 +81,11 @@ def test_a_snapshot_that_does_not_match_is_not_used(make_engine, tmp_path, caplo
 def test_removing_a_template_removes_its_snapshot(make_engine, tmp_path):
     folder = tmp_path / "snapshots"
     engine = make_engine(snapshot_dir=str(folder), backend="torch")
-    engine.add_prefix("doc", token_ids=TEMPLATE)
-    engine.add_prefix("other", token_ids=TEMPLATE[:6])
+    engine.add_template("doc", token_ids=TEMPLATE)
+    engine.add_template("other", token_ids=TEMPLATE[:6])
     engine.flush_snapshots()
     assert len(list(folder.iterdir())) == 2
-    engine.remove_prefix("doc")
+    engine.remove_template("doc")
     engine.flush_snapshots()
     assert [p.name.split(".")[0] for p in folder.iterdir()] == ["other"]
 
@@ -95,12 +95,12 @@ def test_a_folder_that_cannot_be_written_turns_saving_off(make_engine, tmp_path,
     blocker.write_text("not a folder")
     caplog.set_level(logging.WARNING, logger="prefix_service.engine")
     engine = make_engine(snapshot_dir=str(blocker / "snapshots"), backend="torch")
-    engine.add_prefix("doc", token_ids=TEMPLATE)
+    engine.add_template("doc", token_ids=TEMPLATE)
     engine.flush_snapshots()
-    engine.add_prefix("other", token_ids=TEMPLATE[:6])
+    engine.add_template("other", token_ids=TEMPLATE[:6])
     engine.flush_snapshots()
     plain = make_engine(backend="torch")
-    plain.add_prefix("doc", token_ids=TEMPLATE)
+    plain.add_template("doc", token_ids=TEMPLATE)
     assert greedy(engine) == greedy(plain)  # serving goes on, as without snapshots
     offs = [r.getMessage() for r in caplog.records if "snapshots are off" in r.getMessage()]
     assert len(offs) == 1  # one warning, then no more tries

@@ -50,7 +50,7 @@ def with_scheduler(cfg: EngineConfig, **at_least: int) -> EngineConfig:
 def pin(core: EngineCore, name: str, ids: list[int]) -> None:
     """Pin a template of these ids, stepping the engine here until it is done."""
     result: dict = {}
-    core.add_prefix(name, ids, {}, lambda r: result.setdefault("r", r))
+    core.add_template(name, ids, {}, lambda r: result.setdefault("r", r))
     while core.has_work():
         core.step()
     if isinstance(result.get("r"), BaseException):

@@ -152,32 +152,32 @@ class Engine:
         return self._call(fn).result()
 
     # --- prefixes -----------------------------------------------------------------------------
-    def tokenize_prefix(self, text: str) -> list[int]:
+    def tokenize_template(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True)
         return ids
 
-    def add_prefix(self, name: str, text: str | None = None, *, token_ids: list[int] | None = None,
+    def add_template(self, name: str, text: str | None = None, *, token_ids: list[int] | None = None,
                    source: dict[str, str] | None = None, structured: StructuredOutput | None = None) -> TemplateInfo:
-        """Tokenize, prefill and pin a template. Blocks until it is pinned. Raises PrefixExists,
-        PrefixBudgetExceeded, PromptTooLong or InvalidRequest. structured: the default output of the
+        """Tokenize, prefill and pin a template. Blocks until it is pinned. Raises TemplateExists,
+        TemplateBudgetExceeded, PromptTooLong or InvalidRequest. structured: the default output of the
         requests on it that name none (kind "text" or None: free text)."""
-        from prefix_service.config import validate_prefix_name
+        from prefix_service.config import validate_template_name
         from prefix_service.errors import ConfigError, InvalidRequest
         try:
-            validate_prefix_name(name)
+            validate_template_name(name)
         except ConfigError as e:
             raise InvalidRequest(str(e)) from None
         if token_ids is None:
             if text is None:
-                raise InvalidRequest("add_prefix needs text or token_ids")
-            token_ids = self.tokenize_prefix(text)
+                raise InvalidRequest("add_template needs text or token_ids")
+            token_ids = self.tokenize_template(text)
         source = source if source is not None else ({"content": text} if text is not None else {})
         compiled = self._core.structured.compile(structured) if structured is not None else None
         output = (structured, compiled) if structured is not None and compiled is not None else None
         ids, src = list(token_ids), source
         snapshots = self._snapshots
         if snapshots is not None or self.peer_kv is not None:  # a template refused costs no snapshot read or fetch
-            self._run(lambda core: core.check_prefix(name, ids))
+            self._run(lambda core: core.check_template(name, ids))
         reader = snapshots.open(name, ids) if snapshots is not None else None
         if reader is not None and snapshots is not None:  # its K/V from a snapshot instead of a prefill
             with reader:
@@ -197,7 +197,7 @@ class Engine:
             else:
                 done.set_result(result)
 
-        self._run(lambda core: core.add_prefix(name, ids, src, on_pinned, output))
+        self._run(lambda core: core.add_template(name, ids, src, on_pinned, output))
         return done.result()
 
     def _restore(self, name: str, ids: list[int], src: dict[str, str], reader: SnapshotReader,
@@ -216,7 +216,7 @@ class Engine:
             else:
                 kv = reader.read()
             restored: TemplateInfo | None = self._run(
-                lambda core: core.restore_prefix(name, ids, src, kv, output, kv_source))
+                lambda core: core.restore_template(name, ids, src, kv, output, kv_source))
             return restored
         except (SnapshotMismatch, OSError) as e:
             refused(e)
@@ -256,17 +256,17 @@ class Engine:
             self._codec = SnapshotStore(None, snapshot_key(self._config, core.device, core.dtype))
         return self._codec
 
-    def export_prefix_kv(self, name: str) -> bytes:
+    def export_template_kv(self, name: str) -> bytes:
         """A pinned template's K/V as a snapshot's bytes (what its snapshot file would hold), for
-        another replica of the same model to pin it from (add_prefix through peer_kv) instead of
-        prefilling it. Raises PrefixNotFound."""
-        ids, kv = self._run(lambda core: core.prefix_kv(name))
+        another replica of the same model to pin it from (add_template through peer_kv) instead of
+        prefilling it. Raises TemplateNotFound."""
+        ids, kv = self._run(lambda core: core.template_kv(name))
         return self.snapshot_codec().encode(name, ids, kv)
 
-    def remove_prefix(self, name: str, *, keep_snapshot: bool = False) -> bool:
+    def remove_template(self, name: str, *, keep_snapshot: bool = False) -> bool:
         """Unregister a template, and remove its snapshot unless keep_snapshot (a fleet replica
         letting a template move to another keeps it: the folder may be shared). True if its blocks
-        were freed now, False if deferred until the requests using it finish. Raises PrefixNotFound."""
+        were freed now, False if deferred until the requests using it finish. Raises TemplateNotFound."""
         freed: bool = self._run(lambda core: core.prefixes.remove(name))
         if self._snapshots is not None and not keep_snapshot:  # after its save, on the same writer thread
             self._snapshots.remove(name)
@@ -277,11 +277,11 @@ class Engine:
         if self._snapshots is not None:
             self._snapshots.flush()
 
-    def list_prefixes(self) -> list[TemplateInfo]:
+    def list_templates(self) -> list[TemplateInfo]:
         return self._run(lambda core: core.prefixes.list())
 
-    def get_prefix(self, name: str) -> TemplateView:
-        """The template's name, token ids and source (a copy). Raises PrefixNotFound."""
+    def get_template(self, name: str) -> TemplateView:
+        """The template's name, token ids and source (a copy). Raises TemplateNotFound."""
         return self._run(lambda core: core.prefixes.get(name).view())
 
     # --- generation ---------------------------------------------------------------------------
@@ -297,7 +297,7 @@ class Engine:
 
     def submit(self, req: GenerateRequest, sink: Callable[[RequestOutput], None]) -> str:
         """Queue a request; sink receives its outputs from the loop thread. Returns its id.
-        Raises the validation error (InvalidRequest, PromptTooLong, PrefixNotFound, QueueFull)."""
+        Raises the validation error (InvalidRequest, PromptTooLong, TemplateNotFound, QueueFull)."""
         request_id = req.request_id or uuid.uuid4().hex
         prompt_ids = self._prompt_ids(req)
         structured = req.sampling.structured  # compiled here, not on the engine's thread (structured.py)

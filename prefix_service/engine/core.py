@@ -157,7 +157,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
                     sampling: SamplingParams, sink: Sink, matcher: Any = None) -> None:
-        """Validate and queue. Raises InvalidRequest, PromptTooLong (CacheExhausted), PrefixNotFound or
+        """Validate and queue. Raises InvalidRequest, PromptTooLong (CacheExhausted), TemplateNotFound or
         QueueFull (when scheduler.max_queue requests wait already). matcher: sampling.structured
         compiled (StructuredOutputs.compile) off this thread; None: compiled here if needed."""
         self._check_new_id(request_id)
@@ -317,20 +317,20 @@ class EngineCore:
         self._scoring_of[id(seq)] = scoring
         self.scheduler.add(seq)
 
-    def check_prefix(self, name: str, token_ids: list[int]) -> None:
-        """Raise what add_prefix would raise now for this template (empty, too long, the name
+    def check_template(self, name: str, token_ids: list[int]) -> None:
+        """Raise what add_template would raise now for this template (empty, too long, the name
         taken, over the budget), claiming nothing: before a snapshot is read or fetched for it."""
         if not token_ids:
             raise InvalidRequest(f"prefix template {name!r} is empty")
         self._check_fits(len(token_ids), f"prefix template {name!r}")
         self.prefixes.check(name, len(token_ids))
 
-    def add_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
+    def add_template(self, name: str, token_ids: list[int], source: dict[str, str],
                    on_pinned: Callable[[TemplateInfo | BaseException], None],
                    default_output: tuple[StructuredOutput, Any] | None = None) -> None:
         """Queue a template's warmup prefill; on_pinned gets its TemplateInfo (or the error) when done.
         default_output: the output of requests on it that name none, and its compiled matcher."""
-        self.check_prefix(name, token_ids)
+        self.check_template(name, token_ids)
         self.prefixes.reserve(name, len(token_ids))
         request_id = f"prefix-warmup:{name}:{self._warmups}"
         self._warmups += 1
@@ -339,7 +339,7 @@ class EngineCore:
                                              prefix_name=name, default_output=default_output)
         self.scheduler.add(seq)
 
-    def restore_prefix(self, name: str, token_ids: list[int], source: dict[str, str],
+    def restore_template(self, name: str, token_ids: list[int], source: dict[str, str],
                        kv: dict[str, torch.Tensor] | SnapshotReader,
                        default_output: tuple[StructuredOutput, Any] | None = None,
                        kv_source: str = "snapshot") -> TemplateInfo | None:
@@ -348,7 +348,7 @@ class EngineCore:
         is read here straight into the blocks when the cache is in host memory (its checksum
         failing raises SnapshotMismatch, the blocks freed). None when its blocks are not free now
         (requests hold them): the caller prefills it instead, queued like any request."""
-        self.check_prefix(name, token_ids)
+        self.check_template(name, token_ids)
         self.prefixes.reserve(name, len(token_ids))
         need = self.prefixes.blocks_for(len(token_ids))
         if need > self.allocator.num_free:
@@ -374,7 +374,7 @@ class EngineCore:
             self.allocator.free(blocks)  # the pin holds its own reference
         return handle.info()
 
-    def prefix_kv(self, name: str) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
+    def template_kv(self, name: str) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
         """A pinned template's token ids and a host copy of its K/V (Backend.read_blocks)."""
         handle = self.prefixes.get(name)
         return handle.token_ids, self.backend.read_blocks(handle.block_table)

@@ -43,7 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 from safetensors.torch import save_file
 
-from prefix_service.config import EngineConfig, validate_prefix_name
+from prefix_service.config import EngineConfig, validate_template_name
 from prefix_service.errors import ModelLoadError
 from prefix_service.fsutil import fsync_dir
 
@@ -437,7 +437,7 @@ class SnapshotStore:
     def path(self, name: str) -> Path:
         """The file of template `name`. Template names are safe file names ([A-Za-z0-9_.-],
         starting alphanumeric); any other name raises ConfigError, so none escapes the folder."""
-        return self.folder / f"{validate_prefix_name(name)}{SUFFIX}"
+        return self.folder / f"{validate_template_name(name)}{SUFFIX}"
 
     def save(self, name: str, token_ids: Sequence[int], kv: dict[str, torch.Tensor]) -> None:
         """Atomically write `kv` (keys "k.0", "v.0", ...: CPU tensors [blocks, block_size, heads,

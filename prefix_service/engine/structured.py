@@ -3,7 +3,7 @@
 A request's `SamplingParams.structured` names a JSON schema, any JSON object, a regular
 expression, a choice of strings or a Lark grammar, or (kind "text") free text; a template may
 carry one as its default output, which a request's own replaces. Engine.submit (and
-Engine.add_prefix, for a template's) compiles and checks it on the caller's thread, so a long
+Engine.add_template, for a template's) compiles and checks it on the caller's thread, so a long
 compile never holds up the engine's steps: an error names the problem before anything is
 queued, and a compiled constraint, kept per constraint, is a matcher that has consumed nothing.
 Each sequence takes a copy of it (microseconds). Each step the sampler masks every constrained

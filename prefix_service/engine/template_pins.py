@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NewType, Protocol
 
 from prefix_service.engine.block_allocator import BlockAllocator, BlockId
-from prefix_service.errors import PrefixBudgetExceeded, PrefixExists, PrefixNotFound
+from prefix_service.errors import TemplateBudgetExceeded, TemplateExists, TemplateNotFound
 from prefix_service.sampling_params import StructuredOutput
 
 TemplateName = NewType("TemplateName", str)
@@ -74,7 +74,7 @@ class TemplateInfo:
 
 @dataclass(frozen=True)
 class TemplateView:
-    """What callers outside the engine read of one template (`get_prefix`): its name, its token
+    """What callers outside the engine read of one template (`get_template`): its name, its token
     ids and how it was defined. A copy, taken on the engine's loop thread: the live TemplateHandle
     (block table, counters) never leaves the engine."""
     name: str
@@ -113,7 +113,7 @@ class TemplatePins:
         handle = self._handles.get(name)
         if handle is None:
             known = ", ".join(sorted(self._handles)) or "none"
-            raise PrefixNotFound(f"no prefix template named {name!r} (known: {known})")
+            raise TemplateNotFound(f"no prefix template named {name!r} (known: {known})")
         return handle
 
     def __contains__(self, name: str) -> bool:
@@ -141,13 +141,13 @@ class TemplatePins:
 
     def check(self, name: str, num_tokens: int) -> int:
         """The blocks a template of num_tokens under this name would take, if reserve would claim
-        them now: else PrefixExists or PrefixBudgetExceeded, as reserve raises."""
+        them now: else TemplateExists or TemplateBudgetExceeded, as reserve raises."""
         if name in self._handles or name in self._pending:
-            raise PrefixExists(f"a prefix template named {name!r} already exists; remove it first")
+            raise TemplateExists(f"a prefix template named {name!r} already exists; remove it first")
         need = self.blocks_for(num_tokens)
         used = self.num_pinned_blocks + sum(self._pending.values())
         if used + need > self.budget_blocks:
-            raise PrefixBudgetExceeded(
+            raise TemplateBudgetExceeded(
                 f"prefix template {name!r} needs {need} blocks ({num_tokens} tokens) but the prefix budget "
                 f"has {self.budget_blocks - used} of {self.budget_blocks} blocks left; raise "
                 f"cache.prefix_budget_blocks or remove a template")

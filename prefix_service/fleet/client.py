@@ -25,7 +25,7 @@ from typing import Any, AsyncGenerator, Sequence
 
 from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
-from prefix_service.errors import EngineStopped, PrefixNotFound
+from prefix_service.errors import EngineStopped, TemplateNotFound
 from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
 from prefix_service.server.status import ReplicaUnavailable
 from prefix_service.server.store import TemplateSource
@@ -84,7 +84,7 @@ class FleetEngine:
         return bool(name) and name in self._routes
 
     # --- the engine surface -------------------------------------------------------------------
-    def get_prefix(self, name: str) -> TemplateView:
+    def get_template(self, name: str) -> TemplateView:
         view: TemplateView = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
         return view
 
@@ -149,7 +149,7 @@ class FleetEngine:
                         await asyncio.sleep(RESEND_PAUSE_S)
                         routes = await self.routes(fresh=True)  # the template moved: resend it
                         if name not in routes:
-                            raise PrefixNotFound(f"prefix template {name!r} was removed") from None
+                            raise TemplateNotFound(f"prefix template {name!r} was removed") from None
                         break
                     return stream, replica
                 if time.monotonic() > deadline:
@@ -161,19 +161,19 @@ class FleetEngine:
                     fresh = await self.routes(fresh=True)
                     if name not in fresh:
                         _abandon(first, stream)
-                        raise PrefixNotFound(f"prefix template {name!r} was removed")
+                        raise TemplateNotFound(f"prefix template {name!r} was removed")
                     if fresh[name] and not set(fresh[name]) & set(routes[name]):
                         _abandon(first, stream)
                         routes = fresh
                         break
 
     async def _routes_with(self, name: str | None, fresh: bool = False) -> dict[str, tuple[str, ...]]:
-        """The routes, fresh ones if they do not know the template; PrefixNotFound if it is not there."""
+        """The routes, fresh ones if they do not know the template; TemplateNotFound if it is not there."""
         routes = await self.routes(fresh)
         if name and name not in routes and not fresh:
             routes = await self.routes(fresh=True)
         if name and name not in routes:
-            raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(filter(None, routes)))})")
+            raise TemplateNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(filter(None, routes)))})")
         return routes
 
     def _least_loaded(self, holders: Sequence[str]) -> list[str]:
@@ -226,7 +226,7 @@ class FleetEngine:
         """Nothing to wait for: a stream closed early cancels its call at once, and the replica
         aborts the request itself (the cancelled call closes the engine stream there)."""
 
-    def list_prefixes(self) -> list[TemplateInfo]:
+    def list_templates(self) -> list[TemplateInfo]:
         return [info for info, _, _ in call_sync(self.controller.listing.remote(), CALL_TIMEOUT_S,
                                                  "the fleet controller")]
 

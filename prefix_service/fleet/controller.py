@@ -38,7 +38,7 @@ from typing import Any, Coroutine
 
 from prefix_service.config import ServiceConfig
 from prefix_service.engine.template_pins import TemplateInfo, TemplateView
-from prefix_service.errors import PrefixExists, PrefixNotFound
+from prefix_service.errors import TemplateExists, TemplateNotFound
 from prefix_service.fleet import log_to_serve
 from prefix_service.fleet.placement import holders
 from prefix_service.server.status import PersistError, ReplicaUnavailable
@@ -263,7 +263,7 @@ class FleetController:
         ids: tuple[int, ...] | None
         try:
             info, ids = await self._command(replica, "pin", src, timeout_s=PIN_TIMEOUT_S)
-        except PrefixExists:  # it holds it already
+        except TemplateExists:  # it holds it already
             info = ids = None
         except Exception as e:  # noqa: BLE001 - the next round tries again
             log.warning("pinning %r on replica %s failed: %s", src.name, replica, e)
@@ -328,7 +328,7 @@ class FleetController:
         """A template's token ids, definition and default output (the chat path needs them)."""
         src = self.sources.get(name)
         if src is None:
-            raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(self.sources))})")
+            raise TemplateNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(self.sources))})")
         if name not in self.token_ids:  # a restarted controller learns them from a holder
             where = (await self.routes()).get(name, ())
             if not where:
@@ -371,7 +371,7 @@ class FleetController:
         pins back if any fails, or if the state file cannot be written."""
         async with self._admin:
             if src.name in self.sources:
-                raise PrefixExists(f"a prefix template named {src.name!r} already exists; remove it first")
+                raise TemplateExists(f"a prefix template named {src.name!r} already exists; remove it first")
             serving = [r for r, m in self.members.items() if m.ready]
             if not serving:
                 raise ReplicaUnavailable("no replica is serving yet; retry when the fleet is up")
@@ -405,7 +405,7 @@ class FleetController:
         async with self._admin:
             src = self.sources.pop(name, None)
             if src is None:
-                raise PrefixNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(self.sources))})")
+                raise TemplateNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(self.sources))})")
             where = self.locations.pop(name, set())
             self.token_ids.pop(name, None)
             freed = await asyncio.gather(*(self._unpin(name, r, forget=True) for r in where))

@@ -27,7 +27,7 @@ from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
 from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
-from prefix_service.errors import PrefixNotFound
+from prefix_service.errors import TemplateNotFound
 from prefix_service.fleet import log_to_serve
 from prefix_service.fleet.calls import TemplateNotHeld, call_sync
 from prefix_service.server.store import TemplateSource
@@ -76,9 +76,9 @@ class EngineReplica:
 
     def _token_ids(self) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
-        for info in self.engine.list_prefixes():
-            with contextlib.suppress(PrefixNotFound):
-                out[info.name] = self.engine.get_prefix(info.name).token_ids
+        for info in self.engine.list_templates():
+            with contextlib.suppress(TemplateNotFound):
+                out[info.name] = self.engine.get_template(info.name).token_ids
         return out
 
     def report(self) -> dict[str, Any]:
@@ -134,20 +134,20 @@ class EngineReplica:
     # --- the controller's commands -----------------------------------------------------------
     def pin(self, src: TemplateSource) -> tuple[TemplateInfo, tuple[int, ...]]:
         info = self.registry.add(src, persist=False)
-        return info, self.engine.get_prefix(src.name).token_ids
+        return info, self.engine.get_template(src.name).token_ids
 
     def unpin(self, name: str, forget: bool = False) -> bool:
         """True if freed now (or not held), False if deferred until its requests finish. forget:
         the template left the fleet (its snapshot, if any, goes too); else it only moves."""
         try:
             return self.registry.remove(name, keep_snapshot=not forget)
-        except PrefixNotFound:
+        except TemplateNotFound:
             return True
 
     def export_kv(self, name: str) -> list[Any]:
         """A template this replica holds, as a snapshot's bytes in Ray's object store, for a replica
         that pins it (FleetController.template_kv): [the object's ref]."""
-        return [ray.put(self.engine.export_prefix_kv(name))]
+        return [ray.put(self.engine.export_template_kv(name))]
 
     def _kv_from_peer(self, name: str, token_ids: list[int]) -> bytes | None:
         """Engine.peer_kv, on the thread pinning the template: a holder's snapshot bytes, or None
@@ -159,7 +159,7 @@ class EngineReplica:
         return data
 
     def token_ids(self, name: str) -> tuple[int, ...]:
-        return self.engine.get_prefix(name).token_ids
+        return self.engine.get_template(name).token_ids
 
     def stats(self) -> dict[str, Any]:
         """KV counters (Engine.kv_stats) and the generation requests taken, by template."""

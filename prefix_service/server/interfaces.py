@@ -65,14 +65,14 @@ class EngineClient(Protocol):
         Fleet: returns at once. Closing a stream cancels its call to the replica right there, and
         the replica aborts the request itself; nothing is left running in this process."""
 
-    def get_prefix(self, name: str) -> TemplateView:
+    def get_template(self, name: str) -> TemplateView:
         """A template's name, token ids and source: a frozen copy, never the engine's live state.
-        Raises PrefixNotFound.
+        Raises TemplateNotFound.
 
         Fleet: from the controller, which keeps every template's token ids."""
         ...
 
-    def list_prefixes(self) -> list[TemplateInfo]:
+    def list_templates(self) -> list[TemplateInfo]:
         """The registered templates with their counters, in the order they were added.
 
         Fleet: the controller's view, from the replicas' last reports (at most a poll old); a
@@ -107,7 +107,7 @@ class TemplateRegistryClient(Protocol):
 
     def add(self, src: TemplateSource) -> TemplateInfo:
         """Tokenize, prefill and pin src, and keep it in the state file when it is an admin
-        template. Raises InvalidRequest, the engine's errors (PrefixExists, PrefixBudgetExceeded,
+        template. Raises InvalidRequest, the engine's errors (TemplateExists, TemplateBudgetExceeded,
         PromptTooLong, CacheExhausted) or PersistError (the template is then not added).
 
         Fleet: the controller pins it on the replicas its placement picks, then writes the state
@@ -117,7 +117,7 @@ class TemplateRegistryClient(Protocol):
     def remove(self, name: str) -> bool:
         """Unregister a template (and drop an admin one from the state file). True if its blocks
         were freed at once, False if they are freed when the requests using it finish. Raises
-        PrefixNotFound or PersistError.
+        TemplateNotFound or PersistError.
 
         Fleet: True only when every holder freed them at once."""
         ...

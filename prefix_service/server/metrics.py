@@ -232,7 +232,7 @@ class _EngineCollector(Collector):
             return
         try:
             stats = engine.kv_stats()
-            templates = engine.list_prefixes()
+            templates = engine.list_templates()
         except EngineStopped:
             return
         for key, name, doc in (("num_blocks", "total", "KV cache blocks in all"),

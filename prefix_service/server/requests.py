@@ -86,7 +86,7 @@ def build_request(engine: EngineClient, spec: RequestSpec, request_id: str) -> G
         raise InvalidRequest(f"give {given[0]} or {given[1]}, not both", param=given[1])
     prefix_name = spec.prefix_name or None
     if spec.messages:
-        view = engine.get_prefix(prefix_name) if prefix_name else None  # PrefixNotFound
+        view = engine.get_template(prefix_name) if prefix_name else None  # TemplateNotFound
         ids = chat_prompt_ids(engine.tokenizer, spec.messages, prefix_name, view.token_ids if view else None,
                               view.source if view else None)
         return GenerateRequest(prompt_token_ids=ids, prefix_name=prefix_name, sampling=spec.sampling,

@@ -11,8 +11,8 @@ from typing import NoReturn
 
 import grpc
 
-from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixBudgetExceeded,
-                                   PrefixExists, PrefixNotFound, PrefixServiceError, QueueFull)
+from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, TemplateBudgetExceeded,
+                                   TemplateExists, TemplateNotFound, PrefixServiceError, QueueFull)
 
 log = logging.getLogger("prefix_service.server")
 
@@ -44,7 +44,7 @@ class PersistError(PrefixServiceError):
     """The state file could not be written."""
 
 
-class ModelNotFound(PrefixNotFound):
+class ModelNotFound(TemplateNotFound):
     """An HTTP request's `model` is neither the served model nor a template; `param` names the
     field (the HTTP API reports it in the error body)."""
 
@@ -66,17 +66,17 @@ class ErrorKind:
 
 
 # First match wins: subclasses before their bases (CacheExhausted is a PromptTooLong, an InvalidRequest;
-# ModelNotFound is a PrefixNotFound).
+# ModelNotFound is a TemplateNotFound).
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (ModelNotFound, ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "model_not_found")),
-    (PrefixNotFound, ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "prefix_not_found")),
-    (PrefixExists, ErrorKind(grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", "prefix_exists")),
+    (TemplateNotFound, ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "prefix_not_found")),
+    (TemplateExists, ErrorKind(grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", "prefix_exists")),
     (CacheExhausted, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "cache_exhausted")),
     (RequestTooLarge, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error",
                                 "request_too_large")),
     (InvalidRequest, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_value")),
     (QueueFull, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "queue_full")),
-    (PrefixBudgetExceeded, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
+    (TemplateBudgetExceeded, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
                                      "prefix_budget_exceeded")),
     (EngineStopped, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
     (ServerNotReady, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),

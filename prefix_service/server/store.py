@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from prefix_service.config import ServiceConfig, validate_prefix_name
+from prefix_service.config import ServiceConfig, validate_template_name
 from prefix_service.errors import ConfigError, InvalidRequest
 from prefix_service.fsutil import fsync_dir
 from prefix_service.sampling_params import StructuredOutput
@@ -119,7 +119,7 @@ class TemplateStore:
                 raise StateFileError(f"{self.path}: templates[{i}] must be {{name, content}} or "
                                      f"{{name, system_prompt}} with string values (and a structured_output); {fix}")
             try:
-                validate_prefix_name(entry["name"])
+                validate_template_name(entry["name"])
                 structured = (StructuredOutput.from_dict(entry["structured_output"])
                               if "structured_output" in entry else None)
             except (ConfigError, InvalidRequest) as e:

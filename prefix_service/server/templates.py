@@ -34,8 +34,8 @@ class TemplateRegistry:
 
     def add(self, src: TemplateSource, *, persist: bool = True) -> TemplateInfo:
         """Tokenize, prefill and pin; then (for admin templates) persist. Raises InvalidRequest
-        (also for a text over max_template_bytes), the engine's errors (PrefixExists,
-        PrefixBudgetExceeded, PromptTooLong, CacheExhausted) or PersistError."""
+        (also for a text over max_template_bytes), the engine's errors (TemplateExists,
+        TemplateBudgetExceeded, PromptTooLong, CacheExhausted) or PersistError."""
         with self._mutate:
             return self._add(src, persist)
 
@@ -49,12 +49,12 @@ class TemplateRegistry:
                                  f"{self.max_template_bytes} bytes (server.max_template_bytes)")
         if src.system_prompt is not None:
             ids = system_prompt_ids(self.engine.tokenizer, src.system_prompt)
-            info = self.engine.add_prefix(src.name, token_ids=ids, source={"system_prompt": src.system_prompt},
+            info = self.engine.add_template(src.name, token_ids=ids, source={"system_prompt": src.system_prompt},
                                           structured=src.structured)
         else:
             if not src.content:
                 raise InvalidRequest(f"template {src.name!r}: content is empty")
-            info = self.engine.add_prefix(src.name, src.content, structured=src.structured)
+            info = self.engine.add_template(src.name, src.content, structured=src.structured)
         with self._lock:
             self._origins[src.name] = src.origin
             if src.origin == "admin":
@@ -64,7 +64,7 @@ class TemplateRegistry:
                         self._save()
                     except OSError as e:
                         del self._admin[src.name], self._origins[src.name]
-                        self.engine.remove_prefix(src.name)
+                        self.engine.remove_template(src.name)
                         raise PersistError(f"template {src.name!r} was not added: cannot write the state "
                                            f"file {state_file_name(self.store)}: {e}") from e
         return info
@@ -72,9 +72,9 @@ class TemplateRegistry:
     def remove(self, name: str, *, keep_snapshot: bool = False) -> bool:
         """Unregister. True if the blocks were freed now, False if deferred until the requests
         using it finish. keep_snapshot: leave its snapshot file (the template moves to another
-        replica rather than leaving). Raises PrefixNotFound or PersistError."""
+        replica rather than leaving). Raises TemplateNotFound or PersistError."""
         with self._mutate, self._lock:
-            freed = self.engine.remove_prefix(name, keep_snapshot=keep_snapshot)
+            freed = self.engine.remove_template(name, keep_snapshot=keep_snapshot)
             self._origins.pop(name, None)
             if self._admin.pop(name, None) is not None:
                 try:
@@ -86,7 +86,7 @@ class TemplateRegistry:
         return freed
 
     def list(self) -> list[tuple[TemplateInfo, str]]:
-        infos = self.engine.list_prefixes()
+        infos = self.engine.list_templates()
         with self._lock:
             return [(info, self._origins.get(info.name, "admin")) for info in infos]
 

@@ -27,7 +27,7 @@ class EngineSystem(System):
     def prepare(self, workload: Workload) -> None:
         name = workload.prefix_name  # None: the workload has no prefix (has_prefix)
         if self.uses_prefix and name is not None and name not in self._pinned:
-            self.engine.add_prefix(name, token_ids=list(workload.prefix_ids))
+            self.engine.add_template(name, token_ids=list(workload.prefix_ids))
             self._pinned.add(name)
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
