@@ -233,7 +233,7 @@ def test_n_choices_over_http_whole_and_streamed(server):
     assert [c.model_extra["token_ids"] for c in resp.choices] == [s.token_ids for s in want]
     assert [c.text for c in resp.choices] == [s.text for s in want]
     assert resp.usage.completion_tokens == 18 and resp.usage.prompt_tokens == want[0].prompt_tokens
-    assert resp.usage.prompt_tokens_details.cached_tokens == want[0].prefix_tokens
+    assert resp.usage.prompt_tokens_details.cached_tokens == want[0].cached_tokens
 
     messages = [{"role": "user", "content": "refund the order"}]
     whole = api.chat.completions.create(model="sys", messages=messages, max_tokens=5, temperature=1.0, seed=3, n=2,

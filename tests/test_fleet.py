@@ -170,7 +170,7 @@ def test_label_scoring_through_the_fleet(fleet, reference):
     assert [c.candidate for c in got.candidates] == labels
     for c, w in zip(got.candidates, want.candidates):
         assert list(c.token_ids) == list(w.token_ids) and c.logprob == pytest.approx(w.logprob, abs=1e-4)
-    assert got.usage.prefix_tokens == want.prefix_tokens > 0
+    assert got.usage.prefix_tokens == want.cached_tokens > 0
     engine = server.engine
     holder = list(listing(clients)["t2"].replicas)[0]
     stranger = next(r for r in reports(server) if r != holder)
@@ -231,9 +231,9 @@ def test_http_through_ray_serve(fleet, reference):
     end's /metrics beside the gRPC calls (one series each, summed)."""
     server, clients = fleet
     port = server.server.http_port
-    ok = ("prefix_service_requests_total", frozenset({"protocol": "http", "prefix": "t1", "code": "OK"}.items()))
-    grpc_ok = ("prefix_service_requests_total", frozenset({"protocol": "grpc", "prefix": "t1", "code": "OK"}.items()))
-    ttft = ("prefix_service_ttft_seconds_count", frozenset({"prefix": "t1"}.items()))
+    ok = ("prefix_service_requests_total", frozenset({"protocol": "http", "template": "t1", "code": "OK"}.items()))
+    grpc_ok = ("prefix_service_requests_total", frozenset({"protocol": "grpc", "template": "t1", "code": "OK"}.items()))
+    ttft = ("prefix_service_ttft_seconds_count", frozenset({"template": "t1"}.items()))
     before = scrape(server)
     status, body = _post(port, "/v1/completions", {"model": "t1", "prompt": "the order", "max_tokens": MAX_TOKENS,
                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
@@ -250,7 +250,7 @@ def test_http_through_ray_serve(fleet, reference):
         return [json.loads(line[line.index("{"):]) for line in lines]
 
     line = wait_until(logged, timeout=10, what="the HTTP request's log line")[0]
-    assert (line["protocol"], line["prefix"], line["code"], line["completion_tokens"]) == ("http", "t1", "OK",
+    assert (line["protocol"], line["template"], line["code"], line["completion_tokens"]) == ("http", "t1", "OK",
                                                                                             MAX_TOKENS)
     collect(clients.generation.Generate(greedy_request("the order", "t1", 2)))
     status, body = _post(port, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2})

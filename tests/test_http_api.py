@@ -323,8 +323,8 @@ def test_a_dropped_stream_frees_its_blocks(make_server):
     finally:
         undo()
     samples = scrape(st.server.metrics_port)
-    assert samples.get(("prefix_service_requests_total", (("code", "CANCELLED"), ("prefix", "doc"),
-                                                          ("protocol", "http")))) == 1
+    assert samples.get(("prefix_service_requests_total", (("code", "CANCELLED"), ("protocol", "http"),
+                                                          ("template", "doc")))) == 1
     assert samples[("prefix_service_kv_blocks_used", ())] == samples[("prefix_service_kv_blocks_pinned", ())]
     assert samples[("prefix_service_running_requests", ())] == 0
 
@@ -356,7 +356,7 @@ def test_log_line_and_metrics_name_the_protocol(server, grpc_clients, caplog):
     after = scrape(server.server.metrics_port)
 
     def delta(protocol: str, prefix: str, code: str) -> float:
-        key = ("prefix_service_requests_total", (("code", code), ("prefix", prefix), ("protocol", protocol)))
+        key = ("prefix_service_requests_total", (("code", code), ("protocol", protocol), ("template", prefix)))
         return after.get(key, 0) - before.get(key, 0)
 
     assert delta("http", "doc", "OK") == 1

@@ -75,28 +75,28 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
 
     m = scrape(st.server.metrics_port)
     req = "prefix_service_requests_total"
-    assert value(m, req, protocol="grpc", prefix="doc", code="OK") == 3
-    assert value(m, req, protocol="grpc", prefix="_none", code="OK") == 1
-    assert value(m, req, protocol="grpc", prefix="_unknown", code="NOT_FOUND") == 1  # a client's name is never a label
-    assert value(m, req, protocol="grpc", prefix="doc", code="INVALID_ARGUMENT") == 1
-    assert value(m, req, protocol="grpc", prefix="sys", code="CANCELLED") == 1
-    assert value(m, req, protocol="grpc", prefix="sys", code="DEADLINE_EXCEEDED") == 1
-    assert not any(dict(k[1]).get("prefix") == "no-such-template" for k in m)
+    assert value(m, req, protocol="grpc", template="doc", code="OK") == 3
+    assert value(m, req, protocol="grpc", template="_none", code="OK") == 1
+    assert value(m, req, protocol="grpc", template="_unknown", code="NOT_FOUND") == 1  # a client's name is never a label
+    assert value(m, req, protocol="grpc", template="doc", code="INVALID_ARGUMENT") == 1
+    assert value(m, req, protocol="grpc", template="sys", code="CANCELLED") == 1
+    assert value(m, req, protocol="grpc", template="sys", code="DEADLINE_EXCEEDED") == 1
+    assert not any(dict(k[1]).get("template") == "no-such-template" for k in m)
 
     # latency histograms: e2e and TPOT for finished requests, TTFT for every first token
-    assert value(m, "prefix_service_e2e_latency_seconds_count", prefix="doc") == 3
-    assert value(m, "prefix_service_tpot_seconds_count", prefix="doc") == 3
-    assert value(m, "prefix_service_tpot_seconds_count", prefix="_none") == 0  # one token: no TPOT
-    assert value(m, "prefix_service_ttft_seconds_count", prefix="doc") == 3
-    assert value(m, "prefix_service_ttft_seconds_count", prefix="sys") >= 1  # the cancelled one had a token
-    assert value(m, "prefix_service_e2e_latency_seconds_count", prefix="sys") == 0
-    assert 0 < value(m, "prefix_service_ttft_seconds_sum", prefix="doc") < \
-        value(m, "prefix_service_e2e_latency_seconds_sum", prefix="doc")
-    assert value(m, "prefix_service_e2e_latency_seconds_bucket", prefix="doc", le="+Inf") == 3
+    assert value(m, "prefix_service_e2e_latency_seconds_count", template="doc") == 3
+    assert value(m, "prefix_service_tpot_seconds_count", template="doc") == 3
+    assert value(m, "prefix_service_tpot_seconds_count", template="_none") == 0  # one token: no TPOT
+    assert value(m, "prefix_service_ttft_seconds_count", template="doc") == 3
+    assert value(m, "prefix_service_ttft_seconds_count", template="sys") >= 1  # the cancelled one had a token
+    assert value(m, "prefix_service_e2e_latency_seconds_count", template="sys") == 0
+    assert 0 < value(m, "prefix_service_ttft_seconds_sum", template="doc") < \
+        value(m, "prefix_service_e2e_latency_seconds_sum", template="doc")
+    assert value(m, "prefix_service_e2e_latency_seconds_bucket", template="doc", le="+Inf") == 3
 
     doc_tokens = st.engine.get_template("doc").num_tokens
-    assert value(m, "prefix_service_prefix_tokens_reused_total", prefix="doc") == 3 * doc_tokens
-    assert value(m, "prefix_service_completion_tokens_total", prefix="doc") == 15
+    assert value(m, "prefix_service_cached_tokens_total", template="doc") == 3 * doc_tokens
+    assert value(m, "prefix_service_completion_tokens_total", template="doc") == 15
 
     stats = st.engine.kv_stats()
     assert value(m, "prefix_service_ready") == 1
@@ -109,20 +109,20 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
     assert value(m, "prefix_service_running_requests") == 0
     assert value(m, "prefix_service_preemptions_total") == stats["preemptions"]
     assert value(m, "prefix_service_templates") == 2
-    assert value(m, "prefix_service_template_tokens", prefix="doc") == doc_tokens
-    assert value(m, "prefix_service_template_from_snapshot", prefix="doc") == 0  # a first start: prefilled
+    assert value(m, "prefix_service_template_tokens", template="doc") == doc_tokens
+    assert value(m, "prefix_service_template_from_snapshot", template="doc") == 0  # a first start: prefilled
     # requests accepted on the template: the bad-sampling one was refused before
-    assert value(m, "prefix_service_template_requests_served_total", prefix="doc") == 3
+    assert value(m, "prefix_service_template_requests_served_total", template="doc") == 3
 
     # one JSON log line per request, without the prompt
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
     assert len(lines) == 8
-    ok = [line for line in lines if line["code"] == "OK" and line["prefix"] == "doc"]
+    ok = [line for line in lines if line["code"] == "OK" and line["template"] == "doc"]
     assert len(ok) == 3
     for line in ok:
         assert line["request_id"] and line["finish_reason"] == "length" and line["protocol"] == "grpc"
         assert "http_status" not in line
-        assert (line["prompt_tokens"], line["prefix_tokens"], line["completion_tokens"]) == \
+        assert (line["prompt_tokens"], line["cached_tokens"], line["completion_tokens"]) == \
             (doc_tokens + 2, doc_tokens, 5)
         assert 0 < line["ttft_ms"] <= line["latency_ms"]
     codes = sorted(line["code"] for line in lines)
@@ -146,7 +146,7 @@ def test_engine_gauges_while_requests_wait(make_server):
         assert value(m, "prefix_service_queue_length") == 2
         assert value(m, "prefix_service_running_requests") == 1
         assert value(m, "prefix_service_kv_blocks_used") > value(m, "prefix_service_kv_blocks_pinned")
-        assert value(m, "prefix_service_template_active_requests", prefix="doc") == 3
+        assert value(m, "prefix_service_template_active_requests", template="doc") == 3
         for call in calls:
             call.cancel()
     finally:
@@ -179,8 +179,8 @@ def test_chat_requests_count_on_their_template(make_server):
                              sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
     last = collect(c.generation.Generate(req))[2]
     m = scrape(st.server.metrics_port)
-    assert value(m, "prefix_service_requests_total", protocol="grpc", prefix="sys", code="OK") == 1
-    assert value(m, "prefix_service_prefix_tokens_reused_total", prefix="sys") == last.usage.prefix_tokens > 0
+    assert value(m, "prefix_service_requests_total", protocol="grpc", template="sys", code="OK") == 1
+    assert value(m, "prefix_service_cached_tokens_total", template="sys") == last.usage.prefix_tokens > 0
 
 
 def test_series_of_another_process_are_summed_into_the_endpoints():
@@ -208,9 +208,9 @@ def test_series_of_another_process_are_summed_into_the_endpoints():
     families = list(text_string_to_metric_families(generate_latest(front).decode()))
     assert len({f.name for f in families}) == len(families)
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
-    assert got["prefix_service_requests_total", (("code", "OK"), ("prefix", "doc"), ("protocol", "grpc"))] == 3
-    assert got["prefix_service_requests_total", (("code", "OK"), ("prefix", "doc"), ("protocol", "http"))] == 3
-    assert got["prefix_service_ttft_seconds_count", (("prefix", "doc"),)] == 2
-    assert got["prefix_service_ttft_seconds_bucket", (("le", "0.025"), ("prefix", "doc"))] == 1
-    assert got["prefix_service_ttft_seconds_bucket", (("le", "0.5"), ("prefix", "doc"))] == 2
+    assert got["prefix_service_requests_total", (("code", "OK"), ("protocol", "grpc"), ("template", "doc"))] == 3
+    assert got["prefix_service_requests_total", (("code", "OK"), ("protocol", "http"), ("template", "doc"))] == 3
+    assert got["prefix_service_ttft_seconds_count", (("template", "doc"),)] == 2
+    assert got["prefix_service_ttft_seconds_bucket", (("le", "0.025"), ("template", "doc"))] == 1
+    assert got["prefix_service_ttft_seconds_bucket", (("le", "0.5"), ("template", "doc"))] == 2
     assert got["prefix_service_ready", ()] == 1  # the front end's own series are there

@@ -30,7 +30,7 @@ def test_seeded_samples_equal_single_requests_of_seed_plus_i(make_engine, prefix
         alone = engine.generate(request(1, prefix, temperature=1.0, seed=100 + i))[0]
         assert sample.token_ids == alone.token_ids and sample.text == alone.text
         assert sample.completion_tokens == 10 and sample.prompt_tokens == alone.prompt_tokens
-        assert sample.prefix_tokens == alone.prefix_tokens
+        assert sample.cached_tokens == alone.cached_tokens
     assert len({tuple(s.token_ids) for s in out.samples}) > 1  # different draws
 
 

@@ -31,7 +31,7 @@ def test_empty_user_prompt(prefix_len, make_engine):
     engine.add_template("p", token_ids=full)
     out = engine.generate([GenerateRequest(prompt_token_ids=[], prefix_name="p", sampling=greedy(32))])[0]
     assert out.token_ids == expected
-    assert out.prefix_tokens == prefix_len - 1  # the last prefix token is recomputed for its logits
+    assert out.cached_tokens == prefix_len - 1  # the last prefix token is recomputed for its logits
 
 
 def _mixed_requests(prefixes):
@@ -76,7 +76,7 @@ def test_prefix_disabled_gives_same_outputs(make_engine):
     full = ids_of(21)
     engine.add_template("p", token_ids=full[:13])
     out = engine.generate([GenerateRequest(prompt_token_ids=full[13:], prefix_name="p", sampling=greedy(16))])[0]
-    assert out.prefix_tokens == 0
+    assert out.cached_tokens == 0
     assert out.token_ids == run_ids(engine, full, max_tokens=16)
 
 

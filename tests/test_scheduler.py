@@ -47,7 +47,7 @@ def test_prefix_attach_shares_full_blocks_and_copies_the_tail():
     assert s.block_table == [0, 1, 3, 4] and s.num_shared_blocks == 2
     assert out.copies == [(2, 3)]
     assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 3)]
-    assert s.num_computed_tokens == 10 and s.num_prefix_tokens_reused == 10
+    assert s.num_computed_tokens == 10 and s.cached_tokens == 10
     assert [alloc.ref_count(b) for b in (0, 1, 2, 3, 4)] == [2, 2, 1, 1, 1]
     sched.finish(s, FinishReason.STOP)
     assert [alloc.ref_count(b) for b in (0, 1, 2, 3, 4)] == [1, 1, 1, 0, 0]

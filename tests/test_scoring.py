@@ -51,7 +51,7 @@ def test_scores_are_teacher_forced_logprobs(make_engine, backend, case):
         assert max(abs(a - b) for a, b in zip(score.token_logprobs, want)) < 1e-4
         assert abs(score.logprob - sum(want)) < 1e-3
     assert out.prompt_tokens == len(base)
-    assert out.prefix_tokens == (len(TEMPLATE) if prefix else 0)
+    assert out.cached_tokens == (len(TEMPLATE) if prefix else 0)
 
 
 def test_no_candidate_prefills_the_prompt_again(make_engine):

@@ -91,7 +91,7 @@ def test_stream_equals_engine_generate(server, clients, prefix):
     last = msgs[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.prefix_tokens, last.usage.completion_tokens) == \
-        (ref.prompt_tokens, ref.prefix_tokens, 16)
+        (ref.prompt_tokens, ref.cached_tokens, 16)
     assert last.usage.ttft_ms > 0
     assert len({m.request_id for m in msgs}) == 1 and msgs[0].request_id
     if prefix:

@@ -42,7 +42,7 @@ class GenerateResult:
     token_ids: list[int]
     finish_reason: FinishReason
     prompt_tokens: int
-    prefix_tokens: int
+    cached_tokens: int
     completion_tokens: int
     ttft_ms: float | None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
@@ -505,5 +505,5 @@ class _Collector:
         assert last.finish_reason is not None  # a finished output has its reason
         return GenerateResult(
             last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
-            last.finish_reason, last.prompt_tokens, last.prefix_tokens, last.completion_tokens, last.ttft_ms,
+            last.finish_reason, last.prompt_tokens, last.cached_tokens, last.completion_tokens, last.ttft_ms,
             logprobs)

@@ -556,7 +556,7 @@ class EngineCore:
     def _finish(self, tracked: _Tracked, reason: FinishReason, *, text: str = "", token_ids: list[int] | None = None,
                 error: BaseException | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
         seq = tracked.seq
-        reused = seq.num_prefix_tokens_reused
+        reused = seq.cached_tokens
         self.scheduler.finish(seq, reason)
         del self._tracked[seq.request_id]
         if tracked.sink is None:  # a warmup that did not complete
@@ -570,7 +570,7 @@ class EngineCore:
         ttft = None if tracked.first_token_time is None else (tracked.first_token_time - tracked.arrival) * 1000
         tracked.sink(RequestOutput(
             seq.request_id, text, token_ids or [], finished=True, finish_reason=reason,
-            prompt_tokens=seq.num_prompt_tokens, prefix_tokens=reused,
+            prompt_tokens=seq.num_prompt_tokens, cached_tokens=reused,
             completion_tokens=seq.num_output_tokens, ttft_ms=ttft, error=error,
             logprobs=logprobs if logprobs is not None else ([] if seq.sampling.logprobs is not None else None)))
 

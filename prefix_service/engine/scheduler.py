@@ -130,7 +130,7 @@ class Scheduler:
             copies.append((handle.block_table[num_shared], own))
             seq.block_table.append(own)
         seq.num_computed_tokens = reuse
-        seq.num_prefix_tokens_reused = reuse
+        seq.cached_tokens = reuse
         return True
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> list[tuple[int, int]]:
@@ -161,7 +161,7 @@ class Scheduler:
                 child.block_table.append(own)
             child.num_shared_blocks = min(parent.num_shared_blocks, num_shared)
             child.num_computed_tokens = reuse
-            child.num_prefix_tokens_reused = parent.num_prefix_tokens_reused
+            child.cached_tokens = parent.cached_tokens
         self.waiting.extendleft(reversed(children))
         return copies
 

@@ -52,7 +52,7 @@ class Scoring:
     sink: ScoreSink
     candidates: list[tuple[int, ...]]
     prompt_tokens: int
-    prefix_tokens: int
+    cached_tokens: int
     members: list[Sequence] = field(default_factory=list)  # unfinished sequences of this request
     logprobs: list[list[float | None]] = field(default_factory=list)  # [candidate][token]
     index: dict[int, int] = field(default_factory=dict)  # id(candidate's sequence) -> its candidate
@@ -94,10 +94,10 @@ class Scoring:
 
     def output(self, error: BaseException | None = None) -> ScoreOutput:
         if error is not None:
-            return ScoreOutput(self.request_id, [], self.prompt_tokens, self.prefix_tokens, error)
+            return ScoreOutput(self.request_id, [], self.prompt_tokens, self.cached_tokens, error)
         scores = []
         for c, lps in zip(self.candidates, self.logprobs):
             values = [v for v in lps if v is not None]
             assert len(values) == len(c), "a candidate token was never scored"
             scores.append(CandidateScore(c, tuple(values)))
-        return ScoreOutput(self.request_id, scores, self.prompt_tokens, self.prefix_tokens)
+        return ScoreOutput(self.request_id, scores, self.prompt_tokens, self.cached_tokens)

@@ -72,12 +72,12 @@ class CandidateScore:
 @dataclass
 class ScoreOutput:
     """A Score request's answer: each candidate's score in the order given. prompt_tokens counts
-    the template and the prompt once; prefix_tokens those of them whose KV came from the pinned
+    the template and the prompt once; cached_tokens those of them whose KV came from the pinned
     template."""
     request_id: str
     candidates: list[CandidateScore]
     prompt_tokens: int = 0
-    prefix_tokens: int = 0
+    cached_tokens: int = 0
     error: BaseException | None = None
 
 
@@ -91,7 +91,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0  # prefix included
-    prefix_tokens: int = 0  # prompt tokens whose KV came from a pinned prefix
+    cached_tokens: int = 0  # prompt tokens whose KV came from a pinned template
     completion_tokens: int = 0
     ttft_ms: float | None = None
     error: BaseException | None = None
@@ -134,7 +134,7 @@ class Sequence:
         self.block_table: list[BlockId] = []
         self.num_shared_blocks = 0
         self.num_computed_tokens = 0
-        self.num_prefix_tokens_reused = 0  # set at admission; reported in usage
+        self.cached_tokens = 0  # set at admission; reported in usage
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
 

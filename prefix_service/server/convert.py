@@ -96,7 +96,7 @@ def output_to_proto(out: RequestOutput, token_text: Callable[[int], str] | None 
     if out.finished:
         assert out.finish_reason is not None  # the last output has its reason
         msg.finish_reason = _FINISH[out.finish_reason]
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens,
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.cached_tokens,
                                     completion_tokens=out.completion_tokens, ttft_ms=out.ttft_ms or 0.0))
     return msg
 
@@ -105,7 +105,7 @@ def score_to_proto(out: ScoreOutput, candidates: Sequence[str]) -> pb.ScoreRespo
     return pb.ScoreResponse(
         candidates=[pb.CandidateScore(candidate=text, logprob=c.logprob, token_ids=c.token_ids,
                                       token_logprobs=c.token_logprobs) for text, c in zip(candidates, out.candidates)],
-        usage=pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.prefix_tokens), request_id=out.request_id)
+        usage=pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.cached_tokens), request_id=out.request_id)
 
 
 def template_to_proto(info: TemplateInfo, origin: str, replicas: Sequence[str] = ()) -> pb.PrefixTemplate:

@@ -371,7 +371,7 @@ def _usage(lasts: list[RequestOutput]) -> dict[str, Any]:
     """Usage of a request from its samples' last outputs: the prompt once, every sample's tokens."""
     prompt, completion = lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": lasts[0].prefix_tokens}}
+            "prompt_tokens_details": {"cached_tokens": lasts[0].cached_tokens}}
 
 
 def _finish(out: RequestOutput) -> str | None:
@@ -555,7 +555,7 @@ class OpenAIApi:
             self.auth.check(request.headers.items())
             body = ScoreBody.model_validate_json(await _read_body(request))
             template = self._template(body.model, body.prefix_name)
-            trace.set_prefix(template or "")
+            trace.set_template(template or "")
             prompt = body.prompt
             spec = ScoreSpec(body.candidates, prefix_name=template, prompt=prompt if isinstance(prompt, str) else None,
                              prompt_token_ids=prompt if isinstance(prompt, list) else None,
@@ -574,7 +574,7 @@ class OpenAIApi:
         return JSONResponse({"id": f"score-{request_id}", "object": "list", "created": int(time.time()),
                              "model": body.model or self.served_name, "data": data,
                              "usage": {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens,
-                                       "prompt_tokens_details": {"cached_tokens": out.prefix_tokens}}})
+                                       "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}})
 
     # --- generation ----------------------------------------------------------------------------
     async def _generate(self, request: Request, body_cls: type[_Sampling]) -> Response:
@@ -584,7 +584,7 @@ class OpenAIApi:
             body = body_cls.model_validate_json(await _read_body(request))
             body.refuse_unsupported()
             template = self._template(body.model, body.prefix_name)
-            trace.set_prefix(template or "")
+            trace.set_template(template or "")
             spec = self._spec(body, template, request.headers.get(REQUEST_ID_HEADER))
             request_id = trace.request_id = request_id_for(spec)
             engine, req = await prepare(self.runtime, spec, request_id)
