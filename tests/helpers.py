@@ -22,7 +22,7 @@ def run_ids(engine, ids, prefix=None, max_tokens=32, **kw) -> list[int]:
 def pinned_handle(engine, name: str):
     """The engine's live TemplateHandle of a template (block table, counters), white-box: get_template
     hands out a TemplateView without them."""
-    return engine._run(lambda core: core.prefixes.get(name))
+    return engine._run(lambda core: core.templates.get(name))
 
 
 def engine_last_logits(engine, ids: list[int], prefix: str | None = None) -> torch.Tensor:

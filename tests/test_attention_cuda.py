@@ -165,7 +165,7 @@ def test_gpu_snapshot_and_peer_restore_equal_a_prefill(dtype, llama_dir, tmp_pat
     folder = str(tmp_path / "snapshots")
 
     def template_kv(engine):
-        return engine._run(lambda core: core.backend.read_blocks(core.prefixes.get("doc").block_table))
+        return engine._run(lambda core: core.backend.read_blocks(core.templates.get("doc").block_table))
 
     with Engine(config(folder)) as first:
         assert first.add_template("doc", token_ids=template).kv_source == "prefill"

@@ -94,7 +94,7 @@ def test_packed_copy_dropped_with_the_template_blocks(make_engine):
     engine = make_engine(block_size=BLOCK)
     def packed():
         def names(core):
-            return sorted(h.name for h in core.prefixes.pinned_handles() if h.template_id in core.backend.templates)
+            return sorted(h.name for h in core.templates.pinned_handles() if h.template_id in core.backend.templates)
         return engine._run(names)
     engine.add_template("a", token_ids=ids_of(9))
     engine.add_template("b", token_ids=ids_of(3, salt=1))  # no full block: nothing to pack

@@ -17,7 +17,7 @@ def ids_of(n, salt=0):
 
 def _pinned_bytes(engine, name):
     def snap(core):
-        blocks = torch.tensor(core.prefixes.get(name).block_table)
+        blocks = torch.tensor(core.templates.get(name).block_table)
         return [t[blocks].clone() for t in core.backend.kv_cache.k + core.backend.kv_cache.v]
     return engine._run(snap)
 

@@ -23,7 +23,7 @@ def greedy(engine, prefix="doc"):
 
 
 def template_kv(engine, name="doc"):
-    return engine._run(lambda core: core.backend.read_blocks(core.prefixes.get(name).block_table))
+    return engine._run(lambda core: core.backend.read_blocks(core.templates.get(name).block_table))
 
 
 def kv_source(engine, name="doc"):
@@ -44,7 +44,7 @@ def test_a_restored_template_equals_the_prefilled_one(make_engine, tmp_path, bac
     assert info.kv_source == "snapshot" == kv_source(second)
     restored = template_kv(second)
     assert restored.keys() == kv.keys() and all(restored[k].equal(kv[k]) for k in kv)  # bit for bit
-    table = list(second._run(lambda core: core.prefixes.get("doc").block_table))
+    table = list(second._run(lambda core: core.templates.get("doc").block_table))
     assert table == list(range(table[0], table[0] + len(table)))  # one run of blocks, as a prefill gets
     assert greedy(second) == want
     plain = make_engine(backend=backend)  # no snapshots: a prefill, the reference

@@ -267,7 +267,7 @@ class Engine:
         """Unregister a template, and remove its snapshot unless keep_snapshot (a fleet replica
         letting a template move to another keeps it: the folder may be shared). True if its blocks
         were freed now, False if deferred until the requests using it finish. Raises TemplateNotFound."""
-        freed: bool = self._run(lambda core: core.prefixes.remove(name))
+        freed: bool = self._run(lambda core: core.templates.remove(name))
         if self._snapshots is not None and not keep_snapshot:  # after its save, on the same writer thread
             self._snapshots.remove(name)
         return freed
@@ -278,11 +278,11 @@ class Engine:
             self._snapshots.flush()
 
     def list_templates(self) -> list[TemplateInfo]:
-        return self._run(lambda core: core.prefixes.list())
+        return self._run(lambda core: core.templates.list())
 
     def get_template(self, name: str) -> TemplateView:
         """The template's name, token ids and source (a copy). Raises TemplateNotFound."""
-        return self._run(lambda core: core.prefixes.get(name).view())
+        return self._run(lambda core: core.templates.get(name).view())
 
     # --- generation ---------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:

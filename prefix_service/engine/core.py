@@ -105,9 +105,9 @@ class EngineCore:
         budget = config.cache.prefix_budget_blocks
         if budget is None:
             budget = self.allocator.num_blocks // 2
-        self.prefixes = TemplatePins(self.allocator, self.block_size, min(budget, self.allocator.num_blocks),
+        self.templates = TemplatePins(self.allocator, self.block_size, min(budget, self.allocator.num_blocks),
                                            hooks=self.backend)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, self.prefixes, self.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.templates, self.block_size)
         self._tracked: dict[str, _Tracked] = {}
         self._scorings: dict[str, Scoring] = {}
         self._scoring_of: dict[int, Scoring] = {}  # id(sequence) -> the Score request it belongs to
@@ -167,13 +167,13 @@ class EngineCore:
         if cap is not None and len(prompt_ids) > cap:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap} "
                                 f"per request after the prefix template (scheduler.max_prompt_tokens)")
-        handle = self.prefixes.get(prefix_name) if prefix_name else None
+        handle = self.templates.get(prefix_name) if prefix_name else None
         reused = handle if handle is not None and self.config.cache.enable_prefix else None  # its blocks shared
         token_ids = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not token_ids:
             raise InvalidRequest("the prompt is empty and no prefix template was named")
         shared = 0
-        if reused is not None:  # the full prefix blocks the scheduler will share (see Scheduler._attach_prefix)
+        if reused is not None:  # the full template blocks the scheduler will share (see Scheduler._attach_template)
             shared = reused.reused_tokens(len(token_ids)) // self.block_size * self.block_size
         self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
         self._check_queue()  # after validation: a bad request hears why
@@ -221,9 +221,9 @@ class EngineCore:
         """A new request on a template: it holds the template's blocks it reuses, or, when the
         engine reuses none (cache.enable_prefix false), only counts as served."""
         if reused is not None:
-            self.prefixes.acquire(reused)
+            self.templates.acquire(reused)
         elif named is not None:
-            self.prefixes.count_unreused(named)
+            self.templates.count_unreused(named)
 
     def _check_prompt_ids(self, prompt_ids: list[int]) -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
@@ -240,8 +240,8 @@ class EngineCore:
         """Start children on the computed parent's KV (Scheduler.fork) and end the parent. Each child
         holds the template too; the request was counted as served once, by the parent."""
         for child in children:
-            if child.prefix is not None:
-                self.prefixes.acquire(child.prefix, served=False)
+            if child.template is not None:
+                self.templates.acquire(child.template, served=False)
         copies = self.scheduler.fork(parent, children)
         if copies:  # now, while the parent's blocks are still held
             self.backend.copy_blocks(copies)
@@ -255,7 +255,7 @@ class EngineCore:
         children = []
         for i in range(p.n):
             # a NUL in the id: no request id a client can send collides with it
-            child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.prefix,
+            child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.template,
                              self._generator(p, i))
             group.children.append(child.request_id)
             if group.matcher is not None:
@@ -299,7 +299,7 @@ class EngineCore:
         self._check_new_id(request_id)
         check_candidates(candidates, self.arch.vocab_size)
         self._check_prompt_ids(prompt_ids)
-        handle = self.prefixes.get(prefix_name) if prefix_name else None
+        handle = self.templates.get(prefix_name) if prefix_name else None
         reused = handle if self.config.cache.enable_prefix else None  # the template whose KV it continues
         base = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not base:
@@ -323,7 +323,7 @@ class EngineCore:
         if not token_ids:
             raise InvalidRequest(f"prefix template {name!r} is empty")
         self._check_fits(len(token_ids), f"prefix template {name!r}")
-        self.prefixes.check(name, len(token_ids))
+        self.templates.check(name, len(token_ids))
 
     def add_template(self, name: str, token_ids: list[int], source: dict[str, str],
                    on_pinned: Callable[[TemplateInfo | BaseException], None],
@@ -331,7 +331,7 @@ class EngineCore:
         """Queue a template's warmup prefill; on_pinned gets its TemplateInfo (or the error) when done.
         default_output: the output of requests on it that name none, and its compiled matcher."""
         self.check_template(name, token_ids)
-        self.prefixes.reserve(name, len(token_ids))
+        self.templates.reserve(name, len(token_ids))
         request_id = f"prefix-warmup:{name}:{self._warmups}"
         self._warmups += 1
         seq = Sequence(request_id, token_ids, SamplingParams(max_tokens=1), 1, None, None, prefill_only=True)
@@ -349,10 +349,10 @@ class EngineCore:
         failing raises SnapshotMismatch, the blocks freed). None when its blocks are not free now
         (requests hold them): the caller prefills it instead, queued like any request."""
         self.check_template(name, token_ids)
-        self.prefixes.reserve(name, len(token_ids))
-        need = self.prefixes.blocks_for(len(token_ids))
+        self.templates.reserve(name, len(token_ids))
+        need = self.templates.blocks_for(len(token_ids))
         if need > self.allocator.num_free:
-            self.prefixes.cancel(name)
+            self.templates.cancel(name)
             return None
         # one run of blocks where there is one, as a prefilled template gets (its K/V one slice of the cache)
         blocks = self.allocator.allocate_contiguous(need) or self.allocator.allocate(need)
@@ -366,9 +366,9 @@ class EngineCore:
             else:
                 self.backend.write_blocks(blocks, kv)
             structured, matcher = default_output or (None, None)
-            handle = self.prefixes.pin(name, token_ids, blocks, source, structured, matcher, kv_source=kv_source)
+            handle = self.templates.pin(name, token_ids, blocks, source, structured, matcher, kv_source=kv_source)
         except BaseException:
-            self.prefixes.cancel(name)
+            self.templates.cancel(name)
             raise
         finally:
             self.allocator.free(blocks)  # the pin holds its own reference
@@ -376,7 +376,7 @@ class EngineCore:
 
     def template_kv(self, name: str) -> tuple[tuple[int, ...], dict[str, torch.Tensor]]:
         """A pinned template's token ids and a host copy of its K/V (Backend.read_blocks)."""
-        handle = self.prefixes.get(name)
+        handle = self.templates.get(name)
         return handle.token_ids, self.backend.read_blocks(handle.block_table)
 
     def abort(self, request_id: str) -> bool:
@@ -502,7 +502,7 @@ class EngineCore:
         assert name is not None  # a warmup names its template
         try:  # the backend hears of the pin (on_pin) and may fail, e.g. out of memory for a packed copy
             output = tracked.default_output
-            handle = self.prefixes.pin(name, seq.token_ids, seq.block_table, tracked.source or {},
+            handle = self.templates.pin(name, seq.token_ids, seq.block_table, tracked.source or {},
                                        *(output or (None, None)))
         except Exception as e:  # noqa: BLE001 - the warmup fails, nothing else does
             log.exception("pinning prefix template %r failed", tracked.prefix_name)
@@ -561,7 +561,7 @@ class EngineCore:
         del self._tracked[seq.request_id]
         if tracked.sink is None:  # a warmup that did not complete
             assert tracked.prefix_name is not None  # a warmup names its template
-            self.prefixes.cancel(tracked.prefix_name)
+            self.templates.cancel(tracked.prefix_name)
             if tracked.on_pinned:
                 tracked.on_pinned(error or PrefixServiceError(f"warmup of prefix template {tracked.prefix_name!r} was aborted"))
             return
@@ -577,11 +577,11 @@ class EngineCore:
     # --- introspection -------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Allocator invariants, and every block's count equals the references its holders claim."""
-        expected = self.prefixes.held_refs()
+        expected = self.templates.held_refs()
         for b, c in self.scheduler.held_refs().items():
             expected[b] = expected.get(b, 0) + c
         self.allocator.check_integrity(expected)
-        self.backend.check_integrity(self.prefixes.pinned_handles())
+        self.backend.check_integrity(self.templates.pinned_handles())
         if any(s.status is SeqStatus.FINISHED for s in self.scheduler.running):
             raise AssertionError("a finished sequence is still running")
 
@@ -592,7 +592,7 @@ class EngineCore:
     def kv_stats(self) -> dict[str, int]:
         return {"num_blocks": self.allocator.num_blocks, "used": self.allocator.num_used,
                 "peak_used": self.allocator.peak_used,  # most in use at once since reset_kv_peak()
-                "free": self.allocator.num_free, "pinned": self.prefixes.num_pinned_blocks,
+                "free": self.allocator.num_free, "pinned": self.templates.num_pinned_blocks,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "preemptions": self.scheduler.num_preemptions,
                 # host memory the backend holds for pinned templates (packed K/V copies), outside the KV cache

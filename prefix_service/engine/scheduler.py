@@ -28,10 +28,10 @@ class ScheduledSeq:
     def row(self) -> ScheduledRow:
         """This sequence's part of the step, as the backend reads it."""
         seq, start = self.seq, self.seq.num_computed_tokens
-        prefix = seq.prefix
+        template = seq.template
         return ScheduledRow(
             seq.request_id, self.is_decode, tuple(seq.token_ids[start:start + self.num_new_tokens]), start,
-            tuple(seq.block_table), prefix.template_id if prefix is not None else None, seq.num_shared_blocks,
+            tuple(seq.block_table), template.template_id if template is not None else None, seq.num_shared_blocks,
             num_logits=self.num_logits)
 
     @property
@@ -68,11 +68,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, prefixes: TemplatePins,
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, templates: TemplatePins,
                  block_size: int) -> None:
         self.config = config
         self.allocator = allocator
-        self.prefixes = prefixes
+        self.templates = templates
         self.block_size = block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
@@ -102,16 +102,16 @@ class Scheduler:
             if run is not None:
                 seq.block_table = run
             return True
-        return self._attach_prefix(seq, copies)
+        return self._attach_template(seq, copies)
 
-    def _attach_prefix(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
+    def _attach_template(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
         """Start a waiting sequence's block table. With a prefix of length P, it reuses R tokens
         (R = P, or P - 1 when the prompt adds nothing, so one token is computed for logits):
 
             block_table: [ shared full blocks: R // B | own copy of block R // B if R % B | own ... ]
 
         Returns False (nothing changed) if the copy-on-write block cannot be allocated."""
-        handle = seq.prefix
+        handle = seq.template
         if handle is None:
             return True
         reuse = handle.reused_tokens(len(seq.token_ids))
@@ -264,7 +264,7 @@ class Scheduler:
 
     def capacity_blocks(self) -> int:
         """Blocks a sequence could own if it ran alone: every block no template pins."""
-        return self.allocator.num_blocks - self.prefixes.num_pinned_blocks
+        return self.allocator.num_blocks - self.templates.num_pinned_blocks
 
     def _fit_chunk(self, seq: Sequence, n: int) -> int:
         """The largest chunk <= n whose blocks are free now."""
@@ -292,8 +292,8 @@ class Scheduler:
         self._free_blocks(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if seq.prefix is not None:
-            self.prefixes.release(seq.prefix)
+        if seq.template is not None:
+            self.templates.release(seq.template)
 
     def held_refs(self) -> dict[BlockId, int]:
         refs: dict[BlockId, int] = {}

@@ -60,8 +60,8 @@ class Scoring:
     def __post_init__(self) -> None:
         self.logprobs = [[None] * len(c) for c in self.candidates]
 
-    def fork_point(self, token_ids: list[int], prefix: TemplateHandle | None) -> Sequence:
-        seq = Sequence(f"{self.request_id}/prompt", token_ids, SamplingParams(max_tokens=1), 1, prefix, None,
+    def fork_point(self, token_ids: list[int], template: TemplateHandle | None) -> Sequence:
+        seq = Sequence(f"{self.request_id}/prompt", token_ids, SamplingParams(max_tokens=1), 1, template, None,
                        fork_point=True)
         self.members.append(seq)
         return seq
@@ -70,7 +70,7 @@ class Scoring:
         """One scoring sequence per candidate, continuing the computed fork point `parent`."""
         base = list(parent.token_ids)
         children = [Sequence(f"{self.request_id}/{i}", base + list(c[:-1]), SamplingParams(max_tokens=1), 1,
-                             parent.prefix, None, score_from=len(base) - 1, score_targets=c)
+                             parent.template, None, score_from=len(base) - 1, score_targets=c)
                     for i, c in enumerate(self.candidates)]
         self.members.remove(parent)
         self.members += children

@@ -102,10 +102,10 @@ class RequestOutput:
 class Sequence:
     """A request's scheduling state. Owned by the scheduler; the runner only reads it.
 
-    token_ids:  [0, prefix_len) prefix | [prefix_len, num_prompt_tokens) prompt | outputs
+    token_ids:  [0, T) template | [T, num_prompt_tokens) prompt | outputs (T: the template's tokens)
     KV state:   [0, num_computed_tokens) in the cache through block_table | the rest uncomputed
-    block_table[:num_shared_blocks] are the prefix's pinned full blocks (read-only, shared);
-    every later block is the sequence's own (the first may be a copy of the prefix tail), or, for
+    block_table[:num_shared_blocks] are the template's pinned full blocks (read-only, shared);
+    every later block is the sequence's own (the first may be a copy of the template's tail), or, for
     a sequence forked from another (Scheduler.fork), blocks it shares with its siblings.
 
     What it does once its prompt is computed: a generation samples; a template's warmup
@@ -115,7 +115,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, token_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                 prefix: TemplateHandle | None, generator: torch.Generator | None, prefill_only: bool = False,
+                 template: TemplateHandle | None, generator: torch.Generator | None, prefill_only: bool = False,
                  *, fork_point: bool = False, score_from: int | None = None,
                  score_targets: tuple[int, ...] = ()) -> None:
         self.request_id = request_id
@@ -123,7 +123,7 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.sampling = sampling
         self.max_tokens = max_tokens
-        self.prefix = prefix
+        self.template = template
         self.generator = generator
         self.prefill_only = prefill_only  # a template's warmup: prefill, keep the blocks, no sampling
         self.fork_point = fork_point
