@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     # path: (the engine, names the template); where the template's K/V is packed, the same requests
     # also run on an engine that does not pack (prefix_unpacked): what the packing buys, in the same turns
     paths = {"prefix": (runner, True), "no_prefix": (runner, False)}
-    if core.kv_stats()["packed_prefix_bytes"]:
+    if core.kv_stats()["packed_template_bytes"]:
         unpacked = Runner(EngineCore(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, pack_prefix_kv=False))),
                           prefix_ids)
         unpacked.pin()

@@ -275,12 +275,12 @@ def test_a_restarted_controller_restores_the_state_file_and_learns_token_ids(lla
         await a.start()
         assert "saved" in a.held and set(TEMPLATES) <= set(a.held)
         c.token_ids.clear()  # as after a restart: asked of a holder
-        view = await c.prefix("saved")
+        view = await c.get_template("saved")
         assert view.token_ids == a.token_ids("saved") and view.source == {"content": "saved text"}
         assert view.structured == choice  # its default output, as the replicas pin it
         assert a.held["saved"].structured == choice
         assert {info.name: info.structured for info, _, _ in await c.listing()}["saved"] == choice
         with pytest.raises(TemplateNotFound):
-            await c.prefix("nope")
+            await c.get_template("nope")
         a.stop()
     run(main())

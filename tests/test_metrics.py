@@ -105,7 +105,7 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
         stats["pinned"] > 0
     assert value(m, "prefix_service_kv_blocks_free") == stats["free"] == 256 - stats["pinned"]
     assert value(m, "prefix_service_queue_length") == 0
-    assert value(m, "prefix_service_packed_template_bytes") == stats["packed_prefix_bytes"] > 0  # CPU, float32
+    assert value(m, "prefix_service_packed_template_bytes") == stats["packed_template_bytes"] > 0  # CPU, float32
     assert value(m, "prefix_service_running_requests") == 0
     assert value(m, "prefix_service_preemptions_total") == stats["preemptions"]
     assert value(m, "prefix_service_templates") == 2

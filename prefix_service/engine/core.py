@@ -596,4 +596,4 @@ class EngineCore:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "preemptions": self.scheduler.num_preemptions,
                 # host memory the backend holds for pinned templates (packed K/V copies), outside the KV cache
-                "packed_prefix_bytes": self.backend.packed_template_bytes()}
+                "packed_template_bytes": self.backend.packed_template_bytes()}

@@ -85,7 +85,7 @@ class FleetEngine:
 
     # --- the engine surface -------------------------------------------------------------------
     def get_template(self, name: str) -> TemplateView:
-        view: TemplateView = call_sync(self.controller.prefix.remote(name), CALL_TIMEOUT_S, "the fleet controller")
+        view: TemplateView = call_sync(self.controller.get_template.remote(name), CALL_TIMEOUT_S, "the fleet controller")
         return view
 
     async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None

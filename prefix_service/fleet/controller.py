@@ -324,7 +324,7 @@ class FleetController:
         out[""] = tuple(sorted(serving))
         return out
 
-    async def prefix(self, name: str) -> TemplateView:
+    async def get_template(self, name: str) -> TemplateView:
         """A template's token ids, definition and default output (the chat path needs them)."""
         src = self.sources.get(name)
         if src is None:

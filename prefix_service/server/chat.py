@@ -33,15 +33,15 @@ def system_prompt_ids(tokenizer: Any, system_prompt: str) -> list[int]:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, str]], prefix_name: str | None,
-                    prefix_ids: Sequence[int] | None, prefix_source: dict[str, str] | None) -> list[int]:
-    """The ids a chat request submits after its prefix (all of them when there is none)."""
-    system_prompt = (prefix_source or {}).get("system_prompt")
-    if system_prompt is None:  # no prefix, or raw text that the conversation continues
+                    template_ids: Sequence[int] | None, template_source: dict[str, str] | None) -> list[int]:
+    """The ids a chat request submits after its template (all of them when there is none)."""
+    system_prompt = (template_source or {}).get("system_prompt")
+    if system_prompt is None:  # no template, or raw text that the conversation continues
         return render_ids(tokenizer, messages, add_generation_prompt=True)
     conversation = [{"role": "system", "content": system_prompt}, *messages]
     ids = render_ids(tokenizer, conversation, add_generation_prompt=True)
-    n = len(prefix_ids or ())
-    if ids[:n] != list(prefix_ids or ()):
+    n = len(template_ids or ())
+    if ids[:n] != list(template_ids or ()):
         raise ChatTemplateMismatch(
             f"the model's chat template does not keep the system prompt of template {prefix_name!r} as a "
             f"token prefix of the conversation (e.g. it moves or rewrites the system message), so the "

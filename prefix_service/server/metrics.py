@@ -243,7 +243,7 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(f"prefix_service_kv_blocks_{name}", doc, value=stats[key])
         yield GaugeMetricFamily("prefix_service_packed_template_bytes", "Host memory of pinned templates' K/V held "
                                 "a second time, packed for CPU attention (outside the KV cache)",
-                                value=stats["packed_prefix_bytes"])
+                                value=stats["packed_template_bytes"])
         yield GaugeMetricFamily("prefix_service_queue_length", "Requests waiting to run (preempted ones included)",
                                 value=stats["waiting"])
         yield GaugeMetricFamily("prefix_service_running_requests", "Requests running", value=stats["running"])

@@ -9,7 +9,7 @@ linear layers (linear.make_linear: the native float32 kernel, or oneDNN for bflo
 AMX or AVX512-BF16 where the CPU has them); activations are float32 throughout.
 
 Pinned templates' K/V are packed once more when they are pinned (cache.pack_prefix_kv), and the
-attention of every request on them reads the packed copy (packed_prefix.py). The library is built
+attention of every request on them reads the packed copy (packed_template.py). The library is built
 on first use with the system C++ compiler (native.py); `unsupported` says when it cannot serve.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.backends.cpu import elementwise, linear
-from prefix_service.backends.cpu.packed_prefix import PackedTemplate
+from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
 from prefix_service.backends.cpu.stack import unsupported as stack_unsupported
 from prefix_service.config import CacheConfig

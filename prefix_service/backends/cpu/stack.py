@@ -24,7 +24,7 @@ from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
-from prefix_service.backends.cpu.packed_prefix import PackedTemplate
+from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ which do not change while the template is pinned. Packed once when it is pinned 
 prefill and decode on it without gathering them through the block table.
 
 Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory (reported
-as kv_stats()["packed_prefix_bytes"] and the metric prefix_service_packed_template_bytes), and the
+as kv_stats()["packed_template_bytes"] and the metric prefix_service_packed_template_bytes), and the
 packing when the template is pinned (SmolLM2-135M, 2,224 tokens: 98 MiB in 54 ms).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pinned templates' K/V packed for the cpu backend's attention (backends/cpu/packed_prefix.py): the
+"""Pinned templates' K/V packed for the cpu backend's attention (backends/cpu/packed_template.py): the
 packed copy holds the template's full blocks in the kernel's layout; the engine reads it for the
 requests that continue the template (prefills and decodes) and gives the same tokens as without
 it; a request that shares one block fewer does not read it; the copy lives exactly as long as the
@@ -11,7 +11,7 @@ import torch
 from helpers import greedy, run_ids
 from prefix_service import GenerateRequest
 from prefix_service.backends.cpu import attention as cpu_attention
-from prefix_service.backends.cpu.packed_prefix import PackedTemplate
+from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.backends.cpu.stack import StackPlan
 from prefix_service.config import CacheConfig, ConfigError
 from prefix_service.engine.step import ScheduledRow
@@ -67,7 +67,7 @@ def test_engine_tokens_with_packed_template_equal_without(prefix_len, make_engin
     plain.add_template("p", token_ids=full[:prefix_len])
     expected = run_ids(plain, full)
     assert run_ids(plain, full[prefix_len:], prefix="p") == expected
-    assert count_packed == [] and plain.kv_stats()["packed_prefix_bytes"] == 0  # packing off: never used
+    assert count_packed == [] and plain.kv_stats()["packed_template_bytes"] == 0  # packing off: never used
 
     engine = make_engine(block_size=BLOCK)
     assert engine.info.backend == "cpu"
@@ -101,7 +101,7 @@ def test_packed_copy_dropped_with_the_template_blocks(make_engine):
     assert packed() == ["a"]
     arch = engine.info.arch
     # 2 full blocks of 4 tokens, K and V of every layer, float32
-    assert engine.kv_stats()["packed_prefix_bytes"] == 2 * 2 * BLOCK * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
+    assert engine.kv_stats()["packed_template_bytes"] == 2 * 2 * BLOCK * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4
     assert engine.remove_template("a") is True  # unused: freed at once, and its packed copy with it
     assert packed() == []
 
@@ -126,13 +126,13 @@ def test_packed_copy_dropped_with_the_template_blocks(make_engine):
             threading.Event().wait(0.01)
     assert packed() == []
     assert engine.kv_stats()["pinned"] == 1  # "b" alone
-    assert engine.kv_stats()["packed_prefix_bytes"] == 0
+    assert engine.kv_stats()["packed_template_bytes"] == 0
 
 
 def test_the_torch_backend_packs_nothing(make_engine):
     engine = make_engine(block_size=BLOCK, backend="torch")
     engine.add_template("a", token_ids=ids_of(9))
-    assert engine.kv_stats()["packed_prefix_bytes"] == 0
+    assert engine.kv_stats()["packed_template_bytes"] == 0
 
 
 def test_pack_prefix_kv_config_is_checked():
