@@ -1,6 +1,6 @@
 """prefix_service: LLM generation with operator-named, pinned KV-cache prefixes.
 
-The names below load on first use, so light clients (the CLI's generate and prefix commands,
+The names below load on first use, so light clients (the CLI's generate and template commands,
 prefix_service.client) do not import torch.
 """
 from __future__ import annotations

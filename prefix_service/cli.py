@@ -20,16 +20,16 @@ examples:
   prefix-service serve --config configs/default.yaml
 
   # generate, continuing a pinned template (only the prompt is prefilled)
-  prefix-service generate --prefix intent_classifier --max-tokens 8 $'Message: "I was charged twice"\\nIntent:'
-  prefix-service generate --prefix table_qa --max-tokens 48 $'Q: Which flight to Newark was cancelled?\\nA:'
+  prefix-service generate --template intent_classifier --max-tokens 8 $'Message: "I was charged twice"\\nIntent:'
+  prefix-service generate --template table_qa --max-tokens 48 $'Q: Which flight to Newark was cancelled?\\nA:'
   # chat: the prompt becomes a user message rendered with the model's chat template
   prefix-service generate --chat 'What is the capital of France?'
 
   # manage templates at run time (persisted across restarts)
-  prefix-service prefix add faq --file docs/faq.md
-  prefix-service prefix add support_bot --system-prompt 'You are a polite support agent.'
-  prefix-service prefix list
-  prefix-service prefix remove faq
+  prefix-service template add faq --file docs/faq.md
+  prefix-service template add support_bot --system-prompt 'You are a polite support agent.'
+  prefix-service template list
+  prefix-service template remove faq
 
   # template KV snapshots, offline (no server): check them, move them between machines
   prefix-service snapshot verify --config configs/default.yaml
@@ -38,7 +38,7 @@ examples:
 
 environment:
   PREFIX_SERVICE_ADDRESS      default --address (127.0.0.1:50051)
-  PREFIX_SERVICE_ADMIN_TOKEN  default --token for the prefix commands; the server reads its
+  PREFIX_SERVICE_ADMIN_TOKEN  default --token for the template commands; the server reads its
                               token from the variable named by server.admin_token_env
   PREFIX_SERVICE_TLS_CA       default --tls-ca (a server with server.tls_cert_file set)
 """
@@ -87,10 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="stream a completion to stdout (usage to stderr)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="examples:\n  prefix-service generate --prefix table_qa --max-tokens 32 'Q: ...\\nA:'\n"
+                       epilog="examples:\n  prefix-service generate --template table_qa --max-tokens 32 'Q: ...\\nA:'\n"
                               "  echo 'Tell me a joke' | prefix-service generate --chat -\n")
-    p.add_argument("prompt", metavar="PROMPT", help="text continuing the prefix ('-' reads stdin)")
-    p.add_argument("--prefix", metavar="NAME", help="pinned template to continue (default: none)")
+    p.add_argument("prompt", metavar="PROMPT", help="text continuing the template ('-' reads stdin)")
+    p.add_argument("--template", "--prefix", dest="template", metavar="NAME",
+                   help="pinned template to continue (default: none; --prefix is another name for it)")
     p.add_argument("--chat", action="store_true",
                    help="send PROMPT as a user message through the model's chat template")
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before PROMPT")
@@ -104,12 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(p)
     _add_tls(p)
 
-    p = sub.add_parser("prefix", help="add, list or remove prefix templates (admin API of a running server)")
-    psub = p.add_subparsers(dest="prefix_command", required=True, metavar="ACTION")
+    p = sub.add_parser("template", aliases=["prefix"],
+                       help="add, list or remove templates (admin API of a running server; alias: prefix)")
+    psub = p.add_subparsers(dest="template_command", required=True, metavar="ACTION")
     a = psub.add_parser("add", help="prefill and pin a template (persisted across restarts)",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="examples:\n  prefix-service prefix add faq --file faq.md\n"
-                               "  prefix-service prefix add bot --system-prompt 'You are terse.'\n")
+                        epilog="examples:\n  prefix-service template add faq --file faq.md\n"
+                               "  prefix-service template add bot --system-prompt 'You are terse.'\n")
     a.add_argument("name", metavar="NAME")
     src = a.add_mutually_exclusive_group(required=True)
     src.add_argument("--file", metavar="F", help="raw text from this file")
@@ -131,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("prepare-model", add_help=False,
                    help="convert the bundled SmolLM2-135M-Instruct into a model directory (once)")
     sub.add_parser("bench", add_help=False,  # options: prefix_service/bench/main.py
-                   help="benchmark named prefixes vs no prefix, transformers and the gRPC server")
+                   help="benchmark named templates vs none, transformers, vLLM and the gRPC server")
     return parser
 
 
@@ -153,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
-        return _prefix(args)
+        return _template(args)
     except grpc.RpcError as e:
         code = e.code()
         hint = ""
@@ -224,7 +226,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     last = None
     with PrefixServiceClient(args.address, tls=args.tls, tls_ca_file=args.tls_ca) as client:
-        for msg in client.generate(prompt, args.prefix, messages=messages, max_tokens=args.max_tokens,
+        for msg in client.generate(prompt, args.template, messages=messages, max_tokens=args.max_tokens,
                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                    seed=args.seed, stop=args.stop, timeout=args.timeout):
             sys.stdout.write(msg.text)
@@ -234,16 +236,16 @@ def _generate(args: argparse.Namespace) -> int:
     if last is not None:
         u = last.usage
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-        print(f"[{reason}] prompt {u.prompt_tokens} tokens ({u.prefix_tokens} reused from the prefix), "
+        print(f"[{reason}] prompt {u.prompt_tokens} tokens ({u.prefix_tokens} reused from the template), "
               f"{u.completion_tokens} completion tokens, ttft {u.ttft_ms:.0f} ms", file=sys.stderr)
     return 0
 
 
-def _prefix(args: argparse.Namespace) -> int:
+def _template(args: argparse.Namespace) -> int:
     from prefix_service.client import PrefixServiceClient
 
     with PrefixServiceClient(args.address, token=args.token, tls=args.tls, tls_ca_file=args.tls_ca) as client:
-        if args.prefix_command == "add":
+        if args.template_command == "add":
             content = args.content
             if args.file:
                 try:
@@ -254,7 +256,7 @@ def _prefix(args: argparse.Namespace) -> int:
                     return 2
             t = client.add_template(args.name, content, system_prompt=args.system_prompt)
             print(f"added {t.name}: {t.num_tokens} tokens, {t.num_blocks} blocks pinned")
-        elif args.prefix_command == "list":
+        elif args.template_command == "list":
             templates = client.list_templates()
             if args.json:
                 for t in templates:

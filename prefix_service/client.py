@@ -1,7 +1,7 @@
 """A small synchronous Python client for the prefix_service gRPC API (used by the CLI).
 
     with PrefixServiceClient("127.0.0.1:50051") as client:
-        for msg in client.generate("Question: ...", prefix="table_qa", max_tokens=64):
+        for msg in client.generate("Question: ...", template="table_qa", max_tokens=64):
             print(msg.text, end="", flush=True)
 
 A server with TLS: PrefixServiceClient("host:50051", tls_ca_file="ca.pem") (or tls=True when its
@@ -40,7 +40,7 @@ class PrefixServiceClient:
         self._admin = pb_grpc.PrefixAdminStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def generate(self, prompt: str = "", prefix: str | None = None, *,
+    def generate(self, prompt: str = "", template: str | None = None, *,
                  messages: Iterable[Mapping[str, str]] | None = None, max_tokens: int = 0,
                  temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
                  stop: Iterable[str] = (), ignore_eos: bool = False, request_id: str = "",
@@ -52,7 +52,7 @@ class PrefixServiceClient:
         if seed is not None:
             sampling.seed = seed
         request = pb.GenerateRequest(
-            prefix_name=prefix or "", prompt=prompt, sampling=sampling, request_id=request_id,
+            prefix_name=template or "", prompt=prompt, sampling=sampling, request_id=request_id,
             messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in (messages or ())])
         call = self._generation.Generate(request, timeout=timeout)
         try:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # torch and the engine load only when a command runs
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
 
 EPILOG = """\
-These work on files, offline: no server is needed (prefix add/list/remove talk to a running one).
+These work on files, offline: no server is needed (template add/list/remove talk to a running one).
 Run them where the config's model is, on the kind of machine that serves it: model.dtype auto
 picks the dtype by the CPU or GPU, and a snapshot of another dtype does not match.
 
@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
                         description="Copy FILE into the config's snapshot folder (temp file, fsync, rename) if it "
                                     "matches the config's model; a file made by other weights, dtype or block size "
                                     "is refused and nothing is written. A server loads it the next time the "
-                                    "template is pinned (its next start, or prefix add) if its tokens match.")
+                                    "template is pinned (its next start, or template add) if its tokens match.")
     i.add_argument("file", metavar="FILE", help="a snapshot file (.kv.safetensors)")
     i.add_argument("--name", metavar="NAME", help="the template it is for (default: the name the file records)")
     for q in (v, e, i):

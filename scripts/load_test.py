@@ -8,7 +8,7 @@ finish within their deadline. Prints completed calls, failures
 by status code and latency percentiles (end to end and time to first token), and writes the same
 as JSON with --json.
 
-    python scripts/load_test.py --address 127.0.0.1:50051 --prefix intent_classifier \\
+    python scripts/load_test.py --address 127.0.0.1:50051 --template intent_classifier \\
         --prompt $'Message: "I was charged twice"\\nIntent:' --max-tokens 8 --concurrency 16 --duration 30
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def channel(address: str, tls_ca: str | None, tls: bool) -> grpc.aio.Channel:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    request = pb.GenerateRequest(prefix_name=args.prefix or "", prompt=args.prompt,
+    request = pb.GenerateRequest(prefix_name=args.template or "", prompt=args.prompt,
                                  sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                                             ignore_eos=args.ignore_eos))
     latencies: list[float] = []
@@ -95,7 +95,7 @@ async def run(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - t_start
     completed = codes.pop("OK", 0)
     return {
-        "address": args.address, "prefix": args.prefix, "concurrency": args.concurrency, "duration_s": elapsed,
+        "address": args.address, "template": args.template, "concurrency": args.concurrency, "duration_s": elapsed,
         "requests": completed + sum(codes.values()), "completed": completed, "failed": dict(sorted(codes.items())),
         "requests_per_s": completed / elapsed if elapsed > 0 else 0.0,
         "completion_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
@@ -109,7 +109,7 @@ def fmt(value: float | None) -> str:
 
 def print_report(r: dict) -> None:
     print(f"{r['requests']} requests in {r['duration_s']:.1f} s against {r['address']} "
-          f"(concurrency {r['concurrency']}, prefix {r['prefix'] or '-'})")
+          f"(concurrency {r['concurrency']}, template {r['template'] or '-'})")
     print(f"completed  {r['completed']}  ({r['requests_per_s']:.2f} req/s, "
           f"{r['completion_tokens_per_s']:.1f} completion tokens/s)")
     failed = r["failed"]
@@ -123,7 +123,8 @@ def print_report(r: dict) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default="127.0.0.1:50051", help="server host:port (default 127.0.0.1:50051)")
-    p.add_argument("--prefix", default="", help="template to continue (default: none)")
+    p.add_argument("--template", "--prefix", dest="template", default="",
+                   help="template to continue (default: none; --prefix is another name for it)")
     p.add_argument("--prompt", default=" Hello", help="prompt text (default ' Hello')")
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens per request (default 16)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")

@@ -43,13 +43,13 @@ def _integrity(request):
 
 
 def test_generate_streams_the_engines_output(server, capsys):
-    assert main(["generate", "--address", server.address, "--prefix", "doc", "--max-tokens", "9", " the order"]) == 0
+    assert main(["generate", "--address", server.address, "--template", "doc", "--max-tokens", "9", " the order"]) == 0
     out, err = capsys.readouterr()
     ref = server.engine.generate(GenerateRequest(prompt=" the order", prefix_name="doc",
                                                  sampling=SamplingParams(max_tokens=9)))[0]
     assert out == ref.text + "\n"
     prefix_len = server.engine.get_template("doc").num_tokens
-    assert re.search(rf"\[(length|stop)\] prompt {ref.prompt_tokens} tokens \({prefix_len} reused from the prefix\), "
+    assert re.search(rf"\[(length|stop)\] prompt {ref.prompt_tokens} tokens \({prefix_len} reused from the template\), "
                      rf"{ref.completion_tokens} completion tokens, ttft \d+ ms", err), err
 
 
@@ -57,7 +57,7 @@ def test_generate_chat_with_system_message(server, capsys):
     assert main(["generate", "--address", server.address, "--chat", "--system", SYSTEM_PROMPT, "--max-tokens", "5",
                  "refund please"]) == 0
     via_system = capsys.readouterr().out
-    assert main(["generate", "--address", server.address, "--chat", "--prefix", "sys", "--max-tokens", "5",
+    assert main(["generate", "--address", server.address, "--chat", "--template", "sys", "--max-tokens", "5",
                  "refund please"]) == 0
     out, err = capsys.readouterr()
     assert out == via_system  # the pinned system prompt gives the same answer
@@ -67,14 +67,14 @@ def test_generate_chat_with_system_message(server, capsys):
 def test_generate_reads_stdin(server, capsys, monkeypatch):
     import io
     monkeypatch.setattr(sys, "stdin", io.StringIO(" the order"))
-    assert main(["generate", "--address", server.address, "--prefix", "doc", "--max-tokens", "4", "-"]) == 0
+    assert main(["generate", "--address", server.address, "--prefix", "doc", "--max-tokens", "4", "-"]) == 0  # --prefix: the old name
     ref = server.engine.generate(GenerateRequest(prompt=" the order", prefix_name="doc",
                                                  sampling=SamplingParams(max_tokens=4)))[0]
     assert capsys.readouterr().out == ref.text + "\n"
 
 
 def test_generate_errors_exit_1(server, capsys):
-    assert main(["generate", "--address", server.address, "--prefix", "nope", "x"]) == 1
+    assert main(["generate", "--address", server.address, "--template", "nope", "x"]) == 1
     assert "error: NOT_FOUND: no prefix template named 'nope'" in capsys.readouterr().err
     assert main(["generate", "--address", server.address, "--temperature", "-2", "x"]) == 1
     assert "error: INVALID_ARGUMENT" in capsys.readouterr().err
@@ -93,38 +93,38 @@ def test_generate_without_a_server_says_so(capsys):
 def test_prefix_add_list_remove(server, capsys, tmp_path):
     f = tmp_path / "faq.txt"
     f.write_text("the answer is in the account page")
-    assert main(["prefix", "add", "faq", "--file", str(f), "--address", server.address]) == 0
+    assert main(["template", "add", "faq", "--file", str(f), "--address", server.address]) == 0
     assert re.match(r"added faq: \d+ tokens, \d+ blocks pinned", capsys.readouterr().out)
-    assert main(["prefix", "add", "bot", "--system-prompt", "be terse", "--address", server.address]) == 0
-    assert main(["prefix", "add", "raw", "--content", "the weather", "--address", server.address]) == 0
+    assert main(["template", "add", "bot", "--system-prompt", "be terse", "--address", server.address]) == 0
+    assert main(["template", "add", "raw", "--content", "the weather", "--address", server.address]) == 0
     capsys.readouterr()
-    assert main(["prefix", "list", "--address", server.address]) == 0
+    assert main(["template", "list", "--address", server.address]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["NAME", "TOKENS", "BLOCKS", "SERVED", "ACTIVE", "ORIGIN", "KIND", "KV"]
     assert [row.split()[0] for row in table[1:]] == ["doc", "sys", "faq", "bot", "raw"]
     assert table[4].split()[-3:] == ["admin", "system_prompt", "prefill"]
-    assert main(["prefix", "list", "--json", "--address", server.address]) == 0
+    assert main(["template", "list", "--json", "--address", server.address]) == 0
     assert '"name": "doc"' in capsys.readouterr().out
     for name in ("faq", "bot", "raw"):
-        assert main(["prefix", "remove", name, "--address", server.address]) == 0
+        assert main(["template", "remove", name, "--address", server.address]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "removed faq"
-    assert main(["prefix", "remove", "faq", "--address", server.address]) == 1
+    assert main(["template", "remove", "faq", "--address", server.address]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
-    assert main(["prefix", "add", "x", "--file", str(tmp_path / "missing.txt"), "--address", server.address]) == 2
+    assert main(["template", "add", "x", "--file", str(tmp_path / "missing.txt"), "--address", server.address]) == 2
 
 
-def test_prefix_commands_send_the_token(model_dir, tmp_path, monkeypatch, capsys):
+def test_template_commands_send_the_token(model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(TOKEN_ENV, "cli-secret")
     st = ServerThread(make_config(model_dir, state_file=tmp_path / "s.json")).start()
     try:
-        assert main(["prefix", "list", "--address", st.address]) == 1
+        assert main(["template", "list", "--address", st.address]) == 1
         assert "UNAUTHENTICATED" in capsys.readouterr().err
         assert main(["prefix", "list", "--address", st.address, "--token", "wrong"]) == 1
         assert "PERMISSION_DENIED" in capsys.readouterr().err
         assert main(["prefix", "list", "--address", st.address, "--token", "cli-secret"]) == 0
         # the default token comes from PREFIX_SERVICE_ADMIN_TOKEN, read when the parser is built
         monkeypatch.setenv("PREFIX_SERVICE_ADMIN_TOKEN", "cli-secret")
-        assert main(["prefix", "add", "t", "--content", "the weather", "--address", st.address]) == 0
+        assert main(["prefix", "add", "t", "--content", "the weather", "--address", st.address]) == 0  # the old name
         st.check_clean()
     finally:
         st.stop()
@@ -135,10 +135,10 @@ def test_help_teaches(capsys):
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for needle in ("examples:", "serve --config configs/default.yaml", "generate --prefix", "prefix add",
-                   "prefix list", "prefix remove", "prepare-model", "PREFIX_SERVICE_ADMIN_TOKEN"):
+    for needle in ("examples:", "serve --config configs/default.yaml", "generate --template", "template add",
+                   "template list", "template remove", "prepare-model", "PREFIX_SERVICE_ADMIN_TOKEN"):
         assert needle in out
-    for sub in (["generate"], ["prefix", "add"], ["serve"]):
+    for sub in (["generate"], ["template", "add"], ["serve"]):
         with pytest.raises(SystemExit):
             main([*sub, "--help"])
         assert "usage: prefix-service" in capsys.readouterr().out
@@ -242,8 +242,8 @@ def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
         conn.close()
         assert completion["usage"]["completion_tokens"] == 2 and completion["usage"]["prompt_tokens_details"][
             "cached_tokens"] > 0
-        assert main(["generate", "--address", f"127.0.0.1:{port}", "--prefix", "doc", "--max-tokens", "3", " the"]) == 0
-        assert "reused from the prefix" in capsys.readouterr().err
+        assert main(["generate", "--address", f"127.0.0.1:{port}", "--template", "doc", "--max-tokens", "3", " the"]) == 0
+        assert "reused from the template" in capsys.readouterr().err
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=30)[1]
         assert proc.returncode == 0, rest

@@ -37,7 +37,7 @@ def run_script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_load_test_reports_completed_and_percentiles(server, tmp_path):
     out = tmp_path / "report.json"
-    proc = run_script("--address", server.address, "--prefix", "doc", "--prompt", " the order", "--max-tokens", "4",
+    proc = run_script("--address", server.address, "--template", "doc", "--prompt", " the order", "--max-tokens", "4",
                       "--ignore-eos", "--concurrency", "4", "--duration", "1.5", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
@@ -53,7 +53,7 @@ def test_load_test_reports_completed_and_percentiles(server, tmp_path):
 
 def test_load_test_counts_failures_by_code(server, tmp_path):
     out = tmp_path / "report.json"
-    proc = run_script("--address", server.address, "--prefix", "nope", "--concurrency", "2", "--duration", "5",
+    proc = run_script("--address", server.address, "--template", "nope", "--concurrency", "2", "--duration", "5",
                       "--max-requests", "6", "--json", str(out))
     assert proc.returncode == 1  # nothing completed
     report = json.loads(out.read_text())

@@ -94,7 +94,7 @@ def test_client_and_cli_speak_tls(make_server, cert, capsys):
     assert main(["generate", "--address", st.address, "--tls-ca", str(cert_file), "--prefix", "doc",
                  "--max-tokens", "2", " the"]) == 0
     assert "2 completion tokens" in capsys.readouterr().err
-    assert main(["prefix", "list", "--address", st.address, "--tls-ca", str(cert_file)]) == 0
+    assert main(["template", "list", "--address", st.address, "--tls-ca", str(cert_file)]) == 0
     assert "doc" in capsys.readouterr().out
     assert main(["prefix", "list", "--address", st.address, "--tls-ca", "/nonexistent/ca.pem"]) == 2
 

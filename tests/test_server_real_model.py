@@ -59,14 +59,14 @@ def test_real_model_end_to_end(real_model_dir, tmp_path, capsys, monkeypatch):
         assert last.usage.prefix_tokens == st.engine.get_template("intent_head").num_tokens > 200
 
         # chat on a system_prompt template == the same conversation sent whole, through the CLI
-        assert main(["generate", "--address", st.address, "--chat", "--prefix", "assistant", "--max-tokens", "12",
+        assert main(["generate", "--address", st.address, "--chat", "--template", "assistant", "--max-tokens", "12",
                      "What is the capital of France?"]) == 0
         with_prefix = capsys.readouterr()
         assert main(["generate", "--address", st.address, "--chat", "--system", SYSTEM, "--max-tokens", "12",
                      "What is the capital of France?"]) == 0
         whole = capsys.readouterr()
         assert with_prefix.out == whole.out and "Paris" in whole.out
-        assert "reused from the prefix" in with_prefix.err
+        assert "reused from the template" in with_prefix.err
         st.check_clean()
     finally:
         st.stop()

@@ -216,7 +216,7 @@ async def serve(config: ServiceConfig, make_server: Callable[..., PrefixServer] 
             return
         waiter.cancel()
         start.result()  # startup errors propagate
-        example = f"--prefix {config.prefixes[0].name} " if config.prefixes else ""
+        example = f"--template {config.prefixes[0].name} " if config.prefixes else ""
         tls = "--tls-ca CERT.pem " if config.server.tls else ""
         log.info("try: prefix-service generate --address %s:%d %s%s'Hello'", config.server.host, server.port, tls,
                  example)
