@@ -24,7 +24,7 @@ class InvalidRequest(PrefixServiceError, ValueError):
 
 
 class PromptTooLong(InvalidRequest):
-    """The prompt (prefix included) does not fit the model's context or the KV cache, or is longer
+    """The prompt (template included) does not fit the model's context or the KV cache, or is longer
     than scheduler.max_prompt_tokens."""
 
 
@@ -37,7 +37,7 @@ class TemplateNotFound(PrefixServiceError, KeyError):
     """No prefix template has this name."""
 
     def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else "prefix not found"
+        return str(self.args[0]) if self.args else "template not found"
 
 
 class TemplateExists(PrefixServiceError):

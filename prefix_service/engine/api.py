@@ -1,5 +1,5 @@
 """Engine: the Python API. A background thread runs the step loop and is the only thread that
-touches EngineCore; callers reach it through a command queue (add, abort, prefix admin,
+touches EngineCore; callers reach it through a command queue (add, abort, template admin,
 introspection) answered with futures. `generate` blocks; `generate_stream` is an async iterator
 safe to call from many coroutines. Engine is the one-process EngineClient the server drives
 (server/interfaces.py).
@@ -151,7 +151,7 @@ class Engine:
     def _run(self, fn: Callable[[EngineCore], T]) -> T:
         return self._call(fn).result()
 
-    # --- prefixes -----------------------------------------------------------------------------
+    # --- templates ----------------------------------------------------------------------------
     def tokenize_template(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=True)
         return ids
@@ -291,7 +291,7 @@ class Engine:
                 from prefix_service.errors import InvalidRequest
                 raise InvalidRequest("give prompt or prompt_token_ids, not both")
             return list(req.prompt_token_ids)
-        # with a prefix the prompt continues it: no special tokens (no second BOS)
+        # on a template the prompt continues it: no special tokens (no second BOS)
         ids: list[int] = self.tokenizer.encode(req.prompt or "", add_special_tokens=not req.prefix_name)
         return ids
 

@@ -143,7 +143,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def _check_fits(self, num_tokens: int, what: str, shared_tokens: int = 0) -> None:
-        """Context, then KV capacity: tokens in shared (pinned) prefix blocks take no own block."""
+        """Context, then KV capacity: tokens in shared (pinned) template blocks take no own block."""
         if num_tokens >= self.max_model_len:
             raise PromptTooLong(
                 f"{what} has {num_tokens} tokens; the model's context is {self.max_model_len} tokens "

@@ -4,7 +4,7 @@ Each step: running sequences with one uncomputed token (decodes) first, oldest f
 running sequences part-way through their prompt (chunked prefill); then waiting requests in
 FCFS order while the budget, `max_num_seqs` and free blocks allow. When a decode needs a block
 and none is free, the newest running sequence is preempted (its own blocks freed, recomputed
-later); pinned prefix blocks are never touched. The step goes to the backend as plain data
+later); pinned template blocks are never touched. The step goes to the backend as plain data
 (`StepBatch`, step.py); the backend builds the tensors.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Scheduler:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     def _start_blocks(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
-        """A waiting sequence's first blocks: the prefix it continues, or for a template's warmup
+        """A waiting sequence's first blocks: the template it continues, or for a template's warmup
         its whole prompt as one run of consecutive blocks when one is free (its pinned KV is then
         a plain slice of the cache, which attention reads without a gather). A forked sequence
         has its blocks already (fork)."""
@@ -105,7 +105,7 @@ class Scheduler:
         return self._attach_template(seq, copies)
 
     def _attach_template(self, seq: Sequence, copies: list[tuple[BlockId, BlockId]]) -> bool:
-        """Start a waiting sequence's block table. With a prefix of length P, it reuses R tokens
+        """Start a waiting sequence's block table. On a template of length P, it reuses R tokens
         (R = P, or P - 1 when the prompt adds nothing, so one token is computed for logits):
 
             block_table: [ shared full blocks: R // B | own copy of block R // B if R % B | own ... ]
@@ -282,7 +282,7 @@ class Scheduler:
             seq.token_ids.append(token)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence (finished, aborted or failed): free its blocks, release its prefix."""
+        """End a sequence (finished, aborted or failed): free its blocks, release its template."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:

@@ -90,7 +90,7 @@ class RequestOutput:
     token_ids: list[int]
     finished: bool = False
     finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0  # prefix included
+    prompt_tokens: int = 0  # template included
     cached_tokens: int = 0  # prompt tokens whose KV came from a pinned template
     completion_tokens: int = 0
     ttft_ms: float | None = None

@@ -1,6 +1,6 @@
 """Shared-prefix (cascade) decode attention.
 
-Decoding sequences that continue the same pinned prefix share its full blocks. Instead of
+Decoding sequences that continue the same pinned template share its full blocks. Instead of
 gathering the prefix KV once per sequence, the queries of the whole group attend to it once, as
 one dense matmul (reading the blocks in place when they are consecutive, as a template's warmup
 allocates them); each sequence then attends to its own suffix (its copy-on-write tail, user and
