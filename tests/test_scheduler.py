@@ -18,29 +18,29 @@ B = 4
 
 def setup(num_blocks=16, budget=2048, max_seqs=8):
     alloc = BlockAllocator(num_blocks)
-    prefixes = TemplatePins(alloc, B, budget_blocks=8)
-    return alloc, prefixes, Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
-                                      alloc, prefixes, B)
+    pins = TemplatePins(alloc, B, budget_blocks=8)
+    return alloc, pins, Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
+                                      alloc, pins, B)
 
 
 def seq(rid, ids, prefix=None):
     return Sequence(rid, ids, SamplingParams(max_tokens=4), 4, prefix, None)
 
 
-def pin(alloc, prefixes, name, n_tokens):
-    prefixes.reserve(name, n_tokens)
+def pin(alloc, pins, name, n_tokens):
+    pins.reserve(name, n_tokens)
     blocks = alloc.allocate(-(-n_tokens // B))
-    handle = prefixes.pin(name, list(range(n_tokens)), blocks, {})
+    handle = pins.pin(name, list(range(n_tokens)), blocks, {})
     alloc.free(blocks)  # the warmup sequence lets go; the pin keeps one reference
     return handle
 
 
 def test_prefix_attach_shares_full_blocks_and_copies_the_tail():
-    alloc, prefixes, sched = setup()
-    handle = pin(alloc, prefixes, "p", 10)  # blocks [0, 1, 2]: 2 full + a tail of 2 tokens
+    alloc, pins, sched = setup()
+    handle = pin(alloc, pins, "p", 10)  # blocks [0, 1, 2]: 2 full + a tail of 2 tokens
     assert handle.block_table == (0, 1, 2)
     s = seq("a", list(range(10)) + [7, 8, 9], handle)
-    prefixes.acquire(handle)
+    pins.acquire(handle)
     sched.add(s)
     out = sched.schedule()
     # [ 0 1 | shared, pinned ]  [ 3: own copy of block 2, tokens 8..11 ] [ 4: token 12 ]
@@ -55,17 +55,17 @@ def test_prefix_attach_shares_full_blocks_and_copies_the_tail():
 
 
 def test_block_aligned_prefix_needs_no_copy():
-    alloc, prefixes, sched = setup()
-    handle = pin(alloc, prefixes, "p", 8)
+    alloc, pins, sched = setup()
+    handle = pin(alloc, pins, "p", 8)
     s = seq("a", list(range(8)) + [1], handle)
-    prefixes.acquire(handle)
+    pins.acquire(handle)
     sched.add(s)
     out = sched.schedule()
     assert out.copies == [] and s.block_table == [0, 1, 2] and s.num_shared_blocks == 2
 
 
 def test_decodes_first_then_chunked_prefill_then_fcfs():
-    alloc, prefixes, sched = setup(num_blocks=64, budget=6)
+    alloc, pins, sched = setup(num_blocks=64, budget=6)
     a, b, c = seq("a", [1] * 5), seq("b", [2] * 9), seq("c", [3] * 2)
     for s in (a, b, c):
         sched.add(s)
@@ -80,11 +80,11 @@ def test_step_is_plain_data_per_row():
     """The step a backend gets: frozen rows in the scheduler's order (decodes first, each flagged),
     their new tokens, cached context, block ids as they stand after allocation, the template shared
     and its block count, and which rows are sampled; later scheduling does not change a step."""
-    alloc, prefixes, sched = setup(num_blocks=64, budget=6)
-    handle = pin(alloc, prefixes, "p", 10)  # blocks [0, 1, 2]
+    alloc, pins, sched = setup(num_blocks=64, budget=6)
+    handle = pin(alloc, pins, "p", 10)  # blocks [0, 1, 2]
     a = seq("a", [1] * 5)
     b = seq("b", list(range(10)) + [7, 8, 9], handle)
-    prefixes.acquire(handle)
+    pins.acquire(handle)
     sched.add(a)
     sched.add(b)
     out = sched.schedule()  # a: its 5 tokens; b: 1 of its 3 own tokens (budget 6)
@@ -104,7 +104,7 @@ def test_step_is_plain_data_per_row():
     assert out.step.rows[1].slots(B) == [5 * B + 3, 6 * B]  # positions 11, 12 in blocks 5 and 6
     for s in (a, b):
         sched.finish(s, FinishReason.ABORT)
-    alloc.check_integrity(prefixes.held_refs())
+    alloc.check_integrity(pins.held_refs())
 
 
 def test_step_tensors_pad_block_tables_once():
@@ -127,10 +127,10 @@ def test_step_tensors_pad_block_tables_once():
 
 
 def test_preemption_takes_the_newest_and_spares_pinned_blocks():
-    alloc, prefixes, sched = setup(num_blocks=6)
-    handle = pin(alloc, prefixes, "p", 4)  # block 0, pinned
+    alloc, pins, sched = setup(num_blocks=6)
+    handle = pin(alloc, pins, "p", 4)  # block 0, pinned
     old, new = seq("old", [1] * 4), seq("new", list(range(4)) + [5, 6, 7, 8], handle)
-    prefixes.acquire(handle)
+    pins.acquire(handle)
     sched.add(old)
     sched.add(new)
     out = sched.schedule()
@@ -144,7 +144,7 @@ def test_preemption_takes_the_newest_and_spares_pinned_blocks():
     alloc.free(hog)
     for s in (old, new):
         sched.finish(s, FinishReason.ABORT)
-    alloc.check_integrity(prefixes.held_refs())
+    alloc.check_integrity(pins.held_refs())
 
 
 def test_max_num_seqs_bounds_running_requests(make_engine):
