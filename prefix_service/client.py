@@ -61,7 +61,7 @@ class PrefixServiceClient:
             call.cancel()  # no-op once finished
 
     def add_template(self, name: str, content: str | None = None, *, system_prompt: str | None = None,
-                   timeout: float | None = None) -> pb.PrefixTemplate:
+                     timeout: float | None = None) -> pb.PrefixTemplate:
         request = pb.AddPrefixTemplateRequest(name=name, content=content or "", system_prompt=system_prompt or "")
         return self._admin.AddPrefixTemplate(request, metadata=self._metadata, timeout=timeout)
 

@@ -417,7 +417,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     for i, p in enumerate(prefixes_raw):
         name = p.get("name") if isinstance(p, Mapping) else None
         prefixes.append(_build(TemplateSpec, f"prefixes[{name or i}]", p, {"file": inside_base,
-                                                                         "structured_output": _structured_output}))
+                                                                           "structured_output": _structured_output}))
     ray = _build(RayConfig, "ray", raw["ray"]) if "ray" in raw else None
     return ServiceConfig(EngineConfig(model, cache, scheduler), server, tuple(prefixes), ray=ray)
 

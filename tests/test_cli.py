@@ -67,7 +67,7 @@ def test_generate_chat_with_system_message(server, capsys):
 def test_generate_reads_stdin(server, capsys, monkeypatch):
     import io
     monkeypatch.setattr(sys, "stdin", io.StringIO(" the order"))
-    assert main(["generate", "--address", server.address, "--prefix", "doc", "--max-tokens", "4", "-"]) == 0  # --prefix: the old name
+    assert main(["generate", "--address", server.address, "--prefix", "doc", "--max-tokens", "4", "-"]) == 0  # the old name
     ref = server.engine.generate(GenerateRequest(prompt=" the order", prefix_name="doc",
                                                  sampling=SamplingParams(max_tokens=4)))[0]
     assert capsys.readouterr().out == ref.text + "\n"

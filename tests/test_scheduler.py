@@ -20,7 +20,7 @@ def setup(num_blocks=16, budget=2048, max_seqs=8):
     alloc = BlockAllocator(num_blocks)
     pins = TemplatePins(alloc, B, budget_blocks=8)
     return alloc, pins, Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
-                                      alloc, pins, B)
+                                  alloc, pins, B)
 
 
 def seq(rid, ids, prefix=None):

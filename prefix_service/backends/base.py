@@ -140,7 +140,7 @@ class Backend(abc.ABC):
                                      f"{(len(blocks), *cache.shape[1:])} {cache.dtype}")
                 cache.index_copy_(0, index, data.to(self.device))
 
-    # --- templates (TemplateHooks of the TemplatePins) ------------------------------------
+    # --- templates (TemplateHooks of the TemplatePins) ------------------------------------------
     def on_pin(self, handle: TemplateHandle) -> None:
         """A template's blocks were just pinned: they hold its K/V and never change until on_unpin."""
 

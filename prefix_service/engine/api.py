@@ -157,7 +157,7 @@ class Engine:
         return ids
 
     def add_template(self, name: str, text: str | None = None, *, token_ids: list[int] | None = None,
-                   source: dict[str, str] | None = None, structured: StructuredOutput | None = None) -> TemplateInfo:
+                     source: dict[str, str] | None = None, structured: StructuredOutput | None = None) -> TemplateInfo:
         """Tokenize, prefill and pin a template. Blocks until it is pinned. Raises TemplateExists,
         TemplateBudgetExceeded, PromptTooLong or InvalidRequest. structured: the default output of the
         requests on it that name none (kind "text" or None: free text)."""

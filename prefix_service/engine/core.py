@@ -106,7 +106,7 @@ class EngineCore:
         if budget is None:
             budget = self.allocator.num_blocks // 2
         self.templates = TemplatePins(self.allocator, self.block_size, min(budget, self.allocator.num_blocks),
-                                           hooks=self.backend)
+                                      hooks=self.backend)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.templates, self.block_size)
         self._tracked: dict[str, _Tracked] = {}
         self._scorings: dict[str, Scoring] = {}
@@ -326,8 +326,8 @@ class EngineCore:
         self.templates.check(name, len(token_ids))
 
     def add_template(self, name: str, token_ids: list[int], source: dict[str, str],
-                   on_pinned: Callable[[TemplateInfo | BaseException], None],
-                   default_output: tuple[StructuredOutput, Any] | None = None) -> None:
+                     on_pinned: Callable[[TemplateInfo | BaseException], None],
+                     default_output: tuple[StructuredOutput, Any] | None = None) -> None:
         """Queue a template's warmup prefill; on_pinned gets its TemplateInfo (or the error) when done.
         default_output: the output of requests on it that name none, and its compiled matcher."""
         self.check_template(name, token_ids)
@@ -340,9 +340,9 @@ class EngineCore:
         self.scheduler.add(seq)
 
     def restore_template(self, name: str, token_ids: list[int], source: dict[str, str],
-                       kv: dict[str, torch.Tensor] | SnapshotReader,
-                       default_output: tuple[StructuredOutput, Any] | None = None,
-                       kv_source: str = "snapshot") -> TemplateInfo | None:
+                         kv: dict[str, torch.Tensor] | SnapshotReader,
+                         default_output: tuple[StructuredOutput, Any] | None = None,
+                         kv_source: str = "snapshot") -> TemplateInfo | None:
         """Pin a template from a snapshot instead of a prefill: fresh blocks, the K/V written into
         them, pinned. kv: the K/V, read and checked off this thread, or an open snapshot whose data
         is read here straight into the blocks when the cache is in host memory (its checksum
@@ -503,7 +503,7 @@ class EngineCore:
         try:  # the backend hears of the pin (on_pin) and may fail, e.g. out of memory for a packed copy
             output = tracked.default_output
             handle = self.templates.pin(name, seq.token_ids, seq.block_table, tracked.source or {},
-                                       *(output or (None, None)))
+                                        *(output or (None, None)))
         except Exception as e:  # noqa: BLE001 - the warmup fails, nothing else does
             log.exception("pinning prefix template %r failed", tracked.prefix_name)
             self._finish(tracked, FinishReason.ABORT, error=e)

@@ -349,9 +349,9 @@ class FleetController:
             found = per.get(name, [])
             first = found[0] if found else None
             info = TemplateInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
-                              first.num_blocks if first else 0, sum(i.requests_served for i in found),
-                              sum(i.active_requests for i in found), src.definition(), src.structured,
-                              ",".join(sorted({i.kv_source for i in found})))  # each holder's: prefill, snapshot, peer
+                                first.num_blocks if first else 0, sum(i.requests_served for i in found),
+                                sum(i.active_requests for i in found), src.definition(), src.structured,
+                                ",".join(sorted({i.kv_source for i in found})))  # each holder's: prefill, snapshot, peer
             out.append((info, src.origin, routes[name]))
         return out
 

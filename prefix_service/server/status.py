@@ -77,7 +77,7 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (InvalidRequest, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_value")),
     (QueueFull, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "queue_full")),
     (TemplateBudgetExceeded, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error",
-                                     "prefix_budget_exceeded")),
+                                       "prefix_budget_exceeded")),
     (EngineStopped, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
     (ServerNotReady, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),
     (ReplicaUnavailable, ErrorKind(grpc.StatusCode.UNAVAILABLE, 503, "server_error", "unavailable")),

@@ -50,7 +50,7 @@ class TemplateRegistry:
         if src.system_prompt is not None:
             ids = system_prompt_ids(self.engine.tokenizer, src.system_prompt)
             info = self.engine.add_template(src.name, token_ids=ids, source={"system_prompt": src.system_prompt},
-                                          structured=src.structured)
+                                            structured=src.structured)
         else:
             if not src.content:
                 raise InvalidRequest(f"template {src.name!r}: content is empty")
