@@ -231,7 +231,7 @@ def _transformers_quiet(progress: bool) -> Iterator[None]:
     gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
     if gguf_utils is None:
         with contextlib.suppress(ImportError):
-            import transformers.modeling_gguf_pytorch_utils as gguf_utils
+            gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
     saved_tqdm = getattr(gguf_utils, "tqdm", None) if gguf_utils is not None else None
     if not progress:
         hf_logging.disable_progress_bar()
