@@ -384,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     from prefix_service.bench.main import child_result, git_commit, machine_info
     from prefix_service.bench.workloads import INTENT_LABELS
     started = time.monotonic()
-    ids_file = Path(tempfile.mkdtemp()) / "ids.json"
+    ids_dir = tempfile.TemporaryDirectory(prefix="bench-structured-")  # removed at the end, or at exit on an error
+    ids_file = Path(ids_dir.name) / "ids.json"
     ids = workload(args)
     ids_file.write_text(json.dumps(ids))
     systems: list[tuple[str, str, str, str, dict[str, str] | None]] = [
@@ -411,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             runs[name].append({**run, "child_s": round(time.monotonic() - t0, 1)})  # start-up included
             print(f"round {r} {name}: {runs[name][-1]['backend']}", file=sys.stderr)
+    ids_dir.cleanup()
     labels = set(INTENT_LABELS)
     table: dict[str, dict] = {}
     for name, rs in runs.items():
