@@ -106,6 +106,18 @@ class SystemSpec:
                         "app_name": f"bench-{self.name.replace('_', '-')}"}}
 
 
+def build_specs(sizes: list[int], ray_defaults: bool, cores: int) -> list[SystemSpec]:
+    """The single process, then each fleet size (and, with ray_defaults, the same fleet on Ray
+    Serve's own defaults); the cores split between a fleet's engines."""
+    specs = [SystemSpec("single", 0, cores)]
+    for n in sizes:
+        specs.append(SystemSpec(f"fleet_{n}", n, max(1, cores // n)))
+        if ray_defaults:
+            specs.append(SystemSpec(f"fleet_{n}_ray_defaults", n, max(1, cores // n),
+                                    (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0"),)))
+    return specs
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,13 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.replicas.split(",") if x.strip()]
     if any(n < 1 for n in sizes) or args.turns < 1 or not args.idle_wait_s >= 0:
         raise SystemExit("--replicas takes fleet sizes >= 1, --turns at least 1, --idle-wait-s seconds >= 0")
-    cores = os.cpu_count() or 1
-    specs = [SystemSpec("single", 0, cores)]
-    for n in sizes:
-        specs.append(SystemSpec(f"fleet_{n}", n, max(1, cores // n)))
-        if args.ray_defaults:
-            specs.append(SystemSpec(f"fleet_{n}_ray_defaults", n, max(1, cores // n),
-                                    (("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0"),)))
+    specs = build_specs(sizes, args.ray_defaults, os.cpu_count() or 1)
     began, machine = time.monotonic(), machine_info()
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         model_dir = make_model(args, Path(tmp))
