@@ -3,10 +3,15 @@ schema and any JSON object constrain what a request generates, on a random model
 never produce them by itself; constrained and free requests share steps without changing the free
 ones; n samples each keep the constraint; a bad constraint is refused naming it, before anything
 is queued; a template's default output applies to the requests on it that name none; the compile
-and per-step bounds refuse or end only the request that exceeds them."""
+and per-step bounds refuse or end only the request that exceeds them; the first constrained step
+loads no compiler (torch.compile's dynamo and inductor take seconds to import on the engine's
+thread)."""
 import json
 import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -131,3 +136,26 @@ def test_a_mask_over_the_step_bound_ends_its_request_alone(make_engine):
     assert [t for o in outs["b"] for t in o.token_ids] == alone[1]
     last = outs["bad"][-1]
     assert last.finish_reason is FinishReason.ABORT and isinstance(last.error, InvalidRequest)
+
+
+FIRST_CONSTRAINED_STEP = """
+import json, sys
+from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig, SamplingParams
+from prefix_service.sampling_params import StructuredOutput
+engine = Engine(EngineConfig(ModelConfig(path=sys.argv[1], dtype="float32", device="cpu"), CacheConfig(num_blocks=64)))
+before = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+out = engine.generate(GenerateRequest(prompt_token_ids=[41, 77, 301], sampling=SamplingParams(
+    max_tokens=8, structured=StructuredOutput("choice", choices=("order", "refund")))))[0]
+after = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
+engine.shutdown()
+print(json.dumps({"text": out.text, "before": before, "after": after}))
+"""
+
+
+def test_the_first_constrained_step_loads_no_compiler(llama_dir):
+    proc = subprocess.run([sys.executable, "-c", FIRST_CONSTRAINED_STEP, str(llama_dir)], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["text"] in ("order", "refund")
+    assert got["after"] == got["before"] == [], got["after"]

@@ -125,13 +125,15 @@ def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
     """Set logits[rows[i]] to -inf wherever matchers[i] allows no token (in place)."""
-    import llguidance.torch as lt
+    # llguidance.numpy, not llguidance.torch: importing the latter runs a torch.compile decorator,
+    # which loads dynamo and inductor (seconds) on the engine's thread at the first constrained step
+    import llguidance.numpy as ln
     vocab = logits.shape[-1]
-    bitmask = lt.allocate_token_bitmask(len(rows), vocab)  # [rows, ceil(vocab / 32)] int32, bit t: token t
+    bitmask = ln.allocate_token_bitmask(len(rows), vocab)  # [rows, ceil(vocab / 32)] int32, bit t: token t
     for i, matcher in enumerate(matchers):
-        lt.fill_next_token_bitmask(matcher, bitmask, i)
+        ln.fill_next_token_bitmask(matcher, bitmask, i)
     # each byte of the mask (8 tokens) looks up its 8 biases (0 or -inf), added to the rows: a
     # boolean masked_fill of the same rows costs about ten times as much on a CPU
-    by = bitmask.view(torch.uint8).to(logits.device).flatten().long()
+    by = torch.from_numpy(bitmask).view(torch.uint8).to(logits.device).flatten().long()
     bias = _byte_bias(logits.device, logits.dtype).index_select(0, by).view(len(rows), -1)[:, :vocab]
     logits.index_add_(0, torch.tensor(rows, dtype=torch.int64, device=logits.device), bias)

@@ -69,9 +69,10 @@ class RMSNorm(nn.Module):
 
 
 def _rope_inv_freq(arch: ModelArch) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] and the attention scaling of the rope type."""
+    """Inverse frequencies [head_dim // 2] and the attention scaling of the rope type, computed on
+    the CPU whatever the default device (on the meta device torch._refs would import dynamo)."""
     dim = arch.head_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = arch.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in (None, "default"):
@@ -191,7 +192,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # made on the meta device (the loader's, weights assigned afterwards), the embedding skips
+        # its random init: normal_ on a meta tensor runs through torch._refs, whose first use
+        # imports torch._dynamo (about 2 s of every start)
+        meta = torch.get_default_device().type == "meta"
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
