@@ -107,3 +107,26 @@ def load_script(name: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+TOKENIZER_SAMPLES = ("hello world", " the order", 'Message: "I was charged twice"\nIntent:', "ünïcödé 漢字 🎉 ",
+                     "  two  spaces\tand a tab", "")
+
+
+def assert_same_tokenizer(got, want) -> None:
+    """Two tokenizers of one model act alike: class, special tokens, vocabulary, ids with and without
+    special tokens, decoding, and the chat template's rendering."""
+    assert type(got) is type(want)
+    assert (got.bos_token_id, got.eos_token_id, got.pad_token_id, list(got.all_special_ids), len(got)) == \
+        (want.bos_token_id, want.eos_token_id, want.pad_token_id, list(want.all_special_ids), len(want))
+    for text in TOKENIZER_SAMPLES:
+        for special in (True, False):
+            ids = want.encode(text, add_special_tokens=special)
+            assert got.encode(text, add_special_tokens=special) == ids, (text, special)
+            assert got.decode(ids) == want.decode(ids)
+    assert got.chat_template == want.chat_template
+    if want.chat_template:
+        messages = [{"role": "system", "content": "be terse"}, {"role": "user", "content": "hi"}]
+        for prompt in (True, False):
+            assert got.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == \
+                want.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)

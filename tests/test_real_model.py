@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from helpers import engine_last_logits, hf_greedy, run_ids
+from helpers import assert_same_tokenizer, engine_last_logits, hf_greedy, run_ids
 
 LOGITS_ATOL = 2e-3  # float32, 30 layers: observed max differences ~1e-4
 
@@ -78,3 +78,10 @@ def test_smollm2_bfloat16_against_transformers_in_bfloat16(smollm2_dir, make_eng
         assert got[0] == ref_ids[0], prompt
         agree += got == ref_ids
     assert agree >= 2, f"greedy ids agreed on {agree} of {len(BF16_PROMPTS)} prompts"
+
+
+def test_smollm2_tokenizer_is_the_one_autotokenizer_loads(smollm2_dir):
+    from transformers import AutoTokenizer
+    from prefix_service.model.loader import _tokenizer_config_kwargs, load_tokenizer
+    assert _tokenizer_config_kwargs(smollm2_dir)["config"].model_type == "llama"  # the light config
+    assert_same_tokenizer(load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir)))

@@ -178,4 +178,27 @@ def load_tokenizer(model_dir: str | os.PathLike):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), **_tokenizer_config_kwargs(path))
+
+
+def _tokenizer_config_kwargs(path: Path) -> dict:
+    """AutoTokenizer's `config`, when the tokenizer names its own class: a base config holding the
+    model type, the only fields of the model's config that its choice then reads. Without it
+    AutoTokenizer loads the architecture's config class, whose imports (torch.distributed.tensor
+    among them) take about 2 s of every start. A tokenizer that names no class, or brings its
+    own code (auto_map), gets the full config: its class comes from the config's type."""
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(tokenizer_config, dict) or not isinstance(model_config, dict) or \
+            not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or \
+            not isinstance(model_config.get("model_type"), str):
+        return {}
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig(tokenizer_class=model_config.get("tokenizer_class"))
+    config.model_type = model_config["model_type"]
+    config._name_or_path = str(path)
+    return {"config": config}
