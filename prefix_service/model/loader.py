@@ -185,8 +185,9 @@ def _tokenizer_config_kwargs(path: Path) -> dict:
     """AutoTokenizer's `config`, when the tokenizer names its own class: a base config holding the
     model type, the only fields of the model's config that its choice then reads. Without it
     AutoTokenizer loads the architecture's config class, whose imports (torch.distributed.tensor
-    among them) take about 2 s of every start. A tokenizer that names no class, or brings its
-    own code (auto_map), gets the full config: its class comes from the config's type."""
+    among them) take about a second of every start on a 2-core CPU. A tokenizer that names no
+    class, or brings its own code (auto_map), gets the full config: its class comes from the
+    config's type."""
     try:
         tokenizer_config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
         model_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
