@@ -504,7 +504,9 @@ def test_killed_replica_fails_its_streams_only_and_comes_back(fleet, reference):
     # every template has a snapshot in the shared folder since the start: the survivor took the
     # victim's share over from it, and the newcomer its share (a local snapshot comes before a peer)
     share = [n for n in TEMPLATES if list(placed[n].replicas) == [newcomer]]
-    sources = {info.name: info.kv_source for info, _ in reports(server)[newcomer]["held"]}
+    # the listing's holders come from the pins the controller saw done, the held list from each
+    # replica's last report: read reports made after the placement was seen
+    sources = {info.name: info.kv_source for info, _ in fresh_reports(server)[newcomer]["held"]}
     assert all(sources[n] == "snapshot" for n in share), sources
     for name in TEMPLATES:  # every template serves again at once, on whichever replica now holds it
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
