@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 import types
 from pathlib import Path
 
@@ -100,11 +101,15 @@ def generate_together(engine, requests) -> list[list[int]]:
     return ids
 
 
-def load_script(name: str) -> types.ModuleType:
-    """scripts/<name>.py imported as a module, for a test to call its functions (main) in this process."""
+def load_script(name: str, monkeypatch=None) -> types.ModuleType:
+    """scripts/<name>.py imported as a module, for a test to call its functions (main) in this process.
+    With monkeypatch it is also in sys.modules for the test's length (a script whose dataclasses
+    look their module up while it loads)."""
     spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
     return module
 

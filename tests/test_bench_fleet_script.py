@@ -6,30 +6,19 @@ every server stopped on SIGTERM with exit code 0. The fleet on Ray Serve's defau
 (--ray-defaults) is checked without a run: the system it adds, its settings, and its ratios."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 
 pytestmark = pytest.mark.ray
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_fleet.py"
-
-
-def load_bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_fleet", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_fleet", bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
-    return bench
-
 
 def test_ray_defaults_adds_the_same_fleet_on_ray_serves_defaults_and_its_ratios(monkeypatch):
-    bench = load_bench(monkeypatch)
+    bench = load_script("bench_fleet", monkeypatch)
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", raising=False)
     specs = bench.build_specs([1, 2], True, 4)
     assert [(s.name, s.replicas, s.threads) for s in specs] == [
@@ -51,7 +40,7 @@ def test_ray_defaults_adds_the_same_fleet_on_ray_serves_defaults_and_its_ratios(
 
 
 def test_bench_fleet_smoke(tmp_path, capsys, monkeypatch):
-    bench = load_bench(monkeypatch)
+    bench = load_script("bench_fleet", monkeypatch)
     out = tmp_path / "fleet.json"
     assert bench.main(["--hidden-size", "64", "--layers", "2", "--replicas", "2", "--turns", "1",
                        "--latency-requests", "3", "--requests", "6", "--concurrency", "2", "--max-prefix-tokens", "60",

@@ -197,7 +197,7 @@ def tokens_sha256(token_ids: Sequence[int]) -> str:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's memory, in place (no copy), as bytes: to hash or to read into."""
+    """A contiguous CPU tensor's memory, in place (no copy), as bytes: to hash."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("a snapshot's tensors are contiguous CPU tensors")
     nbytes = t.numel() * t.element_size()
