@@ -40,8 +40,9 @@ def child(args: argparse.Namespace) -> None:
     from prefix_service.bench.workloads import Sizes, build_workload
     from prefix_service.prepare_model import prepare_default_model
 
-    model = prepare_default_model(progress=False)
-    engine = Engine(EngineConfig(ModelConfig(path=str(model), dtype=args.child, device="cpu", backend="cpu"),
+    model = args.model or prepare_default_model(progress=False)
+    engine = Engine(EngineConfig(ModelConfig(path=str(model), dtype=args.child, device="cpu", backend="cpu",
+                                             load_format=args.load_format),
                                  CacheConfig(block_size=16, kv_cache_memory=1 << 30),
                                  SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)))
     work = build_workload("intent", engine.tokenizer, Sizes())
@@ -124,6 +125,10 @@ def main() -> None:
     ap.add_argument("--singles", type=int, default=5, help="single requests per round (TTFT median)")
     ap.add_argument("--concurrency", default="16,64")
     ap.add_argument("--vllm-dtypes", default="", help="vLLM systems, e.g. bfloat16,float32 (make bench-peers)")
+    ap.add_argument("--model", help="a model directory instead of the default model (prepare-model)")
+    ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                    help="dummy: random weights from --model's config.json (a host without the model's weights; "
+                         "speed only, the tokens are noise)")
     ap.add_argument("--json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--vllm-child", help=argparse.SUPPRESS)
@@ -158,7 +163,9 @@ def main() -> None:
     for r in range(args.rounds):
         for name, repo, dtype in systems:
             common = ["--round", str(r), "--singles", str(args.singles), "--concurrency",
-                      ",".join(map(str, args.concurrency))]
+                      ",".join(map(str, args.concurrency)), "--load-format", args.load_format]
+            if args.model:
+                common += ["--model", args.model]
             env = None
             if repo == "vllm":
                 cmd = [python, __file__, "--vllm-child", dtype, "--ids", str(ids_file), *common]

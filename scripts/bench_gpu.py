@@ -39,6 +39,7 @@ SHAPES = {"llama3-8b": LLAMA3_8B,
           "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=4096)}
 PREFIX_LEN, USER_LEN, OUT_LEN = 900, 100, 30
+BATCH_TIMEOUT_S = 600  # a batch that takes longer is stuck: fail rather than hang
 
 
 def sync(device: torch.device) -> None:
@@ -87,13 +88,16 @@ def run_batch(engine: Engine, reqs: list[GenerateRequest]) -> dict:
     lock = threading.Lock()
     first, done, stamps = {}, threading.Event(), []
     finished = [0]
+    errors: list[BaseException] = []
 
     def sink_for(i):
         def sink(out):
             now = time.perf_counter()
             with lock:
-                if out.error is not None:
-                    raise out.error
+                if out.error is not None:  # raised here, on the caller's thread: the engine's would drop it
+                    errors.append(out.error)
+                    done.set()
+                    return
                 first.setdefault(i, now)
                 stamps.append((now, len(out.token_ids)))
                 if out.finished:
@@ -105,7 +109,10 @@ def run_batch(engine: Engine, reqs: list[GenerateRequest]) -> dict:
     t0 = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.submit(r, sink_for(i))
-    done.wait()
+    if not done.wait(BATCH_TIMEOUT_S):
+        raise TimeoutError(f"{len(reqs)} requests: {finished[0]} finished within {BATCH_TIMEOUT_S} s")
+    if errors:
+        raise errors[0]
     t_all_first = max(first.values())
     t_end = max(t for t, _ in stamps)
     decode_tokens = sum(n for t, n in stamps if t > t_all_first)
@@ -200,6 +207,7 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int], impl_
 
     decode = []
     for b in batches:
+        run_batch(engine, [request(-3 - k, True, 4) for k in range(b)])  # warm-up: this batch's kernels compiled
         for with_prefix in (True, False):
             run = run_batch(engine, [request(k, with_prefix, args.decode_tokens) for k in range(b)])
             decode.append({"decode_impl": impl_name, "batch": b, "with_prefix": with_prefix,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import sys
 from typing import Iterator
 
 import torch
@@ -24,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"), help="with --model")
     p.add_argument("--threads", type=int, help="torch threads (default: the config's, else torch's)")
     p.add_argument("--backend", choices=("auto", "torch", "cpu", "cuda"), help="model.backend (default: the config's)")
+    p.add_argument("--dtype", help="model.dtype (default: the config's)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="model.device (default: the config's)")
+    p.add_argument("--kv-cache-memory", help="cache.kv_cache_memory, e.g. 16GiB (default: the config's)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -37,6 +41,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=args.threads))
     if args.backend:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, backend=args.backend))
+    if getattr(args, "kv_cache_memory", None):
+        from prefix_service.config import parse_size
+        size = parse_size(args.kv_cache_memory, "--kv-cache-memory")
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_memory=size, num_blocks=None))
+    for field in ("dtype", "device"):
+        if getattr(args, field, None):
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{field: getattr(args, field)}))
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix=True))
 
 
@@ -63,7 +74,9 @@ def kernel_times(backend: Backend) -> Iterator[dict[str, float]]:
     a dict that holds, on exit, milliseconds in 'linear' (the linear layers, the output head
     included) and 'attention' (K/V store and attention), and for the cpu backend 'elementwise'.
     The cpu backend's native kernels time themselves (csrc/timers.h); for the torch backend, torch's
-    profiler is read over the operators it runs."""
+    profiler is read over the operators it runs; for the cuda backend, over the device's kernels
+    (GPU time: 'linear', 'attention', 'elementwise' and their sum 'device'; a step whose wall time is
+    well above 'device' waits on the host), and the busiest kernels are printed to stderr."""
     times: dict[str, float] = {}
     if backend.name == "cpu":
         from prefix_service.backends.cpu.stack import kernel_timers
@@ -74,8 +87,8 @@ def kernel_times(backend: Backend) -> Iterator[dict[str, float]]:
             times.update(kernel_timers(False))
         return
     if backend.name == "cuda":
-        raise NotImplementedError("the cuda backend has no kernel timers yet; profile it with torch.profiler "
-                                  "(CUDA activity) or nsys")
+        yield from _cuda_kernel_times()
+        return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         yield times
     times.update(linear=0.0, attention=0.0)
@@ -83,6 +96,34 @@ def kernel_times(backend: Backend) -> Iterator[dict[str, float]]:
         kind = _torch_op_kind(event.name)
         if kind is not None:
             times[kind] += event.self_cpu_time_total / 1e3
+
+
+_GEMM_KERNELS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "wgmma")
+_ATTENTION_KERNELS = ("paged_decode", "flash", "fmha", "attention", "concat_kvcache", "store_kvcache")
+
+
+def _cuda_kernel_times() -> Iterator[dict[str, float]]:
+    times: dict[str, float] = {}
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        yield times
+    torch.cuda.synchronize()
+    times.update(linear=0.0, attention=0.0, elementwise=0.0)
+    per_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = getattr(event, "self_device_time_total", None)
+        ms = (ms if ms is not None else event.self_cuda_time_total) / 1e3
+        name = event.name.lower()
+        kind = ("linear" if any(k in name for k in _GEMM_KERNELS) else
+                "attention" if any(k in name for k in _ATTENTION_KERNELS) else "elementwise")
+        times[kind] += ms
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
+    times["device"] = times["linear"] + times["attention"] + times["elementwise"]
+    busiest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
+    print("busiest kernels (ms over the profiled steps): " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in busiest),
+          file=sys.stderr, flush=True)
 
 
 _LINEAR_OPS = ("aten::addmm", "aten::mm", "aten::linear")

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The GPU check of the cuda backend, in one command on a CUDA host (no network needed):
+# build the kernels (timed), the CUDA tests, a float32 varlen probe, the op and engine benchmarks,
+# compute-sanitizer on the kernel tests, and the cpu backend's dtype benchmark on the host CPU.
+# Each step has its own time limit and the whole run a budget: a step that would not fit is
+# skipped and says so, a hung one is killed, and the rest still run. Each step's log and the JSON
+# go into OUT_DIR/gpu_check.tgz, the summary into OUT_DIR/summary.txt.
+#
+#   bash scripts/gpu_check.sh OUT_DIR [BUDGET_S] [STEP ...]
+#
+# STEP: info build tests probe ops cpu engine sanitizer (default: all, in that order), and
+# profile (where a decode step's time goes, Llama-3-8B-shaped on the GPU, and the cpu backend in
+# each dtype on the host CPU).
+# Env: CPU_MODEL_DIR, a directory with a model's config.json and tokenizer (no weights needed:
+# random ones are made) for the cpu step; default: the default model where prepare-model finds it.
+set -u
+OUT=${1:?usage: gpu_check.sh OUT_DIR [BUDGET_S] [STEP ...]}
+BUDGET=${2:-480}
+shift $(( $# >= 2 ? 2 : 1 ))
+STEPS=${*:-info build tests probe ops cpu engine sanitizer}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOGS=$(mktemp -d)
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+START=$SECONDS
+SUMMARY=()
+
+step() {  # step NAME LIMIT_S COMMAND...: run with the smaller of LIMIT_S and what is left of the budget
+  local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  local left=$(( BUDGET - (SECONDS - START) - 5 ))
+  (( limit > left )) && limit=$left
+  if (( limit < 15 )); then SUMMARY+=("$name: skipped (${left}s of the budget left)"); return 0; fi
+  echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$LOGS/$name.log"
+  SUMMARY+=("$name: rc=$rc in $(( SECONDS - t0 ))s$( ((rc == 124 || rc == 137)) && echo ' (time limit)')")
+}
+
+step info 30 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv;
+  lscpu | grep -E "Model name|^CPU\(s\)"; echo "ISA: $(grep -o -w -E "amx_bf16|amx_tile|avx512_bf16|avx512f|avx2" /proc/cpuinfo | sort -u | tr "\n" " ")";
+  python3 -c "import torch, triton, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"transformers\", transformers.__version__)";
+  nvcc --version | tail -n 2; which ninja g++ compute-sanitizer'
+step build 240 python3 -c 'import time; t = time.perf_counter(); from cuda_ops import load_cuda_ops; load_cuda_ops(); print(f"cuda_ops built and loaded in {time.perf_counter() - t:.1f} s")'
+step tests 200 python3 -m pytest -q -rs -p no:cacheprovider -o addopts= tests/test_cuda_ops.py tests/test_attention_cuda.py
+step probe 60 python3 - <<'EOF'
+import torch
+from torch.nn.attention.varlen import varlen_attn
+q = torch.randn(8, 4, 64, device="cuda")
+cu = torch.tensor([0, 8], dtype=torch.int32, device="cuda")
+for dtype in (torch.float32, torch.bfloat16):
+    try:
+        varlen_attn(q.to(dtype), q.to(dtype), q.to(dtype), cu, cu, 8, 8)
+        print(f"varlen_attn {dtype}: runs")
+    except Exception as exc:
+        print(f"varlen_attn {dtype}: {type(exc).__name__}: {str(exc)[:200]}")
+EOF
+step ops 60 python3 scripts/bench_cuda_ops.py --iters 10 --json "$LOGS/cuda_ops.json"
+CPU_MODEL=${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy}
+step cpu 120 python3 scripts/bench_cpu_dtype.py $CPU_MODEL --rounds 1 --singles 3 --concurrency 16,64 --json "$LOGS/cpu_dtype.json"
+step engine 180 python3 scripts/bench_gpu.py --requests 5 --decode-tokens 32 --json "$LOGS/gpu.json"
+step profile 240 bash -c 'set -e; L=$(mktemp -d)
+  python3 -c "import sys; from pathlib import Path; from prefix_service.synthetic import LLAMA3_8B, build_config_only, build_tokenizer
+build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1]) / \"tok\"), \"llama\", **LLAMA3_8B)" "$L"
+  python3 scripts/profile_decode.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
+    --kv-cache-memory 16GiB --batches 1,16,64 --steps 5
+  for dtype in float32 bfloat16; do python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+    --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
+step sanitizer 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider -o addopts= \
+  tests/test_cuda_ops.py -k "kernel_matches_reference and bfloat16 and 128 or copy_blocks_kernel or many_sequences"
+
+echo "=== summary ($(( SECONDS - START ))s)"
+printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+cp "$OUT/summary.txt" "$LOGS/" && tar -czf "$OUT/gpu_check.tgz" -C "$LOGS" .
