@@ -7,7 +7,7 @@ the paged cache by slot mapping. `copy_blocks` copies whole cache blocks (copy-o
 partial prefix tail). `cuda_ops_available()` says whether the kernels can run here (CUDA torch
 and a GPU); `load_cuda_ops()` compiles them on first use.
 """
-from cuda_ops.build import cuda_ops_available, load_cuda_ops
+from cuda_ops.build import cuda_ops_available, load_cuda_ops, references_reason, use_references
 from cuda_ops.reference import (
     concat_kvcache_with_prefix_ref,
     copy_blocks_ref,
@@ -22,6 +22,8 @@ __all__ = [
     "copy_blocks_ref",
     "cuda_ops_available",
     "load_cuda_ops",
+    "references_reason",
     "store_kvcache",
     "store_kvcache_ref",
+    "use_references",
 ]

@@ -34,11 +34,26 @@ _ops = None  # torch.ops.prefix_service_ops once loaded
 _error: RuntimeError | None = None  # the first build failure, re-raised on later calls
 
 
+_references_reason: str | None = None  # set by use_references: the kernels are off in this process
+
+
+def use_references(reason: str) -> None:
+    """Turn the kernels off in this process (the torch reference ops run instead), e.g. after
+    their build failed; `reason` is what references_reason() says."""
+    global _references_reason
+    _references_reason = reason
+
+
+def references_reason() -> str | None:
+    """Why this process runs the references although a GPU is here (use_references), else None."""
+    return _references_reason
+
+
 def cuda_ops_available() -> bool:
     """True when CUDA kernels can be used here: torch built with CUDA, a GPU visible, and not
-    disabled by PREFIX_SERVICE_DISABLE_CUDA_OPS. Never raises and never compiles."""
+    disabled by PREFIX_SERVICE_DISABLE_CUDA_OPS or use_references. Never raises and never compiles."""
     try:
-        if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
+        if _references_reason is not None or os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
             return False
         return torch.version.cuda is not None and torch.cuda.is_available()
     except Exception:  # a broken driver install must not break the CPU path

@@ -32,6 +32,10 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB":
           "TB": 1000**4, "TIB": 1024**4}
 
 
+def _size_or_auto(value: Any, key: str) -> int | str:
+    return "auto" if value == "auto" else parse_size(value, key)
+
+
 def parse_size(value: Any, key: str) -> int:
     """'2GiB', '512MB', 1048576 -> bytes."""
     if isinstance(value, bool):
@@ -72,6 +76,9 @@ class ModelConfig:
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
     served_name: str | None = None  # the model's id in the HTTP API; None: the name of model.path's directory
+    # cuda backend: decode steps of up to this many rows replay CUDA graphs captured at start
+    # (backends/cuda/graphs.py; at most scheduler.max_num_seqs); 0: every step runs eagerly
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
@@ -84,6 +91,7 @@ class ModelConfig:
             raise ConfigError(f"model.path: expected a Hugging Face model directory, got {self.path!r}")
         if self.max_model_len is not None:
             _check_int("model.max_model_len", self.max_model_len, 1)
+        _check_int("model.cuda_graph_max_batch", self.cuda_graph_max_batch, 0)
         if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name.strip()
                                              or not self.served_name.isprintable()):
             raise ConfigError(f"model.served_name: expected a model id like SmolLM2-135M-Instruct, "
@@ -93,7 +101,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes for K and V of all layers
+    # bytes for K and V of all layers; "auto": on a GPU, what gpu_memory_utilization of its memory
+    # leaves after the weights and a profiled forward (backends/kv_cache.py), on a CPU 1 GiB
+    kv_cache_memory: int | str = "auto"
+    gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may use, with kv_cache_memory auto
     num_blocks: int | None = None  # overrides kv_cache_memory when set
     prefix_budget_blocks: int | None = None  # max blocks pinned by templates; default: half the cache
     enable_prefix: bool = True  # False: requests on a template prefill it like any prompt
@@ -104,7 +115,12 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_int("cache.block_size", self.block_size, 1, 4096)
-        _check_int("cache.kv_cache_memory", self.kv_cache_memory, 1)
+        if self.kv_cache_memory != "auto":
+            _check_int("cache.kv_cache_memory", self.kv_cache_memory, 1)
+        if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ConfigError(f"cache.gpu_memory_utilization: expected a fraction in (0, 1], got "
+                              f"{self.gpu_memory_utilization!r}")
         if self.num_blocks is not None:
             _check_int("cache.num_blocks", self.num_blocks, 1)
         if self.prefix_budget_blocks is not None:
@@ -392,7 +408,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     if "model" not in raw:
         raise ConfigError("config: the 'model' section (with model.path) is required")
     model = _build(ModelConfig, "model", raw.get("model"), {"path": resolve})
-    cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": parse_size, "snapshot_dir": resolve})
+    cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": _size_or_auto, "snapshot_dir": resolve})
     scheduler = _build(SchedulerConfig, "scheduler", raw.get("scheduler"))
     server = _build(ServerConfig, "server", raw.get("server"),
                     {"state_file": resolve, "tls_cert_file": resolve, "tls_key_file": resolve,

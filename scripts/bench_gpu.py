@@ -6,8 +6,9 @@ Measures, in one run:
   * the device's ceilings: bf16 matmul TFLOP/s and device-to-device copy GB/s;
   * prefill TTFT with and without the named prefix, next to the roofline bound for those tokens
     (max of FLOP time at the measured matmul rate and weight-read time at the measured bandwidth);
-  * decode tokens/s at batch 1, 16, 64 with and without the prefix, for each decode kernel
-    (Triton paged vs gather + SDPA: an engine each, built with that kernel; TTFT on the first).
+  * decode tokens/s at batch 1, 16, 64 with and without the prefix, for each way to decode
+    (the Triton paged kernel under CUDA graphs and eagerly, gather + SDPA: an engine each; TTFT on
+    the first).
 Prints a table and writes JSON (--json). `--device cpu --shape tiny` is a smoke run of the script.
 
     python scripts/bench_gpu.py --json bench_out/gpu.json
@@ -15,6 +16,7 @@ Prints a table and writes JSON (--json). `--device cpu --shape tiny` is a smoke 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import gc
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=10, help="sequential requests per TTFT measurement")
     ap.add_argument("--decode-batches", default="1,16,64")
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--kv-cache-memory", default="24GiB")
+    ap.add_argument("--kv-cache-memory", default="auto", help="cache.kv_cache_memory of each engine (auto: the GPU's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -149,8 +151,9 @@ def main(argv=None) -> int:
                         else 1 << 28),
             SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192, max_tokens_cap=8192))
         result: dict = {"ttft": [], "decode": []}
-        for i, (impl, backend) in enumerate(decode_engines(device)):
-            with Engine(cfg, backend=backend) as engine:
+        for i, (impl, backend, graphs) in enumerate(decode_engines(device)):
+            model = dataclasses.replace(cfg.model, cuda_graph_max_batch=graphs)
+            with Engine(dataclasses.replace(cfg, model=model), backend=backend) as engine:
                 part = bench(engine, args, ceilings, dtype, batches, impl or engine.info.backend, ttft=i == 0)
             del engine  # its weights and KV cache go before the next engine's are allocated
             gc.collect()
@@ -169,16 +172,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def decode_engines(device: torch.device) -> list[tuple[str | None, BackendFactory | None]]:
-    """(decode kernel, backend) of each engine the decode table compares. On a GPU: the cuda
-    backend once per decode kernel (Triton paged, gather + SDPA), an engine each with its kernel
-    fixed; elsewhere one engine with the backend model.backend picks (None: named after it)."""
+def decode_engines(device: torch.device) -> list[tuple[str | None, BackendFactory | None, int]]:
+    """(decode kernel, backend, model.cuda_graph_max_batch) of each engine the decode table compares.
+    On a GPU: the cuda backend with the Triton paged kernel under CUDA graphs, the same kernel run
+    eagerly, and gather + SDPA (eagerly), an engine each; elsewhere one engine with the backend
+    model.backend picks (None: named after it)."""
     if device.type != "cuda":
-        return [(None, None)]
+        return [(None, None, 0)]
     from prefix_service.backends.cuda.attention import decode_gather_sdpa, decode_triton
     from prefix_service.backends.cuda.backend import CudaBackend
-    return [(name, functools.partial(CudaBackend, decode=(name, fn)))
-            for name, fn in (("triton_paged", decode_triton), ("gather_sdpa", decode_gather_sdpa))]
+    return [(label, functools.partial(CudaBackend, decode=(name, fn)), graphs)
+            for label, name, fn, graphs in (("triton_graphs", "triton_paged", decode_triton, 256),
+                                            ("triton_eager", "triton_paged", decode_triton, 0),
+                                            ("gather_sdpa", "gather_sdpa", decode_gather_sdpa, 0))]
 
 
 def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int], impl_name: str, ttft: bool) -> dict:
@@ -230,9 +236,9 @@ def print_table(r: dict) -> None:
         print(f"{impl:<14}{b:>6}{v.get(True, float('nan')):>14.0f}{v.get(False, float('nan')):>17.0f}")
 
 
-def _size(text: str) -> int:
+def _size(text: str) -> int | str:
     from prefix_service.config import parse_size
-    return parse_size(text, "--kv-cache-memory")
+    return "auto" if text == "auto" else parse_size(text, "--kv-cache-memory")
 
 
 def _machine(device: torch.device) -> dict:

@@ -10,7 +10,8 @@
 #
 # STEP: info build tests probe ops cpu engine sanitizer (default: all, in that order), and
 # profile (where a decode step's time goes, Llama-3-8B-shaped on the GPU, and the cpu backend in
-# each dtype on the host CPU).
+# each dtype on the host CPU), and omp (which OpenMP runtimes the cpu backend's libraries load, and
+# the bf16 decode with OMP_WAIT_POLICY=passive).
 # Env: CPU_MODEL_DIR, a directory with a model's config.json and tokenizer (no weights needed:
 # random ones are made) for the cpu step; default: the default model where prepare-model finds it.
 set -u
@@ -61,7 +62,7 @@ EOF
 step ops 60 python3 scripts/bench_cuda_ops.py --iters 10 --json "$LOGS/cuda_ops.json"
 CPU_MODEL=${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy}
 step cpu 120 python3 scripts/bench_cpu_dtype.py $CPU_MODEL --rounds 1 --singles 3 --concurrency 16,64 --json "$LOGS/cpu_dtype.json"
-step engine 180 python3 scripts/bench_gpu.py --requests 5 --decode-tokens 32 --json "$LOGS/gpu.json"
+step engine 180 python3 scripts/bench_gpu.py --requests ${GPU_REQUESTS:-5} --decode-tokens ${GPU_DECODE_TOKENS:-32} --json "$LOGS/gpu.json"
 step profile 240 bash -c 'set -e; L=$(mktemp -d)
   python3 -c "import sys; from pathlib import Path; from prefix_service.synthetic import LLAMA3_8B, build_config_only, build_tokenizer
 build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1]) / \"tok\"), \"llama\", **LLAMA3_8B)" "$L"
@@ -69,6 +70,11 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
     --kv-cache-memory 16GiB --batches 1,16,64 --steps 5
   for dtype in float32 bfloat16; do python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
     --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
+step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
+  python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"
+  for run in "bfloat16 default" "bfloat16 passive" "float32 passive"; do set -- $run; echo "--- $1, OMP_WAIT_POLICY=$2"
+    env $( [ $2 = passive ] && echo OMP_WAIT_POLICY=PASSIVE ) python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+      --backend cpu --device cpu --dtype $1 --batches 1,16 --steps 5 2>&1 | tail -n 3; done'
 step sanitizer 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider -o addopts= \
   tests/test_cuda_ops.py -k "kernel_matches_reference and bfloat16 and 128 or copy_blocks_kernel or many_sequences"
 

@@ -73,7 +73,7 @@ def test_backend_glue_in_engine_on_cpu(make_engine, monkeypatch):
     monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
         CudaBackend, prefill=("sdpa_loop", prefill_sdpa_loop), decode=("triton_paged", decode_triton)))
     engine = make_engine(block_size=4, max_num_batched_tokens=7)
-    assert engine.info.backend_description == "cuda (prefill sdpa_loop, decode triton_paged)"
+    assert engine.info.backend_description == "cuda (prefill sdpa_loop, decode triton_paged, cuda_ops references)"
     prefix = [(7 * i + 5) % 500 + 3 for i in range(10)]
     users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(3)]
     expected = [run_ids(ref_engine, prefix + u, max_tokens=6) for u in users]
@@ -330,3 +330,158 @@ def test_gpu_sampling_options_match_the_torch_backend(reference_llama):
         assert [o.token_ids for o in first] == [o.token_ids for o in again]
         assert all(len(o.token_ids) == 12 for o in first) and first[0].token_ids != first[1].token_ids
         engine.check_integrity()
+
+
+def test_kernels_that_cannot_build_fall_back_to_the_references_with_one_warning(monkeypatch, caplog):
+    """A host where the kernels do not build (no nvcc, a compiler error) serves with the torch
+    references: load_kernels says so once, at start, and the ops then run the references."""
+    import cuda_ops
+    from cuda_ops import build
+    from prefix_service.backends.cuda.backend import load_kernels
+    monkeypatch.setattr(build, "_references_reason", None)
+    monkeypatch.setattr(build, "_ops", None)
+    monkeypatch.setattr(build, "_error", None)
+    monkeypatch.setattr(build.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(build.torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv(build.DISABLE_ENV, raising=False)
+
+    def no_compiler():
+        raise RuntimeError("cuda_ops: compiling the CUDA kernels for sm_90 failed (build directory /x)\nnvcc: not found")
+    monkeypatch.setattr(build, "_build_and_load", no_compiler)
+    assert cuda_ops.cuda_ops_available()
+    with caplog.at_level("WARNING", logger="prefix_service.engine"):
+        assert load_kernels() == "cuda_ops references"
+        assert load_kernels() == "cuda_ops references"  # decided once: no second build, no second warning
+    warnings = [r for r in caplog.records if "running their torch references" in r.getMessage()]
+    assert len(warnings) == 1 and "nvcc: not found" in warnings[0].getMessage()
+    assert not cuda_ops.cuda_ops_available()
+    assert cuda_ops.references_reason() == "cuda_ops: compiling the CUDA kernels for sm_90 failed (build directory /x)"
+    k = torch.randn(3, 2, 8)
+    k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    cuda_ops.store_kvcache(k, k, k_cache, v_cache, torch.tensor([0, 5, -1]))
+    assert torch.equal(k_cache.view(-1, 2, 8)[5], k[1]) and torch.equal(v_cache.view(-1, 2, 8)[0], k[0])
+
+
+@needs_gpu
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_gpu_cuda_graph_decode_equals_eager(reference_llama, batch):
+    """Decode steps replayed from CUDA graphs (the padded sizes 1, 4, 32 here) give the eager steps'
+    greedy ids, on a template and without, and the graphs did serve them. In float32: a graph's decode
+    kernel splits each row's blocks for the full table width, the eager one for the step's longest
+    row, and in bf16 a different order of the sums may flip a near tie."""
+    from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig
+    from helpers import generate_together
+
+    def engine(graphs):
+        return Engine(EngineConfig(ModelConfig(path=str(reference_llama), device="cuda", dtype="float32",
+                                               backend="cuda", cuda_graph_max_batch=graphs),
+                                   CacheConfig(block_size=16, num_blocks=512)))
+    requests = [GenerateRequest(prompt_token_ids=[(37 * i + 5 * k) % 500 + 3 for i in range(4 + 7 * k)],
+                                prefix_name="t" if k % 2 else None, sampling=greedy(16)) for k in range(batch)]
+    results = {}
+    for graphs in (0, 32):
+        with engine(graphs) as e:
+            assert ("CUDA graphs up to 32 rows" in e.info.backend_description) == (graphs > 0)
+            e.add_template("t", token_ids=REF_PROMPT[:REF_TEMPLATE])
+            results[graphs] = generate_together(e, requests)
+            replays = e._run(lambda core: core.backend.graphs.replays if core.backend.graphs else 0)
+            assert (replays > 0) == (graphs > 0)
+            e.check_integrity()
+    assert results[32] == results[0]
+
+
+def test_kv_cache_memory_auto_is_the_gpu_share_left_after_the_model(llama_dir, monkeypatch):
+    """cache.kv_cache_memory auto on a GPU: gpu_memory_utilization of the device's memory, less the
+    model's peak (weights and a max_num_batched_tokens forward: run here on the CPU), less what is
+    used outside torch, less the graphs' reserve; too little room is a ConfigError naming the knobs."""
+    from prefix_service import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from prefix_service.backends import kv_cache
+    from prefix_service.errors import ConfigError
+    from prefix_service.model.loader import load_model
+    gib = 1 << 30
+    model = load_model(llama_dir, torch.float32, torch.device("cpu"), max_positions=512)
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: seen.setdefault("reset", True))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 20 * gib)  # weights + forward
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 21 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (58 * gib, 80 * gib))  # 1 GiB outside torch
+    forward = model.forward
+
+    def counted(ids, positions, attention):
+        seen["tokens"] = ids.shape[0]
+        return forward(ids, positions, attention)
+    monkeypatch.setattr(model, "forward", counted)
+
+    def config(utilization):
+        return EngineConfig(ModelConfig(path=str(llama_dir)), CacheConfig(gpu_memory_utilization=utilization),
+                            SchedulerConfig(max_num_batched_tokens=96))
+    got = kv_cache.auto_kv_cache_memory(model, config(0.9), torch.device("cpu"))
+    assert got == int(0.9 * 80 * gib) - 1 * gib - 20 * gib - kv_cache.GRAPH_RESERVE
+    assert seen == {"reset": True, "tokens": 96}
+    with pytest.raises(ConfigError, match="raise cache.gpu_memory_utilization"):
+        kv_cache.auto_kv_cache_memory(model, config(0.25), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        CacheConfig(gpu_memory_utilization=1.5)
+
+
+@needs_gpu
+def test_gpu_kv_cache_memory_auto_fills_the_device_share(reference_llama):
+    """On the GPU, kv_cache_memory auto sizes the cache from the device's memory (far more than the
+    host default of 1 GiB for this small model), keeps the process under gpu_memory_utilization, and serves."""
+    from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
+    total = torch.cuda.mem_get_info()[1]
+    with Engine(EngineConfig(ModelConfig(path=str(reference_llama), device="cuda", dtype="bfloat16", backend="cuda"),
+                             CacheConfig(gpu_memory_utilization=0.5))) as engine:
+        kv_bytes = engine._run(lambda core: core.backend.kv_cache.num_blocks * core.backend.kv_cache.bytes_per_block)
+        assert kv_bytes > 0.3 * total
+        assert torch.cuda.memory_reserved() <= 0.5 * total
+        assert len(run_ids(engine, REF_PROMPT, max_tokens=8)) == 8
+        engine.check_integrity()
+
+
+@needs_triton
+def test_decode_graph_buffers_and_padding_on_cpu(make_engine, monkeypatch):
+    """DecodeGraphs' step inputs on CPU tensors: the static buffers filled per step, the padding rows
+    (slot -1, one token of context) and the smallest size that holds the step, with each "graph"
+    replayed as its eager forward over the same buffers: the torch backend's greedy ids, and only
+    pure-decode steps go through it."""
+    import functools
+
+    import prefix_service.engine.core as core_mod
+    from prefix_service.backends.cuda import graphs as graphs_mod
+    from prefix_service.backends.cuda.attention import decode_triton, prefill_sdpa_loop
+    from prefix_service.backends.cuda.backend import CudaBackend
+    assert graphs_mod.graph_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graphs_mod.graph_sizes(20) == [1, 2, 4, 8, 16, 20] and graphs_mod.graph_sizes(3) == [1, 2, 3]
+
+    class EagerGraph:
+        def __init__(self, graphs, n, logits):
+            self.graphs, self.n, self.logits = graphs, n, logits
+
+        def replay(self):
+            self.logits.copy_(self.graphs._forward(self.n))
+
+        def pool(self):
+            return None
+
+    def capture(self, n, pool):
+        logits = torch.full((n, self.backend.model.arch.vocab_size), float("nan"))
+        return EagerGraph(self, n, logits), logits
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture", capture)
+    ref_engine = make_engine(block_size=4, backend="torch")
+    monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
+        CudaBackend, prefill=("sdpa_loop", prefill_sdpa_loop), decode=("triton_paged", decode_triton)))
+    engine = make_engine(block_size=4, max_num_batched_tokens=16)
+    engine._run(lambda core: setattr(core.backend, "graphs", graphs_mod.DecodeGraphs(core.backend, 4,
+                                                                                     core.max_model_len)))
+    prefix = [(7 * i + 5) % 500 + 3 for i in range(10)]
+    users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(4)]
+    expected = [run_ids(ref_engine, prefix + u, max_tokens=3 + 2 * k) for k, u in enumerate(users)]
+    engine.add_template("p", token_ids=prefix)
+    from helpers import generate_together
+    got = generate_together(engine, [GenerateRequest(prompt_token_ids=u, prefix_name="p", sampling=greedy(3 + 2 * k))
+                                     for k, u in enumerate(users)])  # 4 rows, then 3 (padded to 4), 2, 1
+    assert got == expected
+    assert engine._run(lambda core: core.backend.graphs.replays) > 0

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Collection, Sequence
 import torch
 
 from prefix_service.backends.kv_cache import KVCache
-from prefix_service.config import CacheConfig
+from prefix_service.config import CacheConfig, EngineConfig
 from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -84,6 +84,10 @@ class Backend(abc.ABC):
     def describe(self) -> str:
         """What runs, for the engine's start-up log line."""
         return self.name
+
+    def prepare(self, config: EngineConfig, max_model_len: int) -> None:
+        """Once, after the engine is built and before its first step: whatever would otherwise stall
+        the first requests (compiling kernels, capturing graphs). Default: nothing."""
 
     # --- one step ------------------------------------------------------------------------------
     def execute(self, step: StepBatch) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, backend=args.backend))
     if getattr(args, "kv_cache_memory", None):
         from prefix_service.config import parse_size
-        size = parse_size(args.kv_cache_memory, "--kv-cache-memory")
+        size = "auto" if args.kv_cache_memory == "auto" else parse_size(args.kv_cache_memory, "--kv-cache-memory")
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_memory=size, num_blocks=None))
     for field in ("dtype", "device"):
         if getattr(args, field, None):

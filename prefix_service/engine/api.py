@@ -63,6 +63,23 @@ class EngineInfo:
     backend_description: str  # with its kernel choices, e.g. "cuda (prefill flash_attn, decode triton_paged)"
 
 
+# What a CUDA error looks like once the device's context is broken (an illegal address, a
+# device-side assert, a failed launch): the same context fails every later call. Out-of-memory is
+# not one of them (torch.OutOfMemoryError, a request that can fail alone).
+_FATAL_DEVICE_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
+                         "CUBLAS_STATUS_EXECUTION_FAILED", "CUDA driver error")
+
+
+def is_fatal_device_error(error: BaseException) -> bool:
+    """Whether `error` leaves the GPU unusable for this process (then it must restart)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises CUDA errors as this
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _FATAL_DEVICE_MARKERS)
+
+
 class Engine:
     """config: a ServiceConfig's engine part is used. backend: build the backend with this instead
     of the class model.backend selects (a benchmark that compares one backend's kernels).
@@ -99,6 +116,10 @@ class Engine:
         # Where a template's K/V may come from when it has no snapshot here, before a prefill: a
         # fleet replica asks one that holds it (name, token ids -> a snapshot's bytes, or None).
         self.peer_kv: Callable[[str, list[int]], bytes | None] | None = None
+        # Called once, on the loop thread, when a device error ends the engine (is_fatal_device_error);
+        # fatal_error holds that error from then on.
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.fatal_error: BaseException | None = None
 
     # --- the loop thread ----------------------------------------------------------------------
     def _main(self, config: EngineConfig, backend: BackendFactory | None,
@@ -134,15 +155,42 @@ class Engine:
             if core.has_work():
                 try:
                     core.step()
-                except Exception as e:  # a bug or a device error: fail what is in flight, keep serving
+                except Exception as e:
+                    if is_fatal_device_error(e):
+                        self._fail(e)
+                        return
+                    # a bug or a bad input that got this far: fail what is in flight, keep serving
                     log.exception("engine step failed; aborting in-flight requests")
                     core.abort_all(error=e)
         core.abort_all(error=EngineStopped("the engine shut down"))
+
+    def _fail(self, error: Exception) -> None:
+        """The device failed for good (is_fatal_device_error): every later step would fail too. Stop
+        taking work, fail what is in flight and queued, and tell on_fatal (the server ends the process,
+        so that its supervisor starts a new one on a fresh device context)."""
+        log.critical("the device failed; the engine stops (restart the process): %s", error)
+        stopped = EngineStopped(f"the engine stopped after a device error: {error}")
+        self.fatal_error = error
+        with self._wake:
+            self._stopping = True
+            commands = list(self._commands)
+            self._commands.clear()
+        for _, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(stopped)
+        self._core.abort_all(error=stopped)
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(error)
+            except Exception:  # the engine is stopped either way
+                log.exception("on_fatal failed")
 
     def _call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._wake:
             if self._stopping:
+                if self.fatal_error is not None:
+                    raise EngineStopped(f"the engine stopped after a device error: {self.fatal_error}")
                 raise EngineStopped("the engine is shut down")
             self._commands.append((fn, fut))
             self._wake.notify()

@@ -5,6 +5,8 @@ drives it from a background thread.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import random
 import time
@@ -15,6 +17,7 @@ import torch
 
 from prefix_service.backends import hostmem, select_backend
 from prefix_service.backends.base import BackendFactory
+from prefix_service.backends.kv_cache import auto_kv_cache_memory
 from prefix_service.config import EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
@@ -99,7 +102,12 @@ class EngineCore:
             model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
         else:
             model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
-        self.backend = backend(model, config.cache)  # owns the model from here on
+        cache = config.cache
+        if cache.num_blocks is None and cache.kv_cache_memory == "auto" and self.device.type == "cuda":
+            cache = dataclasses.replace(cache, kv_cache_memory=auto_kv_cache_memory(model, config, self.device))
+            log.info("KV cache: %.1f GiB (cache.kv_cache_memory auto: %.0f%% of the GPU's memory after the model)",
+                     int(cache.kv_cache_memory) / (1 << 30), 100 * cache.gpu_memory_utilization)
+        self.backend = backend(model, cache)  # owns the model from here on
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.backend.num_blocks)
         budget = config.cache.prefix_budget_blocks
@@ -119,6 +127,7 @@ class EngineCore:
         sc = config.scheduler
         self.structured = StructuredOutputs(self.tokenizer, sc.grammar_compile_fuel, sc.grammar_step_fuel)
         self.snapshots: TemplateSnapshots | None = None  # set by the Engine when cache.snapshot_dir is
+        self.backend.prepare(config, self.max_model_len)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
                  self.block_size, self.max_model_len, self.backend.describe())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
@@ -29,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefix_service.config import ServiceConfig, split_address
+from prefix_service.engine.api import Engine
 from prefix_service.server.admin import PrefixAdminServicer
 from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_api_key, read_token, warn_cleartext_token
 from prefix_service.server.generation import GenerationServicer
@@ -43,6 +45,9 @@ from prefix_service.server.wire import ADMIN_SERVICE, GENERATION_SERVICE, add_ad
 log = logging.getLogger("prefix_service.server")
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# The exit status after a device error that broke the engine (its GPU context is unusable): the
+# process ends so that its supervisor (systemd, Kubernetes, the fleet) starts a fresh one.
+EXIT_DEVICE_ERROR = 70
 
 
 class PrefixServer:
@@ -70,6 +75,8 @@ class PrefixServer:
         model = config.engine.model
         self.served_name = model.served_name or Path(model.path).name  # the base model's id over HTTP
         self.context = ServerContext(config, self.runtime, self.metrics, self.served_name, self._stopping)
+        self._exit: Callable[[int], Any] = os._exit  # after a device error; tests record it instead
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def engine(self) -> EngineClient | None:
@@ -144,7 +151,11 @@ class PrefixServer:
                 f"on port {self.http_port} (OpenAI API, " + ("needs an API key)" if api_key else "no API key)"))
             log.info("listening on %s:%d (%s; health NOT_SERVING until warmup ends); admin %s; metrics %s; HTTP %s",
                      cfg.host, self.port, "TLS" if tls else "plaintext", admin, metrics, http)
+            self._loop = asyncio.get_running_loop()
             pinned = await self.engine_provider.load(self.context, store, restored)
+            engine = self.runtime.engine
+            if isinstance(engine, Engine):  # in this process (a fleet's replicas handle their own)
+                engine.on_fatal = self._engine_failed
         except BaseException:
             await self.stop(grace=0)
             raise
@@ -152,6 +163,24 @@ class PrefixServer:
         self.runtime.ready = True
         log.info("SERVING on %s:%d: %d prefix templates pinned", cfg.host, self.port, pinned)
         return self.port
+
+    def _engine_failed(self, error: BaseException) -> None:
+        """Engine.on_fatal, on the engine's thread: health NOT_SERVING, then the process ends."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._end_after_device_error(error)))
+
+    async def _end_after_device_error(self, error: BaseException) -> None:
+        self.runtime.ready = False
+        self.runtime.phase = f"stopped after a device error ({error})"
+        try:
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        finally:
+            log.critical("the engine stopped after a device error; health NOT_SERVING; exiting with status %d so "
+                         "that the process is restarted: %s", EXIT_DEVICE_ERROR, error)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            # no graceful stop: the engine's CUDA context is broken, and a shutdown could block in it
+            self._exit(EXIT_DEVICE_ERROR)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain (grace seconds, default server.grace_period_s), cancel what is left, stop the

@@ -1,6 +1,11 @@
 """The cuda backend: the model's reference forward on a GPU, attention through cuda_ops' kernels
 (store, concat of a template's paged K/V with the new tokens'), FlashAttention varlen prefill
-and the Triton paged decode (attention.py)."""
+and the Triton paged decode (attention.py); decode steps replay CUDA graphs (graphs.py).
+
+At start (`prepare`) the kernels are built (about 20 s the first time on a machine, then loaded
+from the build cache); where they cannot be (no nvcc or ninja, a compiler error), the engine logs
+one warning with the reason and runs cuda_ops' torch references instead, slower but the same
+results. Then the decode graphs are captured."""
 from __future__ import annotations
 
 import logging
@@ -10,15 +15,30 @@ import torch
 
 import cuda_ops
 from prefix_service.backends.base import Backend, StepTensors
-from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata, pick_decode,
-                                                    pick_prefill)
-from prefix_service.config import CacheConfig
+from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata, decode_triton,
+                                                    pick_decode, pick_prefill)
+from prefix_service.backends.cuda.graphs import DecodeGraphs
+from prefix_service.config import CacheConfig, EngineConfig
 from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from prefix_service.engine.step import StepBatch
 
 log = logging.getLogger("prefix_service.engine")
+
+
+def load_kernels() -> str:
+    """Build or load cuda_ops' kernels now, not at the first step. Where they cannot be used, this
+    process runs their torch references from here on, after one warning with the reason. Returns
+    which runs: "cuda_ops" or "cuda_ops references"."""
+    if cuda_ops.cuda_ops_available():
+        try:
+            cuda_ops.load_cuda_ops()
+            return "cuda_ops"
+        except RuntimeError as exc:
+            cuda_ops.use_references(str(exc).splitlines()[0])
+            log.warning("cuda_ops kernels unavailable, running their torch references instead: %s", exc)
+    return "cuda_ops references"
 
 
 class CudaBackend(Backend):
@@ -31,11 +51,29 @@ class CudaBackend(Backend):
         self.model = model
         self.prefill_name, self.prefill = prefill or pick_prefill(self.dtype)
         self.decode_name, self.decode = decode or pick_decode()
+        self.graphs: DecodeGraphs | None = None
+        self.kernels = "cuda_ops"
 
     def describe(self) -> str:
-        return f"cuda (prefill {self.prefill_name}, decode {self.decode_name})"
+        graphs = f", CUDA graphs up to {self.graphs.max_batch} rows" if self.graphs is not None else ""
+        return f"cuda (prefill {self.prefill_name}, decode {self.decode_name}, {self.kernels}{graphs})"
+
+    def prepare(self, config: EngineConfig, max_model_len: int) -> None:
+        self.kernels = load_kernels()
+        max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+        # graphs replay the paged decode kernel; the gather + SDPA fallback would gather max_model_len rows
+        if self.device.type == "cuda" and max_batch > 0 and self.decode is decode_triton:
+            try:
+                self.graphs = DecodeGraphs(self, max_batch, max_model_len)
+            except Exception:  # a kernel that cannot be captured: eager steps still serve
+                log.warning("CUDA graphs off: capturing the decode step failed", exc_info=True)
+                self.graphs = None
+                torch.cuda.synchronize(self.device)
 
     def forward(self, step: StepBatch, host: StepTensors) -> torch.Tensor | None:
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(step) and host.block_tables.shape[1] <= graphs.width:
+            return graphs.run(step, host)
         device = self.device
         meta = VarlenMetadata.build(step, host, device)
         ids = host.token_ids.to(device, non_blocking=True)
