@@ -74,16 +74,19 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
 def choose_dtype(name: str, model_dir: str | os.PathLike, device: torch.device,
                  cpu_flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
     """model.dtype -> (the dtype, why). 'auto': on a GPU the checkpoint's dtype (bf16 when it is
-    float32); on a CPU bfloat16 where it has bf16 matrix units (AMX-BF16, AVX512-BF16) and float32
-    elsewhere, where bf16 would only be converted to float32 on the way (cpuinfo.py)."""
+    float32); on a CPU float32, the faster of the cpu backend's two dtypes on every CPU measured:
+    without bf16 matrix units bf16 is only converted to float32 on the way, and with them (AMX-BF16
+    on a 16-vCPU Xeon, docs/benchmarks.md) bf16 decodes 1.5-2.2x slower than float32 so far, so it
+    is chosen only when asked for (cpuinfo.py says which units a CPU has)."""
     if name != "auto":
         return _DTYPES[name], "asked for (model.dtype)"
     if device.type == "cpu":
         units = cpuinfo.bf16_units(cpu_flags)
         if units:
-            return torch.bfloat16, f"auto, this CPU has bf16 matrix units ({', '.join(units)})"
+            return torch.float32, (f"auto, on a CPU: float32 (this CPU has bf16 matrix units, {', '.join(units)}, but "
+                                   f"the cpu backend decodes faster in float32 there; model.dtype: bfloat16 to use them)")
         have = ", ".join(cpuinfo.isa(cpu_flags)) or "no AVX"
-        return torch.float32, f"auto, this CPU has no bf16 matrix units (AMX-BF16, AVX512-BF16; it has {have})"
+        return torch.float32, f"auto, on a CPU: float32 (this CPU has no bf16 matrix units; it has {have})"
     dtype = checkpoint_dtype(model_dir)
     if dtype == torch.float32:
         return torch.bfloat16, "auto, on a GPU: bfloat16 for a float32 checkpoint"
