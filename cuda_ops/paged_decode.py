@@ -5,11 +5,20 @@ split); each program serves the G = Hq / Hkv query heads that share one kv head,
 split of the sequence's blocks with an online softmax, and writes a partial (acc, max, sum);
 a small torch reduction combines the splits. `paged_decode_attention_ref` (gather + SDPA) is
 its oracle. With TRITON_INTERPRET=1 the kernel runs on CPU tensors, which is how CI tests it.
+
+Cascade (`CascadeGroups`): rows that continue the same pinned template share its first P full
+blocks. A second kernel reads those blocks once per group and kv head (grid: group, kv head,
+template split), multiplying them with all of the group's query rows at once (tl.dot over up to
+64 query rows: the group's rows times their G heads), and writes its partials into extra split
+slots of the same buffers; the per-row kernel then starts each grouped row at its block P. So a
+template's K/V is read from memory once per step and group of up to RC rows instead of once per
+row. The cascade needs blocks of at least 16 tokens (tl.dot's smallest tile).
 """
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +60,10 @@ def _kernel(interpret: bool):
         stride_qn, stride_qh,  # q: [N, Hq, D], last stride 1
         stride_kb, stride_kt, stride_kh,  # caches: [num_blocks, BS, Hkv, D], last stride 1
         stride_bt,  # block_tables: [N, max_blocks]
+        first_ptr,  # [N] int32: the first block each row reads (after a cascaded template), or unused
         scale, blocks_per_split, num_kv, num_splits,
         G: tl.constexpr, GP: tl.constexpr,
-        BS: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+        BS: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, HAS_FIRST: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -68,6 +78,8 @@ def _kernel(interpret: bool):
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [GP, BD]
         ctx = tl.load(ctx_ptr + seq)
         start = split * blocks_per_split
+        if HAS_FIRST:
+            start += tl.load(first_ptr + seq)
         end = tl.minimum(start + blocks_per_split, tl.cdiv(ctx, BS))
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
@@ -92,7 +104,73 @@ def _kernel(interpret: bool):
         tl.store(m_ptr + part * GP + offs_g, m_i)
         tl.store(l_ptr + part * GP + offs_g, l_i)
 
-    return paged_decode_kernel
+    @triton.jit
+    def template_decode_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, sizes_ptr, blocks_ptr, acc_ptr, m_ptr, l_ptr,
+        stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_rows,
+        scale, num_kv, num_splits, first_split,
+        G: tl.constexpr, GP: tl.constexpr, RC: tl.constexpr, TS: tl.constexpr,
+        BS: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, F32_DOT: tl.constexpr,
+    ):
+        # F32_DOT: products in float32 (exact float32 inputs; also how the interpreter, whose dot has
+        # no bfloat16, runs every dtype); else the inputs' own dtype, float32 sums
+        # one program: group `grp`, kv head `kvh`, its share `tsplit` of the template's P blocks, for
+        # every row of the group, RC rows (RC * GP query rows) at a time
+        grp = tl.program_id(0)
+        kvh = tl.program_id(1)
+        tsplit = tl.program_id(2)
+        count = tl.load(sizes_ptr + grp)
+        num_blocks = tl.load(blocks_ptr + grp)
+        per = tl.cdiv(num_blocks, TS)
+        b0 = tsplit * per
+        b1 = tl.minimum(b0 + per, num_blocks)
+        first_row = tl.load(rows_ptr + grp * stride_rows, mask=count > 0, other=0).to(tl.int64)
+        offs_m = tl.arange(0, RC * GP)
+        r_idx = offs_m // GP
+        h_idx = offs_m % GP
+        offs_t = tl.arange(0, BT)
+        offs_d = tl.arange(0, BD)
+        d_mask = offs_d < D
+        t_mask = offs_t < BS
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        for c in range(0, count, RC):
+            m_mask = (c + r_idx < count) & (h_idx < G)
+            rows = tl.load(rows_ptr + grp * stride_rows + c + r_idx, mask=m_mask, other=0).to(tl.int64)
+            q = tl.load(q_ptr + rows[:, None] * stride_qn + (kvh * G + h_idx)[:, None] * stride_qh + offs_d[None, :],
+                        mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [RC * GP, BD]
+            if F32_DOT:
+                q = q.to(tl.float32)
+            m_i = tl.full([RC * GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([RC * GP], tl.float32)
+            acc = tl.zeros([RC * GP, BD], tl.float32)
+            for b in range(b0, b1):
+                block = tl.load(bt_ptr + first_row * stride_bt + b).to(tl.int64)
+                off = block * stride_kb + offs_t[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+                k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)  # [BT, BD]
+                v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+                if F32_DOT:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where(t_mask[None, :], s * scale, float("-inf"))  # [RC * GP, BT]
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if F32_DOT:
+                    pv = tl.dot(p, v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            part = (rows * num_kv + kvh) * num_splits + first_split + tsplit
+            tl.store(acc_ptr + (part * GP + h_idx)[:, None] * BD + offs_d[None, :], acc, mask=m_mask[:, None])
+            tl.store(m_ptr + part * GP + h_idx, m_i, mask=m_mask)
+            tl.store(l_ptr + part * GP + h_idx, l_i, mask=m_mask)
+
+    return paged_decode_kernel, template_decode_kernel
 
 
 def _num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
@@ -104,31 +182,86 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, device: torch
     return max(1, min(want, max_blocks // 4, 32))
 
 
+@dataclass(frozen=True)
+class CascadeGroups:
+    """Decode rows that share a template's first blocks: group i is rows[i, :sizes[i]] (indices into
+    the step's decode rows, -1 padded), sharing their first blocks[i] full blocks; first[r] is the
+    block row r's own pass starts at (blocks[i] for a grouped row, else 0). splits: programs per
+    group and kv head over the template's blocks."""
+    first: torch.Tensor  # [N] int32
+    rows: torch.Tensor  # [num_groups, max_rows] int32
+    sizes: torch.Tensor  # [num_groups] int32
+    blocks: torch.Tensor  # [num_groups] int32
+    splits: int = 8
+
+
+def cascade_supported(block_size: int) -> bool:
+    """The template kernel's tile is a whole block of at least 16 tokens (tl.dot's smallest)."""
+    return _next_pow2(block_size) >= 16
+
+
+def group_rows(template_keys: list[tuple[int, int] | None]) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """Per decode row, (template id, shared full blocks) or None -> (each row's first block, the
+    groups as (shared blocks, rows)). Only templates that two or more rows continue form a group:
+    one row reads the template once either way."""
+    members: dict[tuple[int, int], list[int]] = {}
+    for row, key in enumerate(template_keys):
+        if key is not None and key[1] > 0:
+            members.setdefault(key, []).append(row)
+    first = [0] * len(template_keys)
+    groups = []
+    for (_, blocks), rows in members.items():
+        if len(rows) >= 2:
+            groups.append((blocks, rows))
+            for r in rows:
+                first[r] = blocks
+    return first, groups
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context: int, scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, cascade: CascadeGroups | None = None) -> torch.Tensor:
     # q: [N, Hq, D]; k_cache, v_cache: [num_blocks, BS, Hkv, D]; block_tables: [N, max_blocks] int32;
     # context_lens: [N] int32 (the new token included). Returns [N, Hq, D] in q's dtype.
+    # cascade: grouped rows read their template's blocks through the template kernel (module doc);
+    # max_context then only needs to cover each row's blocks after its first.
     n, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     if hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
     if q.stride(-1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous():
         raise ValueError("paged_decode_attention: q rows and the caches must be contiguous in head_dim")
+    if cascade is not None and not cascade_supported(bs):
+        raise ValueError(f"paged_decode_attention: a cascade needs blocks of at least 16 tokens, these have {bs}")
     g = hq // hkv
     gp, bt, bd = max(_next_pow2(g), 1), _next_pow2(bs), _next_pow2(d)
     max_blocks = -(-max_context // bs)
     splits = num_splits or _num_splits(n, hkv, max_blocks, q.device)
     per_split = -(-max_blocks // splits)
-    acc = torch.empty((n, hkv, splits, gp, bd), dtype=torch.float32, device=q.device)
-    m = torch.empty((n, hkv, splits, gp), dtype=torch.float32, device=q.device)
-    l = torch.empty((n, hkv, splits, gp), dtype=torch.float32, device=q.device)
+    total = splits + (cascade.splits if cascade is not None else 0)
+    acc = torch.empty((n, hkv, total, gp, bd), dtype=torch.float32, device=q.device)
+    m = torch.empty((n, hkv, total, gp), dtype=torch.float32, device=q.device)
+    l = torch.empty((n, hkv, total, gp), dtype=torch.float32, device=q.device)
+    if cascade is not None:  # rows outside every group: empty template partials (weight 0)
+        acc[:, :, splits:].zero_()
+        m[:, :, splits:].fill_(float("-inf"))
+        l[:, :, splits:].zero_()
     block_tables = block_tables.contiguous()
-    kernel = _kernel(os.environ.get("TRITON_INTERPRET") == "1")
-    kernel[(n, hkv, splits)](
+    row_kernel, template_kernel = _kernel(os.environ.get("TRITON_INTERPRET") == "1")
+    row_kernel[(n, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), scale, per_split, hkv, splits,
-        G=g, GP=gp, BS=bs, BT=bt, D=d, BD=bd)
+        block_tables.stride(0), cascade.first if cascade is not None else context_lens,
+        scale, per_split, hkv, total,
+        G=g, GP=gp, BS=bs, BT=bt, D=d, BD=bd, HAS_FIRST=cascade is not None)
+    if cascade is not None and cascade.rows.shape[0]:
+        rc = max(1, 64 // gp)
+        rows = cascade.rows.contiguous()
+        template_kernel[(rows.shape[0], hkv, cascade.splits)](
+            q, k_cache, v_cache, block_tables, rows, cascade.sizes, cascade.blocks, acc, m, l,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), rows.stride(0), scale, hkv, total, splits,
+            G=g, GP=gp, RC=rc, TS=cascade.splits, BS=bs, BT=bt, D=d, BD=bd,
+            F32_DOT=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1")
     # combine the splits: out = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M)
     m_max = m.amax(dim=2, keepdim=True)  # [N, Hkv, 1, GP]
     w = torch.exp(m - m_max)  # empty splits have m = -inf -> weight 0

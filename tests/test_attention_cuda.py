@@ -442,7 +442,8 @@ def test_gpu_kv_cache_memory_auto_fills_the_device_share(reference_llama):
 
 
 @needs_triton
-def test_decode_graph_buffers_and_padding_on_cpu(make_engine, monkeypatch):
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_graph_buffers_and_padding_on_cpu(make_engine, monkeypatch, block_size):
     """DecodeGraphs' step inputs on CPU tensors: the static buffers filled per step, the padding rows
     (slot -1, one token of context) and the smallest size that holds the step, with each "graph"
     replayed as its eager forward over the same buffers: the torch backend's greedy ids, and only
@@ -470,13 +471,14 @@ def test_decode_graph_buffers_and_padding_on_cpu(make_engine, monkeypatch):
         logits = torch.full((n, self.backend.model.arch.vocab_size), float("nan"))
         return EagerGraph(self, n, logits), logits
     monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture", capture)
-    ref_engine = make_engine(block_size=4, backend="torch")
+    ref_engine = make_engine(block_size=block_size, backend="torch")
     monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
         CudaBackend, prefill=("sdpa_loop", prefill_sdpa_loop), decode=("triton_paged", decode_triton)))
-    engine = make_engine(block_size=4, max_num_batched_tokens=16)
+    engine = make_engine(block_size=block_size, max_num_batched_tokens=16)
     engine._run(lambda core: setattr(core.backend, "graphs", graphs_mod.DecodeGraphs(core.backend, 4,
                                                                                      core.max_model_len)))
-    prefix = [(7 * i + 5) % 500 + 3 for i in range(10)]
+    assert engine._run(lambda core: core.backend.graphs.cascade) == (block_size == 16)
+    prefix = [(7 * i + 5) % 500 + 3 for i in range(10 if block_size == 4 else 37)]  # 16: 2 full blocks, shared
     users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(4)]
     expected = [run_ids(ref_engine, prefix + u, max_tokens=3 + 2 * k) for k, u in enumerate(users)]
     engine.add_template("p", token_ids=prefix)
@@ -485,3 +487,117 @@ def test_decode_graph_buffers_and_padding_on_cpu(make_engine, monkeypatch):
                                      for k, u in enumerate(users)])  # 4 rows, then 3 (padded to 4), 2, 1
     assert got == expected
     assert engine._run(lambda core: core.backend.graphs.replays) > 0
+
+
+def _cascade_case(hq, hkv, d, dtype, groups, loners, device="cpu", seed=0, bs=16):
+    """Rows in `groups` (lists of (template blocks P, own context tokens after it)) share their group's
+    first P blocks; `loners` are context lengths of rows in no group. -> q, caches, tables, lens, CascadeGroups."""
+    from cuda_ops.paged_decode import CascadeGroups
+    g = torch.Generator().manual_seed(seed)
+    rows, next_block = [], 0
+    for p, owns in groups:
+        shared = list(range(next_block, next_block + p))
+        next_block += p
+        for own in owns:
+            need = -(-own // bs)
+            rows.append((shared + list(range(next_block, next_block + need)), p * bs + own, p))
+            next_block += need
+    for ctx in loners:
+        need = -(-ctx // bs)
+        rows.append((list(range(next_block, next_block + need)), ctx, 0))
+        next_block += need
+    perm = torch.randperm(next_block + 2, generator=g)  # blocks scattered over the cache
+    width = max(len(b) for b, _, _ in rows)
+    bt = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for i, (blocks, _, _) in enumerate(rows):
+        bt[i, :len(blocks)] = perm[torch.tensor(blocks)].to(torch.int32)
+    kc = torch.randn(next_block + 2, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(next_block + 2, bs, hkv, d, generator=g).to(dtype)
+    q = torch.randn(len(rows), hq, d, generator=g).to(dtype)
+    lens = torch.tensor([c for _, c, _ in rows], dtype=torch.int32)
+    first = [p for _, _, p in rows]
+    members, start = [], 0
+    for p, owns in groups:
+        members.append(list(range(start, start + len(owns))))
+        start += len(owns)
+    widest = max(len(m) for m in members)
+    table = torch.tensor([m + [-1] * (widest - len(m)) for m in members], dtype=torch.int32)
+    cascade = CascadeGroups(torch.tensor(first, dtype=torch.int32), table,
+                            torch.tensor([len(m) for m in members], dtype=torch.int32),
+                            torch.tensor([p for p, _ in groups], dtype=torch.int32), splits=3)
+    moved = [t.to(device) for t in (q, kc, vc, bt, lens, cascade.first, cascade.rows, cascade.sizes, cascade.blocks)]
+    q, kc, vc, bt, lens = moved[:5]
+    return q, kc, vc, bt, lens, CascadeGroups(*moved[5:], splits=cascade.splits)
+
+
+CASCADE_CASES = [(4, 2, 64, torch.float32), (32, 4, 128, torch.bfloat16), (3, 3, 32, torch.float16), (8, 1, 64, torch.float32)]
+
+
+@needs_triton
+@pytest.mark.parametrize("hq,hkv,d,dtype", CASCADE_CASES)
+def test_cascade_decode_interpreted(hq, hkv, d, dtype):
+    """Rows sharing a template's blocks read them through the template kernel (one group of 10 rows:
+    two passes of 8 rows at G = 8), the rest through their own pass from their first own block: the
+    result equals gather + SDPA over each row's whole table."""
+    groups = [(3, [1, 17, 16, 40, 5, 2, 33, 9, 1, 20]), (1, [4, 30]), (5, [16, 1])]
+    q, kc, vc, bt, lens, cascade = _cascade_case(hq, hkv, d, dtype, groups, loners=[7, 50])
+    longest = int(lens.max())
+    ref = paged_decode_attention_ref(q, kc, vc, bt, lens, longest, d ** -0.5)
+    own = int(max(c - f * 16 for c, f in zip(lens.tolist(), cascade.first.tolist())))
+    out = paged_decode_attention(q, kc, vc, bt, lens, own, d ** -0.5, cascade=cascade)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - ref.float()).abs().max() <= TOL[dtype]
+
+
+def test_rows_group_by_template_only_when_shared():
+    from cuda_ops.paged_decode import cascade_supported, group_rows
+    first, groups = group_rows([(7, 3), None, (7, 3), (9, 2), (7, 3), (4, 0), (4, 0)])
+    assert first == [3, 0, 3, 0, 3, 0, 0] and groups == [(3, [0, 2, 4])]  # alone (9) or no full block (4): none
+    assert cascade_supported(16) and cascade_supported(32) and not cascade_supported(4)
+
+
+@needs_gpu
+@pytest.mark.parametrize("hq,hkv,d,dtype", CASCADE_CASES)
+def test_cascade_decode_on_gpu(hq, hkv, d, dtype):
+    groups = [(3, [1, 17, 16, 40, 5, 2, 33, 9, 1, 20]), (1, [4, 30]), (56, [16, 1, 900, 3])]
+    q, kc, vc, bt, lens, cascade = _cascade_case(hq, hkv, d, dtype, groups, loners=[7, 50, 1000], device="cuda")
+    ref = paged_decode_attention_ref(q, kc, vc, bt, lens, int(lens.max()), d ** -0.5)
+    own = int(max(c - f * 16 for c, f in zip(lens.tolist(), cascade.first.tolist())))
+    out = paged_decode_attention(q, kc, vc, bt, lens, own, d ** -0.5, cascade=cascade)
+    assert (out.float() - ref.float()).abs().max() <= TOL[dtype]
+
+
+@needs_triton
+def test_cascade_decode_in_engine_on_cpu(make_engine, monkeypatch):
+    """Blocks of 16: requests entering together on a 37-token template (two shared full blocks, a
+    partial third copied on write) decode as one cascade group, the others alone; the greedy ids are
+    the torch backend's, and the steps did take the cascade."""
+    import functools
+
+    import prefix_service.engine.core as core_mod
+    from cuda_ops import paged_decode as paged_mod
+    from prefix_service.backends.cuda import attention as attention_mod
+    from prefix_service.backends.cuda.backend import CudaBackend
+    from helpers import generate_together
+    cascaded = []
+    kernel = paged_mod.paged_decode_attention
+
+    def spy(*args, cascade=None, **kwargs):
+        if cascade is not None:
+            cascaded.append(int(cascade.sizes.sum()))
+        return kernel(*args, cascade=cascade, **kwargs)
+    monkeypatch.setattr(attention_mod, "paged_decode_attention", spy)
+    ref_engine = make_engine(block_size=16, backend="torch")
+    monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
+        CudaBackend, prefill=("sdpa_loop", attention_mod.prefill_sdpa_loop),
+        decode=("triton_paged", attention_mod.decode_triton)))
+    engine = make_engine(block_size=16, max_num_batched_tokens=64)
+    template = [(7 * i + 5) % 500 + 3 for i in range(37)]
+    users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(5)]
+    on_template = [k != 2 for k in range(5)]
+    expected = [run_ids(ref_engine, (template if t else []) + u, max_tokens=5) for u, t in zip(users, on_template)]
+    engine.add_template("t", token_ids=template)
+    got = generate_together(engine, [GenerateRequest(prompt_token_ids=u, prefix_name="t" if t else None,
+                                                     sampling=greedy(5)) for u, t in zip(users, on_template)])
+    assert got == expected
+    assert cascaded and max(cascaded) == 4  # the four rows on the template, in one group

@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="model.dtype (default: the config's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="model.device (default: the config's)")
     p.add_argument("--kv-cache-memory", help="cache.kv_cache_memory, e.g. 16GiB (default: the config's)")
+    p.add_argument("--cuda-graph-max-batch", type=int, help="model.cuda_graph_max_batch (0: eager; default: the config's)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -45,8 +46,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         from prefix_service.config import parse_size
         size = "auto" if args.kv_cache_memory == "auto" else parse_size(args.kv_cache_memory, "--kv-cache-memory")
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_memory=size, num_blocks=None))
-    for field in ("dtype", "device"):
-        if getattr(args, field, None):
+    for field in ("dtype", "device", "cuda_graph_max_batch"):
+        if getattr(args, field, None) is not None:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{field: getattr(args, field)}))
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix=True))
 

@@ -7,7 +7,9 @@ prefill: concat_kvcache_with_prefix (CUDA kernel) gathers each sequence's cached
          FlashAttention comes from the flash-attn package when it is importable, else from
          PyTorch's own (`torch.nn.attention.varlen.varlen_attn`); both take only float16 and
          bfloat16, so a float32 model runs SDPA per sequence
-decode:  the Triton paged kernel over block tables (cuda_ops.paged_decode), or gather + SDPA
+decode:  the Triton paged kernel over block tables (cuda_ops.paged_decode), or gather + SDPA; rows
+         that continue the same template read its shared blocks once per group (cascade, built
+         here from the step's rows: `VarlenMetadata.cascade`)
 
 Each implementation is a plain function of (q, the step's tensors, scale), so tests can run this
 glue on CPU tensors (cuda_ops' references, Triton's interpreter).
@@ -21,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 import torch
 
 import cuda_ops
-from cuda_ops.paged_decode import paged_decode_attention, paged_decode_attention_ref, triton_available
+from cuda_ops.paged_decode import (CascadeGroups, cascade_supported, group_rows, paged_decode_attention,
+                                   paged_decode_attention_ref, triton_available)
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.torch.attention import CausalMasks, attend_contiguous
 
@@ -46,11 +49,30 @@ class VarlenMetadata:
     max_k: int
     total_k: int  # sum of context + new tokens: the concat output's rows, known on the host
     masks: CausalMasks = field(default_factory=CausalMasks, repr=False)  # the SDPA path's, for all layers
+    cascade: CascadeGroups | None = None  # decode rows grouped by the template they share, if any
+    decode_own_max: int = 0  # with a cascade: the most tokens a decode row reads outside its group's template
 
     @classmethod
-    def build(cls, step: StepBatch, host: StepTensors, device: torch.device) -> VarlenMetadata:
+    def build(cls, step: StepBatch, host: StepTensors, device: torch.device,
+              block_size: int | None = None) -> VarlenMetadata:
+        """block_size: the cache's, to group decode rows by template (None: no cascade)."""
         def to_device(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
+
+        cascade, own_max = None, 0
+        if block_size is not None and cascade_supported(block_size) and step.num_decodes >= 2:
+            keys = [(r.template_id, r.num_template_blocks) if r.template_id is not None else None
+                    for r in step.decodes]
+            first, groups = group_rows(keys)
+            if groups:
+                width = max(len(rows) for _, rows in groups)
+                table = [rows + [-1] * (width - len(rows)) for _, rows in groups]
+
+                def ints(data) -> torch.Tensor:
+                    return to_device(torch.tensor(data, dtype=torch.int32))
+                cascade = CascadeGroups(ints(first), ints(table).view(len(groups), width),
+                                        ints([len(rows) for _, rows in groups]), ints([b for b, _ in groups]))
+                own_max = max(r.context_len - f * block_size for r, f in zip(step.decodes, first))
 
         nd = step.num_decodes
         new = [r.num_new_tokens for r in step.prefills]
@@ -71,7 +93,7 @@ class VarlenMetadata:
             prefill_context_list=context,
             max_q=max(new, default=0),
             max_k=max((a + b for a, b in zip(new, context)), default=0),
-            total_k=sum(new) + sum(context))
+            total_k=sum(new) + sum(context), cascade=cascade, decode_own_max=own_max)
 
 
 # prefill(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_seqlens_k [Np+1], meta, scale) -> [Tq, Hq, D]
@@ -125,6 +147,9 @@ def prefill_sdpa_loop(q, k, v, cu_k, meta: VarlenMetadata, scale: float) -> torc
 
 
 def decode_triton(q, k_cache, v_cache, meta: VarlenMetadata, scale: float) -> torch.Tensor:
+    if meta.cascade is not None:  # each row's own pass covers only its blocks after its group's template
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens,
+                                      meta.decode_own_max, scale, cascade=meta.cascade)
     return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, meta.decode_max, scale)
 
 

@@ -9,7 +9,8 @@ device buffers filled before each replay: token ids, positions, K/V slots, block
 max_model_len allows, context lengths. The rows past the step's are padding: their slot is -1 (the
 store kernel skips it) and their context is one token of block 0, so they read valid memory, and
 their outputs are dropped. The Triton decode kernel is captured with its split count for the full
-table width; splits past a row's last block return at once.
+table width; splits past a row's last block return at once. The cascade's groups (rows on the
+same template) are static buffers too, as many groups as rows at most; unused ones have no rows.
 
 Steps with a prefill chunk, more rows than the largest graph, or anything else run as before.
 """
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from prefix_service.backends.base import StepTensors
-from prefix_service.backends.cuda.attention import VarlenAttention, VarlenMetadata
+from cuda_ops.paged_decode import CascadeGroups, cascade_supported, group_rows
+from prefix_service.backends.cuda.attention import VarlenAttention, VarlenMetadata, decode_triton
 
 if TYPE_CHECKING:
     from prefix_service.backends.cuda.backend import CudaBackend
@@ -55,6 +57,12 @@ class DecodeGraphs:
         self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
         self.tables = torch.zeros((b, self.width), dtype=torch.int32, device=device)
         self.lens = torch.ones(b, dtype=torch.int32, device=device)
+        # the cascade's groups (cuda_ops.paged_decode.CascadeGroups), as many as rows at most
+        self.cascade = cascade_supported(backend.block_size) and backend.decode is decode_triton
+        self.first = torch.zeros(b, dtype=torch.int32, device=device)
+        self.group_rows = torch.zeros((b, b), dtype=torch.int32, device=device)
+        self.group_sizes = torch.zeros(b, dtype=torch.int32, device=device)
+        self.group_blocks = torch.zeros(b, dtype=torch.int32, device=device)
         self.replays = 0  # steps served by a graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -75,7 +83,9 @@ class DecodeGraphs:
         meta = VarlenMetadata(
             slots=self.slots[:n], num_decodes=n, decode_tables=self.tables[:n], decode_lens=self.lens[:n],
             decode_max=self.width * backend.block_size, prefill_tables=empty, prefill_context=self.lens[:0],
-            cu_seqlens_q=self.lens[:1], prefill_new_list=[], prefill_context_list=[], max_q=0, max_k=0, total_k=0)
+            cu_seqlens_q=self.lens[:1], prefill_new_list=[], prefill_context_list=[], max_q=0, max_k=0, total_k=0,
+            cascade=CascadeGroups(self.first[:n], self.group_rows[:n, :n], self.group_sizes[:n], self.group_blocks[:n])
+            if self.cascade else None, decode_own_max=self.width * backend.block_size)
         attention = VarlenAttention(backend.kv_layers, meta, backend.prefill, backend.decode)
         hidden = backend.model(self.ids[:n], self.positions[:n], attention)
         return backend.model.compute_logits(hidden)
@@ -96,6 +106,18 @@ class DecodeGraphs:
         n = len(step.rows)
         return 0 < n <= self.max_batch and step.num_decodes == n and step.num_logits == n
 
+    def _fill_groups(self, step: StepBatch, size: int) -> None:
+        """The step's template groups into the static cascade buffers (no group: every size 0)."""
+        keys = [(r.template_id, r.num_template_blocks) if r.template_id is not None else None for r in step.decodes]
+        first, groups = group_rows(keys + [None] * (size - len(keys)))
+        sizes = [len(rows) for _, rows in groups] + [0] * (size - len(groups))
+        blocks = [b for b, _ in groups] + [0] * (size - len(groups))
+        self.first[:size].copy_(torch.tensor(first, dtype=torch.int32), non_blocking=True)
+        self.group_sizes[:size].copy_(torch.tensor(sizes, dtype=torch.int32), non_blocking=True)
+        self.group_blocks[:size].copy_(torch.tensor(blocks, dtype=torch.int32), non_blocking=True)
+        for g, (_, rows) in enumerate(groups):
+            self.group_rows[g, :len(rows)].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+
     def run(self, step: StepBatch, host: StepTensors) -> torch.Tensor:
         """The logits [n, vocab] of a step that `fits`, by replaying the smallest graph that holds it."""
         n = len(step.rows)
@@ -109,6 +131,8 @@ class DecodeGraphs:
             self.slots[n:size].fill_(-1)
             self.lens[n:size].fill_(1)
             self.tables[n:size, 0].fill_(0)
+        if self.cascade:
+            self._fill_groups(step, size)
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size][:n].clone()  # the next replay overwrites the graph's own output
