@@ -353,6 +353,29 @@ class Engine:
         self._run(lambda core: core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink, matcher))
         return request_id
 
+    def submit_many(self, requests: list[GenerateRequest], sinks: list[Callable[[RequestOutput], None]]) -> list[str]:
+        """Queue requests together: they enter the engine in one command, before its next step (one
+        submit after another would each wait for a step boundary). Returns their ids. Raises the first
+        validation error; then none of them runs."""
+        prepared = []
+        for req in requests:  # tokenizing and compiling constraints here, not on the engine's thread
+            structured = req.sampling.structured
+            matcher = self._core.structured.compile(structured) if structured is not None else None
+            prepared.append((req.request_id or uuid.uuid4().hex, self._prompt_ids(req), req, matcher))
+
+        def add_all(core: EngineCore) -> None:
+            added: list[str] = []
+            try:
+                for (request_id, prompt_ids, req, matcher), sink in zip(prepared, sinks, strict=True):
+                    core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink, matcher)
+                    added.append(request_id)
+            except BaseException:
+                for request_id in added:
+                    core.abort(request_id)
+                raise
+        self._run(add_all)
+        return [request_id for request_id, _, _, _ in prepared]
+
     def submit_score(self, req: ScoreRequest, sink: Callable[[ScoreOutput], None]) -> str:
         """Queue a Score request; sink receives its ScoreOutput from the loop thread. Returns its id.
         Raises the validation error."""
@@ -417,19 +440,12 @@ class Engine:
             return False
 
     def generate(self, requests: list[GenerateRequest] | GenerateRequest) -> list[GenerateResult]:
-        """Run requests to completion, batched together. Raises the first request's validation
-        error before any runs (the others are aborted)."""
+        """Run requests to completion, batched together (submit_many: they enter the engine at the
+        same step). Raises the first request's validation error before any runs."""
         if isinstance(requests, GenerateRequest):
             requests = [requests]
         collectors = [_Collector(req.sampling.n) for req in requests]
-        ids: list[str] = []
-        try:
-            for req, col in zip(requests, collectors):
-                ids.append(self.submit(req, col))
-        except BaseException:
-            for rid in ids:
-                self.abort(rid)
-            raise
+        self.submit_many(requests, list(collectors))
         return [col.result() for col in collectors]
 
     async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None

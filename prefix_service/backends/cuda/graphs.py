@@ -18,17 +18,28 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from prefix_service.backends.base import StepTensors
 from cuda_ops.paged_decode import CascadeGroups, cascade_supported, group_rows
-from prefix_service.backends.cuda.attention import VarlenAttention, VarlenMetadata, decode_triton
+from prefix_service.backends.base import StepTensors
+from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata,
+                                                    decode_triton)
+from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from prefix_service.backends.cuda.backend import CudaBackend
     from prefix_service.engine.step import StepBatch
+
+
+class GraphedBackend(Protocol):
+    """What the graphs use of the cuda backend (backend.py), which owns them."""
+    model: LlamaForCausalLM
+    kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
+    prefill: PrefillFn
+    decode: DecodeFn
+    block_size: int
+    device: torch.device
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -45,7 +56,7 @@ def graph_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """The captured decode forwards of one backend; `run` replays the one that fits a step."""
 
-    def __init__(self, backend: CudaBackend, max_batch: int, max_model_len: int) -> None:
+    def __init__(self, backend: GraphedBackend, max_batch: int, max_model_len: int) -> None:
         self.backend = backend
         device = backend.device
         self.sizes = graph_sizes(max_batch)
