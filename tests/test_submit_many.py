@@ -3,6 +3,8 @@ submit_many add them in one command (one submit after another would each wait fo
 boundary), and a bad one among them lets none run."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from helpers import greedy
@@ -42,5 +44,6 @@ def test_submit_many_with_a_bad_request_runs_none(make_engine):
         engine.submit_many(requests, [got.append, got.append])
     stats = engine.kv_stats()
     assert stats["running"] == 0 and stats["waiting"] == 0 and stats["used"] == 0
-    ids = engine.submit_many(requests[:1], [got.append])
-    assert len(ids) == 1
+    done = threading.Event()
+    ids = engine.submit_many(requests[:1], [lambda out: out.finished and done.set()])
+    assert len(ids) == 1 and done.wait(30)
