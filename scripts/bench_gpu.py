@@ -212,7 +212,8 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int], impl_
 
     decode = []
     for b in batches:
-        run_batch(engine, [request(-3 - k, True, 4) for k in range(b)])  # warm-up: this batch's kernels compiled
+        # warm-up: this batch size's kernels compiled and libraries' plans made for the contexts timed below
+        run_batch(engine, [request(-3 - k, True, args.decode_tokens) for k in range(b)])
         for with_prefix in (True, False):
             run = run_batch(engine, [request(k, with_prefix, args.decode_tokens) for k in range(b)])
             decode.append({"decode_impl": impl_name, "batch": b, "with_prefix": with_prefix,

@@ -100,7 +100,7 @@ def kernel_times(backend: Backend) -> Iterator[dict[str, float]]:
 
 
 _GEMM_KERNELS = ("gemm", "cutlass", "nvjet", "xmma", "cublas", "wgmma")
-_ATTENTION_KERNELS = ("paged_decode", "flash", "fmha", "attention", "concat_kvcache", "store_kvcache")
+_ATTENTION_KERNELS = ("decode_kernel", "flash", "fmha", "attention", "attn", "concat_kv", "store_kv")
 
 
 def _cuda_kernel_times() -> Iterator[dict[str, float]]:
