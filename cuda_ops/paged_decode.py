@@ -54,17 +54,17 @@ def _kernel(interpret: bool):
     import triton
     import triton.language as tl
 
-    # Runtime integers that change with the step (split sizes, counts) are not specialized on: Triton
+    # Runtime integers that change with the step (counts) are not specialized on: Triton
     # otherwise compiles a variant per value class (1, a multiple of 16, other), a stall of a second
     # in the middle of serving whenever a growing context moves a value into a new class.
-    @triton.jit(do_not_specialize=["blocks_per_split", "num_kv", "num_splits"])
+    @triton.jit(do_not_specialize=["num_kv", "num_splits"])
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, acc_ptr, m_ptr, l_ptr,
         stride_qn, stride_qh,  # q: [N, Hq, D], last stride 1
         stride_kb, stride_kt, stride_kh,  # caches: [num_blocks, BS, Hkv, D], last stride 1
         stride_bt,  # block_tables: [N, max_blocks]
         first_ptr,  # [N] int32: the first block each row reads (after a cascaded template), or unused
-        scale, blocks_per_split, num_kv, num_splits,
+        scale, num_kv, num_splits,
         G: tl.constexpr, GP: tl.constexpr,
         BS: tl.constexpr, BT: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, HAS_FIRST: tl.constexpr,
     ):
@@ -80,10 +80,16 @@ def _kernel(interpret: bool):
         q = tl.load(q_ptr + seq * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [GP, BD]
         ctx = tl.load(ctx_ptr + seq)
-        start = split * blocks_per_split
+        # each row spreads its own blocks evenly over the splits (a short row next to a long one, or
+        # a graph captured for max_model_len, still uses every split)
+        last = tl.cdiv(ctx, BS)
         if HAS_FIRST:
-            start += tl.load(first_ptr + seq)
-        end = tl.minimum(start + blocks_per_split, tl.cdiv(ctx, BS))
+            first = tl.load(first_ptr + seq)
+        else:
+            first = 0
+        per = tl.cdiv(last - first, tl.num_programs(2))
+        start = first + split * per
+        end = tl.minimum(start + per, last)
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, BD], tl.float32)
@@ -239,7 +245,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_
     gp, bt, bd = max(_next_pow2(g), 1), _next_pow2(bs), _next_pow2(d)
     max_blocks = -(-max_context // bs)
     splits = num_splits or _num_splits(n, hkv, max_blocks, q.device)
-    per_split = -(-max_blocks // splits)
     total = splits + (cascade.splits if cascade is not None else 0)
     acc = torch.empty((n, hkv, total, gp, bd), dtype=torch.float32, device=q.device)
     m = torch.empty((n, hkv, total, gp), dtype=torch.float32, device=q.device)
@@ -254,7 +259,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_
         q, k_cache, v_cache, block_tables, context_lens, acc, m, l,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), cascade.first if cascade is not None else context_lens,
-        scale, per_split, hkv, total,
+        scale, hkv, total,
         G=g, GP=gp, BS=bs, BT=bt, D=d, BD=bd, HAS_FIRST=cascade is not None)
     if cascade is not None and cascade.rows.shape[0]:
         rc = max(1, 64 // gp)

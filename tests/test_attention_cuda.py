@@ -367,8 +367,8 @@ def test_kernels_that_cannot_build_fall_back_to_the_references_with_one_warning(
 def test_gpu_cuda_graph_decode_equals_eager(reference_llama, batch):
     """Decode steps replayed from CUDA graphs (the padded sizes 1, 4, 32 here) give the eager steps'
     greedy ids, on a template and without, and the graphs did serve them. In float32: a graph's decode
-    kernel splits each row's blocks for the full table width, the eager one for the step's longest
-    row, and in bf16 a different order of the sums may flip a near tie."""
+    kernel has the split count of the full table width, the eager one of the step's longest row, and
+    in bf16 a different order of the sums may flip a near tie."""
     from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig
     from helpers import generate_together
 

@@ -30,6 +30,7 @@ def test_which_errors_are_fatal():
     if hasattr(torch, "AcceleratorError"):
         assert is_fatal_device_error(torch.AcceleratorError("CUDA error: unspecified launch failure"))
     assert not is_fatal_device_error(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_fatal_device_error(RuntimeError("CUDA error: out of memory"))  # a workspace, not a broken context
     assert not is_fatal_device_error(RuntimeError("shape '[2, 3]' is invalid for input of size 7"))
     assert not is_fatal_device_error(ValueError("CUDA error"))  # only the runtime's own errors
 

@@ -72,8 +72,8 @@ _FATAL_DEVICE_MARKERS = ("CUDA error", "illegal memory access", "device-side ass
 
 def is_fatal_device_error(error: BaseException) -> bool:
     """Whether `error` leaves the GPU unusable for this process (then it must restart)."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return False
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
+        return False  # the allocator's or a library's workspace: the context is still good
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises CUDA errors as this
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True

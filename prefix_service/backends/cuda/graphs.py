@@ -8,8 +8,8 @@ size that holds them (1, 2, 4, 8, then multiples of 16). Everything a graph read
 device buffers filled before each replay: token ids, positions, K/V slots, block tables as wide as
 max_model_len allows, context lengths. The rows past the step's are padding: their slot is -1 (the
 store kernel skips it) and their context is one token of block 0, so they read valid memory, and
-their outputs are dropped. The Triton decode kernel is captured with its split count for the full
-table width; splits past a row's last block return at once. The cascade's groups (rows on the
+their outputs are dropped. The Triton decode kernel is captured with the split count of the full
+table width, and each row spreads its own blocks over those splits. The cascade's groups (rows on the
 same template) are static buffers too, as many groups as rows at most; unused ones have no rows.
 
 Steps with a prefill chunk, more rows than the largest graph, or anything else run as before.
