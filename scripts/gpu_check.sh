@@ -103,8 +103,8 @@ for n, k in ((1728, 576), (3072, 576), (576, 1536)):
 EOF2
 step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
   python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"
-  for run in "bfloat16 default" "bfloat16 passive" "float32 passive"; do set -- $run; echo "--- $1, OMP_WAIT_POLICY=$2"
-    env $( [ $2 = passive ] && echo OMP_WAIT_POLICY=PASSIVE ) python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+  for run in "bfloat16 default" "bfloat16 active" "bfloat16 passive" "float32 default"; do set -- $run; echo "--- $1, OMP_WAIT_POLICY=$2"
+    env $( [ $2 != default ] && echo OMP_WAIT_POLICY=$2 ) python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
       --backend cpu --device cpu --dtype $1 --batches 1,16 --steps 5 2>&1 | tail -n 3; done'
 step sanitizer 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider -o addopts= \
   ${SANITIZE_TESTS:-tests/test_cuda_ops.py -k "kernel_matches_reference and bfloat16 and 128 or copy_blocks_kernel or many_sequences"}
