@@ -601,3 +601,29 @@ def test_cascade_decode_in_engine_on_cpu(make_engine, monkeypatch):
                                                      sampling=greedy(5)) for u, t in zip(users, on_template)])
     assert got == expected
     assert cascaded and max(cascaded) == 4  # the four rows on the template, in one group
+
+
+@needs_triton
+def test_the_ops_check_their_arguments_once_a_step(make_engine, monkeypatch):
+    """The store and concat ops run their Python argument checks in a step's first layer only (the
+    other layers pass the same shapes), and the engine's tokens are unchanged (the glue test above)."""
+    import functools
+
+    import cuda_ops
+    import prefix_service.engine.core as core_mod
+    from prefix_service.backends.cuda.attention import decode_triton, prefill_sdpa_loop
+    from prefix_service.backends.cuda.backend import CudaBackend
+    seen: list[bool] = []
+    store = cuda_ops.store_kvcache
+
+    def spy(*args, check=True, **kwargs):
+        seen.append(check)
+        return store(*args, check=check, **kwargs)
+    monkeypatch.setattr(cuda_ops, "store_kvcache", spy)
+    monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
+        CudaBackend, prefill=("sdpa_loop", prefill_sdpa_loop), decode=("triton_paged", decode_triton)))
+    engine = make_engine(block_size=4)
+    layers = engine.info.arch.num_layers
+    run_ids(engine, [5, 9, 13, 21, 34], max_tokens=3)
+    assert layers >= 2 and len(seen) == 3 * layers  # a prefill step and two decode steps
+    assert seen == ([True] + [False] * (layers - 1)) * 3

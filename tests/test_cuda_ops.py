@@ -520,3 +520,18 @@ def test_copy_blocks_kernel_matches_reference(dtype, pairs_on):
     copy_blocks(k_caches, v_caches, src_dst)
     for g, w in zip(k_caches + v_caches, want_k + want_v):
         assert_bitwise(g, w)
+
+
+def test_check_false_skips_the_argument_checks_only(fake_kernels):
+    """check=False (every layer of a step after the first) dispatches the same call without the
+    Python checks: a wrong argument is no longer caught there, and a right one reaches the kernel as
+    with the checks."""
+    kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kvcache(k, k, kc, vc, torch.tensor([0, 1]))
+    store_kvcache(k, k, kc, vc, torch.tensor([0, 1]), check=False)  # reaches the (fake) kernel unchecked
+    calls = len(fake_kernels.calls)
+    store_kvcache(k, k, kc, vc, torch.tensor([0, 5, -1]), check=False)
+    store_kvcache(k, k, kc, vc, torch.tensor([0, 5, -1]))
+    assert len(fake_kernels.calls) == calls + 2

@@ -188,7 +188,8 @@ class VarlenAttention:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; the caches: [num_blocks, block_size, Hkv, D]
         k_cache, v_cache = self.kv_layers[layer]
         meta = self.meta
-        cuda_ops.store_kvcache(k, v, k_cache, v_cache, meta.slots)
+        check = layer == 0  # every layer's tensors have the first's shapes: checked once a step
+        cuda_ops.store_kvcache(k, v, k_cache, v_cache, meta.slots, check=check)
         nd = meta.num_decodes
         parts = []
         if nd:
@@ -196,6 +197,6 @@ class VarlenAttention:
         if meta.prefill_new_list:
             k_all, v_all, cu_k = cuda_ops.concat_kvcache_with_prefix(
                 k_cache, v_cache, meta.prefill_tables, meta.prefill_context, k[nd:], v[nd:], meta.cu_seqlens_q,
-                total_k=meta.total_k)  # [Tk, Hkv, D]
+                total_k=meta.total_k, check=check)  # [Tk, Hkv, D]
             parts.append(self.prefill(q[nd:], k_all, v_all, cu_k, meta, scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
