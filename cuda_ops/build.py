@@ -101,7 +101,7 @@ def _build_and_load():
     if not cpp_extension.is_ninja_available():
         raise RuntimeError(
             "cuda_ops: ninja is required to compile the CUDA kernels "
-            "(pip install ninja, or install this package with its 'cuda' extra)"
+            "(pip install ninja)"
         )
     build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
