@@ -7,12 +7,12 @@ a small torch reduction combines the splits. `paged_decode_attention_ref` (gathe
 its oracle. With TRITON_INTERPRET=1 the kernel runs on CPU tensors, which is how CI tests it.
 
 Cascade (`CascadeGroups`): rows that continue the same pinned template share its first P full
-blocks. A second kernel reads those blocks once per chunk of up to RC of a group's rows and kv
-head (grid: group, kv head, template split x row chunk), multiplying each with the chunk's query
-rows at once (tl.dot over up to 64 query rows: RC rows times their G heads), and writes its
-partials into extra split slots of the same buffers; the per-row kernel then starts each grouped
-row at its block P. So a template's K/V is read from memory once per step and chunk of RC rows
-instead of once per row. The cascade needs blocks of at least 16 tokens (tl.dot's smallest tile).
+blocks. A second kernel reads those blocks once per group and kv head (grid: group, kv head,
+template split), multiplying them with all of the group's query rows at once (tl.dot over up to
+64 query rows: the group's rows times their G heads), and writes its partials into extra split
+slots of the same buffers; the per-row kernel then starts each grouped row at its block P. So a
+template's K/V is read from memory once per step and group of up to RC rows instead of once per
+row. The cascade needs blocks of at least 16 tokens (tl.dot's smallest tile).
 """
 from __future__ import annotations
 
@@ -124,11 +124,10 @@ def _kernel(interpret: bool):
         # F32_DOT: products in float32 (exact float32 inputs; also how the interpreter, whose dot has
         # no bfloat16, runs every dtype); else the inputs' own dtype, float32 sums
         # one program: group `grp`, kv head `kvh`, its share `tsplit` of the template's P blocks, for
-        # one chunk of RC of the group's rows (RC * GP query rows; a chunk past the group's rows: none)
+        # every row of the group, RC rows (RC * GP query rows) at a time
         grp = tl.program_id(0)
         kvh = tl.program_id(1)
-        tsplit = tl.program_id(2) % TS
-        chunk = tl.program_id(2) // TS
+        tsplit = tl.program_id(2)
         count = tl.load(sizes_ptr + grp)
         num_blocks = tl.load(blocks_ptr + grp)
         per = tl.cdiv(num_blocks, TS)
@@ -143,7 +142,7 @@ def _kernel(interpret: bool):
         d_mask = offs_d < D
         t_mask = offs_t < BS
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        for c in range(chunk * RC, tl.minimum(count, chunk * RC + RC), RC):  # once, or not at all
+        for c in range(0, count, RC):
             m_mask = (c + r_idx < count) & (h_idx < G)
             rows = tl.load(rows_ptr + grp * stride_rows + c + r_idx, mask=m_mask, other=0).to(tl.int64)
             q = tl.load(q_ptr + rows[:, None] * stride_qn + (kvh * G + h_idx)[:, None] * stride_qh + offs_d[None, :],
@@ -265,8 +264,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_
     if cascade is not None and cascade.rows.shape[0]:
         rc = max(1, 64 // gp)
         rows = cascade.rows.contiguous()
-        chunks = -(-rows.shape[1] // rc)  # of the widest group (under a graph: of the batch)
-        template_kernel[(rows.shape[0], hkv, cascade.splits * chunks)](
+        template_kernel[(rows.shape[0], hkv, cascade.splits)](
             q, k_cache, v_cache, block_tables, rows, cascade.sizes, cascade.blocks, acc, m, l,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), rows.stride(0), scale, hkv, total, splits,
