@@ -10,7 +10,8 @@ max_model_len allows, context lengths. The rows past the step's are padding: the
 store kernel skips it) and their context is one token of block 0, so they read valid memory, and
 their outputs are dropped. The Triton decode kernel is captured with the split count of the full
 table width, and each row spreads its own blocks over those splits. The cascade's groups (rows on the
-same template) are static buffers too, as many groups as rows at most; unused ones have no rows.
+same template) are static buffers too, half as many groups as rows at most (a group has two rows or
+more); unused ones have no rows.
 
 Steps with a prefill chunk, more rows than the largest graph, or anything else run as before.
 """
@@ -90,13 +91,15 @@ class DecodeGraphs:
 
     def _forward(self, n: int) -> torch.Tensor:
         backend = self.backend
+        groups = max(1, n // 2)  # a group has two rows or more
         empty = self.tables[:0]
         meta = VarlenMetadata(
             slots=self.slots[:n], num_decodes=n, decode_tables=self.tables[:n], decode_lens=self.lens[:n],
             decode_max=self.width * backend.block_size, prefill_tables=empty, prefill_context=self.lens[:0],
             cu_seqlens_q=self.lens[:1], prefill_new_list=[], prefill_context_list=[], max_q=0, max_k=0, total_k=0,
-            cascade=CascadeGroups(self.first[:n], self.group_rows[:n, :n], self.group_sizes[:n], self.group_blocks[:n])
-            if self.cascade else None, decode_own_max=self.width * backend.block_size)
+            cascade=CascadeGroups(self.first[:n], self.group_rows[:groups, :n], self.group_sizes[:groups],
+                                  self.group_blocks[:groups]) if self.cascade else None,
+            decode_own_max=self.width * backend.block_size)
         attention = VarlenAttention(backend.kv_layers, meta, backend.prefill, backend.decode)
         hidden = backend.model(self.ids[:n], self.positions[:n], attention)
         return backend.model.compute_logits(hidden)
@@ -121,11 +124,13 @@ class DecodeGraphs:
         """The step's template groups into the static cascade buffers (no group: every size 0)."""
         keys = [(r.template_id, r.num_template_blocks) if r.template_id is not None else None for r in step.decodes]
         first, groups = group_rows(keys + [None] * (size - len(keys)))
-        sizes = [len(rows) for _, rows in groups] + [0] * (size - len(groups))
-        blocks = [b for b, _ in groups] + [0] * (size - len(groups))
+        slots = max(1, size // 2)  # the graph's groups (_forward)
+        assert len(groups) <= slots
+        sizes = [len(rows) for _, rows in groups] + [0] * (slots - len(groups))
+        blocks = [b for b, _ in groups] + [0] * (slots - len(groups))
         self.first[:size].copy_(torch.tensor(first, dtype=torch.int32), non_blocking=True)
-        self.group_sizes[:size].copy_(torch.tensor(sizes, dtype=torch.int32), non_blocking=True)
-        self.group_blocks[:size].copy_(torch.tensor(blocks, dtype=torch.int32), non_blocking=True)
+        self.group_sizes[:slots].copy_(torch.tensor(sizes, dtype=torch.int32), non_blocking=True)
+        self.group_blocks[:slots].copy_(torch.tensor(blocks, dtype=torch.int32), non_blocking=True)
         for g, (_, rows) in enumerate(groups):
             self.group_rows[g, :len(rows)].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
 
