@@ -41,10 +41,20 @@ prefixes:
                                                                               "server.address itself"),
     ({"model": {"path": "m"}, "server": {"api_key_env": "my key"}}, "server.api_key_env: expected an environment"),
     ({"model": {"path": "m", "served_name": ""}}, "model.served_name: expected a model id"),
+    ({"model": {"path": "m"}, "cache": {"gpu_memory_utilization": 0}}, r"cache.gpu_memory_utilization: expected a "
+                                                                        r"fraction in \(0, 1\]"),
+    ({"model": {"path": "m", "cuda_graph_max_batch": -1}}, "model.cuda_graph_max_batch: expected an integer"),
 ])
 def test_errors_name_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict(raw)
+
+
+def test_kv_cache_memory_auto_and_the_gpu_share():
+    cfg = config_from_dict({"model": {"path": "m"}, "cache": {"kv_cache_memory": "auto", "gpu_memory_utilization": 0.8}})
+    assert cfg.engine.cache.kv_cache_memory == "auto" and cfg.engine.cache.gpu_memory_utilization == 0.8
+    assert config_from_dict({"model": {"path": "m"}}).engine.cache.kv_cache_memory == "auto"  # the default
+    assert config_from_dict({"model": {"path": "m", "cuda_graph_max_batch": 0}}).engine.model.cuda_graph_max_batch == 0
 
 
 def test_sizes():
