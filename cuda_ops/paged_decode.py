@@ -7,12 +7,14 @@ a small torch reduction combines the splits. `paged_decode_attention_ref` (gathe
 its oracle. With TRITON_INTERPRET=1 the kernel runs on CPU tensors, which is how CI tests it.
 
 Cascade (`CascadeGroups`): rows that continue the same pinned template share its first P full
-blocks. A second kernel reads those blocks once per group and kv head (grid: group, kv head,
-template split), multiplying them with all of the group's query rows at once (tl.dot over up to
-64 query rows: the group's rows times their G heads), and writes its partials into extra split
-slots of the same buffers; the per-row kernel then starts each grouped row at its block P. So a
-template's K/V is read from memory once per step and group of up to RC rows instead of once per
-row. The cascade needs blocks of at least 16 tokens (tl.dot's smallest tile).
+blocks. A second kernel reads those blocks once per chunk of up to RC of a group's rows and kv
+head (grid: work item = (group, chunk), kv head, template split; the items are listed per step,
+so a large group spreads over programs without a groups x chunks grid), multiplying each block
+with the chunk's query rows at once (tl.dot over up to 64 query rows: RC rows times their G
+heads), and writes its partials into extra split slots of the same buffers; the per-row kernel
+then starts each grouped row at its block P. So a template's K/V is read from memory once per
+step and chunk of RC rows instead of once per row. The cascade needs blocks of at least 16 tokens
+(tl.dot's smallest tile).
 """
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ def _kernel(interpret: bool):
 
     @triton.jit(do_not_specialize=["num_kv", "num_splits", "first_split"])
     def template_decode_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, sizes_ptr, blocks_ptr, acc_ptr, m_ptr, l_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, sizes_ptr, blocks_ptr, work_ptr, acc_ptr, m_ptr, l_ptr,
         stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_rows,
         scale, num_kv, num_splits, first_split,
         G: tl.constexpr, GP: tl.constexpr, RC: tl.constexpr, TS: tl.constexpr,
@@ -123,9 +125,10 @@ def _kernel(interpret: bool):
     ):
         # F32_DOT: products in float32 (exact float32 inputs; also how the interpreter, whose dot has
         # no bfloat16, runs every dtype); else the inputs' own dtype, float32 sums
-        # one program: group `grp`, kv head `kvh`, its share `tsplit` of the template's P blocks, for
-        # every row of the group, RC rows (RC * GP query rows) at a time
-        grp = tl.program_id(0)
+        # one program: work item (group `grp`, its rows from `c0`: RC rows, RC * GP query rows), kv head
+        # `kvh`, its share `tsplit` of the template's P blocks; an unused item starts past its group's rows
+        grp = tl.load(work_ptr + tl.program_id(0) * 2)
+        c0 = tl.load(work_ptr + tl.program_id(0) * 2 + 1)
         kvh = tl.program_id(1)
         tsplit = tl.program_id(2)
         count = tl.load(sizes_ptr + grp)
@@ -142,7 +145,7 @@ def _kernel(interpret: bool):
         d_mask = offs_d < D
         t_mask = offs_t < BS
         kv_mask = t_mask[:, None] & d_mask[None, :]
-        for c in range(0, count, RC):
+        for c in range(c0, tl.minimum(count, c0 + RC), RC):  # once, or not at all
             m_mask = (c + r_idx < count) & (h_idx < G)
             rows = tl.load(rows_ptr + grp * stride_rows + c + r_idx, mask=m_mask, other=0).to(tl.int64)
             q = tl.load(q_ptr + rows[:, None] * stride_qn + (kvh * G + h_idx)[:, None] * stride_qh + offs_d[None, :],
@@ -201,7 +204,23 @@ class CascadeGroups:
     rows: torch.Tensor  # [num_groups, max_rows] int32
     sizes: torch.Tensor  # [num_groups] int32
     blocks: torch.Tensor  # [num_groups] int32
+    work: torch.Tensor  # [num_items, 2] int32: (group, first row) per chunk of rows_per_chunk rows (work_items)
     splits: int = 8
+
+
+UNUSED_ITEM = (0, 1 << 30)  # a work item past every group's rows: its programs do nothing
+
+
+def rows_per_chunk(num_heads: int, num_kv_heads: int) -> int:
+    """Rows of a group one template-kernel program serves: 64 query rows (its rows times their
+    G = num_heads / num_kv_heads heads, G padded to a power of two) at most."""
+    return max(1, 64 // _next_pow2(num_heads // num_kv_heads))
+
+
+def work_items(sizes: list[int], rows_per_chunk: int) -> list[tuple[int, int]]:
+    """(group, first row) of each chunk of each group's rows: a program per item and kv head and
+    template split, so a large group spreads over as many programs as it has chunks."""
+    return [(g, c) for g, n in enumerate(sizes) for c in range(0, n, rows_per_chunk)]
 
 
 def cascade_supported(block_size: int) -> bool:
@@ -261,11 +280,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_
         block_tables.stride(0), cascade.first if cascade is not None else context_lens,
         scale, hkv, total,
         G=g, GP=gp, BS=bs, BT=bt, D=d, BD=bd, HAS_FIRST=cascade is not None)
-    if cascade is not None and cascade.rows.shape[0]:
-        rc = max(1, 64 // gp)
+    if cascade is not None and cascade.work.shape[0]:
+        rc = rows_per_chunk(hq, hkv)
         rows = cascade.rows.contiguous()
-        template_kernel[(rows.shape[0], hkv, cascade.splits)](
-            q, k_cache, v_cache, block_tables, rows, cascade.sizes, cascade.blocks, acc, m, l,
+        work = cascade.work.contiguous()
+        template_kernel[(work.shape[0], hkv, cascade.splits)](
+            q, k_cache, v_cache, block_tables, rows, cascade.sizes, cascade.blocks, work, acc, m, l,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             block_tables.stride(0), rows.stride(0), scale, hkv, total, splits,
             G=g, GP=gp, RC=rc, TS=cascade.splits, BS=bs, BT=bt, D=d, BD=bd,

@@ -492,7 +492,7 @@ def test_decode_graph_buffers_and_padding_on_cpu(make_engine, monkeypatch, block
 def _cascade_case(hq, hkv, d, dtype, groups, loners, device="cpu", seed=0, bs=16):
     """Rows in `groups` (lists of (template blocks P, own context tokens after it)) share their group's
     first P blocks; `loners` are context lengths of rows in no group. -> q, caches, tables, lens, CascadeGroups."""
-    from cuda_ops.paged_decode import CascadeGroups
+    from cuda_ops.paged_decode import CascadeGroups, rows_per_chunk, work_items
     g = torch.Generator().manual_seed(seed)
     rows, next_block = [], 0
     for p, owns in groups:
@@ -522,10 +522,13 @@ def _cascade_case(hq, hkv, d, dtype, groups, loners, device="cpu", seed=0, bs=16
         start += len(owns)
     widest = max(len(m) for m in members)
     table = torch.tensor([m + [-1] * (widest - len(m)) for m in members], dtype=torch.int32)
+    items = work_items([len(m) for m in members], rows_per_chunk(hq, hkv)) + [(1, 1 << 30)]  # and an unused one
     cascade = CascadeGroups(torch.tensor(first, dtype=torch.int32), table,
                             torch.tensor([len(m) for m in members], dtype=torch.int32),
-                            torch.tensor([p for p, _ in groups], dtype=torch.int32), splits=3)
-    moved = [t.to(device) for t in (q, kc, vc, bt, lens, cascade.first, cascade.rows, cascade.sizes, cascade.blocks)]
+                            torch.tensor([p for p, _ in groups], dtype=torch.int32),
+                            torch.tensor(items, dtype=torch.int32), splits=3)
+    moved = [t.to(device) for t in (q, kc, vc, bt, lens, cascade.first, cascade.rows, cascade.sizes, cascade.blocks,
+                                    cascade.work)]
     q, kc, vc, bt, lens = moved[:5]
     return q, kc, vc, bt, lens, CascadeGroups(*moved[5:], splits=cascade.splits)
 
@@ -550,9 +553,11 @@ def test_cascade_decode_interpreted(hq, hkv, d, dtype):
 
 
 def test_rows_group_by_template_only_when_shared():
-    from cuda_ops.paged_decode import cascade_supported, group_rows
+    from cuda_ops.paged_decode import cascade_supported, group_rows, rows_per_chunk, work_items
     first, groups = group_rows([(7, 3), None, (7, 3), (9, 2), (7, 3), (4, 0), (4, 0)])
     assert first == [3, 0, 3, 0, 3, 0, 0] and groups == [(3, [0, 2, 4])]  # alone (9) or no full block (4): none
+    assert rows_per_chunk(32, 8) == 16 and rows_per_chunk(32, 4) == 8 and rows_per_chunk(9, 3) == 16
+    assert work_items([10, 2, 0, 16], 8) == [(0, 0), (0, 8), (1, 0), (3, 0), (3, 8)]
     assert cascade_supported(16) and cascade_supported(32) and not cascade_supported(4)
 
 

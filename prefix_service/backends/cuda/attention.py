@@ -24,7 +24,7 @@ import torch
 
 import cuda_ops
 from cuda_ops.paged_decode import (CascadeGroups, cascade_supported, group_rows, paged_decode_attention,
-                                   paged_decode_attention_ref, triton_available)
+                                   paged_decode_attention_ref, rows_per_chunk, triton_available, work_items)
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.torch.attention import CausalMasks, attend_contiguous
 
@@ -54,8 +54,9 @@ class VarlenMetadata:
 
     @classmethod
     def build(cls, step: StepBatch, host: StepTensors, device: torch.device,
-              block_size: int | None = None) -> VarlenMetadata:
-        """block_size: the cache's, to group decode rows by template (None: no cascade)."""
+              block_size: int | None = None, heads: tuple[int, int] = (1, 1)) -> VarlenMetadata:
+        """block_size: the cache's, to group decode rows by template (None: no cascade); heads: the
+        model's (query heads, kv heads), which set the cascade's rows per chunk."""
         def to_device(t: torch.Tensor) -> torch.Tensor:
             return t.to(device, non_blocking=True)
 
@@ -70,8 +71,10 @@ class VarlenMetadata:
 
                 def ints(data) -> torch.Tensor:
                     return to_device(torch.tensor(data, dtype=torch.int32))
-                cascade = CascadeGroups(ints(first), ints(table).view(len(groups), width),
-                                        ints([len(rows) for _, rows in groups]), ints([b for b, _ in groups]))
+                sizes = [len(rows) for _, rows in groups]
+                items = work_items(sizes, rows_per_chunk(*heads))
+                cascade = CascadeGroups(ints(first), ints(table).view(len(groups), width), ints(sizes),
+                                        ints([b for b, _ in groups]), ints(items).view(len(items), 2))
                 own_max = max(r.context_len - f * block_size for r, f in zip(step.decodes, first))
 
         nd = step.num_decodes

@@ -75,7 +75,8 @@ class CudaBackend(Backend):
         if graphs is not None and graphs.fits(step) and host.block_tables.shape[1] <= graphs.width:
             return graphs.run(step, host)
         device = self.device
-        meta = VarlenMetadata.build(step, host, device, self.block_size if self.decode is decode_triton else None)
+        meta = VarlenMetadata.build(step, host, device, self.block_size if self.decode is decode_triton else None,
+                                    (self.arch.num_heads, self.arch.num_kv_heads))
         ids = host.token_ids.to(device, non_blocking=True)
         positions = host.positions.to(device, non_blocking=True)
         hidden = self.model(ids, positions, VarlenAttention(self.kv_layers, meta, self.prefill, self.decode))

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from cuda_ops.paged_decode import CascadeGroups, cascade_supported, group_rows
+from cuda_ops.paged_decode import (UNUSED_ITEM, CascadeGroups, cascade_supported, group_rows, rows_per_chunk,
+                                   work_items)
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata,
                                                     decode_triton)
@@ -75,6 +76,10 @@ class DecodeGraphs:
         self.group_rows = torch.zeros((b, b), dtype=torch.int32, device=device)
         self.group_sizes = torch.zeros(b, dtype=torch.int32, device=device)
         self.group_blocks = torch.zeros(b, dtype=torch.int32, device=device)
+        arch = backend.model.arch
+        self.rows_per_chunk = rows_per_chunk(arch.num_heads, arch.num_kv_heads)
+        # work items: at most one per chunk of rows plus one per group (a partial last chunk)
+        self.work = torch.tensor([UNUSED_ITEM] * self._items(b), dtype=torch.int32, device=device)
         self.replays = 0  # steps served by a graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -89,6 +94,10 @@ class DecodeGraphs:
         log.info("CUDA graphs: decode steps of up to %d rows (%d sizes) captured in %.1f s",
                  self.max_batch, len(self.sizes), time.perf_counter() - start)
 
+    def _items(self, n: int) -> int:
+        """Work items a graph of n rows has room for: their chunks, and a partial one per group."""
+        return -(-n // self.rows_per_chunk) + max(1, n // 2)
+
     def _forward(self, n: int) -> torch.Tensor:
         backend = self.backend
         groups = max(1, n // 2)  # a group has two rows or more
@@ -98,7 +107,7 @@ class DecodeGraphs:
             decode_max=self.width * backend.block_size, prefill_tables=empty, prefill_context=self.lens[:0],
             cu_seqlens_q=self.lens[:1], prefill_new_list=[], prefill_context_list=[], max_q=0, max_k=0, total_k=0,
             cascade=CascadeGroups(self.first[:n], self.group_rows[:groups, :n], self.group_sizes[:groups],
-                                  self.group_blocks[:groups]) if self.cascade else None,
+                                  self.group_blocks[:groups], self.work[:self._items(n)]) if self.cascade else None,
             decode_own_max=self.width * backend.block_size)
         attention = VarlenAttention(backend.kv_layers, meta, backend.prefill, backend.decode)
         hidden = backend.model(self.ids[:n], self.positions[:n], attention)
@@ -133,6 +142,11 @@ class DecodeGraphs:
         self.group_blocks[:slots].copy_(torch.tensor(blocks, dtype=torch.int32), non_blocking=True)
         for g, (_, rows) in enumerate(groups):
             self.group_rows[g, :len(rows)].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        capacity = self._items(size)
+        items = work_items(sizes, self.rows_per_chunk)
+        assert len(items) <= capacity
+        items += [UNUSED_ITEM] * (capacity - len(items))
+        self.work[:capacity].copy_(torch.tensor(items, dtype=torch.int32), non_blocking=True)
 
     def run(self, step: StepBatch, host: StepTensors) -> torch.Tensor:
         """The logits [n, vocab] of a step that `fits`, by replaying the smallest graph that holds it."""
