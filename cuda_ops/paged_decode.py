@@ -228,24 +228,6 @@ def cascade_supported(block_size: int) -> bool:
     return _next_pow2(block_size) >= 16
 
 
-def group_rows(template_keys: list[tuple[int, int] | None]) -> tuple[list[int], list[tuple[int, list[int]]]]:
-    """Per decode row, (template id, shared full blocks) or None -> (each row's first block, the
-    groups as (shared blocks, rows)). Only templates that two or more rows continue form a group:
-    one row reads the template once either way."""
-    members: dict[tuple[int, int], list[int]] = {}
-    for row, key in enumerate(template_keys):
-        if key is not None and key[1] > 0:
-            members.setdefault(key, []).append(row)
-    first = [0] * len(template_keys)
-    groups = []
-    for (_, blocks), rows in members.items():
-        if len(rows) >= 2:
-            groups.append((blocks, rows))
-            for r in rows:
-                first[r] = blocks
-    return first, groups
-
-
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, max_context: int, scale: float,
                            num_splits: int | None = None, cascade: CascadeGroups | None = None) -> torch.Tensor:
     # q: [N, Hq, D]; k_cache, v_cache: [num_blocks, BS, Hkv, D]; block_tables: [N, max_blocks] int32;

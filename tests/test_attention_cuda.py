@@ -553,8 +553,13 @@ def test_cascade_decode_interpreted(hq, hkv, d, dtype):
 
 
 def test_rows_group_by_template_only_when_shared():
-    from cuda_ops.paged_decode import cascade_supported, group_rows, rows_per_chunk, work_items
-    first, groups = group_rows([(7, 3), None, (7, 3), (9, 2), (7, 3), (4, 0), (4, 0)])
+    from cuda_ops.paged_decode import cascade_supported, rows_per_chunk, work_items
+    from prefix_service.backends.cuda.attention import cascade_rows
+    from prefix_service.engine.step import ScheduledRow, StepBatch
+    keys = [(7, 3), None, (7, 3), (9, 2), (7, 3), (4, 0), (4, 0)]
+    step = StepBatch(tuple(ScheduledRow(f"r{i}", True, (5,), 60, tuple(range(16)), *(key or (None, 0)), num_logits=1)
+                           for i, key in enumerate(keys)))
+    first, groups = cascade_rows(step)
     assert first == [3, 0, 3, 0, 3, 0, 0] and groups == [(3, [0, 2, 4])]  # alone (9) or no full block (4): none
     assert rows_per_chunk(32, 8) == 16 and rows_per_chunk(32, 4) == 8 and rows_per_chunk(9, 3) == 16
     assert work_items([10, 2, 0, 16], 8) == [(0, 0), (0, 8), (1, 0), (3, 0), (3, 8)]

@@ -346,19 +346,14 @@ class Engine:
     def submit(self, req: GenerateRequest, sink: Callable[[RequestOutput], None]) -> str:
         """Queue a request; sink receives its outputs from the loop thread. Returns its id.
         Raises the validation error (InvalidRequest, PromptTooLong, TemplateNotFound, QueueFull)."""
-        request_id = req.request_id or uuid.uuid4().hex
-        prompt_ids = self._prompt_ids(req)
-        structured = req.sampling.structured  # compiled here, not on the engine's thread (structured.py)
-        matcher = self._core.structured.compile(structured) if structured is not None else None
-        self._run(lambda core: core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink, matcher))
-        return request_id
+        return self.submit_many([req], [sink])[0]
 
     def submit_many(self, requests: list[GenerateRequest], sinks: list[Callable[[RequestOutput], None]]) -> list[str]:
         """Queue requests together: they enter the engine in one command, before its next step (one
         submit after another would each wait for a step boundary). Returns their ids. Raises the first
         validation error; then none of them runs."""
         prepared = []
-        for req in requests:  # tokenizing and compiling constraints here, not on the engine's thread
+        for req in requests:  # tokenizing and compiling constraints here, not on the engine's thread (structured.py)
             structured = req.sampling.structured
             matcher = self._core.structured.compile(structured) if structured is not None else None
             prepared.append((req.request_id or uuid.uuid4().hex, self._prompt_ids(req), req, matcher))

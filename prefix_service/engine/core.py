@@ -6,7 +6,6 @@ drives it from a background thread.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import random
 import time

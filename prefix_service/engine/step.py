@@ -77,3 +77,13 @@ class StepBatch:
     def num_logits(self) -> int:
         """Rows of logits the step returns: each row's num_logits, in row order."""
         return sum(r.num_logits for r in self.rows)
+
+    def template_groups(self) -> list[list[int]]:
+        """The decode rows (indices into `decodes`) that continue the same pinned template's full
+        blocks, two or more to a group, in order of first appearance: what a backend's cascade reads
+        once per group (one row alone reads the template once either way)."""
+        members: dict[tuple[int, int], list[int]] = {}
+        for i, row in enumerate(self.decodes):
+            if row.template_id is not None and row.num_template_blocks > 0:
+                members.setdefault((row.template_id, row.num_template_blocks), []).append(i)
+        return [rows for rows in members.values() if len(rows) >= 2]

@@ -23,13 +23,26 @@ from typing import TYPE_CHECKING, Any, Callable, cast
 import torch
 
 import cuda_ops
-from cuda_ops.paged_decode import (CascadeGroups, cascade_supported, group_rows, paged_decode_attention,
-                                   paged_decode_attention_ref, rows_per_chunk, triton_available, work_items)
+from cuda_ops.paged_decode import (CascadeGroups, cascade_supported, paged_decode_attention, paged_decode_attention_ref,
+                                   rows_per_chunk, triton_available, work_items)
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.torch.attention import CausalMasks, attend_contiguous
 
 if TYPE_CHECKING:
     from prefix_service.engine.step import StepBatch
+
+
+def cascade_rows(step: StepBatch) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """The step's template groups (StepBatch.template_groups) as the cascade takes them: each decode
+    row's first own block (its group's shared full blocks, else 0) and the groups as (shared blocks, rows)."""
+    first = [0] * step.num_decodes
+    groups = []
+    for rows in step.template_groups():
+        blocks = step.decodes[rows[0]].num_template_blocks
+        groups.append((blocks, rows))
+        for r in rows:
+            first[r] = blocks
+    return first, groups
 
 
 @dataclass
@@ -62,9 +75,7 @@ class VarlenMetadata:
 
         cascade, own_max = None, 0
         if block_size is not None and cascade_supported(block_size) and step.num_decodes >= 2:
-            keys = [(r.template_id, r.num_template_blocks) if r.template_id is not None else None
-                    for r in step.decodes]
-            first, groups = group_rows(keys)
+            first, groups = cascade_rows(step)
             if groups:
                 width = max(len(rows) for _, rows in groups)
                 table = [rows + [-1] * (width - len(rows)) for _, rows in groups]

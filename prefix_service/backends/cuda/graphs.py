@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from cuda_ops.paged_decode import (UNUSED_ITEM, CascadeGroups, cascade_supported, group_rows, rows_per_chunk,
-                                   work_items)
+from cuda_ops.paged_decode import UNUSED_ITEM, CascadeGroups, cascade_supported, rows_per_chunk, work_items
 from prefix_service.backends.base import StepTensors
-from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata,
+from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata, cascade_rows,
                                                     decode_triton)
 from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from prefix_service.engine.step import StepBatch
+
+log = logging.getLogger("prefix_service.engine")
 
 
 class GraphedBackend(Protocol):
@@ -42,8 +43,6 @@ class GraphedBackend(Protocol):
     decode: DecodeFn
     block_size: int
     device: torch.device
-
-log = logging.getLogger("prefix_service.engine")
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -70,7 +69,7 @@ class DecodeGraphs:
         self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
         self.tables = torch.zeros((b, self.width), dtype=torch.int32, device=device)
         self.lens = torch.ones(b, dtype=torch.int32, device=device)
-        # the cascade's groups (cuda_ops.paged_decode.CascadeGroups), as many as rows at most
+        # the cascade's groups (cuda_ops.paged_decode.CascadeGroups): half as many as rows at most (_forward)
         self.cascade = cascade_supported(backend.block_size) and backend.decode is decode_triton
         self.first = torch.zeros(b, dtype=torch.int32, device=device)
         self.group_rows = torch.zeros((b, b), dtype=torch.int32, device=device)
@@ -131,8 +130,8 @@ class DecodeGraphs:
 
     def _fill_groups(self, step: StepBatch, size: int) -> None:
         """The step's template groups into the static cascade buffers (no group: every size 0)."""
-        keys = [(r.template_id, r.num_template_blocks) if r.template_id is not None else None for r in step.decodes]
-        first, groups = group_rows(keys + [None] * (size - len(keys)))
+        first, groups = cascade_rows(step)
+        first += [0] * (size - len(first))  # the padding rows
         slots = max(1, size // 2)  # the graph's groups (_forward)
         assert len(groups) <= slots
         sizes = [len(rows) for _, rows in groups] + [0] * (slots - len(groups))

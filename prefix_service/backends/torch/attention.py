@@ -84,14 +84,8 @@ def _cascade(step: StepBatch, host: StepTensors, block_size: int, to_device) -> 
     are consecutive, as a template's warmup allocates them); a lone sequence gathers its whole
     context instead, one attention over it costing less than two and a merge."""
     decodes = step.decodes
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, row in enumerate(decodes):
-        if row.template_id is not None and row.num_template_blocks > 0:
-            groups.setdefault((row.template_id, row.num_template_blocks), []).append(i)
     chosen = []
-    for rows in groups.values():
-        if len(rows) < 2:
-            continue
+    for rows in step.template_groups():
         first = decodes[rows[0]]
         blocks = list(first.block_ids[:first.num_template_blocks])
         consecutive = blocks == list(range(blocks[0], blocks[0] + len(blocks)))
