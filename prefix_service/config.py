@@ -32,7 +32,8 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB":
           "TB": 1000**4, "TIB": 1024**4}
 
 
-def _size_or_auto(value: Any, key: str) -> int | str:
+def parse_size_or_auto(value: Any, key: str) -> int | str:
+    """parse_size, or "auto" as it is (cache.kv_cache_memory)."""
     return "auto" if value == "auto" else parse_size(value, key)
 
 
@@ -408,7 +409,7 @@ def config_from_dict(raw: Mapping[str, Any], base_dir: str | os.PathLike | None 
     if "model" not in raw:
         raise ConfigError("config: the 'model' section (with model.path) is required")
     model = _build(ModelConfig, "model", raw.get("model"), {"path": resolve})
-    cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": _size_or_auto, "snapshot_dir": resolve})
+    cache = _build(CacheConfig, "cache", raw.get("cache"), {"kv_cache_memory": parse_size_or_auto, "snapshot_dir": resolve})
     scheduler = _build(SchedulerConfig, "scheduler", raw.get("scheduler"))
     server = _build(ServerConfig, "server", raw.get("server"),
                     {"state_file": resolve, "tls_cert_file": resolve, "tls_key_file": resolve,

@@ -34,7 +34,7 @@ import torch
 
 from prefix_service import CacheConfig, Engine, EngineConfig, GenerateRequest, ModelConfig, SamplingParams
 from prefix_service.backends.base import BackendFactory
-from prefix_service.config import SchedulerConfig
+from prefix_service.config import SchedulerConfig, parse_size_or_auto
 from prefix_service.synthetic import LLAMA3_8B, build_config_only, build_tokenizer
 
 SHAPES = {"llama3-8b": LLAMA3_8B,
@@ -146,8 +146,8 @@ def main(argv=None) -> int:
         cfg = EngineConfig(
             ModelConfig(path=str(model_dir), device=args.device, dtype=str(dtype).replace("torch.", ""),
                         load_format="dummy", backend="cuda" if device.type == "cuda" else "auto"),
-            CacheConfig(block_size=16, kv_cache_memory=_size(args.kv_cache_memory) if device.type == "cuda"
-                        else 1 << 28),
+            CacheConfig(block_size=16, kv_cache_memory=parse_size_or_auto(args.kv_cache_memory, "--kv-cache-memory")
+                        if device.type == "cuda" else 1 << 28),
             SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=8192, max_tokens_cap=8192))
         result: dict = {"ttft": [], "decode": []}
         for i, (impl, backend, graphs) in enumerate(decode_engines(device)):
@@ -234,11 +234,6 @@ def print_table(r: dict) -> None:
         rows.setdefault((d["decode_impl"], d["batch"]), {})[d["with_prefix"]] = d["decode_tok_s"]
     for (impl, b), v in rows.items():
         print(f"{impl:<14}{b:>6}{v.get(True, float('nan')):>14.0f}{v.get(False, float('nan')):>17.0f}")
-
-
-def _size(text: str) -> int | str:
-    from prefix_service.config import parse_size
-    return "auto" if text == "auto" else parse_size(text, "--kv-cache-memory")
 
 
 def _machine(device: torch.device) -> dict:

@@ -43,8 +43,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.backend:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, backend=args.backend))
     if getattr(args, "kv_cache_memory", None):
-        from prefix_service.config import parse_size
-        size = "auto" if args.kv_cache_memory == "auto" else parse_size(args.kv_cache_memory, "--kv-cache-memory")
+        from prefix_service.config import parse_size_or_auto
+        size = parse_size_or_auto(args.kv_cache_memory, "--kv-cache-memory")
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_memory=size, num_blocks=None))
     for field in ("dtype", "device", "cuda_graph_max_batch"):
         if getattr(args, field, None) is not None:
