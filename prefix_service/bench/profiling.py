@@ -76,8 +76,8 @@ def kernel_times(backend: Backend) -> Iterator[dict[str, float]]:
     included) and 'attention' (K/V store and attention), and for the cpu backend 'elementwise'.
     The cpu backend's native kernels time themselves (csrc/timers.h); for the torch backend, torch's
     profiler is read over the operators it runs; for the cuda backend, over the device's kernels
-    (GPU time: 'linear', 'attention', 'elementwise' and their sum 'device'; a step whose wall time is
-    well above 'device' waits on the host), and the busiest kernels are printed to stderr."""
+    (GPU time: 'linear', 'attention', 'elementwise'; a step whose wall time is well above their sum
+    waits on the host), and the busiest kernels are printed to stderr."""
     times: dict[str, float] = {}
     if backend.name == "cpu":
         from prefix_service.backends.cpu.stack import kernel_timers
@@ -121,7 +121,6 @@ def _cuda_kernel_times() -> Iterator[dict[str, float]]:
                 "attention" if any(k in name for k in _ATTENTION_KERNELS) else "elementwise")
         times[kind] += ms
         per_kernel[event.name] = per_kernel.get(event.name, 0.0) + ms
-    times["device"] = times["linear"] + times["attention"] + times["elementwise"]
     busiest = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]
     print("busiest kernels (ms over the profiled steps): " + "; ".join(f"{n[:60]} {ms:.2f}" for n, ms in busiest),
           file=sys.stderr, flush=True)
