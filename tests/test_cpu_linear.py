@@ -123,6 +123,13 @@ def test_bad_input_is_refused():
         cpu_linear.linear(x, layer.packed, 20, bias=torch.zeros(19))
     with pytest.raises(NativeKernelError, match="out"):
         cpu_linear.linear(x, layer.packed, 20, out=torch.empty(4, 19))
+    # the layer itself (the output head's path)
+    with pytest.raises(NativeKernelError, match="8 columns are needed, got 9"):
+        layer(torch.randn(4, 9))
+    with pytest.raises(NativeKernelError, match="float32 CPU tensor"):
+        layer(x.double())
+    with pytest.raises(NativeKernelError, match=r"out: float32 \[4, 20\]"):
+        layer(x, out=torch.empty(4, 19))
 
 
 # --- the native library's build (native.py) -------------------------------------------------------

@@ -13,6 +13,7 @@ from helpers import generate_together, greedy, mixed_generate
 from native_harness import Rotation, decode_attention, head_rms_norm, prefill_attention, silu_mul
 from prefix_service import GenerateRequest
 from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu import linear as linear_mod
 from prefix_service.backends.cpu import stack as stack_mod
 from prefix_service.backends.cpu.elementwise import add_rms_norm
 from prefix_service.backends.cpu.native import NativeKernelError
@@ -217,10 +218,14 @@ def test_stack_copies_blocks_in_every_layer(llama_dir):
 
 
 @needs_native
-def test_kernel_timers_observe_the_served_path(make_engine):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_timers_observe_the_served_path(make_engine, dtype):
     """kernel_times() times the stack's own kernel calls (linear, attention, element-wise) while it
-    serves: the same tokens with and without timing, and nothing counted once it is off."""
-    engine = make_engine()
+    serves, in either dtype (bfloat16: oneDNN's linears): the same tokens with and without timing,
+    and nothing counted once it is off."""
+    if dtype == "bfloat16" and linear_mod.available(torch.bfloat16) is not None:
+        pytest.skip(f"no bfloat16 linears here: {linear_mod.available(torch.bfloat16)}")
+    engine = make_engine(dtype=dtype)
     want = mixed_generate(engine)
     backend = engine._core.backend
 
@@ -241,3 +246,22 @@ def test_kernel_timers_observe_the_served_path(make_engine):
     assert got == want
     assert times["linear"] > 0 and times["attention"] > 0 and times["elementwise"] > 0
     assert stack_mod.kernel_timers(False) == {"linear": 0.0, "attention": 0.0, "elementwise": 0.0}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_called_from_python_is_timed_as_a_linear(dtype):
+    """The output head runs outside the stack, from Python: its time counts as linear, whichever
+    library computes it (float32: the native kernel; bfloat16: oneDNN), and as nothing else."""
+    if linear_mod.available(dtype) is not None:
+        pytest.skip(f"no {dtype} linears here: {linear_mod.available(dtype)}")
+    gen = torch.Generator().manual_seed(3)
+    head = linear_mod.make_linear(torch.randn(4096, 256, generator=gen).to(dtype))
+    x = torch.randn(8, 256, generator=gen)
+    stack_mod.kernel_timers(True)
+    try:
+        got = head(x)
+    finally:
+        times = stack_mod.kernel_timers(False)
+    assert times["linear"] > 0 and times["attention"] == 0 and times["elementwise"] == 0
+    assert torch.equal(head(x), got)  # untimed, the same numbers

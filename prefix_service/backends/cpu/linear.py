@@ -66,6 +66,15 @@ def _run(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | Non
     return out
 
 
+def _output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """out checked as a float32 [m, n] with dense rows, or a new one."""
+    if out is None:
+        return torch.empty(m, n, dtype=torch.float32)
+    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise NativeKernelError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
+    return out
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows may be strided) @ W.T + bias, W held as pack_weight(W) -> [M, N] float32."""
@@ -74,11 +83,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     m, k = x.shape
     n = out_features
     _check_weight(packed, n, k, bias)
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise NativeKernelError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
-    return _run(x, packed, n, bias, out)
+    return _run(x, packed, n, bias, _output(out, m, n))
 
 
 class CpuLinear(Protocol):
@@ -115,11 +120,18 @@ class NativeLinear:
         self.call = native.LinearCall(self.fn, self.handle)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided."""
-        if x.dim() == 2:
-            return linear(x, self.packed, self.out_features, self.bias, out=out)
-        x2 = x.reshape(-1, self.in_features)
-        return linear(x2, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
+        """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided. Runs
+        through the decoder stack's linear path (native.call_linear), timed with its layers."""
+        if x.dim() != 2:
+            x2 = x.reshape(-1, self.in_features)
+            return self(x2).view(*x.shape[:-1], self.out_features)
+        _check_x(x)
+        m, k = x.shape
+        if k != self.in_features:
+            raise NativeKernelError(f"x: {self.in_features} columns are needed, got {k}")
+        out = _output(out, m, self.out_features)
+        native.check(native.call_linear(self.call, x, out), "ps_linear")
+        return out
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:

@@ -51,6 +51,7 @@ SIGNATURES = {
     "ps_decode_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
     "ps_packed_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
+    "ps_call_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
     "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
@@ -103,6 +104,20 @@ class LinearCall(ctypes.Structure):
     """A linear layer as the decoder stack calls it (csrc/cpu_layer.cpp's PsLinear): the address of its C
     entry point and that of its state (linear.CpuLinear)."""
     _fields_ = [("run", ctypes.c_void_p), ("self", ctypes.c_void_p)]
+
+
+def call_linear(call: LinearCall, x: torch.Tensor, out: torch.Tensor) -> int:
+    """out = the linear layer `call` applied to x, through the library's ps_call_linear: the path
+    and the timer (csrc/timers.h) of the decoder stack's own layers, so a layer called from Python
+    (the output head) is timed with them. x [M, K] and out [M, N] float32 with dense rows, checked
+    by the caller. Returns the layer's status (0: done)."""
+    m = x.shape[0]
+    if m == 0:
+        return 0
+    ldx = x.stride(0) if m > 1 else x.shape[1]  # one row: its stride is never used
+    ldy = out.stride(0) if m > 1 else out.shape[1]
+    return int(require().ps_call_linear(ctypes.byref(call), x.data_ptr(), ldx, m, out.data_ptr(), ldy,
+                                        torch.get_num_threads()))
 
 
 def address(fn: Any) -> int:

@@ -165,11 +165,7 @@ class OneDnnLinear:
             out = torch.empty(m, self.out_features, dtype=torch.float32)
         else:
             _check_rows("out", out, self.out_features, m)
-        if m == 0:
-            return out
-        ldx = x.stride(0) if m > 1 else self.in_features  # one row: its stride is never used
-        ldy = out.stride(0) if m > 1 else self.out_features
-        if self._lib.ps_onednn_linear(self.handle, x.data_ptr(), ldx, m, out.data_ptr(), ldy, torch.get_num_threads()):
+        if native.call_linear(self.call, x, out):  # the stack's path and timer
             raise OneDnnError(self._lib.ps_onednn_last_error().decode(errors="replace"))
         return out
 

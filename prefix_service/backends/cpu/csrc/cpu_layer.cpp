@@ -27,8 +27,17 @@ struct PsLinear {
   const void* self;
 };
 
+// Every linear layer the cpu backend runs is timed here, whatever library computes it: the
+// stack's layers, and from Python the output head (ps_call_linear).
 inline int run_linear(const PsLinear* w, const float* x, int64_t ldx, int rows, float* y, int64_t ldy, int threads) {
+  ps::TimerScope timer(ps::kLinear);
   return w->run(w->self, x, ldx, rows, y, ldy, threads);
+}
+
+// A linear layer called from Python (linear.py), through the same PsLinear the stack calls.
+extern "C" int ps_call_linear(const PsLinear* w, const float* x, int64_t ldx, int rows, float* y, int64_t ldy,
+                              int threads) {
+  return run_linear(w, x, ldx, rows, y, ldy, threads);
 }
 extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int64_t ldr, const float* w, float eps,
                                float* out, int64_t ldo, int rows, int dim, int threads);

@@ -18,7 +18,6 @@
 #include <cstdint>
 
 #include "simd.h"
-#include "timers.h"
 #include <omp.h>
 
 #if defined(PS_SIMD)
@@ -141,7 +140,6 @@ extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float*
   (void)x; (void)ldx; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)ldy; (void)threads;
   return 1;
 #else
-  ps::TimerScope timer(ps::kLinear);
   if (M <= 0 || N <= 0) return 0;
   const int P = (N + NR - 1) / NR;
   const int64_t ps = (int64_t)K * NR;
