@@ -16,7 +16,7 @@ from helpers import PREFIX, PROMPTS, engine_last_logits, generate_together, gree
 from native_harness import decode_attention, prefill_attention
 from prefix_service import GenerateRequest, SamplingParams
 from prefix_service.backends.cpu import attention as cpu_attention
-from prefix_service.backends.cpu import linear, native
+from prefix_service.backends.cpu import linear, native, onednn
 from test_cpu_stack import check_mixed_workload
 
 REASON = native.load()[1] or linear.available(torch.bfloat16)
@@ -192,9 +192,21 @@ def tied_llama_dir(tmp_path_factory, tokenizer_dir):
 LOGITS_BOUND = 0.3
 
 
+# the linear kernels the engine tests run: the machine's default, and brgemm on any machine (without
+# AMX its blocks run through torch's fallback GEMM): onednn.py
+KERNELS = [None, "brgemm"]
+
+
+def choose_kernel(monkeypatch, kernel: str | None) -> None:
+    if kernel is not None:
+        monkeypatch.setenv(onednn.KERNEL_ENV, kernel)
+
+
 @needs_bf16
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("which", ["llama", "qwen2", "mistral", "qwen3", "tied"])
-def test_bf16_logits_match_the_torch_backend(make_engine, model_dirs, tied_llama_dir, which):
+def test_bf16_logits_match_the_torch_backend(make_engine, model_dirs, tied_llama_dir, which, kernel, monkeypatch):
+    choose_kernel(monkeypatch, kernel)
     model_dir = tied_llama_dir if which == "tied" else model_dirs[which]
     ref = make_engine(model_dir, dtype="bfloat16", backend="torch")
     cpu = make_engine(model_dir, dtype="bfloat16", backend="cpu")
@@ -248,11 +260,13 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which):
 
 
 @needs_bf16
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("budget", [2048, 7], ids=["batched", "chunked-prefill"])
-def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget):
+def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget, kernel, monkeypatch):
     """Plain requests and requests on three templates, entering together (one schedule: prefills
     beside decodes, chunked under a small budget): each request's greedy ids are those of its full
     token ids run alone without a template, or differ first at a near tie."""
+    choose_kernel(monkeypatch, kernel)
     prefixes = {"a": ids_of(9, 100), "b": ids_of(4, 200), "c": ids_of(14, 300)}
     engine = make_engine(block_size=BS, max_num_batched_tokens=budget, dtype="bfloat16", backend="cpu")
     reqs, full, expected = [], [], []
@@ -273,6 +287,7 @@ def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     engine = make_engine(dtype="bfloat16", backend="cpu")
     core = engine._core
     assert core.backend.name == "cpu" and core.dtype == torch.bfloat16
+    assert "bf16" in core.backend.describe() and ("brgemm" in core.backend.describe()) == onednn.brgemm_vnni()
     assert len(core.backend.kv_layers) > 0
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in core.backend.kv_layers)
     engine.add_template("tpl", token_ids=PREFIX)

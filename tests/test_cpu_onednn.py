@@ -1,9 +1,9 @@
 """The oneDNN linear library (backends/cpu/onednn.py): a float32 weight gives x W^T + b computed in
 float64 for any row count, output and input width, strided rows; a bfloat16 weight gives the bf16
 arithmetic (bf16 operands and bias, float32 sums, bf16 output) up to the order of the float32 sums,
-and torch's own bf16 F.linear up to a rounding of the output, in whichever mode runs here (native
-or emulated); the C function behind `fn` is the call `__call__` makes; bad input gets an error that
-names the problem; the weight is copied at pack time and the handle freed with the layer; a failed
+and torch's own bf16 F.linear up to a rounding of the output, in each kernel (inner product,
+emulated, brgemm); the C function behind `fn` is the call `__call__` makes; bad input gets an
+error that names the problem; the weight is copied at pack time and the handle freed with the layer; a failed
 build reports the compiler's error."""
 import ctypes
 import gc
@@ -73,16 +73,22 @@ def test_float32_weight_equals_float64(m, n, k):
     close_f32(layer(x), x, w, b)
 
 
+# a bf16 weight's kernels under test: the machine's default, and brgemm on any machine (where its
+# micro-kernel has no VNNI bf16, i.e. without AMX, the same blocks run through torch's fallback GEMM)
+BF16_KERNELS = [None, "brgemm"]
+
+
 @needs_lib
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_strided_rows_out_and_no_rows(bias):
+def test_strided_rows_out_and_no_rows(bias, kernel):
     x, w, b = case(9, 40, 24, bias=bias)
     wide = torch.randn(9, 50)
     wide[:, 3:27] = x
     strided = wide[:, 3:27]  # rows 50 floats apart
     assert not strided.is_contiguous()
     for weight, close in ((w, close_f32), (w.bfloat16(), close_bf16)):
-        layer = onednn.OneDnnLinear(weight, b)
+        layer = onednn.OneDnnLinear(weight, b, kernel=kernel)
         close(layer(strided), x, w, b)
         out = torch.full((9, 48), 7.0)
         assert layer(strided, out=out[:, :40]).data_ptr() == out.data_ptr()
@@ -93,12 +99,13 @@ def test_strided_rows_out_and_no_rows(bias):
 
 
 @needs_lib
-@pytest.mark.parametrize("m", [1, 5, 64, 300])
-@pytest.mark.parametrize("n,k", [(17, 40), (200, 96), (96, 1000)])
-def test_bf16_weight_is_the_bf16_arithmetic(m, n, k):
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+@pytest.mark.parametrize("m", [1, 5, 33, 64, 300])
+@pytest.mark.parametrize("n,k", [(17, 40), (200, 96), (96, 1000), (40, 7)])
+def test_bf16_weight_is_the_bf16_arithmetic(m, n, k, kernel):
     x, w, b = case(m, n, k, bias=(m + n) % 2 == 1, seed=m * 1000 + n + 1)
-    layer = onednn.OneDnnLinear(w.bfloat16(), b)
-    assert layer.dtype == torch.bfloat16 and layer.emulated is (not onednn.bf16_native())
+    layer = onednn.OneDnnLinear(w.bfloat16(), b, kernel=kernel)
+    assert layer.dtype == torch.bfloat16 and layer.kernel == (kernel or onednn.default_kernel())
     got = layer(x)
     close_bf16(got, x, w, b)
     # torch's own bf16 linear rounds its own float32 sums: the two outputs are each within half
@@ -123,10 +130,56 @@ def test_emulated_mode_is_the_float32_product_of_rounded_operands():
 
 
 @needs_lib
-def test_fn_is_the_call_native_code_makes():
+def test_the_default_kernel_fits_the_machine():
+    """brgemm where oneDNN's micro-kernel multiplies VNNI bf16 (AMX), else the bf16 inner product
+    where torch's oneDNN supports bf16, else emulated; a float32 weight is oneDNN's float32."""
+    want = "brgemm" if onednn.brgemm_vnni() else "inner_product" if onednn.bf16_native() else "emulated"
+    assert onednn.default_kernel() == want
+    assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None).kernel == want
+    assert onednn.OneDnnLinear(torch.randn(8, 4), None, kernel="brgemm").kernel == "float32"
+    if onednn.brgemm_vnni():  # AMX has the bf16 instructions the inner product needs too
+        assert onednn.bf16_native()
+
+
+@needs_lib
+def test_the_environment_chooses_the_default_kernel(monkeypatch):
+    monkeypatch.setenv(onednn.KERNEL_ENV, "brgemm")
+    assert onednn.default_kernel() == "brgemm"
+    assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None).kernel == "brgemm"
+    monkeypatch.setenv(onednn.KERNEL_ENV, "emulated")
+    assert onednn.default_kernel() == "emulated"
+    monkeypatch.setenv(onednn.KERNEL_ENV, "amx")
+    with pytest.raises(onednn.OneDnnError, match="PREFIX_SERVICE_BF16_LINEAR='amx': one of inner_product"):
+        onednn.default_kernel()
+    if not onednn.bf16_native():
+        monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
+        with pytest.raises(onednn.OneDnnError, match="refuses bf16 inner products on this CPU"):
+            onednn.default_kernel()
+
+
+@needs_lib
+@pytest.mark.parametrize("kernel", ["inner_product", "emulated", "brgemm"])
+def test_every_kernel_agrees_with_the_others(kernel):
+    """Any kernel can be chosen on any machine (inner_product only where torch runs oneDNN's bf16):
+    each is the bf16 arithmetic, and they differ from each other only in the order of the sums."""
+    if kernel == "inner_product" and not onednn.bf16_native():
+        pytest.skip("torch's oneDNN refuses bf16 inner products on this CPU")
+    x, w, b = case(21, 70, 130, seed=11)
+    got = onednn.OneDnnLinear(w.bfloat16(), b, kernel=kernel)(x)
+    close_bf16(got, x, w, b)
+    other = onednn.OneDnnLinear(w.bfloat16(), b, kernel="emulated")(x)
+    _, sum_err = bf16_bounds(x, w, b)
+    excess = (got.double() - other.double()).abs() - (2.0 ** -8 * (got.double().abs() + other.double().abs())
+                                                      + 2 * sum_err)
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+@needs_lib
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+def test_fn_is_the_call_native_code_makes(kernel):
     x, w, b = case(6, 33, 20, seed=4)
     for weight in (w, w.bfloat16()):
-        layer = onednn.OneDnnLinear(weight, b)
+        layer = onednn.OneDnnLinear(weight, b, kernel=kernel)
         proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int)
         out = torch.empty(6, 33)
@@ -135,10 +188,11 @@ def test_fn_is_the_call_native_code_makes():
 
 
 @needs_lib
-def test_the_weight_is_copied():
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+def test_the_weight_is_copied(kernel):
     x, w, b = case(5, 24, 16, seed=2)
     for weight in (w.clone(), w.bfloat16()):
-        layer = onednn.OneDnnLinear(weight, b)
+        layer = onednn.OneDnnLinear(weight, b, kernel=kernel)
         before = layer(x)
         weight.fill_(3.0)
         b_copy = b.clone()
@@ -167,6 +221,8 @@ def test_bad_input_is_refused():
         onednn.OneDnnLinear(w.double(), None)
     with pytest.raises(onednn.OneDnnError, match=r"bias: a CPU tensor \[20\] is needed, got \(19,\)"):
         onednn.OneDnnLinear(w, b[:19])
+    with pytest.raises(onednn.OneDnnError, match="kernel: one of inner_product, emulated, brgemm is needed, got 'amx'"):
+        onednn.OneDnnLinear(w.bfloat16(), b, kernel="amx")
 
 
 @needs_lib
@@ -184,6 +240,9 @@ def test_the_c_functions_report_bad_operands():
     assert lib.ps_onednn_linear(layer.handle, None, 8, 0, None, 20, 1) == 0  # no rows: nothing read
     assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0) is None
     assert b"at least 1 x 1" in lib.ps_onednn_last_error()
+    w = torch.randn(20, 8).bfloat16()
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3) is None
+    assert b"kernel 3 is none of" in lib.ps_onednn_last_error()
 
 
 @needs_lib

@@ -60,7 +60,8 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         if self.dtype == torch.bfloat16:
             from prefix_service.backends.cpu import onednn
-            how = "oneDNN bf16 linears" if onednn.bf16_native() else "oneDNN linears, bf16 emulated in float32"
+            how = {"brgemm": "oneDNN brgemm bf16 linears (AMX)", "inner_product": "oneDNN bf16 linears",
+                   "emulated": "oneDNN linears, bf16 emulated in float32"}[onednn.default_kernel()]
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache)"
         return "cpu (native kernels, decoder stack)"
 

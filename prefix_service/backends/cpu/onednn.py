@@ -3,29 +3,37 @@ plain C functions the native decoder stack calls through a function pointer.
 
 oneDNN is the GEMM library inside torch; it picks AMX, AVX512-BF16, AVX-512 or AVX2 for the machine,
 and it is how the cpu backend multiplies bfloat16 weights. torch does not export oneDNN's symbols,
-but it exports ATen, and it registers oneDNN's weight reorder and inner product as the operators
-mkldnn::_reorder_linear_weight and mkldnn::_linear_pointwise. So a second, small library, built
-against torch's headers and linked to its libraries (the native library, native.py, is plain C++
-and links neither), calls those operators through the c10 dispatcher and exports C functions:
-ps_onednn_pack (a handle), ps_onednn_linear (y = x W^T + b, x and y float32, rows strided),
-ps_onednn_free and ps_onednn_last_error. It is built on first use into native.cache_dir(), keyed
-by its source, the torch build and the compiler, in 15-20 seconds.
+but it exports ATen, which reaches oneDNN two ways: the operators mkldnn::_reorder_linear_weight and
+mkldnn::_linear_pointwise (the inner product), and at::native::cpublas::brgemm and pack (oneDNN's
+batch-reduce GEMM micro-kernel, AMX tiles). So a second, small library, built against torch's
+headers and linked to its libraries (the native library, native.py, is plain C++ and links
+neither), calls them and exports C functions: ps_onednn_pack (a handle), ps_onednn_linear (y = x W^T
++ b, x and y float32, rows strided), ps_onednn_free, ps_onednn_brgemm_vnni and
+ps_onednn_last_error. It is built on first use into native.cache_dir(), keyed by its source, the
+torch build and the compiler, in 15-20 seconds.
 
-A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of two ways:
-  native    where torch's oneDNN supports bf16 here (`bf16_native()`: AVX-512 BW/VL/DQ or
-            AVX-NE-CONVERT): the weight is packed in bf16; each call rounds x to bf16, runs the bf16
-            inner product (float32 sums, bf16 output) and widens the output into y;
-  emulated  elsewhere (AVX2 machines): the weight is widened exactly to float32 and packed as a
-            float32 weight; each call rounds x through bf16, runs the float32 inner product and
-            rounds the output through bf16.
-Both multiply bf16 operands (their products are exact in float32), sum in float32 and round the
-output to bf16, so they agree up to the order of the sums. In both, the bias is rounded to bf16
+A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of three kernels
+(`KERNELS`; `default_kernel()` picks for the machine):
+  brgemm         where oneDNN's micro-kernel takes VNNI-packed bf16 (`brgemm_vnni()`: AMX): the
+                 weight in blocks of 32 output columns, each packed once; each call rounds x to bf16
+                 and runs the micro-kernel per (block, 32 rows), the kernels generated once per shape
+                 (the inner product sets up a oneDNN primitive on every call). Elsewhere it runs the
+                 same blocks through torch's fallback GEMM: correct, not fast, chosen only by tests;
+  inner_product  where torch's oneDNN supports bf16 here (`bf16_native()`: AVX-512 BW/VL/DQ or
+                 AVX-NE-CONVERT): the weight is packed in bf16; each call rounds x to bf16, runs the
+                 bf16 inner product (float32 sums, bf16 output) and widens the output into y;
+  emulated       elsewhere (AVX2 machines): the weight is widened exactly to float32 and packed as a
+                 float32 weight; each call rounds x through bf16, runs the float32 inner product and
+                 rounds the output through bf16.
+All three multiply bf16 operands (their products are exact in float32), sum in float32 and round
+the output to bf16, so they agree up to the order of the sums. In all, the bias is rounded to bf16
 (as torch's bf16 F.linear holds it) and added to the float32 sums before the output is rounded.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import weakref
 from pathlib import Path
@@ -44,7 +52,10 @@ SIGNATURES = {
     "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_onednn_free": ([_ptr], None),
     "ps_onednn_last_error": ([], ctypes.c_char_p),
+    "ps_onednn_brgemm_vnni": ([], _i32),
 }
+# a bf16 weight's kernels, as ps_onednn_pack numbers them
+KERNELS = {"inner_product": 0, "emulated": 1, "brgemm": 2}
 
 
 class OneDnnBuildError(RuntimeError):
@@ -113,6 +124,32 @@ def bf16_native() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def brgemm_vnni() -> bool:
+    """Whether oneDNN's brgemm micro-kernel multiplies VNNI-packed bf16 here (AMX)."""
+    lib = load()[0]
+    return lib is not None and bool(lib.ps_onednn_brgemm_vnni())
+
+
+KERNEL_ENV = "PREFIX_SERVICE_BF16_LINEAR"
+
+
+def default_kernel() -> str:
+    """The kernel a bfloat16 weight runs by default here: $PREFIX_SERVICE_BF16_LINEAR where set (one
+    of KERNELS: to compare them on one machine), else brgemm on AMX, else oneDNN's bf16 inner
+    product where torch supports it, else emulated."""
+    chosen = os.environ.get(KERNEL_ENV)
+    if chosen:
+        if chosen not in KERNELS:
+            raise OneDnnError(f"{KERNEL_ENV}={chosen!r}: one of {', '.join(KERNELS)} is needed")
+        if chosen == "inner_product" and not bf16_native():
+            raise OneDnnError(f"{KERNEL_ENV}=inner_product: torch's oneDNN refuses bf16 inner products on this CPU")
+        return chosen
+    if brgemm_vnni():
+        return "brgemm"
+    return "inner_product" if bf16_native() else "emulated"
+
+
 def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) -> None:
     """t must be a float32 CPU [rows, cols] tensor whose rows are dense and do not overlap."""
     want = f"[{'M' if rows is None else rows}, {cols}]"
@@ -129,11 +166,12 @@ def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) 
 
 class OneDnnLinear:
     """y = x @ W.T + b with W packed once for oneDNN. x: [M, K] float32 (rows may be strided).
+    kernel: a bfloat16 weight's (KERNELS; default: default_kernel()).
 
     `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call; the
     handle lives as long as this object and is freed after it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise OneDnnError(f"weight: a float32 or bfloat16 CPU tensor [N, K] is needed, got {weight.dtype} "
                               f"{tuple(weight.shape)} on {weight.device}")
@@ -145,11 +183,16 @@ class OneDnnLinear:
         if lib is None:
             raise OneDnnError(f"no oneDNN linear here: {reason}")
         self.dtype = weight.dtype
-        self.emulated = self.dtype == torch.bfloat16 and not bf16_native()
+        if kernel is not None and kernel not in KERNELS:
+            raise OneDnnError(f"kernel: one of {', '.join(KERNELS)} is needed, got {kernel!r}")
+        # float32: oneDNN's float32 inner product, whatever `kernel` says
+        self.kernel = "float32" if self.dtype == torch.float32 else kernel or default_kernel()
+        self.emulated = self.kernel == "emulated"
         w = weight.detach().contiguous()  # [N, K]; the library copies it
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [N]
         handle = lib.ps_onednn_pack(w.data_ptr(), int(self.dtype == torch.bfloat16), self.out_features,
-                                    self.in_features, None if b is None else b.data_ptr(), int(self.emulated))
+                                    self.in_features, None if b is None else b.data_ptr(),
+                                    KERNELS.get(self.kernel, 0))
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
@@ -170,5 +213,5 @@ class OneDnnLinear:
         return out
 
     def __repr__(self) -> str:
-        mode = "bf16 emulated" if self.emulated else str(self.dtype).replace("torch.", "")
+        mode = "float32" if self.dtype == torch.float32 else f"bf16 {self.kernel}"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"

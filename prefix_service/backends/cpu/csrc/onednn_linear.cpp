@@ -1,32 +1,46 @@
 // Linear layers through oneDNN, the GEMM library inside torch: y[M][N] = x[M][K] W^T (+ bias), W
-// reordered once at load into the blocked layout oneDNN picks for this CPU (AMX, AVX512-BF16,
-// AVX-512 or AVX2). x and y are float32; W is float32 or bfloat16.
+// packed once at load into the layout oneDNN picks for this CPU (AMX, AVX512-BF16, AVX-512 or AVX2).
+// x and y are float32; W is float32 or bfloat16.
 //
-// torch does not export oneDNN's symbols, but it exports ATen and registers oneDNN's inner product
-// as two operators: mkldnn::_reorder_linear_weight (the prepack) and mkldnn::_linear_pointwise (the
-// product). This library calls them through the c10 dispatcher, boxed (a stack of IValues, so a
-// change in an operator's C++ signature across torch versions cannot abort the process), and
-// exports plain C functions, so the native decoder stack can call a linear through a function
-// pointer. Nothing throws across the C boundary: a failure returns nullptr or 5, and
-// ps_onednn_last_error() says why.
+// torch does not export oneDNN's symbols, but it exports ATen, which reaches oneDNN two ways this
+// library uses: the operators mkldnn::_reorder_linear_weight (the prepack) and
+// mkldnn::_linear_pointwise (the inner product), called through the c10 dispatcher, boxed (a stack
+// of IValues, so a change in an operator's C++ signature across torch versions cannot abort the
+// process); and at::native::cpublas::brgemm / pack, oneDNN's batch-reduce GEMM micro-kernel (AMX
+// tiles), which torch's own CPU flash attention calls. The library exports plain C functions, so
+// the native decoder stack can call a linear through a function pointer. Nothing throws across the
+// C boundary: a failure returns nullptr or 5, and ps_onednn_last_error() says why.
 //
-// A bfloat16 weight runs one of two ways, chosen by the caller at pack time:
+// A bfloat16 weight runs one of three ways, chosen by the caller at pack time:
+//   brgemm   (where oneDNN's micro-kernel takes VNNI-packed bf16, ps_onednn_brgemm_vnni(): AMX):
+//            W split into blocks of kNB output columns, each packed once; each call rounds x to a bf16
+//            scratch copy (rows zero-padded to a multiple of 16), and each thread runs the
+//            micro-kernel over its blocks, kMB rows at a time, into float32 sums, adds the bias and
+//            rounds each output to bf16 as it writes y. The kernels are generated once per shape and
+//            cached by torch, so a call creates nothing: the inner product below sets up a oneDNN
+//            primitive on every call. Elsewhere the same blocks run unpacked through torch's
+//            fallback GEMM (tests use that to check this path on any CPU).
 //   native   (where torch's oneDNN supports bf16): W packed in bf16; each call rounds x to a bf16
-//            scratch copy, runs the bf16 product (float32 sums, bf16 output) and widens the output
-//            into y.
+//            scratch copy, runs the bf16 inner product (float32 sums, bf16 output) and widens the
+//            output into y.
 //   emulated (elsewhere): W widened (exactly) to float32 and packed as a float32 weight; each call
 //            rounds x through bf16, runs the float32 product and rounds the output through bf16.
-// Both multiply bf16 operands (the products are exact in float32), sum in float32 and round the
-// output to bf16; only the order of the sums may differ. In both the bias is rounded to bf16 and
-// added to the float32 sums before the output is rounded, as torch's bf16 F.linear does. A float32
-// weight is packed in float32 and nothing is rounded. Built by prefix_service/backends/cpu/onednn.py
-// against torch's headers and libraries; loaded into a process that has imported torch.
+// All three multiply bf16 operands (the products are exact in float32), sum in float32 and round
+// the output to bf16; only the order of the sums may differ. In all three the bias is rounded to
+// bf16 and added to the float32 sums before the output is rounded, as torch's bf16 F.linear does. A
+// float32 weight is packed in float32 and nothing is rounded. Built by
+// prefix_service/backends/cpu/onednn.py against torch's headers and libraries; loaded into a process
+// that has imported torch.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -37,22 +51,34 @@ namespace {
 
 thread_local std::string last_error;
 
-enum class Mode { f32, bf16_native, bf16_emulated };
+// the `kernel` argument of ps_onednn_pack for a bf16 weight
+enum class Mode { f32 = -1, bf16_native = 0, bf16_emulated = 1, bf16_brgemm = 2 };
+
+constexpr int64_t kNB = 32;  // brgemm: output columns per packed weight block
+constexpr int64_t kMB = 32;  // brgemm: rows per micro-kernel call (two AMX tiles of 16)
 
 struct Packed {
-  at::Tensor weight;                // oneDNN's blocked layout, as _reorder_linear_weight made it
+  at::Tensor weight;                // oneDNN's blocked layout, as _reorder_linear_weight made it (not brgemm)
   std::optional<at::Tensor> bias;   // [N]: float32 (f32, emulated: the bf16 values widened) or bf16 (native)
   int64_t n = 0, k = 0;
   Mode mode = Mode::f32;
+  // brgemm: blocks [ceil(N / kNB)][kp][kNB] bf16, block j holding W^T's columns j kNB .. j kNB + kNB - 1
+  // (zero past N), VNNI-packed when `vnni`; kp = K rounded up to even when vnni (a zero row past K);
+  // bias_f32 [N]: the bias rounded to bf16, widened (zeros when there is none)
+  at::Tensor blocks;
+  std::vector<float> bias_f32;
+  int64_t kp = 0;
+  bool vnni = false;
 };
 
 // Per-thread scratch, grown and never shrunk, so a call allocates no data buffers of its own
-// beyond the operator's output: x rounded to bf16, x rounded back to float32 (emulated), and the
-// output rounded to bf16 (emulated).
+// beyond the operator's output: x rounded to bf16, x rounded back to float32 (emulated), the
+// output rounded to bf16 (emulated), and a brgemm worker's float32 sums.
 struct Scratch {
   std::vector<c10::BFloat16> x_bf16;
   std::vector<float> x_f32;
   std::vector<c10::BFloat16> y_bf16;
+  std::vector<float> sums;
 };
 thread_local Scratch scratch;
 
@@ -102,7 +128,64 @@ at::Tensor linear(const at::Tensor& x, const Packed& p) {
   return call(linear_op(), stack);
 }
 
+bool brgemm_vnni() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// brgemm: W [n][k] bf16 into p's blocks (see Packed).
+void pack_blocks(Packed& p, const at::Tensor& w) {
+  p.vnni = brgemm_vnni();
+  p.kp = p.vnni ? (p.k + 1) / 2 * 2 : p.k;
+  const int64_t nblocks = (p.n + kNB - 1) / kNB;
+  p.blocks = at::empty({nblocks, p.kp, kNB}, at::TensorOptions().dtype(at::kBFloat16));
+  at::Tensor wt = at::zeros({nblocks * kNB, p.kp}, at::TensorOptions().dtype(at::kBFloat16));
+  wt.narrow(0, 0, p.n).narrow(1, 0, p.k).copy_(w);
+  for (int64_t j = 0; j < nblocks; ++j) {
+    at::Tensor plain = wt.narrow(0, j * kNB, kNB).t().contiguous();  // [kp][kNB]
+    if (p.vnni)
+      at::native::cpublas::pack(p.kp, kNB, kNB, kNB, at::kBFloat16, at::kBFloat16, plain.data_ptr(),
+                                p.blocks[j].data_ptr());
+    else
+      p.blocks[j].copy_(plain);
+  }
+}
+
+// brgemm: y = round_bf16(round_bf16(x) W^T + bias), x and y float32.
+void run_brgemm(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+  const int64_t kp = p.kp, rows = (m + 15) / 16 * 16;  // A's rows: zero-padded to whole AMX tiles
+  c10::BFloat16* a = grown(scratch.x_bf16, rows * kp);
+  for (int64_t r = 0; r < rows; ++r) {
+    c10::BFloat16* dst = a + r * kp;
+    if (r < m)
+      for (int64_t c = 0; c < p.k; ++c) dst[c] = c10::BFloat16(x[r * ldx + c]);  // round to nearest even
+    std::fill(dst + (r < m ? p.k : 0), dst + kp, c10::BFloat16(0.0f));
+  }
+  const int64_t nblocks = p.blocks.size(0), mblocks = (m + kMB - 1) / kMB;
+  const auto* blocks = static_cast<const c10::BFloat16*>(p.blocks.data_ptr());
+  const float* bias = p.bias_f32.data();
+  // work items block-major, so a thread's contiguous range reads each of its weight blocks once
+  at::parallel_for(0, nblocks * mblocks, 1, [&](int64_t begin, int64_t end) {
+    float* sums = grown(scratch.sums, kMB * kNB);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t j = item / mblocks, m0 = item % mblocks * kMB;
+      const int64_t valid = std::min<int64_t>(kMB, m - m0), mm = (valid + 15) / 16 * 16;
+      if (!p.vnni) std::memset(sums, 0, sizeof(float) * (size_t)(mm * kNB));
+      at::native::cpublas::brgemm(mm, kNB, kp, kp, kNB, kNB, /*add_C=*/false, a + m0 * kp, blocks + j * kp * kNB,
+                                  sums, p.vnni);
+      const int64_t n0 = j * kNB, cols = std::min<int64_t>(kNB, p.n - n0);
+      for (int64_t r = 0; r < valid; ++r) {
+        float* out = y + (m0 + r) * ldy + n0;
+        const float* s = sums + r * kNB;
+        for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<float>(c10::BFloat16(s[c] + bias[n0 + c]));
+      }
+    }
+    at::native::cpublas::brgemm_release(p.vnni);
+  });
+}
+
 void run(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+  if (p.mode == Mode::bf16_brgemm) {
+    run_brgemm(p, x, ldx, m, y, ldy);
+    return;
+  }
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   at::Tensor xv = at::from_blob(const_cast<float*>(x), {m, p.k}, {ldx, 1}, f32);  // [M, K], rows ldx apart
@@ -126,14 +209,29 @@ void run(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t 
 
 extern "C" const char* ps_onednn_last_error() { return last_error.c_str(); }
 
+// 1 where the brgemm kernel runs oneDNN's micro-kernel on VNNI-packed bf16 weights (AMX), else 0
+// (it then runs torch's fallback GEMM). 0 as well if asking fails.
+extern "C" int ps_onednn_brgemm_vnni() {
+  try {
+    return brgemm_vnni() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
 // weight: [n][k] row-major, float32 (weight_bf16 = 0) or bfloat16 bits (weight_bf16 = 1), copied;
-// bias: n float32 values or null; emulate: 1 runs a bf16 weight emulated (see the top). A handle
-// for ps_onednn_linear and ps_onednn_free, or nullptr (ps_onednn_last_error() says why).
+// bias: n float32 values or null; kernel, for a bf16 weight (see the top): 0 native inner product,
+// 1 emulated, 2 brgemm. A handle for ps_onednn_linear and ps_onednn_free, or nullptr
+// (ps_onednn_last_error() says why).
 extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, int64_t k, const float* bias,
-                                int emulate) {
+                                int kernel) {
   if (weight == nullptr || n <= 0 || k <= 0) {
     last_error = "ps_onednn_pack: a weight of at least 1 x 1 is needed, got " + std::to_string(n) + " x " +
                  std::to_string(k) + (weight == nullptr ? " at a null pointer" : "");
+    return nullptr;
+  }
+  if (weight_bf16 && (kernel < 0 || kernel > 2)) {
+    last_error = "ps_onednn_pack: kernel " + std::to_string(kernel) + " is none of 0 (native), 1 (emulated), 2 (brgemm)";
     return nullptr;
   }
   try {
@@ -141,10 +239,17 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     auto p = std::make_unique<Packed>();
     p->n = n;
     p->k = k;
-    p->mode = !weight_bf16 ? Mode::f32 : emulate ? Mode::bf16_emulated : Mode::bf16_native;
+    p->mode = !weight_bf16 ? Mode::f32 : static_cast<Mode>(kernel);
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
                                      weight_bf16 ? at::kBFloat16 : at::kFloat));
+    if (p->mode == Mode::bf16_brgemm) {
+      pack_blocks(*p, w);
+      p->bias_f32.assign((size_t)n, 0.0f);
+      if (bias != nullptr)
+        for (int64_t i = 0; i < n; ++i) p->bias_f32[i] = static_cast<float>(c10::BFloat16(bias[i]));
+      return p.release();
+    }
     // the reorder writes a new tensor; the clone makes the copy explicit whatever layout it picks
     w = p->mode == Mode::bf16_emulated ? w.to(at::kFloat) : w.clone();
     p->weight = reorder(w);
