@@ -1,7 +1,16 @@
-"""CPU linear layers three ways: `F.linear` (the BLAS torch links, MKL in the x86 wheels, as the torch
+"""CPU linear layers several ways, in float32 or bfloat16.
+
+float32 (the default): `F.linear` (the BLAS torch links, MKL in the x86 wheels, as the torch
 backend runs them), the same layers with their weights reordered once for oneDNN's inner product
 (torch.ops.mkldnn), and packed for the native kernel the cpu backend runs
-(prefix_service/backends/cpu/linear.py).
+(prefix_service/backends/cpu/linear.py); the ratios are against `F.linear`.
+
+bfloat16 (`--dtype bfloat16`): the native float32 kernel on float32 weights (what `model.dtype:
+auto` serves on a CPU), then on bf16 weights `F.linear` and oneDNN's prepacked inner product on
+bf16 inputs (torch's operators alone), and the cpu backend's bf16 kernels (onednn.py) as the
+decoder stack calls them, float32 rows in and out: `brgemm` (oneDNN's micro-kernel; AMX, else
+torch's fallback GEMM) and `inner_product` (where torch's oneDNN runs bf16) or `emulated`
+(elsewhere); the ratios are against the float32 kernel.
 
 One pass runs every linear layer of the model's decoder stack (fused qkv, o, fused gate_up, down)
 once on an input of N rows, with each layer's own weights, as a forward does: the weights stream
@@ -10,16 +19,17 @@ pass time, the FLOP rate and the weight bytes read per second, for N = 1 (a deco
 long prefill.
 
     python scripts/bench_cpu_linear.py --json bench_out/cpu_linear.json
+    python scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --json bench_out/cpu_linear_bf16.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +76,66 @@ def layer_shapes(model_dir: str | None) -> tuple[list[tuple[int, int]], int, str
              (2 * a.intermediate_size, a.hidden_size), (a.hidden_size, a.intermediate_size)], a.num_layers, name)
 
 
+Layer = Callable[[torch.Tensor], torch.Tensor]
+
+
+def build_ways(weights: list[list[torch.Tensor]], dtype: torch.dtype) -> dict[str, tuple[list[list[Layer]], torch.dtype]]:
+    """way -> (its layers, the dtype of the rows it takes), the baseline first; ways that cannot run
+    here are left out with the reason on stderr."""
+    from prefix_service.backends.cpu import onednn
+
+    def skip(way: str, reason: str) -> None:
+        print(f"{way}: not available here ({reason})", file=sys.stderr)
+
+    ways: dict[str, tuple[list[list[Layer]], torch.dtype]] = {}
+    wb = [[w.to(torch.bfloat16) for w in layer] for layer in weights] if dtype == torch.bfloat16 else []
+    if dtype == torch.float32:
+        ways["blas"] = ([[lambda x, w=w: F.linear(x, w) for w in layer] for layer in weights], torch.float32)
+    else:
+        reason = cpu_linear.available(torch.float32)
+        if reason:
+            skip("native", reason)
+        else:  # what auto serves: the baseline
+            ways["native"] = ([[cpu_linear.NativeLinear(w, None) for w in layer] for layer in weights], torch.float32)
+        ways["blas"] = ([[lambda x, w=w: F.linear(x, w) for w in layer] for layer in wb], torch.bfloat16)
+    lib = wb if dtype == torch.bfloat16 else weights
+    reason = onednn_available(dtype)
+    if reason:
+        skip("onednn", reason)
+    else:
+        ways["onednn"] = ([[OneDNNLinear(w) for w in layer] for layer in lib], dtype)
+    if dtype == torch.float32:
+        reason = cpu_linear.available(torch.float32)
+        if reason:
+            skip("native", reason)
+        else:
+            ways["native"] = ([[cpu_linear.NativeLinear(w, None) for w in layer] for layer in weights], torch.float32)
+    else:
+        reason = cpu_linear.available(torch.bfloat16)
+        if reason:
+            skip("the service's bf16 kernels", reason)
+        else:  # float32 rows in and out, as the decoder stack calls them
+            kernels = ["brgemm", "inner_product" if onednn.bf16_native() else "emulated"]
+            for kernel in kernels:
+                ways[kernel] = ([[onednn.OneDnnLinear(w, None, kernel=kernel) for w in layer] for layer in wb],
+                                torch.float32)
+    return ways
+
+
+def machine() -> dict:
+    from prefix_service.bench.main import machine_info
+    try:
+        return machine_info()
+    except ImportError:  # the bench extra's imports (grpc, transformers) are not needed for the CPU's name
+        from prefix_service import cpuinfo
+        return {"isa": cpuinfo.isa(), "cpu_count": os.cpu_count()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M's shape)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the weights' dtype (bfloat16: against the float32 kernel)")
     p.add_argument("--rows", default="1,4,16,64,100,256,1000", help="input rows per call, comma-separated")
     p.add_argument("--passes", type=int, default=9, help="timed passes per way and row count")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -76,62 +143,68 @@ def main() -> int:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     shapes, num_layers, name = layer_shapes(args.model)
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=gen) / i ** 0.5 for o, i in shapes] for _ in range(num_layers)]
-    weight_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
-    layers: dict[str, list] = {"blas": [[(lambda x, w=w: F.linear(x, w), w.shape[1]) for w in layer]
-                                        for layer in weights]}
-    for way, check, cls in (("onednn", onednn_available, OneDNNLinear),
-                            ("native", cpu_linear.available, cpu_linear.NativeLinear)):
-        reason = check(torch.float32)
-        if reason:
-            print(f"{way}: not available here ({reason})", file=sys.stderr)
-            continue
-        layers[way] = [[(cls(w, None), w.shape[1]) for w in layer] for layer in weights]
-    ways = list(layers)
+    params = sum(w.numel() for layer in weights for w in layer)
+    ways = build_ways(weights, dtype)
+    names = list(ways)
+    base = names[0]
+    # the weight bytes each way streams a pass: 4 a parameter in float32, 2 in bf16 (the service's
+    # emulated kernel holds its weights widened to float32)
+    from prefix_service.backends.cpu import onednn
+    per_param = {way: 4 if dt == torch.float32 and way not in ("brgemm", "inner_product") else 2
+                 for way, (_, dt) in ways.items()}
+    weight_bytes = {way: params * per_param[way] for way in names}
+    info = machine()
 
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
-    print(f"{name}: {num_layers} layers x {len(shapes)} linears, {weight_bytes / 1e6:.0f} MB of float32 weights, "
-          f"{torch.get_num_threads()} threads; ms a pass (GFLOP/s, GB/s of weights)")
-    print(f"{'rows':>6} " + " ".join(f"{way + ' ms':>26}" for way in ways)
-          + "".join(f" {way + ' vs blas':>16}" for way in ways[1:]))
+    print(f"{name}: {num_layers} layers x {len(shapes)} linears, {params / 1e6:.1f} M parameters, {args.dtype}, "
+          f"{torch.get_num_threads()} threads, ISA {', '.join(info.get('isa', [])) or '?'}; ms a pass "
+          f"(GFLOP/s, GB/s of weights)")
+    print(f"{'rows':>6} " + " ".join(f"{way + ' ms':>26}" for way in names)
+          + "".join(f" {way + ' vs ' + base:>18}" for way in names[1:]))
     with torch.inference_mode():
         for rows in rows_list:
-            xs = {i: torch.randn(rows, i, generator=gen) for _, i in shapes}
+            xs = {(i, dt): torch.randn(rows, i, generator=gen).to(dt) for _, i in shapes
+                  for dt in {torch.float32, dtype}}
 
             def run(way: str) -> None:
-                for layer in layers[way]:
-                    for fn, fan_in in layer:
-                        fn(xs[fan_in])
+                layers, dt = ways[way]
+                for layer in layers:
+                    for fn, (_, fan_in) in zip(layer, shapes):
+                        fn(xs[(fan_in, dt)])
 
-            times: dict[str, list[float]] = {way: [] for way in ways}
-            for way in ways:  # warm
+            times: dict[str, list[float]] = {way: [] for way in names}
+            for way in names:  # warm
                 run(way)
             for _ in range(args.passes):
-                for way in ways:
+                for way in names:
                     t = time.perf_counter()
                     run(way)
                     times[way].append(time.perf_counter() - t)
-            flop = 2 * rows * weight_bytes / 4
+            flop = 2 * rows * params
             r: dict = {"rows": rows}
-            for way in ways:
+            for way in names:
                 med = statistics.median(times[way])
                 r.update({f"{way}_ms": round(med * 1e3, 4), f"{way}_gflop_s": round(flop / med / 1e9, 1),
-                          f"{way}_gb_s": round(weight_bytes / med / 1e9, 1)})
-            for way in ways[1:]:
-                r[f"{way}_speedup"] = round(r["blas_ms"] / r[f"{way}_ms"], 2)
+                          f"{way}_gb_s": round(weight_bytes[way] / med / 1e9, 1)})
+            for way in names[1:]:
+                r[f"{way}_speedup"] = round(r[f"{base}_ms"] / r[f"{way}_ms"], 2)
             results.append(r)
             print(f"{rows:>6} " + " ".join(f"{r[way + '_ms']:>9.1f} ({r[way + '_gflop_s']:>6.1f}, {r[way + '_gb_s']:>5.1f})"
-                                          for way in ways)
-                  + "".join(f" {r[way + '_speedup']:>15.2f}x" for way in ways[1:]))
+                                          for way in names)
+                  + "".join(f" {r[way + '_speedup']:>17.2f}x" for way in names[1:]))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"model": name, "layers": num_layers, "weight_bytes": weight_bytes, "ways": ways,
-                       "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "cpu": platform.processor() or platform.machine(),
+            json.dump({"model": name, "layers": num_layers, "dtype": args.dtype, "parameters": params,
+                       "weight_bytes": weight_bytes, "ways": names, "baseline": base,
+                       "bf16_native": onednn.bf16_native(),
+                       "brgemm_vnni": onednn.brgemm_vnni(), "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "machine": info,
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, f, indent=2)
         print(f"JSON: {args.json}")
     return 0

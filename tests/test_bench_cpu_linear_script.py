@@ -23,22 +23,49 @@ def onednn_linear_available(dtype):
     return bench_cpu_linear.onednn_available(dtype)
 
 
-def test_bench_cpu_linear_script(llama_dir, tmp_path):
-    want = ["blas"] + [way for way, check in (("onednn", onednn_linear_available), ("native", cpu_linear.available))
-                       if check(torch.float32) is None]
+def run_script(llama_dir, tmp_path, *extra):
     out = tmp_path / "linear.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--rows", "1,5",
-                           "--passes", "2", "--threads", "1", "--json", str(out)],
+                           "--passes", "2", "--threads", "1", "--json", str(out), *extra],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    data = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def check_results(data, want):
     assert [r["rows"] for r in data["results"]] == [1, 5]
-    assert data["ways"] == want
+    assert data["ways"] == want and data["baseline"] == want[0]
     for r in data["results"]:
         for way in want:
             assert r[f"{way}_ms"] > 0
-            assert r[f"{way}_gb_s"] == pytest.approx(data["weight_bytes"] / r[f"{way}_ms"] / 1e6, rel=0.02, abs=0.06)
+            assert r[f"{way}_gb_s"] == pytest.approx(data["weight_bytes"][way] / r[f"{way}_ms"] / 1e6, rel=0.02,
+                                                     abs=0.06)
         for way in want[1:]:
-            assert r[f"{way}_speedup"] == pytest.approx(r["blas_ms"] / r[f"{way}_ms"], rel=0.02, abs=0.006)
-    assert data["threads"] == 1 and data["weight_bytes"] > 0
+            assert r[f"{way}_speedup"] == pytest.approx(r[f"{want[0]}_ms"] / r[f"{way}_ms"], rel=0.02, abs=0.006)
+    assert data["threads"] == 1 and data["machine"]["isa"] is not None
+
+
+def test_bench_cpu_linear_script(llama_dir, tmp_path):
+    want = ["blas"] + [way for way, check in (("onednn", onednn_linear_available), ("native", cpu_linear.available))
+                       if check(torch.float32) is None]
+    proc, data = run_script(llama_dir, tmp_path)
+    check_results(data, want)
+    assert data["dtype"] == "float32"
+    assert all(data["weight_bytes"][way] == 4 * data["parameters"] for way in want)
     assert "blas ms" in proc.stdout and "JSON:" in proc.stdout
+
+
+@pytest.mark.skipif(cpu_linear.available(torch.bfloat16) is not None,
+                    reason=f"no bf16 linears here: {cpu_linear.available(torch.bfloat16)}")
+def test_bench_cpu_linear_script_in_bfloat16(llama_dir, tmp_path):
+    """bf16 weights: the float32 kernel as the baseline, torch's bf16 F.linear, oneDNN's operator where
+    it takes bf16, and the service's kernels (brgemm, and inner_product or emulated)."""
+    from prefix_service.backends.cpu import onednn
+    want = ["native", "blas"] + (["onednn"] if onednn_linear_available(torch.bfloat16) is None else [])
+    want += ["brgemm", "inner_product" if onednn.bf16_native() else "emulated"]
+    proc, data = run_script(llama_dir, tmp_path, "--dtype", "bfloat16")
+    check_results(data, want)
+    assert data["dtype"] == "bfloat16" and data["brgemm_vnni"] == onednn.brgemm_vnni()
+    assert data["weight_bytes"]["native"] == 4 * data["parameters"]
+    assert data["weight_bytes"]["blas"] == data["weight_bytes"]["brgemm"] == 2 * data["parameters"]
+    assert "brgemm vs native" in proc.stdout
