@@ -10,9 +10,11 @@
 #
 # STEP: info build tests probe ops cpu engine sanitizer (default: all, in that order); also
 # profile (where a Llama-3-8B-shaped decode step's time goes on the GPU), cpuprofile (the same for
-# the cpu backend in each dtype on the host CPU), linear (torch's and oneDNN's linear in each
-# dtype on the host CPU) and omp (which OpenMP runtimes the cpu backend's libraries load, and the
-# bf16 decode with OMP_WAIT_POLICY=passive).
+# the cpu backend in each dtype on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
+# the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
+# CPU tests, where the host has AMX on its brgemm kernel, then a decode step per bf16 kernel and
+# the dtype benchmark with brgemm) and omp (which OpenMP runtimes the cpu backend's libraries
+# load, and the bf16 decode under each OMP_WAIT_POLICY).
 # SANITIZE_TESTS: the pytest arguments compute-sanitizer runs (default: three kernel tests).
 # Env: CPU_MODEL_DIR, a directory with a model's config.json and tokenizer (no weights needed:
 # random ones are made) for the cpu step; default: the default model where prepare-model finds it.
@@ -73,34 +75,13 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
       --kv-cache-memory 16GiB --cuda-graph-max-batch $graphs --batches 1,16,64 --steps 5; done'
 step cpuprofile 120 bash -c 'for dtype in float32 bfloat16; do python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
     --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
-step linear 60 python3 - <<'EOF2'
-# torch's own linear on this CPU in each dtype, and oneDNN's prepacked bf16 inner product (the cpu
-# backend's bf16 path), at the decode and prefill row counts of the default model's shapes
-import time, torch
-torch.manual_seed(0)
-def ms(fn, reps=50):
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) / reps * 1e3
-print(f"{torch.get_num_threads()} threads; rows, out x in: float32 ms, bfloat16 ms, bf16 prepacked ms")
-for n, k in ((1728, 576), (3072, 576), (576, 1536)):
-    w = torch.randn(n, k)
-    wb = w.bfloat16()
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(wb, None)
-    except RuntimeError as exc:  # no native bf16 in torch's oneDNN on this CPU
-        print(f"no prepacked bf16 here: {str(exc)[:120]}")
-        packed = None
-    for m in (1, 16, 64, 256):
-        x = torch.randn(m, k)
-        xb = x.bfloat16()
-        f32 = ms(lambda: torch.nn.functional.linear(x, w))
-        b16 = ms(lambda: torch.nn.functional.linear(xb, wb))
-        pk = ms(lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "")) if packed is not None else float("nan")
-        print(f"{m:>4} {n}x{k}: {f32:.3f} {b16:.3f} {pk:.3f}")
-EOF2
+step linear 90 python3 scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --passes 5 --json "$LOGS/cpu_linear_bf16.json"
+step cpubf16 240 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
+  for kernel in brgemm inner_product; do echo "--- bfloat16, PREFIX_SERVICE_BF16_LINEAR=$kernel"
+    PREFIX_SERVICE_BF16_LINEAR=$kernel python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+      --backend cpu --device cpu --dtype bfloat16 --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done
+  PREFIX_SERVICE_BF16_LINEAR=brgemm python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+    --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_brgemm.json'
 step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
   python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"
   for run in "bfloat16 default" "bfloat16 active" "bfloat16 passive" "float32 default"; do set -- $run; echo "--- $1, OMP_WAIT_POLICY=$2"

@@ -60,7 +60,8 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         if self.dtype == torch.bfloat16:
             from prefix_service.backends.cpu import onednn
-            how = {"brgemm": "oneDNN brgemm bf16 linears (AMX)", "inner_product": "oneDNN bf16 linears",
+            brgemm = "AMX" if onednn.brgemm_vnni() else "unpacked, torch's fallback GEMM"
+            how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
                    "emulated": "oneDNN linears, bf16 emulated in float32"}[onednn.default_kernel()]
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache)"
         return "cpu (native kernels, decoder stack)"
