@@ -2,8 +2,8 @@
 its OpenAI-compatible server (streamed /v1/completions with token ids and usage) gives the timing
 the other systems give; a refused request, a broken stream and a usage that disagrees with the ids
 are counted; the server's environment preloads tcmalloc and Intel OpenMP and binds every core;
-where vLLM is not installed the peers are skipped with the way to install it; the peer targets and
-the concurrency plot."""
+where vLLM is not installed the peers are skipped with the way to install it; a peer in a stated
+dtype (vllm_apc_bf16, ...); the peer targets, for each dtype measured, and the concurrency plot."""
 import http.server
 import json
 import threading
@@ -168,3 +168,50 @@ def test_peer_targets_and_the_concurrency_plot(tmp_path):
     assert report.plot_concurrency(path, records, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not report.plot_concurrency(tmp_path / "none.png", records[4:], "test")  # one concurrency: nothing
+
+
+def test_a_peer_in_a_stated_dtype(llama_dir):
+    """vllm_apc_bf16 and the like: the peer's requests, its server started in that dtype whatever our
+    engine runs, the peer's caps and open loop, and a name --systems takes (a full run does not)."""
+    from prefix_service.bench import main as bench_main
+    from prefix_service.bench.plan import FULL
+    from prefix_service.bench.systems import DTYPE_PEERS, SYSTEMS, base_system, peer_of
+    from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    assert peer_of("vllm_apc_bf16") == ("vllm_apc", "bfloat16") and peer_of("vllm_no_apc_f32") == ("vllm_no_apc", "float32")
+    assert peer_of("vllm_apc") == ("vllm_apc", None) and peer_of("grpc_prefix") is None and peer_of("vllm_apc_fp8") is None
+    assert base_system("vllm_no_apc_bf16") == "vllm_no_apc" and base_system("engine_prefix") == "engine_prefix"
+    assert set(DTYPE_PEERS) == {"vllm_apc_bf16", "vllm_apc_f32", "vllm_no_apc_bf16", "vllm_no_apc_f32"}
+    assert not set(DTYPE_PEERS) & set(SYSTEMS)
+
+    cfg = EngineConfig(ModelConfig(path=str(llama_dir), dtype="float32"), CacheConfig(), SchedulerConfig())
+    got = vllm.server_args(cfg, 8123, prefix_caching=False, dtype="bfloat16")
+    assert got[got.index("--dtype") + 1] == "bfloat16" and "--no-enable-prefix-caching" in got
+    assert vllm.VllmSystem(SimpleNamespace(port=1), True, name="vllm_apc_bf16").name == "vllm_apc_bf16"
+
+    intent = FULL.closed[0]
+    assert FULL.closed_allows(intent, "vllm_no_apc_bf16", 16) and not FULL.closed_allows(intent, "vllm_no_apc_bf16", 64)
+    assert FULL.closed_allows(intent, "vllm_apc_f32", 64)
+    assert FULL.runs_open_loop("vllm_apc_bf16") and not FULL.runs_open_loop("engine_prefix")
+
+    parser = bench_main.build_parser()
+    assert parser.parse_args(["--systems", "grpc_prefix,vllm_apc_bf16"]).systems == ("grpc_prefix", "vllm_apc_bf16")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--systems", "vllm_apc_fp8"])
+
+
+def test_each_peer_dtype_is_judged_against_the_targets():
+    records = [
+        _rec("grpc_prefix", "intent", "single", 1, ttft_p50_ms=70.0),
+        _rec("vllm_apc_bf16", "intent", "single", 1, ttft_p50_ms=140.0),
+        _rec("vllm_apc_f32", "intent", "single", 1, ttft_p50_ms=90.0),
+        _rec("vllm_no_apc_bf16", "intent", "single", 1, ttft_p50_ms=900.0),
+    ]
+    targets = {t["target"]: t for t in report.evaluate_targets(records)}
+    bf16 = targets["intent TTFT, template cached: vllm_apc_bf16 / grpc_prefix (p50, single)"]
+    f32 = targets["intent TTFT, template cached: vllm_apc_f32 / grpc_prefix (p50, single)"]
+    assert (bf16["value"], bf16["met"]) == (pytest.approx(2.0), True)
+    assert (f32["value"], f32["met"]) == (pytest.approx(90 / 70, rel=1e-3), False)
+    assert not any("vllm_no_apc" in name or "/ vllm_apc (" in name or "vllm_apc / " in name for name in targets)
+    # no peer measured: the plain peer's targets stay, unjudged
+    plain = [t for t in report.evaluate_targets(records[:1]) if "vllm_apc" in t["target"]]
+    assert plain and all(t["met"] is None and "vllm_apc_" not in t["target"] for t in plain)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from prefix_service.bench import report
 from prefix_service.bench.plan import FULL, MODES, QUICK, ClosedSpec, Plan, with_overrides
-from prefix_service.bench.systems import SYSTEMS
+from prefix_service.bench.systems import KNOWN_SYSTEMS, SYSTEMS
 from prefix_service.bench.workloads import WORKLOADS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +34,7 @@ examples:
   prefix-service bench --json bench_out/full.json   # the full run of docs/benchmarks.md
   prefix-service bench --systems engine_prefix,engine_no_prefix --workloads intent --concurrency 1,16
   prefix-service bench --systems grpc_prefix,vllm_apc --workloads intent --modes closed_loop  # ours vs vLLM
+  prefix-service bench --systems grpc_prefix,vllm_apc_bf16,vllm_apc_f32 --workloads intent  # vLLM in each dtype
 """
 
 
@@ -86,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="PNG of p99 latency vs offered QPS (default: the JSON path, .png)")
     p.add_argument("--markdown", metavar="PATH", help="also write the tables as markdown (for docs/benchmarks.md)")
     p.add_argument("--workloads", type=lambda v: _names(v, WORKLOADS, "workload"), help=",".join(WORKLOADS))
-    p.add_argument("--systems", type=lambda v: _names(v, SYSTEMS, "system"), help=",".join(SYSTEMS))
+    p.add_argument("--systems", type=lambda v: _names(v, KNOWN_SYSTEMS, "system"),
+                   help=f"default: {','.join(SYSTEMS)}; also vLLM in a stated dtype: "
+                        f"{','.join(s for s in KNOWN_SYSTEMS if s not in SYSTEMS)}")
     g = p.add_argument_group("modes")
     g.add_argument("--modes", type=lambda v: _names(v, MODES, "mode"), help=",".join(MODES) + " (default: all)")
     g.add_argument("--warmup", type=int, dest="warmup_requests", metavar="N", help="untimed requests per system")

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from prefix_service.bench.modes import IDLE_MAX_WAIT_S
-from prefix_service.bench.systems import SYSTEMS
+from prefix_service.bench.systems import SYSTEMS, base_system
 from prefix_service.bench.workloads import WORKLOADS, Sizes
 
 MODES = ("single", "closed_loop", "open_loop")
@@ -96,7 +96,10 @@ class Plan:
     def closed_allows(self, spec: ClosedSpec, system: str, concurrency: int) -> bool:
         if spec.systems and system not in spec.systems:
             return False
-        return concurrency <= dict(self.caps).get(system, concurrency)
+        return concurrency <= dict(self.caps).get(base_system(system), concurrency)
+
+    def runs_open_loop(self, system: str) -> bool:
+        return base_system(system) in self.open_systems
 
     def expected_requests(self) -> int:
         """For the progress bar: the open loop counted at its first min_points rates (the runner
@@ -109,7 +112,7 @@ class Plan:
                          for c in spec.concurrencies)
         per_rate = [self.open_requests(q) for q in self.qps[:self.min_points]]
         open_workloads = [w for w in self.open_workloads if w in self.workloads and "open_loop" in self.modes]
-        return n + sum(per_rate) * len(set(self.open_systems) & set(self.systems)) * len(open_workloads)
+        return n + sum(per_rate) * sum(map(self.runs_open_loop, self.systems)) * len(open_workloads)
 
     def open_requests(self, qps: float) -> int:
         """About how many requests one open-loop rate sends (the progress bar's estimate)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 from prefix_service.bench import modes
 from prefix_service.bench.metrics import summarize
 from prefix_service.bench.plan import Plan
-from prefix_service.bench.systems import PEERS, KVPeak, System
+from prefix_service.bench.systems import KVPeak, System, peer_of
 from prefix_service.bench.workloads import Workload
 from prefix_service.config import EngineConfig
 
@@ -86,7 +86,7 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
         status(f"loading {', '.join(proc.label for proc in later)}")
     for proc in later:
         settle(proc)
-    peers = [n for n in PEERS if n in names]
+    peers = [n for n in names if peer_of(n) is not None]
     if peers:
         from prefix_service.bench.systems.vllm import VllmServer, VllmSystem, vllm_python
         python, why = vllm_python()
@@ -94,12 +94,15 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
             log.warning("%s skipped: %s", ", ".join(peers), why)
             if skipped is not None:
                 skipped.update({n: why for n in peers})
-        for caching, name in ((True, "vllm_apc"), (False, "vllm_no_apc")):
-            if name in peers and python is not None:
-                status(f"starting vLLM's server for {name} (model load + compilation)")
-                vllm = VllmServer(python, engine_config, prefix_caching=caching)
-                stack.callback(vllm.stop)
-                built[name] = VllmSystem(vllm, caching)
+        for name in peers:
+            if python is None:
+                break
+            peer, dtype = peer_of(name) or (name, None)
+            caching = peer == "vllm_apc"
+            status(f"starting vLLM's server for {name} (model load + compilation)")
+            vllm = VllmServer(python, engine_config, prefix_caching=caching, dtype=dtype)
+            stack.callback(vllm.stop)
+            built[name] = VllmSystem(vllm, caching, name=name)
     stack.callback(_request_stops, hosts)  # registered last, so it runs first: the groups close at once
     return [built[n] for n in names if n in built]
 
@@ -256,7 +259,7 @@ class Runner:
             if workload is None:
                 continue
             for system in self.systems:
-                if system.name not in plan.open_systems or not system.supports(workload):
+                if not plan.runs_open_loop(system.name) or not system.supports(workload):
                     continue
                 points, results = [], []
                 for j, qps in enumerate(plan.qps):

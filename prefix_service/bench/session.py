@@ -12,7 +12,7 @@ from typing import Any
 
 from prefix_service.bench.plan import Plan
 from prefix_service.bench.runner import Runner, build_systems
-from prefix_service.bench.systems import PEERS
+from prefix_service.bench.systems import peer_of
 from prefix_service.bench.systems.vllm import VllmSystem
 from prefix_service.bench.workloads import build_workload
 from prefix_service.config import load_config
@@ -55,7 +55,7 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
         if pinned:
             extra["pinned_kv_blocks_at_end"] = pinned
         mismatches = {s.name: s.usage_mismatches for s in systems
-                      if hasattr(s, "usage_mismatches") and s.name not in PEERS}
+                      if hasattr(s, "usage_mismatches") and peer_of(s.name) is None}
         if mismatches:
             extra["grpc_usage_mismatches"] = mismatches
         peers = {s.name: {**s.server.settings, "usage_mismatches": s.usage_mismatches}

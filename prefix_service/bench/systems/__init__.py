@@ -7,8 +7,12 @@
     hf_generate_batch  transformers continuous batching (its paged cache, with prefix block sharing)
     grpc_prefix        our gRPC server (a separate process) through prefix_service.client, naming the prefix
     grpc_no_prefix     the same server, the full prompt text and no prefix
-    vllm_apc           vLLM's OpenAI server (a separate process), the full ids, automatic prefix caching on
+    vllm_apc           vLLM's OpenAI server (a separate process), the full ids, automatic prefix caching on,
+                       in the dtype our engine resolves (both compute alike)
     vllm_no_apc        the same with prefix caching off
+    vllm_apc_bf16, vllm_no_apc_bf16, vllm_apc_f32, vllm_no_apc_f32
+                       the same two in a stated dtype (bfloat16: vLLM's default for a bf16 checkpoint,
+                       what `vllm serve` gives its users), asked for by name with --systems
 
 `run` is blocking and thread-safe; the closed and open loops call it from many threads.
 """
@@ -22,6 +26,25 @@ from prefix_service.bench.workloads import BenchRequest, Workload
 SYSTEMS = ("engine_prefix", "engine_no_prefix", "hf_generate", "hf_prompt_cache", "hf_generate_batch",
            "grpc_prefix", "grpc_no_prefix", "vllm_apc", "vllm_no_apc")
 PEERS = ("vllm_apc", "vllm_no_apc")  # other serving systems: run where their environment is installed
+PEER_DTYPES = {"bf16": "bfloat16", "f32": "float32"}  # a peer name's suffix: the dtype it runs
+DTYPE_PEERS = tuple(f"{peer}_{suffix}" for peer in PEERS for suffix in PEER_DTYPES)
+KNOWN_SYSTEMS = SYSTEMS + DTYPE_PEERS  # what --systems takes; a full run measures SYSTEMS
+
+
+def peer_of(system: str) -> tuple[str, str | None] | None:
+    """(its peer, its dtype or None: our engine's) for a peer system's name, else None:
+    "vllm_apc_bf16" -> ("vllm_apc", "bfloat16"), "vllm_apc" -> ("vllm_apc", None)."""
+    if system in PEERS:
+        return system, None
+    base, _, suffix = system.rpartition("_")
+    return (base, PEER_DTYPES[suffix]) if base in PEERS and suffix in PEER_DTYPES else None
+
+
+def base_system(system: str) -> str:
+    """The system whose plan settings (caps, open loop) a system follows: a peer in a stated dtype
+    follows the peer."""
+    peer = peer_of(system)
+    return peer[0] if peer is not None else system
 
 
 class System:

@@ -82,14 +82,16 @@ def child_systems(dtypes: str) -> list[tuple[str, str, str, str, dict[str, str]]
     return [(f"vllm-{d}", python, "vllm", d, server_env(python)) for d in names]
 
 
-def server_args(engine_config: EngineConfig, port: int, prefix_caching: bool) -> list[str]:
-    """The server's command line: the engine config's model, its dtype as our engine resolves it on
-    this CPU ('auto' included, so both compute alike), sequences and tokens per step."""
+def server_args(engine_config: EngineConfig, port: int, prefix_caching: bool, dtype: str | None = None) -> list[str]:
+    """The server's command line: the engine config's model; `dtype`, else the model's dtype as our
+    engine resolves it on this CPU ('auto' included, so both compute alike); sequences and tokens
+    per step."""
     import torch
 
     from prefix_service.model.loader import resolve_dtype
     model, sched = engine_config.model, engine_config.scheduler
-    dtype = str(resolve_dtype(model.dtype, model.path, torch.device("cpu"))).replace("torch.", "")
+    if dtype is None:
+        dtype = str(resolve_dtype(model.dtype, model.path, torch.device("cpu"))).replace("torch.", "")
     return ["--model", model.path, "--served-model-name", SERVED_NAME, "--dtype", dtype,
             "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3",
             "--max-num-seqs", str(sched.max_num_seqs), "--max-num-batched-tokens", str(sched.max_num_batched_tokens),
@@ -97,14 +99,14 @@ def server_args(engine_config: EngineConfig, port: int, prefix_caching: bool) ->
 
 
 class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` on the engine config's model, dtype and
-    scheduler limits (sequences and tokens per step); started, waited on until /health answers,
-    stopped. settings: what it was started with, for the benchmark's JSON."""
+    """`python -m vllm.entrypoints.openai.api_server` on the engine config's model, dtype (or
+    `dtype`) and scheduler limits (sequences and tokens per step); started, waited on until /health
+    answers, stopped. settings: what it was started with, for the benchmark's JSON."""
 
     def __init__(self, python: str, engine_config: EngineConfig, prefix_caching: bool,
-                 start_timeout_s: float = 900) -> None:
+                 start_timeout_s: float = 900, dtype: str | None = None) -> None:
         self.port = _free_port()
-        self.args = server_args(engine_config, self.port, prefix_caching)
+        self.args = server_args(engine_config, self.port, prefix_caching, dtype)
         env = server_env(python)
         self.settings: dict[str, Any] = {"vllm_version": _version(python), "args": self.args,
                                          **{k: env[k] for k in ("LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND",
@@ -158,12 +160,13 @@ def _version(python: str) -> str:
 
 
 class VllmSystem(System):
-    """vllm_apc / vllm_no_apc: one request = one streamed /v1/completions call with the full token
-    ids (template + prompt), greedy, EOS ignored, the token ids of each chunk returned."""
+    """vllm_apc / vllm_no_apc (and the same in a stated dtype, `name`): one request = one streamed
+    /v1/completions call with the full token ids (template + prompt), greedy, EOS ignored, the
+    token ids of each chunk returned."""
 
-    def __init__(self, server: VllmServer, prefix_caching: bool) -> None:
+    def __init__(self, server: VllmServer, prefix_caching: bool, name: str | None = None) -> None:
         self.server = server
-        self.name = "vllm_apc" if prefix_caching else "vllm_no_apc"
+        self.name = name or ("vllm_apc" if prefix_caching else "vllm_no_apc")
         self.uses_prefix = prefix_caching  # the template by its cached blocks
         self.usage_mismatches = 0  # answers whose token counts differ from the ids sent and asked for
 
