@@ -20,6 +20,10 @@ long prefill.
 
     python scripts/bench_cpu_linear.py --json bench_out/cpu_linear.json
     python scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --json bench_out/cpu_linear_bf16.json
+
+int8 (`--dtype int8`): weight-only int8 (per-channel scales) through torch's own kernel
+(aten._weight_int8pack_mm) on bf16 and on float32 rows, against the float32 kernel: what int8
+weights would buy a decode step that streams them.
 """
 from __future__ import annotations
 
@@ -79,7 +83,20 @@ def layer_shapes(model_dir: str | None) -> tuple[list[tuple[int, int]], int, str
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
 
-def build_ways(weights: list[list[torch.Tensor]], dtype: torch.dtype) -> dict[str, tuple[list[list[Layer]], torch.dtype]]:
+class Int8WeightOnly:
+    """y = x @ W.T with W quantized per output channel to int8 (symmetric, one scale a row), through
+    torch's weight-only int8 kernel (aten._weight_int8pack_mm); x in float32 or bf16."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.weight = torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8).contiguous()
+        self.scales = scales.to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple[list[list[Layer]], torch.dtype]]:
     """way -> (its layers, the dtype of the rows it takes), the baseline first; ways that cannot run
     here are left out with the reason on stderr."""
     from prefix_service.backends.cpu import onednn
@@ -87,38 +104,46 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: torch.dtype) -> dict[st
     def skip(way: str, reason: str) -> None:
         print(f"{way}: not available here ({reason})", file=sys.stderr)
 
+    def each(make: Callable[[torch.Tensor], Layer], of: list[list[torch.Tensor]] = weights) -> list[list[Layer]]:
+        return [[make(w) for w in layer] for layer in of]
+
+    f32, bf16 = torch.float32, torch.bfloat16
     ways: dict[str, tuple[list[list[Layer]], torch.dtype]] = {}
-    wb = [[w.to(torch.bfloat16) for w in layer] for layer in weights] if dtype == torch.bfloat16 else []
-    if dtype == torch.float32:
-        ways["blas"] = ([[lambda x, w=w: F.linear(x, w) for w in layer] for layer in weights], torch.float32)
-    else:
-        reason = cpu_linear.available(torch.float32)
+    native_reason = cpu_linear.available(f32)
+    if dtype == "float32":
+        ways["blas"] = (each(lambda w: lambda x: F.linear(x, w)), f32)
+        reason = onednn_available(f32)
         if reason:
-            skip("native", reason)
-        else:  # what auto serves: the baseline
-            ways["native"] = ([[cpu_linear.NativeLinear(w, None) for w in layer] for layer in weights], torch.float32)
-        ways["blas"] = ([[lambda x, w=w: F.linear(x, w) for w in layer] for layer in wb], torch.bfloat16)
-    lib = wb if dtype == torch.bfloat16 else weights
-    reason = onednn_available(dtype)
+            skip("onednn", reason)
+        else:
+            ways["onednn"] = (each(OneDNNLinear), f32)
+        if native_reason:
+            skip("native", native_reason)
+        else:
+            ways["native"] = (each(lambda w: cpu_linear.NativeLinear(w, None)), f32)
+        return ways
+    # bfloat16 and int8: against the float32 kernel, what auto serves
+    if native_reason:
+        skip("native", native_reason)
+    else:
+        ways["native"] = (each(lambda w: cpu_linear.NativeLinear(w, None)), f32)
+    if dtype == "int8":
+        for way, rows in (("int8_bf16", bf16), ("int8_f32", f32)):
+            ways[way] = (each(lambda w, rows=rows: Int8WeightOnly(w, rows)), rows)
+        return ways
+    wb = each(lambda w: w.to(bf16))
+    ways["blas"] = (each(lambda w: lambda x: F.linear(x, w), wb), bf16)
+    reason = onednn_available(bf16)
     if reason:
         skip("onednn", reason)
     else:
-        ways["onednn"] = ([[OneDNNLinear(w) for w in layer] for layer in lib], dtype)
-    if dtype == torch.float32:
-        reason = cpu_linear.available(torch.float32)
-        if reason:
-            skip("native", reason)
-        else:
-            ways["native"] = ([[cpu_linear.NativeLinear(w, None) for w in layer] for layer in weights], torch.float32)
-    else:
-        reason = cpu_linear.available(torch.bfloat16)
-        if reason:
-            skip("the service's bf16 kernels", reason)
-        else:  # float32 rows in and out, as the decoder stack calls them
-            kernels = ["brgemm", "inner_product" if onednn.bf16_native() else "emulated"]
-            for kernel in kernels:
-                ways[kernel] = ([[onednn.OneDnnLinear(w, None, kernel=kernel) for w in layer] for layer in wb],
-                                torch.float32)
+        ways["onednn"] = (each(OneDNNLinear, wb), bf16)
+    reason = cpu_linear.available(bf16)
+    if reason:
+        skip("the service's bf16 kernels", reason)
+    else:  # float32 rows in and out, as the decoder stack calls them
+        for kernel in ("brgemm", "inner_product" if onednn.bf16_native() else "emulated"):
+            ways[kernel] = (each(lambda w, kernel=kernel: onednn.OneDnnLinear(w, None, kernel=kernel), wb), f32)
     return ways
 
 
@@ -134,8 +159,8 @@ def machine() -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M's shape)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the weights' dtype (bfloat16: against the float32 kernel)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "int8"), default="float32",
+                   help="the weights' dtype (bfloat16, int8 weight-only: against the float32 kernel)")
     p.add_argument("--rows", default="1,4,16,64,100,256,1000", help="input rows per call, comma-separated")
     p.add_argument("--passes", type=int, default=9, help="timed passes per way and row count")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -143,19 +168,18 @@ def main() -> int:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     shapes, num_layers, name = layer_shapes(args.model)
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=gen) / i ** 0.5 for o, i in shapes] for _ in range(num_layers)]
     params = sum(w.numel() for layer in weights for w in layer)
-    ways = build_ways(weights, dtype)
+    ways = build_ways(weights, args.dtype)
     names = list(ways)
     base = names[0]
     # the weight bytes each way streams a pass: 4 a parameter in float32, 2 in bf16 (the service's
     # emulated kernel holds its weights widened to float32)
     from prefix_service.backends.cpu import onednn
-    per_param = {way: 4 if dt == torch.float32 and way not in ("brgemm", "inner_product") else 2
-                 for way, (_, dt) in ways.items()}
+    per_param = {way: 1 if way.startswith("int8") else 2 if dt == torch.bfloat16 or way in ("brgemm", "inner_product")
+                 else 4 for way, (_, dt) in ways.items()}
     weight_bytes = {way: params * per_param[way] for way in names}
     info = machine()
 
@@ -169,7 +193,7 @@ def main() -> int:
     with torch.inference_mode():
         for rows in rows_list:
             xs = {(i, dt): torch.randn(rows, i, generator=gen).to(dt) for _, i in shapes
-                  for dt in {torch.float32, dtype}}
+                  for dt in {torch.float32, torch.bfloat16}}
 
             def run(way: str) -> None:
                 layers, dt = ways[way]

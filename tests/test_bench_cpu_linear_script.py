@@ -69,3 +69,13 @@ def test_bench_cpu_linear_script_in_bfloat16(llama_dir, tmp_path):
     assert data["weight_bytes"]["native"] == 4 * data["parameters"]
     assert data["weight_bytes"]["blas"] == data["weight_bytes"]["brgemm"] == 2 * data["parameters"]
     assert "brgemm vs native" in proc.stdout
+
+
+@pytest.mark.skipif(cpu_linear.available(torch.float32) is not None,
+                    reason=f"no native kernels here: {cpu_linear.available(torch.float32)}")
+def test_bench_cpu_linear_script_in_int8(llama_dir, tmp_path):
+    """int8 weight-only through torch's kernel, on bf16 and float32 rows, against the float32 kernel."""
+    proc, data = run_script(llama_dir, tmp_path, "--dtype", "int8")
+    check_results(data, ["native", "int8_bf16", "int8_f32"])
+    assert data["weight_bytes"]["int8_bf16"] == data["parameters"] and data["dtype"] == "int8"
+    assert "int8_bf16 vs native" in proc.stdout
