@@ -152,12 +152,14 @@ void pack_blocks(Packed& p, const at::Tensor& w) {
 void run_brgemm(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
   const int64_t kp = p.kp, rows = (m + 15) / 16 * 16;  // A's rows: zero-padded to whole AMX tiles
   c10::BFloat16* a = grown(scratch.x_bf16, rows * kp);
-  for (int64_t r = 0; r < rows; ++r) {
-    c10::BFloat16* dst = a + r * kp;
-    if (r < m)
-      for (int64_t c = 0; c < p.k; ++c) dst[c] = c10::BFloat16(x[r * ldx + c]);  // round to nearest even
-    std::fill(dst + (r < m ? p.k : 0), dst + kp, c10::BFloat16(0.0f));
-  }
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      c10::BFloat16* dst = a + r * kp;
+      if (r < m)
+        for (int64_t c = 0; c < p.k; ++c) dst[c] = c10::BFloat16(x[r * ldx + c]);  // round to nearest even
+      std::fill(dst + (r < m ? p.k : 0), dst + kp, c10::BFloat16(0.0f));
+    }
+  });
   const int64_t nblocks = p.blocks.size(0), mblocks = (m + kMB - 1) / kMB;
   const auto* blocks = static_cast<const c10::BFloat16*>(p.blocks.data_ptr());
   const float* bias = p.bias_f32.data();
