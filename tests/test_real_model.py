@@ -54,30 +54,44 @@ BF16_LOGITS_ATOL = 1.5
 BF16_TO_F32_ATOL = 0.5
 
 
-def test_smollm2_bfloat16_against_transformers_in_bfloat16(smollm2_dir, make_engine):
-    """The cpu backend in bfloat16 (oneDNN linears; emulated where the CPU has no bf16 support)
-    against transformers on the same ids: first-token logits within bf16 bounds of transformers in
-    bfloat16 and in float32, the same first token on every prompt, and greedy ids that agree over
-    their first 8 tokens on at least 2 of the 4 prompts (measured 2; near ties flip the others, as
-    they flip transformers' bf16 against itself batched). docs/architecture.md, "Exactness in
-    bfloat16"."""
+# Where our bf16 greedy ids leave transformers' float32 ids, the two tokens' float32 logits must be
+# within what our logits may be off: BF16_TO_F32_ATOL each way.
+BF16_NEAR_TIE = 2 * BF16_TO_F32_ATOL
+
+
+@pytest.mark.parametrize("kernel", [None, "brgemm"])
+def test_smollm2_bfloat16_against_transformers(smollm2_dir, make_engine, kernel, monkeypatch):
+    """The cpu backend in bfloat16 against transformers on the same ids (docs/architecture.md,
+    "Exactness in bfloat16"), with each bf16 linear kernel: the machine's default, and brgemm.
+    First-token logits within BF16_LOGITS_ATOL of transformers in bfloat16 and BF16_TO_F32_ATOL of
+    it in float32; 8 greedy ids equal to transformers' float32 ids up to the first step where the
+    two tokens' float32 logits are within BF16_NEAR_TIE (a near tie that any bf16 rounding, or the
+    order of the float32 sums, may flip; measured: "What is the capital of France?" 0.098 apart at
+    25.4 on the first token, which the brgemm kernel's order of sums ties)."""
     from transformers import AutoTokenizer
+    if kernel is not None:
+        monkeypatch.setenv("PREFIX_SERVICE_BF16_LINEAR", kernel)
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     engine = make_engine(smollm2_dir, block_size=16, num_blocks=64, dtype="bfloat16", backend="cpu")
-    agree = 0
+    gaps = []
     for prompt in BF16_PROMPTS:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                        tokenize=False)
         ids = tok.encode(text, add_special_tokens=False)
-        ref_ids, ref_logits = hf_greedy(smollm2_dir, ids, 8, dtype=torch.bfloat16)
-        _, f32_logits = hf_greedy(smollm2_dir, ids, 1)
+        _, bf16_logits = hf_greedy(smollm2_dir, ids, 1, dtype=torch.bfloat16)
+        f32_ids, f32_logits = hf_greedy(smollm2_dir, ids, 8)
         logits = engine_last_logits(engine, ids)
-        assert (logits - ref_logits).abs().max().item() <= BF16_LOGITS_ATOL, (prompt, (logits - ref_logits).abs().max())
+        assert (logits - bf16_logits).abs().max().item() <= BF16_LOGITS_ATOL, (prompt, (logits - bf16_logits).abs().max())
         assert (logits - f32_logits).abs().max().item() <= BF16_TO_F32_ATOL, (prompt, (logits - f32_logits).abs().max())
         got = run_ids(engine, ids, max_tokens=8)
-        assert got[0] == ref_ids[0], prompt
-        agree += got == ref_ids
-    assert agree >= 2, f"greedy ids agreed on {agree} of {len(BF16_PROMPTS)} prompts"
+        assert len(got) == 8
+        if got != f32_ids:
+            j = next(i for i, (a, b) in enumerate(zip(got, f32_ids)) if a != b)
+            _, there = hf_greedy(smollm2_dir, ids + f32_ids[:j], 1)
+            gap = (there[f32_ids[j]] - there[got[j]]).item()  # >= 0: f32_ids[j] is float32's argmax there
+            gaps.append((prompt, j, round(gap, 3)))
+            assert 0 <= gap <= BF16_NEAR_TIE, (prompt, j, gap)
+    print("near ties where the ids left transformers' float32 ids:", gaps)
 
 
 def test_smollm2_tokenizer_is_the_one_autotokenizer_loads(smollm2_dir):
