@@ -124,7 +124,7 @@ def test_bad_input_is_refused():
     with pytest.raises(NativeKernelError, match="out"):
         cpu_linear.linear(x, layer.packed, 20, out=torch.empty(4, 19))
     # the layer itself (the output head's path)
-    with pytest.raises(NativeKernelError, match="8 columns are needed, got 9"):
+    with pytest.raises(NativeKernelError, match="does not hold 20 x 9"):
         layer(torch.randn(4, 9))
     with pytest.raises(NativeKernelError, match="float32 CPU tensor"):
         layer(x.double())

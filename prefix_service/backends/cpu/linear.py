@@ -58,20 +58,12 @@ def _check_weight(packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | Non
 
 
 def _run(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """The kernel call, its operands checked by the caller."""
+    """The kernel call, its operands checked by the caller: through the decoder stack's linear path
+    (native.call_linear), so a layer called from Python (the output head) is timed with its layers."""
     lib = native.require()
-    args = (x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], packed.data_ptr(), n,
-            bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0), torch.get_num_threads())
-    native.check(lib.ps_linear(*args), "ps_linear")
-    return out
-
-
-def _output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
-    """out checked as a float32 [m, n] with dense rows, or a new one."""
-    if out is None:
-        return torch.empty(m, n, dtype=torch.float32)
-    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise NativeKernelError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
+    args = _PackedArgs(packed.data_ptr(), n, x.shape[1], bias.data_ptr() if bias is not None else None)
+    call = native.LinearCall(native.address(lib.ps_packed_linear), ctypes.addressof(args))
+    native.check(native.call_linear(call, x, out), "ps_linear")
     return out
 
 
@@ -83,7 +75,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     m, k = x.shape
     n = out_features
     _check_weight(packed, n, k, bias)
-    return _run(x, packed, n, bias, _output(out, m, n))
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise NativeKernelError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
+    return _run(x, packed, n, bias, out)
 
 
 class CpuLinear(Protocol):
@@ -120,18 +116,11 @@ class NativeLinear:
         self.call = native.LinearCall(self.fn, self.handle)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided. Runs
-        through the decoder stack's linear path (native.call_linear), timed with its layers."""
-        if x.dim() != 2:
-            x2 = x.reshape(-1, self.in_features)
-            return self(x2).view(*x.shape[:-1], self.out_features)
-        _check_x(x)
-        m, k = x.shape
-        if k != self.in_features:
-            raise NativeKernelError(f"x: {self.in_features} columns are needed, got {k}")
-        out = _output(out, m, self.out_features)
-        native.check(native.call_linear(self.call, x, out), "ps_linear")
-        return out
+        """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided."""
+        if x.dim() == 2:
+            return linear(x, self.packed, self.out_features, self.bias, out=out)
+        x2 = x.reshape(-1, self.in_features)
+        return linear(x2, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:

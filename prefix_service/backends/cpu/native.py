@@ -49,7 +49,6 @@ SIGNATURES = {
     "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
                              _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _ptr, _i32], _i32),
     "ps_decode_scratch_floats": ([_i32, _i32, _i32], _i64),
-    "ps_linear": ([_ptr, _i64, _i32, _i32, _ptr, _i32, _ptr, _ptr, _i64, _i32], _i32),
     "ps_packed_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_call_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
