@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from prefix_service.bench.systems import peer_of
+from prefix_service.bench.systems import base_system
 
 RECORD_KEYS = ("system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "max_qps_under_slo", "peak_kv_blocks")
@@ -112,7 +112,7 @@ def evaluate_targets(records: list[dict]) -> list[dict]:
                       None if ahead is None else ahead > 1, f"{ep.get('output_tok_s')} vs {hb.get('output_tok_s')} tok/s"))
     # the peer: vLLM's server beside ours, both called over the network with the same token ids; each
     # vllm_apc measured (in our engine's dtype, or a stated one: vllm_apc_bf16, vllm_apc_f32) is judged
-    peers = sorted({r["system"] for r in records if (peer_of(r["system"]) or ("",))[0] == "vllm_apc"}) or ["vllm_apc"]
+    peers = sorted({r["system"] for r in records if base_system(r["system"]) == "vllm_apc"}) or ["vllm_apc"]
     for peer in peers:
         for c in (16, 64):
             g, v = rec("grpc_prefix", "intent", "closed_loop", c), rec(peer, "intent", "closed_loop", c)

@@ -94,15 +94,14 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
             log.warning("%s skipped: %s", ", ".join(peers), why)
             if skipped is not None:
                 skipped.update({n: why for n in peers})
-        for name in peers:
-            if python is None:
-                break
-            peer, dtype = peer_of(name) or (name, None)
-            caching = peer == "vllm_apc"
-            status(f"starting vLLM's server for {name} (model load + compilation)")
-            vllm = VllmServer(python, engine_config, prefix_caching=caching, dtype=dtype)
-            stack.callback(vllm.stop)
-            built[name] = VllmSystem(vllm, caching, name=name)
+        else:
+            for name in peers:
+                peer, dtype = peer_of(name) or (name, None)
+                caching = peer == "vllm_apc"
+                status(f"starting vLLM's server for {name} (model load + compilation)")
+                vllm = VllmServer(python, engine_config, prefix_caching=caching, dtype=dtype)
+                stack.callback(vllm.stop)
+                built[name] = VllmSystem(vllm, caching, name=name)
     stack.callback(_request_stops, hosts)  # registered last, so it runs first: the groups close at once
     return [built[n] for n in names if n in built]
 
