@@ -69,7 +69,7 @@ class DecodeGraphs:
         self.slots = torch.full((b,), -1, dtype=torch.int64, device=device)
         self.tables = torch.zeros((b, self.width), dtype=torch.int32, device=device)
         self.lens = torch.ones(b, dtype=torch.int32, device=device)
-        # the cascade's groups (cuda_ops.paged_decode.CascadeGroups): half as many as rows at most (_forward)
+        # the cascade's groups (cuda_ops.paged_decode.CascadeGroups): half as many as rows at most (_groups)
         self.cascade = cascade_supported(backend.block_size) and backend.decode is decode_triton
         self.first = torch.zeros(b, dtype=torch.int32, device=device)
         self.group_rows = torch.zeros((b, b), dtype=torch.int32, device=device)
@@ -93,13 +93,18 @@ class DecodeGraphs:
         log.info("CUDA graphs: decode steps of up to %d rows (%d sizes) captured in %.1f s",
                  self.max_batch, len(self.sizes), time.perf_counter() - start)
 
+    @staticmethod
+    def _groups(n: int) -> int:
+        """Template groups a graph of n rows has room for: a group has two rows or more."""
+        return max(1, n // 2)
+
     def _items(self, n: int) -> int:
         """Work items a graph of n rows has room for: their chunks, and a partial one per group."""
-        return -(-n // self.rows_per_chunk) + max(1, n // 2)
+        return -(-n // self.rows_per_chunk) + self._groups(n)
 
     def _forward(self, n: int) -> torch.Tensor:
         backend = self.backend
-        groups = max(1, n // 2)  # a group has two rows or more
+        groups = self._groups(n)
         empty = self.tables[:0]
         meta = VarlenMetadata(
             slots=self.slots[:n], num_decodes=n, decode_tables=self.tables[:n], decode_lens=self.lens[:n],
@@ -132,7 +137,7 @@ class DecodeGraphs:
         """The step's template groups into the static cascade buffers (no group: every size 0)."""
         first, groups = cascade_rows(step)
         first += [0] * (size - len(first))  # the padding rows
-        slots = max(1, size // 2)  # the graph's groups (_forward)
+        slots = self._groups(size)
         assert len(groups) <= slots
         sizes = [len(rows) for _, rows in groups] + [0] * (slots - len(groups))
         blocks = [b for b, _ in groups] + [0] * (slots - len(groups))
