@@ -175,6 +175,20 @@ def test_every_kernel_agrees_with_the_others(kernel):
 
 
 @needs_lib
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_brgemm_split_runs_on_torchs_threads(threads):
+    """The library's own parallel loops (the brgemm kernel's blocks) run on torch's OpenMP threads:
+    built without OpenMP, ATen's parallel_for header runs them on the calling thread alone."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert onednn.threads_used(64) == threads
+        assert onednn.threads_used(1) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_lib
 @pytest.mark.parametrize("kernel", BF16_KERNELS)
 def test_fn_is_the_call_native_code_makes(kernel):
     x, w, b = case(6, 33, 20, seed=4)

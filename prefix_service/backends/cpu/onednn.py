@@ -8,9 +8,10 @@ mkldnn::_linear_pointwise (the inner product), and at::native::cpublas::brgemm a
 batch-reduce GEMM micro-kernel, AMX tiles). So a second, small library, built against torch's
 headers and linked to its libraries (the native library, native.py, is plain C++ and links
 neither), calls them and exports C functions: ps_onednn_pack (a handle), ps_onednn_linear (y = x W^T
-+ b, x and y float32, rows strided), ps_onednn_free, ps_onednn_brgemm_vnni and
-ps_onednn_last_error. It is built on first use into native.cache_dir(), keyed by its source, the
-torch build and the compiler, in 15-20 seconds.
++ b, x and y float32, rows strided), ps_onednn_free, ps_onednn_brgemm_vnni, ps_onednn_threads_used
+and ps_onednn_last_error. It is built on first use into native.cache_dir(), keyed by its source, the
+torch build and the compiler (with OpenMP, so its own parallel loops run on torch's threads), in
+15-20 seconds.
 
 A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of three kernels
 (`KERNELS`; `default_kernel()` picks for the machine):
@@ -43,7 +44,9 @@ import torch
 from prefix_service.backends.cpu import native
 
 SOURCE = native.CSRC / "onednn_linear.cpp"
-FLAGS = ("-O2", "-shared", "-fPIC", "-std=c++20")
+# -fopenmp: at::parallel_for is a header that splits work over torch's OpenMP threads only where the
+# including code is compiled with OpenMP; without it the brgemm kernel ran on one thread
+FLAGS = ("-O2", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # name: (argument types, return type) of each function the library exports
@@ -53,6 +56,7 @@ SIGNATURES = {
     "ps_onednn_free": ([_ptr], None),
     "ps_onednn_last_error": ([], ctypes.c_char_p),
     "ps_onednn_brgemm_vnni": ([], _i32),
+    "ps_onednn_threads_used": ([_i64], _i32),
 }
 # a bf16 weight's kernels, as ps_onednn_pack numbers them
 KERNELS = {"inner_product": 0, "emulated": 1, "brgemm": 2}
@@ -129,6 +133,13 @@ def brgemm_vnni() -> bool:
     """Whether oneDNN's brgemm micro-kernel multiplies VNNI-packed bf16 here (AMX)."""
     lib = load()[0]
     return lib is not None and bool(lib.ps_onednn_brgemm_vnni())
+
+
+def threads_used(items: int) -> int:
+    """On how many of torch's threads the library splits `items` work items (the brgemm kernel's
+    split of a call): torch.get_num_threads() when there are enough items; 0 without the library."""
+    lib = load()[0]
+    return 0 if lib is None else int(lib.ps_onednn_threads_used(items))
 
 
 KERNEL_ENV = "PREFIX_SERVICE_BF16_LINEAR"

@@ -39,6 +39,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -216,6 +217,19 @@ extern "C" const char* ps_onednn_last_error() { return last_error.c_str(); }
 extern "C" int ps_onednn_brgemm_vnni() {
   try {
     return brgemm_vnni() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+// On how many of torch's threads an at::parallel_for over `items` work items (as the brgemm kernel
+// splits a call) runs here: up to torch's thread count with the library built with OpenMP, 1
+// without (the header then runs the loop on the caller's thread). 0 if it fails.
+extern "C" int ps_onednn_threads_used(int64_t items) {
+  try {
+    std::atomic<uint64_t> seen{0};
+    at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen |= uint64_t(1) << (at::get_thread_num() % 64); });
+    return __builtin_popcountll(seen.load());
   } catch (...) {
     return 0;
   }
