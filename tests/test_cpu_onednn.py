@@ -284,8 +284,72 @@ def test_a_failed_build_reports_the_compiler_error(tmp_path, monkeypatch):
         pytest.skip("no C++ compiler")
     bad = tmp_path / "broken.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(onednn, "SOURCE", bad)
+    monkeypatch.setattr(onednn, "SOURCES", (bad,))
     monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(onednn.OneDnnBuildError, match="compiling broken.cpp failed: .*error"):
         onednn.build(cxx)
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
+
+
+# --- the template's part of attention as matrix products (csrc/onednn_attention.cpp) ----------------
+
+def template_reference(q, k, v):
+    """In float64, for q [rows, D] (scaled) over k, v [R, D] (bf16 values): the scores of the
+    bf16-rounded queries, their maxima, sums of exponentials and normalised outputs, and a bound on
+    the float32 summation error of each score."""
+    qb, kd, vd = q.bfloat16().double(), k.double(), v.double()
+    s = qb @ kd.T
+    m = s.max(dim=1).values
+    p = torch.exp(s - m[:, None])
+    bound = 2 * (k.shape[1] + 1) * 2.0 ** -24 * (qb.abs() @ kd.abs().T).max(dim=1).values
+    return m, p.sum(dim=1), (p @ vd) / p.sum(dim=1)[:, None], p / p.sum(dim=1)[:, None], bound
+
+
+@needs_lib
+@pytest.mark.parametrize("rows,r_len,hkv,d", [(1, 16, 1, 16), (45, 100, 3, 64), (32, 64, 2, 32), (7, 130, 1, 128)])
+def test_template_attention_is_the_softmax_state_within_bf16_rounding(rows, r_len, hkv, d):
+    """Each row's state after the template: the maximum score within float32 summation error of
+    the exact maximum of its bf16-rounded query's scores; the sum of exponentials and the
+    normalised output within the rounding of the probabilities to bf16 (2^-8 relative, doubled for
+    the normalisation); over more than one chunk of keys and more than one block of rows, strided
+    query rows."""
+    g = torch.Generator().manual_seed(rows + r_len)
+    k = torch.randn(r_len, hkv, d, generator=g).bfloat16()
+    v = torch.randn(r_len, hkv, d, generator=g).bfloat16()
+    packed = onednn.OneDnnTemplate(k, v)
+    assert (packed.num_tokens, packed.num_kv_heads, packed.head_size) == (r_len, hkv, d)
+    assert packed.nbytes >= 2 * r_len * hkv * d * 2
+    q = (torch.randn(rows, 2 * d, generator=g) * d ** -0.5)[:, :d]  # rows 2d apart
+    for h in range(hkv):
+        o, m, l = packed.attend(h, q)
+        m_ref, l_ref, out_ref, w_ref, bound = template_reference(q, k[:, h].float(), v[:, h].float())
+        assert ((m.double() - m_ref).abs() <= bound + 1e-7).all()
+        scale = torch.exp(m.double() - m_ref)  # l is relative to the kernel's own maximum
+        assert ((l.double() / scale / l_ref - 1).abs() <= 2.0 ** -8).all()
+        out = o.double() / l.double()[:, None]
+        tol = 2 * 2.0 ** -8 * (w_ref @ v[:, h].double().abs()) + 1e-6
+        assert ((out - out_ref).abs() <= tol).all(), (out - out_ref).abs().max().item()
+
+
+@needs_lib
+def test_template_attention_refuses_bad_operands():
+    k = torch.randn(8, 2, 16).bfloat16()
+    with pytest.raises(onednn.OneDnnError, match="bfloat16 CPU tensors"):
+        onednn.OneDnnTemplate(k.float(), k.float())
+    with pytest.raises(onednn.OneDnnError, match="a positive even head size"):
+        onednn.OneDnnTemplate(k[..., :15], k[..., :15])
+    packed = onednn.OneDnnTemplate(k, k)
+    with pytest.raises(onednn.OneDnnError, match="head 2 of 2"):
+        packed.attend(2, torch.randn(3, 16))
+    with pytest.raises(onednn.OneDnnError, match=r"shape \[M, 16\] is needed"):
+        packed.attend(0, torch.randn(3, 8))
+
+
+def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
+    monkeypatch.delenv(onednn.TEMPLATE_ATTENTION_ENV, raising=False)
+    assert onednn.template_attention() == "native"
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "brgemm")
+    assert onednn.template_attention() == "brgemm"
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "amx")
+    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_ATTENTION='amx': one of native, brgemm is needed"):
+        onednn.template_attention()

@@ -43,7 +43,8 @@ import torch
 
 from prefix_service.backends.cpu import native
 
-SOURCE = native.CSRC / "onednn_linear.cpp"
+SOURCES = (native.CSRC / "onednn_linear.cpp", native.CSRC / "onednn_attention.cpp")
+HEADERS = (native.CSRC / "simd.h",)  # included by the sources: part of the build's key
 # -fopenmp: at::parallel_for is a header that splits work over torch's OpenMP threads only where the
 # including code is compiled with OpenMP; without it the brgemm kernel ran on one thread.
 # -march=native: the brgemm kernel's own loops (rounding x to bf16, the bias and bf16 rounding of
@@ -60,6 +61,11 @@ SIGNATURES = {
     "ps_onednn_last_error": ([], ctypes.c_char_p),
     "ps_onednn_brgemm_vnni": ([], _i32),
     "ps_onednn_threads_used": ([_i64], _i32),
+    "ps_onednn_template_pack": ([_ptr, _ptr, _i64, _i64, _i64, _i64], _ptr),
+    "ps_onednn_template_attend": ([_ptr, _i32, _ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr], _i32),
+    "ps_onednn_template_bytes": ([_ptr], _i64),
+    "ps_onednn_template_free": ([_ptr], None),
+    "ps_onednn_template_calls": ([], _i64),
 }
 # a bf16 weight's kernels, as ps_onednn_pack numbers them
 KERNELS = {"inner_product": 0, "emulated": 1, "brgemm": 2}
@@ -86,8 +92,8 @@ def build(cxx: str) -> Path:
     """csrc/onednn_linear.cpp compiled against this torch (native.compile_library); its key also
     covers the torch build (version, ABI, location)."""
     cflags, ldflags = _torch_flags()
-    return native.compile_library(cxx, "prefix_service_onednn", (SOURCE,), (*FLAGS, *cflags), tuple(ldflags),
-                                  (torch.__version__.encode(),), OneDnnBuildError)
+    return native.compile_library(cxx, "prefix_service_onednn", SOURCES, (*FLAGS, *cflags), tuple(ldflags),
+                                  (torch.__version__.encode(), *(h.read_bytes() for h in HEADERS)), OneDnnBuildError)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,3 +235,75 @@ class OneDnnLinear:
     def __repr__(self) -> str:
         mode = "float32" if self.dtype == torch.float32 else f"bf16 {self.kernel}"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"
+
+
+class OneDnnTemplate:
+    """A pinned template's keys and values of one layer, packed for the matrix-product template
+    attention (csrc/onednn_attention.cpp): k, v [R, Hkv, D] bfloat16 (D even), copied.
+
+    `attend(h, q)` gives, for query rows q [rows, D] float32 (each query times the attention scale)
+    over KV head h, each row's softmax state after the template's R keys: (o [rows, D] unnormalised
+    output, m [rows] maximum score, l [rows] sum of exponentials). `handle` and `attend_fn()` let
+    native code make the same call."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if (k.dim() != 3 or k.shape != v.shape or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
+                or k.device.type != "cpu" or v.device.type != "cpu"):
+            raise OneDnnError(f"k, v: bfloat16 CPU tensors [R, Hkv, D] of one shape are needed, got {k.dtype} "
+                              f"{tuple(k.shape)} and {v.dtype} {tuple(v.shape)}")
+        lib, reason = load()
+        if lib is None:
+            raise OneDnnError(f"no oneDNN library here: {reason}")
+        self.num_tokens, self.num_kv_heads, self.head_size = k.shape
+        # one row stride for both, each head's D elements dense
+        if k.stride()[1:] != (self.head_size, 1) or v.stride() != k.stride():
+            k, v = k.contiguous(), v.contiguous()
+        handle = lib.ps_onednn_template_pack(k.data_ptr(), v.data_ptr(), k.stride(0), self.num_tokens,
+                                             self.num_kv_heads, self.head_size)
+        if not handle:
+            raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
+        self.handle: int = handle
+        self.nbytes = int(lib.ps_onednn_template_bytes(handle))
+        self._lib = lib
+        self._finalizer = weakref.finalize(self, lib.ps_onednn_template_free, handle)
+
+    def attend(self, h: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        _check_rows("q", q, self.head_size)
+        rows = q.shape[0]
+        o = torch.empty(rows, self.head_size, dtype=torch.float32)
+        m = torch.empty(rows, dtype=torch.float32)
+        l = torch.empty(rows, dtype=torch.float32)
+        if self._lib.ps_onednn_template_attend(self.handle, h, q.data_ptr(), q.stride(0) if rows > 1 else self.head_size,
+                                               rows, o.data_ptr(), self.head_size, m.data_ptr(), l.data_ptr()):
+            raise OneDnnError(self._lib.ps_onednn_last_error().decode(errors="replace"))
+        return o, m, l
+
+
+TEMPLATE_ATTENTION_ENV = "PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION"
+TEMPLATE_ATTENTIONS = ("native", "brgemm")
+
+
+def template_attention() -> str:
+    """How a bfloat16 model's decodes attend over a pinned template's keys: "native" (the native
+    kernels' float32 FMAs over a float32 copy, the default) or "brgemm" (matrix products in bf16
+    with float32 sums, OneDnnTemplate: AMX tiles where the CPU has them); the environment variable
+    PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses."""
+    chosen = os.environ.get(TEMPLATE_ATTENTION_ENV) or "native"
+    if chosen not in TEMPLATE_ATTENTIONS:
+        raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")
+    return chosen
+
+
+def template_attend_calls() -> int:
+    """How many template-part calls (OneDnnTemplate.attend, or native code's through
+    template_attend_fn) have run in this process: 0 without the library."""
+    lib = load()[0]
+    return 0 if lib is None else int(lib.ps_onednn_template_calls())
+
+
+def template_attend_fn() -> int:
+    """The address of ps_onednn_template_attend, the call native code makes with a template's handle."""
+    lib = load()[0]
+    if lib is None:
+        raise OneDnnError(f"no oneDNN library here: {load()[1]}")
+    return native.address(lib.ps_onednn_template_attend)

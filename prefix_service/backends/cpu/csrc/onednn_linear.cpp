@@ -48,9 +48,13 @@
 #include <string>
 #include <vector>
 
+namespace ps_onednn {
+thread_local std::string last_error;  // also onednn_attention.cpp's
+}
+
 namespace {
 
-thread_local std::string last_error;
+using ps_onednn::last_error;
 
 // the `kernel` argument of ps_onednn_pack for a bf16 weight
 enum class Mode { f32 = -1, bf16_native = 0, bf16_emulated = 1, bf16_brgemm = 2 };

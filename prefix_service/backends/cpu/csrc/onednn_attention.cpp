@@ -1,0 +1,233 @@
+// A pinned template's part of attention as matrix products through oneDNN's brgemm micro-kernel
+// (at::native::cpublas::brgemm, AMX tiles where the CPU has them): bf16 operands, float32 sums.
+//
+// The native kernels (cpu_attention.cpp) walk a template's keys with float32 vector FMAs. Here the
+// query rows that read one KV head of a template are the rows of two products per chunk of kTK
+// keys: S = Q K^T (Q rounded to bf16, already scaled), then, after the online softmax over S in
+// float32, O = alpha O + P V with P rounded to bf16. The result is each row's softmax state after
+// the template (unnormalised output, running maximum, sum of exponentials), the state the native
+// kernels carry on from over the rest of the context.
+//
+// A template is packed once, when it is pinned (ps_onednn_template_pack): per KV head, K^T and V
+// in chunks of kTK keys (zero past the template's end), VNNI-packed for the micro-kernel where it
+// takes VNNI (AMX), else plain row-major for torch's fallback GEMM. Built into the oneDNN library
+// with onednn_linear.cpp (onednn.py); its entry points report failures through
+// ps_onednn_last_error.
+#include <ATen/ATen.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "simd.h"
+
+namespace ps_onednn {
+extern thread_local std::string last_error;  // onednn_linear.cpp
+}
+
+namespace {
+
+using ps_onednn::last_error;
+
+std::atomic<int64_t> attend_calls{0};  // ps_onednn_template_attend's calls, for ps_onednn_template_calls
+
+constexpr int64_t kTK = 64;  // template keys per chunk (the N of S = Q K^T, the K of P V)
+constexpr int64_t kTM = 32;  // query rows per pair of products (two AMX tiles of 16)
+
+struct TemplateKV {
+  int64_t r_len = 0, hkv = 0, d = 0, chunks = 0;
+  bool vnni = false;
+  // k: [hkv][chunks][d][kTK] (K^T of each chunk), v: [hkv][chunks][kTK][d], bf16, each chunk
+  // VNNI-packed when vnni
+  at::Tensor k, v;
+};
+
+// Per-thread scratch, grown and never shrunk: the rows' queries in bf16, a chunk's scores and
+// probabilities, the rows' outputs.
+struct Scratch {
+  std::vector<c10::BFloat16> q, p;
+  std::vector<float> s, o;
+};
+thread_local Scratch scratch;
+
+template <typename T>
+T* grown(std::vector<T>& buf, int64_t count) {
+  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
+  return buf.data();
+}
+
+// dst[j] = exp(src[j] - m) for j < n, 0 for n <= j < kTK; returns the sum of dst rounded to bf16,
+// each value rounded to bf16 into p (the weights P V multiplies)
+float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
+  float sum = 0.0f;
+#if defined(PS_SIMD)
+  alignas(64) float e[kTK];
+  const ps::vf mb = ps::vset1(m);
+  for (int j = 0; j < kTK; j += ps::LANES) ps::vstore(e + j, ps::vkeep_first(ps::exp_ps(ps::vsub(ps::vload(src + j), mb)), n - j));
+  for (int j = 0; j < kTK; ++j) {
+    p[j] = c10::BFloat16(e[j]);
+    sum += static_cast<float>(p[j]);
+  }
+#else
+  for (int j = 0; j < kTK; ++j) {
+    p[j] = c10::BFloat16(j < n ? std::exp(src[j] - m) : 0.0f);
+    sum += static_cast<float>(p[j]);
+  }
+#endif
+  return sum;
+}
+
+// Rows [0, rows) of q (scaled already; rows q_stride floats apart) over head h of the template:
+// o (rows ld_o apart), m, l receive each row's state after it.
+void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, int rows, float* o, int64_t ld_o,
+            float* m, float* l) {
+  const int64_t d = t.d, chunk_k = d * kTK;
+  const auto* kh = static_cast<const c10::BFloat16*>(t.k.data_ptr()) + h * t.chunks * chunk_k;
+  const auto* vh = static_cast<const c10::BFloat16*>(t.v.data_ptr()) + h * t.chunks * chunk_k;
+  c10::BFloat16* qb = grown(scratch.q, kTM * d);
+  c10::BFloat16* pb = grown(scratch.p, kTM * kTK);
+  float* s = grown(scratch.s, kTM * kTK);
+  float* ob = grown(scratch.o, kTM * d);
+  float mi[kTM], li[kTM];
+  for (int r0 = 0; r0 < rows; r0 += kTM) {
+    const int mr = std::min<int>(kTM, rows - r0), mm = (mr + 15) / 16 * 16;  // rows, padded to whole tiles
+    for (int r = 0; r < mm; ++r)
+      for (int64_t c = 0; c < d; ++c) qb[r * d + c] = c10::BFloat16(r < mr ? q[(r0 + r) * q_stride + c] : 0.0f);
+    std::fill(ob, ob + mm * d, 0.0f);
+    std::fill(pb, pb + mm * kTK, c10::BFloat16(0.0f));  // padding rows keep P = 0
+    for (int r = 0; r < mr; ++r) {
+      mi[r] = -std::numeric_limits<float>::infinity();
+      li[r] = 0.0f;
+    }
+    for (int64_t c = 0; c < t.chunks; ++c) {
+      const int nk = static_cast<int>(std::min<int64_t>(kTK, t.r_len - c * kTK));
+      at::native::cpublas::brgemm(mm, kTK, d, d, kTK, kTK, /*add_C=*/false, qb, kh + c * chunk_k, s, t.vnni);
+      for (int r = 0; r < mr; ++r) {
+        const float* sr = s + r * kTK;
+        float mx = mi[r];
+        for (int j = 0; j < nk; ++j) mx = std::max(mx, sr[j]);
+        const float alpha = std::exp(mi[r] - mx);  // 0 on the first chunk (m = -inf)
+        li[r] = li[r] * alpha + exp_row(sr, nk, mx, pb + r * kTK);
+        mi[r] = mx;
+        if (c > 0)
+          for (int64_t e = 0; e < d; ++e) ob[r * d + e] *= alpha;
+      }
+      at::native::cpublas::brgemm(mm, d, kTK, kTK, d, d, /*add_C=*/true, pb, vh + c * chunk_k, ob, t.vnni);
+    }
+    for (int r = 0; r < mr; ++r) {
+      std::memcpy(o + (r0 + r) * ld_o, ob + r * d, sizeof(float) * d);
+      m[r0 + r] = mi[r];
+      l[r0 + r] = li[r];
+    }
+  }
+  at::native::cpublas::brgemm_release(t.vnni);
+}
+
+}  // namespace
+
+// The template's keys and values of every KV head, packed: k, v [r_len][hkv][d] bf16 bits, rows
+// row_stride elements apart (a cache's run of blocks, or any copy). d: a positive even head size.
+// A handle for ps_onednn_template_attend and ps_onednn_template_free, or nullptr (and
+// ps_onednn_last_error()).
+extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t row_stride, int64_t r_len,
+                                         int64_t hkv, int64_t d) {
+  if (k == nullptr || v == nullptr || r_len <= 0 || hkv <= 0 || d <= 0 || d % 2 != 0 || row_stride < hkv * d) {
+    last_error = "ps_onednn_template_pack: bad operands: r_len " + std::to_string(r_len) + ", hkv " +
+                 std::to_string(hkv) + ", d " + std::to_string(d) + " (a positive even head size), row_stride " +
+                 std::to_string(row_stride) + (k == nullptr || v == nullptr ? ", a null k or v" : "");
+    return nullptr;
+  }
+  try {
+    c10::InferenceMode guard;
+    auto t = std::make_unique<TemplateKV>();
+    t->r_len = r_len;
+    t->hkv = hkv;
+    t->d = d;
+    t->chunks = (r_len + kTK - 1) / kTK;
+    t->vnni = at::native::cpublas::could_pack(at::kBFloat16);
+    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+    const at::Tensor kin = at::from_blob(const_cast<void*>(k), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
+    const at::Tensor vin = at::from_blob(const_cast<void*>(v), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
+    // [hkv][chunks * kTK][d], zero past r_len
+    at::Tensor kp = at::zeros({hkv, t->chunks * kTK, d}, bf16), vp = at::zeros({hkv, t->chunks * kTK, d}, bf16);
+    kp.narrow(1, 0, r_len).copy_(kin.transpose(0, 1));
+    vp.narrow(1, 0, r_len).copy_(vin.transpose(0, 1));
+    // K^T per chunk: [hkv][chunks][d][kTK]; V per chunk: [hkv][chunks][kTK][d]
+    at::Tensor kt = kp.view({hkv, t->chunks, kTK, d}).transpose(2, 3).contiguous();
+    at::Tensor vt = vp.view({hkv, t->chunks, kTK, d}).contiguous();
+    if (t->vnni) {
+      t->k = at::empty_like(kt);
+      t->v = at::empty_like(vt);
+      for (int64_t h = 0; h < hkv; ++h)
+        for (int64_t c = 0; c < t->chunks; ++c) {
+          at::native::cpublas::pack(d, kTK, kTK, kTK, at::kBFloat16, at::kBFloat16, kt[h][c].data_ptr(),
+                                    t->k[h][c].data_ptr());
+          at::native::cpublas::pack(kTK, d, d, d, at::kBFloat16, at::kBFloat16, vt[h][c].data_ptr(),
+                                    t->v[h][c].data_ptr());
+        }
+    } else {
+      t->k = kt;
+      t->v = vt;
+    }
+    return t.release();
+  } catch (const c10::Error& e) {
+    last_error = std::string("ps_onednn_template_pack: ") + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error = std::string("ps_onednn_template_pack: ") + e.what();
+  }
+  return nullptr;
+}
+
+// Rows [0, rows) of q (float32, rows q_stride apart; each the query times the attention scale) over
+// KV head h of the packed template: o [rows] (ld_o apart; d floats each), m [rows], l [rows] receive
+// each row's state after all of the template's keys (unnormalised output, maximum score, sum of
+// exponentials). Runs on the calling thread. 0, or 6 on bad operands or a failure
+// (ps_onednn_last_error()).
+extern "C" int ps_onednn_template_attend(const void* handle, int h, const float* q, int64_t q_stride, int rows,
+                                         float* o, int64_t ld_o, float* m, float* l) {
+  const auto* t = static_cast<const TemplateKV*>(handle);
+  if (t == nullptr || h < 0 || h >= t->hkv || rows < 0 || q == nullptr || o == nullptr || m == nullptr ||
+      l == nullptr || (rows > 1 && (q_stride < t->d || ld_o < t->d))) {
+    last_error = "ps_onednn_template_attend: bad operands" +
+                 (t == nullptr ? std::string(": a null handle")
+                               : ": head " + std::to_string(h) + " of " + std::to_string(t->hkv) + ", rows " +
+                                     std::to_string(rows) + ", q_stride " + std::to_string(q_stride) + ", ld_o " +
+                                     std::to_string(ld_o) + " for d " + std::to_string(t->d));
+    return 6;
+  }
+  try {
+    attend(*t, h, q, q_stride, rows, o, ld_o, m, l);
+    attend_calls.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  } catch (const c10::Error& e) {
+    last_error = std::string("ps_onednn_template_attend: ") + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    last_error = std::string("ps_onednn_template_attend: ") + e.what();
+  }
+  return 6;
+}
+
+// How many calls of ps_onednn_template_attend have succeeded in this process.
+extern "C" int64_t ps_onednn_template_calls() { return attend_calls.load(std::memory_order_relaxed); }
+
+// The bytes a packed template holds.
+extern "C" int64_t ps_onednn_template_bytes(const void* handle) {
+  const auto* t = static_cast<const TemplateKV*>(handle);
+  return t == nullptr ? 0 : (int64_t)(t->k.nbytes() + t->v.nbytes());
+}
+
+extern "C" void ps_onednn_template_free(void* handle) {
+  try {
+    delete static_cast<TemplateKV*>(handle);
+  } catch (...) {
+  }
+}
