@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.attention import KV_DTYPES, PANEL
 from prefix_service.backends.cpu.elementwise import _call, _rows
 from prefix_service.backends.cpu.native import NativeKernelError
@@ -111,14 +111,17 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      templates: list[tuple[torch.Tensor, torch.Tensor, int] | None] | None = None,
-                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     matrix: list[onednn.OneDnnTemplate | None] | None = None) -> torch.Tensor:
     """Attention of N decoding sequences' new tokens over their paged cache.
 
     q: [N, Hq, D] (rows may be strided); k_cache, v_cache: [blocks, block_size, Hkv, D] (float32 or
     bfloat16), the new tokens' K/V already stored, or new_kv = (k, v, slots): k, v [N, Hkv, D] written first into
     the slots (int64 [N]); block_tables: int32 [N, W]; context_lens: int32 [N], the new token
     included; templates: per sequence None or (K panels, V rows, R) of attention.pack_keys/pack_values, R a
-    multiple of the block size: its first R / block_size blocks are read from there. Returns out."""
+    multiple of the block size: its first R / block_size blocks are read from there; matrix: per
+    sequence None or the same template packed as onednn.OneDnnTemplate, whose matrix-product attention
+    (ps_onednn_template_attend) then runs the template's part. Returns out."""
     lib = native.require()
     n, hq, d = q.shape
     kv_bf16 = _check_cache(k_cache, v_cache, d)
@@ -142,6 +145,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         skip = torch.tensor([t[2] // bs if t is not None else 0 for t in templates], dtype=torch.int32)
         kt_ptrs = torch.tensor([t[0].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
         vt_ptrs = torch.tensor([t[1].data_ptr() if t is not None else 0 for t in templates], dtype=torch.int64)
+    th_ptrs = None
+    if matrix is not None:
+        if templates is None or len(matrix) != n:
+            raise NativeKernelError(f"{len(matrix)} matrix templates for {n} sequences, and templates are needed")
+        th_ptrs = torch.tensor([t.handle if t is not None else 0 for t in matrix], dtype=torch.int64)
     kn = vn = slots = None
     if new_kv is not None:
         kn, vn, slots = new_kv
@@ -156,8 +164,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         vt_ptrs.data_ptr() if vt_ptrs is not None else None,
         kn.data_ptr() if kn is not None else None, _head_rows(kn, "k") if kn is not None else 0,
         vn.data_ptr() if vn is not None else None, _head_rows(vn, "v") if vn is not None else 0,
-        slots.data_ptr() if slots is not None else None, blocks, None, kv_bf16)
-    native.check(code, "ps_decode_attention")
+        slots.data_ptr() if slots is not None else None, blocks, None, kv_bf16,
+        th_ptrs.data_ptr() if th_ptrs is not None else None, onednn.template_attend_fn() if th_ptrs is not None else 0)
+    native.check(code, "ps_decode_attention", onednn.last_error)
     return out
 
 

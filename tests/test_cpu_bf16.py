@@ -148,6 +148,42 @@ def test_decode_over_a_bf16_cache_is_the_float32_result_bit_for_bit(with_templat
     assert torch.equal(kc16, kc.bfloat16()) and torch.equal(vc16, vc.bfloat16())
 
 
+# The matrix-product template attention rounds each query (times the scale) and each probability to
+# bf16 where the native kernels keep them in float32: a score moves by up to 2^-9 of sum |q k| and a
+# weight by up to 2^-9 of itself. Measured max |diff| of the decodes' outputs (values ~N(0, 1))
+# over these shapes and 5 seeds each: 0.0042 (9 query heads on 3 KV heads of 64); the bound leaves
+# ~2.4x margin.
+MATRIX_TEMPLATE_BOUND = 0.01
+
+
+def unpacked(template):
+    """(K, V) [R, Hkv, D] of a template packed by attention.pack_keys / pack_values."""
+    kp, vp, r = template
+    return kp.permute(1, 3, 0, 2).reshape(-1, kp.shape[0], kp.shape[2])[:r], vp.transpose(0, 1)
+
+
+@needs_bf16
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 32), (8, 1, 64), (4, 4, 16), (9, 3, 64)])
+def test_decode_over_a_template_as_matrix_products_is_within_bf16_rounding(hq, hkv, d):
+    """The decodes' template part through the matrix-product attention (onednn.OneDnnTemplate,
+    ps_onednn_template_attend) instead of the native kernels: the sequences without a template get
+    the same output bit for bit, those on one within MATRIX_TEMPLATE_BOUND; both store the same K/V."""
+    lens = [1, 5, 9, 13, 22, 71]
+    q, kc, vc, tables, ctx, templates, new_kv = decode_case(lens, hq, hkv, d, seed=hq * d)
+    k, v = unpacked(next(t for t in templates if t is not None))
+    matrix = onednn.OneDnnTemplate(k.bfloat16(), v.bfloat16())
+    caches = [(kc.bfloat16(), vc.bfloat16()) for _ in range(2)]
+    native_out, matrix_out = (
+        decode_attention(q, kcache, vcache, tables, ctx, d ** -0.5, templates=templates, new_kv=new_kv, matrix=mat)
+        for (kcache, vcache), mat in zip(caches, (None, [matrix if t is not None else None for t in templates])))
+    on = torch.tensor([t is not None for t in templates])
+    assert on.any() and not on.all()
+    assert torch.equal(native_out[~on], matrix_out[~on])
+    diff = (native_out[on] - matrix_out[on]).abs().max().item()
+    assert 0 < diff <= MATRIX_TEMPLATE_BOUND, diff
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
 @needs_bf16
 def test_decode_narrows_what_it_stores_as_torch_does():
     """new_kv that is not bf16-representable: stored as torch's round-to-nearest-even of it."""
@@ -243,13 +279,27 @@ def assert_same_or_near_tie(engine, ids: list[int], want: list[int], got: list[i
     assert top.indices.tolist() == [want[j], got[j]] and gap <= NEAR_TIE, (what, j, top, gap)
 
 
+# the template attentions the engine tests run: the native kernels (the default) and the matrix
+# products (onednn.OneDnnTemplate; without AMX through torch's fallback GEMM)
+TEMPLATE_ATTENTIONS = ["native", "brgemm"]
+
+
+def choose_template_attention(monkeypatch, how: str) -> None:
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, how)
+
+
 @needs_bf16
+@pytest.mark.parametrize("how", TEMPLATE_ATTENTIONS)
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
-def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which):
-    """Greedy ids on a pinned template (read from its packed float32 copy) equal the ids of the same
-    tokens without it, or differ first at a near tie (NEAR_TIE), for templates around block
-    boundaries. llama's length-4 case takes the near-tie branch."""
+def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which, how, monkeypatch):
+    """Greedy ids on a pinned template (read from its packed copy: float32 for the native kernels,
+    bf16 for the matrix products) equal the ids of the same tokens without it, or differ first at
+    a near tie (NEAR_TIE), for templates around block boundaries. llama's length-4 case takes the
+    near-tie branch with the native kernels."""
+    choose_template_attention(monkeypatch, how)
     engine = make_engine(model_dirs[which], block_size=BS, dtype="bfloat16", backend="cpu")
+    assert engine._core.backend.stack.template_matrix == (how == "brgemm")
+    calls = onednn.template_attend_calls()
     for prefix_len in (1, BS - 1, BS, BS + 1, 2 * BS, 4 * BS + 1):
         full = ids_of(prefix_len + 9, salt=prefix_len)
         expected = run_ids(engine, full, max_tokens=24)
@@ -257,16 +307,20 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which):
         got = run_ids(engine, full[prefix_len:], prefix="p", max_tokens=24)
         assert engine.remove_template("p")
         assert_same_or_near_tie(engine, full, expected, got, prefix_len)
+    # the decodes on templates of a full block or more ran their template part as matrix products
+    assert (onednn.template_attend_calls() > calls) == (how == "brgemm")
 
 
 @needs_bf16
+@pytest.mark.parametrize("how", TEMPLATE_ATTENTIONS)
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("budget", [2048, 7], ids=["batched", "chunked-prefill"])
-def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget, kernel, monkeypatch):
+def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget, kernel, how, monkeypatch):
     """Plain requests and requests on three templates, entering together (one schedule: prefills
     beside decodes, chunked under a small budget): each request's greedy ids are those of its full
     token ids run alone without a template, or differ first at a near tie."""
     choose_kernel(monkeypatch, kernel)
+    choose_template_attention(monkeypatch, how)
     prefixes = {"a": ids_of(9, 100), "b": ids_of(4, 200), "c": ids_of(14, 300)}
     engine = make_engine(block_size=BS, max_num_batched_tokens=budget, dtype="bfloat16", backend="cpu")
     reqs, full, expected = [], [], []

@@ -40,9 +40,34 @@ def test_packed_template_holds_the_blocks_in_the_kernels_layout(n_blocks):
         assert r == n_blocks * bs
         assert torch.equal(kt, cpu_attention.pack_keys(k_cache[blocks].flatten(0, 1)))
         assert torch.equal(vt, cpu_attention.pack_values(v_cache[blocks].flatten(0, 1)))
-        assert packed.pointers[index].tolist() == [kt.data_ptr(), vt.data_ptr()]
+        assert packed.pointers[index].tolist() == [kt.data_ptr(), vt.data_ptr(), 0]
     with pytest.raises(ValueError, match="at least one full block"):
         PackedTemplate(layers, [])
+    with pytest.raises(ValueError, match="reads a bfloat16 cache, not torch.float32"):
+        PackedTemplate(layers, blocks, matrix=True)
+
+
+@needs_native
+def test_packed_template_for_matrix_attention_also_holds_each_layer_in_bf16():
+    """matrix=True (a bfloat16 cache): each layer's K/V are also packed for the matrix-product
+    template attention, its handle the third pointer, its bytes counted; it attends over exactly
+    the template's blocks (its state equals that of a copy packed from the gathered K/V)."""
+    from prefix_service.backends.cpu import onednn
+    g = torch.Generator().manual_seed(3)
+    hkv, d, bs = 2, 16, 4
+    layers = [(torch.randn(12, bs, hkv, d, generator=g).bfloat16(), torch.randn(12, bs, hkv, d, generator=g).bfloat16())
+              for _ in range(2)]
+    blocks = [6, 2, 9]
+    packed = PackedTemplate(layers, blocks, matrix=True)
+    plain = 2 * 2 * len(blocks) * bs * hkv * d * 4  # the float32 copies
+    assert packed.nbytes == plain + sum(m.nbytes for m in packed.matrix) and all(m.nbytes > 0 for m in packed.matrix)
+    q = torch.randn(5, d, generator=g)
+    for index, (k_cache, v_cache) in enumerate(layers):
+        assert packed.pointers[index, 2].item() == packed.matrix[index].handle != 0
+        alone = onednn.OneDnnTemplate(k_cache[blocks].flatten(0, 1), v_cache[blocks].flatten(0, 1))
+        for h in range(hkv):
+            for got, want in zip(packed.matrix[index].attend(h, q), alone.attend(h, q)):
+                assert torch.equal(got, want)
 
 
 @pytest.fixture

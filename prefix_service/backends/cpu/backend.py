@@ -63,7 +63,8 @@ class CpuBackend(Backend):
             brgemm = "AMX" if onednn.brgemm_vnni() else "unpacked, torch's fallback GEMM"
             how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
                    "emulated": "oneDNN linears, bf16 emulated in float32"}[onednn.default_kernel()]
-            return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache)"
+            matrix = ", template attention as bf16 matrix products" if self.stack.template_matrix else ""
+            return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         return "cpu (native kernels, decoder stack)"
 
     # --- one step ------------------------------------------------------------------------------
@@ -96,7 +97,8 @@ class CpuBackend(Backend):
         if not self.pack_templates or not full:
             return
         start = time.perf_counter()
-        packed = self.templates[handle.template_id] = PackedTemplate(self.kv_layers, list(handle.block_table[:full]))
+        packed = self.templates[handle.template_id] = PackedTemplate(self.kv_layers, list(handle.block_table[:full]),
+                                                                     matrix=self.stack.template_matrix)
         log.info("prefix template %r: K/V of its %d full blocks packed for CPU attention (%.1f MiB, %.0f ms)",
                  handle.name, packed.num_blocks, packed.nbytes / 2**20, (time.perf_counter() - start) * 1e3)
 

@@ -47,7 +47,7 @@ SIGNATURES = {
                               _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32], _i32),
     "ps_prefill_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
-                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _ptr, _i32], _i32),
+                             _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _ptr, _i32, _ptr, _i64], _i32),
     "ps_decode_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_packed_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_call_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
@@ -57,7 +57,7 @@ SIGNATURES = {
     "ps_head_rms_norm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _f32, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
-                          _ptr, _i32, _i32], _i32),
+                          _ptr, _i32, _i32, _i64], _i32),
     "ps_stack_scratch_floats": ([_i32, _i32, _i32, _i32, _i32, _i32, _i32, _i32], _i64),
     "ps_copy_blocks": ([_ptr, _i32, _i32, _i64, _ptr, _i32], _i32),
     "ps_timers": ([_i32, _ptr], None),
@@ -83,18 +83,19 @@ STATUS = {
     3: "out of memory",
     4: "a slot or block id outside the cache",
     5: "a linear layer's library failed",
+    6: "the template attention's library failed",
 }
 
 
 def check(code: int, what: str, linear_error: Callable[[], str] | None = None) -> None:
     """Raise NativeKernelError when the entry point `what` returned a nonzero status `code`: what
-    STATUS says it means, and for 5 what `linear_error()` says went wrong: the caller passes the
-    linear layers' library's own report (onednn.last_error; onednn.py imports this module, so this
-    one cannot import it)."""
+    STATUS says it means, and for 5 and 6 what `linear_error()` says went wrong: the caller passes
+    the oneDNN library's own report (onednn.last_error; onednn.py imports this module, so this one
+    cannot import it)."""
     if not code:
         return
     meaning = STATUS.get(code, "a status the library does not document")
-    if code == 5 and linear_error is not None:
+    if code in (5, 6) and linear_error is not None:
         meaning = f"{meaning}: {linear_error() or 'it gave no reason'}"
     raise NativeKernelError(f"{what} failed with status {code}: {meaning}")
 

@@ -5,6 +5,10 @@ which do not change while the template is pinned. Packed once when it is pinned 
 16 keys, V as rows, per KV head: attention.pack_keys / pack_values), they are read by every
 prefill and decode on it without gathering them through the block table.
 
+A bfloat16 model may also attend over it with matrix products in bf16 (onednn.template_attention()
+"brgemm": the decodes' template part through oneDNN's micro-kernel, AMX tiles where the CPU has
+them); the template's K/V are then packed a third time, in bf16, for that.
+
 Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory (reported
 as kv_stats()["packed_template_bytes"] and the metric prefix_service_packed_template_bytes), and the
 packing when the template is pinned (SmolLM2-135M, 2,224 tokens: 98 MiB in 54 ms).
@@ -14,14 +18,19 @@ from __future__ import annotations
 import torch
 
 from prefix_service.backends.cpu.attention import pack_keys, pack_values
+from prefix_service.backends.cpu.onednn import OneDnnTemplate
 
 
 class PackedTemplate:
     """The first `num_blocks` (full) blocks of a template, R = num_blocks * block_size tokens, per
     layer: K panels [Hkv, R/16, D, 16] and V rows [Hkv, R, D], float32 whatever the cache holds;
-    `pointers` [layers, 2] int64 holds their addresses, as the decoder stack reads them."""
+    with `matrix` (a bfloat16 cache), also each layer's K/V packed for the decodes' matrix-product
+    template attention (onednn.OneDnnTemplate). `pointers` [layers, 3] int64 holds the addresses
+    of the K panels, the V rows and the OneDnnTemplate handle (0 without), as the decoder stack
+    reads them."""
 
-    def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> None:
+    def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int],
+                 matrix: bool = False) -> None:
         if not block_ids:
             raise ValueError("a packed template needs at least one full block")
         self.num_blocks = len(block_ids)
@@ -32,8 +41,16 @@ class PackedTemplate:
         # into the packed layout instead of a gather, then that copy
         run = block_ids == list(range(first, first + self.num_blocks))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.matrix: list[OneDnnTemplate] = []
         self.nbytes = 0
+        if matrix and kv_layers[0][0].dtype != torch.bfloat16:
+            raise ValueError(f"the matrix-product template attention reads a bfloat16 cache, not {kv_layers[0][0].dtype}")
         for k_cache, v_cache in kv_layers:
+            if matrix:  # [R, Hkv, D] bf16, as the cache holds it
+                kb = k_cache[first:first + self.num_blocks] if run else k_cache.index_select(0, idx)
+                vb = v_cache[first:first + self.num_blocks] if run else v_cache.index_select(0, idx)
+                self.matrix.append(OneDnnTemplate(kb.flatten(0, 1), vb.flatten(0, 1)))
+                self.nbytes += self.matrix[-1].nbytes
             # [R, Hkv, D] as float32, which the kernels read (a bfloat16 cache widens exactly)
             if run:
                 k = k_cache[first:first + self.num_blocks].flatten(0, 1).float()
@@ -43,7 +60,8 @@ class PackedTemplate:
                 v = v_cache.index_select(0, idx).flatten(0, 1).float()
             self.layers.append((pack_keys(k), pack_values(v)))
             self.nbytes += 2 * k.numel() * k.element_size()
-        self.pointers = torch.tensor([[kp.data_ptr(), vp.data_ptr()] for kp, vp in self.layers], dtype=torch.int64)
+        self.pointers = torch.tensor([[kp.data_ptr(), vp.data_ptr(), self.matrix[i].handle if self.matrix else 0]
+                                      for i, (kp, vp) in enumerate(self.layers)], dtype=torch.int64)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Layer `index`'s (K panels, V rows, R): a template as the attention kernels take it, called one at a

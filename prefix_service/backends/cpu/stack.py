@@ -82,7 +82,7 @@ class StackPlan:
     decode_skip: torch.Tensor | None  # [Nd] int32: blocks each reads from its packed template; None: none has one
     prefill_info: torch.Tensor  # [Np, 3] int32: new tokens, cached context, of those the leading ones packed
     prefill_tables: torch.Tensor  # [Np, W] int32, -1 padded
-    templates: torch.Tensor | None  # [Nd + Np, layers, 2] int64: packed K panels and V rows per layer, 0: none
+    templates: torch.Tensor | None  # [Nd + Np, layers, 3] int64: packed K panels, V rows, matrix handle; 0: none
 
     @classmethod
     def build(cls, step: StepBatch, host: StepTensors, num_layers: int,
@@ -94,7 +94,7 @@ class StackPlan:
                 for r, p in zip(step.prefills, pre)]
         templates = None
         if any(p is not None for p in dec + pre):
-            none = torch.zeros(num_layers, 2, dtype=torch.int64)
+            none = torch.zeros(num_layers, 3, dtype=torch.int64)
             templates = torch.stack([p.pointers if p is not None else none for p in dec + pre])
         return cls(
             slots=host.slots,
@@ -137,6 +137,10 @@ class DecoderStack:
                                             f"{self.hkv}, {self.head_dim}] tensors alike are needed, got {c.dtype} "
                                             f"{tuple(c.shape)}")
         self.kv_bf16 = int(kv_dtype == torch.bfloat16)
+        # a bf16 model's decodes over a template: matrix products where chosen (the templates then
+        # carry their handles), else the native kernels
+        self.template_matrix = bool(self.kv_bf16) and onednn.template_attention() == "brgemm"
+        self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0
         self.num_layers = len(layers)
         self.kv_layers = [(k, v) for k, v in kv_layers]
         self.num_blocks, self.block_size = shape[0], shape[1]
@@ -205,7 +209,7 @@ class DecoderStack:
             n_pre, plan.prefill_info.data_ptr(), pre_tables.data_ptr() if n_pre else None,
             pre_tables.stride(0) if n_pre else 0, pre_tables.shape[1] if n_pre else 0,
             plan.templates.data_ptr() if plan.templates is not None else None, pending.data_ptr(), scratch.data_ptr(),
-            torch.get_num_threads(), self.kv_bf16), "ps_decoder_stack", onednn.last_error)
+            torch.get_num_threads(), self.kv_bf16, self.template_fn), "ps_decoder_stack", onednn.last_error)
         return pending
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -411,18 +411,29 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // allocates it). B: each sequence's rest of context, through its block table, per (sequence, KV
 // head, tile of query heads), from that state: cache keys are gathered 64 at a time into panels
 // in a per-thread buffer. A row's arithmetic is the same whatever rows share its tile.
+// template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
+// on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
+// with the same rows per task; its state goes where the native pass puts its own.
+// A template's part of attention computed outside this library (the oneDNN library's
+// ps_onednn_template_attend, matrix products in bf16): rows [0, rows) of q (scaled, rows q_stride
+// apart) over KV head h of the template `handle` packed; o (rows ld_o apart), m, l receive each row's
+// softmax state after it. 0, or a nonzero status.
+using PsTemplateAttendFn = int (*)(const void* handle, int h, const float* q, int64_t q_stride, int rows, float* o,
+                                   int64_t ld_o, float* m, float* l);
+
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                    int n_seq, int hq, int hkv, int d_len, float scale,
                                    void* k_cache, void* v_cache, int block_size,
                                    const int32_t* block_tables, int64_t table_stride, const int32_t* context_lens,
                                    const int32_t* skip_blocks, const int64_t* kt_ptrs, const int64_t* vt_ptrs,
                                    const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
-                                   const int64_t* slots, int num_blocks, float* scratch, int kv_bf16) {
+                                   const int64_t* slots, int num_blocks, float* scratch, int kv_bf16,
+                                   const int64_t* th_ptrs, int64_t template_fn) {
 #if !defined(PS_SIMD)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)n_seq; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)k_cache; (void)v_cache; (void)block_size; (void)block_tables; (void)table_stride;
   (void)context_lens; (void)skip_blocks; (void)kt_ptrs; (void)vt_ptrs; (void)kn; (void)kn_stride; (void)vn;
-  (void)vn_stride; (void)slots; (void)num_blocks; (void)scratch; (void)kv_bf16;
+  (void)vn_stride; (void)slots; (void)num_blocks; (void)scratch; (void)kv_bf16; (void)th_ptrs; (void)template_fn;
   return 1;
 #else
   ps::TimerScope timer(ps::kAttention);
@@ -487,13 +498,16 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
     int valid[MR];
     if (n_groups > 0) {  // A: templates, read once per (KV head, block of tiles)
       Tile* block = new (std::nothrow) Tile[TB];
-      if (block == nullptr) {
+      // the template_fn path's rows of one task (at most TB tiles): queries, outputs, maxima, sums
+      float* rows_q = template_fn != 0 ? static_cast<float*>(std::malloc(sizeof(float) * TB * MR * (2 * d_len + 2)))
+                                       : nullptr;
+      if (block == nullptr || (template_fn != 0 && rows_q == nullptr)) {
 #pragma omp atomic write
         status = 3;
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < (int64_t)n_groups * hkv * blocks_per_head; ++task) {
-        if (block == nullptr) continue;
+        if (block == nullptr || (template_fn != 0 && rows_q == nullptr)) continue;
         const int gi = (int)(task / ((int64_t)hkv * blocks_per_head));
         const int h = (int)((task / blocks_per_head) % hkv);
         const int b = (int)(task % blocks_per_head);
@@ -501,6 +515,31 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         const int rows = (group_start[gi + 1] - group_start[gi]) * g;
         const int n_tiles = (rows + MR - 1) / MR;
         const int t0 = (int)((int64_t)n_tiles * b / blocks_per_head), t1 = (int)((int64_t)n_tiles * (b + 1) / blocks_per_head);
+        if (template_fn != 0 && th_ptrs != nullptr && th_ptrs[seqs[0]] != 0) {  // the template as matrix products
+          const int r0 = t0 * MR, nr = (t1 * MR < rows ? t1 * MR : rows) - r0;
+          float* ro = rows_q + (int64_t)TB * MR * d_len;
+          float* rm = ro + (int64_t)TB * MR * d_len;
+          float* rl = rm + TB * MR;
+          for (int i = 0; i < nr; ++i) {
+            const float* src = q + seqs[(r0 + i) / g] * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len;
+            for (int e = 0; e < d_len; ++e) rows_q[(int64_t)i * d_len + e] = src[e] * scale;
+          }
+          const int code = reinterpret_cast<PsTemplateAttendFn>(template_fn)(
+              reinterpret_cast<const void*>(th_ptrs[seqs[0]]), h, rows_q, d_len, nr, ro, d_len, rm, rl);
+          if (code != 0) {
+#pragma omp atomic write
+            status = 6;
+            continue;
+          }
+          for (int i = 0; i < nr; ++i) {
+            const int row = r0 + i;
+            float* st = state + ((int64_t)seqs[row / g] * hq + h * g + row % g) * state_floats;
+            std::memcpy(st, ro + (int64_t)i * d_len, sizeof(float) * d_len);
+            st[d_len] = rm[i];
+            st[d_len + 1] = rl[i];
+          }
+          continue;
+        }
         for (int ti = t0; ti < t1; ++ti)
           for (int r = 0; r < MR; ++r) {
             const int row = ti * MR + r < rows ? ti * MR + r : rows - 1;  // a padding row repeats the last one
@@ -530,6 +569,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           }
       }
       delete[] block;  // (the loop's end is a barrier: every state is written before B reads it)
+      std::free(rows_q);
     }
     // a chunk's keys as panels, its values as rows, and (bf16 cache) its keys widened to float32
     float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len * (kv_bf16 ? 2 : 1)));

@@ -131,7 +131,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
                                    const int32_t* context_lens, const int32_t* skip_blocks, const int64_t* kt_ptrs,
                                    const int64_t* vt_ptrs, const float* kn, int64_t kn_stride, const float* vn,
                                    int64_t vn_stride, const int64_t* slots, int num_blocks, float* scratch,
-                                   int kv_bf16);
+                                   int kv_bf16, const int64_t* th_ptrs, int64_t template_fn);
 
 // The scratch floats ps_decoder_stack needs for a step of `rows` rows, n_dec of them decodes, whose
 // largest prefill attends over `max_keys` keys after its packed template (its cached context after
@@ -157,8 +157,10 @@ extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv
 // dec_ctx the new token included, dec_skip the blocks each reads from its packed template, or null
 // when none has one), then n_pre prefills (pre_info [n_pre][3] = {new tokens, cached context
 // tokens, of those the leading ones in a packed template}, their block tables pre_tables [n_pre]
-// rows pre_stride apart, pre_width wide). templates: null, or [n_dec + n_pre][layers][2] = the
-// packed template's K panels and V rows of each sequence's layer (0: none). slots: each row's cache
+// rows pre_stride apart, pre_width wide). templates: null, or [n_dec + n_pre][layers][3] = the
+// packed template's K panels and V rows of each sequence's layer (0: none), and its handle for
+// template_fn (0: none; a decode's template part then runs there, see ps_decode_attention; 0
+// template_fn: the native kernels throughout). slots: each row's cache
 // slot. scratch: ps_stack_scratch_floats(...) floats, 64-byte aligned, for every intermediate (kept by
 // the caller from step to step, so a step allocates no activation memory). Returns 0 or the first
 // failing kernel's status (native.py's STATUS names them).
@@ -169,7 +171,7 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
                                 int64_t dec_stride, const int32_t* dec_ctx, const int32_t* dec_skip, int n_pre,
                                 const int32_t* pre_info, const int32_t* pre_tables, int64_t pre_stride,
                                 int pre_width, const int64_t* templates, float* pending, float* scratch, int threads,
-                                int kv_bf16) {
+                                int kv_bf16, int64_t template_fn) {
   const int q_size = hq * head_dim, kv_size = hkv * head_dim, n_qkv = q_size + 2 * kv_size;
   Scratch take{scratch};
   float* qkv = take.take((int64_t)rows * n_qkv);
@@ -179,9 +181,9 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
   float* gate_up = take.take((int64_t)rows * 2 * inter);
   float* act = take.take((int64_t)rows * inter);
   float* keys = take.next;  // the attention calls': decode states, a prefill's segment B K panels and V rows
-  int64_t* kt = nullptr;  // the decodes' template pointers of one layer
+  int64_t* kt = nullptr;  // the decodes' template pointers of one layer: K panels, V rows, handles
   if (n_dec > 0 && dec_skip != nullptr) {
-    kt = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 2 * (size_t)n_dec));
+    kt = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * 3 * (size_t)n_dec));
     if (kt == nullptr) return 3;
   }
   int code = 0;
@@ -198,19 +200,18 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
       for (int r = 0; r < rows; ++r) ps::round_to_bf16(qkv + (int64_t)r * n_qkv + q_size, 2 * kv_size);
     if (code == 0 && n_dec > 0) {
       if (kt != nullptr)
-        for (int n = 0; n < n_dec; ++n) {
-          kt[n] = templates[((int64_t)n * layers + l) * 2];
-          kt[n_dec + n] = templates[((int64_t)n * layers + l) * 2 + 1];
-        }
+        for (int n = 0; n < n_dec; ++n)
+          for (int j = 0; j < 3; ++j) kt[j * n_dec + n] = templates[((int64_t)n * layers + l) * 3 + j];
       code = ps_decode_attention(qkv, n_qkv, attn, q_size, n_dec, hq, hkv, head_dim, scale, k_cache, v_cache,
                                  block_size, dec_tables, dec_stride, dec_ctx, dec_skip, kt,
                                  kt != nullptr ? kt + n_dec : nullptr, qkv + q_size, n_qkv,
-                                 qkv + q_size + kv_size, n_qkv, slots, num_blocks, keys, kv_bf16);
+                                 qkv + q_size + kv_size, n_qkv, slots, num_blocks, keys, kv_bf16,
+                                 kt != nullptr ? kt + 2 * n_dec : nullptr, template_fn);
     }
     int64_t start = n_dec;
     for (int i = 0; i < n_pre && code == 0; ++i) {
       const int q_len = pre_info[3 * i], ctx = pre_info[3 * i + 1], first = pre_info[3 * i + 2];
-      const int64_t* t = templates != nullptr ? templates + ((int64_t)(n_dec + i) * layers + l) * 2 : nullptr;
+      const int64_t* t = templates != nullptr ? templates + ((int64_t)(n_dec + i) * layers + l) * 3 : nullptr;
       const float* row = qkv + start * n_qkv;
       const bool rest = ctx > first;  // context after the template, read through the block table
       code = ps_prefill_attention(row, n_qkv, attn + start * q_size, q_size, q_len, hq, hkv, head_dim, scale,
