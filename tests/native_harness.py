@@ -50,7 +50,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       out: torch.Tensor | None = None,
                       template: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                       cache: tuple[torch.Tensor, torch.Tensor] | None = None, block_table: torch.Tensor | None = None,
-                      cached: tuple[int, int] = (0, 0), slots: torch.Tensor | None = None) -> torch.Tensor:
+                      cached: tuple[int, int] = (0, 0), slots: torch.Tensor | None = None,
+                      matrix: onednn.OneDnnTemplate | None = None) -> torch.Tensor:
     """Attention of one sequence's new tokens.
 
     q: [M, Hq, D]; template: (K panels, V rows, R) from attention.pack_keys/pack_values, R keys every
@@ -60,7 +61,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     then k, v: [N, Hkv, D], N >= M (the new tokens' own K/V, after any further context); query i
     sees all of those but the last M - i - 1. slots (int64 [N]): k and v are also written into
     these slots of the cache, as a layer stores its new tokens. Rows may be strided (views of a
-    fused projection); heads must be dense. Returns out [M, Hq, D]."""
+    fused projection); heads must be dense. matrix: the template packed as onednn.OneDnnTemplate,
+    whose matrix-product attention then runs the template's part. Returns out [M, Hq, D]."""
     lib = native.require()
     m, hq, d = q.shape
     n, hkv = k.shape[0], k.shape[1]
@@ -103,8 +105,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         k.data_ptr(), ks, v.data_ptr(), vs, n,
         kc.data_ptr() if kc is not None else None, vc.data_ptr() if vc is not None else None, blocks, bs,
         block_table.data_ptr() if length else None, width, start, length,
-        slots.data_ptr() if slots is not None else None, None, kv_bf16)
-    native.check(code, "ps_prefill_attention")
+        slots.data_ptr() if slots is not None else None, None, kv_bf16,
+        matrix.handle if matrix is not None else None, onednn.template_attend_fn() if matrix is not None else 0)
+    native.check(code, "ps_prefill_attention", onednn.last_error)
     return out
 
 

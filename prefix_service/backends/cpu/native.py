@@ -44,7 +44,8 @@ _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 SIGNATURES = {
     "ps_isa": ([], _i32),
     "ps_prefill_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
-                              _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32], _i32),
+                              _ptr, _i64, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32, _ptr,
+                              _i64], _i32),
     "ps_prefill_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_decode_attention": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _f32, _ptr, _ptr, _i32, _ptr, _i64,
                              _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _i32, _ptr, _i32, _ptr, _i64], _i32),

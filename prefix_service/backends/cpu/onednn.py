@@ -284,7 +284,7 @@ TEMPLATE_ATTENTIONS = ("native", "brgemm")
 
 
 def template_attention() -> str:
-    """How a bfloat16 model's decodes attend over a pinned template's keys: "native" (the native
+    """How a bfloat16 model's rows attend over a pinned template's keys: "native" (the native
     kernels' float32 FMAs over a float32 copy, the default) or "brgemm" (matrix products in bf16
     with float32 sums, OneDnnTemplate: AMX tiles where the CPU has them); the environment variable
     PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses."""

@@ -6,7 +6,7 @@ which do not change while the template is pinned. Packed once when it is pinned 
 prefill and decode on it without gathering them through the block table.
 
 A bfloat16 model may also attend over it with matrix products in bf16 (onednn.template_attention()
-"brgemm": the decodes' template part through oneDNN's micro-kernel, AMX tiles where the CPU has
+"brgemm": the template part through oneDNN's micro-kernel, AMX tiles where the CPU has
 them); the template's K/V are then packed a third time, in bf16, for that.
 
 Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory (reported
@@ -24,8 +24,8 @@ from prefix_service.backends.cpu.onednn import OneDnnTemplate
 class PackedTemplate:
     """The first `num_blocks` (full) blocks of a template, R = num_blocks * block_size tokens, per
     layer: K panels [Hkv, R/16, D, 16] and V rows [Hkv, R, D], float32 whatever the cache holds;
-    with `matrix` (a bfloat16 cache), also each layer's K/V packed for the decodes' matrix-product
-    template attention (onednn.OneDnnTemplate). `pointers` [layers, 3] int64 holds the addresses
+    with `matrix` (a bfloat16 cache), also each layer's K/V packed for the matrix-product template
+    attention (onednn.OneDnnTemplate). `pointers` [layers, 3] int64 holds the addresses
     of the K panels, the V rows and the OneDnnTemplate handle (0 without), as the decoder stack
     reads them."""
 

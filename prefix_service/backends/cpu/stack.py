@@ -137,7 +137,7 @@ class DecoderStack:
                                             f"{self.hkv}, {self.head_dim}] tensors alike are needed, got {c.dtype} "
                                             f"{tuple(c.shape)}")
         self.kv_bf16 = int(kv_dtype == torch.bfloat16)
-        # a bf16 model's decodes over a template: matrix products where chosen (the templates then
+        # a bf16 model's rows over a template: matrix products where chosen (the templates then
         # carry their handles), else the native kernels
         self.template_matrix = bool(self.kv_bf16) and onednn.template_attention() == "brgemm"
         self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0

@@ -277,7 +277,9 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 // the sequence, through block_table (table_len ids); slots: kn_len cache slots to store kn/vn in, or null.
 //
 // scratch: null (the call allocates what it needs), or ps_prefill_scratch_floats(hkv, d_len,
-// l_len + kn_len) floats, 64-byte aligned, that the call may overwrite.
+// l_len + kn_len) floats, 64-byte aligned, that the call may overwrite. template_fn (not 0) with
+// t_handle (not null, the same template packed for it): segment A runs there instead, per tile of
+// query rows (a PsTemplateAttendFn); 6 when it fails.
 extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
   const int64_t panels = (c_len + KP - 1) / KP;
   const int64_t kb = (int64_t)hkv * panels * d_len * KP + KP;  // a multiple of 16: 64-byte aligned
@@ -285,18 +287,26 @@ extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
   return kb + (vb > 0 ? vb : KP);
 }
 
+// A template's part of attention computed outside this library (the oneDNN library's
+// ps_onednn_template_attend, matrix products in bf16): rows [0, rows) of q (scaled, rows q_stride
+// apart) over KV head h of the template `handle` packed; o (rows ld_o apart), m, l receive each row's
+// softmax state after it. 0, or a nonzero status.
+using PsTemplateAttendFn = int (*)(const void* handle, int h, const float* q, int64_t q_stride, int rows, float* o,
+                                   int64_t ld_o, float* m, float* l);
+
 extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                     int m_len, int hq, int hkv, int d_len, float scale,
                                     const float* kt, const float* vt, int r_len,
                                     const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride, int kn_len,
                                     void* k_cache, void* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
-                                    const int64_t* slots, float* scratch, int kv_bf16) {
+                                    const int64_t* slots, float* scratch, int kv_bf16, const void* t_handle,
+                                    int64_t template_fn) {
 #if !defined(PS_SIMD)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)m_len; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)kt; (void)vt; (void)r_len; (void)kn; (void)kn_stride; (void)vn; (void)vn_stride; (void)kn_len;
   (void)k_cache; (void)v_cache; (void)num_blocks; (void)block_size; (void)block_table; (void)table_len;
-  (void)l_start; (void)l_len; (void)slots; (void)scratch; (void)kv_bf16;
+  (void)l_start; (void)l_len; (void)slots; (void)scratch; (void)kv_bf16; (void)t_handle; (void)template_fn;
   return 1;
 #else
   ps::TimerScope timer(ps::kAttention);
@@ -331,6 +341,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
     return ((int64_t)block_table[tok / block_size] * block_size + tok % block_size) * slot_floats;
   };
   const int r_panels = (r_len + KP - 1) / KP;
+  int status = 0;
 #pragma omp parallel
   {
     if (slots != nullptr) store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, kc, vc, slot_floats);
@@ -369,9 +380,16 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
         const int visible = c_len - m_len + tok[r] + 1;
         if (visible > last_visible) last_visible = visible;
       }
-      if (r_len > 0)  // A: every key visible
+      if (r_len > 0 && template_fn != 0 && t_handle != nullptr) {  // A as matrix products, from the tile's rows
+        if (reinterpret_cast<PsTemplateAttendFn>(template_fn)(t_handle, h, t.qs, MAX_D, real, t.o, MAX_D, t.m, t.l)) {
+#pragma omp atomic write
+          status = 6;
+          continue;
+        }
+      } else if (r_len > 0) {  // A: every key visible
         attend_template(t, d_len, kt + (int64_t)h * r_panels * panel_floats, vt + (int64_t)h * r_len * d_len, r_len,
                         real);
+      }
       const float* kb_h = kb + (int64_t)h * c_panels * panel_floats;
       const float* vb_h = vb + (int64_t)h * c_len * d_len;
       for (int c0 = 0; c0 < last_visible; c0 += KC) {  // B: causal
@@ -387,7 +405,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
     }
   }
   std::free(owned);
-  return 0;
+  return status;
 #endif
 }
 
@@ -414,13 +432,6 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
 // on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
 // with the same rows per task; its state goes where the native pass puts its own.
-// A template's part of attention computed outside this library (the oneDNN library's
-// ps_onednn_template_attend, matrix products in bf16): rows [0, rows) of q (scaled, rows q_stride
-// apart) over KV head h of the template `handle` packed; o (rows ld_o apart), m, l receive each row's
-// softmax state after it. 0, or a nonzero status.
-using PsTemplateAttendFn = int (*)(const void* handle, int h, const float* q, int64_t q_stride, int rows, float* o,
-                                   int64_t ld_o, float* m, float* l);
-
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                    int n_seq, int hq, int hkv, int d_len, float scale,
                                    void* k_cache, void* v_cache, int block_size,

@@ -124,7 +124,8 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
                                     int r_len, const float* kn, int64_t kn_stride, const float* vn, int64_t vn_stride,
                                     int kn_len, void* k_cache, void* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
-                                    const int64_t* slots, float* scratch, int kv_bf16);
+                                    const int64_t* slots, float* scratch, int kv_bf16, const void* t_handle,
+                                    int64_t template_fn);
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int n_seq,
                                    int hq, int hkv, int d_len, float scale, void* k_cache, void* v_cache,
                                    int block_size, const int32_t* block_tables, int64_t table_stride,
@@ -159,8 +160,8 @@ extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv
 // tokens, of those the leading ones in a packed template}, their block tables pre_tables [n_pre]
 // rows pre_stride apart, pre_width wide). templates: null, or [n_dec + n_pre][layers][3] = the
 // packed template's K panels and V rows of each sequence's layer (0: none), and its handle for
-// template_fn (0: none; a decode's template part then runs there, see ps_decode_attention; 0
-// template_fn: the native kernels throughout). slots: each row's cache
+// template_fn (0: none; a row's template part then runs there, see ps_decode_attention and
+// ps_prefill_attention; 0 template_fn: the native kernels throughout). slots: each row's cache
 // slot. scratch: ps_stack_scratch_floats(...) floats, 64-byte aligned, for every intermediate (kept by
 // the caller from step to step, so a step allocates no activation memory). Returns 0 or the first
 // failing kernel's status (native.py's STATUS names them).
@@ -219,7 +220,8 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
                                   t != nullptr && t[0] != 0 ? f(t[1]) : nullptr, first, row + q_size, n_qkv,
                                   row + q_size + kv_size, n_qkv, q_len, k_cache, v_cache, num_blocks, block_size,
                                   rest ? pre_tables + i * pre_stride : nullptr, rest ? pre_width : 0, first,
-                                  ctx - first, slots + start, keys, kv_bf16);
+                                  ctx - first, slots + start, keys, kv_bf16,
+                                  t != nullptr ? reinterpret_cast<const void*>(t[2]) : nullptr, template_fn);
       start += q_len;
     }
     if (code == 0)
