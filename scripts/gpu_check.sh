@@ -14,7 +14,8 @@
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
 # CPU tests, where the host has AMX on its brgemm kernel, then each linear kernel's cost per call,
 # a decode step in float32, per bf16 linear kernel and with the template attention as bf16 matrix
-# products, and the dtype benchmark, each at 16 threads and at 2, a 2-vCPU machine's count) and omp (which OpenMP runtimes the cpu backend's libraries
+# products, and the dtype benchmark (bf16 also with those products), each at 16 threads and at 2,
+# a 2-vCPU machine's count) and omp (which OpenMP runtimes the cpu backend's libraries
 # load, and the bf16 decode under each OMP_WAIT_POLICY).
 # SANITIZE_TESTS: the pytest arguments compute-sanitizer runs (default: three kernel tests).
 # Env: CPU_MODEL_DIR, a directory with a model's config.json and tokenizer (no weights needed:
@@ -77,7 +78,7 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
 step cpuprofile 120 bash -c 'for dtype in float32 bfloat16; do python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
     --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
 step linear 90 python3 scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --passes 5 --json "$LOGS/cpu_linear_bf16.json"
-step cpubf16 360 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
+step cpubf16 420 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
   python3 scripts/bench_cpu_linear_call.py --threads 16,2,1 --calls 100 --json '"$LOGS"'/cpu_linear_call.json
   for threads in 16 2; do for way in float32 brgemm inner_product brgemm+matrix; do echo "--- $threads threads, $way"
     env OMP_NUM_THREADS=$threads $( [ $way != float32 ] && echo PREFIX_SERVICE_BF16_LINEAR=${way%+matrix} ) \
@@ -86,7 +87,11 @@ step cpubf16 360 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= t
       --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done; done
   for threads in 16 2; do echo "--- bench_cpu_dtype, $threads threads"
     OMP_NUM_THREADS=$threads python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
-      --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json; done'
+      --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json
+    echo "--- bench_cpu_dtype, $threads threads, bf16 with the template attention as matrix products"
+    OMP_NUM_THREADS=$threads PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm python3 scripts/bench_cpu_dtype.py \
+      ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --dtypes bfloat16 --rounds 1 --singles 3 \
+      --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_matrix_t$threads.json; done'
 step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
   python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"
   for run in "bfloat16 default" "bfloat16 active" "bfloat16 passive" "float32 default"; do set -- $run; echo "--- $1, OMP_WAIT_POLICY=$2"
