@@ -278,8 +278,9 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 //
 // scratch: null (the call allocates what it needs), or ps_prefill_scratch_floats(hkv, d_len,
 // l_len + kn_len) floats, 64-byte aligned, that the call may overwrite. template_fn (not 0) with
-// t_handle (not null, the same template packed for it): segment A runs there instead, per tile of
-// query rows (a PsTemplateAttendFn); 6 when it fails.
+// t_handle (not null, the same template packed for it): segment A runs there instead (a
+// PsTemplateAttendFn), per KV head and block of 30 query rows, before the tiles carry on from each
+// row's state over segment B; 6 when it fails.
 extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
   const int64_t panels = (c_len + KP - 1) / KP;
   const int64_t kb = (int64_t)hkv * panels * d_len * KP + KP;  // a multiple of 16: 64-byte aligned
@@ -341,10 +342,54 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
     return ((int64_t)block_table[tok / block_size] * block_size + tok % block_size) * slot_floats;
   };
   const int r_panels = (r_len + KP - 1) / KP;
+  // segment A as matrix products: each row's softmax state after the template, made first per
+  // (KV head, block of up to kAB rows) so each product call serves many rows; [hkv][rows][D + 2]
+  constexpr int kAB = 5 * MR;
+  const bool matrix = r_len > 0 && template_fn != 0 && t_handle != nullptr;
+  const int64_t state_floats = d_len + 2;
+  float* state = matrix ? static_cast<float*>(std::malloc(sizeof(float) * hkv * (int64_t)rows * state_floats)) : nullptr;
+  if (matrix && state == nullptr) {
+    std::free(owned);
+    return 3;
+  }
+  const int a_blocks = (rows + kAB - 1) / kAB;
   int status = 0;
 #pragma omp parallel
   {
     if (slots != nullptr) store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, kc, vc, slot_floats);
+    if (matrix) {
+      float* buf = static_cast<float*>(std::malloc(sizeof(float) * kAB * (2 * (int64_t)d_len + 2)));
+      if (buf == nullptr) {
+#pragma omp atomic write
+        status = 3;
+      }
+#pragma omp for schedule(static, 1)
+      for (int64_t task = 0; task < (int64_t)hkv * a_blocks; ++task) {
+        if (buf == nullptr) continue;
+        const int h = (int)(task / a_blocks), r0 = (int)(task % a_blocks) * kAB;
+        const int nr = rows - r0 < kAB ? rows - r0 : kAB;
+        float* bo = buf + (int64_t)kAB * d_len;
+        float* bm = bo + (int64_t)kAB * d_len;
+        float* bl = bm + kAB;
+        for (int i = 0; i < nr; ++i) {
+          const int row = r0 + i;
+          const float* src = q + (row / g) * q_stride + (int64_t)(h * g + row % g) * d_len;
+          for (int e = 0; e < d_len; ++e) buf[(int64_t)i * d_len + e] = src[e] * scale;
+        }
+        if (reinterpret_cast<PsTemplateAttendFn>(template_fn)(t_handle, h, buf, d_len, nr, bo, d_len, bm, bl)) {
+#pragma omp atomic write
+          status = 6;
+          continue;
+        }
+        for (int i = 0; i < nr; ++i) {
+          float* st = state + ((int64_t)h * rows + r0 + i) * state_floats;
+          std::memcpy(st, bo + (int64_t)i * d_len, sizeof(float) * d_len);
+          st[d_len] = bm[i];
+          st[d_len + 1] = bl[i];
+        }
+      }
+      std::free(buf);  // (the loop's end is a barrier: every state is written before the tiles read it)
+    }
     alignas(64) float widened[KP * MAX_D];  // a panel's cached keys, widened from a bf16 cache
 #pragma omp for schedule(static)
     for (int64_t hp = 0; hp < (int64_t)hkv * c_panels; ++hp) {
@@ -380,11 +425,13 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
         const int visible = c_len - m_len + tok[r] + 1;
         if (visible > last_visible) last_visible = visible;
       }
-      if (r_len > 0 && template_fn != 0 && t_handle != nullptr) {  // A as matrix products, from the tile's rows
-        if (reinterpret_cast<PsTemplateAttendFn>(template_fn)(t_handle, h, t.qs, MAX_D, real, t.o, MAX_D, t.m, t.l)) {
-#pragma omp atomic write
-          status = 6;
-          continue;
+      if (status != 0) continue;
+      if (matrix) {  // A: the rows' states after the template, from the matrix products above
+        for (int r = 0; r < real; ++r) {
+          const float* st = state + ((int64_t)h * rows + r0 + r) * state_floats;
+          std::memcpy(t.o + r * MAX_D, st, sizeof(float) * d_len);
+          t.m[r] = st[d_len];
+          t.l[r] = st[d_len + 1];
         }
       } else if (r_len > 0) {  // A: every key visible
         attend_template(t, d_len, kt + (int64_t)h * r_panels * panel_floats, vt + (int64_t)h * r_len * d_len, r_len,
@@ -405,6 +452,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
     }
   }
   std::free(owned);
+  std::free(state);
   return status;
 #endif
 }
