@@ -295,6 +295,34 @@ extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
 using PsTemplateAttendFn = int (*)(const void* handle, int h, const float* q, int64_t q_stride, int rows, float* o,
                                    int64_t ld_o, float* m, float* l);
 
+#if defined(PS_SIMD)
+namespace {
+// n rows over KV head h of a template through template_fn: row i's query at query(i) (times
+// scale), its state written to state(i) (D floats of unnormalised output, its maximum, its sum).
+// buf: n (2 D + 2) floats. 0, or the call's nonzero status.
+template <typename Query, typename State>
+int template_rows(int64_t template_fn, const void* handle, int h, int n, int d_len, float scale, float* buf,
+                  Query query, State state) {
+  float* o = buf + (int64_t)n * d_len;
+  float* m = o + (int64_t)n * d_len;
+  float* l = m + n;
+  for (int i = 0; i < n; ++i) {
+    const float* src = query(i);
+    for (int e = 0; e < d_len; ++e) buf[(int64_t)i * d_len + e] = src[e] * scale;
+  }
+  const int code = reinterpret_cast<PsTemplateAttendFn>(template_fn)(handle, h, buf, d_len, n, o, d_len, m, l);
+  if (code != 0) return code;
+  for (int i = 0; i < n; ++i) {
+    float* st = state(i);
+    std::memcpy(st, o + (int64_t)i * d_len, sizeof(float) * d_len);
+    st[d_len] = m[i];
+    st[d_len + 1] = l[i];
+  }
+  return 0;
+}
+}  // namespace
+#endif
+
 extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                     int m_len, int hq, int hkv, int d_len, float scale,
                                     const float* kt, const float* vt, int r_len,
@@ -368,24 +396,11 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
         if (buf == nullptr) continue;
         const int h = (int)(task / a_blocks), r0 = (int)(task % a_blocks) * kAB;
         const int nr = rows - r0 < kAB ? rows - r0 : kAB;
-        float* bo = buf + (int64_t)kAB * d_len;
-        float* bm = bo + (int64_t)kAB * d_len;
-        float* bl = bm + kAB;
-        for (int i = 0; i < nr; ++i) {
-          const int row = r0 + i;
-          const float* src = q + (row / g) * q_stride + (int64_t)(h * g + row % g) * d_len;
-          for (int e = 0; e < d_len; ++e) buf[(int64_t)i * d_len + e] = src[e] * scale;
-        }
-        if (reinterpret_cast<PsTemplateAttendFn>(template_fn)(t_handle, h, buf, d_len, nr, bo, d_len, bm, bl)) {
+        const auto query = [&](int i) { return q + ((r0 + i) / g) * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len; };
+        const auto dst = [&](int i) { return state + ((int64_t)h * rows + r0 + i) * state_floats; };
+        if (template_rows(template_fn, t_handle, h, nr, d_len, scale, buf, query, dst) != 0) {
 #pragma omp atomic write
           status = 6;
-          continue;
-        }
-        for (int i = 0; i < nr; ++i) {
-          float* st = state + ((int64_t)h * rows + r0 + i) * state_floats;
-          std::memcpy(st, bo + (int64_t)i * d_len, sizeof(float) * d_len);
-          st[d_len] = bm[i];
-          st[d_len + 1] = bl[i];
         }
       }
       std::free(buf);  // (the loop's end is a barrier: every state is written before the tiles read it)
@@ -576,26 +591,16 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         const int t0 = (int)((int64_t)n_tiles * b / blocks_per_head), t1 = (int)((int64_t)n_tiles * (b + 1) / blocks_per_head);
         if (template_fn != 0 && th_ptrs != nullptr && th_ptrs[seqs[0]] != 0) {  // the template as matrix products
           const int r0 = t0 * MR, nr = (t1 * MR < rows ? t1 * MR : rows) - r0;
-          float* ro = rows_q + (int64_t)TB * MR * d_len;
-          float* rm = ro + (int64_t)TB * MR * d_len;
-          float* rl = rm + TB * MR;
-          for (int i = 0; i < nr; ++i) {
-            const float* src = q + seqs[(r0 + i) / g] * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len;
-            for (int e = 0; e < d_len; ++e) rows_q[(int64_t)i * d_len + e] = src[e] * scale;
-          }
-          const int code = reinterpret_cast<PsTemplateAttendFn>(template_fn)(
-              reinterpret_cast<const void*>(th_ptrs[seqs[0]]), h, rows_q, d_len, nr, ro, d_len, rm, rl);
-          if (code != 0) {
+          const auto query = [&](int i) {
+            return q + seqs[(r0 + i) / g] * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len;
+          };
+          const auto dst = [&](int i) {
+            return state + ((int64_t)seqs[(r0 + i) / g] * hq + h * g + (r0 + i) % g) * state_floats;
+          };
+          if (template_rows(template_fn, reinterpret_cast<const void*>(th_ptrs[seqs[0]]), h, nr, d_len, scale, rows_q,
+                            query, dst) != 0) {
 #pragma omp atomic write
             status = 6;
-            continue;
-          }
-          for (int i = 0; i < nr; ++i) {
-            const int row = r0 + i;
-            float* st = state + ((int64_t)seqs[row / g] * hq + h * g + row % g) * state_floats;
-            std::memcpy(st, ro + (int64_t)i * d_len, sizeof(float) * d_len);
-            st[d_len] = rm[i];
-            st[d_len + 1] = rl[i];
           }
           continue;
         }
