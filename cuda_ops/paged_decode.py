@@ -56,10 +56,12 @@ def _kernel(interpret: bool):
     import triton
     import triton.language as tl
 
-    # Runtime integers that change with the step (counts) are not specialized on: Triton
-    # otherwise compiles a variant per value class (1, a multiple of 16, other), a stall of a second
-    # in the middle of serving whenever a growing context moves a value into a new class.
-    @triton.jit(do_not_specialize=["num_kv", "num_splits"])
+    # Runtime integers that change with the step (counts, and the row strides of tables whose width
+    # is the step's longest row) are not specialized on: Triton otherwise compiles a variant per
+    # value class (1, a multiple of 16, other), a stall of a second in the middle of serving
+    # whenever a growing context moves a value into a new class (an eager step's block table
+    # reaching 64 blocks wide, say).
+    @triton.jit(do_not_specialize=["stride_bt", "num_kv", "num_splits"])
     def paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, acc_ptr, m_ptr, l_ptr,
         stride_qn, stride_qh,  # q: [N, Hq, D], last stride 1
@@ -115,7 +117,7 @@ def _kernel(interpret: bool):
         tl.store(m_ptr + part * GP + offs_g, m_i)
         tl.store(l_ptr + part * GP + offs_g, l_i)
 
-    @triton.jit(do_not_specialize=["num_kv", "num_splits", "first_split"])
+    @triton.jit(do_not_specialize=["stride_bt", "stride_rows", "num_kv", "num_splits", "first_split"])
     def template_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, rows_ptr, sizes_ptr, blocks_ptr, work_ptr, acc_ptr, m_ptr, l_ptr,
         stride_qn, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_rows,

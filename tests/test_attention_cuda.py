@@ -637,3 +637,23 @@ def test_the_ops_check_their_arguments_once_a_step(make_engine, monkeypatch):
     run_ids(engine, [5, 9, 13, 21, 34], max_tokens=3)
     assert layers >= 2 and len(seen) == 3 * layers  # a prefill step and two decode steps
     assert seen == ([True] + [False] * (layers - 1)) * 3
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_step_varying_integers_are_not_specialized_on():
+    """The decode kernels as compiled for a GPU (not the interpreter) take the integers that change
+    from step to step, the block tables' row strides among them, unspecialized: a value moving into
+    a new class (1, a multiple of 16, other) must not compile a new variant mid-serving."""
+    import subprocess
+    import sys
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+            "from cuda_ops import paged_decode\n"
+            "for k in paged_decode._kernel(False):\n"
+            "    print(sorted(p.name for p in k.params if p.do_not_specialize))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    row, template = out.stdout.splitlines()
+    assert row == str(sorted(["stride_bt", "num_kv", "num_splits"]))
+    assert template == str(sorted(["stride_bt", "stride_rows", "num_kv", "num_splits", "first_split"]))
