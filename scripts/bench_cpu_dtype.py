@@ -11,10 +11,13 @@ TTFT is the wall time of a one-token request (ours: the engine's own TTFT), tok/
 Each (system, round) runs in a fresh child process, the systems in turns, so a noisy machine
 spreads over all of them; the table gives medians over rounds. A system is a dtype, optionally of
 another checkout of this repository (`--baseline PATH`: the same measures with that tree's
-package, for an A/B of one dtype before and after a change). The JSON records the CPU, its
-instruction sets (AMX-BF16, AVX512-BF16, AVX-512, AVX2) and the load.
+package, for an A/B of one dtype before and after a change), or a dtype under environment
+variables (`--system NAME:DTYPE:VAR=VALUE[,VAR=VALUE]`, repeatable: a kernel choice against the
+default in the same turns). The JSON records the CPU, its instruction sets (AMX-BF16,
+AVX512-BF16, AVX-512, AVX2) and the load.
 
     python scripts/bench_cpu_dtype.py --json bench_out/cpu_dtype.json
+    python scripts/bench_cpu_dtype.py --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm
     python scripts/bench_cpu_dtype.py --dtypes float32 --baseline /tmp/before --json bench_out/ab.json
     python scripts/bench_cpu_dtype.py --vllm-dtypes bfloat16,float32 --json bench_out/cpu_dtype_vllm.json
 """
@@ -117,6 +120,21 @@ def workload_ids(path: Path, rounds: int, per_round: int) -> None:
 
 
 
+def parse_system(spec: str) -> tuple[str, str, str, dict[str, str]]:
+    """--system NAME:DTYPE:VAR=VALUE[,VAR=VALUE] as a system of this checkout; exits naming the
+    problem when the spec is malformed."""
+    parts = spec.split(":", 2)
+    if len(parts) != 3 or not parts[0] or parts[1] not in ("float32", "bfloat16"):
+        sys.exit(f"--system {spec!r}: NAME:DTYPE:VAR=VALUE[,VAR=VALUE] with DTYPE float32 or bfloat16 is needed")
+    variables = {}
+    for item in parts[2].split(","):
+        var, eq, value = item.partition("=")
+        if not var or not eq:
+            sys.exit(f"--system {spec!r}: {item!r} is not VAR=VALUE")
+        variables[var] = value
+    return parts[0], str(REPO), parts[1], variables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -125,6 +143,8 @@ def main() -> None:
     ap.add_argument("--singles", type=int, default=5, help="single requests per round (TTFT median)")
     ap.add_argument("--concurrency", default="16,64")
     ap.add_argument("--vllm-dtypes", default="", help="vLLM systems, e.g. bfloat16,float32 (make bench-peers)")
+    ap.add_argument("--system", action="append", default=[], metavar="NAME:DTYPE:VAR=VALUE[,VAR=VALUE]",
+                    help="one more system: DTYPE with these environment variables (repeatable)")
     ap.add_argument("--model", help="a model directory instead of the default model (prepare-model)")
     ap.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                     help="dummy: random weights from --model's config.json (a host without the model's weights; "
@@ -143,9 +163,14 @@ def main() -> None:
     if args.vllm_child:
         vllm_child(args)
         return
-    systems = [(d, str(REPO), d) for d in args.dtypes.split(",")]
+    # (name, package checkout or "vllm", dtype, environment variables it runs under)
+    systems: list[tuple[str, str, str, dict[str, str]]] = [(d, str(REPO), d, {}) for d in args.dtypes.split(",")]
     if args.baseline:
-        systems = [(f"base-{d}", args.baseline, d) for d in args.dtypes.split(",")] + systems
+        systems = [(f"base-{d}", args.baseline, d, {}) for d in args.dtypes.split(",")] + systems
+    for spec in args.system:
+        systems.append(parse_system(spec))
+    if len({name for name, *_ in systems}) != len(systems):
+        sys.exit(f"system names must differ: {[name for name, *_ in systems]}")
     vllm_dtypes = [d for d in args.vllm_dtypes.split(",") if d]
     ids_file = Path(tempfile.mkdtemp()) / "ids.json"
     if vllm_dtypes:
@@ -155,13 +180,13 @@ def main() -> None:
         if python is None:
             sys.exit(why)
         workload_ids(ids_file, args.rounds, 2 + args.singles + sum(args.concurrency))
-        systems += [(f"vllm-{d}", "vllm", d) for d in vllm_dtypes]
+        systems += [(f"vllm-{d}", "vllm", d, {}) for d in vllm_dtypes]
     sys.path.insert(0, str(REPO))
     from prefix_service.bench.main import child_result, machine_info
     info = machine_info()
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in systems}
+    runs: dict[str, list[dict]] = {name: [] for name, *_ in systems}
     for r in range(args.rounds):
-        for name, repo, dtype in systems:
+        for name, repo, dtype, variables in systems:
             common = ["--round", str(r), "--singles", str(args.singles), "--concurrency",
                       ",".join(map(str, args.concurrency)), "--load-format", args.load_format]
             if args.model:
@@ -172,6 +197,7 @@ def main() -> None:
                 env = server_env(python)
             else:
                 cmd = [sys.executable, __file__, "--child", dtype, "--repo", repo, *common]
+                env = {**os.environ, **variables} if variables else None
             runs[name].append(child_result(cmd, env, f"{name} (round {r})"))
             print(f"round {r} {name}: {runs[name][-1]['backend']}", file=sys.stderr)
     keys = ["ttft_ms"] + [f"tok_s_{n}" for n in args.concurrency] + ["template_warmup_ms"]
@@ -186,8 +212,11 @@ def main() -> None:
         print(f"| {name} | " + " | ".join("-" if row[k] is None else f"{row[k]:.1f}" for k in keys) + " |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "medians": table, "runs": runs,
-                                               "date": time.strftime("%Y-%m-%d")}, indent=2))
+        described = {name: {"dtype": dtype, "checkout": repo, "environment": variables}
+                     for name, repo, dtype, variables in systems}
+        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "systems": described,
+                                               "medians": table, "runs": runs, "date": time.strftime("%Y-%m-%d")},
+                                              indent=2))
 
 
 if __name__ == "__main__":

@@ -87,11 +87,8 @@ step cpubf16 420 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= t
       --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done; done
   for threads in 16 2; do echo "--- bench_cpu_dtype, $threads threads"
     OMP_NUM_THREADS=$threads python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
-      --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json
-    echo "--- bench_cpu_dtype, $threads threads, bf16 with the template attention as matrix products"
-    OMP_NUM_THREADS=$threads PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm python3 scripts/bench_cpu_dtype.py \
-      ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --dtypes bfloat16 --rounds 1 --singles 3 \
-      --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_matrix_t$threads.json; done'
+      --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm \
+      --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json; done'
 step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
   python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"
   for run in "bfloat16 default" "bfloat16 active" "bfloat16 passive" "float32 default"; do set -- $run; echo "--- $1, OMP_WAIT_POLICY=$2"

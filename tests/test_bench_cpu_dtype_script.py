@@ -1,0 +1,60 @@
+"""scripts/bench_cpu_dtype.py on a tiny model's shape (random weights): each system runs in its
+own child with its dtype and environment, the table and JSON agree, and a malformed --system is
+refused with a message that names it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefix_service import synthetic as models
+from prefix_service.backends.cpu import linear, native
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_dtype.py"
+REASON = native.load()[1] or linear.available(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory, tokenizer_dir):
+    """A config and tokenizer with a context long enough for the intent template (no weights)."""
+    return models.build_config_only(tmp_path_factory.mktemp("dtype") / "llama", tokenizer_dir, "llama",
+                                    max_position_embeddings=4096)
+
+
+def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no cpu backend in bfloat16 here: {REASON}")
+def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_path):
+    out = tmp_path / "dtype.json"
+    proc = run("--model", str(long_context_dir), "--load-format", "dummy", "--dtypes", "float32",
+               "--system", "bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm",
+               "--rounds", "1", "--singles", "1", "--concurrency", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["systems"] == {
+        "float32": {"dtype": "float32", "checkout": str(SCRIPT.parent.parent), "environment": {}},
+        "bf16-matrix": {"dtype": "bfloat16", "checkout": str(SCRIPT.parent.parent),
+                        "environment": {"PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION": "brgemm"}}}
+    (f32,), (bf16,) = data["runs"]["float32"], data["runs"]["bf16-matrix"]
+    assert "bf16" not in f32["backend"]
+    assert "bf16 KV cache" in bf16["backend"] and "template attention as bf16 matrix products" in bf16["backend"]
+    for name, run_ in data["runs"].items():
+        row = data["medians"][name]
+        assert row["ttft_ms"] == run_[0]["ttft_ms"] > 0 and row["tok_s_2"] == run_[0]["tok_s_2"] > 0
+        assert f"| {name} | {row['ttft_ms']:.1f} |" in proc.stdout
+
+
+@pytest.mark.parametrize("spec,problem", [
+    ("bf16:int8:A=1", "DTYPE float32 or bfloat16 is needed"),
+    ("bf16:bfloat16:A", "'A' is not VAR=VALUE"),
+    ("float32:float32:A=1", "system names must differ"),
+])
+def test_a_malformed_system_is_refused(spec, problem):
+    proc = run("--dtypes", "float32", "--system", spec, timeout=120)
+    assert proc.returncode != 0 and problem in proc.stderr
