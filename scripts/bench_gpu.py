@@ -10,8 +10,13 @@ Measures, in one run:
     (the Triton paged kernel under CUDA graphs and eagerly, gather + SDPA: an engine each; TTFT on
     the first).
 Prints a table and writes JSON (--json). `--device cpu --shape tiny` is a smoke run of the script.
+`--trace DIR` also records, for each way to decode, its first timed batch on the template under
+torch's profiler (host threads and, on a GPU, its kernels) as a Chrome trace in DIR
+(`trace_<way>.json`, open in Perfetto), and prints that batch's busiest host operators: where
+an eager step's time goes beside the GPU's.
 
     python scripts/bench_gpu.py --json bench_out/gpu.json
+    python scripts/bench_gpu.py --decode-batches 1 --trace bench_out/traces
 """
 from __future__ import annotations
 
@@ -121,6 +126,25 @@ def run_batch(engine: Engine, reqs: list[GenerateRequest]) -> dict:
             "decode_tok_s": decode_tokens / (t_end - t_all_first) if t_end > t_all_first else float("nan")}
 
 
+def traced(engine: Engine, reqs: list[GenerateRequest], path: Path) -> dict:
+    """run_batch under torch's profiler (every thread's operators, and the GPU's kernels where there
+    is one): its Chrome trace to `path`, its busiest host operators printed."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:  # the engine steps on a thread of its own, started before the profiler
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without it records the calling thread's operators only
+        config = None
+    with profile(activities=activities, experimental_config=config) as prof:
+        run = run_batch(engine, reqs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    busiest = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+    print(f"trace {path}: busiest host operators (self ms over the batch): "
+          + "; ".join(f"{e.key} {e.self_cpu_time_total / 1e3:.1f}" for e in busiest), flush=True)
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -130,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--kv-cache-memory", default="auto", help="cache.kv_cache_memory of each engine (auto: the GPU's)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--trace", type=Path, help="write a profiler trace of each way's first timed batch here")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -215,7 +240,11 @@ def bench(engine: Engine, args, ceilings: dict, dtype, batches: list[int], impl_
         # warm-up: this batch size's kernels compiled and libraries' plans made for the contexts timed below
         run_batch(engine, [request(-3 - k, True, args.decode_tokens) for k in range(b)])
         for with_prefix in (True, False):
-            run = run_batch(engine, [request(k, with_prefix, args.decode_tokens) for k in range(b)])
+            reqs = [request(k, with_prefix, args.decode_tokens) for k in range(b)]
+            if args.trace is not None and not decode and with_prefix:
+                run = traced(engine, reqs, args.trace / f"trace_{impl_name}.json")
+            else:
+                run = run_batch(engine, reqs)
             decode.append({"decode_impl": impl_name, "batch": b, "with_prefix": with_prefix,
                            "decode_tok_s": run["decode_tok_s"], "ttft_p50_ms": statistics.median(run["ttft_ms"])})
             print(f"decode {impl_name} batch {b} prefix={with_prefix}: {run['decode_tok_s']:.0f} tok/s", flush=True)

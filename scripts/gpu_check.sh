@@ -9,7 +9,9 @@
 #   bash scripts/gpu_check.sh OUT_DIR [BUDGET_S] [STEP ...]
 #
 # STEP: info build tests probe ops cpu engine sanitizer (default: all, in that order); also
-# profile (where a Llama-3-8B-shaped decode step's time goes on the GPU), cpuprofile (the same for
+# trace (bench_gpu.py's one-sequence decode under torch's profiler, a Chrome trace per way to
+# decode: the host's share of an eager step), profile (where a Llama-3-8B-shaped decode step's
+# time goes on the GPU), cpuprofile (the same for
 # the cpu backend in each dtype on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
 # CPU tests, where the host has AMX on its brgemm kernel, then each linear kernel's cost per call,
@@ -69,6 +71,7 @@ step ops 60 python3 scripts/bench_cuda_ops.py --iters 10 --json "$LOGS/cuda_ops.
 CPU_MODEL=${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy}
 step cpu 120 python3 scripts/bench_cpu_dtype.py $CPU_MODEL --rounds 1 --singles 3 --concurrency 16,64 --json "$LOGS/cpu_dtype.json"
 step engine 180 python3 scripts/bench_gpu.py --requests ${GPU_REQUESTS:-5} --decode-tokens ${GPU_DECODE_TOKENS:-32} --json "$LOGS/gpu.json"
+step trace 150 python3 scripts/bench_gpu.py --requests 2 --decode-batches 1 --decode-tokens 8 --trace "$LOGS/traces"
 step profile 180 bash -c 'set -e; L=$(mktemp -d)
   python3 -c "import sys; from pathlib import Path; from prefix_service.synthetic import LLAMA3_8B, build_config_only, build_tokenizer
 build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1]) / \"tok\"), \"llama\", **LLAMA3_8B)" "$L"

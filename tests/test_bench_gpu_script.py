@@ -15,3 +15,17 @@ def test_bench_gpu_smoke_on_cpu(tmp_path):
     assert all(t["ttft_p50_ms"] > 0 and t["roofline_ms"] > 0 for t in r["ttft"])
     assert {(d["batch"], d["with_prefix"]) for d in r["decode"]} == {(1, True), (1, False), (3, True), (3, False)}
     assert all(d["decode_tok_s"] > 0 for d in r["decode"])
+
+
+def test_bench_gpu_traces_each_ways_first_batch(tmp_path):
+    """--trace: each way to decode writes a Chrome trace of its first timed batch, with the
+    engine's operators in it."""
+    bench = load_script("bench_gpu")
+    traces = tmp_path / "traces"
+    assert bench.main(["--device", "cpu", "--shape", "tiny", "--requests", "1", "--decode-batches", "1",
+                       "--decode-tokens", "4", "--trace", str(traces)]) == 0
+    files = sorted(traces.glob("trace_*.json"))
+    assert files
+    for f in files:
+        events = json.loads(f.read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events)
