@@ -48,10 +48,11 @@ def test_packed_template_holds_the_blocks_in_the_kernels_layout(n_blocks):
 
 
 @needs_native
-def test_packed_template_for_matrix_attention_also_holds_each_layer_in_bf16():
-    """matrix=True (a bfloat16 cache): each layer's K/V are also packed for the matrix-product
-    template attention, its handle the third pointer, its bytes counted; it attends over exactly
-    the template's blocks (its state equals that of a copy packed from the gathered K/V)."""
+def test_packed_template_for_matrix_attention_holds_each_layer_in_bf16_only():
+    """matrix=True (a bfloat16 cache): each layer's K/V are packed for the matrix-product template
+    attention instead of in float32, its handle every pointer, its bytes the only ones counted; it
+    attends over exactly the template's blocks (its state equals that of a copy packed from the
+    gathered K/V)."""
     from prefix_service.backends.cpu import onednn
     g = torch.Generator().manual_seed(3)
     hkv, d, bs = 2, 16, 4
@@ -59,11 +60,13 @@ def test_packed_template_for_matrix_attention_also_holds_each_layer_in_bf16():
               for _ in range(2)]
     blocks = [6, 2, 9]
     packed = PackedTemplate(layers, blocks, matrix=True)
-    plain = 2 * 2 * len(blocks) * bs * hkv * d * 4  # the float32 copies
-    assert packed.nbytes == plain + sum(m.nbytes for m in packed.matrix) and all(m.nbytes > 0 for m in packed.matrix)
+    assert packed.layers == [] and packed.nbytes == sum(m.nbytes for m in packed.matrix)
+    assert all(m.nbytes > 0 for m in packed.matrix)
+    with pytest.raises(ValueError, match="matrix-product attention only"):
+        packed.layer(0)
     q = torch.randn(5, d, generator=g)
     for index, (k_cache, v_cache) in enumerate(layers):
-        assert packed.pointers[index, 2].item() == packed.matrix[index].handle != 0
+        assert packed.pointers[index].tolist() == [packed.matrix[index].handle] * 3 and packed.matrix[index].handle
         alone = onednn.OneDnnTemplate(k_cache[blocks].flatten(0, 1), v_cache[blocks].flatten(0, 1))
         for h in range(hkv):
             for got, want in zip(packed.matrix[index].attend(h, q), alone.attend(h, q)):

@@ -5,9 +5,9 @@ which do not change while the template is pinned. Packed once when it is pinned 
 16 keys, V as rows, per KV head: attention.pack_keys / pack_values), they are read by every
 prefill and decode on it without gathering them through the block table.
 
-A bfloat16 model may also attend over it with matrix products in bf16 (onednn.template_attention()
-"brgemm": the template part through oneDNN's micro-kernel, AMX tiles where the CPU has
-them); the template's K/V are then packed a third time, in bf16, for that.
+A bfloat16 model may instead attend over it with matrix products in bf16 (onednn.template_attention()
+"brgemm": the template part through oneDNN's micro-kernel, AMX tiles where the CPU has them); the
+template's K/V are then packed once in bf16 for that, half the float32 copy's bytes.
 
 Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory (reported
 as kv_stats()["packed_template_bytes"] and the metric prefix_service_packed_template_bytes), and the
@@ -24,10 +24,11 @@ from prefix_service.backends.cpu.onednn import OneDnnTemplate
 class PackedTemplate:
     """The first `num_blocks` (full) blocks of a template, R = num_blocks * block_size tokens, per
     layer: K panels [Hkv, R/16, D, 16] and V rows [Hkv, R, D], float32 whatever the cache holds;
-    with `matrix` (a bfloat16 cache), also each layer's K/V packed for the matrix-product template
-    attention (onednn.OneDnnTemplate). `pointers` [layers, 3] int64 holds the addresses
-    of the K panels, the V rows and the OneDnnTemplate handle (0 without), as the decoder stack
-    reads them."""
+    with `matrix` (a bfloat16 cache), instead each layer's K/V packed in bf16 for the
+    matrix-product template attention (onednn.OneDnnTemplate), the only copy the attention then
+    reads. `pointers` [layers, 3] int64, as the decoder stack reads them: the K panels', the V
+    rows' and 0; with `matrix`, the OneDnnTemplate's handle three times (the first two only name
+    the template, which the decode kernel groups its rows by)."""
 
     def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int],
                  matrix: bool = False) -> None:
@@ -51,6 +52,7 @@ class PackedTemplate:
                 vb = v_cache[first:first + self.num_blocks] if run else v_cache.index_select(0, idx)
                 self.matrix.append(OneDnnTemplate(kb.flatten(0, 1), vb.flatten(0, 1)))
                 self.nbytes += self.matrix[-1].nbytes
+                continue
             # [R, Hkv, D] as float32, which the kernels read (a bfloat16 cache widens exactly)
             if run:
                 k = k_cache[first:first + self.num_blocks].flatten(0, 1).float()
@@ -60,11 +62,14 @@ class PackedTemplate:
                 v = v_cache.index_select(0, idx).flatten(0, 1).float()
             self.layers.append((pack_keys(k), pack_values(v)))
             self.nbytes += 2 * k.numel() * k.element_size()
-        self.pointers = torch.tensor([[kp.data_ptr(), vp.data_ptr(), self.matrix[i].handle if self.matrix else 0]
-                                      for i, (kp, vp) in enumerate(self.layers)], dtype=torch.int64)
+        rows = ([[m.handle] * 3 for m in self.matrix] if matrix
+                else [[kp.data_ptr(), vp.data_ptr(), 0] for kp, vp in self.layers])
+        self.pointers = torch.tensor(rows, dtype=torch.int64)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Layer `index`'s (K panels, V rows, R): a template as the attention kernels take it, called one at a
         time (tests/native_harness.py); the decoder stack reads `pointers` instead."""
+        if self.matrix:
+            raise ValueError("this template is packed for the matrix-product attention only (OneDnnTemplate)")
         k, v = self.layers[index]
         return k, v, self.num_tokens

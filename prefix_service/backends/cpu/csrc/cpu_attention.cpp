@@ -494,7 +494,8 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // in a per-thread buffer. A row's arithmetic is the same whatever rows share its tile.
 // template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
 // on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
-// with the same rows per task; its state goes where the native pass puts its own.
+// with the same rows per task; its state goes where the native pass puts its own. kt_ptrs[n] then
+// only names the template (the rows are grouped by it) and is not read.
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride,
                                    int n_seq, int hq, int hkv, int d_len, float scale,
                                    void* k_cache, void* v_cache, int block_size,

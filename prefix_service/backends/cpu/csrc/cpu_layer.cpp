@@ -161,7 +161,8 @@ extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv
 // rows pre_stride apart, pre_width wide). templates: null, or [n_dec + n_pre][layers][3] = the
 // packed template's K panels and V rows of each sequence's layer (0: none), and its handle for
 // template_fn (0: none; a row's template part then runs there, see ps_decode_attention and
-// ps_prefill_attention; 0 template_fn: the native kernels throughout). slots: each row's cache
+// ps_prefill_attention, and the first two only name the template; 0 template_fn: the native
+// kernels throughout). slots: each row's cache
 // slot. scratch: ps_stack_scratch_floats(...) floats, 64-byte aligned, for every intermediate (kept by
 // the caller from step to step, so a step allocates no activation memory). Returns 0 or the first
 // failing kernel's status (native.py's STATUS names them).
