@@ -223,7 +223,9 @@ def test_bf16_stack_gives_the_kernel_by_kernel_forward_with_rounded_kv(make_engi
     """Every step of a mixed workload (test_cpu_stack's) runs kernel by kernel first, from a copy
     of the bfloat16 cache, with the new K/V rounded to bf16 after the rotation, then through the
     stack: the same hidden states and cache, bit for bit. Without that rounding the forward differs
-    (the stack's rounding is what the comparison sees)."""
+    (the stack's rounding is what the comparison sees). The native template attention, whose
+    float32 template layout the kernel-by-kernel forward reads."""
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "native")
     engine = make_engine(model_dirs[which], num_blocks=160, max_num_batched_tokens=24, dtype="bfloat16",
                          backend="cpu")
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in engine._core.backend.kv_layers)
