@@ -44,7 +44,7 @@ import torch
 from prefix_service.backends.cpu import native
 
 SOURCES = (native.CSRC / "onednn_linear.cpp", native.CSRC / "onednn_attention.cpp")
-HEADERS = (native.CSRC / "simd.h",)  # included by the sources: part of the build's key
+HEADERS = (native.CSRC / "simd.h", native.CSRC / "onednn_error.h")  # the sources' includes: part of the build's key
 # -fopenmp: at::parallel_for is a header that splits work over torch's OpenMP threads only where the
 # including code is compiled with OpenMP; without it the brgemm kernel ran on one thread.
 # -march=native: the brgemm kernel's own loops (rounding x to bf16, the bias and bf16 rounding of
@@ -89,8 +89,8 @@ def _torch_flags() -> tuple[list[str], list[str]]:
 
 
 def build(cxx: str) -> Path:
-    """csrc/onednn_linear.cpp compiled against this torch (native.compile_library); its key also
-    covers the torch build (version, ABI, location)."""
+    """SOURCES compiled against this torch (native.compile_library); its key also covers the
+    torch build (version, ABI, location) and the sources' headers."""
     cflags, ldflags = _torch_flags()
     return native.compile_library(cxx, "prefix_service_onednn", SOURCES, (*FLAGS, *cflags), tuple(ldflags),
                                   (torch.__version__.encode(), *(h.read_bytes() for h in HEADERS)), OneDnnBuildError)
@@ -243,8 +243,8 @@ class OneDnnTemplate:
 
     `attend(h, q)` gives, for query rows q [rows, D] float32 (each query times the attention scale)
     over KV head h, each row's softmax state after the template's R keys: (o [rows, D] unnormalised
-    output, m [rows] maximum score, l [rows] sum of exponentials). `handle` and `attend_fn()` let
-    native code make the same call."""
+    output, m [rows] maximum score, l [rows] sum of exponentials). `handle` and
+    `template_attend_fn()` let native code make the same call."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if (k.dim() != 3 or k.shape != v.shape or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16

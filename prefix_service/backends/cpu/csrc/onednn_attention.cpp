@@ -28,14 +28,12 @@
 #include <string>
 #include <vector>
 
+#include "onednn_error.h"
 #include "simd.h"
-
-namespace ps_onednn {
-extern thread_local std::string last_error;  // onednn_linear.cpp
-}
 
 namespace {
 
+using ps_onednn::guarded;
 using ps_onednn::last_error;
 
 std::atomic<int64_t> attend_calls{0};  // ps_onednn_template_attend's calls, for ps_onednn_template_calls
@@ -146,7 +144,7 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
                  std::to_string(row_stride) + (k == nullptr || v == nullptr ? ", a null k or v" : "");
     return nullptr;
   }
-  try {
+  return guarded<void*>("ps_onednn_template_pack", nullptr, [&]() -> void* {
     c10::InferenceMode guard;
     auto t = std::make_unique<TemplateKV>();
     t->r_len = r_len;
@@ -179,12 +177,7 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
       t->v = vt;
     }
     return t.release();
-  } catch (const c10::Error& e) {
-    last_error = std::string("ps_onednn_template_pack: ") + e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    last_error = std::string("ps_onednn_template_pack: ") + e.what();
-  }
-  return nullptr;
+  });
 }
 
 // Rows [0, rows) of q (float32, rows q_stride apart; each the query times the attention scale) over
@@ -204,16 +197,11 @@ extern "C" int ps_onednn_template_attend(const void* handle, int h, const float*
                                      std::to_string(ld_o) + " for d " + std::to_string(t->d));
     return 6;
   }
-  try {
+  return guarded("ps_onednn_template_attend", 6, [&] {
     attend(*t, h, q, q_stride, rows, o, ld_o, m, l);
     attend_calls.fetch_add(1, std::memory_order_relaxed);
     return 0;
-  } catch (const c10::Error& e) {
-    last_error = std::string("ps_onednn_template_attend: ") + e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    last_error = std::string("ps_onednn_template_attend: ") + e.what();
-  }
-  return 6;
+  });
 }
 
 // How many calls of ps_onednn_template_attend have succeeded in this process.

@@ -48,12 +48,15 @@
 #include <string>
 #include <vector>
 
+#include "onednn_error.h"
+
 namespace ps_onednn {
-thread_local std::string last_error;  // also onednn_attention.cpp's
+thread_local std::string last_error;  // also onednn_attention.cpp's (onednn_error.h)
 }
 
 namespace {
 
+using ps_onednn::guarded;
 using ps_onednn::last_error;
 
 // the `kernel` argument of ps_onednn_pack for a bf16 weight
@@ -254,7 +257,7 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     last_error = "ps_onednn_pack: kernel " + std::to_string(kernel) + " is none of 0 (native), 1 (emulated), 2 (brgemm)";
     return nullptr;
   }
-  try {
+  return guarded<void*>("ps_onednn_pack", nullptr, [&]() -> void* {
     c10::InferenceMode guard;
     auto p = std::make_unique<Packed>();
     p->n = n;
@@ -281,12 +284,7 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
       p->bias = b;
     }
     return p.release();
-  } catch (const c10::Error& e) {
-    last_error = std::string("ps_onednn_pack: ") + e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    last_error = std::string("ps_onednn_pack: ") + e.what();
-  }
-  return nullptr;
+  });
 }
 
 // y[m][n] (rows ldy floats apart) = x[m][k] (rows ldx floats apart) W^T (+ bias). 0, or 5 on a
@@ -304,16 +302,11 @@ extern "C" int ps_onednn_linear(const void* handle, const float* x, int64_t ldx,
                                     (x == nullptr || y == nullptr ? ", a null x or y" : "");
     return 5;
   }
-  try {
+  return guarded("ps_onednn_linear", 5, [&] {
     c10::InferenceMode guard;
     run(*p, x, m > 1 ? ldx : p->k, m, y, m > 1 ? ldy : p->n);
     return 0;
-  } catch (const c10::Error& e) {
-    last_error = std::string("ps_onednn_linear: ") + e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    last_error = std::string("ps_onednn_linear: ") + e.what();
-  }
-  return 5;
+  });
 }
 
 extern "C" void ps_onednn_free(void* handle) {
