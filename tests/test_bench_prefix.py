@@ -12,8 +12,8 @@ pytest.importorskip("matplotlib")
 
 SYSTEMS = {"engine_prefix", "engine_no_prefix", "hf_generate", "hf_prompt_cache", "hf_generate_batch",
            "grpc_prefix", "grpc_no_prefix"}
-RECORD_KEYS = {"system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-               "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "max_qps_under_slo", "peak_kv_blocks"}
+RECORD_KEYS = {"system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "engine_ttft_p50_ms",
+               "ttft_outside_engine_p50_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "max_qps_under_slo", "peak_kv_blocks"}
 
 
 def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
@@ -41,6 +41,11 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
         assert r["num_failed"] == 0, r
         assert r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["e2e_p99_ms"] >= r["e2e_p50_ms"]
         assert (r["peak_kv_blocks"] is not None) == r["system"].startswith("engine_")
+        # our systems report the engine's own TTFT; the client's holds it (the rest is outside the engine)
+        ours = r["system"].startswith(("engine_", "grpc_"))
+        assert (r["engine_ttft_p50_ms"] is not None) == ours == (r["ttft_outside_engine_p50_ms"] is not None), r
+        if ours:
+            assert 0 < r["engine_ttft_p50_ms"] <= r["ttft_p99_ms"] and r["ttft_outside_engine_p50_ms"] >= 0, r
     by_mode = {m: {(r["system"], r["workload"]) for r in records if r["mode"] == m}
                for m in ("single", "closed_loop", "open_loop")}
     assert {s for s, w in by_mode["single"] if w == "intent"} == SYSTEMS
@@ -62,6 +67,19 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "engine_prefix" in printed and "targets" in printed and "skipped vllm_apc: no vLLM environment" in printed
+
+
+def test_the_time_outside_the_engine_is_a_median_of_each_requests_difference():
+    from prefix_service.bench.metrics import Timing, summarize
+    # client TTFTs 100, 50, 300 ms; the engine's 90, 20, 295: outside it 10, 30, 5 ms (median 10),
+    # not the medians' difference (100 - 90); a request without the engine's figure counts in neither
+    timings = [Timing(start=0.0, first=f, end=1.0, output_tokens=2, engine_ttft_ms=e)
+               for f, e in ((0.1, 90.0), (0.05, 20.0), (0.3, 295.0))]
+    timings.append(Timing(start=0.0, first=0.2, end=1.0, output_tokens=2))
+    record = summarize(timings, wall_s=1.0)
+    assert (record["engine_ttft_p50_ms"], record["ttft_outside_engine_p50_ms"]) == (90.0, 10.0)
+    assert record["ttft_p50_ms"] == 150.0  # every request's client TTFT: 50, 100, 200, 300
+    assert summarize(timings[3:], wall_s=1.0)["ttft_outside_engine_p50_ms"] is None
 
 
 def test_closed_loop_request_counts():

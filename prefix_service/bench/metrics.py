@@ -2,7 +2,10 @@
 
 Every time is `time.perf_counter()` in the benchmark process, taken by the client: `start` just
 before the request is handed to the system (so queueing inside the system counts), `first` when
-the first generated token reaches the client, `end` when the last one does.
+the first generated token reaches the client, `end` when the last one does. Our own systems also
+report the engine's TTFT of each request (its admission by the engine to its first sampled token:
+`RequestOutput.ttft_ms`, the gRPC answer's `usage.ttft_ms`); the client's TTFT less it is the time the
+request spent outside the engine (submission, and for gRPC the front end and the transport).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ class Timing:
     end: float | None = None
     output_tokens: int = 0
     error: str | None = None  # set when the request failed or was cut off (open loop)
+    engine_ttft_ms: float | None = None  # the engine's own TTFT, where the system reports it
 
     def add_tokens(self, count: int, at: float) -> None:
         """`count` streamed tokens arrived at `at`; the first arrival with any is the first token."""
@@ -32,6 +36,12 @@ class Timing:
     @property
     def ttft_ms(self) -> float | None:
         return None if self.first is None else (self.first - self.start) * 1000
+
+    @property
+    def ttft_outside_engine_ms(self) -> float | None:
+        """The client's TTFT less the engine's: the first token's time outside the engine."""
+        ttft = self.ttft_ms
+        return None if ttft is None or self.engine_ttft_ms is None else ttft - self.engine_ttft_ms
 
     @property
     def e2e_ms(self) -> float | None:
@@ -62,12 +72,16 @@ def summarize(timings: list[Timing], wall_s: float) -> dict:
     ttft = [t.ttft_ms for t in done if t.ttft_ms is not None]
     tpot = [t.tpot_ms for t in done if t.tpot_ms is not None]
     e2e = [t.e2e_ms for t in done if t.e2e_ms is not None]  # every one: a done request has ended
+    engine_ttft = [t.engine_ttft_ms for t in done if t.engine_ttft_ms is not None]
+    outside = [x for x in (t.ttft_outside_engine_ms for t in done) if x is not None]
     out_tokens = sum(t.output_tokens for t in done)
     return {
         "num_requests": len(timings),
         "num_failed": len(timings) - len(done),
         "ttft_p50_ms": _round(percentile(ttft, 50)),
         "ttft_p99_ms": _round(percentile(ttft, 99)),
+        "engine_ttft_p50_ms": _round(percentile(engine_ttft, 50)),  # None: the system reports none
+        "ttft_outside_engine_p50_ms": _round(percentile(outside, 50)),
         "tpot_p50_ms": _round(percentile(tpot, 50)),
         "e2e_p50_ms": _round(percentile(e2e, 50)),
         "e2e_p99_ms": _round(percentile(e2e, 99)),

@@ -44,6 +44,7 @@ class EngineSystem(System):
             timing.add_tokens(len(out.token_ids), t)
             if out.finished:
                 timing.end = t
+                timing.engine_ttft_ms = out.ttft_ms
                 if out.error is not None:
                     timing.error = f"{type(out.error).__name__}: {out.error}"
                 done.set()

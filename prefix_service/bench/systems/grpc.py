@@ -128,6 +128,7 @@ class GrpcSystem(System):
                 timing.add_tokens(len(msg.token_ids), t)
                 if msg.finish_reason:
                     timing.end = t
+                    timing.engine_ttft_ms = msg.usage.ttft_ms or None  # 0: no token was sampled
                     self._check_usage(workload, req, msg.usage, by_name)
         except grpc.RpcError as e:
             timing.error = f"{e.code().name}: {e.details()}"
