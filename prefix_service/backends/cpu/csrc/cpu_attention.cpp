@@ -280,7 +280,8 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 // l_len + kn_len) floats, 64-byte aligned, that the call may overwrite. template_fn (not 0) with
 // t_handle (not null, the same template packed for it): segment A runs there instead (a
 // PsTemplateAttendFn), per KV head and block of 30 query rows, before the tiles carry on from each
-// row's state over segment B; 6 when it fails.
+// row's state over segment B; 6 when it fails. Its rows and states live in buffers each thread keeps
+// from call to call (GrownBuffer), not in scratch.
 extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
   const int64_t panels = (c_len + KP - 1) / KP;
   const int64_t kb = (int64_t)hkv * panels * d_len * KP + KP;  // a multiple of 16: 64-byte aligned
@@ -297,6 +298,29 @@ using PsTemplateAttendFn = int (*)(const void* handle, int h, const float* q, in
 
 #if defined(PS_SIMD)
 namespace {
+// A buffer of one thread's, grown and never shrunk: the matrix-product template path's rows and
+// states, so that once a thread has served its largest step, a call allocates nothing (OpenMP's
+// workers persist across calls). Null when out of memory.
+struct GrownBuffer {
+  float* data = nullptr;
+  int64_t floats = 0;
+  GrownBuffer() = default;
+  GrownBuffer(const GrownBuffer&) = delete;
+  GrownBuffer& operator=(const GrownBuffer&) = delete;
+  ~GrownBuffer() { std::free(data); }
+  float* at_least(int64_t count) {
+    if (count > floats) {
+      std::free(data);
+      const int64_t rounded = (count + KP - 1) / KP * KP;  // 64 bytes a multiple of, as aligned_alloc wants
+      data = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * rounded));
+      floats = data != nullptr ? rounded : 0;
+    }
+    return data;
+  }
+};
+thread_local GrownBuffer template_states;  // a prefill's rows' states after the template (the calling thread's)
+thread_local GrownBuffer template_row_buf;  // one task's rows: queries, outputs, maxima, sums (each thread's)
+
 // n rows over KV head h of a template through template_fn: row i's query at query(i) (times
 // scale), its state written to state(i) (D floats of unnormalised output, its maximum, its sum).
 // buf: n (2 D + 2) floats. 0, or the call's nonzero status.
@@ -375,7 +399,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   constexpr int kAB = 5 * MR;
   const bool matrix = r_len > 0 && template_fn != 0 && t_handle != nullptr;
   const int64_t state_floats = d_len + 2;
-  float* state = matrix ? static_cast<float*>(std::malloc(sizeof(float) * hkv * (int64_t)rows * state_floats)) : nullptr;
+  float* state = matrix ? template_states.at_least(hkv * (int64_t)rows * state_floats) : nullptr;
   if (matrix && state == nullptr) {
     std::free(owned);
     return 3;
@@ -386,7 +410,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   {
     if (slots != nullptr) store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, kc, vc, slot_floats);
     if (matrix) {
-      float* buf = static_cast<float*>(std::malloc(sizeof(float) * kAB * (2 * (int64_t)d_len + 2)));
+      float* buf = template_row_buf.at_least(kAB * (2 * (int64_t)d_len + 2));
       if (buf == nullptr) {
 #pragma omp atomic write
         status = 3;
@@ -403,7 +427,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
           status = 6;
         }
       }
-      std::free(buf);  // (the loop's end is a barrier: every state is written before the tiles read it)
+      // (the loop's end is a barrier: every state is written before the tiles read it)
     }
     alignas(64) float widened[KP * MAX_D];  // a panel's cached keys, widened from a bf16 cache
 #pragma omp for schedule(static)
@@ -467,7 +491,6 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
     }
   }
   std::free(owned);
-  std::free(state);
   return status;
 #endif
 }
@@ -574,8 +597,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
     if (n_groups > 0) {  // A: templates, read once per (KV head, block of tiles)
       Tile* block = new (std::nothrow) Tile[TB];
       // the template_fn path's rows of one task (at most TB tiles): queries, outputs, maxima, sums
-      float* rows_q = template_fn != 0 ? static_cast<float*>(std::malloc(sizeof(float) * TB * MR * (2 * d_len + 2)))
-                                       : nullptr;
+      float* rows_q = template_fn != 0 ? template_row_buf.at_least((int64_t)TB * MR * (2 * d_len + 2)) : nullptr;
       if (block == nullptr || (template_fn != 0 && rows_q == nullptr)) {
 #pragma omp atomic write
         status = 3;
@@ -634,7 +656,6 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           }
       }
       delete[] block;  // (the loop's end is a barrier: every state is written before B reads it)
-      std::free(rows_q);
     }
     // a chunk's keys as panels, its values as rows, and (bf16 cache) its keys widened to float32
     float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len * (kv_bf16 ? 2 : 1)));
