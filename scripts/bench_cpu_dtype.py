@@ -20,6 +20,7 @@ AVX512-BF16, AVX-512, AVX2) and the load.
     python scripts/bench_cpu_dtype.py --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm
     python scripts/bench_cpu_dtype.py --dtypes float32 --baseline /tmp/before --json bench_out/ab.json
     python scripts/bench_cpu_dtype.py --vllm-dtypes bfloat16,float32 --json bench_out/cpu_dtype_vllm.json
+    python scripts/bench_cpu_dtype.py --concurrency 1,4,16,64 --plot bench_out/cpu_dtype.png
 """
 from __future__ import annotations
 
@@ -135,6 +136,44 @@ def parse_system(spec: str) -> tuple[str, str, str, dict[str, str]]:
     return parts[0], str(REPO), parts[1], variables
 
 
+def plot(path: Path, table: dict[str, dict], concurrency: list[int], title: str) -> bool:
+    """Output tok/s against the requests submitted together, one line per system (vLLM's dashed), and
+    each system's TTFT; False (nothing drawn) with fewer than two concurrencies."""
+    if len(set(concurrency)) < 2:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    xs = sorted(set(concurrency))
+    color = {name: f"C{i}" for i, name in enumerate(table)}  # a system's color in both panels
+    for name, row in table.items():
+        xy = [(n, row[f"tok_s_{n}"]) for n in xs if row.get(f"tok_s_{n}") is not None]
+        left.plot([x for x, _ in xy], [y for _, y in xy], "--" if name.startswith("vllm") else "-", marker="o",
+                  label=name, color=color[name])
+    left.set_xscale("log", base=2)
+    left.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    left.set_xticks(xs)
+    left.set_xlabel("requests submitted together")
+    left.set_ylabel("output tokens/s")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=8)
+    names = [name for name, row in table.items() if row.get("ttft_ms") is not None]
+    bars = right.bar(names, [table[name]["ttft_ms"] for name in names], color=[color[name] for name in names])
+    right.bar_label(bars, fmt="%.0f", fontsize=8)
+    right.set_ylabel("TTFT, template cached, one request (ms)")
+    right.tick_params(axis="x", labelrotation=30, labelsize=8)
+    right.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"intent, engine to engine: {title}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -150,6 +189,8 @@ def main() -> None:
                     help="dummy: random weights from --model's config.json (a host without the model's weights; "
                          "speed only, the tokens are noise)")
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="a PNG: output tok/s against the requests submitted together (two or more "
+                                   "--concurrency values), and TTFT, per system")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--vllm-child", help=argparse.SUPPRESS)
     ap.add_argument("--ids", help=argparse.SUPPRESS)
@@ -210,6 +251,12 @@ def main() -> None:
     print("| --- | " + " | ".join("---" for _ in keys) + " |")
     for name, row in table.items():
         print(f"| {name} | " + " | ".join("-" if row[k] is None else f"{row[k]:.1f}" for k in keys) + " |")
+    if args.plot:
+        title = f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds"
+        if plot(Path(args.plot), table, args.concurrency, title):
+            print(f"plot: {args.plot}")
+        else:
+            print("no plot: it needs two or more --concurrency values", file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         described = {name: {"dtype": dtype, "checkout": repo, "environment": variables}

@@ -1,6 +1,6 @@
 """scripts/bench_cpu_dtype.py on a tiny model's shape (random weights): each system runs in its
-own child with its dtype and environment, the table and JSON agree, and a malformed --system is
-refused with a message that names it."""
+own child with its dtype and environment, the table and JSON agree, the plot is written, and a
+malformed --system is refused with a message that names it."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,8 @@ def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_pat
     out = tmp_path / "dtype.json"
     proc = run("--model", str(long_context_dir), "--load-format", "dummy", "--dtypes", "float32",
                "--system", "bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm",
-               "--rounds", "1", "--singles", "1", "--concurrency", "2", "--json", str(out))
+               "--rounds", "1", "--singles", "1", "--concurrency", "1,2", "--json", str(out),
+               "--plot", str(tmp_path / "dtype.png"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["systems"] == {
@@ -48,6 +49,8 @@ def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_pat
         row = data["medians"][name]
         assert row["ttft_ms"] == run_[0]["ttft_ms"] > 0 and row["tok_s_2"] == run_[0]["tok_s_2"] > 0
         assert f"| {name} | {row['ttft_ms']:.1f} |" in proc.stdout
+        assert row["tok_s_1"] == run_[0]["tok_s_1"] > 0
+    assert (tmp_path / "dtype.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "plot: " in proc.stdout
 
 
 @pytest.mark.parametrize("spec,problem", [
