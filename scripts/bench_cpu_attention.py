@@ -155,7 +155,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown systems {unknown}; known: {', '.join([*OURS, *VLLM])}")
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import child_result, machine_info
+    from prefix_service.bench.main import child_result, git_commit, machine_info
     from prefix_service.bench.systems.vllm import server_env, vllm_python
     from prefix_service.prepare_model import prepare_default_model
 
@@ -198,7 +198,8 @@ def main() -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
-            "machine": info, "date": time.strftime("%Y-%m-%d"), "args": vars(args), "shape": shape,
+            "machine": info, "date": time.strftime("%Y-%m-%d"), "git_commit": git_commit(), "args": vars(args),
+            "shape": shape,
             "model": model, "medians_ms": table, "runs": runs, "skipped": skipped}, indent=2))
 
 

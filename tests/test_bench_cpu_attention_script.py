@@ -34,6 +34,7 @@ def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_enviro
                "--json", str(out), env={"PREFIX_SERVICE_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    assert data["git_commit"] and {"cpu", "isa", "load_average_end"} <= set(data["machine"])
     config = json.loads((model / "config.json").read_text())
     assert data["shape"] == {"layers": config["num_hidden_layers"], "hq": config["num_attention_heads"],
                              "hkv": config["num_key_value_heads"],
