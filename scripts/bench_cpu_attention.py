@@ -1,10 +1,12 @@
-"""Decode attention on the CPU, ours against vLLM's CPU attention on the same batch: N sequences, each
-one token after a 939-token template and a 100-token segment, the model's attention shape (SmolLM2:
-30 layers, 9 query heads, 3 KV heads of 64), milliseconds of attention per decode step (every layer).
+"""Attention on the CPU, ours against vLLM's CPU attention on the same batch, the model's attention
+shape (SmolLM2: 30 layers, 9 query heads, 3 KV heads of 64), milliseconds of attention (every layer):
+a decode step of N sequences, each one token after a 939-token template and a 100-token segment,
+and the prefill of one such segment after the template.
 
 Ours: the attention kernels' own timers in a decode step of the engine (scripts/profile_decode.py: the
 template's K/V read once a step for all the sequences on it, the rest of each context through its
-block table, the new tokens' K/V stored by the same call), per system: `float32`, `bfloat16` (a bf16
+block table, the new tokens' K/V stored by the same call) and of the segment's prefill
+(scripts/profile_prefill.py's path `prefix`), per system: `float32`, `bfloat16` (a bf16
 KV cache, the native kernels) and `bfloat16-matrix` (the template's part as bf16 matrix products,
 PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm).
 
@@ -12,8 +14,9 @@ vLLM (`vllm-bfloat16`, `vllm-float32`; its environment from `make bench-peers`, 
 docs ask): the op its CPU attention backend runs, `cpu_attention_with_kv_cache`, after
 `cpu_attn_reshape_and_cache` stores the new tokens' K/V, on 30 layers of paged caches in its layout
 (blocks of 128 tokens, its CPU default; the template's full blocks shared by every sequence, as its
-prefix cache shares them), its scheduler metadata made once a step; the wall time of a step's calls.
-Its kernel reads the template once per sequence.
+prefix cache shares them), its scheduler metadata made once a step; the wall time of a step's calls;
+a prefill the same way, the segment's queries causal over the template and themselves. Its kernel
+reads the template once per sequence.
 
 Each (system, round) runs in a fresh process, the systems in turns; the table gives medians over
 rounds of each run's per-step figure. The JSON records the CPU and its instruction sets.
@@ -64,20 +67,23 @@ def vllm_child(args: argparse.Namespace) -> None:
     ctx = args.prefix_tokens + args.prompt_tokens + 1 + args.steps
     shared = args.prefix_tokens // bs  # the template's full blocks, one copy for every sequence
     gen = torch.Generator().manual_seed(args.round)
-    result: dict = {"isa": isa, "threads": torch.get_num_threads(), "context": ctx + 1, "step_ms": {}}
-    for n in args.batches:
-        own = math.ceil((ctx + 1) / bs) - shared
+
+    def median_ms(n: int, new: int, ctx: int) -> float:
+        """n sequences, each `new` tokens (causal among themselves) after ctx cached ones: the median
+        wall time of a step's calls over every layer."""
+        own = math.ceil((ctx + new) / bs) - shared
         blocks = shared + n * own
         caches = [torch.randn(blocks, hkv, bs, 2 * d, generator=gen).to(dtype) for _ in range(layers)]
         table = torch.tensor([list(range(shared)) + [shared + i * own + j for j in range(own)] for i in range(n)],
                              dtype=torch.int32)
-        seq_lens = torch.full((n,), ctx + 1, dtype=torch.int32)
-        starts = torch.arange(n + 1, dtype=torch.int32)
-        slots = torch.tensor([int(table[i, ctx // bs]) * bs + ctx % bs for i in range(n)], dtype=torch.int64)
-        q = torch.randn(n, hq, d, generator=gen).to(dtype)
-        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
-        v = torch.randn(n, hkv, d, generator=gen).to(dtype)
-        out = torch.empty(n, hq, d, dtype=dtype)
+        seq_lens = torch.full((n,), ctx + new, dtype=torch.int32)
+        starts = torch.arange(0, n * new + 1, new, dtype=torch.int32)
+        slots = torch.tensor([int(table[i, t // bs]) * bs + t % bs for i in range(n) for t in range(ctx, ctx + new)],
+                             dtype=torch.int64)
+        q = torch.randn(n * new, hq, d, generator=gen).to(dtype)
+        k = torch.randn(n * new, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(n * new, hkv, d, generator=gen).to(dtype)
+        out = torch.empty(n * new, hq, d, dtype=dtype)
 
         def step() -> None:
             meta = ops.cpu_attn_get_scheduler_metadata(
@@ -99,31 +105,42 @@ def vllm_child(args: argparse.Namespace) -> None:
             step()
             times.append(time.perf_counter() - t0)
         if not torch.isfinite(out).all():
-            raise RuntimeError(f"vLLM's attention gave non-finite outputs at {n} sequences")
-        result["step_ms"][str(n)] = statistics.median(times) * 1e3
-        del caches
+            raise RuntimeError(f"vLLM's attention gave non-finite outputs ({n} sequences of {new} new tokens)")
+        return statistics.median(times) * 1e3
+
+    result: dict = {"isa": isa, "threads": torch.get_num_threads(), "context": ctx + 1,
+                    "step_ms": {str(n): median_ms(n, 1, ctx) for n in args.batches},
+                    "prefill_ms": median_ms(1, args.prompt_tokens, args.prefix_tokens)}
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def ours(args: argparse.Namespace, dtype: str, env: dict[str, str], model: str | None) -> dict:
-    """profile_decode.py's attention per step of each batch, in a child process."""
-    out = Path(tempfile.mkdtemp()) / "decode.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "profile_decode.py"), "--backend", "cpu", "--device", "cpu",
-           "--dtype", dtype, "--batches", ",".join(map(str, args.batches)), "--steps", str(args.steps),
-           "--prefix-tokens", str(args.prefix_tokens), "--prompt-tokens", str(args.prompt_tokens),
-           "--seed", str(args.round), "--json", str(out)]
+    """The attention kernels' time in each batch's decode step (profile_decode.py) and in the segment's
+    prefill on the template (profile_prefill.py's path `prefix`), each script in a child process."""
+    out = Path(tempfile.mkdtemp()) / "profile.json"
+    common = ["--backend", "cpu", "--device", "cpu", "--dtype", dtype, "--prefix-tokens", str(args.prefix_tokens),
+              "--prompt-tokens", str(args.prompt_tokens), "--seed", str(args.round), "--json", str(out)]
     if model:
-        cmd += ["--model", model, "--load-format", args.load_format]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
-    if proc.returncode != 0:
-        raise RuntimeError(f"profile_decode.py failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
-    data = json.loads(out.read_text())
+        common += ["--model", model, "--load-format", args.load_format]
+
+    def profile(script: str, *extra: str) -> tuple[dict, str]:
+        cmd = [sys.executable, str(REPO / "scripts" / script), *common, *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+        if proc.returncode != 0:
+            raise RuntimeError(f"{script} failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text()), proc.stdout
+
+    decode, printed = profile("profile_decode.py", "--batches", ",".join(map(str, args.batches)),
+                              "--steps", str(args.steps))
     # the backend as the script describes it: "... threads, backend <description>; template ..."
-    described = next((line.split(", backend ", 1)[1].split("; template")[0] for line in proc.stdout.splitlines()
+    described = next((line.split(", backend ", 1)[1].split("; template")[0] for line in printed.splitlines()
                       if ", backend " in line), "")
-    return {"threads": data["threads"], "backend": described,
-            "step_ms": {str(r["batch"]): r["kernels_ms"]["attention"] for r in data["results"]},
-            "decode_step_ms": {str(r["batch"]): r["step_p50_ms"] for r in data["results"]}}
+    prefill_runs, _ = profile("profile_prefill.py", "--runs", "1", "--profile-runs", str(args.prefill_runs))
+    prefill = next(r for r in prefill_runs["results"] if r["path"] == "prefix")
+    return {"threads": decode["threads"], "backend": described,
+            "step_ms": {str(r["batch"]): r["kernels_ms"]["attention"] for r in decode["results"]},
+            "decode_step_ms": {str(r["batch"]): r["step_p50_ms"] for r in decode["results"]},
+            "prefill_ms": prefill["attention_ms"], "prefill_ttft_ms": prefill["ttft_p50_ms"]}
 
 
 def main() -> None:
@@ -133,6 +150,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64", help="sequences decoding together")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per batch")
+    ap.add_argument("--prefill-runs", type=int, default=3, help="our prefills timed by the kernels' timers")
     ap.add_argument("--prefix-tokens", type=int, default=939)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--model", help="a model directory instead of the default model (prepare-model)")
@@ -182,19 +200,20 @@ def main() -> None:
                        "--batches", ",".join(map(str, args.batches)), "--steps", str(args.steps),
                        "--prefix-tokens", str(args.prefix_tokens), "--prompt-tokens", str(args.prompt_tokens)]
                 runs[s].append(child_result(cmd, server_env(python), f"{s} (round {r})"))
-            print(f"round {r} {s}: " + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in runs[s][-1]["step_ms"].items()),
-                  file=sys.stderr)
-    table = {s: {str(n): statistics.median(run["step_ms"][str(n)] for run in rs) for n in args.batches}
-             for s, rs in runs.items()}
+            print(f"round {r} {s}: " + ", ".join(f"{n}: {ms:.1f} ms" for n, ms in runs[s][-1]["step_ms"].items())
+                  + f", prefill {runs[s][-1]['prefill_ms']:.1f} ms", file=sys.stderr)
+    table = {s: {**{str(n): statistics.median(run["step_ms"][str(n)] for run in rs) for n in args.batches},
+                 "prefill": statistics.median(run["prefill_ms"] for run in rs)} for s, rs in runs.items()}
     info["load_average_end"] = list(os.getloadavg())
     print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs; {shape['layers']} layers, "
           f"{shape['hq']} query heads, {shape['hkv']} KV heads of {shape['head_dim']}; template "
-          f"{args.prefix_tokens} tokens, segment {args.prompt_tokens}; attention ms per decode step, medians of "
+          f"{args.prefix_tokens} tokens, segment {args.prompt_tokens}; attention ms (every layer), medians of "
           f"{args.rounds} rounds")
-    print("| sequences | " + " | ".join(table) + " |")
+    print("| step | " + " | ".join(table) + " |")
     print("| --- | " + " | ".join("---" for _ in table) + " |")
     for n in args.batches:
-        print(f"| {n} | " + " | ".join(f"{table[s][str(n)]:.1f}" for s in table) + " |")
+        print(f"| decode, {n} sequences | " + " | ".join(f"{table[s][str(n)]:.1f}" for s in table) + " |")
+    print(f"| prefill, {args.prompt_tokens} tokens | " + " | ".join(f"{table[s]['prefill']:.1f}" for s in table) + " |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({

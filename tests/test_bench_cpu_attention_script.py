@@ -1,5 +1,5 @@
 """scripts/bench_cpu_attention.py on a tiny model's shape (random weights): each of our systems' decode
-attention per step comes from the engine's kernel timers in its own dtype and environment, the
+and prefill attention come from the engine's kernel timers in its own dtype and environment, the
 table and JSON agree, vLLM's systems are skipped with the reason where its environment is missing,
 and an unknown system is refused by name."""
 from __future__ import annotations
@@ -29,8 +29,8 @@ def run(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> su
 def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_environment(tmp_path, tokenizer_dir):
     model = models.build_config_only(tmp_path / "llama", tokenizer_dir, "llama")
     out = tmp_path / "attention.json"
-    proc = run("--model", str(model), "--load-format", "dummy", "--systems", "float32,bfloat16-matrix,vllm-bfloat16",
-               "--batches", "1,3", "--rounds", "1", "--steps", "2", "--prefix-tokens", "40", "--prompt-tokens", "6",
+    proc = run("--model", str(model), "--load-format", "dummy", "--systems", "bfloat16-matrix,vllm-bfloat16",
+               "--batches", "1,3", "--rounds", "1", "--steps", "2", "--prefill-runs", "1", "--prefix-tokens", "40", "--prompt-tokens", "6",
                "--json", str(out), env={"PREFIX_SERVICE_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -39,18 +39,20 @@ def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_enviro
     assert data["shape"] == {"layers": config["num_hidden_layers"], "hq": config["num_attention_heads"],
                              "hkv": config["num_key_value_heads"],
                              "head_dim": config["hidden_size"] // config["num_attention_heads"]}
-    assert set(data["runs"]) == {"float32", "bfloat16-matrix"} and "no vLLM environment" in data["skipped"]["vllm-bfloat16"]
+    assert set(data["runs"]) == {"bfloat16-matrix"} and "no vLLM environment" in data["skipped"]["vllm-bfloat16"]
     assert "skipped vllm-bfloat16" in proc.stderr
-    (f32,), (matrix,) = data["runs"]["float32"], data["runs"]["bfloat16-matrix"]
-    assert "native kernels" in f32["backend"] and "bf16" not in f32["backend"]
+    (matrix,) = data["runs"]["bfloat16-matrix"]  # its dtype and environment reached the engine
     assert "bf16 KV cache" in matrix["backend"] and "template attention as bf16 matrix products" in matrix["backend"]
     for name, (run_,) in data["runs"].items():
         for n in ("1", "3"):  # attention is part of the step, and each system's median is its one run
             assert 0 < run_["step_ms"][n] < run_["decode_step_ms"][n]
             assert data["medians_ms"][name][n] == run_["step_ms"][n]
+        # the segment's prefill on the template: attention is part of its first token
+        assert 0 < run_["prefill_ms"] < run_["prefill_ttft_ms"] and data["medians_ms"][name]["prefill"] == run_["prefill_ms"]
+    m = data["medians_ms"]
     for n in ("1", "3"):
-        assert f"| {n} | {data['medians_ms']['float32'][n]:.1f} | {data['medians_ms']['bfloat16-matrix'][n]:.1f} |" \
-            in proc.stdout
+        assert f"| decode, {n} sequences | {m['bfloat16-matrix'][n]:.1f} |" in proc.stdout
+    assert f"| prefill, 6 tokens | {m['bfloat16-matrix']['prefill']:.1f} |" in proc.stdout
 
 
 def test_an_unknown_system_is_refused_by_name():
