@@ -30,8 +30,9 @@ def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_enviro
     model = models.build_config_only(tmp_path / "llama", tokenizer_dir, "llama")
     out = tmp_path / "attention.json"
     proc = run("--model", str(model), "--load-format", "dummy", "--systems", "bfloat16-matrix,vllm-bfloat16",
-               "--batches", "1,3", "--rounds", "1", "--steps", "2", "--prefill-runs", "1", "--prefix-tokens", "40", "--prompt-tokens", "6",
-               "--json", str(out), env={"PREFIX_SERVICE_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")})
+               "--batches", "1,3", "--rounds", "1", "--steps", "2", "--prefill-runs", "1", "--prefix-tokens", "40",
+               "--prompt-tokens", "6", "--json", str(out),
+               env={"PREFIX_SERVICE_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["git_commit"] and {"cpu", "isa", "load_average_end"} <= set(data["machine"])
@@ -39,7 +40,8 @@ def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_enviro
     assert data["shape"] == {"layers": config["num_hidden_layers"], "hq": config["num_attention_heads"],
                              "hkv": config["num_key_value_heads"],
                              "head_dim": config["hidden_size"] // config["num_attention_heads"]}
-    assert set(data["runs"]) == {"bfloat16-matrix"} and "no vLLM environment" in data["skipped"]["vllm-bfloat16"]
+    assert set(data["runs"]) == {"bfloat16-matrix"}
+    assert "no vLLM environment" in data["skipped"]["vllm-bfloat16"]
     assert "skipped vllm-bfloat16" in proc.stderr
     (matrix,) = data["runs"]["bfloat16-matrix"]  # its dtype and environment reached the engine
     assert "bf16 KV cache" in matrix["backend"] and "template attention as bf16 matrix products" in matrix["backend"]
@@ -48,7 +50,8 @@ def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_enviro
             assert 0 < run_["step_ms"][n] < run_["decode_step_ms"][n]
             assert data["medians_ms"][name][n] == run_["step_ms"][n]
         # the segment's prefill on the template: attention is part of its first token
-        assert 0 < run_["prefill_ms"] < run_["prefill_ttft_ms"] and data["medians_ms"][name]["prefill"] == run_["prefill_ms"]
+        assert 0 < run_["prefill_ms"] < run_["prefill_ttft_ms"]
+        assert data["medians_ms"][name]["prefill"] == run_["prefill_ms"]
     m = data["medians_ms"]
     for n in ("1", "3"):
         assert f"| decode, {n} sequences | {m['bfloat16-matrix'][n]:.1f} |" in proc.stdout
