@@ -13,7 +13,8 @@ pytest.importorskip("matplotlib")
 SYSTEMS = {"engine_prefix", "engine_no_prefix", "hf_generate", "hf_prompt_cache", "hf_generate_batch",
            "grpc_prefix", "grpc_no_prefix"}
 RECORD_KEYS = {"system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "engine_ttft_p50_ms",
-               "ttft_outside_engine_p50_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "max_qps_under_slo", "peak_kv_blocks"}
+               "ttft_outside_engine_p50_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s",
+               "max_qps_under_slo", "peak_kv_blocks"}
 
 
 def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):

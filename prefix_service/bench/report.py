@@ -8,14 +8,15 @@ from pathlib import Path
 
 from prefix_service.bench.systems import base_system
 
-RECORD_KEYS = ("system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
-               "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s", "max_qps_under_slo", "peak_kv_blocks")
+RECORD_KEYS = ("system", "workload", "mode", "concurrency", "ttft_p50_ms", "ttft_p99_ms", "engine_ttft_p50_ms",
+               "ttft_outside_engine_p50_ms", "tpot_p50_ms", "e2e_p50_ms", "e2e_p99_ms", "output_tok_s", "req_s",
+               "max_qps_under_slo", "peak_kv_blocks")
 MODES = ("single", "closed_loop", "open_loop")
 _COLUMNS = (("system", "system"), ("workload", "workload"), ("mode", "mode"), ("conc", "concurrency"),
             ("n", "num_requests"), ("ttft p50", "ttft_p50_ms"), ("ttft p99", "ttft_p99_ms"),
-            ("outside engine", "ttft_outside_engine_p50_ms"), ("tpot p50", "tpot_p50_ms"), ("e2e p50", "e2e_p50_ms"), ("e2e p99", "e2e_p99_ms"),
-            ("out tok/s", "output_tok_s"), ("req/s", "req_s"), ("max qps", "max_qps_under_slo"),
-            ("peak kv", "peak_kv_blocks"))
+            ("outside engine", "ttft_outside_engine_p50_ms"), ("tpot p50", "tpot_p50_ms"), ("e2e p50", "e2e_p50_ms"),
+            ("e2e p99", "e2e_p99_ms"), ("out tok/s", "output_tok_s"), ("req/s", "req_s"),
+            ("max qps", "max_qps_under_slo"), ("peak kv", "peak_kv_blocks"))
 
 
 def _cell(value) -> str:
