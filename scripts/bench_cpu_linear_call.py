@@ -10,6 +10,7 @@ inner product on bf16 rows, torch's bf16 `F.linear`, and the cpu backend's bf16 
 CPU cannot run is left out with the reason.
 
     python scripts/bench_cpu_linear_call.py --threads 16,8,1 --json bench_out/cpu_linear_call.json
+    python scripts/bench_cpu_linear_call.py --threads 2 --brgemm-columns 64,128
 """
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def per_call_us(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, cal
     return statistics.median(times)
 
 
-def ways(w: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]]:
-    """name -> (the layer, the dtype of the rows it takes)."""
+def ways(w: torch.Tensor, brgemm_columns: tuple[int, ...] = ()
+         ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]]:
+    """name -> (the layer, the dtype of the rows it takes); brgemm_columns: more brgemm block widths,
+    each a way `brgemm_c<width>`."""
     wb = w.bfloat16()
     out: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]] = {}
     out["native_f32"] = (cpu_linear.NativeLinear(w, None), torch.float32)
@@ -60,6 +63,10 @@ def ways(w: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tens
             out[kernel] = (onednn.OneDnnLinear(wb, None, kernel=kernel), torch.float32)
         except onednn.OneDnnError as exc:
             print(f"{kernel}: not available here ({str(exc).splitlines()[0]})", file=sys.stderr)
+    if "brgemm" in out:
+        for columns in brgemm_columns:
+            out[f"brgemm_c{columns}"] = (onednn.OneDnnLinear(wb, None, kernel="brgemm", columns=columns),
+                                         torch.float32)
     return out
 
 
@@ -70,6 +77,8 @@ def main() -> int:
     p.add_argument("--rows", default="1,16,64")
     p.add_argument("--threads", default=None, help="torch thread counts, comma-separated (default: torch's)")
     p.add_argument("--calls", type=int, default=200, help="timed calls per repeat")
+    p.add_argument("--brgemm-columns", default="", help="more block widths for the brgemm kernel, e.g. 64,128 "
+                   f"(multiples of 16; `brgemm` itself: {onednn.COLUMNS_ENV} or {onednn.DEFAULT_BRGEMM_COLUMNS})")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     from prefix_service import cpuinfo
@@ -80,7 +89,7 @@ def main() -> int:
         torch.set_num_threads(th)
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
-            layer_ways = ways(torch.randn(n, k) * 0.02)
+            layer_ways = ways(torch.randn(n, k) * 0.02, tuple(int(c) for c in args.brgemm_columns.split(",") if c))
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
                 row = {"threads": th, "out": n, "in": k, "rows": rows}

@@ -88,17 +88,18 @@ CALL_SCRIPT = SCRIPT.parent / "bench_cpu_linear_call.py"
                     reason=f"no bf16 linears here: {cpu_linear.available(torch.bfloat16)}")
 def test_bench_cpu_linear_call_script(tmp_path):
     """scripts/bench_cpu_linear_call.py: a row per (threads, shape, rows), a time for every way this
-    CPU runs (the native kernel, torch's bf16 F.linear, every service kernel that packs here)."""
+    CPU runs (the native kernel, torch's bf16 F.linear, every service kernel that packs here, and
+    the brgemm kernel at each block width asked for)."""
     from prefix_service.backends.cpu import onednn
     out = tmp_path / "call.json"
     proc = subprocess.run([sys.executable, str(CALL_SCRIPT), "--shapes", "40x24,24x56", "--rows", "1,5",
-                           "--threads", "1,2", "--calls", "3", "--json", str(out)],
+                           "--threads", "1,2", "--calls", "3", "--brgemm-columns", "16,64", "--json", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert [(r["threads"], r["out"], r["in"], r["rows"]) for r in data["results"]] == [
         (t, n, k, m) for t in (1, 2) for n, k in ((40, 24), (24, 56)) for m in (1, 5)]
-    want = ["native_f32", "F.linear_bf16", "emulated", "brgemm"]
+    want = ["native_f32", "F.linear_bf16", "emulated", "brgemm", "brgemm_c16", "brgemm_c64"]
     want += ["inner_product", "onednn_bf16_rows"] if onednn.bf16_native() else []
     for r in data["results"]:
         assert all(r[f"{way}_us"] > 0 for way in want), r

@@ -360,6 +360,22 @@ def test_bf16_mixed_batch_on_templates_equals_no_prefix(make_engine, budget, ker
 
 
 @needs_bf16
+def test_an_engine_on_wider_brgemm_blocks_says_so_and_matches_the_default(make_engine, monkeypatch):
+    """PREFIX_SERVICE_BF16_BRGEMM_COLUMNS reaches every linear of the stack: the backend names the
+    width, and the greedy ids are the default width's (the same sums, cut differently; where the
+    micro-kernel's order of sums were to differ, a near tie may flip)."""
+    monkeypatch.setenv(onednn.KERNEL_ENV, "brgemm")
+    default = make_engine(dtype="bfloat16", backend="cpu")
+    assert "column blocks" not in default._core.backend.describe()
+    want = [run_ids(default, p, max_tokens=8) for p in PROMPTS]
+    monkeypatch.setenv(onednn.COLUMNS_ENV, "64")
+    wide = make_engine(dtype="bfloat16", backend="cpu")
+    assert "64-column blocks" in wide._core.backend.describe()
+    for k, p in enumerate(PROMPTS):
+        assert_same_or_near_tie(default, p, want[k], run_ids(wide, p, max_tokens=8), k)
+
+
+@needs_bf16
 def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     engine = make_engine(dtype="bfloat16", backend="cpu")
     core = engine._core

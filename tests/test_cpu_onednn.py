@@ -158,6 +158,49 @@ def test_the_environment_chooses_the_default_kernel(monkeypatch):
 
 
 @needs_lib
+@pytest.mark.parametrize("columns", [16, 64, 256])
+def test_brgemm_blocks_of_any_width_are_the_bf16_arithmetic(columns, monkeypatch):
+    """The brgemm kernel's block width (PREFIX_SERVICE_BF16_BRGEMM_COLUMNS) changes how the product
+    is cut, not what it is: every width, with N not a multiple of it and fewer columns than one block,
+    gives the bf16 arithmetic; through torch's fallback GEMM (no AMX) the same outputs as the default
+    width bit for bit, and on AMX within the bound of two orders of the sums."""
+    monkeypatch.setenv(onednn.COLUMNS_ENV, str(columns))
+    for m, n, k in ((33, 200, 96), (5, 17, 40), (64, 300, 130)):
+        x, w, b = case(m, n, k, bias=True, seed=m + n + columns)
+        layer = onednn.OneDnnLinear(w.bfloat16(), b, kernel="brgemm")
+        assert layer.columns == columns and f"{columns}-column blocks" in repr(layer)
+        got = layer(x)
+        close_bf16(got, x, w, b)
+        monkeypatch.delenv(onednn.COLUMNS_ENV)
+        default = onednn.OneDnnLinear(w.bfloat16(), b, kernel="brgemm")
+        assert default.columns == onednn.DEFAULT_BRGEMM_COLUMNS and "column blocks" not in repr(default)
+        other = default(x)
+        if not onednn.brgemm_vnni():
+            assert torch.equal(got, other)
+        _, sum_err = bf16_bounds(x, w, b)
+        excess = (got.double() - other.double()).abs() - (2.0 ** -8 * (got.double().abs() + other.double().abs())
+                                                          + 2 * sum_err)
+        assert excess.max().item() <= 0, excess.max().item()
+        monkeypatch.setenv(onednn.COLUMNS_ENV, str(columns))
+
+
+@needs_lib
+@pytest.mark.parametrize("value", ["24", "0", "512", "wide"])
+def test_a_brgemm_block_width_that_is_not_whole_tiles_is_refused(value, monkeypatch):
+    monkeypatch.setenv(onednn.COLUMNS_ENV, value)
+    with pytest.raises(onednn.OneDnnError, match=f"PREFIX_SERVICE_BF16_BRGEMM_COLUMNS='{value}': a multiple of 16"):
+        onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="brgemm")
+    with pytest.raises(onednn.OneDnnError, match="columns=40: a multiple of 16"):  # the width asked for by code
+        onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="brgemm", columns=40)
+    monkeypatch.delenv(onednn.COLUMNS_ENV)
+    assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="brgemm", columns=48).columns == 48
+    monkeypatch.setenv(onednn.COLUMNS_ENV, value)
+    # the other kernels and float32 weights have no blocks: the setting is not read
+    assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="emulated").columns == 0
+    assert onednn.OneDnnLinear(torch.randn(8, 4), None).columns == 0
+
+
+@needs_lib
 @pytest.mark.parametrize("kernel", ["inner_product", "emulated", "brgemm"])
 def test_every_kernel_agrees_with_the_others(kernel):
     """Any kernel can be chosen on any machine (inner_product only where torch runs oneDNN's bf16):
@@ -252,11 +295,13 @@ def test_the_c_functions_report_bad_operands():
     assert b"ldx = 4 for k = 8" in lib.ps_onednn_last_error()
     assert "ldx = 4 for k = 8" in onednn.last_error()  # the latest failure, not the first
     assert lib.ps_onednn_linear(layer.handle, None, 8, 0, None, 20, 1) == 0  # no rows: nothing read
-    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0) is None
+    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0, 0) is None
     assert b"at least 1 x 1" in lib.ps_onednn_last_error()
     w = torch.randn(20, 8).bfloat16()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3) is None
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0) is None
     assert b"kernel 3 is none of" in lib.ps_onednn_last_error()
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40) is None  # not whole 16-column tiles
+    assert b"a multiple of 16 from 16 to 256 (or 0: 32), got 40" in lib.ps_onednn_last_error()
 
 
 @needs_lib

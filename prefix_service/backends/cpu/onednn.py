@@ -16,7 +16,8 @@ torch build and the compiler (with OpenMP, so its own parallel loops run on torc
 A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of three kernels
 (`KERNELS`; `default_kernel()` picks for the machine):
   brgemm         where oneDNN's micro-kernel takes VNNI-packed bf16 (`brgemm_vnni()`: AMX): the
-                 weight in blocks of 32 output columns, each packed once; each call rounds x to bf16
+                 weight in blocks of 32 output columns (`brgemm_columns()`), each packed once; each
+                 call rounds x to bf16
                  and runs the micro-kernel per (block, 32 rows), the kernels generated once per shape
                  (the inner product sets up a oneDNN primitive on every call). Elsewhere it runs the
                  same blocks through torch's fallback GEMM: correct, not fast, chosen only by tests;
@@ -55,7 +56,7 @@ FLAGS = ("-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # name: (argument types, return type) of each function the library exports
 SIGNATURES = {
-    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32], _ptr),
+    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32], _ptr),
     "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_onednn_free": ([_ptr], None),
     "ps_onednn_last_error": ([], ctypes.c_char_p),
@@ -115,7 +116,7 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes, fn.restype = args, res
     # a 1 x 1 pack finds both operators: a torch without them says so here, once
     one = ctypes.c_float(1.0)
-    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0)
+    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0, 0)
     if not handle:
         return None, lib.ps_onednn_last_error().decode(errors="replace")
     lib.ps_onednn_free(handle)
@@ -152,6 +153,28 @@ def threads_used(items: int) -> int:
 
 
 KERNEL_ENV = "PREFIX_SERVICE_BF16_LINEAR"
+COLUMNS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_COLUMNS"
+DEFAULT_BRGEMM_COLUMNS = 32
+
+
+def brgemm_columns() -> int:
+    """The brgemm kernel's output columns per packed weight block: $PREFIX_SERVICE_BF16_BRGEMM_COLUMNS
+    where set (a multiple of 16 from 16 to 256: whole AMX tiles; to compare block widths on one
+    machine, as a wider block runs fewer micro-kernel calls per product), else 32."""
+    chosen = os.environ.get(COLUMNS_ENV)
+    if not chosen:
+        return DEFAULT_BRGEMM_COLUMNS
+    try:
+        columns = int(chosen)
+    except ValueError:
+        columns = 0
+    return _check_columns(columns, f"{COLUMNS_ENV}={chosen!r}")
+
+
+def _check_columns(columns: int, what: str) -> int:
+    if columns < 16 or columns > 256 or columns % 16:
+        raise OneDnnError(f"{what}: a multiple of 16 from 16 to 256 is needed")
+    return columns
 
 
 def default_kernel() -> str:
@@ -186,12 +209,14 @@ def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) 
 
 class OneDnnLinear:
     """y = x @ W.T + b with W packed once for oneDNN. x: [M, K] float32 (rows may be strided).
-    kernel: a bfloat16 weight's (KERNELS; default: default_kernel()).
+    kernel: a bfloat16 weight's (KERNELS; default: default_kernel()); columns: the brgemm kernel's
+    block width (default: brgemm_columns()).
 
     `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call; the
     handle lives as long as this object and is freed after it."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
+                 columns: int | None = None) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise OneDnnError(f"weight: a float32 or bfloat16 CPU tensor [N, K] is needed, got {weight.dtype} "
                               f"{tuple(weight.shape)} on {weight.device}")
@@ -208,11 +233,14 @@ class OneDnnLinear:
         # float32: oneDNN's float32 inner product, whatever `kernel` says
         self.kernel = "float32" if self.dtype == torch.float32 else kernel or default_kernel()
         self.emulated = self.kernel == "emulated"
+        self.columns = 0  # brgemm's block width
+        if self.kernel == "brgemm":
+            self.columns = brgemm_columns() if columns is None else _check_columns(columns, f"columns={columns}")
         w = weight.detach().contiguous()  # [N, K]; the library copies it
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [N]
         handle = lib.ps_onednn_pack(w.data_ptr(), int(self.dtype == torch.bfloat16), self.out_features,
                                     self.in_features, None if b is None else b.data_ptr(),
-                                    KERNELS.get(self.kernel, 0))
+                                    KERNELS.get(self.kernel, 0), self.columns)
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
@@ -234,6 +262,8 @@ class OneDnnLinear:
 
     def __repr__(self) -> str:
         mode = "float32" if self.dtype == torch.float32 else f"bf16 {self.kernel}"
+        if self.columns != DEFAULT_BRGEMM_COLUMNS and self.kernel == "brgemm":
+            mode += f", {self.columns}-column blocks"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"
 
 

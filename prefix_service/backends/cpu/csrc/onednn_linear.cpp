@@ -13,7 +13,8 @@
 //
 // A bfloat16 weight runs one of three ways, chosen by the caller at pack time:
 //   brgemm   (where oneDNN's micro-kernel takes VNNI-packed bf16, ps_onednn_brgemm_vnni(): AMX):
-//            W split into blocks of kNB output columns, each packed once; each call rounds x to a bf16
+//            W split into blocks of `nb` output columns (the caller's choice, 32 by default), each packed
+//            once; each call rounds x to a bf16
 //            scratch copy (rows zero-padded to a multiple of 16), and each thread runs the
 //            micro-kernel over its blocks, kMB rows at a time, into float32 sums, adds the bias and
 //            rounds each output to bf16 as it writes y. The kernels are generated once per shape and
@@ -62,7 +63,6 @@ using ps_onednn::last_error;
 // the `kernel` argument of ps_onednn_pack for a bf16 weight
 enum class Mode { f32 = -1, bf16_native = 0, bf16_emulated = 1, bf16_brgemm = 2 };
 
-constexpr int64_t kNB = 32;  // brgemm: output columns per packed weight block
 constexpr int64_t kMB = 32;  // brgemm: rows per micro-kernel call (two AMX tiles of 16)
 
 struct Packed {
@@ -70,12 +70,13 @@ struct Packed {
   std::optional<at::Tensor> bias;   // [N]: float32 (f32, emulated: the bf16 values widened) or bf16 (native)
   int64_t n = 0, k = 0;
   Mode mode = Mode::f32;
-  // brgemm: blocks [ceil(N / kNB)][kp][kNB] bf16, block j holding W^T's columns j kNB .. j kNB + kNB - 1
+  // brgemm: blocks [ceil(N / nb)][kp][nb] bf16, block j holding W^T's columns j nb .. j nb + nb - 1
   // (zero past N), VNNI-packed when `vnni`; kp = K rounded up to even when vnni (a zero row past K);
   // bias_f32 [N]: the bias rounded to bf16, widened (zeros when there is none)
   at::Tensor blocks;
   std::vector<float> bias_f32;
   int64_t kp = 0;
+  int64_t nb = 32;  // brgemm: output columns per block (a multiple of 16: whole AMX tiles)
   bool vnni = false;
 };
 
@@ -142,14 +143,14 @@ bool brgemm_vnni() { return at::native::cpublas::could_pack(at::kBFloat16); }
 void pack_blocks(Packed& p, const at::Tensor& w) {
   p.vnni = brgemm_vnni();
   p.kp = p.vnni ? (p.k + 1) / 2 * 2 : p.k;
-  const int64_t nblocks = (p.n + kNB - 1) / kNB;
-  p.blocks = at::empty({nblocks, p.kp, kNB}, at::TensorOptions().dtype(at::kBFloat16));
-  at::Tensor wt = at::zeros({nblocks * kNB, p.kp}, at::TensorOptions().dtype(at::kBFloat16));
+  const int64_t nb = p.nb, nblocks = (p.n + nb - 1) / nb;
+  p.blocks = at::empty({nblocks, p.kp, nb}, at::TensorOptions().dtype(at::kBFloat16));
+  at::Tensor wt = at::zeros({nblocks * nb, p.kp}, at::TensorOptions().dtype(at::kBFloat16));
   wt.narrow(0, 0, p.n).narrow(1, 0, p.k).copy_(w);
   for (int64_t j = 0; j < nblocks; ++j) {
-    at::Tensor plain = wt.narrow(0, j * kNB, kNB).t().contiguous();  // [kp][kNB]
+    at::Tensor plain = wt.narrow(0, j * nb, nb).t().contiguous();  // [kp][nb]
     if (p.vnni)
-      at::native::cpublas::pack(p.kp, kNB, kNB, kNB, at::kBFloat16, at::kBFloat16, plain.data_ptr(),
+      at::native::cpublas::pack(p.kp, nb, nb, nb, at::kBFloat16, at::kBFloat16, plain.data_ptr(),
                                 p.blocks[j].data_ptr());
     else
       p.blocks[j].copy_(plain);
@@ -168,22 +169,22 @@ void run_brgemm(const Packed& p, const float* x, int64_t ldx, int m, float* y, i
       std::fill(dst + (r < m ? p.k : 0), dst + kp, c10::BFloat16(0.0f));
     }
   });
-  const int64_t nblocks = p.blocks.size(0), mblocks = (m + kMB - 1) / kMB;
+  const int64_t nb = p.nb, nblocks = p.blocks.size(0), mblocks = (m + kMB - 1) / kMB;
   const auto* blocks = static_cast<const c10::BFloat16*>(p.blocks.data_ptr());
   const float* bias = p.bias_f32.data();
   // work items block-major, so a thread's contiguous range reads each of its weight blocks once
   at::parallel_for(0, nblocks * mblocks, 1, [&](int64_t begin, int64_t end) {
-    float* sums = grown(scratch.sums, kMB * kNB);
+    float* sums = grown(scratch.sums, kMB * nb);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t j = item / mblocks, m0 = item % mblocks * kMB;
       const int64_t valid = std::min<int64_t>(kMB, m - m0), mm = (valid + 15) / 16 * 16;
-      if (!p.vnni) std::memset(sums, 0, sizeof(float) * (size_t)(mm * kNB));
-      at::native::cpublas::brgemm(mm, kNB, kp, kp, kNB, kNB, /*add_C=*/false, a + m0 * kp, blocks + j * kp * kNB,
+      if (!p.vnni) std::memset(sums, 0, sizeof(float) * (size_t)(mm * nb));
+      at::native::cpublas::brgemm(mm, nb, kp, kp, nb, nb, /*add_C=*/false, a + m0 * kp, blocks + j * kp * nb,
                                   sums, p.vnni);
-      const int64_t n0 = j * kNB, cols = std::min<int64_t>(kNB, p.n - n0);
+      const int64_t n0 = j * nb, cols = std::min<int64_t>(nb, p.n - n0);
       for (int64_t r = 0; r < valid; ++r) {
         float* out = y + (m0 + r) * ldy + n0;
-        const float* s = sums + r * kNB;
+        const float* s = sums + r * nb;
         for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<float>(c10::BFloat16(s[c] + bias[n0 + c]));
       }
     }
@@ -244,10 +245,11 @@ extern "C" int ps_onednn_threads_used(int64_t items) {
 
 // weight: [n][k] row-major, float32 (weight_bf16 = 0) or bfloat16 bits (weight_bf16 = 1), copied;
 // bias: n float32 values or null; kernel, for a bf16 weight (see the top): 0 native inner product,
-// 1 emulated, 2 brgemm. A handle for ps_onednn_linear and ps_onednn_free, or nullptr
+// 1 emulated, 2 brgemm; columns: brgemm's output columns per block (a multiple of 16 from 16 to 256;
+// 0: 32), ignored by the others. A handle for ps_onednn_linear and ps_onednn_free, or nullptr
 // (ps_onednn_last_error() says why).
 extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, int64_t k, const float* bias,
-                                int kernel) {
+                                int kernel, int columns) {
   if (weight == nullptr || n <= 0 || k <= 0) {
     last_error = "ps_onednn_pack: a weight of at least 1 x 1 is needed, got " + std::to_string(n) + " x " +
                  std::to_string(k) + (weight == nullptr ? " at a null pointer" : "");
@@ -255,6 +257,11 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
   }
   if (weight_bf16 && (kernel < 0 || kernel > 2)) {
     last_error = "ps_onednn_pack: kernel " + std::to_string(kernel) + " is none of 0 (native), 1 (emulated), 2 (brgemm)";
+    return nullptr;
+  }
+  if (columns != 0 && (columns < 16 || columns > 256 || columns % 16 != 0)) {
+    last_error = "ps_onednn_pack: brgemm's columns per block must be a multiple of 16 from 16 to 256 (or 0: 32), got " +
+                 std::to_string(columns);
     return nullptr;
   }
   return guarded<void*>("ps_onednn_pack", nullptr, [&]() -> void* {
@@ -267,6 +274,7 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
                                      weight_bf16 ? at::kBFloat16 : at::kFloat));
     if (p->mode == Mode::bf16_brgemm) {
+      p->nb = columns != 0 ? columns : 32;
       pack_blocks(*p, w);
       p->bias_f32.assign((size_t)n, 0.0f);
       if (bias != nullptr)
