@@ -135,7 +135,8 @@ def ours(args: argparse.Namespace, dtype: str, env: dict[str, str], model: str |
     # the backend as the script describes it: "... threads, backend <description>; template ..."
     described = next((line.split(", backend ", 1)[1].split("; template")[0] for line in printed.splitlines()
                       if ", backend " in line), "")
-    prefill_runs, _ = profile("profile_prefill.py", "--runs", "1", "--profile-runs", str(args.prefill_runs))
+    prefill_runs, _ = profile("profile_prefill.py", "--paths", "prefix", "--runs", "1",
+                              "--profile-runs", str(args.prefill_runs))
     prefill = next(r for r in prefill_runs["results"] if r["path"] == "prefix")
     return {"threads": decode["threads"], "backend": described,
             "step_ms": {str(r["batch"]): r["kernels_ms"]["attention"] for r in decode["results"]},

@@ -73,6 +73,9 @@ class Runner:
         return first[0] - start
 
 
+PATHS = ("prefix", "no_prefix", "prefix_unpacked")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p)
@@ -81,10 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=10, help="timed requests per path")
     p.add_argument("--profile-runs", type=int, default=3, help="profiled requests per path")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help=f"the paths to run, of {', '.join(PATHS)} (prefix_unpacked only where the backend packs)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.prefix_tokens < 1 or args.prompt_tokens < 1 or args.runs < 1 or args.profile_runs < 0:
         p.error("--prefix-tokens, --prompt-tokens and --runs must be >= 1, --profile-runs >= 0")
+    wanted = [name for name in args.paths.split(",") if name]
+    if not wanted or any(name not in PATHS for name in wanted):
+        p.error(f"--paths: names of {', '.join(PATHS)} are needed, got {args.paths!r}")
 
     # room for one request with the whole template in one step, whatever the config says
     cfg = with_scheduler(engine_config(args), max_num_batched_tokens=args.prefix_tokens + args.prompt_tokens + 1)
@@ -99,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                for _ in range(2 + args.runs + args.profile_runs)]
     # path: (the engine, names the template); where the template's K/V is packed, the same requests
     # also run on an engine that does not pack (prefix_unpacked): what the packing buys, in the same turns
-    paths = {"prefix": (runner, True), "no_prefix": (runner, False)}
-    if core.kv_stats()["packed_template_bytes"]:
+    paths = {name: path for name, path in (("prefix", (runner, True)), ("no_prefix", (runner, False)))
+             if name in wanted}
+    if "prefix_unpacked" in wanted and core.kv_stats()["packed_template_bytes"]:
         unpacked = Runner(EngineCore(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, pack_prefix_kv=False))),
                           prefix_ids)
         unpacked.pin()
@@ -141,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
                        linear_gflop_s=round(f["linear_flop"] / lin / 1e6, 1) if lin else None,
                        attention_gflop_s=round(f["attention_flop"] / att / 1e6, 1) if att else None)
         results.append(row)
-    pre, full = results[:2]
-    ratio = {"ttft_p50": round(full["ttft_p50_ms"] / pre["ttft_p50_ms"], 2),
-             "ttft_min": round(full["ttft_min_ms"] / pre["ttft_min_ms"], 2),
-             "flop_bound": round(full["flop"] / pre["flop"], 2)}
-    if len(results) > 2:
-        ratio["packing_p50"] = round(results[2]["ttft_p50_ms"] / pre["ttft_p50_ms"], 3)
+    by_path = {r["path"]: r for r in results}
+    pre, full, unpacked_row = by_path.get("prefix"), by_path.get("no_prefix"), by_path.get("prefix_unpacked")
+    ratio: dict[str, float] = {}  # those of the paths that ran
+    if pre is not None and full is not None:
+        ratio = {"ttft_p50": round(full["ttft_p50_ms"] / pre["ttft_p50_ms"], 2),
+                 "ttft_min": round(full["ttft_min_ms"] / pre["ttft_min_ms"], 2),
+                 "flop_bound": round(full["flop"] / pre["flop"], 2)}
+    if pre is not None and unpacked_row is not None:
+        ratio["packing_p50"] = round(unpacked_row["ttft_p50_ms"] / pre["ttft_p50_ms"], 3)
 
     print(f"{os.path.basename(str(cfg.model.path).rstrip('/'))}: {arch.num_layers} layers, {core.device}, "
           f"{torch.get_num_threads()} threads, backend {core.backend.describe()}; template {args.prefix_tokens} "
@@ -162,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
             line += (f" {r['linear_ms']:>10.1f} {r['linear_gflop_s'] or 0:>9.1f} {r['attention_ms']:>13.1f} "
                      f"{r['attention_gflop_s'] or 0:>9.1f} {r['other_ms']:>9.1f}")
         print(line)
-    print(f"TTFT ratio no_prefix / prefix: {ratio['ttft_p50']:.2f}x at the medians, {ratio['ttft_min']:.2f}x at the "
-          f"minimums; {ratio['flop_bound']:.2f}x at equal FLOP rates (the FLOP ratio)")
-    if "packing_p50" in ratio:
-        print(f"the template's packed K/V (cache.pack_prefix_kv): TTFT p50 {results[2]['ttft_p50_ms']:.1f} ms without "
-              f"it, {pre['ttft_p50_ms']:.1f} with it ({ratio['packing_p50']:.3f}x)")
+    if "ttft_p50" in ratio:
+        print(f"TTFT ratio no_prefix / prefix: {ratio['ttft_p50']:.2f}x at the medians, {ratio['ttft_min']:.2f}x at "
+              f"the minimums; {ratio['flop_bound']:.2f}x at equal FLOP rates (the FLOP ratio)")
+    if pre is not None and unpacked_row is not None:
+        print(f"the template's packed K/V (cache.pack_prefix_kv): TTFT p50 {unpacked_row['ttft_p50_ms']:.1f} ms "
+              f"without it, {pre['ttft_p50_ms']:.1f} with it ({ratio['packing_p50']:.3f}x)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:

@@ -78,7 +78,22 @@ def test_profile_prefill_script(script, llama_dir, tmp_path, capsys, backend):
     assert "TTFT ratio no_prefix / prefix" in printed and "JSON:" in printed
 
 
+def test_profile_prefill_script_runs_only_the_paths_asked_for(script, llama_dir, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    with torch_threads(1):
+        assert script.main(["--model", str(llama_dir), "--prefix-tokens", "40", "--prompt-tokens", "8", "--runs", "1",
+                            "--profile-runs", "1", "--threads", "1", "--paths", "prefix", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [r["path"] for r in data["results"]] == ["prefix"] and data["ratio"] == {}  # no other path to compare
+    assert data["results"][0]["attention_ms"] > 0 and "TTFT ratio" not in printed
+
+
 def test_profile_prefill_script_rejects_bad_counts(script, llama_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--model", str(llama_dir), "--prompt-tokens", "0"])
     assert exit_info.value.code == 2 and "--prompt-tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--model", str(llama_dir), "--paths", "prefix,full"])
+    assert exit_info.value.code == 2
+    assert "--paths: names of prefix, no_prefix, prefix_unpacked" in capsys.readouterr().err
