@@ -45,7 +45,8 @@ import torch
 from prefix_service.backends.cpu import native
 
 SOURCES = (native.CSRC / "onednn_linear.cpp", native.CSRC / "onednn_attention.cpp")
-HEADERS = (native.CSRC / "simd.h", native.CSRC / "onednn_error.h")  # the sources' includes: part of the build's key
+# the sources' includes: part of the build's key
+HEADERS = (native.CSRC / "simd.h", native.CSRC / "onednn_error.h", native.CSRC / "onednn_scratch.h")
 # -fopenmp: at::parallel_for is a header that splits work over torch's OpenMP threads only where the
 # including code is compiled with OpenMP; without it the brgemm kernel ran on one thread.
 # -march=native: the brgemm kernel's own loops (rounding x to bf16, the bias and bf16 rounding of

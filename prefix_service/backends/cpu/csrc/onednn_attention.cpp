@@ -29,10 +29,12 @@
 #include <vector>
 
 #include "onednn_error.h"
+#include "onednn_scratch.h"
 #include "simd.h"
 
 namespace {
 
+using ps_onednn::grown;
 using ps_onednn::guarded;
 using ps_onednn::last_error;
 
@@ -56,12 +58,6 @@ struct Scratch {
   std::vector<float> s, o;
 };
 thread_local Scratch scratch;
-
-template <typename T>
-T* grown(std::vector<T>& buf, int64_t count) {
-  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
-  return buf.data();
-}
 
 // dst[j] = exp(src[j] - m) for j < n, 0 for n <= j < kTK; returns the sum of dst rounded to bf16,
 // each value rounded to bf16 into p (the weights P V multiplies)

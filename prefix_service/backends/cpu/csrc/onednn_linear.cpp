@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "onednn_error.h"
+#include "onednn_scratch.h"
 
 namespace ps_onednn {
 thread_local std::string last_error;  // also onednn_attention.cpp's (onednn_error.h)
@@ -57,6 +58,7 @@ thread_local std::string last_error;  // also onednn_attention.cpp's (onednn_err
 
 namespace {
 
+using ps_onednn::grown;
 using ps_onednn::guarded;
 using ps_onednn::last_error;
 
@@ -90,12 +92,6 @@ struct Scratch {
   std::vector<float> sums;
 };
 thread_local Scratch scratch;
-
-template <typename T>
-T* grown(std::vector<T>& buf, int64_t count) {
-  if (static_cast<int64_t>(buf.size()) < count) buf.resize(count);
-  return buf.data();
-}
 
 const c10::OperatorHandle& reorder_op() {
   static const c10::OperatorHandle op =
