@@ -60,11 +60,12 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         if self.dtype == torch.bfloat16:
             from prefix_service.backends.cpu import onednn
+            kernel = onednn.default_kernel()
             brgemm = "AMX" if onednn.brgemm_vnni() else "unpacked, torch's fallback GEMM"
-            if onednn.default_kernel() == "brgemm" and onednn.brgemm_columns() != onednn.DEFAULT_BRGEMM_COLUMNS:
-                brgemm += f", {onednn.brgemm_columns()}-column blocks"
+            if kernel == "brgemm" and (columns := onednn.brgemm_columns()) != onednn.DEFAULT_BRGEMM_COLUMNS:
+                brgemm += f", {columns}-column blocks"
             how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
-                   "emulated": "oneDNN linears, bf16 emulated in float32"}[onednn.default_kernel()]
+                   "emulated": "oneDNN linears, bf16 emulated in float32"}[kernel]
             matrix = ", template attention as bf16 matrix products" if self.stack.template_matrix else ""
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         return "cpu (native kernels, decoder stack)"

@@ -66,6 +66,7 @@ using ps_onednn::last_error;
 enum class Mode { f32 = -1, bf16_native = 0, bf16_emulated = 1, bf16_brgemm = 2 };
 
 constexpr int64_t kMB = 32;  // brgemm: rows per micro-kernel call (two AMX tiles of 16)
+constexpr int kDefaultNB = 32;  // brgemm: output columns per block when the caller names none
 
 struct Packed {
   at::Tensor weight;                // oneDNN's blocked layout, as _reorder_linear_weight made it (not brgemm)
@@ -78,7 +79,7 @@ struct Packed {
   at::Tensor blocks;
   std::vector<float> bias_f32;
   int64_t kp = 0;
-  int64_t nb = 32;  // brgemm: output columns per block (a multiple of 16: whole AMX tiles)
+  int64_t nb = kDefaultNB;  // brgemm: output columns per block (a multiple of 16: whole AMX tiles)
   bool vnni = false;
 };
 
@@ -270,7 +271,7 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
                                      weight_bf16 ? at::kBFloat16 : at::kFloat));
     if (p->mode == Mode::bf16_brgemm) {
-      p->nb = columns != 0 ? columns : 32;
+      p->nb = columns != 0 ? columns : kDefaultNB;
       pack_blocks(*p, w);
       p->bias_f32.assign((size_t)n, 0.0f);
       if (bias != nullptr)
