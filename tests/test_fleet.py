@@ -97,6 +97,19 @@ def taken(server) -> dict[str, dict[str, int]]:
     return {r: dict(rep["stats"]["requests"]) for r, rep in reports(server).items() if rep.get("stats")}
 
 
+def stale_routes(engine, name: str, holders: tuple[str, ...]) -> None:
+    """Make the front end's cached routes name `holders` for template `name`, and not refresh them
+    until a request asks for fresh ones. Set on the engine's own loop under its routes lock: a
+    background refresh already waiting on the controller (slow on a busy machine) would otherwise
+    land after this and put the true routes back, and the request would never see the stale ones."""
+    async def set_them() -> None:
+        async with engine._routes_lock:
+            engine._routes = {**engine._routes, name: holders}
+            engine._routes_at = time.monotonic() + 3600
+
+    asyncio.run_coroutine_threadsafe(set_them(), engine._loop).result(timeout=60)
+
+
 def test_startup_places_each_template_on_its_rendezvous_holder(fleet):
     server, clients = fleet
     members = sorted(reports(server))
@@ -174,8 +187,7 @@ def test_label_scoring_through_the_fleet(fleet, reference):
     engine = server.engine
     holder = list(listing(clients)["t2"].replicas)[0]
     stranger = next(r for r in reports(server) if r != holder)
-    engine._routes = {**engine._routes, "t2": (stranger,)}
-    engine._routes_at = time.monotonic() + 3600  # no refresh until the resend asks for one
+    stale_routes(engine, "t2", (stranger,))  # no refresh until the resend asks for one
     try:
         again = clients.generation.Score(pb.ScoreRequest(prefix_name="t2", prompt=PROMPTS[0], candidates=labels))
     finally:
@@ -348,8 +360,7 @@ def test_a_request_on_stale_routes_is_resent_to_the_holder(fleet, reference):
     stranger = next(r for r in reports(server) if r != holder)
     fresh_reports(server)  # every replica has reported since the last test's requests
     before = taken(server)
-    engine._routes = {**engine._routes, "t1": (stranger,)}
-    engine._routes_at = time.monotonic() + 3600  # no refresh until the resend asks for one
+    stale_routes(engine, "t1", (stranger,))  # no refresh until the resend asks for one
     try:
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", "t1", MAX_TOKENS)))
     finally:
@@ -367,8 +378,7 @@ def test_a_request_waiting_for_an_unknown_holder_holds_up_no_other_call(fleet, r
     request) go on, and the request itself is resent to the holder once fresh routes show it."""
     server, clients = fleet
     engine = server.engine
-    engine._routes = {**engine._routes, "t1": ("no-such-replica",)}
-    engine._routes_at = time.monotonic() + 3600  # no refresh until the wait asks for one
+    stale_routes(engine, "t1", ("no-such-replica",))  # no refresh until the wait asks for one
     results: dict[str, object] = {}
     handle = engine._streaming
     handed = threading.Event()
