@@ -111,8 +111,8 @@ def test_server_environment(tmp_path, monkeypatch):
 
 
 def test_the_server_runs_the_dtype_our_engine_resolves(llama_dir, monkeypatch):
-    """model.dtype auto: vLLM gets what our engine runs on this CPU (float32, bf16 matrix units or not:
-    loader.choose_dtype), so the two compute alike; a dtype asked for goes as it is."""
+    """model.dtype auto: vLLM gets what our engine runs on this CPU (bfloat16 with bf16 matrix units,
+    float32 without: loader.choose_dtype), so the two compute alike; a dtype asked for goes as it is."""
     from prefix_service import cpuinfo
     from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -124,7 +124,7 @@ def test_the_server_runs_the_dtype_our_engine_resolves(llama_dir, monkeypatch):
     monkeypatch.setattr(cpuinfo, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert args("auto") == "float32" and args("bfloat16") == "bfloat16"
     monkeypatch.setattr(cpuinfo, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}))
-    assert args("auto") == "float32" and args("float32") == "float32" and args("bfloat16") == "bfloat16"
+    assert args("auto") == "bfloat16" and args("float32") == "float32" and args("bfloat16") == "bfloat16"
 
 
 def test_without_vllm_the_peers_are_skipped_with_the_way_to_install_it(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
-"""model.dtype: auto is float32 on every CPU (with bf16 matrix units, AMX-BF16 or AVX512-BF16, the cpu
-backend still decodes faster in float32: docs/benchmarks.md), says why at start-up naming the CPU's
-units, and any dtype asked for is kept."""
+"""model.dtype: auto on a CPU is bfloat16 where the CPU has bf16 matrix units (AMX-BF16 or
+AVX512-BF16) and float32 elsewhere, says why at start-up naming the CPU's units or instruction
+sets, and any dtype asked for is kept."""
 import logging
 
 import pytest
@@ -16,12 +16,12 @@ SKYLAKE_X = frozenset({"avx2", "fma", "avx512f", "avx512bw"})
 
 
 @pytest.mark.parametrize("flags,dtype,why", [
-    (SAPPHIRE_RAPIDS, torch.float32, "bf16 matrix units, AMX-BF16, AVX512-BF16, but the cpu backend decodes faster"),
-    (ZEN4, torch.float32, "bf16 matrix units, AVX512-BF16, but"),
+    (SAPPHIRE_RAPIDS, torch.bfloat16, "bfloat16 (this CPU has bf16 matrix units: AMX-BF16, AVX512-BF16; model.dtype: float32"),
+    (ZEN4, torch.bfloat16, "bfloat16 (this CPU has bf16 matrix units: AVX512-BF16;"),
     (ZEN3, torch.float32, "no bf16 matrix units; it has AVX2"),
     (SKYLAKE_X, torch.float32, "it has AVX-512, AVX2"),
 ])
-def test_auto_on_a_cpu_is_float32_and_names_its_bf16_units(llama_dir, flags, dtype, why):
+def test_auto_on_a_cpu_is_bf16_only_with_bf16_units_and_says_why(llama_dir, flags, dtype, why):
     got, reason = choose_dtype("auto", llama_dir, torch.device("cpu"), cpu_flags=flags)
     assert got == dtype and why in reason and reason.startswith("auto")
 
@@ -48,7 +48,8 @@ def test_isa_names_what_this_cpu_has():
 def test_the_engine_logs_the_dtype_and_why(make_engine, caplog):
     caplog.set_level(logging.INFO, logger="prefix_service.engine")
     engine = make_engine(dtype="auto")
-    want = torch.float32
+    want = torch.bfloat16 if cpuinfo.bf16_units() else torch.float32
+    name = str(want).replace("torch.", "")
     assert engine._core.dtype == want
-    assert "model dtype float32: auto, on a CPU: float32 (this CPU has" in caplog.text
+    assert f"model dtype {name}: auto, on a CPU: {name} (this CPU has" in caplog.text
     assert all(k.dtype == want for k, _ in engine._core.backend.kv_layers)  # the cache in the compute dtype

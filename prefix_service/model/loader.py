@@ -74,17 +74,18 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
 def choose_dtype(name: str, model_dir: str | os.PathLike, device: torch.device,
                  cpu_flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
     """model.dtype -> (the dtype, why). 'auto': on a GPU the checkpoint's dtype (bf16 when it is
-    float32); on a CPU float32, the faster of the cpu backend's two dtypes on every CPU measured:
-    without bf16 matrix units bf16 is only converted to float32 on the way, and with them (AMX-BF16
-    on a 16-vCPU Xeon, docs/benchmarks.md) bf16 decodes 1.5-2.2x slower than float32 so far, so it
-    is chosen only when asked for (cpuinfo.py says which units a CPU has)."""
+    float32); on a CPU with bf16 matrix or dot-product units (AMX-BF16, AVX512-BF16: cpuinfo.py)
+    bfloat16, which the cpu backend's oneDNN linears multiply on them with half the weight bytes
+    to stream (docs/benchmarks.md: on a 2-vCPU AVX512-BF16 EPYC a first token 1.3x sooner and up
+    to 1.5x the tokens per second of float32); elsewhere float32, since without those units bf16
+    is only converted to float32 on the way."""
     if name != "auto":
         return _DTYPES[name], "asked for (model.dtype)"
     if device.type == "cpu":
         units = cpuinfo.bf16_units(cpu_flags)
         if units:
-            return torch.float32, (f"auto, on a CPU: float32 (this CPU has bf16 matrix units, {', '.join(units)}, but "
-                                   f"the cpu backend decodes faster in float32 there; model.dtype: bfloat16 to use them)")
+            return torch.bfloat16, (f"auto, on a CPU: bfloat16 (this CPU has bf16 matrix units: {', '.join(units)}; "
+                                    f"model.dtype: float32 for float32 arithmetic)")
         have = ", ".join(cpuinfo.isa(cpu_flags)) or "no AVX"
         return torch.float32, f"auto, on a CPU: float32 (this CPU has no bf16 matrix units; it has {have})"
     dtype = checkpoint_dtype(model_dir)
