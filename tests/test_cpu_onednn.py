@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from prefix_service import cpuinfo
 from prefix_service.backends.cpu import native, onednn
 
 REASON = onednn.load()[1]
@@ -351,7 +352,8 @@ def template_reference(q, k, v):
 
 
 @needs_lib
-@pytest.mark.parametrize("rows,r_len,hkv,d", [(1, 16, 1, 16), (45, 100, 3, 64), (32, 64, 2, 32), (7, 130, 1, 128)])
+@pytest.mark.parametrize("rows,r_len,hkv,d", [(1, 16, 1, 16), (45, 100, 3, 64), (32, 64, 2, 32), (7, 130, 1, 128),
+                                               (5, 70, 1, 18)])
 def test_template_attention_is_the_softmax_state_within_bf16_rounding(rows, r_len, hkv, d):
     """Each row's state after the template: the maximum score within float32 summation error of
     the exact maximum of its bf16-rounded query's scores; the sum of exponentials and the
@@ -377,6 +379,16 @@ def test_template_attention_is_the_softmax_state_within_bf16_rounding(rows, r_le
 
 
 @needs_lib
+def test_the_template_products_run_on_the_cpus_bf16_units():
+    """AMX: oneDNN's brgemm micro-kernel; AVX512-BF16 without AMX: the library's dot products; else
+    torch's fallback GEMM (the flags as the kernel reports them)."""
+    flags = cpuinfo.cpu_flags()
+    want = ("AMX brgemm" if "amx_bf16" in flags else "AVX512-BF16 dot products" if "avx512_bf16" in flags
+            else "fallback GEMM")
+    assert onednn.template_kernel() == want
+
+
+@needs_lib
 def test_template_attention_refuses_bad_operands():
     k = torch.randn(8, 2, 16).bfloat16()
     with pytest.raises(onednn.OneDnnError, match="bfloat16 CPU tensors"):
@@ -392,6 +404,11 @@ def test_template_attention_refuses_bad_operands():
 
 def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.delenv(onednn.TEMPLATE_ATTENTION_ENV, raising=False)
+    dot = onednn.template_kernel() == "AVX512-BF16 dot products"
+    assert onednn.template_attention() == ("brgemm" if dot else "native")  # the default: by the machine
+    assert onednn.template_attention(head_size=64) == onednn.template_attention()
+    assert onednn.template_attention(head_size=72) == "native"  # the dot products take multiples of 16
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "native")
     assert onednn.template_attention() == "native"
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "brgemm")
     assert onednn.template_attention() == "brgemm"

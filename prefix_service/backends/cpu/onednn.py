@@ -68,6 +68,7 @@ SIGNATURES = {
     "ps_onednn_template_bytes": ([_ptr], _i64),
     "ps_onednn_template_free": ([_ptr], None),
     "ps_onednn_template_calls": ([], _i64),
+    "ps_onednn_template_kernel": ([], _i32),
 }
 # a bf16 weight's kernels, as ps_onednn_pack numbers them
 KERNELS = {"inner_product": 0, "emulated": 1, "brgemm": 2}
@@ -312,14 +313,33 @@ class OneDnnTemplate:
 
 TEMPLATE_ATTENTION_ENV = "PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION"
 TEMPLATE_ATTENTIONS = ("native", "brgemm")
+# what ps_onednn_template_kernel numbers: the products of the matrix-product template attention
+TEMPLATE_KERNELS = {0: "fallback GEMM", 1: "AVX512-BF16 dot products", 2: "AMX brgemm"}
 
 
-def template_attention() -> str:
+def template_kernel() -> str:
+    """What multiplies the matrix-product template attention's bf16 products here (a value of
+    TEMPLATE_KERNELS): oneDNN's brgemm micro-kernel on AMX tiles; elsewhere, where the CPU has
+    AVX512-BF16 (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product
+    instructions, for head sizes that are a multiple of 16; else torch's fallback GEMM. "fallback
+    GEMM" as well without the library."""
+    lib = load()[0]
+    return TEMPLATE_KERNELS[0] if lib is None else TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel())]
+
+
+def template_attention(head_size: int | None = None) -> str:
     """How a bfloat16 model's rows attend over a pinned template's keys: "native" (the native
-    kernels' float32 FMAs over a float32 copy, the default) or "brgemm" (matrix products in bf16
-    with float32 sums, OneDnnTemplate: AMX tiles where the CPU has them); the environment variable
-    PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses."""
-    chosen = os.environ.get(TEMPLATE_ATTENTION_ENV) or "native"
+    kernels' float32 FMAs over a float32 copy) or "brgemm" (matrix products in bf16 with float32
+    sums, OneDnnTemplate, on template_kernel()). The environment variable
+    PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses; by default "brgemm" where its products are the
+    AVX512-BF16 dot products (head_size, when given, a multiple of 16), which take 10-25% off the
+    attention of a prefill or a batched decode on a template there (docs/benchmarks.md), and
+    "native" elsewhere: the fallback GEMM is 2-3x slower than the native kernels, and on AMX the
+    brgemm products are still to be timed against them."""
+    chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
+    if not chosen:
+        dot = template_kernel() == TEMPLATE_KERNELS[1] and (head_size is None or head_size % 16 == 0)
+        return "brgemm" if dot else "native"
     if chosen not in TEMPLATE_ATTENTIONS:
         raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")
     return chosen

@@ -10,9 +10,13 @@
 //
 // A template is packed once, when it is pinned (ps_onednn_template_pack): per KV head, K^T and V
 // in chunks of kTK keys (zero past the template's end), VNNI-packed for the micro-kernel where it
-// takes VNNI (AMX), else plain row-major for torch's fallback GEMM. Built into the oneDNN library
-// with onednn_linear.cpp (onednn.py); its entry points report failures through
-// ps_onednn_last_error.
+// takes VNNI (AMX). Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later, Intel Cooper
+// Lake), the two products run instead as this file's own loops of bf16 dot-product instructions
+// (vdpbf16ps: 16 float32 sums, each adding two bf16 products, per instruction) over the same
+// VNNI pairs: the brgemm micro-kernel takes bf16 only on AMX, and torch's fallback GEMM is 2-3x
+// slower than the native float32 kernels. Elsewhere plain row-major for that fallback GEMM. Built
+// into the oneDNN library with onednn_linear.cpp (onednn.py); its entry points report failures
+// through ps_onednn_last_error.
 #include <ATen/ATen.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/core/InferenceMode.h>
@@ -45,11 +49,99 @@ constexpr int64_t kTM = 32;  // query rows per pair of products (two AMX tiles o
 
 struct TemplateKV {
   int64_t r_len = 0, hkv = 0, d = 0, chunks = 0;
-  bool vnni = false;
+  bool vnni = false;  // AMX: brgemm on VNNI-packed chunks
+  bool dot = false;   // AVX512-BF16 without AMX: dot_products() on VNNI pairs
   // k: [hkv][chunks][d][kTK] (K^T of each chunk), v: [hkv][chunks][kTK][d], bf16, each chunk
-  // VNNI-packed when vnni
+  // VNNI-packed when vnni; when dot, k [hkv][chunks][d / 2][kTK][2] and v [hkv][chunks][kTK / 2][d][2]
+  // (the pairs a dot-product instruction multiplies)
   at::Tensor k, v;
 };
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kDotBf16 = true;
+constexpr int kRB = 4;  // rows per block of accumulators (4 rows x 4 vectors of 16 sums)
+
+inline __m512bh pairs(__m512i x) { return (__m512bh)x; }
+inline __m512bh broadcast_pair(const c10::BFloat16* p) {  // p[0], p[1] in every lane's pair
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// (The loops over rows and vectors are unrolled, so the 16 accumulators stay in registers: the
+// library builds at -O2, which would keep them on the stack.)
+
+// s [mm][kTK] = q [mm][d] (bf16, rows d apart) times a chunk's K^T, k [d / 2][kTK][2]; mm a multiple of kRB
+void scores_dot(const c10::BFloat16* q, int64_t d, const c10::BFloat16* k, int mm, float* s) {
+  for (int r = 0; r < mm; r += kRB) {
+    __m512 acc[kRB][4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i)
+      #pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < d / 2; ++p) {
+      const c10::BFloat16* kp = k + p * kTK * 2;
+      __m512bh kv[4];
+      #pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) kv[v] = pairs(_mm512_loadu_si512(kp + v * 32));
+      #pragma GCC unroll 4
+      for (int i = 0; i < kRB; ++i) {
+        const __m512bh a = broadcast_pair(q + (r + i) * d + 2 * p);
+        #pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, kv[v]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i)
+      #pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + (r + i) * kTK + v * 16, acc[i][v]);
+  }
+}
+
+// o[r][e0, e0 + 16 NV) += p [mm][kTK] (bf16) times columns e0.. of a chunk's V, v [kTK / 2][d][2]
+template <int NV>
+void values_block(const c10::BFloat16* p, const c10::BFloat16* v, int64_t d, int64_t e0, int mm, float* o) {
+  for (int r = 0; r < mm; r += kRB) {
+    __m512 acc[kRB][NV];
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i)
+      #pragma GCC unroll 4
+      for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_loadu_ps(o + (r + i) * d + e0 + w * 16);
+    for (int64_t j = 0; j < kTK / 2; ++j) {
+      const c10::BFloat16* vp = v + (j * d + e0) * 2;
+      __m512bh vv[NV];
+      #pragma GCC unroll 4
+      for (int w = 0; w < NV; ++w) vv[w] = pairs(_mm512_loadu_si512(vp + w * 32));
+      #pragma GCC unroll 4
+      for (int i = 0; i < kRB; ++i) {
+        const __m512bh a = broadcast_pair(p + (r + i) * kTK + 2 * j);
+        #pragma GCC unroll 4
+        for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], a, vv[w]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i)
+      #pragma GCC unroll 4
+      for (int w = 0; w < NV; ++w) _mm512_storeu_ps(o + (r + i) * d + e0 + w * 16, acc[i][w]);
+  }
+}
+
+// o [mm][d] += p [mm][kTK] (bf16) times a chunk's V, v [kTK / 2][d][2]; d a multiple of 16, 64 columns at a time
+void values_dot(const c10::BFloat16* p, const c10::BFloat16* v, int64_t d, int mm, float* o) {
+  int64_t e0 = 0;
+  for (; e0 + 64 <= d; e0 += 64) values_block<4>(p, v, d, e0, mm, o);
+  switch ((d - e0) / 16) {
+    case 3: values_block<3>(p, v, d, e0, mm, o); break;
+    case 2: values_block<2>(p, v, d, e0, mm, o); break;
+    case 1: values_block<1>(p, v, d, e0, mm, o); break;
+    default: break;
+  }
+}
+#else
+constexpr bool kDotBf16 = false;
+void scores_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, int, float*) {}
+void values_dot(const c10::BFloat16*, const c10::BFloat16*, int64_t, int, float*) {}
+#endif
 
 // Per-thread scratch, grown and never shrunk: the rows' queries in bf16, a chunk's scores and
 // probabilities, the rows' outputs.
@@ -62,6 +154,21 @@ thread_local Scratch scratch;
 // dst[j] = exp(src[j] - m) for j < n, 0 for n <= j < kTK; returns the sum of dst rounded to bf16,
 // each value rounded to bf16 into p (the weights P V multiplies)
 float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  // the rounding as c10::BFloat16's (to nearest, ties to even), in vectors: the values here are
+  // exponentials of non-positive numbers, never NaN
+  const ps::vf mb = ps::vset1(m);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < kTK; j += ps::LANES) {
+    const __m512i u = _mm512_castps_si512(ps::vkeep_first(ps::exp_ps(ps::vsub(ps::vload(src + j), mb)), n - j).v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, lsb)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm512_cvtepi32_epi16(r));
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+  }
+  return _mm512_reduce_add_ps(sum);
+#else
   float sum = 0.0f;
 #if defined(PS_SIMD)
   alignas(64) float e[kTK];
@@ -78,6 +185,32 @@ float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
   }
 #endif
   return sum;
+#endif
+}
+
+// The larger of init and the first n (<= kTK) of a row's scores
+float row_max(const float* sr, int n, float init) {
+#if defined(PS_SIMD)
+  ps::vf acc = ps::vset1(init);
+  for (int j = 0; j < n; j += ps::LANES) acc = ps::vmax_first(acc, ps::vload_first(sr + j, n - j), n - j);
+  return ps::vreduce_max(acc);
+#else
+  for (int j = 0; j < n; ++j) init = std::max(init, sr[j]);
+  return init;
+#endif
+}
+
+// o[0, d) *= alpha
+void scale_row(float* o, int64_t d, float alpha) {
+#if defined(PS_SIMD)
+  const ps::vf a = ps::vset1(alpha);
+  for (int64_t e = 0; e < d; e += ps::LANES) {
+    const int n = static_cast<int>(std::min<int64_t>(ps::LANES, d - e));
+    ps::vstore_first(o + e, ps::vmul(ps::vload_first(o + e, n), a), n);
+  }
+#else
+  for (int64_t e = 0; e < d; ++e) o[e] *= alpha;
+#endif
 }
 
 // Rows [0, rows) of q (scaled already; rows q_stride floats apart) over head h of the template:
@@ -104,18 +237,22 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
     }
     for (int64_t c = 0; c < t.chunks; ++c) {
       const int nk = static_cast<int>(std::min<int64_t>(kTK, t.r_len - c * kTK));
-      at::native::cpublas::brgemm(mm, kTK, d, d, kTK, kTK, /*add_C=*/false, qb, kh + c * chunk_k, s, t.vnni);
+      if (t.dot)
+        scores_dot(qb, d, kh + c * chunk_k, mm, s);
+      else
+        at::native::cpublas::brgemm(mm, kTK, d, d, kTK, kTK, /*add_C=*/false, qb, kh + c * chunk_k, s, t.vnni);
       for (int r = 0; r < mr; ++r) {
         const float* sr = s + r * kTK;
-        float mx = mi[r];
-        for (int j = 0; j < nk; ++j) mx = std::max(mx, sr[j]);
+        const float mx = row_max(sr, nk, mi[r]);
         const float alpha = std::exp(mi[r] - mx);  // 0 on the first chunk (m = -inf)
         li[r] = li[r] * alpha + exp_row(sr, nk, mx, pb + r * kTK);
         mi[r] = mx;
-        if (c > 0)
-          for (int64_t e = 0; e < d; ++e) ob[r * d + e] *= alpha;
+        if (c > 0) scale_row(ob + r * d, d, alpha);
       }
-      at::native::cpublas::brgemm(mm, d, kTK, kTK, d, d, /*add_C=*/true, pb, vh + c * chunk_k, ob, t.vnni);
+      if (t.dot)
+        values_dot(pb, vh + c * chunk_k, d, mm, ob);
+      else
+        at::native::cpublas::brgemm(mm, d, kTK, kTK, d, d, /*add_C=*/true, pb, vh + c * chunk_k, ob, t.vnni);
     }
     for (int r = 0; r < mr; ++r) {
       std::memcpy(o + (r0 + r) * ld_o, ob + r * d, sizeof(float) * d);
@@ -123,7 +260,7 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
       l[r0 + r] = li[r];
     }
   }
-  at::native::cpublas::brgemm_release(t.vnni);
+  if (!t.dot) at::native::cpublas::brgemm_release(t.vnni);
 }
 
 }  // namespace
@@ -148,6 +285,7 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
     t->d = d;
     t->chunks = (r_len + kTK - 1) / kTK;
     t->vnni = at::native::cpublas::could_pack(at::kBFloat16);
+    t->dot = !t->vnni && kDotBf16 && d % 16 == 0;
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     const at::Tensor kin = at::from_blob(const_cast<void*>(k), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
     const at::Tensor vin = at::from_blob(const_cast<void*>(v), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
@@ -168,6 +306,9 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
           at::native::cpublas::pack(kTK, d, d, d, at::kBFloat16, at::kBFloat16, vt[h][c].data_ptr(),
                                     t->v[h][c].data_ptr());
         }
+    } else if (t->dot) {  // pairs: K^T's rows two by two along d, V's rows two by two along the keys
+      t->k = kt.view({hkv, t->chunks, d / 2, 2, kTK}).transpose(3, 4).contiguous();
+      t->v = vt.view({hkv, t->chunks, kTK / 2, 2, d}).transpose(3, 4).contiguous();
     } else {
       t->k = kt;
       t->v = vt;
@@ -198,6 +339,17 @@ extern "C" int ps_onednn_template_attend(const void* handle, int h, const float*
     attend_calls.fetch_add(1, std::memory_order_relaxed);
     return 0;
   });
+}
+
+// Which kernel a template packed here multiplies with: 2 oneDNN's brgemm micro-kernel (AMX), 1 this
+// file's AVX512-BF16 dot products (for head sizes that are a multiple of 16; others take 0), 0 torch's
+// fallback GEMM.
+extern "C" int ps_onednn_template_kernel() {
+  try {
+    return at::native::cpublas::could_pack(at::kBFloat16) ? 2 : kDotBf16 ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
 }
 
 // How many calls of ps_onednn_template_attend have succeeded in this process.
