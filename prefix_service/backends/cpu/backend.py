@@ -66,7 +66,7 @@ class CpuBackend(Backend):
                 brgemm += f", {columns}-column blocks"
             how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
                    "emulated": "oneDNN linears, bf16 emulated in float32"}[kernel]
-            matrix = (f", template attention as bf16 matrix products ({onednn.template_kernel()})"
+            matrix = (f", template attention as bf16 matrix products ({onednn.template_kernel(self.stack.head_dim)})"
                       if self.stack.template_matrix else "")
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         return "cpu (native kernels, decoder stack)"

@@ -68,7 +68,7 @@ SIGNATURES = {
     "ps_onednn_template_bytes": ([_ptr], _i64),
     "ps_onednn_template_free": ([_ptr], None),
     "ps_onednn_template_calls": ([], _i64),
-    "ps_onednn_template_kernel": ([], _i32),
+    "ps_onednn_template_kernel": ([_i64], _i32),
 }
 # a bf16 weight's kernels, as ps_onednn_pack numbers them
 KERNELS = {"inner_product": 0, "emulated": 1, "brgemm": 2}
@@ -317,29 +317,29 @@ TEMPLATE_ATTENTIONS = ("native", "brgemm")
 TEMPLATE_KERNELS = {0: "fallback GEMM", 1: "AVX512-BF16 dot products", 2: "AMX brgemm"}
 
 
-def template_kernel() -> str:
-    """What multiplies the matrix-product template attention's bf16 products here (a value of
-    TEMPLATE_KERNELS): oneDNN's brgemm micro-kernel on AMX tiles; elsewhere, where the CPU has
-    AVX512-BF16 (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product
-    instructions, for head sizes that are a multiple of 16; else torch's fallback GEMM. "fallback
-    GEMM" as well without the library."""
+def template_kernel(head_size: int) -> str:
+    """What multiplies the matrix-product template attention's bf16 products here for heads of
+    head_size (a value of TEMPLATE_KERNELS; the library decides, as it does when it packs a
+    template): oneDNN's brgemm micro-kernel on AMX tiles; elsewhere, where the CPU has AVX512-BF16
+    (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product instructions,
+    for head sizes that are a multiple of 16; else torch's fallback GEMM. "fallback GEMM" as well
+    without the library."""
     lib = load()[0]
-    return TEMPLATE_KERNELS[0] if lib is None else TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel())]
+    return TEMPLATE_KERNELS[0] if lib is None else TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(head_size))]
 
 
-def template_attention(head_size: int | None = None) -> str:
-    """How a bfloat16 model's rows attend over a pinned template's keys: "native" (the native
-    kernels' float32 FMAs over a float32 copy) or "brgemm" (matrix products in bf16 with float32
-    sums, OneDnnTemplate, on template_kernel()). The environment variable
+def template_attention(head_size: int) -> str:
+    """How a bfloat16 model's rows attend over a pinned template's keys, for heads of head_size:
+    "native" (the native kernels' float32 FMAs over a float32 copy) or "brgemm" (matrix products in
+    bf16 with float32 sums, OneDnnTemplate, on template_kernel()). The environment variable
     PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses; by default "brgemm" where its products are the
-    AVX512-BF16 dot products (head_size, when given, a multiple of 16), which take 10-25% off the
-    attention of a prefill or a batched decode on a template there (docs/benchmarks.md), and
-    "native" elsewhere: the fallback GEMM is 2-3x slower than the native kernels, and on AMX the
-    brgemm products are still to be timed against them."""
+    AVX512-BF16 dot products, which take 10-25% off the attention of a prefill or a batched decode
+    on a template there (docs/benchmarks.md), and "native" elsewhere: the fallback GEMM is 2-3x
+    slower than the native kernels, and on AMX the brgemm products are still to be timed against
+    them."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
     if not chosen:
-        dot = template_kernel() == TEMPLATE_KERNELS[1] and (head_size is None or head_size % 16 == 0)
-        return "brgemm" if dot else "native"
+        return "brgemm" if template_kernel(head_size) == TEMPLATE_KERNELS[1] else "native"
     if chosen not in TEMPLATE_ATTENTIONS:
         raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")
     return chosen

@@ -143,6 +143,14 @@ void scores_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, int, float*
 void values_dot(const c10::BFloat16*, const c10::BFloat16*, int64_t, int, float*) {}
 #endif
 
+// The kernel a template of head size d multiplies with here: 2 oneDNN's brgemm micro-kernel (AMX,
+// VNNI-packed chunks), 1 this file's AVX512-BF16 dot products (head sizes a multiple of 16), 0
+// torch's fallback GEMM.
+int kernel_for(int64_t d) {
+  if (at::native::cpublas::could_pack(at::kBFloat16)) return 2;
+  return kDotBf16 && d % 16 == 0 ? 1 : 0;
+}
+
 // Per-thread scratch, grown and never shrunk: the rows' queries in bf16, a chunk's scores and
 // probabilities, the rows' outputs.
 struct Scratch {
@@ -284,8 +292,9 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
     t->hkv = hkv;
     t->d = d;
     t->chunks = (r_len + kTK - 1) / kTK;
-    t->vnni = at::native::cpublas::could_pack(at::kBFloat16);
-    t->dot = !t->vnni && kDotBf16 && d % 16 == 0;
+    const int kernel = kernel_for(d);
+    t->vnni = kernel == 2;
+    t->dot = kernel == 1;
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     const at::Tensor kin = at::from_blob(const_cast<void*>(k), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
     const at::Tensor vin = at::from_blob(const_cast<void*>(v), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
@@ -341,12 +350,11 @@ extern "C" int ps_onednn_template_attend(const void* handle, int h, const float*
   });
 }
 
-// Which kernel a template packed here multiplies with: 2 oneDNN's brgemm micro-kernel (AMX), 1 this
-// file's AVX512-BF16 dot products (for head sizes that are a multiple of 16; others take 0), 0 torch's
-// fallback GEMM.
-extern "C" int ps_onednn_template_kernel() {
+// Which kernel a template of head size d packed here multiplies with (kernel_for); 0 as well if
+// asking fails.
+extern "C" int ps_onednn_template_kernel(int64_t d) {
   try {
-    return at::native::cpublas::could_pack(at::kBFloat16) ? 2 : kDotBf16 ? 1 : 0;
+    return kernel_for(d);
   } catch (...) {
     return 0;
   }
