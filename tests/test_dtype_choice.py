@@ -16,7 +16,8 @@ SKYLAKE_X = frozenset({"avx2", "fma", "avx512f", "avx512bw"})
 
 
 @pytest.mark.parametrize("flags,dtype,why", [
-    (SAPPHIRE_RAPIDS, torch.bfloat16, "bfloat16 (this CPU has bf16 matrix units: AMX-BF16, AVX512-BF16; model.dtype: float32"),
+    (SAPPHIRE_RAPIDS, torch.bfloat16,
+     "bfloat16 (this CPU has bf16 matrix units: AMX-BF16, AVX512-BF16; model.dtype: float32"),
     (ZEN4, torch.bfloat16, "bfloat16 (this CPU has bf16 matrix units: AVX512-BF16;"),
     (ZEN3, torch.float32, "no bf16 matrix units; it has AVX2"),
     (SKYLAKE_X, torch.float32, "it has AVX-512, AVX2"),

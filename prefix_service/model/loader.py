@@ -77,8 +77,8 @@ def choose_dtype(name: str, model_dir: str | os.PathLike, device: torch.device,
     float32); on a CPU with bf16 matrix or dot-product units (AMX-BF16, AVX512-BF16: cpuinfo.py)
     bfloat16, which the cpu backend's oneDNN linears multiply on them with half the weight bytes
     to stream (docs/benchmarks.md: on a 2-vCPU AVX512-BF16 EPYC a first token 1.6x sooner and
-    1.4x the tokens per second of float32 at 16 and 64 requests); elsewhere float32, since without those units bf16
-    is only converted to float32 on the way."""
+    1.4x the tokens per second of float32 at 16 and 64 requests); elsewhere float32, since without
+    those units bf16 is only converted to float32 on the way."""
     if name != "auto":
         return _DTYPES[name], "asked for (model.dtype)"
     if device.type == "cpu":
