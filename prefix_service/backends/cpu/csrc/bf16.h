@@ -43,6 +43,15 @@ struct KvStore {
     const uint16_t* src = static_cast<const uint16_t*>(base) + at;
     for (int i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
   }
+  // asks for the cache lines of n elements from element `at` on: into L1 (`soon`), else into L2
+  void prefetch(int64_t at, int64_t n, bool soon) const {
+    const char* p = static_cast<const char*>(base) + at * (bf16 ? 2 : 4);
+    const int64_t bytes = n * (bf16 ? 2 : 4);
+    if (soon)
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+    else
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  }
   void write(int64_t at, int n, const float* src) const {
     if (!bf16) {
       std::memcpy(static_cast<float*>(base) + at, src, sizeof(float) * (size_t)n);

@@ -512,9 +512,11 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // template's keys 64 at a time, each chunk serving every tile while it is in cache, so the
 // template is read from memory once per (KV head, block of tiles) instead of once per sequence;
 // each row's softmax state is kept in `scratch` (ps_decode_scratch_floats; null: the call
-// allocates it). B: each sequence's rest of context, through its block table, per (sequence, KV
-// head, tile of query heads), from that state: cache keys are gathered 64 at a time into panels
-// in a per-thread buffer. A row's arithmetic is the same whatever rows share its tile.
+// allocates it). B: each sequence's rest of context, through its block table, per (sequence, tile
+// of query heads) over all its KV heads (per KV head too when there are fewer than two sequences a
+// thread), from that state: a task first asks for every cache row it reads (prefetch), then gathers
+// the keys 64 at a time into panels in a per-thread buffer. A row's arithmetic is the same
+// whatever rows share its tile or task.
 // template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
 // on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
 // with the same rows per task; its state goes where the native pass puts its own. kt_ptrs[n] then
@@ -666,43 +668,64 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       status = 3;
     }
     Tile t;
+    // B's tasks: (sequence, tile) over all of the sequence's KV heads where there are sequences enough
+    // to share out, so that a task reads whole slots of the cache; (sequence, KV head, tile) otherwise
+    const int heads_per_task = n_seq >= 2 * threads ? hkv : 1;
+    const int head_groups = hkv / heads_per_task;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < (int64_t)n_seq * hkv * tiles; ++task) {  // B: the rest of each context
+    for (int64_t task = 0; task < (int64_t)n_seq * head_groups * tiles; ++task) {  // B: the rest of each context
       if (kbuf == nullptr || vbuf == nullptr || status != 0) continue;
-      const int n = (int)(task / ((int64_t)hkv * tiles));
-      const int h = (int)((task / tiles) % hkv);
+      const int n = (int)(task / ((int64_t)head_groups * tiles));
+      const int h0 = (int)((task / tiles) % head_groups) * heads_per_task;
       const int g0 = (int)(task % tiles) * MR;
       const bool templated = kt_ptrs != nullptr && kt_ptrs[n] != 0;
-      for (int r = 0; r < MR; ++r) {
-        const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
-        start_row(t, r, q + n * q_stride + (int64_t)(h * g + gg) * d_len, d_len, scale);
-        if (templated) {  // from its state after the template (pass A)
-          const float* st = state + ((int64_t)n * hq + h * g + gg) * state_floats;
-          std::memcpy(t.o + r * MAX_D, st, sizeof(float) * d_len);
-          t.m[r] = st[d_len];
-          t.l[r] = st[d_len + 1];
-        }
-      }
       const int first = templated ? skip_blocks[n] * block_size : 0;  // first cache token to read
       const int ctx = context_lens[n];
       const int32_t* table = block_tables + n * table_stride;
       const int heads = g - g0 < MR ? g - g0 : MR;  // the tile's real rows: no work for padding ones
-      const float* key_rows[KC];
-      for (int c0 = first; c0 < ctx; c0 += KC) {
-        const int nk = ctx - c0 < KC ? ctx - c0 : KC;
-        for (int j = 0; j < nk; ++j) {
-          const int tok = c0 + j;
-          const int64_t base = (int64_t)table[tok / block_size] * block_floats
-                               + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
-          key_rows[j] = kc.row(base, d_len, widened + (int64_t)j * d_len);
-          vc.read(base, d_len, vbuf + (int64_t)j * d_len);
-        }
-        gather_panels(kbuf, key_rows, nk, d_len);
-        for (int r = 0; r < MR; ++r) valid[r] = nk;
-        chunk(t, d_len, kbuf, nk, vbuf, d_len, valid, heads);
+      // every row the task reads, asked for at once (into L2), so that the misses overlap each other and
+      // the arithmetic: read one after another, the scattered blocks' rows cost 2-3x their bytes' time
+      for (int tok = first; tok < ctx; ++tok) {
+        const int64_t at = (int64_t)table[tok / block_size] * block_floats + (int64_t)(tok % block_size) * slot_stride
+                           + (int64_t)h0 * d_len;
+        kc.prefetch(at, (int64_t)heads_per_task * d_len, false);
+        vc.prefetch(at, (int64_t)heads_per_task * d_len, false);
       }
-      for (int r = 0; r < MR && g0 + r < g; ++r)
-        store_row(t, r, out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len, d_len);
+      for (int h = h0; h < h0 + heads_per_task; ++h) {
+        for (int r = 0; r < MR; ++r) {
+          const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
+          start_row(t, r, q + n * q_stride + (int64_t)(h * g + gg) * d_len, d_len, scale);
+          if (templated) {  // from its state after the template (pass A)
+            const float* st = state + ((int64_t)n * hq + h * g + gg) * state_floats;
+            std::memcpy(t.o + r * MAX_D, st, sizeof(float) * d_len);
+            t.m[r] = st[d_len];
+            t.l[r] = st[d_len + 1];
+          }
+        }
+        const float* key_rows[KC];
+        for (int c0 = first; c0 < ctx; c0 += KC) {
+          const int nk = ctx - c0 < KC ? ctx - c0 : KC;
+          for (int j = 0; j < nk; ++j) {  // the chunk's rows, into L1 before the first is read
+            const int tok = c0 + j;
+            const int64_t base = (int64_t)table[tok / block_size] * block_floats
+                                 + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
+            kc.prefetch(base, d_len, true);
+            vc.prefetch(base, d_len, true);
+          }
+          for (int j = 0; j < nk; ++j) {
+            const int tok = c0 + j;
+            const int64_t base = (int64_t)table[tok / block_size] * block_floats
+                                 + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
+            key_rows[j] = kc.row(base, d_len, widened + (int64_t)j * d_len);
+            vc.read(base, d_len, vbuf + (int64_t)j * d_len);
+          }
+          gather_panels(kbuf, key_rows, nk, d_len);
+          for (int r = 0; r < MR; ++r) valid[r] = nk;
+          chunk(t, d_len, kbuf, nk, vbuf, d_len, valid, heads);
+        }
+        for (int r = 0; r < MR && g0 + r < g; ++r)
+          store_row(t, r, out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len, d_len);
+      }
     }
     std::free(kbuf);
     std::free(vbuf);
