@@ -57,9 +57,10 @@ struct TemplateKV {
   at::Tensor k, v;
 };
 
+constexpr int kRB = 4;  // the dot products: rows per block of accumulators (4 rows x 4 vectors of 16 sums)
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kDotBf16 = true;
-constexpr int kRB = 4;  // rows per block of accumulators (4 rows x 4 vectors of 16 sums)
 
 inline __m512bh pairs(__m512i x) { return (__m512bh)x; }
 inline __m512bh broadcast_pair(const c10::BFloat16* p) {  // p[0], p[1] in every lane's pair
@@ -234,7 +235,8 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
   float* ob = grown(scratch.o, kTM * d);
   float mi[kTM], li[kTM];
   for (int r0 = 0; r0 < rows; r0 += kTM) {
-    const int mr = std::min<int>(kTM, rows - r0), mm = (mr + 15) / 16 * 16;  // rows, padded to whole tiles
+    // rows, padded to whole AMX tiles (brgemm) or blocks of accumulators (the dot products)
+    const int mr = std::min<int>(kTM, rows - r0), pad = t.dot ? kRB : 16, mm = (mr + pad - 1) / pad * pad;
     for (int r = 0; r < mm; ++r)
       for (int64_t c = 0; c < d; ++c) qb[r * d + c] = c10::BFloat16(r < mr ? q[(r0 + r) * q_stride + c] : 0.0f);
     std::fill(ob, ob + mm * d, 0.0f);
