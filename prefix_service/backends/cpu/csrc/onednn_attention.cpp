@@ -254,10 +254,14 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
       for (int r = 0; r < mr; ++r) {
         const float* sr = s + r * kTK;
         const float mx = row_max(sr, nk, mi[r]);
-        const float alpha = std::exp(mi[r] - mx);  // 0 on the first chunk (m = -inf)
-        li[r] = li[r] * alpha + exp_row(sr, nk, mx, pb + r * kTK);
+        const float sum = exp_row(sr, nk, mx, pb + r * kTK);
+        if (mx != mi[r]) {  // the running maximum moved: what came before is rescaled
+          const float alpha = std::exp(mi[r] - mx);  // 0 on the first chunk (m = -inf)
+          li[r] *= alpha;
+          if (c > 0) scale_row(ob + r * d, d, alpha);
+        }
+        li[r] += sum;
         mi[r] = mx;
-        if (c > 0) scale_row(ob + r * d, d, alpha);
       }
       if (t.dot)
         values_dot(pb, vh + c * chunk_k, d, mm, ob);
