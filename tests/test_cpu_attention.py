@@ -335,6 +335,37 @@ def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
 
 
 @needs_native
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_decode_does_not_depend_on_the_thread_count(kv):
+    """Decodes on a template and without one, as one batch: the same bits on 1, 2 and 3 threads,
+    though the thread count decides how the rest of each context is split into tasks (per KV head
+    for few sequences a thread, all of a sequence's heads together for more)."""
+    bs, hq, hkv, d = 4, 9, 3, 32
+    g = torch.Generator().manual_seed(3)
+    kt, vt = torch.randn(2 * bs, hkv, d, generator=g), torch.randn(2 * bs, hkv, d, generator=g)
+    packed = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 2 * bs)
+    which = [True, False, True, True, False, True, True]
+    lens = [2 * bs + 3 + 5 * i if on else 4 + 3 * i for i, on in enumerate(which)]
+    q, kc, vc, tables, ctx, _ = paged_case(lens, bs, hq, hkv, d, seed=4)
+    if kv == "bfloat16":
+        kc, vc = kc.bfloat16(), vc.bfloat16()
+    templates = [packed if on else None for on in which]
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            # 7 sequences: 2 a thread or more on 1, 2 and 3 threads; the first 3 alone: fewer on 2 and 3
+            outs.append((decode_attention(q, kc, vc, tables, ctx, 0.2, templates=templates),
+                         decode_attention(q[:3], kc, vc, tables[:3], ctx[:3], 0.2, templates=templates[:3])))
+    finally:
+        torch.set_num_threads(threads)
+    for batch, few in outs[1:]:
+        assert torch.equal(batch, outs[0][0]) and torch.equal(few, outs[0][1])
+    assert torch.equal(outs[0][1], outs[0][0][:3])
+
+
+@needs_native
 def test_decode_bad_input_is_refused():
     q, kc, vc, tables, ctx, _ = paged_case([5, 9], 4, 4, 2, 16)
     with pytest.raises(NativeKernelError, match="contiguous float32"):
