@@ -1,0 +1,122 @@
+"""Decode attention's own cost on the CPU, the kernel alone (`ps_decode_attention` through the
+tests' ctypes harness, tests/native_harness.py): N sequences, each one new token after a template
+and its own tokens in shuffled blocks of a bf16 (or float32) cache, over 30 layers.
+
+Each layer has its own cache, so a step reads every sequence's own rows from memory as serving
+does (`--hot`: one layer's cache 30 times, so the rows stay in cache and what shows is the
+arithmetic). The template's part runs as the engine runs it here (`--template matrix`: the
+matrix-product template attention of a bf16 model; `native`: the float32 kernels over a packed
+copy; `none`: no template). The table gives ms a step (30 calls, minimum and median of the
+repeats) and the own rows' bytes over the step's minimum (with a template, its part's time counts
+too).
+
+    python scripts/bench_cpu_decode_call.py --seqs 16,64 --json bench_out/cpu_decode_call.json
+    python scripts/bench_cpu_decode_call.py --seqs 64 --template none --hot
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from native_harness import decode_attention  # noqa: E402
+
+from prefix_service.backends.cpu import attention as cpu_attention  # noqa: E402
+from prefix_service.backends.cpu import native, onednn  # noqa: E402
+
+
+def step_ms(n: int, args: argparse.Namespace) -> tuple[float, float]:
+    """(minimum, median) ms of one step of n decodes over `args.layers` layers."""
+    bs, hq, hkv, d = 16, args.query_heads, args.kv_heads, args.head_size
+    dtype = torch.bfloat16 if args.kv == "bfloat16" else torch.float32
+    r_blocks = -(-args.template_tokens // bs) if args.template != "none" else 0
+    own_blocks = -(-args.own_tokens // bs)  # the template ends on a block boundary
+    num_blocks = r_blocks + n * own_blocks + 1
+    g = torch.Generator().manual_seed(n)
+    layers = []
+    for _ in range(1 if args.hot else args.layers):
+        kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+        vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+        packed, matrix = None, None
+        if r_blocks:
+            kt, vt = kc[:r_blocks].flatten(0, 1), vc[:r_blocks].flatten(0, 1)
+            packed = (cpu_attention.pack_keys(kt.float()), cpu_attention.pack_values(vt.float()), r_blocks * bs)
+            if args.template == "matrix":
+                matrix = onednn.OneDnnTemplate(kt.bfloat16().contiguous(), vt.bfloat16().contiguous())
+        layers.append((kc, vc, packed, matrix))
+    own = (torch.randperm(num_blocks - r_blocks - 1, generator=g)[:n * own_blocks] + r_blocks).to(torch.int32)
+    tables = torch.cat([torch.arange(r_blocks, dtype=torch.int32).repeat(n, 1), own.view(n, own_blocks)], 1)
+    ctx = torch.full((n,), r_blocks * bs + args.own_tokens, dtype=torch.int32)
+    q = torch.randn(n, hq, d, generator=g)
+    out = torch.empty(n, hq, d)
+    times = []
+    for rep in range(args.repeats + 1):
+        t = time.perf_counter()
+        for i in range(args.layers):
+            kc, vc, packed, matrix = layers[i % len(layers)]
+            decode_attention(q, kc, vc, tables.contiguous(), ctx, d ** -0.5, out=out,
+                             templates=[packed] * n if packed is not None else None,
+                             matrix=[matrix] * n if matrix is not None else None)
+        if rep:  # the first pass is untimed
+            times.append((time.perf_counter() - t) * 1e3)
+    return min(times), statistics.median(times)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", default="16,64", help="decoding sequences a step, comma-separated")
+    p.add_argument("--own-tokens", type=int, default=120, help="each sequence's tokens after the template")
+    p.add_argument("--template-tokens", type=int, default=944, help="rounded up to whole blocks of 16")
+    p.add_argument("--template", choices=("matrix", "native", "none"), default=None,
+                   help="default: matrix where onednn.template_attention() picks it for the head size, else native")
+    p.add_argument("--kv", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's dtype")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--query-heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--hot", action="store_true", help="one layer's cache for every layer: the rows stay in cache")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if native.load()[0] is None:
+        print(f"no native library here: {native.load()[1]}", file=sys.stderr)
+        return 1
+    if args.template is None:
+        args.template = "matrix" if onednn.template_attention(args.head_size) != "native" else "native"
+    if args.template == "matrix" and onednn.load()[0] is None:
+        print(f"no oneDNN library here for --template matrix: {onednn.load()[1]}", file=sys.stderr)
+        return 1
+    from prefix_service import cpuinfo
+    elem = 2 if args.kv == "bfloat16" else 4
+    print(f"{', '.join(cpuinfo.isa()) or 'no listed ISA'}, {torch.get_num_threads()} threads: {args.layers} layers, "
+          f"template {args.template}, {args.own_tokens} own tokens a sequence, {args.kv} cache"
+          f"{', in cache (--hot)' if args.hot else ''}")
+    print(f"{'seqs':>5} {'min ms':>8} {'p50 ms':>8} {'own MB':>8} {'GB/s':>6}")
+    results = []
+    for n in (int(s) for s in args.seqs.split(",")):
+        best, median = step_ms(n, args)
+        mb = n * args.own_tokens * args.kv_heads * args.head_size * 2 * elem * args.layers / 1e6
+        results.append({"seqs": n, "min_ms": round(best, 3), "p50_ms": round(median, 3), "own_mb": round(mb, 1),
+                        "own_gb_s": round(mb / best, 2)})
+        print(f"{n:5d} {best:8.2f} {median:8.2f} {mb:8.1f} {mb / best:6.1f}", flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"isa": cpuinfo.isa(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "args": vars(args),
+                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, f, indent=1)
+        print(f"JSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
