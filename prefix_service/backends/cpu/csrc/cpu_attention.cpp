@@ -683,13 +683,14 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       const int ctx = context_lens[n];
       const int32_t* table = block_tables + n * table_stride;
       const int heads = g - g0 < MR ? g - g0 : MR;  // the tile's real rows: no work for padding ones
+      const auto slot = [&](int tok) {  // the first element of token tok's slot in the cache
+        return (int64_t)table[tok / block_size] * block_floats + (int64_t)(tok % block_size) * slot_stride;
+      };
       // every row the task reads, asked for at once (into L2), so that the misses overlap each other and
       // the arithmetic: read one after another, the scattered blocks' rows cost 2-3x their bytes' time
       for (int tok = first; tok < ctx; ++tok) {
-        const int64_t at = (int64_t)table[tok / block_size] * block_floats + (int64_t)(tok % block_size) * slot_stride
-                           + (int64_t)h0 * d_len;
-        kc.prefetch(at, (int64_t)heads_per_task * d_len, false);
-        vc.prefetch(at, (int64_t)heads_per_task * d_len, false);
+        kc.prefetch(slot(tok) + (int64_t)h0 * d_len, (int64_t)heads_per_task * d_len, false);
+        vc.prefetch(slot(tok) + (int64_t)h0 * d_len, (int64_t)heads_per_task * d_len, false);
       }
       for (int h = h0; h < h0 + heads_per_task; ++h) {
         for (int r = 0; r < MR; ++r) {
@@ -703,21 +704,17 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           }
         }
         const float* key_rows[KC];
+        int64_t row_at[KC];  // the chunk's rows of head h in the cache
         for (int c0 = first; c0 < ctx; c0 += KC) {
           const int nk = ctx - c0 < KC ? ctx - c0 : KC;
           for (int j = 0; j < nk; ++j) {  // the chunk's rows, into L1 before the first is read
-            const int tok = c0 + j;
-            const int64_t base = (int64_t)table[tok / block_size] * block_floats
-                                 + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
-            kc.prefetch(base, d_len, true);
-            vc.prefetch(base, d_len, true);
+            row_at[j] = slot(c0 + j) + (int64_t)h * d_len;
+            kc.prefetch(row_at[j], d_len, true);
+            vc.prefetch(row_at[j], d_len, true);
           }
           for (int j = 0; j < nk; ++j) {
-            const int tok = c0 + j;
-            const int64_t base = (int64_t)table[tok / block_size] * block_floats
-                                 + (int64_t)(tok % block_size) * slot_stride + (int64_t)h * d_len;
-            key_rows[j] = kc.row(base, d_len, widened + (int64_t)j * d_len);
-            vc.read(base, d_len, vbuf + (int64_t)j * d_len);
+            key_rows[j] = kc.row(row_at[j], d_len, widened + (int64_t)j * d_len);
+            vc.read(row_at[j], d_len, vbuf + (int64_t)j * d_len);
           }
           gather_panels(kbuf, key_rows, nk, d_len);
           for (int r = 0; r < MR; ++r) valid[r] = nk;
