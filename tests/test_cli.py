@@ -248,6 +248,8 @@ def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
         rest = proc.communicate(timeout=30)[1]
         assert proc.returncode == 0, rest
         assert "SIGTERM: draining" in rest and "stopped" in rest
+        frozen = re.search(r"start-up done: (\d+) objects moved out of the garbage collector's walks", rest)
+        assert frozen and int(frozen.group(1)) > 10_000, rest  # torch, grpc, the tokenizer and the engine
         assert (tmp_path / "svc.state.json").exists() is False  # nothing added at run time, nothing written
     finally:
         if proc.poll() is None:

@@ -214,3 +214,32 @@ def test_series_of_another_process_are_summed_into_the_endpoints():
     assert got["prefix_service_ttft_seconds_bucket", (("le", "0.025"), ("template", "doc"))] == 1
     assert got["prefix_service_ttft_seconds_bucket", (("le", "0.5"), ("template", "doc"))] == 2
     assert got["prefix_service_ready", ()] == 1  # the front end's own series are there
+
+
+def test_garbage_collector_pauses_are_exported_by_generation():
+    """prefix_service_gc_pause_seconds and _max_seconds: each collection's time, added by generation."""
+    import gc
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from prefix_service.server.metrics import ServiceMetrics
+
+    def samples() -> dict[tuple[str, tuple], float]:
+        text = generate_latest(metrics.registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    metrics = ServiceMetrics(SimpleNamespace(registry=None, engine=None, ready=True))
+    before = samples()
+    gc.collect()
+    gc.collect()
+    after = samples()
+    full = (("generation", "2"),)
+    assert after["prefix_service_gc_pause_seconds_total", full] > before["prefix_service_gc_pause_seconds_total", full]
+    assert 0 < after["prefix_service_gc_pause_max_seconds", full] <= (
+        after["prefix_service_gc_pause_seconds_total", full])
+    assert {labels for name, labels in after if name == "prefix_service_gc_pause_seconds_total"} == {
+        (("generation", str(g)),) for g in range(3)}
+    ingress = ServiceMetrics(SimpleNamespace(registry=None, engine=None, ready=True), requests_only=True)
+    assert "prefix_service_gc_pause" not in ingress.text()  # the process's, reported by the front end

@@ -16,6 +16,7 @@ from prefix_service.bench.systems import peer_of
 from prefix_service.bench.systems.vllm import VllmSystem
 from prefix_service.bench.workloads import build_workload
 from prefix_service.config import load_config
+from prefix_service.heap import freeze_startup_objects
 
 
 def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress: bool = True) -> dict:
@@ -46,6 +47,7 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
 
         runner = Runner(plan, systems, workloads, lambda: bar.update(1), status, expect_more)
         runner.prepare()
+        freeze_startup_objects()  # no full collection pauses a timed request (prefix_service/heap.py)
         for mode in plan.modes:
             getattr(runner, mode)()
         status("done")

@@ -30,6 +30,7 @@ from prefix_service.engine.sequence import GenerateRequest, RequestOutput, Score
 from prefix_service.errors import TemplateNotFound
 from prefix_service.fleet import log_to_serve
 from prefix_service.fleet.calls import TemplateNotHeld, call_sync
+from prefix_service.heap import freeze_startup_objects
 from prefix_service.server.store import TemplateSource
 from prefix_service.server.templates import TemplateRegistry
 from prefix_service.server.warmup import warm_up
@@ -69,6 +70,7 @@ class EngineReplica:
         self.startup = {"engine_s": loaded - started, "templates_s": done - loaded, "total_s": done - started,
                         "templates": pinned, "kv_sources": dict(sources)}
         report = await loop.run_in_executor(None, self.report)
+        freeze_startup_objects()  # the replica owns its process (prefix_service/heap.py)
         await controller.ready.remote(self.id, self._token_ids(), report)
         log.info("replica %s ready in %.1f s (engine %.1f s, templates %.1f s): %d of %d assigned templates pinned "
                  "(K/V: %s)", self.id, done - started, loaded - started, done - loaded, pinned, len(assigned),

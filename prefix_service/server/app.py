@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from prefix_service.config import ServiceConfig, split_address
 from prefix_service.engine.api import Engine
+from prefix_service.heap import freeze_startup_objects
 from prefix_service.server.admin import PrefixAdminServicer
 from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_api_key, read_token, warn_cleartext_token
 from prefix_service.server.generation import GenerationServicer
@@ -245,6 +246,7 @@ async def serve(config: ServiceConfig, make_server: Callable[..., PrefixServer] 
             return
         waiter.cancel()
         start.result()  # startup errors propagate
+        freeze_startup_objects()  # later collections walk only what serving allocates (prefix_service/heap.py)
         example = f"--template {config.prefixes[0].name} " if config.prefixes else ""
         tls = "--tls-ca CERT.pem " if config.server.tls else ""
         log.info("try: prefix-service generate --address %s:%d %s%s'Hello'", config.server.host, server.port, tls,

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from prefix_service.config import split_address
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.sequence import RequestOutput
+from prefix_service.heap import pauses
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -80,6 +81,7 @@ class ServiceMetrics:
             ProcessCollector(registry=r)  # process_* (CPU, memory, open files) where /proc exists
             PlatformCollector(registry=r)
             GCCollector(registry=r)
+            r.register(_GcPauseCollector())
         self._http: WSGIServer | None = None
 
     def add_source(self, fetch: Callable[[], str]) -> None:
@@ -215,6 +217,25 @@ class RequestTrace:
                 "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
                 "latency_ms": round((now - self.start) * 1000, 3),
             }, ensure_ascii=True))
+
+
+class _GcPauseCollector(Collector):
+    """How long Python's garbage collector held the process, by generation (prefix_service/heap.py):
+    a full collection stops every thread, the engine's too, for as long as it walks the heap."""
+
+    def __init__(self) -> None:
+        self.pauses = pauses()
+
+    def collect(self) -> Iterator[Metric]:
+        seconds = CounterMetricFamily("prefix_service_gc_pause_seconds", "Time Python's garbage collector held "
+                                      "the interpreter, by generation", labels=["generation"])
+        longest = GaugeMetricFamily("prefix_service_gc_pause_max_seconds", "The longest garbage collection since "
+                                    "start-up ended, by generation", labels=["generation"])
+        for generation in range(3):
+            seconds.add_metric([str(generation)], self.pauses.seconds[generation])
+            longest.add_metric([str(generation)], self.pauses.longest[generation])
+        yield seconds
+        yield longest
 
 
 class _EngineCollector(Collector):
