@@ -8,7 +8,7 @@ template's K/V read once a step for all the sequences on it, the rest of each co
 block table, the new tokens' K/V stored by the same call) and of the segment's prefill
 (scripts/profile_prefill.py's path `prefix`), per system: `float32`, `bfloat16` (a bf16
 KV cache, the native kernels) and `bfloat16-matrix` (the template's part as bf16 matrix products,
-PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm).
+PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix).
 
 vLLM (`vllm-bfloat16`, `vllm-float32`; its environment from `make bench-peers`, started as its CPU
 docs ask): the op its CPU attention backend runs, `cpu_attention_with_kv_cache`, after
@@ -39,7 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OURS = {"float32": ("float32", {}), "bfloat16": ("bfloat16", {}),
-        "bfloat16-matrix": ("bfloat16", {"PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION": "brgemm"})}
+        "bfloat16-matrix": ("bfloat16", {"PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION": "matrix"})}
 VLLM = {"vllm-bfloat16": "bfloat16", "vllm-float32": "float32"}
 VLLM_BLOCK = 128  # vLLM's CPU default block size
 

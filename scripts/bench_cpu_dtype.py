@@ -17,7 +17,7 @@ default in the same turns). The JSON records the CPU, its instruction sets (AMX-
 AVX512-BF16, AVX-512, AVX2) and the load.
 
     python scripts/bench_cpu_dtype.py --json bench_out/cpu_dtype.json
-    python scripts/bench_cpu_dtype.py --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm
+    python scripts/bench_cpu_dtype.py --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix
     python scripts/bench_cpu_dtype.py --dtypes float32 --baseline /tmp/before --json bench_out/ab.json
     python scripts/bench_cpu_dtype.py --vllm-dtypes bfloat16,float32 --json bench_out/cpu_dtype_vllm.json
     python scripts/bench_cpu_dtype.py --concurrency 1,4,16,64 --plot bench_out/cpu_dtype.png

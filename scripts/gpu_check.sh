@@ -85,12 +85,12 @@ step cpubf16 420 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= t
   python3 scripts/bench_cpu_linear_call.py --threads 16,2,1 --calls 100 --brgemm-columns 64,128 --json '"$LOGS"'/cpu_linear_call.json
   for threads in 16 2; do for way in float32 brgemm inner_product brgemm+matrix; do echo "--- $threads threads, $way"
     env OMP_NUM_THREADS=$threads $( [ $way != float32 ] && echo PREFIX_SERVICE_BF16_LINEAR=${way%+matrix} ) \
-      $( [ $way = brgemm+matrix ] && echo PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm ) python3 scripts/profile_decode.py \
+      $( [ $way = brgemm+matrix ] && echo PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix ) python3 scripts/profile_decode.py \
       ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu \
       --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done; done
   for threads in 16 2; do echo "--- bench_cpu_dtype, $threads threads"
     OMP_NUM_THREADS=$threads python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
-      --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm \
+      --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix \
       --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json; done'
 step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
   python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"

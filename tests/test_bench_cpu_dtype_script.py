@@ -33,7 +33,7 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_path):
     out = tmp_path / "dtype.json"
     proc = run("--model", str(long_context_dir), "--load-format", "dummy", "--dtypes", "float32",
-               "--system", "bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=brgemm",
+               "--system", "bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix",
                "--rounds", "1", "--singles", "1", "--concurrency", "1,2", "--json", str(out),
                "--plot", str(tmp_path / "dtype.png"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -41,7 +41,7 @@ def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_pat
     assert data["systems"] == {
         "float32": {"dtype": "float32", "checkout": str(SCRIPT.parent.parent), "environment": {}},
         "bf16-matrix": {"dtype": "bfloat16", "checkout": str(SCRIPT.parent.parent),
-                        "environment": {"PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION": "brgemm"}}}
+                        "environment": {"PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION": "matrix"}}}
     (f32,), (bf16,) = data["runs"]["float32"], data["runs"]["bf16-matrix"]
     assert "bf16" not in f32["backend"]
     assert "bf16 KV cache" in bf16["backend"] and "template attention as bf16 matrix products" in bf16["backend"]

@@ -304,7 +304,7 @@ def assert_same_or_near_tie(engine, ids: list[int], want: list[int], got: list[i
 
 # the template attentions the engine tests run: the native kernels (the default) and the matrix
 # products (onednn.OneDnnTemplate; without AMX through torch's fallback GEMM)
-TEMPLATE_ATTENTIONS = ["native", "brgemm"]
+TEMPLATE_ATTENTIONS = ["native", "matrix"]
 
 
 def choose_template_attention(monkeypatch, how: str) -> None:
@@ -321,7 +321,7 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which, how, monke
     near-tie branch with the native kernels."""
     choose_template_attention(monkeypatch, how)
     engine = make_engine(model_dirs[which], block_size=BS, dtype="bfloat16", backend="cpu")
-    assert engine._core.backend.stack.template_matrix == (how == "brgemm")
+    assert engine._core.backend.stack.template_matrix == (how == "matrix")
     calls = onednn.template_attend_calls()
     for prefix_len in (1, BS - 1, BS, BS + 1, 2 * BS, 4 * BS + 1):
         full = ids_of(prefix_len + 9, salt=prefix_len)
@@ -331,7 +331,7 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which, how, monke
         assert engine.remove_template("p")
         assert_same_or_near_tie(engine, full, expected, got, prefix_len)
     # the decodes on templates of a full block or more ran their template part as matrix products
-    assert (onednn.template_attend_calls() > calls) == (how == "brgemm")
+    assert (onednn.template_attend_calls() > calls) == (how == "matrix")
 
 
 @needs_bf16

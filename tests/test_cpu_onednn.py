@@ -407,12 +407,14 @@ def test_template_attention_refuses_bad_operands():
 def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.delenv(onednn.TEMPLATE_ATTENTION_ENV, raising=False)
     dot = onednn.template_kernel(64) == "AVX512-BF16 dot products"
-    assert onednn.template_attention(64) == ("brgemm" if dot else "native")  # the default: by the machine
+    assert onednn.template_attention(64) == ("matrix" if dot else "native")  # the default: by the machine
     assert onednn.template_attention(72) == "native"  # the dot products take multiples of 16
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "native")
     assert onednn.template_attention(64) == "native"
-    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "brgemm")
-    assert onednn.template_attention(64) == "brgemm"
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "matrix")
+    assert onednn.template_attention(64) == "matrix"
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "brgemm")  # the older name of matrix
+    assert onednn.template_attention(64) == "matrix"
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "amx")
-    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_ATTENTION='amx': one of native, brgemm is needed"):
+    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_ATTENTION='amx': one of native, matrix is needed"):
         onednn.template_attention(64)

@@ -312,7 +312,8 @@ class OneDnnTemplate:
 
 
 TEMPLATE_ATTENTION_ENV = "PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION"
-TEMPLATE_ATTENTIONS = ("native", "brgemm")
+TEMPLATE_ATTENTIONS = ("native", "matrix")
+TEMPLATE_ATTENTION_ALIASES = {"brgemm": "matrix"}  # the value's older name, still taken
 # what ps_onednn_template_kernel numbers: the products of the matrix-product template attention
 TEMPLATE_KERNELS = {0: "fallback GEMM", 1: "AVX512-BF16 dot products", 2: "AMX brgemm"}
 
@@ -330,16 +331,18 @@ def template_kernel(head_size: int) -> str:
 
 def template_attention(head_size: int) -> str:
     """How a bfloat16 model's rows attend over a pinned template's keys, for heads of head_size:
-    "native" (the native kernels' float32 FMAs over a float32 copy) or "brgemm" (matrix products in
-    bf16 with float32 sums, OneDnnTemplate, on template_kernel()). The environment variable
-    PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses; by default "brgemm" where its products are the
+    "native" (the native kernels' float32 FMAs over a float32 copy) or "matrix" (matrix products in
+    bf16 with float32 sums, OneDnnTemplate, on template_kernel(): AMX tiles, AVX512-BF16 dot products
+    or the fallback GEMM). The environment variable PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses
+    ("brgemm", its older name, means "matrix"); by default "matrix" where its products are the
     AVX512-BF16 dot products, which take 10-25% off the attention of a prefill or a batched decode
     on a template there (docs/benchmarks.md), and "native" elsewhere: the fallback GEMM is 2-3x
     slower than the native kernels, and on AMX the brgemm products are still to be timed against
     them."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
     if not chosen:
-        return "brgemm" if template_kernel(head_size) == TEMPLATE_KERNELS[1] else "native"
+        return "matrix" if template_kernel(head_size) == TEMPLATE_KERNELS[1] else "native"
+    chosen = TEMPLATE_ATTENTION_ALIASES.get(chosen, chosen)
     if chosen not in TEMPLATE_ATTENTIONS:
         raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")
     return chosen

@@ -6,7 +6,7 @@ which do not change while the template is pinned. Packed once when it is pinned 
 prefill and decode on it without gathering them through the block table.
 
 A bfloat16 model may instead attend over it with matrix products in bf16 (onednn.template_attention()
-"brgemm": the template part through oneDNN's micro-kernel, AMX tiles where the CPU has them); the
+"matrix": oneDNN's micro-kernel on AMX tiles where the CPU has them, else AVX512-BF16 dot products); the
 template's K/V are then packed once in bf16 for that, half the float32 copy's bytes.
 
 Cost: each packed template's K/V once more in host memory, outside cache.kv_cache_memory (reported

@@ -139,7 +139,7 @@ class DecoderStack:
         self.kv_bf16 = int(kv_dtype == torch.bfloat16)
         # a bf16 model's rows over a template: matrix products where chosen (the templates then
         # carry their handles), else the native kernels
-        self.template_matrix = bool(self.kv_bf16) and onednn.template_attention(self.head_dim) == "brgemm"
+        self.template_matrix = bool(self.kv_bf16) and onednn.template_attention(self.head_dim) == "matrix"
         self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0
         self.num_layers = len(layers)
         self.kv_layers = [(k, v) for k, v in kv_layers]
