@@ -212,7 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         Path(args.markdown).write_text(report.markdown(out), encoding="utf-8")
     plot = args.plot or str(Path(args.json).with_suffix(".png"))
-    title = f"{Path(out['model']['path']).name}, {out['machine']['cpu_count']} CPU cores"
+    m = out["machine"]
+    isa = f" ({', '.join(m['isa'])})" if m.get("isa") else ""
+    title = f"{Path(out['model']['path']).name}, {m['cpu'] or 'CPU'}{isa}, {m['cpu_count']} CPU cores"
     plotted = report.plot_open_loop(plot, result["records"], plan.slo_ms, title)
     by_concurrency = str(Path(plot).with_name(Path(plot).stem + "-concurrency.png"))
     plotted_c = report.plot_concurrency(by_concurrency, result["records"], title)
