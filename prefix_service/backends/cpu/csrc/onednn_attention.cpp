@@ -197,6 +197,25 @@ float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
 #endif
 }
 
+// dst[0, n) = src[0, n) rounded to bf16 as c10::BFloat16 rounds (to nearest, ties to even; a NaN
+// becomes 0x7fc0), 16 at a time where the CPU has AVX-512 (the scalar constructor's NaN test keeps
+// the compiler from vectorizing it)
+void to_bf16(const float* src, int64_t n, c10::BFloat16* dst) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), qnan = _mm512_set1_epi32(0x7fc0);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(src + i);
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, lsb)), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, qnan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
 // The larger of init and the first n (<= kTK) of a row's scores
 float row_max(const float* sr, int n, float init) {
 #if defined(PS_SIMD)
@@ -237,8 +256,8 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
   for (int r0 = 0; r0 < rows; r0 += kTM) {
     // rows, padded to whole AMX tiles (brgemm) or blocks of accumulators (the dot products)
     const int mr = std::min<int>(kTM, rows - r0), pad = t.dot ? kRB : 16, mm = (mr + pad - 1) / pad * pad;
-    for (int r = 0; r < mm; ++r)
-      for (int64_t c = 0; c < d; ++c) qb[r * d + c] = c10::BFloat16(r < mr ? q[(r0 + r) * q_stride + c] : 0.0f);
+    for (int r = 0; r < mr; ++r) to_bf16(q + (r0 + r) * q_stride, d, qb + r * d);
+    std::fill(qb + mr * d, qb + mm * d, c10::BFloat16(0.0f));  // padding rows
     std::fill(ob, ob + mm * d, 0.0f);
     std::fill(pb, pb + mm * kTK, c10::BFloat16(0.0f));  // padding rows keep P = 0
     for (int r = 0; r < mr; ++r) {
