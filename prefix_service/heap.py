@@ -2,7 +2,7 @@
 
 A process that has imported torch, transformers, grpc and a tokenizer holds a few hundred
 thousand objects that live as long as it does. Every full (generation 2) collection walks all of
-them: 60-125 ms on a 2-core CPU, on whichever thread allocated last, the engine's included, so a
+them: up to 125 ms on a 2-core CPU, on whichever thread allocated last, the engine's included, so a
 request that is being prefilled or decoded then waits that long (docs/benchmarks.md, "Garbage
 collector pauses"). Once start-up is over, `freeze_startup_objects` moves everything alive into
 the collector's permanent generation: later collections walk only what was made after it.
@@ -38,8 +38,9 @@ def freeze_startup_objects() -> int:
 
 class GcPauses:
     """Every collection's duration, by generation (0, 1, 2): how many, the seconds in all, the
-    longest (since start-up ended, once freeze_startup_objects has run). Filled by a gc callback with no lock: the collector runs one collection at a time,
-    holding the interpreter, and a reader (a metrics scrape) sees each number whole."""
+    longest (since start-up ended, once freeze_startup_objects has run). Filled by a gc callback
+    with no lock: the collector runs one collection at a time, holding the interpreter, and a
+    reader (a metrics scrape) sees each number whole."""
 
     def __init__(self) -> None:
         self.count = [0, 0, 0]
