@@ -160,19 +160,25 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
+#if defined(__AVX512F__)
+// The bf16 bits of 16 float32 values (u: their bits), in the low half of each 32-bit lane, rounded as
+// c10::BFloat16 rounds a number: to nearest, ties to even (a NaN is the caller's to handle)
+inline __m512i bf16_bits(__m512i u) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+}
+#endif
+
 // dst[j] = exp(src[j] - m) for j < n, 0 for n <= j < kTK; returns the sum of dst rounded to bf16,
 // each value rounded to bf16 into p (the weights P V multiplies)
 float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
 #if defined(__AVX512F__)
-  // the rounding as c10::BFloat16's (to nearest, ties to even), in vectors: the values here are
-  // exponentials of non-positive numbers, never NaN
+  // the rounding in vectors: the values here are exponentials of non-positive numbers, never NaN
   const ps::vf mb = ps::vset1(m);
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < kTK; j += ps::LANES) {
-    const __m512i u = _mm512_castps_si512(ps::vkeep_first(ps::exp_ps(ps::vsub(ps::vload(src + j), mb)), n - j).v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, lsb)), 16);
+    const ps::vf e = ps::vkeep_first(ps::exp_ps(ps::vsub(ps::vload(src + j), mb)), n - j);
+    const __m512i r = bf16_bits(_mm512_castps_si512(e.v));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm512_cvtepi32_epi16(r));
     sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
   }
@@ -202,14 +208,12 @@ float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
 // the compiler from vectorizing it)
 void to_bf16(const float* src, int64_t n, c10::BFloat16* dst) {
   int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), qnan = _mm512_set1_epi32(0x7fc0);
+#if defined(__AVX512F__)
+  const __m512i qnan = _mm512_set1_epi32(0x7fc0);
   for (; i + 16 <= n; i += 16) {
     const __m512 x = _mm512_loadu_ps(src + i);
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, lsb)), 16);
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, qnan);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i r = _mm512_mask_blend_epi32(nan, bf16_bits(_mm512_castps_si512(x)), qnan);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
   }
 #endif
