@@ -8,8 +8,9 @@ collector pauses"). Once start-up is over, `freeze_startup_objects` moves everyt
 the collector's permanent generation: later collections walk only what was made after it.
 Objects are still freed by their reference counts; only a reference cycle among the frozen ones,
 should one be dropped later, is never reclaimed, which is why this runs once the process has
-built what it keeps (the server after its templates are pinned, a replica after its warm-up, the
-benchmark after its systems are built), as a process's own start-up step, never inside a library call.
+built what it keeps (the server after its templates are pinned, a replica after its warm-up), as a
+process's own start-up step, never inside a library call; the benchmark freezes for its timed part
+only and undoes it (gc.unfreeze) after.
 
 `pauses()` times every collection in the process (a gc callback, installed once), for the
 server's metrics: how long the collector held the interpreter, by generation.

@@ -65,7 +65,9 @@ def child(args: argparse.Namespace) -> None:
         return time.perf_counter() - t0, out
 
     batch(2)  # warm: the kernels' first calls
-    gc.collect()  # start-up's objects out of later collections, as the server does once it serves
+    # start-up's objects out of later collections, as the server does once it serves (inline, not
+    # prefix_service/heap.py: a --baseline checkout may predate it)
+    gc.collect()
     gc.freeze()
     ttft = [batch(1)[1][0].ttft_ms for _ in range(args.singles)]
     result = {"template_warmup_ms": warm_ms, "ttft_ms": statistics.median(ttft), "ttft_all_ms": ttft,

@@ -2,6 +2,7 @@
 requests each, no wait for an idle CPU before them (the vLLM peers skipped, with the reason, as
 where `make bench-peers` never ran); checks the JSON schema of docs/benchmarks.md and that the plots
 are written."""
+import gc
 import json
 
 import pytest
@@ -25,12 +26,14 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
                       "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 256}\n")
     bench = load_script("bench_prefix")
     out = tmp_path / "bench.json"
+    frozen = gc.get_freeze_count()
     assert bench.main(["--config", str(config), "--json", str(out), "--no-progress",
                        "--workloads", "intent,no_shared", "--max-prefix-tokens", "60", "--prompt-tokens", "30",
                        "--total-tokens", "90", "--output-tokens", "4", "--warmup", "0", "--single-requests", "2",
                        "--concurrency", "2", "--closed-min-requests", "2", "--qps", "4,8",
                        "--open-duration-s", "0.5", "--open-timeout-s", "30", "--idle-wait-s", "0"]) == 0
 
+    assert gc.get_freeze_count() == frozen  # the timed part's gc.freeze is undone: this process's heap as before
     report = json.loads(out.read_text())
     assert {"machine", "model", "date", "git_commit", "records", "targets"} <= set(report)
     assert report["plan"]["idle_wait_s"] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import warnings
@@ -47,7 +48,10 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
 
         runner = Runner(plan, systems, workloads, lambda: bar.update(1), status, expect_more)
         runner.prepare()
-        freeze_startup_objects()  # no full collection pauses a timed request (prefix_service/heap.py)
+        # no full collection pauses a timed request (prefix_service/heap.py); undone after the modes,
+        # so that a caller in the same process (the tests run the benchmark in theirs) keeps its heap
+        freeze_startup_objects()
+        stack.callback(gc.unfreeze)
         for mode in plan.modes:
             getattr(runner, mode)()
         status("done")
