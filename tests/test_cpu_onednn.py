@@ -2,7 +2,9 @@
 float64 for any row count, output and input width, strided rows; a bfloat16 weight gives the bf16
 arithmetic (bf16 operands and bias, float32 sums, bf16 output) up to the order of the float32 sums,
 and torch's own bf16 F.linear up to a rounding of the output, in each kernel (inner product,
-emulated, brgemm); the C function behind `fn` is the call `__call__` makes; bad input gets an
+emulated, brgemm) and in the few-row kernel (AVX512-BF16 dot products for calls of up to 64 rows),
+which is packed where the CPU has AVX512-BF16 and gives the same bits on any thread count; the C
+function behind `fn` is the call `__call__` makes; bad input gets an
 error that names the problem; the weight is copied at pack time and the handle freed with the layer; a failed
 build reports the compiler's error."""
 import ctypes
@@ -218,6 +220,66 @@ def test_every_kernel_agrees_with_the_others(kernel):
     assert excess.max().item() <= 0, excess.max().item()
 
 
+FEW_ROWS = onednn.load()[0] is not None and onednn.bf16_native() and "avx512_bf16" in cpuinfo.cpu_flags()
+needs_few_rows = pytest.mark.skipif(not FEW_ROWS, reason="the few-row kernel needs AVX512-BF16 and torch's bf16 "
+                                    "inner product; this CPU or torch has not both")
+
+
+@needs_lib
+def test_the_few_row_kernel_is_packed_where_the_cpu_has_avx512_bf16(monkeypatch):
+    w = torch.randn(40, 24).bfloat16()
+    monkeypatch.delenv(onednn.FEW_ROWS_ENV, raising=False)
+    if onednn.bf16_native():
+        layer = onednn.OneDnnLinear(w, None, kernel="inner_product")
+        assert layer.few_rows == (64 if FEW_ROWS else 0)
+        assert ("dot products up to 64 rows" in repr(layer)) == FEW_ROWS
+        assert onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False).few_rows == 0
+        monkeypatch.setenv(onednn.FEW_ROWS_ENV, "0")
+        assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == 0
+        monkeypatch.setenv(onednn.FEW_ROWS_ENV, "1")
+        assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == (64 if FEW_ROWS else 0)
+    # the other kernels and a float32 weight never take it
+    assert onednn.OneDnnLinear(w, None, kernel="brgemm", few_rows=True).few_rows == 0
+    assert onednn.OneDnnLinear(w.float(), None, few_rows=True).few_rows == 0
+    monkeypatch.setenv(onednn.FEW_ROWS_ENV, "yes")
+    with pytest.raises(onednn.OneDnnError, match="PREFIX_SERVICE_BF16_FEW_ROWS='yes': 1 or 0 is needed"):
+        onednn.OneDnnLinear(w, None)
+
+
+@needs_few_rows
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n,k", [(49, 37), (96, 576), (3072, 64)])
+def test_the_few_row_kernel_agrees_with_the_inner_product(n, k, bias):
+    """Calls of up to 64 rows run the few-row kernel, more the inner product: both are the bf16
+    arithmetic and differ only in the order of the sums; the few-row kernel splits a call by
+    output columns, so its bits are the same on any number of threads; a NaN stays in its row."""
+    x, w, b = case(70, n, k, bias=bias, seed=n + k)
+    few = onednn.OneDnnLinear(w.bfloat16(), b, kernel="inner_product", few_rows=True)
+    ip = onednn.OneDnnLinear(w.bfloat16(), b, kernel="inner_product", few_rows=False)
+    before = torch.get_num_threads()
+    try:
+        for m in (1, 2, 3, 4, 5, 8, 63, 64, 65, 70):
+            got, other = few(x[:m]), ip(x[:m])
+            close_bf16(got, x[:m], w, b)
+            _, sum_err = bf16_bounds(x[:m], w, b)
+            excess = (got.double() - other.double()).abs() - (
+                2.0 ** -8 * (got.double().abs() + other.double().abs()) + 2 * sum_err)
+            assert excess.max().item() <= 0, (m, excess.max().item())
+            if m > 64:
+                assert torch.equal(got, other)  # the same kernel
+        by_threads = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            by_threads.append(few(x[:6]))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(by_threads[0], t) for t in by_threads[1:])
+    bad = x[:3].clone()
+    bad[1, k // 2] = float("nan")
+    y = few(bad)
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
+
+
 @needs_lib
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_brgemm_split_runs_on_torchs_threads(threads):
@@ -296,12 +358,12 @@ def test_the_c_functions_report_bad_operands():
     assert b"ldx = 4 for k = 8" in lib.ps_onednn_last_error()
     assert "ldx = 4 for k = 8" in onednn.last_error()  # the latest failure, not the first
     assert lib.ps_onednn_linear(layer.handle, None, 8, 0, None, 20, 1) == 0  # no rows: nothing read
-    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0, 0) is None
+    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0, 0, 0) is None
     assert b"at least 1 x 1" in lib.ps_onednn_last_error()
     w = torch.randn(20, 8).bfloat16()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0) is None
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0, 0) is None
     assert b"kernel 3 is none of" in lib.ps_onednn_last_error()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40) is None  # not whole 16-column tiles
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0) is None  # not whole 16-column tiles
     assert b"a multiple of 16 from 16 to 256 (or 0: 32), got 40" in lib.ps_onednn_last_error()
 
 

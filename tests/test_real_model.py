@@ -57,9 +57,12 @@ BF16_PROMPTS = [
 ]
 # bf16 rounds every layer's output; with logits of magnitude ~30, transformers in bf16 is itself up
 # to 0.77 from its float32 logits on these prompts. Measured: ours vs transformers bf16 <= 0.88, ours
-# vs transformers float32 <= 0.30 (our activations stay float32).
+# vs transformers float32 <= 0.51 (our activations stay float32). Which roundings flip depends on
+# the order of each linear's float32 sums, and the error's tail with it: over 12 prompts, the inner
+# product alone gave 0.17-0.32 (mean 0.24), with the few-row kernel 0.18-0.51 (mean 0.26), the 0.51
+# on "Write one sentence about the sea." below.
 BF16_LOGITS_ATOL = 1.5
-BF16_TO_F32_ATOL = 0.5
+BF16_TO_F32_ATOL = 0.6
 
 
 # Where our bf16 greedy ids leave transformers' float32 ids, the two tokens' float32 logits must be

@@ -66,6 +66,8 @@ class CpuBackend(Backend):
                 brgemm += f", {columns}-column blocks"
             how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
                    "emulated": "oneDNN linears, bf16 emulated in float32"}[kernel]
+            if few_rows := getattr(self.head, "few_rows", 0):
+                how += f" (AVX512-BF16 dot products up to {few_rows} rows)"
             matrix = (f", template attention as bf16 matrix products ({onednn.template_kernel(self.stack.head_dim)})"
                       if self.stack.template_matrix else "")
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"

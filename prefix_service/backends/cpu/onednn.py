@@ -46,7 +46,8 @@ from prefix_service.backends.cpu import native
 
 SOURCES = (native.CSRC / "onednn_linear.cpp", native.CSRC / "onednn_attention.cpp")
 # the sources' includes: part of the build's key
-HEADERS = (native.CSRC / "simd.h", native.CSRC / "onednn_error.h", native.CSRC / "onednn_scratch.h")
+HEADERS = (native.CSRC / "simd.h", native.CSRC / "onednn_error.h", native.CSRC / "onednn_scratch.h",
+           native.CSRC / "onednn_bf16.h")
 # -fopenmp: at::parallel_for is a header that splits work over torch's OpenMP threads only where the
 # including code is compiled with OpenMP; without it the brgemm kernel ran on one thread.
 # -march=native: the brgemm kernel's own loops (rounding x to bf16, the bias and bf16 rounding of
@@ -57,7 +58,8 @@ FLAGS = ("-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # name: (argument types, return type) of each function the library exports
 SIGNATURES = {
-    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32], _ptr),
+    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32], _ptr),
+    "ps_onednn_few_rows": ([_ptr], _i32),
     "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_onednn_free": ([_ptr], None),
     "ps_onednn_last_error": ([], ctypes.c_char_p),
@@ -118,7 +120,7 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes, fn.restype = args, res
     # a 1 x 1 pack finds both operators: a torch without them says so here, once
     one = ctypes.c_float(1.0)
-    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0, 0)
+    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0, 0, 0)
     if not handle:
         return None, lib.ps_onednn_last_error().decode(errors="replace")
     lib.ps_onednn_free(handle)
@@ -157,6 +159,20 @@ def threads_used(items: int) -> int:
 KERNEL_ENV = "PREFIX_SERVICE_BF16_LINEAR"
 COLUMNS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_COLUMNS"
 DEFAULT_BRGEMM_COLUMNS = 32
+FEW_ROWS_ENV = "PREFIX_SERVICE_BF16_FEW_ROWS"
+
+
+def few_rows_default() -> bool:
+    """Whether a bf16 inner-product weight is also packed for the few-row kernel (AVX512-BF16 dot
+    products for calls of up to 64 rows, a decode step's; the weight's bytes once more):
+    $PREFIX_SERVICE_BF16_FEW_ROWS (1 or 0) where set, else yes. Where the CPU lacks AVX512-BF16
+    nothing is packed either way."""
+    chosen = os.environ.get(FEW_ROWS_ENV)
+    if not chosen:
+        return True
+    if chosen not in ("0", "1"):
+        raise OneDnnError(f"{FEW_ROWS_ENV}={chosen!r}: 1 or 0 is needed")
+    return chosen == "1"
 
 
 def brgemm_columns() -> int:
@@ -212,13 +228,15 @@ def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) 
 class OneDnnLinear:
     """y = x @ W.T + b with W packed once for oneDNN. x: [M, K] float32 (rows may be strided).
     kernel: a bfloat16 weight's (KERNELS; default: default_kernel()); columns: the brgemm kernel's
-    block width (default: brgemm_columns()).
+    block width (default: brgemm_columns()); few_rows: whether an inner-product weight is also packed
+    for the few-row kernel where the CPU has AVX512-BF16 (default: few_rows_default()). `few_rows`
+    then holds the most rows a call runs through it (0: none).
 
     `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call; the
     handle lives as long as this object and is freed after it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
-                 columns: int | None = None) -> None:
+                 columns: int | None = None, few_rows: bool | None = None) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise OneDnnError(f"weight: a float32 or bfloat16 CPU tensor [N, K] is needed, got {weight.dtype} "
                               f"{tuple(weight.shape)} on {weight.device}")
@@ -242,10 +260,12 @@ class OneDnnLinear:
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [N]
         handle = lib.ps_onednn_pack(w.data_ptr(), int(self.dtype == torch.bfloat16), self.out_features,
                                     self.in_features, None if b is None else b.data_ptr(),
-                                    KERNELS.get(self.kernel, 0), self.columns)
+                                    KERNELS.get(self.kernel, 0), self.columns,
+                                    int(few_rows_default() if few_rows is None else few_rows))
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
+        self.few_rows = int(lib.ps_onednn_few_rows(handle))
         self.fn = native.address(lib.ps_onednn_linear)
         self.call = native.LinearCall(self.fn, self.handle)
         self._lib = lib
@@ -266,6 +286,8 @@ class OneDnnLinear:
         mode = "float32" if self.dtype == torch.float32 else f"bf16 {self.kernel}"
         if self.columns != DEFAULT_BRGEMM_COLUMNS and self.kernel == "brgemm":
             mode += f", {self.columns}-column blocks"
+        if self.few_rows:
+            mode += f", dot products up to {self.few_rows} rows"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"
 
 

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "onednn_bf16.h"
 #include "onednn_error.h"
 #include "onednn_scratch.h"
 #include "simd.h"
@@ -41,6 +42,10 @@ namespace {
 using ps_onednn::grown;
 using ps_onednn::guarded;
 using ps_onednn::last_error;
+using ps_onednn::to_bf16;
+#if defined(__AVX512F__)
+using ps_onednn::bf16_bits;
+#endif
 
 std::atomic<int64_t> attend_calls{0};  // ps_onednn_template_attend's calls, for ps_onednn_template_calls
 
@@ -160,14 +165,6 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
-#if defined(__AVX512F__)
-// The bf16 bits of 16 float32 values (u: their bits), in the low half of each 32-bit lane, rounded as
-// c10::BFloat16 rounds a number: to nearest, ties to even (a NaN is the caller's to handle)
-inline __m512i bf16_bits(__m512i u) {
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-}
-#endif
 
 // dst[j] = exp(src[j] - m) for j < n, 0 for n <= j < kTK; returns the sum of dst rounded to bf16,
 // each value rounded to bf16 into p (the weights P V multiplies)
@@ -201,23 +198,6 @@ float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
 #endif
   return sum;
 #endif
-}
-
-// dst[0, n) = src[0, n) rounded to bf16 as c10::BFloat16 rounds (to nearest, ties to even; a NaN
-// becomes 0x7fc0), 16 at a time where the CPU has AVX-512 (the scalar constructor's NaN test keeps
-// the compiler from vectorizing it)
-void to_bf16(const float* src, int64_t n, c10::BFloat16* dst) {
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512i qnan = _mm512_set1_epi32(0x7fc0);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_loadu_ps(src + i);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    const __m512i r = _mm512_mask_blend_epi32(nan, bf16_bits(_mm512_castps_si512(x)), qnan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }
 
 // The larger of init and the first n (<= kTK) of a row's scores

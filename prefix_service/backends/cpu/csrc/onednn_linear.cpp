@@ -26,7 +26,14 @@
 //            output into y.
 //   emulated (elsewhere): W widened (exactly) to float32 and packed as a float32 weight; each call
 //            rounds x through bf16, runs the float32 product and rounds the output through bf16.
-// All three multiply bf16 operands (the products are exact in float32), sum in float32 and round
+// Where the CPU has AVX512-BF16, a native weight is also packed a second time for calls of up to
+// kDotRows rows (a decode step's, one row per sequence): W in blocks of kDotNB output columns, each
+// [K / 2][kDotNB][2] (pairs of K, as the VNNI dot product takes them), which this file's dot-product
+// kernel streams once per call from memory on torch's threads. oneDNN's inner product spends more
+// per call than such a call's arithmetic (scripts/bench_cpu_linear_call.py), so a decode step's
+// linears read their weights at a fraction of the memory's rate through it; the blocks cost the
+// weight's bytes once more. PREFIX_SERVICE_BF16_FEW_ROWS=0 packs none (onednn.py).
+// All of these multiply bf16 operands (the products are exact in float32), sum in float32 and round
 // the output to bf16; only the order of the sums may differ. In all three the bias is rounded to
 // bf16 and added to the float32 sums before the output is rounded, as torch's bf16 F.linear does. A
 // float32 weight is packed in float32 and nothing is rounded. Built by
@@ -49,6 +56,7 @@
 #include <string>
 #include <vector>
 
+#include "onednn_bf16.h"
 #include "onednn_error.h"
 #include "onednn_scratch.h"
 
@@ -67,6 +75,15 @@ enum class Mode { f32 = -1, bf16_native = 0, bf16_emulated = 1, bf16_brgemm = 2 
 
 constexpr int64_t kMB = 32;  // brgemm: rows per micro-kernel call (two AMX tiles of 16)
 constexpr int kDefaultNB = 32;  // brgemm: output columns per block when the caller names none
+constexpr int kDotNB = 32;      // the few-row kernel: output columns per block (two vectors of 16 sums)
+constexpr int kDotRB = 4;       // the few-row kernel: rows per pass over a block (4 x 2 accumulators)
+constexpr int kDotRows = 64;   // calls of up to this many rows take the few-row kernel where it is packed
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool kDot = true;
+#else
+constexpr bool kDot = false;
+#endif
 
 struct Packed {
   at::Tensor weight;                // oneDNN's blocked layout, as _reorder_linear_weight made it (not brgemm)
@@ -81,6 +98,10 @@ struct Packed {
   int64_t kp = 0;
   int64_t nb = kDefaultNB;  // brgemm: output columns per block (a multiple of 16: whole AMX tiles)
   bool vnni = false;
+  // native with the few-row kernel: dot [ceil(N / kDotNB)][kp / 2][kDotNB][2] bf16, W^T's columns
+  // j kDotNB .. in block j, pairs of rows of K side by side (zero past N and K; kp: K rounded up to
+  // even), and bias_f32 as for brgemm; undefined without
+  at::Tensor dot;
 };
 
 // Per-thread scratch, grown and never shrunk, so a call allocates no data buffers of its own
@@ -189,7 +210,95 @@ void run_brgemm(const Packed& p, const float* x, int64_t ldx, int m, float* y, i
   });
 }
 
+// native, few rows: W into p's dot blocks (see Packed)
+void pack_dot(Packed& p, const at::Tensor& w) {
+  p.kp = (p.k + 1) / 2 * 2;
+  const int64_t nblocks = (p.n + kDotNB - 1) / kDotNB, pairs = p.kp / 2;
+  p.dot = at::zeros({nblocks, pairs, kDotNB, 2}, at::TensorOptions().dtype(at::kBFloat16));
+  const auto* src = static_cast<const c10::BFloat16*>(w.data_ptr());  // [n][k], contiguous
+  auto* dst = static_cast<c10::BFloat16*>(p.dot.data_ptr());
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t j = b0; j < b1; ++j)
+      for (int64_t c = 0; c < kDotNB && j * kDotNB + c < p.n; ++c) {
+        const c10::BFloat16* row = src + (j * kDotNB + c) * p.k;
+        for (int64_t i = 0; i < p.k; ++i) dst[((j * pairs + i / 2) * kDotNB + c) * 2 + i % 2] = row[i];
+      }
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// sums [R][kDotNB] = a [R][kp] (bf16, rows kp apart) times one dot block, w [kp / 2][kDotNB][2]. The
+// loops over rows and vectors are unrolled so the accumulators stay in registers (the library
+// builds at -O2).
+template <int R>
+void dot_block(const c10::BFloat16* a, int64_t kp, const c10::BFloat16* w, float* sums) {
+  __m512 acc[R][2];
+  #pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < kp / 2; ++q) {
+    const c10::BFloat16* wq = w + q * kDotNB * 2;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wq), w1 = (__m512bh)_mm512_loadu_si512(wq + 32);
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * kp + 2 * q, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);  // a[i][2q], a[i][2q + 1] in every lane
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(sums + i * kDotNB, acc[i][0]);
+    _mm512_storeu_ps(sums + i * kDotNB + 16, acc[i][1]);
+  }
+}
+
+// native, m <= kDotRows rows: y = round_bf16(round_bf16(x) W^T + bias) over p's dot blocks
+void run_dot(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+  const int64_t kp = p.kp, nblocks = p.dot.size(0);
+  c10::BFloat16* a = grown(scratch.x_bf16, m * kp);  // this thread's: the workers read it through `a`
+  for (int r = 0; r < m; ++r) {
+    ps_onednn::to_bf16(x + r * ldx, p.k, a + r * kp);
+    if (kp > p.k) a[r * kp + p.k] = c10::BFloat16(0.0f);
+  }
+  const auto* blocks = static_cast<const c10::BFloat16*>(p.dot.data_ptr());
+  const float* bias = p.bias_f32.data();
+  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[kDotRB * kDotNB];
+    for (int64_t j = b0; j < b1; ++j) {
+      const c10::BFloat16* w = blocks + j * kp * kDotNB;
+      const int64_t n0 = j * kDotNB, cols = std::min<int64_t>(kDotNB, p.n - n0);
+      const __mmask16 lo = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+      const __mmask16 hi = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+      const __m512 b_lo = _mm512_maskz_loadu_ps(lo, bias + n0), b_hi = _mm512_maskz_loadu_ps(hi, bias + n0 + 16);
+      for (int r0 = 0; r0 < m; r0 += kDotRB) {
+        const int rows = std::min(kDotRB, m - r0);
+        switch (rows) {
+          case 1: dot_block<1>(a + r0 * kp, kp, w, sums); break;
+          case 2: dot_block<2>(a + r0 * kp, kp, w, sums); break;
+          case 3: dot_block<3>(a + r0 * kp, kp, w, sums); break;
+          default: dot_block<4>(a + r0 * kp, kp, w, sums); break;
+        }
+        for (int i = 0; i < rows; ++i) {
+          float* out = y + (r0 + i) * ldy + n0;
+          const float* si = sums + i * kDotNB;
+          _mm512_mask_storeu_ps(out, lo, ps_onednn::round_bf16(_mm512_add_ps(_mm512_load_ps(si), b_lo)));
+          _mm512_mask_storeu_ps(out + 16, hi, ps_onednn::round_bf16(_mm512_add_ps(_mm512_load_ps(si + 16), b_hi)));
+        }
+      }
+    }
+  });
+}
+#else
+void run_dot(const Packed&, const float*, int64_t, int, float*, int64_t) {}
+#endif
+
 void run(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+  if (kDot && m <= kDotRows && p.dot.defined()) {
+    run_dot(p, x, ldx, m, y, ldy);
+    return;
+  }
   if (p.mode == Mode::bf16_brgemm) {
     run_brgemm(p, x, ldx, m, y, ldy);
     return;
@@ -243,10 +352,11 @@ extern "C" int ps_onednn_threads_used(int64_t items) {
 // weight: [n][k] row-major, float32 (weight_bf16 = 0) or bfloat16 bits (weight_bf16 = 1), copied;
 // bias: n float32 values or null; kernel, for a bf16 weight (see the top): 0 native inner product,
 // 1 emulated, 2 brgemm; columns: brgemm's output columns per block (a multiple of 16 from 16 to 256;
-// 0: 32), ignored by the others. A handle for ps_onednn_linear and ps_onednn_free, or nullptr
-// (ps_onednn_last_error() says why).
+// 0: 32), ignored by the others; few_rows: nonzero to pack a native weight for the few-row kernel
+// as well where the CPU has AVX512-BF16 (ps_onednn_few_rows says whether it was). A handle for
+// ps_onednn_linear and ps_onednn_free, or nullptr (ps_onednn_last_error() says why).
 extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, int64_t k, const float* bias,
-                                int kernel, int columns) {
+                                int kernel, int columns, int few_rows) {
   if (weight == nullptr || n <= 0 || k <= 0) {
     last_error = "ps_onednn_pack: a weight of at least 1 x 1 is needed, got " + std::to_string(n) + " x " +
                  std::to_string(k) + (weight == nullptr ? " at a null pointer" : "");
@@ -270,14 +380,17 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
                                      weight_bf16 ? at::kBFloat16 : at::kFloat));
+    if (p->mode == Mode::bf16_brgemm || (p->mode == Mode::bf16_native && kDot && few_rows)) {
+      p->bias_f32.assign((size_t)n, 0.0f);  // rounded to bf16, widened
+      if (bias != nullptr)
+        for (int64_t i = 0; i < n; ++i) p->bias_f32[i] = static_cast<float>(c10::BFloat16(bias[i]));
+    }
     if (p->mode == Mode::bf16_brgemm) {
       p->nb = columns != 0 ? columns : kDefaultNB;
       pack_blocks(*p, w);
-      p->bias_f32.assign((size_t)n, 0.0f);
-      if (bias != nullptr)
-        for (int64_t i = 0; i < n; ++i) p->bias_f32[i] = static_cast<float>(c10::BFloat16(bias[i]));
       return p.release();
     }
+    if (p->mode == Mode::bf16_native && kDot && few_rows) pack_dot(*p, w);
     // the reorder writes a new tensor; the clone makes the copy explicit whatever layout it picks
     w = p->mode == Mode::bf16_emulated ? w.to(at::kFloat) : w.clone();
     p->weight = reorder(w);
@@ -312,6 +425,13 @@ extern "C" int ps_onednn_linear(const void* handle, const float* x, int64_t ldx,
     run(*p, x, m > 1 ? ldx : p->k, m, y, m > 1 ? ldy : p->n);
     return 0;
   });
+}
+
+// The most rows a call of this handle runs through the few-row kernel: kDotRows where it was
+// packed for it, else 0.
+extern "C" int ps_onednn_few_rows(const void* handle) {
+  const auto* p = static_cast<const Packed*>(handle);
+  return p != nullptr && p->dot.defined() ? kDotRows : 0;
 }
 
 extern "C" void ps_onednn_free(void* handle) {
