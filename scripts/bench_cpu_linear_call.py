@@ -6,8 +6,10 @@ weight in cache, so what a call costs besides reading its weight shows: conversi
 thread start-up, and how the work splits over threads (a kernel that gets no faster from 1 to 16
 threads is not splitting its work). Ways: the native float32 kernel, torch's prepacked oneDNN
 inner product on bf16 rows, torch's bf16 `F.linear`, and the cpu backend's bf16 kernels
-(prefix_service/backends/cpu/onednn.py) on float32 rows as the decoder stack calls them; a way this
-CPU cannot run is left out with the reason.
+(prefix_service/backends/cpu/onednn.py) on float32 rows as the decoder stack calls them, where
+`inner_product` runs calls of up to 64 rows on the few-row dot-product kernel on a CPU with
+AVX512-BF16 and `inner_product_onednn` is oneDNN's inner product for every call; a way this CPU
+cannot run is left out with the reason.
 
     python scripts/bench_cpu_linear_call.py --threads 16,8,1 --json bench_out/cpu_linear_call.json
     python scripts/bench_cpu_linear_call.py --threads 2 --brgemm-columns 64,128
@@ -63,6 +65,10 @@ def ways(w: torch.Tensor, brgemm_columns: tuple[int, ...] = ()
             out[kernel] = (onednn.OneDnnLinear(wb, None, kernel=kernel), torch.float32)
         except onednn.OneDnnError as exc:
             print(f"{kernel}: not available here ({str(exc).splitlines()[0]})", file=sys.stderr)
+    if getattr(out.get("inner_product", (None,))[0], "few_rows", 0):
+        # inner_product runs calls of up to few_rows rows on the dot-product kernel; this, oneDNN alone
+        out["inner_product_onednn"] = (onednn.OneDnnLinear(wb, None, kernel="inner_product", few_rows=False),
+                                       torch.float32)
     if "brgemm" in out:
         for columns in brgemm_columns:
             out[f"brgemm_c{columns}"] = (onednn.OneDnnLinear(wb, None, kernel="brgemm", columns=columns),

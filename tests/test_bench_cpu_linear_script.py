@@ -88,8 +88,9 @@ CALL_SCRIPT = SCRIPT.parent / "bench_cpu_linear_call.py"
                     reason=f"no bf16 linears here: {cpu_linear.available(torch.bfloat16)}")
 def test_bench_cpu_linear_call_script(tmp_path):
     """scripts/bench_cpu_linear_call.py: a row per (threads, shape, rows), a time for every way this
-    CPU runs (the native kernel, torch's bf16 F.linear, every service kernel that packs here, and
-    the brgemm kernel at each block width asked for)."""
+    CPU runs (the native kernel, torch's bf16 F.linear, every service kernel that packs here, oneDNN's
+    inner product alone where the few-row kernel takes its small calls, and the brgemm kernel at
+    each block width asked for)."""
     from prefix_service.backends.cpu import onednn
     out = tmp_path / "call.json"
     proc = subprocess.run([sys.executable, str(CALL_SCRIPT), "--shapes", "40x24,24x56", "--rows", "1,5",
@@ -101,8 +102,13 @@ def test_bench_cpu_linear_call_script(tmp_path):
         (t, n, k, m) for t in (1, 2) for n, k in ((40, 24), (24, 56)) for m in (1, 5)]
     want = ["native_f32", "F.linear_bf16", "emulated", "brgemm", "brgemm_c16", "brgemm_c64"]
     want += ["inner_product", "onednn_bf16_rows"] if onednn.bf16_native() else []
+    # oneDNN's inner product alone beside it where inner_product packs the few-row kernel
+    few_rows = onednn.bf16_native() and onednn.OneDnnLinear(torch.ones(8, 8).bfloat16(), None,
+                                                             kernel="inner_product").few_rows > 0
+    want += ["inner_product_onednn"] if few_rows else []
     for r in data["results"]:
         assert all(r[f"{way}_us"] > 0 for way in want), r
+        assert ("inner_product_onednn_us" in r) == few_rows, r
     if not onednn.bf16_native():
         assert "inner_product: not available here" in proc.stderr
     assert data["isa"] and "JSON:" in proc.stdout
