@@ -9,8 +9,9 @@ bfloat16 (`--dtype bfloat16`): the native float32 kernel on float32 weights (wha
 auto` serves on a CPU), then on bf16 weights `F.linear` and oneDNN's prepacked inner product on
 bf16 inputs (torch's operators alone), and the cpu backend's bf16 kernels (onednn.py) as the
 decoder stack calls them, float32 rows in and out: `brgemm` (oneDNN's micro-kernel; AMX, else
-torch's fallback GEMM) and `inner_product` (where torch's oneDNN runs bf16) or `emulated`
-(elsewhere); the ratios are against the float32 kernel.
+torch's fallback GEMM) and `inner_product` (where torch's oneDNN runs bf16; with AVX512-BF16 its
+calls of up to 64 rows run the few-row dot-product kernel, and `inner_product_onednn` is oneDNN's
+inner product for every call) or `emulated` (elsewhere); the ratios are against the float32 kernel.
 
 One pass runs every linear layer of the model's decoder stack (fused qkv, o, fused gate_up, down)
 once on an input of N rows, with each layer's own weights, as a forward does: the weights stream
@@ -144,6 +145,10 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
     else:  # float32 rows in and out, as the decoder stack calls them
         for kernel in ("brgemm", "inner_product" if onednn.bf16_native() else "emulated"):
             ways[kernel] = (each(lambda w, kernel=kernel: onednn.OneDnnLinear(w, None, kernel=kernel), wb), f32)
+        if onednn.bf16_native() and getattr(ways["inner_product"][0][0][0], "few_rows", 0):
+            # inner_product runs calls of up to few_rows rows on the dot-product kernel; this, oneDNN alone
+            ways["inner_product_onednn"] = (
+                each(lambda w: onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False), wb), f32)
     return ways
 
 
@@ -178,7 +183,7 @@ def main() -> int:
     # the weight bytes each way streams a pass: 4 a parameter in float32, 2 in bf16 (the service's
     # emulated kernel holds its weights widened to float32)
     from prefix_service.backends.cpu import onednn
-    per_param = {way: 1 if way.startswith("int8") else 2 if dt == torch.bfloat16 or way in ("brgemm", "inner_product")
+    per_param = {way: 1 if way.startswith("int8") else 2 if dt == torch.bfloat16 or way.startswith(("brgemm", "inner_product"))
                  else 4 for way, (_, dt) in ways.items()}
     weight_bytes = {way: params * per_param[way] for way in names}
     info = machine()
