@@ -34,7 +34,8 @@
 // linears read their weights at a fraction of the memory's rate through it; the blocks cost the
 // weight's bytes once more. PREFIX_SERVICE_BF16_FEW_ROWS=0 packs none (onednn.py).
 // All of these multiply bf16 operands (the products are exact in float32), sum in float32 and round
-// the output to bf16; only the order of the sums may differ. In all three the bias is rounded to
+// the output to bf16; only the order of the sums may differ (and `vdpbf16ps`, the few-row kernel's
+// dot product, reads bf16 subnormals, below 1.2e-38, as zero). In all of them the bias is rounded to
 // bf16 and added to the float32 sums before the output is rounded, as torch's bf16 F.linear does. A
 // float32 weight is packed in float32 and nothing is rounded. Built by
 // prefix_service/backends/cpu/onednn.py against torch's headers and libraries; loaded into a process
