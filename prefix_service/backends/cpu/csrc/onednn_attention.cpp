@@ -41,6 +41,7 @@ namespace {
 
 using ps_onednn::grown;
 using ps_onednn::guarded;
+using ps_onednn::kDotBf16;
 using ps_onednn::last_error;
 using ps_onednn::to_bf16;
 #if defined(__AVX512F__)
@@ -65,14 +66,8 @@ struct TemplateKV {
 constexpr int kRB = 4;  // the dot products: rows per block of accumulators (4 rows x 4 vectors of 16 sums)
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-constexpr bool kDotBf16 = true;
-
-inline __m512bh pairs(__m512i x) { return (__m512bh)x; }
-inline __m512bh broadcast_pair(const c10::BFloat16* p) {  // p[0], p[1] in every lane's pair
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return (__m512bh)_mm512_set1_epi32(bits);
-}
+using ps_onednn::broadcast_pair;
+using ps_onednn::pairs;
 
 // The two products' loops over rows and vectors are unrolled, so the accumulators stay in
 // registers: the library builds at -O2, which would keep them on the stack (2.2x slower).
@@ -144,7 +139,6 @@ void values_dot(const c10::BFloat16* p, const c10::BFloat16* v, int64_t d, int m
   }
 }
 #else
-constexpr bool kDotBf16 = false;
 void scores_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, int, float*) {}
 void values_dot(const c10::BFloat16*, const c10::BFloat16*, int64_t, int, float*) {}
 #endif

@@ -80,12 +80,6 @@ constexpr int kDotNB = 32;      // the few-row kernel: output columns per block 
 constexpr int kDotRB = 4;       // the few-row kernel: rows per pass over a block (4 x 2 accumulators)
 constexpr int kDotRows = 64;   // calls of up to this many rows take the few-row kernel where it is packed
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-constexpr bool kDot = true;
-#else
-constexpr bool kDot = false;
-#endif
-
 struct Packed {
   at::Tensor weight;                // oneDNN's blocked layout, as _reorder_linear_weight made it (not brgemm)
   std::optional<at::Tensor> bias;   // [N]: float32 (f32, emulated: the bf16 values widened) or bf16 (native)
@@ -247,12 +241,10 @@ void dot_block(const c10::BFloat16* a, int64_t kp, const c10::BFloat16* w, float
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t q = 0; q < kp / 2; ++q) {
     const c10::BFloat16* wq = w + q * kDotNB * 2;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wq), w1 = (__m512bh)_mm512_loadu_si512(wq + 32);
+    const __m512bh w0 = ps_onednn::pairs(_mm512_loadu_si512(wq)), w1 = ps_onednn::pairs(_mm512_loadu_si512(wq + 32));
     #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, a + i * kp + 2 * q, sizeof pair);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);  // a[i][2q], a[i][2q + 1] in every lane
+      const __m512bh xv = ps_onednn::broadcast_pair(a + i * kp + 2 * q);
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
       acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
     }
@@ -305,7 +297,7 @@ void run_dot(const Packed&, const float*, int64_t, int, float*, int64_t) {}
 #endif
 
 void run(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
-  if (kDot && m <= kDotRows && p.dot.defined()) {
+  if (ps_onednn::kDotBf16 && m <= kDotRows && p.dot.defined()) {
     run_dot(p, x, ldx, m, y, ldy);
     return;
   }
@@ -390,7 +382,8 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
                                      weight_bf16 ? at::kBFloat16 : at::kFloat));
-    if (p->mode == Mode::bf16_brgemm || (p->mode == Mode::bf16_native && kDot && few_rows)) {
+    const bool dot = p->mode == Mode::bf16_native && ps_onednn::kDotBf16 && few_rows;  // pack_dot as well
+    if (p->mode == Mode::bf16_brgemm || dot) {
       p->bias_f32.assign((size_t)n, 0.0f);  // rounded to bf16, widened
       if (bias != nullptr)
         for (int64_t i = 0; i < n; ++i) p->bias_f32[i] = static_cast<float>(c10::BFloat16(bias[i]));
@@ -400,7 +393,7 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
       pack_blocks(*p, w);
       return p.release();
     }
-    if (p->mode == Mode::bf16_native && kDot && few_rows) pack_dot(*p, w);
+    if (dot) pack_dot(*p, w);
     // the reorder writes a new tensor; the clone makes the copy explicit whatever layout it picks
     w = p->mode == Mode::bf16_emulated ? w.to(at::kFloat) : w.clone();
     p->weight = reorder(w);
