@@ -14,10 +14,11 @@
 # time goes on the GPU), cpuprofile (the same for
 # the cpu backend in each dtype on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
-# CPU tests, where the host has AMX on its brgemm kernel, then each linear kernel's cost per call
-# (brgemm also in 64- and 128-column blocks), a decode step in float32, per bf16 linear kernel and with the template attention as bf16 matrix
-# products, and the dtype benchmark (bf16 also with those products), each at 16 threads and at 2,
-# a 2-vCPU machine's count) and omp (which OpenMP runtimes the cpu backend's libraries
+# CPU tests, then each linear kernel's cost per call (brgemm also in 64- and 128-column blocks),
+# a decode step in float32, in bf16 by default (the inner product with the few-row kernel), on
+# brgemm, without the few-row kernel and with the template attention as bf16 matrix products,
+# and the dtype benchmark (bf16 also with those products), each at 16 threads and at 2, a 2-vCPU
+# machine's count) and omp (which OpenMP runtimes the cpu backend's libraries
 # load, and the bf16 decode under each OMP_WAIT_POLICY).
 # SANITIZE_TESTS: the pytest arguments compute-sanitizer runs (default: three kernel tests).
 # Env: CPU_MODEL_DIR, a directory with a model's config.json and tokenizer (no weights needed:
@@ -81,11 +82,12 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
 step cpuprofile 120 bash -c 'for dtype in float32 bfloat16; do python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
     --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
 step linear 90 python3 scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --passes 5 --json "$LOGS/cpu_linear_bf16.json"
-step cpubf16 420 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
-  python3 scripts/bench_cpu_linear_call.py --threads 16,2,1 --calls 100 --brgemm-columns 64,128 --json '"$LOGS"'/cpu_linear_call.json
-  for threads in 16 2; do for way in float32 brgemm inner_product brgemm+matrix; do echo "--- $threads threads, $way"
-    env OMP_NUM_THREADS=$threads $( [ $way != float32 ] && echo PREFIX_SERVICE_BF16_LINEAR=${way%+matrix} ) \
-      $( [ $way = brgemm+matrix ] && echo PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix ) python3 scripts/profile_decode.py \
+step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
+  python3 scripts/bench_cpu_linear_call.py --threads 16,2,1 --rows 1,8,16,64 --calls 100 --brgemm-columns 64,128 --json '"$LOGS"'/cpu_linear_call.json
+  for threads in 16 2; do for way in float32 default brgemm no-few-rows default+matrix; do echo "--- $threads threads, $way"
+    case $way in brgemm) vars=PREFIX_SERVICE_BF16_LINEAR=brgemm ;; no-few-rows) vars=PREFIX_SERVICE_BF16_FEW_ROWS=0 ;;
+      default+matrix) vars=PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix ;; *) vars= ;; esac
+    env OMP_NUM_THREADS=$threads $vars python3 scripts/profile_decode.py \
       ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu \
       --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done; done
   for threads in 16 2; do echo "--- bench_cpu_dtype, $threads threads"

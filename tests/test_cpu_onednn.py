@@ -134,14 +134,23 @@ def test_emulated_mode_is_the_float32_product_of_rounded_operands():
 
 @needs_lib
 def test_the_default_kernel_fits_the_machine():
-    """brgemm where oneDNN's micro-kernel multiplies VNNI bf16 (AMX), else the bf16 inner product
-    where torch's oneDNN supports bf16, else emulated; a float32 weight is oneDNN's float32."""
-    want = "brgemm" if onednn.brgemm_vnni() else "inner_product" if onednn.bf16_native() else "emulated"
+    """The bf16 inner product where torch's oneDNN supports bf16 (AMX included: brgemm only by
+    choice), else emulated; a float32 weight is oneDNN's float32."""
+    want = "inner_product" if onednn.bf16_native() else "emulated"
     assert onednn.default_kernel() == want
     assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None).kernel == want
     assert onednn.OneDnnLinear(torch.randn(8, 4), None, kernel="brgemm").kernel == "float32"
     if onednn.brgemm_vnni():  # AMX has the bf16 instructions the inner product needs too
         assert onednn.bf16_native()
+
+
+@needs_lib
+def test_amx_keeps_the_inner_product_as_the_default(monkeypatch):
+    """On AMX too the default is the inner product (oneDNN runs it on the tiles, and the few-row
+    kernel takes a decode step's calls); brgemm runs only where PREFIX_SERVICE_BF16_LINEAR asks."""
+    monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
+    monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
+    assert onednn.default_kernel() == ("inner_product" if onednn.bf16_native() else "emulated")
 
 
 @needs_lib

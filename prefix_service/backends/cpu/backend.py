@@ -66,8 +66,10 @@ class CpuBackend(Backend):
                 brgemm += f", {columns}-column blocks"
             how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
                    "emulated": "oneDNN linears, bf16 emulated in float32"}[kernel]
+            notes = ["AMX"] if kernel == "inner_product" and onednn.brgemm_vnni() else []  # oneDNN picks its tiles
             if few_rows := getattr(self.head, "few_rows", 0):
-                how += f" (AVX512-BF16 dot products up to {few_rows} rows)"
+                notes.append(f"AVX512-BF16 dot products up to {few_rows} rows")
+            how += f" ({'; '.join(notes)})" if notes else ""
             matrix = (f", template attention as bf16 matrix products ({onednn.template_kernel(self.stack.head_dim)})"
                       if self.stack.template_matrix else "")
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"

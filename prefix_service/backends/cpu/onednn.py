@@ -15,15 +15,17 @@ torch build and the compiler (with OpenMP, so its own parallel loops run on torc
 
 A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of three kernels
 (`KERNELS`; `default_kernel()` picks for the machine):
-  brgemm         where oneDNN's micro-kernel takes VNNI-packed bf16 (`brgemm_vnni()`: AMX): the
-                 weight in blocks of 32 output columns (`brgemm_columns()`), each packed once; each
-                 call rounds x to bf16
-                 and runs the micro-kernel per (block, 32 rows), the kernels generated once per shape
-                 (the inner product sets up a oneDNN primitive on every call). Elsewhere it runs the
-                 same blocks through torch's fallback GEMM: correct, not fast, chosen only by tests;
   inner_product  where torch's oneDNN supports bf16 here (`bf16_native()`: AVX-512 BW/VL/DQ or
-                 AVX-NE-CONVERT): the weight is packed in bf16; each call rounds x to bf16, runs the
-                 bf16 inner product (float32 sums, bf16 output) and widens the output into y;
+                 AVX-NE-CONVERT; AMX included, where oneDNN's inner product runs on its tiles): the
+                 weight is packed in bf16; each call rounds x to bf16, runs the bf16 inner product
+                 (float32 sums, bf16 output) and widens the output into y. Where the CPU has
+                 AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
+                 which takes the calls of up to 64 rows;
+  brgemm         by choice ($PREFIX_SERVICE_BF16_LINEAR=brgemm; to compare on AMX): the weight in
+                 blocks of 32 output columns (`brgemm_columns()`), each packed once; each call rounds
+                 x to bf16 and runs oneDNN's micro-kernel per (block, 32 rows), the kernels generated
+                 once per shape, on VNNI-packed blocks where it takes them (`brgemm_vnni()`: AMX),
+                 elsewhere through torch's fallback GEMM: correct, not fast;
   emulated       elsewhere (AVX2 machines): the weight is widened exactly to float32 and packed as a
                  float32 weight; each call rounds x through bf16, runs the float32 inner product and
                  rounds the output through bf16.
@@ -197,8 +199,10 @@ def _check_columns(columns: int, what: str) -> int:
 
 def default_kernel() -> str:
     """The kernel a bfloat16 weight runs by default here: $PREFIX_SERVICE_BF16_LINEAR where set (one
-    of KERNELS: to compare them on one machine), else brgemm on AMX, else oneDNN's bf16 inner
-    product where torch supports it, else emulated."""
+    of KERNELS: to compare them on one machine), else oneDNN's bf16 inner product where torch
+    supports it, AMX included (there, on one core, the inner product ran 1.1-1.4x the brgemm
+    kernel's rate from 16 rows, oneDNN's operator alone 1.5-2x, and the few-row kernel takes the
+    one-row calls brgemm led; docs/benchmarks.md, "Runs 5-7"), else emulated."""
     chosen = os.environ.get(KERNEL_ENV)
     if chosen:
         if chosen not in KERNELS:
@@ -206,8 +210,6 @@ def default_kernel() -> str:
         if chosen == "inner_product" and not bf16_native():
             raise OneDnnError(f"{KERNEL_ENV}=inner_product: torch's oneDNN refuses bf16 inner products on this CPU")
         return chosen
-    if brgemm_vnni():
-        return "brgemm"
     return "inner_product" if bf16_native() else "emulated"
 
 
