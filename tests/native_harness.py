@@ -175,14 +175,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # --- element-wise (csrc/cpu_elementwise.cpp) ------------------------------------------------------
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2I] ([gate | up]) -> silu(gate) * up [T, I]."""
-    ld = _rows(gate_up, "gate_up")
+def silu_mul(gate_up: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """gate_up [T, 2I] ([gate | up]), float32 or bfloat16 (read as the bf16 rows a bf16 linear hands
+    over) -> silu(gate) * up [T, I] in out_dtype (bfloat16: rounded to bf16)."""
+    if gate_up.dtype == torch.bfloat16:
+        if gate_up.dim() != 2 or gate_up.stride(-1) != 1:
+            raise NativeKernelError("gate_up: rows of adjacent bf16 values are needed")
+        ld = gate_up.stride(0)
+    else:
+        ld = _rows(gate_up, "gate_up")
     t, two_i = gate_up.shape
     if two_i % 2:
         raise NativeKernelError(f"gate_up: an even width [gate | up] is needed, got {two_i}")
-    out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    _call("ps_silu_mul", gate_up.data_ptr(), ld, out.data_ptr(), two_i // 2, t, two_i // 2)
+    out = torch.empty(t, two_i // 2, dtype=out_dtype)
+    _call("ps_silu_mul", gate_up.data_ptr(), ld, out.data_ptr(), two_i // 2, t, two_i // 2,
+          int(gate_up.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
     return out
 
 

@@ -67,6 +67,33 @@ def test_silu_mul_equals_float64(t, inter):
 
 
 @needs_native
+@pytest.mark.parametrize("t,d", [(1, 16), (7, 40), (100, 576)])
+def test_bf16_hand_offs_are_the_float32_results_rounded(t, d):
+    """Where a norm or the gated activation feeds a bf16 linear layer, it writes bf16 rows, and the
+    activation reads the gate/up projection's bf16 output as it is: the float32 results rounded to
+    nearest even as torch rounds them, from the same float32 arithmetic (a NaN stays a NaN)."""
+    def same(a, b):  # the same bf16 bits, NaN for NaN whatever its payload
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+    x, w = rand(t, d, seed=3, scale=3.0), rand(d, seed=4)
+    x[0, 0] = float("nan")
+    x[-1, -1] = float("inf")
+    want = ce.add_rms_norm(x.clone(), None, w, 1e-5)
+    got = ce.add_rms_norm(x.clone(), None, w, 1e-5, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert same(got, want.bfloat16()) and got[0].isnan().all()
+    gate_up = rand(t, 2 * d, seed=5, scale=4.0).bfloat16()
+    gate_up[0, 1] = float("nan")
+    widened = silu_mul(gate_up.float())
+    assert torch.equal(silu_mul(gate_up).isnan(), widened.isnan()) and silu_mul(gate_up).dtype == torch.float32
+    assert torch.equal(silu_mul(gate_up).nan_to_num(), widened.nan_to_num())
+    rounded = silu_mul(gate_up, out_dtype=torch.bfloat16)
+    assert same(rounded, widened.bfloat16()) and rounded[0, 1].isnan()
+    assert same(silu_mul(gate_up.float(), out_dtype=torch.bfloat16), rounded)
+
+
+@needs_native
 @pytest.mark.parametrize("dim", [16, 40, 64, 128])
 def test_rotation_equals_apply_rope(dim):
     """q and k heads as a strided view of a fused projection, rotated in place at any positions."""

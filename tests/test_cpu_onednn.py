@@ -316,6 +316,56 @@ def test_fn_is_the_call_native_code_makes(kernel):
         assert torch.equal(out, layer(x))
 
 
+# every bf16 kernel: the default (with the few-row kernel where it is packed, and then the inner
+# product alone as well), brgemm, and emulated (any CPU runs it)
+HAND_OFF_KERNELS = [None, "brgemm", "emulated"]
+
+
+@needs_lib
+@pytest.mark.parametrize("kernel", HAND_OFF_KERNELS)
+@pytest.mark.parametrize("n,k", [(49, 37), (96, 64), (3072, 64)])
+def test_bf16_hand_offs_are_the_float32_rows_bits(kernel, n, k):
+    """The decoder stack hands a bf16 layer its rows already rounded to bf16, and takes the outputs
+    still in bf16 (ps_onednn_linear_bf16, OneDnnLinear.rows_bf16): the same bits as the float32 rows
+    the layer rounds and widens itself, at the row counts on either side of the few-row kernel's
+    limit, with an odd K (the few-row kernel then pads its own copy of the rows) and with a bias."""
+    x, w, b = case(70, n, k, seed=n + k, bias=True)
+    layers = [onednn.OneDnnLinear(w.bfloat16(), b, kernel=kernel)]
+    if kernel is None:
+        layers.append(onednn.OneDnnLinear(w.bfloat16(), b, few_rows=False))
+    for layer in layers:
+        for m in (1, 3, 8, 63, 64, 65, 70):
+            want = layer(x[:m])
+            for rows in (x[:m], x[:m].bfloat16()):
+                assert torch.equal(layer.rows_bf16(rows, torch.float32), want), (m, rows.dtype)
+                got = layer.rows_bf16(rows)
+                assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want), (m, rows.dtype)
+    bad = x[:3].clone()
+    bad[1, k // 2] = float("nan")
+    y = layers[0].rows_bf16(bad.bfloat16())
+    assert torch.isnan(y[1].float()).all() and not torch.isnan(y[[0, 2]].float()).any()
+
+
+@needs_lib
+def test_bf16_hand_offs_need_a_bf16_weight_and_good_rows():
+    x, w, b = case(4, 8, 16, seed=3)
+    with pytest.raises(onednn.OneDnnError, match="a bfloat16 weight is needed"):
+        onednn.OneDnnLinear(w, b).rows_bf16(x)
+    layer = onednn.OneDnnLinear(w.bfloat16(), b)
+    with pytest.raises(onednn.OneDnnError, match=r"\[M, 16\] is needed"):
+        layer.rows_bf16(x[:, :15])
+    with pytest.raises(onednn.OneDnnError, match="out_dtype"):
+        layer.rows_bf16(x, torch.float16)
+    # native code calling a float32 weight's handle with bf16 rows gets an error, not a wrong product
+    f32 = onednn.OneDnnLinear(w, b)
+    lib = onednn.load()[0]
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    xb = x.bfloat16()
+    assert lib.ps_onednn_linear_bf16(f32.handle, xb.data_ptr(), 1, 16, 4, out.data_ptr(), 1, 8, 1) == 5
+    assert "need a bf16 weight" in lib.ps_onednn_last_error().decode()
+    assert not f32.call.run_bf16 and layer.call.run_bf16
+
+
 @needs_lib
 @pytest.mark.parametrize("kernel", BF16_KERNELS)
 def test_the_weight_is_copied(kernel):

@@ -42,8 +42,12 @@ def _rows(x: torch.Tensor, name: str, dims: int = 2) -> int:
     return x.stride(0)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, D]: x += residual (in place, when given); returns x / sqrt(mean(x^2) + eps) * weight."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [T, D]: x += residual (in place, when given); returns x / sqrt(mean(x^2) + eps) * weight, in
+    float32 or, out_dtype bfloat16, rounded to bf16 (the rows the decoder stack hands a bf16 linear)."""
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise NativeKernelError(f"out_dtype: float32 or bfloat16 is needed, got {out_dtype}")
     lx = _rows(x, "x")
     t, d = x.shape
     lr = 0
@@ -53,7 +57,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             raise NativeKernelError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
     if weight.shape != (d,) or weight.dtype != torch.float32 or not weight.is_contiguous():
         raise NativeKernelError(f"weight: float32 [{d}] is needed, got {weight.dtype} {tuple(weight.shape)}")
-    out = torch.empty(t, d, dtype=torch.float32)
+    out = torch.empty(t, d, dtype=out_dtype)
     _call("ps_add_rms_norm", x.data_ptr(), lx, residual.data_ptr() if residual is not None else None, lr,
-          weight.data_ptr(), eps, out.data_ptr(), d, t, d)
+          weight.data_ptr(), eps, out.data_ptr(), d, t, d, int(out_dtype == torch.bfloat16))
     return out

@@ -52,8 +52,8 @@ SIGNATURES = {
     "ps_decode_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_packed_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_call_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
-    "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32], _i32),
-    "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32], _i32),
+    "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32, _i32], _i32),
+    "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32], _i32),
     "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
     "ps_head_rms_norm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _f32, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
@@ -103,8 +103,9 @@ def check(code: int, what: str, linear_error: Callable[[], str] | None = None) -
 
 class LinearCall(ctypes.Structure):
     """A linear layer as the decoder stack calls it (csrc/cpu_layer.cpp's PsLinear): the address of its C
-    entry point and that of its state (linear.CpuLinear)."""
-    _fields_ = [("run", ctypes.c_void_p), ("self", ctypes.c_void_p)]
+    entry point and that of its state (linear.CpuLinear), and for a bf16 weight the address of its entry
+    point with bf16 hand-offs (rows in and out as bf16 bits; 0: none)."""
+    _fields_ = [("run", ctypes.c_void_p), ("self", ctypes.c_void_p), ("run_bf16", ctypes.c_void_p)]
 
 
 def call_linear(call: LinearCall, x: torch.Tensor, out: torch.Tensor) -> int:

@@ -8,7 +8,8 @@ mkldnn::_linear_pointwise (the inner product), and at::native::cpublas::brgemm a
 batch-reduce GEMM micro-kernel, AMX tiles). So a second, small library, built against torch's
 headers and linked to its libraries (the native library, native.py, is plain C++ and links
 neither), calls them and exports C functions: ps_onednn_pack (a handle), ps_onednn_linear (y = x W^T
-+ b, x and y float32, rows strided), ps_onednn_free, ps_onednn_brgemm_vnni, ps_onednn_threads_used
++ b, x and y float32, rows strided), ps_onednn_linear_bf16 (the same with x and y as bf16 rows where
+the caller asks: the decoder stack's hand-offs), ps_onednn_free, ps_onednn_brgemm_vnni, ps_onednn_threads_used
 and ps_onednn_last_error. It is built on first use into native.cache_dir(), keyed by its source, the
 torch build and the compiler (with OpenMP, so its own parallel loops run on torch's threads), in
 15-25 seconds.
@@ -63,6 +64,7 @@ SIGNATURES = {
     "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32], _ptr),
     "ps_onednn_few_rows": ([_ptr], _i32),
     "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
+    "ps_onednn_linear_bf16": ([_ptr, _ptr, _i32, _i64, _i32, _ptr, _i32, _i64, _i32], _i32),
     "ps_onednn_free": ([_ptr], None),
     "ps_onednn_last_error": ([], ctypes.c_char_p),
     "ps_onednn_brgemm_vnni": ([], _i32),
@@ -234,8 +236,9 @@ class OneDnnLinear:
     for the few-row kernel where the CPU has AVX512-BF16 (default: few_rows_default()). `few_rows`
     then holds the most rows a call runs through it (0: none).
 
-    `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call; the
-    handle lives as long as this object and is freed after it."""
+    `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call, and for a
+    bf16 weight `call.run_bf16` (ps_onednn_linear_bf16) the call with bf16 hand-offs (`rows_bf16`);
+    the handle lives as long as this object and is freed after it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
                  columns: int | None = None, few_rows: bool | None = None) -> None:
@@ -269,7 +272,8 @@ class OneDnnLinear:
         self.handle: int = handle
         self.few_rows = int(lib.ps_onednn_few_rows(handle))
         self.fn = native.address(lib.ps_onednn_linear)
-        self.call = native.LinearCall(self.fn, self.handle)
+        bf16_fn = native.address(lib.ps_onednn_linear_bf16) if self.dtype == torch.bfloat16 else 0
+        self.call = native.LinearCall(self.fn, self.handle, bf16_fn)
         self._lib = lib
         self._finalizer = weakref.finalize(self, lib.ps_onednn_free, handle)
 
@@ -281,6 +285,28 @@ class OneDnnLinear:
         else:
             _check_rows("out", out, self.out_features, m)
         if native.call_linear(self.call, x, out):  # the stack's path and timer
+            raise OneDnnError(self._lib.ps_onednn_last_error().decode(errors="replace"))
+        return out
+
+    def rows_bf16(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x @ W.T + b with the bf16 hand-offs the decoder stack makes (csrc/cpu_layer.cpp's
+        PsLinearBf16Fn): x [M, K] bfloat16 (taken as it is) or float32 (rounded here), the output
+        [M, N] in out_dtype (bfloat16: the rounded outputs; float32: widened). A bf16 weight only;
+        the same numbers as calling it on x widened to float32."""
+        if self.dtype != torch.bfloat16 or not self.call.run_bf16:
+            raise OneDnnError("rows_bf16: a bfloat16 weight is needed; this one is float32")
+        if (x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != self.in_features
+                or x.device.type != "cpu"):
+            raise OneDnnError(f"x: a bfloat16 or float32 CPU tensor [M, {self.in_features}] is needed, got {x.dtype} "
+                              f"{tuple(x.shape)}")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise OneDnnError(f"out_dtype: bfloat16 or float32 is needed, got {out_dtype}")
+        x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty(m, self.out_features, dtype=out_dtype)
+        fn = ctypes.CFUNCTYPE(_i32, _ptr, _ptr, _i32, _i64, _i32, _ptr, _i32, _i64, _i32)(self.call.run_bf16)
+        if fn(self.handle, x.data_ptr(), int(x.dtype == torch.bfloat16), self.in_features, m, out.data_ptr(),
+              int(out_dtype == torch.bfloat16), self.out_features, torch.get_num_threads()):
             raise OneDnnError(self._lib.ps_onednn_last_error().decode(errors="replace"))
         return out
 

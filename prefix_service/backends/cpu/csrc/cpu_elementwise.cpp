@@ -1,6 +1,9 @@
 // A decoder layer's element-wise work on the CPU, float32, AVX-512 or AVX2 (simd.h), one pass each:
 //   ps_add_rms_norm: x += residual (in place, optional), out = x / sqrt(mean(x^2) + eps) * w
 //   ps_silu_mul:     out = silu(gate) * up, from the fused [gate | up] projection
+// (both also in bf16 where they hand rows to or take them from a bf16 linear layer: out rounded to
+// bf16 bits as the linear would round its input, gate_up read as the bf16 bits the linear wrote,
+// and the arithmetic in float32 as ever, so the bits are those of the float32 hand-off)
 //   ps_head_rms_norm: each head's RMSNorm in place (Qwen3's q and k norms)
 //   ps_rope:         rotate-half rotary embedding of q and k heads in place, by position
 // torch runs each of these as five to seven operators, each its own pass over the activations
@@ -27,24 +30,30 @@ inline int team(int64_t rows, int64_t row_floats, int threads) {
 
 using ps::exp_ps;
 
-// out[d] = w[d] * (x[d] * inv) for the dim floats of a row (out may be x).
-inline void scale_row(const float* x, float inv, const float* w, float* out, int dim) {
+// a vector's first n values stored as float32, or rounded to bf16 bits
+inline void store_first(float* p, vf a, int n) { ps::vstore_first(p, a, n); }
+inline void store_first(uint16_t* p, vf a, int n) { ps::vstore_bf16_first(p, a, n); }
+
+// out[d] = w[d] * (x[d] * inv) for the dim floats of a row (out may be x), float32 or bf16 bits.
+template <typename Out>
+inline void scale_row(const float* x, float inv, const float* w, Out* out, int dim) {
   const vf s = ps::vset1(inv);
   for (int d = 0; d < dim; d += 16) {
     const int m = dim - d;
     const vf v = ps::vmul(ps::vload_first(x + d, m), s);
-    ps::vstore_first(out + d, ps::vmul(ps::vload_first(w + d, m), v), m);
+    store_first(out + d, ps::vmul(ps::vload_first(w + d, m), v), m);
   }
 }
 
 }  // namespace
 #endif
 
+// out: float32 rows, or bf16 bits (uint16) where out_bf16 (ldo then counts bf16 elements)
 extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int64_t ldr, const float* w, float eps,
-                               float* out, int64_t ldo, int rows, int dim, int threads) {
+                               void* out, int64_t ldo, int rows, int dim, int out_bf16, int threads) {
 #if !defined(PS_SIMD)
   (void)x; (void)ldx; (void)residual; (void)ldr; (void)w; (void)eps; (void)out; (void)ldo; (void)rows; (void)dim;
-  (void)threads;
+  (void)threads; (void)out_bf16;
   return 1;
 #else
   ps::TimerScope timer(ps::kElementwise);
@@ -62,7 +71,11 @@ extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int
       }
       ss = ps::vfmadd(v, v, ss);
     }
-    scale_row(xr, 1.0f / std::sqrt(ps::vreduce_add(ss) / (float)dim + eps), w, out + r * ldo, dim);
+    const float inv = 1.0f / std::sqrt(ps::vreduce_add(ss) / (float)dim + eps);
+    if (out_bf16)
+      scale_row(xr, inv, w, static_cast<uint16_t*>(out) + r * ldo, dim);
+    else
+      scale_row(xr, inv, w, static_cast<float*>(out) + r * ldo, dim);
   }
   return 0;
 #endif
@@ -93,24 +106,31 @@ extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int d
 #endif
 }
 
-// gate_up: rows of [gate (inter) | up (inter)], ld apart; out: rows of inter, ldo apart.
-extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t ldo, int rows, int inter,
-                           int threads) {
+// gate_up: rows of [gate (inter) | up (inter)], ld apart, float32 or bf16 bits where in_bf16; out:
+// rows of inter, ldo apart, float32 or bf16 bits where out_bf16 (ld and ldo count elements of their
+// own type).
+extern "C" int ps_silu_mul(const void* gate_up, int64_t ld, void* out, int64_t ldo, int rows, int inter,
+                           int in_bf16, int out_bf16, int threads) {
 #if !defined(PS_SIMD)
-  (void)gate_up; (void)ld; (void)out; (void)ldo; (void)rows; (void)inter; (void)threads;
+  (void)gate_up; (void)ld; (void)out; (void)ldo; (void)rows; (void)inter; (void)threads; (void)in_bf16;
+  (void)out_bf16;
   return 1;
 #else
   ps::TimerScope timer(ps::kElementwise);
 #pragma omp parallel for num_threads(team(rows, 2 * (int64_t)inter, threads)) schedule(static)
   for (int r = 0; r < rows; ++r) {
-    const float* g = gate_up + r * ld;
-    const float* u = g + inter;
-    float* o = out + r * ldo;
+    const float* g = in_bf16 ? nullptr : static_cast<const float*>(gate_up) + r * ld;
+    const uint16_t* g16 = in_bf16 ? static_cast<const uint16_t*>(gate_up) + r * ld : nullptr;
     for (int d = 0; d < inter; d += 16) {
       const int m = inter - d;
-      const vf gv = ps::vload_first(g + d, m);
+      const vf gv = in_bf16 ? ps::vload_bf16_first(g16 + d, m) : ps::vload_first(g + d, m);
+      const vf uv = in_bf16 ? ps::vload_bf16_first(g16 + inter + d, m) : ps::vload_first(g + inter + d, m);
       const vf sig = ps::vdiv(ps::vset1(1.0f), ps::vadd(ps::vset1(1.0f), exp_ps(ps::vsub(ps::vzero(), gv))));
-      ps::vstore_first(o + d, ps::vmul(ps::vmul(gv, sig), ps::vload_first(u + d, m)), m);
+      const vf o = ps::vmul(ps::vmul(gv, sig), uv);
+      if (out_bf16)
+        store_first(static_cast<uint16_t*>(out) + r * ldo + d, o, m);
+      else
+        store_first(static_cast<float*>(out) + r * ldo + d, o, m);
     }
   }
   return 0;

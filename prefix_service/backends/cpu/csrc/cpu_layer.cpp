@@ -8,7 +8,11 @@
 //
 // A linear layer is whatever its PsLinear names: ps_packed_linear (cpu_linear.cpp, the float32
 // kernel) or the oneDNN library's entry point (onednn_linear.cpp, bfloat16 weights); the stack only
-// calls it. Activations (the residual stream, norms, attention) are float32 in either dtype; the KV
+// calls it. Activations (the residual stream, norms, attention) are float32 in either dtype, except
+// the rows a bf16 linear layer takes or gives through its bf16 hand-offs (PsLinear.run_bf16): a
+// norm's output and the gated activation's input and output then travel as bf16 bits, rounded
+// where the layer would have rounded them, so the bits are the float32 path's with half the bytes
+// and no rounding or widening pass (layer_qkv, layer_mlp). The KV
 // cache holds the model's dtype (kv_bf16: bfloat16, with the new tokens' K and V rounded to bf16
 // before anything reads them, so a token's key is the same number whether a later query reads it
 // from this step's rows or from the cache).
@@ -22,9 +26,15 @@
 // y[M][N] (rows ldy apart) = x[M][K] (rows ldx apart) W^T (+ bias), W and its shape held by `self`;
 // returns 0 or a nonzero status
 using PsLinearFn = int (*)(const void* self, const float* x, int64_t ldx, int M, float* y, int64_t ldy, int threads);
+// The same product with bf16 hand-offs, for a bf16 weight: x as bf16 bits where x_bf16 (the rows the
+// layer would have rounded to bf16 itself), y written as bf16 bits where y_bf16 (the outputs it
+// would have widened); strides count elements of each one's type
+using PsLinearBf16Fn = int (*)(const void* self, const void* x, int x_bf16, int64_t ldx, int M, void* y, int y_bf16,
+                               int64_t ldy, int threads);
 struct PsLinear {
   PsLinearFn run;
   const void* self;
+  PsLinearBf16Fn run_bf16;  // null: float32 rows only (a float32 weight)
 };
 
 // Every linear layer the cpu backend runs is timed here, whatever library computes it: the
@@ -34,15 +44,25 @@ inline int run_linear(const PsLinear* w, const float* x, int64_t ldx, int rows, 
   return w->run(w->self, x, ldx, rows, y, ldy, threads);
 }
 
+// x (float32, or bf16 bits where x_bf16) through w into y (float32, or bf16 bits where y_bf16): the bf16
+// hand-offs where w takes them, else float32 rows (the flags must then be false)
+inline int run_linear_as(const PsLinear* w, const void* x, bool x_bf16, int64_t ldx, int rows, void* y, bool y_bf16,
+                         int64_t ldy, int threads) {
+  if (w->run_bf16 == nullptr)
+    return run_linear(w, static_cast<const float*>(x), ldx, rows, static_cast<float*>(y), ldy, threads);
+  ps::TimerScope timer(ps::kLinear);
+  return w->run_bf16(w->self, x, x_bf16, ldx, rows, y, y_bf16, ldy, threads);
+}
+
 // A linear layer called from Python (linear.py), through the same PsLinear the stack calls.
 extern "C" int ps_call_linear(const PsLinear* w, const float* x, int64_t ldx, int rows, float* y, int64_t ldy,
                               int threads) {
   return run_linear(w, x, ldx, rows, y, ldy, threads);
 }
 extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int64_t ldr, const float* w, float eps,
-                               float* out, int64_t ldo, int rows, int dim, int threads);
-extern "C" int ps_silu_mul(const float* gate_up, int64_t ld, float* out, int64_t ldo, int rows, int inter,
-                           int threads);
+                               void* out, int64_t ldo, int rows, int dim, int out_bf16, int threads);
+extern "C" int ps_silu_mul(const void* gate_up, int64_t ld, void* out, int64_t ldo, int rows, int inter,
+                           int in_bf16, int out_bf16, int threads);
 extern "C" int ps_head_rms_norm(float* x, int64_t ld, int rows, int heads, int dim, const float* w, float eps,
                                 int threads);
 extern "C" int ps_rope(float* x, int64_t ld, int rows, int heads, int dim, const int64_t* positions,
@@ -86,13 +106,15 @@ struct Scratch {
 // (+ bias; wqkv packed as cpu_linear.cpp's panels); with q_norm_w (Qwen3), each of the hq q heads
 // and the hkv k heads normalized by its own RMSNorm (q_norm_w, k_norm_w, qk_eps); then the q and k
 // heads rotated in place by position (cos/sin tables [positions][head_dim]). h: [rows][hidden] of
-// scratch. Returns 0 or the first failing kernel's status.
+// scratch (bf16 bits where Wqkv takes them: the norm rounds as the linear would have). Returns 0 or
+// the first failing kernel's status.
 int layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden, const float* norm_w, float eps,
               const PsLinear* wqkv, int n_qkv, int hq, int hkv, int head_dim, const float* q_norm_w,
               const float* k_norm_w, float qk_eps, const int64_t* positions, const float* cos_table,
               const float* sin_table, float* qkv, float* h, int threads) {
-  int code = ps_add_rms_norm(x, ldx, pending, hidden, norm_w, eps, h, hidden, rows, hidden, threads);
-  if (code == 0) code = run_linear(wqkv, h, hidden, rows, qkv, n_qkv, threads);
+  const bool h16 = wqkv->run_bf16 != nullptr;
+  int code = ps_add_rms_norm(x, ldx, pending, hidden, norm_w, eps, h, hidden, rows, hidden, h16, threads);
+  if (code == 0) code = run_linear_as(wqkv, h, h16, hidden, rows, qkv, false, n_qkv, threads);
   if (code == 0 && q_norm_w != nullptr) {
     code = ps_head_rms_norm(qkv, n_qkv, rows, hq, head_dim, q_norm_w, qk_eps, threads);
     if (code == 0)
@@ -105,15 +127,19 @@ int layer_qkv(float* x, int64_t ldx, const float* pending, int rows, int hidden,
 // After attention. attn [rows][attn_dim] (ld_attn apart): o = attn Wo^T; x += o; h = RMSNorm(x) *
 // norm_w; [gate | up] = h Wgu^T (2 inter wide); out [rows][hidden] = (silu(gate) * up) Wdown^T, the
 // MLP output the next layer's norm adds to x. o, h: [rows][hidden], gate_up: [rows][2 inter], act:
-// [rows][inter] of scratch. Returns 0 or the first failing kernel's status.
+// [rows][inter] of scratch. Where the linears take bf16 hand-offs, h goes to Wgu, gate_up to the
+// activation and act to Wdown as bf16 bits (rounded where the float32 path's linear would round
+// them, so the bits are the same), half the bytes and no rounding or widening pass of their own.
+// Returns 0 or the first failing kernel's status.
 int layer_mlp(const float* attn, int64_t ld_attn, int rows, const PsLinear* wo, float* x, int64_t ldx, int hidden,
               const float* norm_w, float eps, const PsLinear* wgu, int inter, const PsLinear* wdown, float* out,
               float* o, float* h, float* gate_up, float* act, int threads) {
+  const bool h16 = wgu->run_bf16 != nullptr, mid16 = h16 && wdown->run_bf16 != nullptr;
   int code = run_linear(wo, attn, ld_attn, rows, o, hidden, threads);
-  if (code == 0) code = ps_add_rms_norm(x, ldx, o, hidden, norm_w, eps, h, hidden, rows, hidden, threads);
-  if (code == 0) code = run_linear(wgu, h, hidden, rows, gate_up, 2 * inter, threads);
-  if (code == 0) code = ps_silu_mul(gate_up, 2 * inter, act, inter, rows, inter, threads);
-  if (code == 0) code = run_linear(wdown, act, inter, rows, out, hidden, threads);
+  if (code == 0) code = ps_add_rms_norm(x, ldx, o, hidden, norm_w, eps, h, hidden, rows, hidden, h16, threads);
+  if (code == 0) code = run_linear_as(wgu, h, h16, hidden, rows, gate_up, mid16, 2 * inter, threads);
+  if (code == 0) code = ps_silu_mul(gate_up, 2 * inter, act, inter, rows, inter, mid16, mid16, threads);
+  if (code == 0) code = run_linear_as(wdown, act, mid16, inter, rows, out, false, hidden, threads);
   return code;
 }
 

@@ -8,8 +8,10 @@
 // of IValues, so a change in an operator's C++ signature across torch versions cannot abort the
 // process); and at::native::cpublas::brgemm / pack, oneDNN's batch-reduce GEMM micro-kernel (AMX
 // tiles), which torch's own CPU flash attention calls. The library exports plain C functions, so
-// the native decoder stack can call a linear through a function pointer. Nothing throws across the
-// C boundary: a failure returns nullptr or 5, and ps_onednn_last_error() says why.
+// the native decoder stack can call a linear through a function pointer (ps_onednn_linear on float32
+// rows; ps_onednn_linear_bf16 on bf16 rows in or out, for a bf16 weight: the stack's hand-offs).
+// Nothing throws across the C boundary: a failure returns nullptr or 5, and ps_onednn_last_error()
+// says why.
 //
 // A bfloat16 weight runs one of three ways, chosen by the caller at pack time:
 //   brgemm   (where oneDNN's micro-kernel takes VNNI-packed bf16, ps_onednn_brgemm_vnni(): AMX):
@@ -99,6 +101,23 @@ struct Packed {
   at::Tensor dot;
 };
 
+// A call's rows: x [m][k] float32, or bf16 bits where x_bf16 (rows the caller rounded to bf16 as this
+// file would have); y [m][n] float32, or bf16 bits where y_bf16 (the rounded outputs, not widened);
+// strides count elements of each one's type. A bf16 hand-off gives the same bits as the float32 rows.
+struct Rows {
+  const void* x;
+  bool x_bf16;
+  int64_t ldx;
+  int m;
+  void* y;
+  bool y_bf16;
+  int64_t ldy;
+  const float* xf(int64_t r) const { return static_cast<const float*>(x) + r * ldx; }
+  const c10::BFloat16* xb(int64_t r) const { return static_cast<const c10::BFloat16*>(x) + r * ldx; }
+  float* yf(int64_t r) const { return static_cast<float*>(y) + r * ldy; }
+  c10::BFloat16* yb(int64_t r) const { return static_cast<c10::BFloat16*>(y) + r * ldy; }
+};
+
 // Per-thread scratch, grown and never shrunk, so a call allocates no data buffers of its own
 // beyond the operator's output: x rounded to bf16, x rounded back to float32 (emulated), the
 // output rounded to bf16 (emulated), and a brgemm worker's float32 sums.
@@ -170,15 +189,18 @@ void pack_blocks(Packed& p, const at::Tensor& w) {
   }
 }
 
-// brgemm: y = round_bf16(round_bf16(x) W^T + bias), x and y float32.
-void run_brgemm(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+// brgemm: y = round_bf16(round_bf16(x) W^T + bias).
+void run_brgemm(const Packed& p, const Rows& io) {
+  const int m = io.m;
   const int64_t kp = p.kp, rows = (m + 15) / 16 * 16;  // A's rows: zero-padded to whole AMX tiles
   c10::BFloat16* a = grown(scratch.x_bf16, rows * kp);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       c10::BFloat16* dst = a + r * kp;
-      if (r < m)
-        for (int64_t c = 0; c < p.k; ++c) dst[c] = c10::BFloat16(x[r * ldx + c]);  // round to nearest even
+      if (r < m && io.x_bf16)
+        std::memcpy(dst, io.xb(r), sizeof(c10::BFloat16) * (size_t)p.k);
+      else if (r < m)
+        for (int64_t c = 0; c < p.k; ++c) dst[c] = c10::BFloat16(io.xf(r)[c]);  // round to nearest even
       std::fill(dst + (r < m ? p.k : 0), dst + kp, c10::BFloat16(0.0f));
     }
   });
@@ -196,9 +218,14 @@ void run_brgemm(const Packed& p, const float* x, int64_t ldx, int m, float* y, i
                                   sums, p.vnni);
       const int64_t n0 = j * nb, cols = std::min<int64_t>(nb, p.n - n0);
       for (int64_t r = 0; r < valid; ++r) {
-        float* out = y + (m0 + r) * ldy + n0;
         const float* s = sums + r * nb;
-        for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<float>(c10::BFloat16(s[c] + bias[n0 + c]));
+        if (io.y_bf16) {
+          c10::BFloat16* out = io.yb(m0 + r) + n0;
+          for (int64_t c = 0; c < cols; ++c) out[c] = c10::BFloat16(s[c] + bias[n0 + c]);
+        } else {
+          float* out = io.yf(m0 + r) + n0;
+          for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<float>(c10::BFloat16(s[c] + bias[n0 + c]));
+        }
       }
     }
     at::native::cpublas::brgemm_release(p.vnni);
@@ -231,11 +258,11 @@ void pack_dot(Packed& p, const at::Tensor& w) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// sums [R][kDotNB] = a [R][kp] (bf16, rows kp apart) times one dot block, w [kp / 2][kDotNB][2]. The
+// sums [R][kDotNB] = a [R][kp] (bf16, rows lda apart) times one dot block, w [kp / 2][kDotNB][2]. The
 // loops over rows and vectors are unrolled so the accumulators stay in registers (the library
 // builds at -O2).
 template <int R>
-void dot_block(const c10::BFloat16* a, int64_t kp, const c10::BFloat16* w, float* sums) {
+void dot_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const c10::BFloat16* w, float* sums) {
   __m512 acc[R][2];
   #pragma GCC unroll 4
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
@@ -244,7 +271,7 @@ void dot_block(const c10::BFloat16* a, int64_t kp, const c10::BFloat16* w, float
     const __m512bh w0 = ps_onednn::pairs(_mm512_loadu_si512(wq)), w1 = ps_onednn::pairs(_mm512_loadu_si512(wq + 32));
     #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
-      const __m512bh xv = ps_onednn::broadcast_pair(a + i * kp + 2 * q);
+      const __m512bh xv = ps_onednn::broadcast_pair(a + i * lda + 2 * q);
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
       acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
     }
@@ -256,13 +283,33 @@ void dot_block(const c10::BFloat16* a, int64_t kp, const c10::BFloat16* w, float
   }
 }
 
+// 16 outputs (the lanes of `keep`) rounded to bf16: widened into a float32 row, or as bf16 bits
+inline void store_out(const Rows& io, int64_t r, int64_t c, __mmask16 keep, __m512 v) {
+  if (io.y_bf16)
+    _mm256_mask_storeu_epi16(io.yb(r) + c, keep, _mm512_cvtepi32_epi16(ps_onednn::bf16_bits_nan(v)));
+  else
+    _mm512_mask_storeu_ps(io.yf(r) + c, keep, ps_onednn::round_bf16(v));
+}
+
 // native, m <= kDotRows rows: y = round_bf16(round_bf16(x) W^T + bias) over p's dot blocks
-void run_dot(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+void run_dot(const Packed& p, const Rows& io) {
+  const int m = io.m;
   const int64_t kp = p.kp, nblocks = p.dot.size(0);
-  c10::BFloat16* a = grown(scratch.x_bf16, m * kp);  // this thread's: the workers read it through `a`
-  for (int r = 0; r < m; ++r) {
-    ps_onednn::to_bf16(x + r * ldx, p.k, a + r * kp);
-    if (kp > p.k) a[r * kp + p.k] = c10::BFloat16(0.0f);
+  const c10::BFloat16* a = nullptr;  // the rows in bf16, lda apart (the workers read them through `a`)
+  int64_t lda = kp;
+  if (io.x_bf16 && kp == p.k) {  // the caller's rows as they are
+    a = io.xb(0);
+    lda = m > 1 ? io.ldx : kp;
+  } else {
+    c10::BFloat16* rows = grown(scratch.x_bf16, m * kp);  // this thread's
+    for (int r = 0; r < m; ++r) {
+      if (io.x_bf16)
+        std::memcpy(rows + r * kp, io.xb(r), sizeof(c10::BFloat16) * (size_t)p.k);
+      else
+        ps_onednn::to_bf16(io.xf(r), p.k, rows + r * kp);
+      if (kp > p.k) rows[r * kp + p.k] = c10::BFloat16(0.0f);
+    }
+    a = rows;
   }
   const auto* blocks = static_cast<const c10::BFloat16*>(p.dot.data_ptr());
   const float* bias = p.bias_f32.data();
@@ -276,52 +323,87 @@ void run_dot(const Packed& p, const float* x, int64_t ldx, int m, float* y, int6
       const __m512 b_lo = _mm512_maskz_loadu_ps(lo, bias + n0), b_hi = _mm512_maskz_loadu_ps(hi, bias + n0 + 16);
       for (int r0 = 0; r0 < m; r0 += kDotRB) {
         const int rows = std::min(kDotRB, m - r0);
+        const c10::BFloat16* ar = a + r0 * lda;
         switch (rows) {
-          case 1: dot_block<1>(a + r0 * kp, kp, w, sums); break;
-          case 2: dot_block<2>(a + r0 * kp, kp, w, sums); break;
-          case 3: dot_block<3>(a + r0 * kp, kp, w, sums); break;
-          default: dot_block<4>(a + r0 * kp, kp, w, sums); break;
+          case 1: dot_block<1>(ar, lda, kp, w, sums); break;
+          case 2: dot_block<2>(ar, lda, kp, w, sums); break;
+          case 3: dot_block<3>(ar, lda, kp, w, sums); break;
+          default: dot_block<4>(ar, lda, kp, w, sums); break;
         }
         for (int i = 0; i < rows; ++i) {
-          float* out = y + (r0 + i) * ldy + n0;
           const float* si = sums + i * kDotNB;
-          _mm512_mask_storeu_ps(out, lo, ps_onednn::round_bf16(_mm512_add_ps(_mm512_load_ps(si), b_lo)));
-          _mm512_mask_storeu_ps(out + 16, hi, ps_onednn::round_bf16(_mm512_add_ps(_mm512_load_ps(si + 16), b_hi)));
+          store_out(io, r0 + i, n0, lo, _mm512_add_ps(_mm512_load_ps(si), b_lo));
+          store_out(io, r0 + i, n0 + 16, hi, _mm512_add_ps(_mm512_load_ps(si + 16), b_hi));
         }
       }
     }
   });
 }
 #else
-void run_dot(const Packed&, const float*, int64_t, int, float*, int64_t) {}
+void run_dot(const Packed&, const Rows&) {}
 #endif
 
-void run(const Packed& p, const float* x, int64_t ldx, int m, float* y, int64_t ldy) {
+// io's rows with a bf16 weight or float32 one (f32: float32 rows only, nothing rounded)
+void run(const Packed& p, const Rows& io) {
+  const int m = io.m;
   if (ps_onednn::kDotBf16 && m <= kDotRows && p.dot.defined()) {
-    run_dot(p, x, ldx, m, y, ldy);
+    run_dot(p, io);
     return;
   }
   if (p.mode == Mode::bf16_brgemm) {
-    run_brgemm(p, x, ldx, m, y, ldy);
+    run_brgemm(p, io);
     return;
   }
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
-  at::Tensor xv = at::from_blob(const_cast<float*>(x), {m, p.k}, {ldx, 1}, f32);  // [M, K], rows ldx apart
-  at::Tensor yv = at::from_blob(y, {m, p.n}, {ldy, 1}, f32);                       // [M, N], rows ldy apart
+  // [M, K] and [M, N], rows ldx and ldy apart, in their own dtypes
+  at::Tensor xv = at::from_blob(const_cast<void*>(io.x), {m, p.k}, {io.ldx, 1}, io.x_bf16 ? bf16 : f32);
+  at::Tensor yv = at::from_blob(io.y, {m, p.n}, {io.ldy, 1}, io.y_bf16 ? bf16 : f32);
   if (p.mode == Mode::f32) {
     if (!xv.is_contiguous()) xv = at::from_blob(grown(scratch.x_f32, m * p.k), {m, p.k}, f32).copy_(xv);
     yv.copy_(linear(xv, p));
     return;
   }
-  at::Tensor xb = at::from_blob(grown(scratch.x_bf16, m * p.k), {m, p.k}, bf16).copy_(xv);  // round to nearest even
+  at::Tensor xb = xv;  // the rows in bf16, dense: the caller's where it handed them over so
+  if (!io.x_bf16 || !xv.is_contiguous())
+    xb = at::from_blob(grown(scratch.x_bf16, m * p.k), {m, p.k}, bf16).copy_(xv);  // round to nearest even
   if (p.mode == Mode::bf16_native) {
-    yv.copy_(linear(xb, p));  // bf16 output, widened exactly
+    yv.copy_(linear(xb, p));  // bf16 output, widened exactly (or copied as it is)
     return;
   }
   at::Tensor xr = at::from_blob(grown(scratch.x_f32, m * p.k), {m, p.k}, f32).copy_(xb);  // exact
+  if (io.y_bf16) {
+    yv.copy_(linear(xr, p));  // rounded to nearest even
+    return;
+  }
   at::Tensor yb = at::from_blob(grown(scratch.y_bf16, m * p.n), {m, p.n}, bf16).copy_(linear(xr, p));
   yv.copy_(yb);
+}
+
+// The C entry points' call: the operands checked (a failure leaves 5 and the reason in last_error,
+// under the entry point's name `who`), then the product, nothing thrown across the C boundary.
+int checked_run(const char* who, const void* handle, const void* x, bool x_bf16, int64_t ldx, int m, void* y,
+                bool y_bf16, int64_t ldy) {
+  if (m == 0) return 0;
+  const auto* p = static_cast<const Packed*>(handle);
+  const bool bf16_rows = x_bf16 || y_bf16;
+  if (p == nullptr || x == nullptr || y == nullptr || m < 0 || (m > 1 && (ldx < p->k || ldy < p->n)) ||
+      (p->mode == Mode::f32 && bf16_rows)) {
+    last_error = std::string(who) + (p == nullptr ? ": a null handle"
+                                      : p->mode == Mode::f32 && bf16_rows
+                                          ? ": bf16 rows need a bf16 weight; this one is float32"
+                                          : ": bad operands: m = " + std::to_string(m) + ", ldx = " +
+                                                std::to_string(ldx) + " for k = " + std::to_string(p->k) +
+                                                ", ldy = " + std::to_string(ldy) + " for n = " +
+                                                std::to_string(p->n) +
+                                                (x == nullptr || y == nullptr ? ", a null x or y" : ""));
+    return 5;
+  }
+  return guarded(who, 5, [&] {
+    c10::InferenceMode guard;
+    run(*p, Rows{x, x_bf16, m > 1 ? ldx : p->k, m, y, y_bf16, m > 1 ? ldy : p->n});
+    return 0;
+  });
 }
 
 }  // namespace
@@ -413,21 +495,17 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
 extern "C" int ps_onednn_linear(const void* handle, const float* x, int64_t ldx, int m, float* y, int64_t ldy,
                                 int threads) {
   (void)threads;
-  if (m == 0) return 0;
-  const auto* p = static_cast<const Packed*>(handle);
-  if (p == nullptr || x == nullptr || y == nullptr || m < 0 || (m > 1 && (ldx < p->k || ldy < p->n))) {
-    last_error = p == nullptr ? "ps_onednn_linear: a null handle"
-                              : "ps_onednn_linear: bad operands: m = " + std::to_string(m) + ", ldx = " +
-                                    std::to_string(ldx) + " for k = " + std::to_string(p->k) + ", ldy = " +
-                                    std::to_string(ldy) + " for n = " + std::to_string(p->n) +
-                                    (x == nullptr || y == nullptr ? ", a null x or y" : "");
-    return 5;
-  }
-  return guarded("ps_onednn_linear", 5, [&] {
-    c10::InferenceMode guard;
-    run(*p, x, m > 1 ? ldx : p->k, m, y, m > 1 ? ldy : p->n);
-    return 0;
-  });
+  return checked_run("ps_onednn_linear", handle, x, false, ldx, m, y, false, ldy);
+}
+
+// The same with bf16 hand-offs (csrc/cpu_layer.cpp's PsLinearBf16Fn): x as bf16 bits where x_bf16, y
+// written as bf16 bits where y_bf16 (strides in elements of each one's type); a bf16 weight only. The
+// bits are those of ps_onednn_linear on the float32 rows the bf16 ones widen to, with its output
+// rounded (it rounds both itself). 0, or 5 on a failure.
+extern "C" int ps_onednn_linear_bf16(const void* handle, const void* x, int x_bf16, int64_t ldx, int m, void* y,
+                                     int y_bf16, int64_t ldy, int threads) {
+  (void)threads;
+  return checked_run("ps_onednn_linear_bf16", handle, x, x_bf16 != 0, ldx, m, y, y_bf16 != 0, ldy);
 }
 
 // The most rows a call of this handle runs through the few-row kernel: kDotRows where it was

@@ -11,6 +11,8 @@
 #define PS_SIMD 1
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace ps {
 
 constexpr int LANES = 16;
@@ -49,6 +51,36 @@ inline float vreduce_max(vf a) { return _mm512_reduce_max_ps(a.v); }
 inline vf vround(vf a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // a 2^n, n integral
 inline vf vscale2(vf a, vf n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+
+// bf16 rows (uint16 bits) in and out: the first n values widened (exactly; the other lanes 0), and the
+// first n of a rounded to bf16 as c10::BFloat16 rounds (nearest, ties to even; a NaN becomes 0x7fc0)
+inline __m512i bf16_round_bits(__m512 a) {
+  const __m512i u = _mm512_castps_si512(a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+}
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+inline vf vload_bf16_first(const uint16_t* p, int n) {
+  const __m256i h = _mm256_maskz_loadu_epi16(first_mask(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline void vstore_bf16_first(uint16_t* p, vf a, int n) {
+  _mm256_mask_storeu_epi16(p, first_mask(n), _mm512_cvtepi32_epi16(bf16_round_bits(a.v)));
+}
+#else
+inline vf vload_bf16_first(const uint16_t* p, int n) {
+  alignas(32) uint16_t t[16] = {};
+  for (int i = 0; i < 16 && i < n; ++i) t[i] = p[i];
+  const __m256i h = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline void vstore_bf16_first(uint16_t* p, vf a, int n) {
+  alignas(32) uint16_t t[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), _mm512_cvtepi32_epi16(bf16_round_bits(a.v)));
+  for (int i = 0; i < 16 && i < n; ++i) p[i] = t[i];
+}
+#endif
 
 // The 16 x 16 floats of r[0..15] transposed: afterwards r[k] holds what was column k.
 inline void transpose16(vf r[16]) {
@@ -150,6 +182,37 @@ inline __m256 pow2_8(__m256 n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 inline vf vscale2(vf a, vf n) { return {_mm256_mul_ps(a.lo, pow2_8(n.lo)), _mm256_mul_ps(a.hi, pow2_8(n.hi))}; }
+
+// bf16 rows (uint16 bits) in and out, as in the AVX-512 section
+inline __m256i bf16_round_bits8(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+}
+inline vf vload_bf16_first(const uint16_t* p, int n) {
+  alignas(32) uint16_t t[16] = {};
+  const uint16_t* src = p;
+  if (n < 16) {
+    for (int i = 0; i < n; ++i) t[i] = p[i];
+    src = t;
+  }
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const auto widen = [](__m128i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)); };
+  return {widen(_mm256_castsi256_si128(h)), widen(_mm256_extracti128_si256(h, 1))};
+}
+inline void vstore_bf16_first(uint16_t* p, vf a, int n) {
+  // packus interleaves the halves' 128-bit lanes: the permute puts the 16 values back in order
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round_bits8(a.lo), bf16_round_bits8(a.hi)),
+                                                  0xD8);
+  if (n >= 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+    return;
+  }
+  alignas(32) uint16_t t[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), packed);
+  for (int i = 0; i < n; ++i) p[i] = t[i];
+}
 
 // r[0..7] (8 x 8) transposed in place.
 inline void transpose8(__m256 r[8]) {
