@@ -85,6 +85,7 @@ STATUS = {
     4: "a slot or block id outside the cache",
     5: "a linear layer's library failed",
     6: "the template attention's library failed",
+    7: "bf16 rows for a linear layer that takes float32 rows only",
 }
 
 

@@ -45,11 +45,13 @@ inline int run_linear(const PsLinear* w, const float* x, int64_t ldx, int rows, 
 }
 
 // x (float32, or bf16 bits where x_bf16) through w into y (float32, or bf16 bits where y_bf16): the bf16
-// hand-offs where w takes them, else float32 rows (the flags must then be false)
+// hand-offs where w takes them, else float32 rows (bf16 ones are then refused with status 7)
 inline int run_linear_as(const PsLinear* w, const void* x, bool x_bf16, int64_t ldx, int rows, void* y, bool y_bf16,
                          int64_t ldy, int threads) {
-  if (w->run_bf16 == nullptr)
+  if (w->run_bf16 == nullptr) {
+    if (x_bf16 || y_bf16) return 7;
     return run_linear(w, static_cast<const float*>(x), ldx, rows, static_cast<float*>(y), ldy, threads);
+  }
   ps::TimerScope timer(ps::kLinear);
   return w->run_bf16(w->self, x, x_bf16, ldx, rows, y, y_bf16, ldy, threads);
 }
