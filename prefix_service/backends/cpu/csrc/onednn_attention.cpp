@@ -169,9 +169,17 @@ float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < kTK; j += ps::LANES) {
     const ps::vf e = ps::vkeep_first(ps::exp_ps(ps::vsub(ps::vload(src + j), mb)), n - j);
+#if defined(__AVX512BF16__)
+    // one instruction for the rounding: to nearest even, as bf16_bits, and the same bits here (the
+    // exponentials are 0 or normal numbers, e^-87 and up, where its flush of subnormals cannot act)
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(e.v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), b);
+    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+#else
     const __m512i r = bf16_bits(_mm512_castps_si512(e.v));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm512_cvtepi32_epi16(r));
     sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+#endif
   }
   return _mm512_reduce_add_ps(sum);
 #else
