@@ -152,10 +152,10 @@ def running_fleet(config: ServiceConfig, root_certificates: bytes | None = None)
     import ray
     from ray import serve
 
-    from prefix_service.fleet.launcher import fleet_server
+    from prefix_service.fleet.launcher import fleet_server, init_ray
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        init_ray(None, num_cpus=4, log_to_driver=False)
     server = ServerThread(config, make_server=fleet_server)
     server.start(wait=False)
     server.wait_started(timeout=240)

@@ -1,0 +1,76 @@
+"""The fleet's start of Ray (fleet/launcher.py's init_ray): a local cluster whose node misses Ray's
+own start-up window (a fixed 30 s, which a loaded machine can miss) is started again, after what
+the failed try left is shut down, up to RAY_LOCAL_START_ATTEMPTS times; any other failure, and a
+failure to join a running cluster, is raised as it comes."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray")
+
+from prefix_service.fleet import launcher  # noqa: E402
+
+TIMEOUT = "The current node timed out during startup. This could happen because some of the raylet failed"
+
+
+class FakeRay:
+    """ray.init and ray.shutdown, raising the given failures on the first calls of init."""
+
+    def __init__(self, failures: list[Exception]) -> None:
+        self.failures = failures
+        self.inits: list[dict] = []
+        self.shutdowns = 0
+
+    def init(self, **kwargs) -> None:
+        self.inits.append(kwargs)
+        if self.failures:
+            raise self.failures.pop(0)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def install(failures: list[Exception]) -> FakeRay:
+        fake = FakeRay(failures)
+        monkeypatch.setattr(launcher, "ray", fake)
+        return fake
+    return install
+
+
+def test_a_local_start_that_times_out_is_started_again(fake_ray, caplog):
+    fake = fake_ray([Exception(TIMEOUT), Exception(TIMEOUT)])
+    launcher.init_ray(None)
+    assert len(fake.inits) == 3 and fake.shutdowns == 2
+    assert all(kw["address"] is None and kw["include_dashboard"] is False for kw in fake.inits)
+    assert sum("did not start in time" in r.getMessage() for r in caplog.records) == 2
+    fake = fake_ray([Exception(TIMEOUT)])
+    launcher.init_ray(None, num_cpus=4, log_to_driver=False)  # the caller's options on every try
+    assert [(kw["num_cpus"], kw["log_to_driver"]) for kw in fake.inits] == [(4, False), (4, False)]
+
+
+def test_the_last_tries_timeout_is_raised(fake_ray):
+    fake = fake_ray([Exception(TIMEOUT)] * launcher.RAY_LOCAL_START_ATTEMPTS)
+    with pytest.raises(Exception, match="timed out during startup"):
+        launcher.init_ray(None)
+    assert len(fake.inits) == launcher.RAY_LOCAL_START_ATTEMPTS
+    assert fake.shutdowns == launcher.RAY_LOCAL_START_ATTEMPTS - 1
+
+
+def test_other_failures_and_joining_a_cluster_are_raised_at_once(fake_ray, monkeypatch):
+    fake = fake_ray([RuntimeError("no room for the object store")])
+    with pytest.raises(RuntimeError, match="object store"):
+        launcher.init_ray(None)
+    assert len(fake.inits) == 1 and fake.shutdowns == 0
+    fake = fake_ray([Exception(TIMEOUT)])
+    with pytest.raises(Exception, match="timed out during startup"):
+        launcher.init_ray("10.0.0.7:6379")
+    assert len(fake.inits) == 1 and fake.inits[0]["address"] == "10.0.0.7:6379" and fake.shutdowns == 0
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    fake = fake_ray([Exception(TIMEOUT)])
+    with pytest.raises(Exception, match="timed out during startup"):
+        launcher.init_ray(None)
+    assert len(fake.inits) == 1 and fake.shutdowns == 0
