@@ -45,7 +45,7 @@ using ps_onednn::kDotBf16;
 using ps_onednn::last_error;
 using ps_onednn::to_bf16;
 #if defined(__AVX512F__)
-using ps_onednn::bf16_bits;
+using ps::bf16_bits;
 #endif
 
 std::atomic<int64_t> attend_calls{0};  // ps_onednn_template_attend's calls, for ps_onednn_template_calls

@@ -8,28 +8,13 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"  // ps::bf16_bits and ps::bf16_round_bits, the native kernels' rounding too
 
 namespace ps_onednn {
 
 #if defined(__AVX512F__)
-// The bf16 bits of 16 float32 values (u: their bits), in the low half of each 32-bit lane, rounded to
-// nearest, ties to even (a NaN is the caller's to handle)
-inline __m512i bf16_bits(__m512i u) {
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-}
-
-// The bf16 bits of 16 float32 values, NaN included (as 0x7fc0), in the low half of each 32-bit lane
-inline __m512i bf16_bits_nan(__m512 x) {
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  return _mm512_mask_blend_epi32(nan, bf16_bits(_mm512_castps_si512(x)), _mm512_set1_epi32(0x7fc0));
-}
-
 // 16 float32 values rounded to bf16 and widened back (exact): float(c10::BFloat16(x)) for each
-inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits_nan(x), 16)); }
+inline __m512 round_bf16(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(ps::bf16_round_bits(x), 16)); }
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -54,7 +39,7 @@ inline void to_bf16(const float* src, int64_t n, c10::BFloat16* dst) {
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm512_cvtepi32_epi16(bf16_bits_nan(_mm512_loadu_ps(src + i))));
+                        _mm512_cvtepi32_epi16(ps::bf16_round_bits(_mm512_loadu_ps(src + i))));
 #endif
   for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
 }

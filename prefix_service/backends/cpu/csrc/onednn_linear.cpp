@@ -286,7 +286,7 @@ void dot_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const c10::BFloa
 // 16 outputs (the lanes of `keep`) rounded to bf16: widened into a float32 row, or as bf16 bits
 inline void store_out(const Rows& io, int64_t r, int64_t c, __mmask16 keep, __m512 v) {
   if (io.y_bf16)
-    _mm256_mask_storeu_epi16(io.yb(r) + c, keep, _mm512_cvtepi32_epi16(ps_onednn::bf16_bits_nan(v)));
+    _mm256_mask_storeu_epi16(io.yb(r) + c, keep, _mm512_cvtepi32_epi16(ps::bf16_round_bits(v)));
   else
     _mm512_mask_storeu_ps(io.yf(r) + c, keep, ps_onednn::round_bf16(v));
 }

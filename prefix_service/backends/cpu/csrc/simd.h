@@ -52,14 +52,21 @@ inline vf vround(vf a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST
 // a 2^n, n integral
 inline vf vscale2(vf a, vf n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 
-// bf16 rows (uint16 bits) in and out: the first n values widened (exactly; the other lanes 0), and the
-// first n of a rounded to bf16 as c10::BFloat16 rounds (nearest, ties to even; a NaN becomes 0x7fc0)
-inline __m512i bf16_round_bits(__m512 a) {
-  const __m512i u = _mm512_castps_si512(a);
+// The bf16 bits of 16 float32 values (u: their bits), in the low half of each 32-bit lane, rounded to
+// nearest, ties to even (a NaN is the caller's to handle)
+inline __m512i bf16_bits(__m512i u) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
 }
+
+// The same, NaN included, as c10::BFloat16 rounds it (0x7fc0)
+inline __m512i bf16_round_bits(__m512 a) {
+  return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), bf16_bits(_mm512_castps_si512(a)),
+                                 _mm512_set1_epi32(0x7fc0));
+}
+
+// bf16 rows (uint16 bits) in and out: the first n values widened (exactly; the other lanes 0), and the
+// first n of a rounded to bf16 (bf16_round_bits)
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
 inline vf vload_bf16_first(const uint16_t* p, int n) {
   const __m256i h = _mm256_maskz_loadu_epi16(first_mask(n), p);
