@@ -43,7 +43,7 @@ def fake_ray(monkeypatch):
 
 def test_a_local_start_that_times_out_is_started_again(fake_ray, caplog):
     fake = fake_ray([Exception(TIMEOUT), Exception(TIMEOUT)])
-    launcher.init_ray(None)
+    assert launcher.init_ray(None) is False  # started a local cluster
     assert len(fake.inits) == 3 and fake.shutdowns == 2
     assert all(kw["address"] is None and kw["include_dashboard"] is False for kw in fake.inits)
     assert sum("did not start in time" in r.getMessage() for r in caplog.records) == 2
@@ -69,7 +69,11 @@ def test_other_failures_and_joining_a_cluster_are_raised_at_once(fake_ray, monke
     with pytest.raises(Exception, match="timed out during startup"):
         launcher.init_ray("10.0.0.7:6379")
     assert len(fake.inits) == 1 and fake.inits[0]["address"] == "10.0.0.7:6379" and fake.shutdowns == 0
+    fake = fake_ray([])
+    assert launcher.init_ray("10.0.0.7:6379") is True  # joined it
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.7:6379")
+    fake = fake_ray([])
+    assert launcher.init_ray(None) is True
     fake = fake_ray([Exception(TIMEOUT)])
     with pytest.raises(Exception, match="timed out during startup"):
         launcher.init_ray(None)

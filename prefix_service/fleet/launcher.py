@@ -134,24 +134,27 @@ RAY_START_TIMEOUT_TEXT = "timed out during startup"
 RAY_LOCAL_START_ATTEMPTS = 3
 
 
-def init_ray(address: str | None, **options: Any) -> None:
+def init_ray(address: str | None, **options: Any) -> bool:
     """ray.init for the fleet: join the cluster at `address` (or $RAY_ADDRESS), else start a local one,
     again (after tearing down what the try left) where Ray's own start-up window ran out, up to
     RAY_LOCAL_START_ATTEMPTS times in all. Joining a cluster is not retried: its failure is the
-    cluster's to report. options: more of ray.init's arguments, or other values for the fleet's."""
+    cluster's to report. options: more of ray.init's arguments, or other values for the fleet's.
+    Returns whether it joined a running cluster (False: it started a local one)."""
     local = address is None and not os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
     kwargs |= options
-    for attempt in range(1, RAY_LOCAL_START_ATTEMPTS + 1):
+    attempt = 1
+    while True:
         try:
             ray.init(address=address, **kwargs)
-            return
+            return not local
         except Exception as e:  # Ray's start-up timeout is a bare Exception
             if not local or RAY_START_TIMEOUT_TEXT not in str(e) or attempt == RAY_LOCAL_START_ATTEMPTS:
                 raise
             log.warning("the local Ray cluster did not start in time (try %d of %d: %s); starting it again",
                         attempt, RAY_LOCAL_START_ATTEMPTS, e)
             ray.shutdown()
+            attempt += 1
 
 
 def _free_port(host: str) -> int:
@@ -222,9 +225,7 @@ class FleetEngineProvider:
                 state_file: str | None) -> tuple[Any, Any, Any]:
         rc = self.ray_config
         if not ray.is_initialized():
-            init_ray(rc.address)
-            # ray.init starts a local cluster unless it is given an address, here or in RAY_ADDRESS
-            joined = rc.address is not None or bool(os.environ.get("RAY_ADDRESS"))
+            joined = init_ray(rc.address)
             self._ray_started, self._ray_joined = not joined, joined
             loop.call_soon_threadsafe(restore_signal_handlers)
         if ctx.stopping.is_set():  # stopped while Ray started: deploy nothing

@@ -293,7 +293,7 @@ class OneDnnLinear:
         PsLinearBf16Fn): x [M, K] bfloat16 (taken as it is) or float32 (rounded here), the output
         [M, N] in out_dtype (bfloat16: the rounded outputs; float32: widened). A bf16 weight only;
         the same numbers as calling it on x widened to float32."""
-        if self.dtype != torch.bfloat16 or not self.call.run_bf16:
+        if self.dtype != torch.bfloat16:
             raise OneDnnError("rows_bf16: a bfloat16 weight is needed; this one is float32")
         if (x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2 or x.shape[1] != self.in_features
                 or x.device.type != "cpu"):
@@ -304,9 +304,9 @@ class OneDnnLinear:
         x = x.contiguous()
         m = x.shape[0]
         out = torch.empty(m, self.out_features, dtype=out_dtype)
-        fn = ctypes.CFUNCTYPE(_i32, _ptr, _ptr, _i32, _i64, _i32, _ptr, _i32, _i64, _i32)(self.call.run_bf16)
-        if fn(self.handle, x.data_ptr(), int(x.dtype == torch.bfloat16), self.in_features, m, out.data_ptr(),
-              int(out_dtype == torch.bfloat16), self.out_features, torch.get_num_threads()):
+        if self._lib.ps_onednn_linear_bf16(self.handle, x.data_ptr(), int(x.dtype == torch.bfloat16), self.in_features,
+                                           m, out.data_ptr(), int(out_dtype == torch.bfloat16), self.out_features,
+                                           torch.get_num_threads()):
             raise OneDnnError(self._lib.ps_onednn_last_error().decode(errors="replace"))
         return out
 
