@@ -12,7 +12,7 @@ AVX512-BF16 and `inner_product_onednn` is oneDNN's inner product for every call;
 cannot run is left out with the reason.
 
     python scripts/bench_cpu_linear_call.py --threads 16,8,1 --json bench_out/cpu_linear_call.json
-    python scripts/bench_cpu_linear_call.py --threads 2 --brgemm-columns 64,128
+    python scripts/bench_cpu_linear_call.py --threads 2 --brgemm-columns 48,64
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ def main() -> int:
     p.add_argument("--rows", default="1,16,64")
     p.add_argument("--threads", default=None, help="torch thread counts, comma-separated (default: torch's)")
     p.add_argument("--calls", type=int, default=200, help="timed calls per repeat")
-    p.add_argument("--brgemm-columns", default="", help="more block widths for the brgemm kernel, e.g. 64,128 "
-                   f"(multiples of 16; `brgemm` itself: {onednn.COLUMNS_ENV} or {onednn.DEFAULT_BRGEMM_COLUMNS})")
+    p.add_argument("--brgemm-columns", default="", help="more block widths for the brgemm kernel, e.g. 48,64 "
+                   f"(16, 32, 48 or 64; `brgemm` itself: {onednn.COLUMNS_ENV} or {onednn.DEFAULT_BRGEMM_COLUMNS})")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     from prefix_service import cpuinfo

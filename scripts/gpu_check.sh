@@ -11,16 +11,17 @@
 # STEP: info build tests probe ops cpu engine sanitizer (default: all, in that order); also
 # trace (bench_gpu.py's one-sequence decode under torch's profiler, a Chrome trace per way to
 # decode: the host's share of an eager step), profile (where a Llama-3-8B-shaped decode step's
-# time goes on the GPU), cpuprofile (the same for
-# the cpu backend in each dtype on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
+# time goes on the GPU), cpuprofile (where a prefill's and
+# a decode step's time go in the cpu backend, in each dtype, on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
-# CPU tests, then each linear kernel's cost per call (brgemm also in 64- and 128-column blocks),
-# a decode step in float32, in bf16 by default (the inner product with the few-row kernel), on
-# brgemm, without the few-row kernel and with the template attention as bf16 matrix products,
-# and the dtype benchmark (bf16 also with those products), each at 16 threads and at 2, a 2-vCPU
-# machine's count) and omp (which OpenMP runtimes the cpu backend's libraries
+# CPU tests, then each linear kernel's cost per call (brgemm also in the block widths
+# BRGEMM_COLUMNS names, e.g. 64,128), a decode step in bf16 by default (the inner product with the
+# few-row kernel), in float32, on brgemm, without the few-row kernel and with the template attention
+# as bf16 matrix products, and the dtype benchmark (bf16 also with those products), each at 2
+# threads, a 2-vCPU machine's count, then at 16) and omp (which OpenMP runtimes the cpu backend's libraries
 # load, and the bf16 decode under each OMP_WAIT_POLICY).
-# SANITIZE_TESTS: the pytest arguments compute-sanitizer runs (default: three kernel tests).
+# SANITIZE_TESTS and SANITIZE_K: the test files compute-sanitizer runs and their -k expression (default:
+# the store, concat and copy kernels and the cascade decode, tests/test_cuda_ops.py and test_attention_cuda.py).
 # Env: CPU_MODEL_DIR, a directory with a model's config.json and tokenizer (no weights needed:
 # random ones are made) for the cpu step; default: the default model where prepare-model finds it.
 set -u
@@ -69,6 +70,7 @@ for dtype in (torch.float32, torch.bfloat16):
         print(f"varlen_attn {dtype}: {type(exc).__name__}: {str(exc)[:200]}")
 EOF
 step ops 60 python3 scripts/bench_cuda_ops.py --iters 10 --json "$LOGS/cuda_ops.json"
+SANITIZE_DEFAULT_K="(kernel_matches_reference and bfloat16 and 128) or copy_blocks_kernel or many_sequences or cascade_decode_on_gpu"
 CPU_MODEL=${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy}
 step cpu 120 python3 scripts/bench_cpu_dtype.py $CPU_MODEL --rounds 1 --singles 3 --concurrency 16,64 --json "$LOGS/cpu_dtype.json"
 step engine 180 python3 scripts/bench_gpu.py --requests ${GPU_REQUESTS:-5} --decode-tokens ${GPU_DECODE_TOKENS:-32} --json "$LOGS/gpu.json"
@@ -79,18 +81,20 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
   for graphs in 256 0; do echo "--- model.cuda_graph_max_batch $graphs"
     python3 scripts/profile_decode.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
       --kv-cache-memory 16GiB --cuda-graph-max-batch $graphs --batches 1,16,64 --steps 5; done'
-step cpuprofile 120 bash -c 'for dtype in float32 bfloat16; do python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+step cpuprofile 240 bash -c 'for dtype in float32 bfloat16; do
+    python3 scripts/profile_prefill.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu --dtype $dtype
+    python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
     --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
 step linear 90 python3 scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --passes 5 --json "$LOGS/cpu_linear_bf16.json"
 step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
-  python3 scripts/bench_cpu_linear_call.py --threads 16,2,1 --rows 1,8,16,64 --calls 100 --brgemm-columns 64,128 --json '"$LOGS"'/cpu_linear_call.json
-  for threads in 16 2; do for way in float32 default brgemm no-few-rows default+matrix; do echo "--- $threads threads, $way"
+  python3 scripts/bench_cpu_linear_call.py --threads 2,16 --rows 1,8,16,32,64 --calls 100 ${BRGEMM_COLUMNS:+--brgemm-columns $BRGEMM_COLUMNS} --json '"$LOGS"'/cpu_linear_call.json
+  for threads in 2 16; do for way in default float32 brgemm no-few-rows default+matrix; do echo "--- $threads threads, $way"
     case $way in brgemm) vars=PREFIX_SERVICE_BF16_LINEAR=brgemm ;; no-few-rows) vars=PREFIX_SERVICE_BF16_FEW_ROWS=0 ;;
       default+matrix) vars=PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix ;; *) vars= ;; esac
     env OMP_NUM_THREADS=$threads $vars python3 scripts/profile_decode.py \
       ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu \
       --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done; done
-  for threads in 16 2; do echo "--- bench_cpu_dtype, $threads threads"
+  for threads in 2 16; do echo "--- bench_cpu_dtype, $threads threads"
     OMP_NUM_THREADS=$threads python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
       --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix \
       --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json; done'
@@ -100,7 +104,7 @@ step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(
     env $( [ $2 != default ] && echo OMP_WAIT_POLICY=$2 ) python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
       --backend cpu --device cpu --dtype $1 --batches 1,16 --steps 5 2>&1 | tail -n 3; done'
 step sanitizer 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -x -p no:cacheprovider -o addopts= \
-  ${SANITIZE_TESTS:-tests/test_cuda_ops.py -k "kernel_matches_reference and bfloat16 and 128 or copy_blocks_kernel or many_sequences"}
+  ${SANITIZE_TESTS:-tests/test_cuda_ops.py tests/test_attention_cuda.py} -k "${SANITIZE_K:-$SANITIZE_DEFAULT_K}"
 
 echo "=== summary ($(( SECONDS - START ))s)"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
