@@ -376,18 +376,20 @@ def test_an_engine_on_wider_brgemm_blocks_says_so_and_matches_the_default(make_e
 
 
 @needs_bf16
-def test_an_engine_on_amx_names_the_tiles_beside_its_default_linears(make_engine, monkeypatch):
-    """Where oneDNN has AMX tiles (brgemm_vnni), the default linears are still the inner product, which
-    oneDNN runs on them, and the start-up line says so, with the few-row kernel where it is packed."""
+def test_an_engine_on_amx_names_its_default_linears_and_the_tiles(make_engine, monkeypatch):
+    """Where oneDNN has AMX tiles (brgemm_vnni), the default linears are the brgemm kernel, without
+    the few-row kernel, and the start-up line says so; the inner product, asked for, names the tiles
+    oneDNN runs it on."""
     monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
     described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
+    assert "oneDNN brgemm bf16 linears (AMX)" in described and "dot products up to" not in described, described
     if onednn.bf16_native():
+        monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
+        described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
         few_rows = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
         assert ("oneDNN bf16 linears (AMX; AVX512-BF16 dot products up to 64 rows)" if few_rows
                 else "oneDNN bf16 linears (AMX)") in described, described
-    else:
-        assert "bf16 emulated" in described and "AMX" not in described, described
 
 
 @needs_bf16
@@ -397,10 +399,12 @@ def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     assert core.backend.name == "cpu" and core.dtype == torch.bfloat16
     described = core.backend.describe()
     assert "bf16" in described and ("AMX" in described) == onednn.brgemm_vnni()
-    # the default linears: oneDNN's inner product on every CPU whose torch runs it in bf16 (AMX included),
+    # the default linears: brgemm on AMX, else oneDNN's inner product on every CPU whose torch runs it in bf16,
     # a decode step's small calls on the few-row kernel where the CPU has AVX512-BF16 (the test env's default)
-    few_rows = onednn.bf16_native() and "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
-    assert ("oneDNN bf16 linears" in described) == onednn.bf16_native()
+    inner = onednn.bf16_native() and not onednn.brgemm_vnni()
+    few_rows = inner and "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
+    assert ("oneDNN brgemm bf16 linears (AMX)" in described) == onednn.brgemm_vnni()
+    assert ("oneDNN bf16 linears" in described) == inner
     assert ("AVX512-BF16 dot products up to 64 rows" in described) == few_rows
     assert len(core.backend.kv_layers) > 0
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in core.backend.kv_layers)

@@ -134,9 +134,9 @@ def test_emulated_mode_is_the_float32_product_of_rounded_operands():
 
 @needs_lib
 def test_the_default_kernel_fits_the_machine():
-    """The bf16 inner product where torch's oneDNN supports bf16 (AMX included: brgemm only by
-    choice), else emulated; a float32 weight is oneDNN's float32."""
-    want = "inner_product" if onednn.bf16_native() else "emulated"
+    """brgemm on AMX, else the bf16 inner product where torch's oneDNN supports bf16, else emulated;
+    a float32 weight is oneDNN's float32."""
+    want = "brgemm" if onednn.brgemm_vnni() else "inner_product" if onednn.bf16_native() else "emulated"
     assert onednn.default_kernel() == want
     assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None).kernel == want
     assert onednn.OneDnnLinear(torch.randn(8, 4), None, kernel="brgemm").kernel == "float32"
@@ -145,11 +145,16 @@ def test_the_default_kernel_fits_the_machine():
 
 
 @needs_lib
-def test_amx_keeps_the_inner_product_as_the_default(monkeypatch):
-    """On AMX too the default is the inner product (oneDNN runs it on the tiles, and the few-row
-    kernel takes a decode step's calls); brgemm runs only where PREFIX_SERVICE_BF16_LINEAR asks."""
+def test_amx_defaults_to_brgemm_and_the_environment_still_chooses(monkeypatch):
+    """On AMX the default is the brgemm kernel (its tiles beat the inner product and the few-row dot
+    products there); PREFIX_SERVICE_BF16_LINEAR still picks another."""
     monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
+    assert onednn.default_kernel() == "brgemm"
+    monkeypatch.setenv(onednn.KERNEL_ENV, "emulated")
+    assert onednn.default_kernel() == "emulated"
+    monkeypatch.setattr(onednn, "brgemm_vnni", lambda: False)
+    monkeypatch.delenv(onednn.KERNEL_ENV)
     assert onednn.default_kernel() == ("inner_product" if onednn.bf16_native() else "emulated")
 
 
@@ -170,7 +175,7 @@ def test_the_environment_chooses_the_default_kernel(monkeypatch):
 
 
 @needs_lib
-@pytest.mark.parametrize("columns", [16, 64, 256])
+@pytest.mark.parametrize("columns", [16, 48, 64])
 def test_brgemm_blocks_of_any_width_are_the_bf16_arithmetic(columns, monkeypatch):
     """The brgemm kernel's block width (PREFIX_SERVICE_BF16_BRGEMM_COLUMNS) changes how the product
     is cut, not what it is: every width, with N not a multiple of it and fewer columns than one block,
@@ -197,13 +202,16 @@ def test_brgemm_blocks_of_any_width_are_the_bf16_arithmetic(columns, monkeypatch
 
 
 @needs_lib
-@pytest.mark.parametrize("value", ["24", "0", "512", "wide"])
+@pytest.mark.parametrize("value", ["24", "0", "128", "256", "wide"])
 def test_a_brgemm_block_width_that_is_not_whole_tiles_is_refused(value, monkeypatch):
+    """One to four whole AMX tiles: oneDNN packs no wider block for them (a 256-column block failed
+    to pack on AMX), so no machine takes one."""
     monkeypatch.setenv(onednn.COLUMNS_ENV, value)
-    with pytest.raises(onednn.OneDnnError, match=f"PREFIX_SERVICE_BF16_BRGEMM_COLUMNS='{value}': a multiple of 16"):
+    with pytest.raises(onednn.OneDnnError, match=f"PREFIX_SERVICE_BF16_BRGEMM_COLUMNS='{value}': 16, 32, 48 or 64"):
         onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="brgemm")
-    with pytest.raises(onednn.OneDnnError, match="columns=40: a multiple of 16"):  # the width asked for by code
-        onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="brgemm", columns=40)
+    for columns in (40, 80):  # the width asked for by code
+        with pytest.raises(onednn.OneDnnError, match=f"columns={columns}: 16, 32, 48 or 64"):
+            onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="brgemm", columns=columns)
     monkeypatch.delenv(onednn.COLUMNS_ENV)
     assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None, kernel="brgemm", columns=48).columns == 48
     monkeypatch.setenv(onednn.COLUMNS_ENV, value)
@@ -424,7 +432,9 @@ def test_the_c_functions_report_bad_operands():
     assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0, 0) is None
     assert b"kernel 3 is none of" in lib.ps_onednn_last_error()
     assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0) is None  # not whole 16-column tiles
-    assert b"a multiple of 16 from 16 to 256 (or 0: 32), got 40" in lib.ps_onednn_last_error()
+    assert b"must be 16, 32, 48 or 64 (or 0: 32), got 40" in lib.ps_onednn_last_error()
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 128, 0) is None  # wider than AMX's packing takes
+    assert b"got 128" in lib.ps_onednn_last_error()
 
 
 @needs_lib
@@ -508,8 +518,26 @@ def test_the_template_products_run_on_the_cpus_bf16_units():
     want = ("AMX brgemm" if "amx_bf16" in flags else "AVX512-BF16 dot products" if "avx512_bf16" in flags
             else "fallback GEMM")
     assert onednn.template_kernel(64) == want
-    # the dot products take head sizes that are a multiple of 16; others run the fallback GEMM
-    assert onednn.template_kernel(18) == ("fallback GEMM" if want == "AVX512-BF16 dot products" else want)
+    # the dot products take head sizes that are a multiple of 16; others run the fallback GEMM, on AMX too
+    assert onednn.template_kernel(18) == "fallback GEMM"
+    dot = "AVX512-BF16 dot products" if "avx512_bf16" in flags else "fallback GEMM"
+    assert onednn.template_kernel(128) == dot  # AMX's packing takes V's chunks up to 64 columns
+
+
+def test_the_template_kernel_rule_keeps_amx_to_the_head_sizes_its_packing_takes():
+    """oneDNN packs a template chunk's V ([64 keys][head size]) for AMX only with a leading dimension
+    of 16, 32, 48 or 64 (head sizes 18 and 128 failed to pack there): larger multiples of 16 run the
+    dot products, and the rest the fallback GEMM."""
+    rule = onednn.template_kernel_rule
+    for d in (16, 32, 48, 64):
+        assert rule(d, amx=True, dot=True) == rule(d, amx=True, dot=False) == "AMX brgemm"
+        assert rule(d, amx=False, dot=True) == "AVX512-BF16 dot products"
+    for d in (80, 128, 256):
+        assert rule(d, amx=True, dot=True) == rule(d, amx=False, dot=True) == "AVX512-BF16 dot products"
+        assert rule(d, amx=True, dot=False) == "fallback GEMM"
+    for d in (18, 72, 100):
+        assert rule(d, amx=True, dot=True) == rule(d, amx=False, dot=True) == "fallback GEMM"
+    assert rule(128, amx=False, dot=False) == "fallback GEMM"
 
 
 @needs_lib
@@ -531,6 +559,9 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     dot = onednn.template_kernel(64) == "AVX512-BF16 dot products"
     assert onednn.template_attention(64) == ("matrix" if dot else "native")  # the default: by the machine
     assert onednn.template_attention(72) == "native"  # the dot products take multiples of 16
+    monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
+    assert onednn.template_attention(64) == "native"  # on AMX the native kernels by default, whatever multiplies
+    monkeypatch.undo()
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "native")
     assert onednn.template_attention(64) == "native"
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "matrix")

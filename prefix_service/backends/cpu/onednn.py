@@ -17,13 +17,12 @@ torch build and the compiler (with OpenMP, so its own parallel loops run on torc
 A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of three kernels
 (`KERNELS`; `default_kernel()` picks for the machine):
   inner_product  where torch's oneDNN supports bf16 here (`bf16_native()`: AVX-512 BW/VL/DQ or
-                 AVX-NE-CONVERT; AMX included, where oneDNN's inner product runs on its tiles): the
-                 weight is packed in bf16; each call rounds x to bf16, runs the bf16 inner product
+                 AVX-NE-CONVERT) and the CPU has no AMX: the weight is packed in bf16; each call rounds x to bf16, runs the bf16 inner product
                  (float32 sums, bf16 output) and widens the output into y. Where the CPU has
                  AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
                  which takes the calls of up to 64 rows;
-  brgemm         by choice ($PREFIX_SERVICE_BF16_LINEAR=brgemm; to compare on AMX): the weight in
-                 blocks of 32 output columns (`brgemm_columns()`), each packed once; each call rounds
+  brgemm         where the CPU has AMX (`brgemm_vnni()`), elsewhere by choice
+                 ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns (`brgemm_columns()`), each packed once; each call rounds
                  x to bf16 and runs oneDNN's micro-kernel per (block, 32 rows), the kernels generated
                  once per shape, on VNNI-packed blocks where it takes them (`brgemm_vnni()`: AMX),
                  elsewhere through torch's fallback GEMM: correct, not fast;
@@ -70,6 +69,7 @@ SIGNATURES = {
     "ps_onednn_brgemm_vnni": ([], _i32),
     "ps_onednn_threads_used": ([_i64], _i32),
     "ps_onednn_template_pack": ([_ptr, _ptr, _i64, _i64, _i64, _i64], _ptr),
+    "ps_onednn_template_kernel_rule": ([_i64, _i32, _i32], _i32),
     "ps_onednn_template_attend": ([_ptr, _i32, _ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr], _i32),
     "ps_onednn_template_bytes": ([_ptr], _i64),
     "ps_onednn_template_free": ([_ptr], None),
@@ -181,8 +181,9 @@ def few_rows_default() -> bool:
 
 def brgemm_columns() -> int:
     """The brgemm kernel's output columns per packed weight block: $PREFIX_SERVICE_BF16_BRGEMM_COLUMNS
-    where set (a multiple of 16 from 16 to 256: whole AMX tiles; to compare block widths on one
-    machine, as a wider block runs fewer micro-kernel calls per product), else 32."""
+    where set (16, 32, 48 or 64: one to four whole AMX tiles, the widest block oneDNN packs for them;
+    to compare block widths on one machine, as a wider block runs fewer micro-kernel calls per
+    product), else 32."""
     chosen = os.environ.get(COLUMNS_ENV)
     if not chosen:
         return DEFAULT_BRGEMM_COLUMNS
@@ -194,17 +195,18 @@ def brgemm_columns() -> int:
 
 
 def _check_columns(columns: int, what: str) -> int:
-    if columns < 16 or columns > 256 or columns % 16:
-        raise OneDnnError(f"{what}: a multiple of 16 from 16 to 256 is needed")
+    if columns < 16 or columns > 64 or columns % 16:
+        raise OneDnnError(f"{what}: 16, 32, 48 or 64 is needed (whole AMX tiles, at most four)")
     return columns
 
 
 def default_kernel() -> str:
     """The kernel a bfloat16 weight runs by default here: $PREFIX_SERVICE_BF16_LINEAR where set (one
-    of KERNELS: to compare them on one machine), else oneDNN's bf16 inner product where torch
-    supports it, AMX included (there, on one core, the inner product ran 1.1-1.4x the brgemm
-    kernel's rate from 16 rows, oneDNN's operator alone 1.5-2x, and the few-row kernel takes the
-    one-row calls brgemm led; docs/benchmarks.md, "Runs 5-7"), else emulated."""
+    of KERNELS: to compare them on one machine), else brgemm where the CPU has AMX (a decode step of
+    1, 16 and 64 sequences on 2 and 16 threads ran 0.97-2.3x as fast on it as on the inner product,
+    with or without the few-row kernel, whose dot products lose to the tiles from 8 rows there;
+    docs/benchmarks.md, "Run 8"), else oneDNN's bf16 inner product where torch supports it, else
+    emulated."""
     chosen = os.environ.get(KERNEL_ENV)
     if chosen:
         if chosen not in KERNELS:
@@ -212,6 +214,8 @@ def default_kernel() -> str:
         if chosen == "inner_product" and not bf16_native():
             raise OneDnnError(f"{KERNEL_ENV}=inner_product: torch's oneDNN refuses bf16 inner products on this CPU")
         return chosen
+    if brgemm_vnni():
+        return "brgemm"
     return "inner_product" if bf16_native() else "emulated"
 
 
@@ -373,10 +377,19 @@ def template_kernel(head_size: int) -> str:
     head_size (a value of TEMPLATE_KERNELS; the library decides, as it does when it packs a
     template): oneDNN's brgemm micro-kernel on AMX tiles; elsewhere, where the CPU has AVX512-BF16
     (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product instructions,
-    for head sizes that are a multiple of 16; else torch's fallback GEMM. "fallback GEMM" as well
-    without the library."""
+    for head sizes that are a multiple of 16 (on AMX too, for the sizes its brgemm packing refuses:
+    over 64); else torch's fallback GEMM. "fallback GEMM" as well without the library."""
     lib = load()[0]
     return TEMPLATE_KERNELS[0] if lib is None else TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(head_size))]
+
+
+def template_kernel_rule(head_size: int, amx: bool, dot: bool) -> str:
+    """template_kernel()'s rule for a CPU with or without AMX's VNNI brgemm and the library's
+    AVX512-BF16 dot products, as the library applies it (to check it where the CPU has neither)."""
+    lib = load()[0]
+    if lib is None:
+        raise OneDnnError("no oneDNN library here")
+    return TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel_rule(head_size, int(amx), int(dot)))]
 
 
 def template_attention(head_size: int) -> str:
@@ -385,13 +398,14 @@ def template_attention(head_size: int) -> str:
     bf16 with float32 sums, OneDnnTemplate, on template_kernel(): AMX tiles, AVX512-BF16 dot products
     or the fallback GEMM). The environment variable PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses
     ("brgemm", its older name, means "matrix"); by default "matrix" where its products are the
-    AVX512-BF16 dot products, which take 10-25% off the attention of a prefill or a batched decode
-    on a template there (docs/benchmarks.md), and "native" elsewhere: the fallback GEMM is 2-3x
-    slower than the native kernels, and on AMX the brgemm products are still to be timed against
-    them."""
+    AVX512-BF16 dot products on a CPU without AMX, which take 10-25% off the attention of a prefill
+    or a batched decode on a template there (docs/benchmarks.md), and "native" elsewhere: the
+    fallback GEMM is 2-3x slower than the native kernels, and on AMX the brgemm products made the
+    first token of a 100-token prompt on a template 3x slower at 16 threads (docs/benchmarks.md,
+    "Run 8")."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
     if not chosen:
-        return "matrix" if template_kernel(head_size) == TEMPLATE_KERNELS[1] else "native"
+        return "matrix" if template_kernel(head_size) == TEMPLATE_KERNELS[1] and not brgemm_vnni() else "native"
     chosen = TEMPLATE_ATTENTION_ALIASES.get(chosen, chosen)
     if chosen not in TEMPLATE_ATTENTIONS:
         raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")

@@ -143,13 +143,17 @@ void scores_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, int, float*
 void values_dot(const c10::BFloat16*, const c10::BFloat16*, int64_t, int, float*) {}
 #endif
 
-// The kernel a template of head size d multiplies with here: 2 oneDNN's brgemm micro-kernel (AMX,
-// VNNI-packed chunks), 1 this file's AVX512-BF16 dot products (head sizes a multiple of 16), 0
-// torch's fallback GEMM.
-int kernel_for(int64_t d) {
-  if (at::native::cpublas::could_pack(at::kBFloat16)) return 2;
-  return kDotBf16 && d % 16 == 0 ? 1 : 0;
+// The kernel a template of head size d multiplies with on a CPU where oneDNN's brgemm takes
+// VNNI-packed bf16 (amx) and this file's dot products are built (dot): 2 oneDNN's brgemm
+// micro-kernel (AMX, VNNI-packed chunks) for head sizes of 16, 32, 48 or 64 (oneDNN packs V's
+// chunks, [kTK][d], only with a leading dimension of one to four whole tiles), 1 the AVX512-BF16
+// dot products (head sizes a multiple of 16), 0 torch's fallback GEMM.
+int kernel_rule(int64_t d, bool amx, bool dot) {
+  if (amx && d % 16 == 0 && d <= 64) return 2;
+  return dot && d % 16 == 0 ? 1 : 0;
 }
+
+int kernel_for(int64_t d) { return kernel_rule(d, at::native::cpublas::could_pack(at::kBFloat16), kDotBf16); }
 
 // Per-thread scratch, grown and never shrunk: the rows' queries in bf16, a chunk's scores and
 // probabilities, the rows' outputs.
@@ -389,6 +393,9 @@ extern "C" int ps_onednn_template_kernel(int64_t d) {
     return 0;
   }
 }
+
+// The same rule for a CPU with or without AMX's VNNI brgemm (amx) and the dot products (dot).
+extern "C" int ps_onednn_template_kernel_rule(int64_t d, int amx, int dot) { return kernel_rule(d, amx != 0, dot != 0); }
 
 // How many calls of ps_onednn_template_attend have succeeded in this process.
 extern "C" int64_t ps_onednn_template_calls() { return attend_calls.load(std::memory_order_relaxed); }

@@ -435,7 +435,7 @@ extern "C" int ps_onednn_threads_used(int64_t items) {
 
 // weight: [n][k] row-major, float32 (weight_bf16 = 0) or bfloat16 bits (weight_bf16 = 1), copied;
 // bias: n float32 values or null; kernel, for a bf16 weight (see the top): 0 native inner product,
-// 1 emulated, 2 brgemm; columns: brgemm's output columns per block (a multiple of 16 from 16 to 256;
+// 1 emulated, 2 brgemm; columns: brgemm's output columns per block (16, 32, 48 or 64: what oneDNN packs for AMX;
 // 0: 32), ignored by the others; few_rows: nonzero to pack a native weight for the few-row kernel
 // as well where the CPU has AVX512-BF16 (ps_onednn_few_rows says whether it was). A handle for
 // ps_onednn_linear and ps_onednn_free, or nullptr (ps_onednn_last_error() says why).
@@ -450,8 +450,8 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     last_error = "ps_onednn_pack: kernel " + std::to_string(kernel) + " is none of 0 (native), 1 (emulated), 2 (brgemm)";
     return nullptr;
   }
-  if (columns != 0 && (columns < 16 || columns > 256 || columns % 16 != 0)) {
-    last_error = "ps_onednn_pack: brgemm's columns per block must be a multiple of 16 from 16 to 256 (or 0: 32), got " +
+  if (columns != 0 && (columns < 16 || columns > 64 || columns % 16 != 0)) {
+    last_error = "ps_onednn_pack: brgemm's columns per block must be 16, 32, 48 or 64 (or 0: 32), got " +
                  std::to_string(columns);
     return nullptr;
   }
