@@ -11,6 +11,7 @@ pytest.importorskip("ray")
 from prefix_service.fleet import launcher  # noqa: E402
 
 TIMEOUT = "The current node timed out during startup. This could happen because some of the raylet failed"
+PORT_TIMEOUT = "Timed out waiting for file /tmp/ray/session_1/gcs_server_port_ab29"  # the GCS's port, 30 s too
 
 
 class FakeRay:
@@ -47,6 +48,9 @@ def test_a_local_start_that_times_out_is_started_again(fake_ray, caplog):
     assert len(fake.inits) == 3 and fake.shutdowns == 2
     assert all(kw["address"] is None and kw["include_dashboard"] is False for kw in fake.inits)
     assert sum("did not start in time" in r.getMessage() for r in caplog.records) == 2
+    fake = fake_ray([RuntimeError(PORT_TIMEOUT), Exception(TIMEOUT)])  # the GCS's window, then the node's
+    assert launcher.init_ray(None) is False
+    assert len(fake.inits) == 3 and fake.shutdowns == 2
     fake = fake_ray([Exception(TIMEOUT)])
     launcher.init_ray(None, num_cpus=4, log_to_driver=False)  # the caller's options on every try
     assert [(kw["num_cpus"], kw["log_to_driver"]) for kw in fake.inits] == [(4, False), (4, False)]

@@ -128,9 +128,11 @@ def restore_signal_handlers() -> None:
             signal.signal(sig, handler)
 
 
-# Ray gives a local node a fixed 30 s to register with its GCS and raises a bare Exception with this
-# text when it misses them (a loaded machine, a slow disk): a local start is tried this many times.
-RAY_START_TIMEOUT_TEXT = "timed out during startup"
+# Ray gives a local start fixed windows of 30 s, and raises with one of these texts when it misses one
+# (a loaded machine, a slow disk): its GCS server writing its port (a RuntimeError from
+# wait_for_persisted_port), then the node registering with the GCS (a bare Exception). A local start
+# is tried this many times.
+RAY_START_TIMEOUT_TEXTS = ("Timed out waiting for file", "timed out during startup")
 RAY_LOCAL_START_ATTEMPTS = 3
 
 
@@ -148,8 +150,8 @@ def init_ray(address: str | None, **options: Any) -> bool:
         try:
             ray.init(address=address, **kwargs)
             return not local
-        except Exception as e:  # Ray's start-up timeout is a bare Exception
-            if not local or RAY_START_TIMEOUT_TEXT not in str(e) or attempt == RAY_LOCAL_START_ATTEMPTS:
+        except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
+            if not local or not any(t in str(e) for t in RAY_START_TIMEOUT_TEXTS) or attempt == RAY_LOCAL_START_ATTEMPTS:
                 raise
             log.warning("the local Ray cluster did not start in time (try %d of %d: %s); starting it again",
                         attempt, RAY_LOCAL_START_ATTEMPTS, e)
