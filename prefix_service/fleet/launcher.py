@@ -151,7 +151,8 @@ def init_ray(address: str | None, **options: Any) -> bool:
             ray.init(address=address, **kwargs)
             return not local
         except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
-            if not local or not any(t in str(e) for t in RAY_START_TIMEOUT_TEXTS) or attempt == RAY_LOCAL_START_ATTEMPTS:
+            timed_out = any(t in str(e) for t in RAY_START_TIMEOUT_TEXTS)
+            if not local or not timed_out or attempt == RAY_LOCAL_START_ATTEMPTS:
                 raise
             log.warning("the local Ray cluster did not start in time (try %d of %d: %s); starting it again",
                         attempt, RAY_LOCAL_START_ATTEMPTS, e)

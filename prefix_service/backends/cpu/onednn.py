@@ -17,14 +17,16 @@ torch build and the compiler (with OpenMP, so its own parallel loops run on torc
 A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of three kernels
 (`KERNELS`; `default_kernel()` picks for the machine):
   inner_product  where torch's oneDNN supports bf16 here (`bf16_native()`: AVX-512 BW/VL/DQ or
-                 AVX-NE-CONVERT) and the CPU has no AMX: the weight is packed in bf16; each call rounds x to bf16, runs the bf16 inner product
-                 (float32 sums, bf16 output) and widens the output into y. Where the CPU has
+                 AVX-NE-CONVERT) and the CPU has no AMX: the weight is packed in bf16; each call
+                 rounds x to bf16, runs the bf16 inner product (float32 sums, bf16 output) and
+                 widens the output into y. Where the CPU has
                  AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
                  which takes the calls of up to 64 rows;
   brgemm         where the CPU has AMX (`brgemm_vnni()`), elsewhere by choice
-                 ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns (`brgemm_columns()`), each packed once; each call rounds
-                 x to bf16 and runs oneDNN's micro-kernel per (block, 32 rows), the kernels generated
-                 once per shape, on VNNI-packed blocks where it takes them (`brgemm_vnni()`: AMX),
+                 ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns
+                 (`brgemm_columns()`), each packed once; each call rounds x to bf16 and runs
+                 oneDNN's micro-kernel per (block, 32 rows), the kernels generated once per
+                 shape, on VNNI-packed blocks where it takes them (`brgemm_vnni()`: AMX),
                  elsewhere through torch's fallback GEMM: correct, not fast;
   emulated       elsewhere (AVX2 machines): the weight is widened exactly to float32 and packed as a
                  float32 weight; each call rounds x through bf16, runs the float32 inner product and
