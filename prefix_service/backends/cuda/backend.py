@@ -79,10 +79,12 @@ class CudaBackend(Backend):
                                     (self.arch.num_heads, self.arch.num_kv_heads))
         ids = host.token_ids.to(device, non_blocking=True)
         positions = host.positions.to(device, non_blocking=True)
+        # copied before the forward is queued: a copy from pageable memory waits for the stream's work
+        logit_rows = host.logit_rows.to(device, non_blocking=True) if host.logit_rows.numel() else None
         hidden = self.model(ids, positions, VarlenAttention(self.kv_layers, meta, self.prefill, self.decode))
-        if not host.logit_rows.numel():
+        if logit_rows is None:
             return None
-        return self.model.compute_logits(hidden[host.logit_rows.to(device, non_blocking=True)])
+        return self.model.compute_logits(hidden[logit_rows])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         cuda_ops.copy_blocks(self.kv_cache.k, self.kv_cache.v, torch.tensor(pairs, dtype=torch.int64))
