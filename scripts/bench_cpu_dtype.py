@@ -6,7 +6,10 @@ together (Engine.generate). Every timed request sends a segment never sent befor
 `--vllm-dtypes bfloat16,float32` adds vLLM engine to engine (its offline `LLM.generate`, automatic
 prefix caching on, the same token ids, sequences and tokens per step; its environment from `make
 bench-peers`, started as its CPU docs ask): one untimed request caches the template's blocks, its
-TTFT is the wall time of a one-token request (ours: the engine's own TTFT), tok/s as ours.
+TTFT is the wall time of a one-token request (ours: the engine's own TTFT), tok/s as ours. A second
+table (and the JSON's `against_vllm`) sets each of our systems against each vLLM one: how many times
+sooner our first token comes and our tok/s over vLLM's, and whether the targets hold (1.5x sooner,
+1.3x the tok/s at 16 and 64 requests).
 
 Each (system, round) runs in a fresh child process, the systems in turns, so a noisy machine
 spreads over all of them; the table gives medians over rounds. A system is a dtype, optionally of
@@ -35,6 +38,34 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+# issue targets for the cpu backend against vLLM on the same machine: its first token at least this
+# many times sooner, and at least this multiple of vLLM's tok/s at these request counts
+TTFT_TARGET = 1.5
+TOK_S_TARGET = 1.3
+TOK_S_TARGET_AT = (16, 64)
+
+
+def against_vllm(table: dict[str, dict], concurrency: list[int]) -> list[dict]:
+    """Each of our systems against each vLLM system ("vllm-..." in table, the medians): how many times
+    sooner our first token comes (theirs / ours), our tok/s over theirs at each request count, and
+    whether the targets hold (None where a measure or target count is missing)."""
+    ours = [n for n in table if not n.startswith("vllm-")]
+    rows = []
+    for peer in (n for n in table if n.startswith("vllm-")):
+        for name in ours:
+            a, b = table[name], table[peer]
+            ttft = b["ttft_ms"] / a["ttft_ms"] if a.get("ttft_ms") and b.get("ttft_ms") else None
+            tok = {c: a[f"tok_s_{c}"] / b[f"tok_s_{c}"] if a.get(f"tok_s_{c}") and b.get(f"tok_s_{c}") else None
+                   for c in concurrency}
+            checked = [tok[c] for c in TOK_S_TARGET_AT if c in tok]
+            tok_met = (None if not checked or None in checked
+                       else all(r >= TOK_S_TARGET for r in checked if r is not None))
+            rows.append({"ours": name, "vllm": peer, "ttft_x_sooner": ttft, "tok_s_ratio": tok,
+                         "ttft_target_met": None if ttft is None else ttft >= TTFT_TARGET,
+                         "tok_s_target_met": tok_met})
+    return rows
 
 
 def child(args: argparse.Namespace) -> None:
@@ -256,6 +287,22 @@ def main() -> None:
     print("| --- | " + " | ".join("---" for _ in keys) + " |")
     for name, row in table.items():
         print(f"| {name} | " + " | ".join("-" if row[k] is None else f"{row[k]:.1f}" for k in keys) + " |")
+    versus = against_vllm(table, args.concurrency)
+    if versus:
+        def cell(r: float | None) -> str:
+            return "-" if r is None else f"{r:.2f}x"
+
+        def met(ok: bool | None) -> str:
+            return "-" if ok is None else "yes" if ok else "NO"
+        print(f"\nagainst vLLM (targets: first token >= {TTFT_TARGET}x sooner; tok/s >= {TOK_S_TARGET}x at "
+              f"{' and '.join(map(str, TOK_S_TARGET_AT))} requests)")
+        print("| ours | vLLM | TTFT, x sooner | " + " | ".join(f"tok/s x, {c}" for c in args.concurrency)
+              + " | TTFT target | tok/s target |")
+        print("| --- | --- | --- | " + " | ".join("---" for _ in args.concurrency) + " | --- | --- |")
+        for v in versus:
+            print(f"| {v['ours']} | {v['vllm']} | {cell(v['ttft_x_sooner'])} | "
+                  + " | ".join(cell(v["tok_s_ratio"][c]) for c in args.concurrency)
+                  + f" | {met(v['ttft_target_met'])} | {met(v['tok_s_target_met'])} |")
     if args.plot:
         title = f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds"
         if plot(Path(args.plot), table, args.concurrency, title):
@@ -267,7 +314,8 @@ def main() -> None:
         described = {name: {"dtype": dtype, "checkout": repo, "environment": variables}
                      for name, repo, dtype, variables in systems}
         Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "systems": described,
-                                               "medians": table, "runs": runs, "date": time.strftime("%Y-%m-%d")},
+                                               "medians": table, "against_vllm": versus, "runs": runs,
+                                               "date": time.strftime("%Y-%m-%d")},
                                               indent=2))
 
 

@@ -61,3 +61,33 @@ def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_pat
 def test_a_malformed_system_is_refused(spec, problem):
     proc = run("--dtypes", "float32", "--system", spec, timeout=120)
     assert proc.returncode != 0 and problem in proc.stderr
+
+
+def load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_cpu_dtype", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_our_systems_are_set_against_each_vllm_one_with_the_targets():
+    script = load_script()
+    table = {
+        "bfloat16": {"ttft_ms": 100.0, "tok_s_1": 80.0, "tok_s_16": 200.0, "tok_s_64": 260.0},
+        "float32": {"ttft_ms": 160.0, "tok_s_1": 50.0, "tok_s_16": 140.0, "tok_s_64": 150.0},
+        "vllm-bfloat16": {"ttft_ms": 160.0, "tok_s_1": 40.0, "tok_s_16": 140.0, "tok_s_64": 200.0},
+        "vllm-float32": {"ttft_ms": 200.0, "tok_s_1": None, "tok_s_16": 100.0, "tok_s_64": 120.0},
+    }
+    rows = {(r["ours"], r["vllm"]): r for r in script.against_vllm(table, [1, 16, 64])}
+    assert set(rows) == {(o, v) for o in ("bfloat16", "float32") for v in ("vllm-bfloat16", "vllm-float32")}
+    bf = rows["bfloat16", "vllm-bfloat16"]
+    assert bf["ttft_x_sooner"] == pytest.approx(1.6) and bf["ttft_target_met"] is True
+    assert bf["tok_s_ratio"] == {1: pytest.approx(2.0), 16: pytest.approx(200 / 140), 64: pytest.approx(1.3)}
+    assert bf["tok_s_target_met"] is True  # 1.43x and 1.3x: both at least 1.3x
+    f32 = rows["float32", "vllm-bfloat16"]
+    assert f32["ttft_x_sooner"] == pytest.approx(1.0) and f32["ttft_target_met"] is False
+    assert f32["tok_s_target_met"] is False  # 1.0x at 16
+    assert rows["bfloat16", "vllm-float32"]["tok_s_ratio"][1] is None  # a measure vLLM lacks
+    assert script.against_vllm(table, [1, 4])[0]["tok_s_target_met"] is None  # no 16 or 64 measured
+    assert script.against_vllm({"bfloat16": table["bfloat16"]}, [1]) == []  # no vLLM: nothing to compare
