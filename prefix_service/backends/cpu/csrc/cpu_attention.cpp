@@ -279,7 +279,7 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 // scratch: null (the call allocates what it needs), or ps_prefill_scratch_floats(hkv, d_len,
 // l_len + kn_len) floats, 64-byte aligned, that the call may overwrite. template_fn (not 0) with
 // t_handle (not null, the same template packed for it): segment A runs there instead (a
-// PsTemplateAttendFn), per KV head and block of 30 query rows, before the tiles carry on from each
+// PsTemplateAttendFn), per KV head and block of query rows, before the tiles carry on from each
 // row's state over segment B; 6 when it fails. Its rows and states live in buffers each thread keeps
 // from call to call (GrownBuffer), not in scratch.
 extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
@@ -395,8 +395,13 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
   };
   const int r_panels = (r_len + KP - 1) / KP;
   // segment A as matrix products: each row's softmax state after the template, made first per
-  // (KV head, block of up to kAB rows) so each product call serves many rows; [hkv][rows][D + 2]
-  constexpr int kAB = 5 * MR;
+  // (KV head, block of ab rows) so each product call serves many rows; [hkv][rows][D + 2]. A call
+  // has a fixed cost and pads its rows to whole blocks of 4, so the blocks are as large as leaves
+  // each thread two or more, in multiples of 4, and at least kABMin rows
+  constexpr int kABMin = 24;
+  const int per_head = (2 * omp_get_max_threads() + hkv - 1) / hkv;  // blocks a KV head's rows are cut into
+  int ab = ((rows + per_head - 1) / per_head + 3) / 4 * 4;
+  if (ab < kABMin) ab = kABMin;
   const bool matrix = r_len > 0 && template_fn != 0 && t_handle != nullptr;
   const int64_t state_floats = d_len + 2;
   float* state = matrix ? template_states.at_least(hkv * (int64_t)rows * state_floats) : nullptr;
@@ -404,13 +409,13 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
     std::free(owned);
     return 3;
   }
-  const int a_blocks = (rows + kAB - 1) / kAB;
+  const int a_blocks = (rows + ab - 1) / ab;
   int status = 0;
 #pragma omp parallel
   {
     if (slots != nullptr) store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, kc, vc, slot_floats);
     if (matrix) {
-      float* buf = template_row_buf.at_least(kAB * (2 * (int64_t)d_len + 2));
+      float* buf = template_row_buf.at_least(ab * (2 * (int64_t)d_len + 2));
       if (buf == nullptr) {
 #pragma omp atomic write
         status = 3;
@@ -418,8 +423,8 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
 #pragma omp for schedule(static, 1)
       for (int64_t task = 0; task < (int64_t)hkv * a_blocks; ++task) {
         if (buf == nullptr) continue;
-        const int h = (int)(task / a_blocks), r0 = (int)(task % a_blocks) * kAB;
-        const int nr = rows - r0 < kAB ? rows - r0 : kAB;
+        const int h = (int)(task / a_blocks), r0 = (int)(task % a_blocks) * ab;
+        const int nr = rows - r0 < ab ? rows - r0 : ab;
         const auto query = [&](int i) { return q + ((r0 + i) / g) * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len; };
         const auto dst = [&](int i) { return state + ((int64_t)h * rows + r0 + i) * state_floats; };
         if (template_rows(template_fn, t_handle, h, nr, d_len, scale, buf, query, dst) != 0) {
