@@ -3,7 +3,8 @@ template (`onednn.OneDnnTemplate.attend`, the call the native decode and prefill
 task through `template_fn`), the template kept in cache, on the calling thread.
 
 A decode step's task holds the query heads of up to 8 tiles of sequences on one KV head (SmolLM2:
-3 query heads a KV head, so 3 rows for one sequence, 24 for 8), a prefill's task 30 rows; each call
+3 query heads a KV head, so 3 rows for one sequence, 24 for 8), a prefill's task as many rows as
+leave each thread two tasks (a 100-token prefill: 152 rows on 2 threads, 28 on 16); each call
 walks every key of the template. What this times is the products' own loops and the online softmax
 between them, without the rest of a step: a change to csrc/onednn_attention.cpp shows here at its
 size, where a whole decode step's spread on a shared machine would hide it. The table names the
