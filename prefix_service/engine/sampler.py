@@ -5,9 +5,10 @@
          before anything below: what `logprobs` reports, whatever the sampling)
       -> per row that asks: logit_bias, repetition / presence / frequency penalties, min_tokens'
          mask of its stop tokens (SamplingParams.adjusts_logits)
-      -> greedy: one argmax over the batch; temperature / top-k / top-p: per row, with the
+      -> greedy: one argmax over the batch; temperature / top-k / top-p: the sampled rows together
+         (scaled, cut to their top-k and top-p, inverse-CDF draws), each from one uniform of the
          request's own generator, so a seeded request draws the same tokens whatever else is in
-         the batch
+         the batch, and the host waits for the device once a step, not once a row
 
 Rows that ask for nothing pay nothing: the logits are copied only when some row adjusts them.
 """
@@ -18,6 +19,7 @@ from typing import Iterable
 import torch
 
 from prefix_service.engine.sequence import Sequence, TokenLogprob
+from prefix_service.sampling_params import SamplingParams
 from prefix_service.engine.structured import mask_rows
 
 
@@ -36,10 +38,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
             _adjust_row(logits[i], seqs[i], eos)
         if constrained:  # every constrained row of the batch in one mask
             mask_rows(logits, constrained, [seqs[i].matcher for i in constrained])
-    tokens = logits.argmax(dim=-1).tolist()
-    for i, seq in enumerate(seqs):
-        if not seq.sampling.greedy:
-            tokens[i] = _sample_row(logits[i], seq)
+    drawn = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
+    if not drawn:
+        tokens = logits.argmax(dim=-1).tolist()
+    elif len(drawn) == len(seqs):
+        tokens = [0] * len(seqs)
+    else:  # the greedy rows' own argmax
+        tokens = [0] * len(seqs)
+        greedy = [i for i, seq in enumerate(seqs) if seq.sampling.greedy]
+        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            tokens[i] = token
+    if drawn:
+        for i, token in zip(drawn, draw(logits, drawn, seqs)):
+            tokens[i] = token
     out: list[TokenLogprob | None] = [None] * len(seqs)
     for j, i in enumerate(want):
         assert model_logprobs is not None
@@ -73,18 +84,94 @@ def _adjust_row(logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> No
             logits[ids(sorted(stops))] = float("-inf")
 
 
-def _sample_row(logits: torch.Tensor, seq: Sequence) -> int:
-    # logits: [vocab]
-    p = seq.sampling
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # mass before this token already reaches top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=seq.generator).item())
+# a top-p row (without top-k) is cut among its this many most likely tokens, the next count where
+# they hold less than its top_p of the probability, then its whole vocabulary
+TOP_P_CANDIDATES = (64, 1024)
+
+
+def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[int]:
+    """A token for each of logits' `rows` (seqs[i] row i's sequence, not greedy): the logits over
+    its temperature; where it has a top_k, only its k most likely tokens (ties at the k-th broken
+    by index); where it has a top_p, only the most likely tokens until the probability before one
+    reaches top_p (after top_k); then one uniform from the sequence's generator picks a token by
+    the inverse of the kept probabilities' cumulative sum (in float64)."""
+    device, vocab = logits.device, logits.shape[-1]
+    params = [seqs[i].sampling for i in rows]
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+    scaled = (logits.float() if len(rows) == logits.shape[0] else logits[rows].float()) / temperature  # a new tensor
+    uniform = torch.cat([torch.rand(1, generator=seqs[i].generator, device=device) for i in rows]).double()
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
+    whole = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
+    cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if len(whole) == len(rows):
+        tokens = _inverse_cdf(scaled.softmax(-1), uniform)
+    elif whole:
+        tokens[whole] = _inverse_cdf(scaled[whole].softmax(-1), uniform[whole])
+    if len(cut) == len(rows):
+        tokens = _draw_cut(scaled, params, uniform)
+    elif cut:
+        tokens[cut] = _draw_cut(scaled[cut], [params[j] for j in cut], uniform[cut])
+    return tokens.tolist()
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of probs [R, C] (not normalised; some positive, none negative), the first index whose
+    cumulative sum passes uniform (in [0, 1)) times the row's total: index j with probability
+    probs[j] / total. The sums go over blocks of up to 256 first (float32 within a block, float64
+    across), then within the one block picked (float64), so a row costs about one pass over it; a
+    pick of a token of probability 0 (a sum's rounding at a block's end, about 1e-7 of draws) falls
+    back to the row's most likely token."""
+    rows, width = probs.shape
+    block = next((b for b in (256, 128, 64, 32, 16) if width % b == 0), width)
+    sums = probs.view(rows, width // block, block).sum(-1).double()  # [R, blocks]
+    ends = sums.cumsum(-1)
+    target = (uniform * ends[:, -1]).unsqueeze(1)
+    picked = torch.searchsorted(ends, target, right=True).clamp_(max=width // block - 1)  # [R, 1]
+    rest = target - (ends.gather(1, picked) - sums.gather(1, picked))  # how far into the block
+    start = picked * block
+    within = probs.gather(1, start + torch.arange(block, device=probs.device)).double().cumsum(-1)
+    index = (start + torch.searchsorted(within, rest, right=True).clamp_(max=block - 1)).squeeze(1)
+    zero = probs.gather(1, index.unsqueeze(1)).squeeze(1) <= 0
+    if bool(zero.any()):
+        index = torch.where(zero, probs.argmax(-1), index)
+    return index
+
+
+def _draw_cut(scaled: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+    """draw() for rows [R, vocab] with a top_k or a top_p: among their most likely tokens, sorted."""
+    device, vocab = scaled.device, scaled.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+    no_k = torch.tensor([k == 0 for k in ks], device=device)
+    # the candidates: the largest top_k, at least TOP_P_CANDIDATES[0]; rows with only a top_p whose
+    # nucleus is wider than that go on to the next width, the last the whole vocabulary, sorted
+    width = min(vocab, max(max(ks), TOP_P_CANDIDATES[0]))
+    probs, index = _nucleus(scaled, width, ks, no_k, top_p)
+    picked = index.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
+    rows = torch.arange(len(params), device=device)
+    for wider in [w for w in TOP_P_CANDIDATES[1:] if w > width] + [vocab]:
+        short = no_k[rows] & (probs.sum(-1) < top_p[rows])  # a nucleus past the candidates
+        if width >= vocab or not bool(short.any()):
+            break
+        rows, width = rows[short], min(wider, vocab)
+        probs, index = _nucleus(scaled[rows], width, [0] * len(rows), no_k[rows], top_p[rows])
+        picked[rows] = index.gather(1, _inverse_cdf(probs, uniform[rows]).unsqueeze(1)).squeeze(1)
+    return picked
+
+
+def _nucleus(scaled: torch.Tensor, width: int, ks: list[int], no_k: torch.Tensor, top_p: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `width` most likely tokens of each row [R, vocab], sorted (their ids [R, width]), and
+    their probabilities, 0 past the row's k (ks[r], 0: none) and past its nucleus: the probability
+    before a token reaching top_p[r]. A row with a top_k has its probabilities over its k tokens; one
+    without, over its whole vocabulary, so that they sum to less than top_p where the nucleus is
+    wider than `width`."""
+    values, index = scaled.topk(width, dim=-1)  # sorted, largest first
+    limit = torch.tensor([k or width for k in ks], device=scaled.device).unsqueeze(1)
+    values = values.masked_fill(torch.arange(width, device=scaled.device) >= limit, float("-inf"))
+    total = values.logsumexp(-1)  # log of each row's normaliser
+    if 0 in ks:
+        total = torch.where(no_k, scaled.logsumexp(-1), total)
+    probs = (values - total.unsqueeze(1)).exp()
+    before = probs.cumsum(-1) - probs
+    return probs.masked_fill(before >= top_p.unsqueeze(1), 0.0), index

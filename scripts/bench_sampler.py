@@ -1,0 +1,137 @@
+"""The sampler's cost per step: `engine.sampler.sample` on N rows of next-token logits, per sampling
+option (greedy, temperature, top-p, top-k), milliseconds a call. A step samples every row at once
+after the model's forward, so on a CPU this time is added to each decode step of N sequences.
+
+The logits are the default model's own (SmolLM2-135M-Instruct through transformers, float32, the
+last position of a few short prompts, a few tokens into their greedy continuation, cycled to N
+rows), whose nuclei are what top-p meets in use; `--logits random` draws Gaussian ones instead.
+`--baseline PATH` times another checkout's sampler as well (the same logits, in a child process
+per checkout and round, the checkouts in turns). Prints a table; `--json` writes it with the
+machine.
+
+    python scripts/bench_sampler.py --rows 1,16,64 --json bench_out/sampler.json
+    python scripts/bench_sampler.py --baseline /tmp/before
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name: SamplingParams keywords
+OPTIONS = {
+    "greedy": {},
+    "t1.0": {"temperature": 1.0},
+    "t0.7 top_p0.9": {"temperature": 0.7, "top_p": 0.9},
+    "t1.0 top_p0.95": {"temperature": 1.0, "top_p": 0.95},
+    "t0.7 top_k50": {"temperature": 0.7, "top_k": 50},
+}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there", "I want to cancel my order",
+           "The weather today is", "In 1492, Columbus", "My favourite food is", "The best way to learn Python is"]
+
+
+def make_logits(kind: str, rows: int, path: Path) -> None:
+    import torch
+    if kind == "random":
+        torch.manual_seed(0)
+        torch.save(torch.randn(rows, 49152) * 3, path)
+        return
+    sys.path.insert(0, str(REPO))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prefix_service.prepare_model import prepare_default_model
+    model_dir = prepare_default_model(progress=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for i in range(min(rows, 40)):
+            x = tok(PROMPTS[i % len(PROMPTS)], return_tensors="pt").input_ids
+            for _ in range(i // len(PROMPTS)):  # a few tokens into the continuation, for variety
+                x = torch.cat([x, model(x).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            out.append(model(x).logits[0, -1])
+    logits = torch.stack(out)
+    torch.save(logits.repeat((rows + len(out) - 1) // len(out), 1)[:rows].contiguous(), path)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One checkout: ms a call per (option, rows), printed as one JSON line."""
+    import torch
+    sys.path.insert(0, str(Path(args.repo).resolve()))
+    from prefix_service.engine import sampler
+    from prefix_service.sampling_params import SamplingParams
+    logits = torch.load(args.logits_file)
+    result = {}
+    for name, kw in OPTIONS.items():
+        for n in args.rows:
+            params = SamplingParams(max_tokens=1, **kw)
+            seqs = [SimpleNamespace(sampling=params, matcher=None, generator=torch.Generator().manual_seed(i))
+                    for i in range(n)]
+            rows = logits[:n]
+            sampler.sample(rows, seqs)
+            times = []
+            for _ in range(args.calls):
+                t = time.perf_counter()
+                sampler.sample(rows, seqs)
+                times.append((time.perf_counter() - t) * 1e3)
+            result[f"{name}|{n}"] = statistics.median(times)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,16,64", help="rows a step samples, comma-separated")
+    ap.add_argument("--logits", choices=["model", "random"], default="model")
+    ap.add_argument("--calls", type=int, default=10, help="timed calls per (option, rows)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline", help="another checkout of this repository: its sampler as the system 'base'")
+    ap.add_argument("--json")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--repo", default=str(REPO), help=argparse.SUPPRESS)
+    ap.add_argument("--logits-file", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.rows = [int(r) for r in str(args.rows).split(",")]
+    if args.child:
+        child(args)
+        return
+    logits_file = Path(tempfile.mkdtemp()) / "logits.pt"
+    make_logits(args.logits, max(args.rows), logits_file)
+    systems = ([("base", args.baseline)] if args.baseline else []) + [("ours", str(REPO))]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
+    for _ in range(args.rounds):
+        for name, repo in systems:
+            cmd = [sys.executable, __file__, "--child", "--repo", repo, "--logits-file", str(logits_file),
+                   "--rows", ",".join(map(str, args.rows)), "--calls", str(args.calls)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": repo})
+            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if proc.returncode != 0 or line is None:
+                sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
+            runs[name].append(json.loads(line[len("RESULT "):]))
+    sys.path.insert(0, str(REPO))
+    from prefix_service.bench.main import machine_info
+    info = machine_info()
+    table = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, {args.logits} logits, "
+          f"ms a call, medians of {args.rounds} rounds")
+    print("| option | rows | " + " | ".join(name for name, _ in systems) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in systems) + " |")
+    for key in table["ours"]:
+        option, n = key.split("|")
+        print(f"| {option} | {n} | " + " | ".join(f"{table[name][key]:.2f}" for name, _ in systems) + " |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "medians": table, "runs": runs,
+                                               "date": time.strftime("%Y-%m-%d")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
