@@ -86,7 +86,7 @@ def _adjust_row(logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> No
 
 # a top-p row (without top-k) is cut among its this many most likely tokens, the next count where
 # they hold less than its top_p of the probability, then its whole vocabulary
-TOP_P_CANDIDATES = (64, 1024)
+TOP_P_CANDIDATES = (64, 1024, 8192)
 
 
 def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[int]:
