@@ -19,8 +19,8 @@ from typing import Iterable
 import torch
 
 from prefix_service.engine.sequence import Sequence, TokenLogprob
-from prefix_service.sampling_params import SamplingParams
 from prefix_service.engine.structured import mask_rows
+from prefix_service.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int] = ()
@@ -38,15 +38,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
             _adjust_row(logits[i], seqs[i], eos)
         if constrained:  # every constrained row of the batch in one mask
             mask_rows(logits, constrained, [seqs[i].matcher for i in constrained])
+    tokens = [0] * len(seqs)
+    greedy = [i for i, seq in enumerate(seqs) if seq.sampling.greedy]
     drawn = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
-    if not drawn:
-        tokens = logits.argmax(dim=-1).tolist()
-    elif len(drawn) == len(seqs):
-        tokens = [0] * len(seqs)
-    else:  # the greedy rows' own argmax
-        tokens = [0] * len(seqs)
-        greedy = [i for i, seq in enumerate(seqs) if seq.sampling.greedy]
-        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+    if greedy:  # their argmax only
+        for i, token in zip(greedy, (logits if not drawn else logits[greedy]).argmax(dim=-1).tolist()):
             tokens[i] = token
     if drawn:
         for i, token in zip(drawn, draw(logits, drawn, seqs)):
