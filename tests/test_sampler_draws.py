@@ -113,3 +113,23 @@ def test_the_sampled_and_greedy_rows_of_one_step():
     assert tokens[0] == logits[0].argmax().item() and tokens[2] == logits[2].argmax().item()
     assert tokens[1] == sampler.draw(logits, [1], seqs_for(params, seed=3))[0]
     assert tokens[3] in logits[3].topk(3).indices.tolist()
+
+
+def test_logprobs_of_rows_asking_for_different_counts_in_one_step():
+    """Each row's chosen token's log-probability and its own number of alternatives, most likely
+    first, from the model's log-softmax; rows that ask for none get none."""
+    torch.manual_seed(2)
+    logits = torch.randn(5, 200) * 2
+    params = [SamplingParams(max_tokens=1, logprobs=3), SamplingParams(max_tokens=1),
+              SamplingParams(max_tokens=1, temperature=0.8, logprobs=0),
+              SamplingParams(max_tokens=1, logprobs=7), SamplingParams(max_tokens=1, temperature=1.0, logprobs=1)]
+    tokens, out = sampler.sample(logits, seqs_for(params, seed=9))
+    want = torch.log_softmax(logits, dim=-1)
+    assert out[1] is None
+    for i, k in ((0, 3), (2, 0), (3, 7), (4, 1)):
+        lp = out[i]
+        assert lp is not None and lp.token_id == tokens[i]
+        assert lp.logprob == pytest.approx(want[i, tokens[i]].item(), abs=1e-6)
+        top = want[i].topk(k) if k else None
+        assert [t for t, _ in lp.top] == ([] if top is None else top.indices.tolist())
+        assert [v for _, v in lp.top] == pytest.approx([] if top is None else top.values.tolist(), abs=1e-6)

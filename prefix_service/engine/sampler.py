@@ -48,12 +48,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
         for i, token in zip(drawn, draw(logits, drawn, seqs)):
             tokens[i] = token
     out: list[TokenLogprob | None] = [None] * len(seqs)
-    for j, i in enumerate(want):
-        assert model_logprobs is not None
-        row, k = model_logprobs[j], seqs[i].sampling.logprobs
-        top = row.topk(k) if k else None
-        out[i] = TokenLogprob(tokens[i], float(row[tokens[i]]),
-                              tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
+    if model_logprobs is not None:  # every row's at once: the host reads the device twice, not twice a row
+        picked = torch.tensor([tokens[i] for i in want], dtype=torch.int64, device=logits.device).unsqueeze(1)
+        chosen = model_logprobs.gather(1, picked).squeeze(1).tolist()
+        most = max(seqs[i].sampling.logprobs or 0 for i in want)
+        values, ids = model_logprobs.topk(most, dim=-1) if most else (model_logprobs[:, :0], picked[:, :0])
+        values_l, ids_l = values.tolist(), ids.tolist()
+        for j, i in enumerate(want):
+            k = seqs[i].sampling.logprobs or 0
+            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(ids_l[j][:k], values_l[j][:k])))
     return tokens, out
 
 
