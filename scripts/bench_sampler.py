@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -105,19 +104,15 @@ def main() -> None:
         return
     logits_file = Path(tempfile.mkdtemp()) / "logits.pt"
     make_logits(args.logits, max(args.rows), logits_file)
+    sys.path.insert(0, str(REPO))
+    from prefix_service.bench.main import child_result, machine_info
     systems = ([("base", args.baseline)] if args.baseline else []) + [("ours", str(REPO))]
     runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name, repo in systems:
             cmd = [sys.executable, __file__, "--child", "--repo", repo, "--logits-file", str(logits_file),
                    "--rows", ",".join(map(str, args.rows)), "--calls", str(args.calls)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": repo})
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if proc.returncode != 0 or line is None:
-                sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
-            runs[name].append(json.loads(line[len("RESULT "):]))
-    sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import machine_info
+            runs[name].append(child_result(cmd, {**os.environ, "PYTHONPATH": repo}, f"{name} (round {r})"))
     info = machine_info()
     table = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
     print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, {args.logits} logits, "
