@@ -52,17 +52,16 @@ def against_vllm(table: dict[str, dict], concurrency: list[int]) -> list[dict]:
     """Each of our systems against each vLLM system ("vllm-..." in table, the medians): how many times
     sooner our first token comes (theirs / ours), our tok/s over theirs at each request count, and
     whether the targets hold (None where a measure or target count is missing)."""
+    from prefix_service.bench.report import ratio
     ours = [n for n in table if not n.startswith("vllm-")]
     rows = []
     for peer in (n for n in table if n.startswith("vllm-")):
         for name in ours:
             a, b = table[name], table[peer]
-            ttft = b["ttft_ms"] / a["ttft_ms"] if a.get("ttft_ms") and b.get("ttft_ms") else None
-            tok = {c: a[f"tok_s_{c}"] / b[f"tok_s_{c}"] if a.get(f"tok_s_{c}") and b.get(f"tok_s_{c}") else None
-                   for c in concurrency}
+            ttft = ratio(b.get("ttft_ms"), a.get("ttft_ms"))
+            tok = {c: ratio(a.get(f"tok_s_{c}"), b.get(f"tok_s_{c}")) for c in concurrency}
             checked = [tok[c] for c in TOK_S_TARGET_AT if c in tok]
-            tok_met = (None if not checked or None in checked
-                       else all(r >= TOK_S_TARGET for r in checked if r is not None))
+            tok_met = None if not checked or None in checked else all(r >= TOK_S_TARGET for r in checked)
             rows.append({"ours": name, "vllm": peer, "ttft_x_sooner": ttft, "tok_s_ratio": tok,
                          "ttft_target_met": None if ttft is None else ttft >= TTFT_TARGET,
                          "tok_s_target_met": tok_met})

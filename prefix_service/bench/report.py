@@ -60,7 +60,8 @@ def find(records: list[dict], system: str, workload: str, mode: str, concurrency
     return None
 
 
-def _ratio(a, b) -> float | None:
+def ratio(a, b) -> float | None:
+    """a / b, or None where either is missing or b is 0."""
     if a is None or b is None or b == 0:
         return None
     return a / b
@@ -77,38 +78,38 @@ def evaluate_targets(records: list[dict]) -> list[dict]:
 
     out = []
     p, n = rec("engine_prefix", "intent", "single"), rec("engine_no_prefix", "intent", "single")
-    speedup = _ratio(n.get("ttft_p50_ms"), p.get("ttft_p50_ms"))
+    speedup = ratio(n.get("ttft_p50_ms"), p.get("ttft_p50_ms"))
     out.append(target("intent TTFT speed-up, prefix vs no prefix (p50, single)", speedup, ">= 8 (ideal 10)",
                       None if speedup is None else speedup >= 8,
                       f"{p.get('ttft_p50_ms')} ms vs {n.get('ttft_p50_ms')} ms"))
     h = rec("hf_prompt_cache", "intent", "single")
-    vs_cache = _ratio(h.get("ttft_p50_ms"), p.get("ttft_p50_ms"))
+    vs_cache = ratio(h.get("ttft_p50_ms"), p.get("ttft_p50_ms"))
     out.append(target("intent TTFT, prefix vs deep-copied HF prompt cache (p50, single)", vs_cache, "> 1",
                       None if vs_cache is None else vs_cache > 1,
                       f"{p.get('ttft_p50_ms')} ms vs {h.get('ttft_p50_ms')} ms"))
     gp, gn = rec("grpc_prefix", "intent", "open_loop"), rec("grpc_no_prefix", "intent", "open_loop")
     qp, qn = gp.get("max_qps_under_slo"), gn.get("max_qps_under_slo")
-    q_ratio = _ratio(qp, qn)
+    q_ratio = ratio(qp, qn)
     met = None if qp is None or qn is None else (qp > 0 and (qn == 0 or qp >= 5 * qn))
     out.append(target("max QPS under the SLO, prefix vs no prefix (gRPC, intent)", q_ratio, ">= 5", met,
                       f"{qp} vs {qn} QPS" + (" (neither meets the SLO at any rate tried)" if qp == 0 and qn == 0 else "")))
-    tpot = _ratio(p.get("tpot_p50_ms"), n.get("tpot_p50_ms"))
+    tpot = ratio(p.get("tpot_p50_ms"), n.get("tpot_p50_ms"))
     out.append(target("decode TPOT, prefix / no prefix (p50, single, intent)", tpot, "<= 1.05",
                       None if tpot is None else tpot <= 1.05, f"{p.get('tpot_p50_ms')} ms vs {n.get('tpot_p50_ms')} ms"))
     dp, dn = rec("engine_prefix", "no_shared", "single"), rec("engine_no_prefix", "no_shared", "single")
-    slow = _ratio(dp.get("e2e_p50_ms"), dn.get("e2e_p50_ms"))
+    slow = ratio(dp.get("e2e_p50_ms"), dn.get("e2e_p50_ms"))
     out.append(target("no_shared slowdown with prefix support on: e2e p50 on / off (single)", slow, "<= 1.05",
                       None if slow is None else slow <= 1.05,
                       f"{dp.get('e2e_p50_ms')} ms (on) vs {dn.get('e2e_p50_ms')} ms (off)"))
     cp = [r for r in records if r["system"] == "engine_prefix" and r["workload"] == "no_shared" and r["mode"] == "closed_loop"]
     for r in cp:
         other = rec("engine_no_prefix", "no_shared", "closed_loop", r["concurrency"])
-        tput = _ratio(other.get("output_tok_s"), r.get("output_tok_s"))
+        tput = ratio(other.get("output_tok_s"), r.get("output_tok_s"))
         out.append(target(f"no_shared slowdown with prefix support on: tok/s off / on (closed loop, c={r['concurrency']})", tput,
                           "<= 1.05", None if tput is None else tput <= 1.05,
                           f"{r.get('output_tok_s')} (on) vs {other.get('output_tok_s')} (off) tok/s"))
     ep, hb = rec("engine_prefix", "intent", "closed_loop", 16), rec("hf_generate_batch", "intent", "closed_loop", 16)
-    ahead = _ratio(ep.get("output_tok_s"), hb.get("output_tok_s"))
+    ahead = ratio(ep.get("output_tok_s"), hb.get("output_tok_s"))
     out.append(target("closed-loop throughput c=16, engine_prefix / hf_generate_batch (intent)", ahead, "> 1",
                       None if ahead is None else ahead > 1, f"{ep.get('output_tok_s')} vs {hb.get('output_tok_s')} tok/s"))
     # the peer: vLLM's server beside ours, both called over the network with the same token ids; each
@@ -117,18 +118,18 @@ def evaluate_targets(records: list[dict]) -> list[dict]:
     for peer in peers:
         for c in (16, 64):
             g, v = rec("grpc_prefix", "intent", "closed_loop", c), rec(peer, "intent", "closed_loop", c)
-            lead = _ratio(g.get("output_tok_s"), v.get("output_tok_s"))
+            lead = ratio(g.get("output_tok_s"), v.get("output_tok_s"))
             out.append(target(f"closed-loop throughput c={c}, grpc_prefix / {peer} (intent)", lead, ">= 1.2",
                               None if lead is None else lead >= 1.2,
                               f"{g.get('output_tok_s')} vs {v.get('output_tok_s')} tok/s"))
         g, v = rec("grpc_prefix", "intent", "single"), rec(peer, "intent", "single")
-        lead = _ratio(v.get("ttft_p50_ms"), g.get("ttft_p50_ms"))
+        lead = ratio(v.get("ttft_p50_ms"), g.get("ttft_p50_ms"))
         out.append(target(f"intent TTFT, template cached: {peer} / grpc_prefix (p50, single)", lead, ">= 1.5",
                           None if lead is None else lead >= 1.5,
                           f"{g.get('ttft_p50_ms')} ms vs {v.get('ttft_p50_ms')} ms"))
         # no_shared names no template: grpc_no_prefix is the same server (prefix support on) sending the whole prompt
         g, v = rec("grpc_no_prefix", "no_shared", "single"), rec(peer, "no_shared", "single")
-        slower = _ratio(g.get("ttft_p50_ms"), v.get("ttft_p50_ms"))
+        slower = ratio(g.get("ttft_p50_ms"), v.get("ttft_p50_ms"))
         out.append(target(f"no_shared TTFT (a full prefill): grpc_no_prefix / {peer} (p50, single)", slower, "<= 1",
                           None if slower is None else slower <= 1,
                           f"{g.get('ttft_p50_ms')} ms vs {v.get('ttft_p50_ms')} ms"))
