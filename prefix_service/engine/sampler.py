@@ -42,7 +42,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     greedy = [i for i, seq in enumerate(seqs) if seq.sampling.greedy]
     drawn = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
     if greedy:  # their argmax only
-        for i, token in zip(greedy, (logits if not drawn else logits[greedy]).argmax(dim=-1).tolist()):
+        for i, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist()):
             tokens[i] = token
     if drawn:
         for i, token in zip(drawn, draw(logits, drawn, seqs)):
@@ -97,20 +97,21 @@ def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[in
     device, vocab = logits.device, logits.shape[-1]
     params = [seqs[i].sampling for i in rows]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).unsqueeze(1)
-    scaled = (logits.float() if len(rows) == logits.shape[0] else logits[rows].float()) / temperature  # a new tensor
+    scaled = _rows(logits, rows).float() / temperature  # a new tensor
     uniform = torch.cat([torch.rand(1, generator=seqs[i].generator, device=device) for i in rows]).double()
     tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
     whole = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
     cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
-    if len(whole) == len(rows):
-        tokens = _inverse_cdf(scaled.softmax(-1), uniform)
-    elif whole:
-        tokens[whole] = _inverse_cdf(scaled[whole].softmax(-1), uniform[whole])
-    if len(cut) == len(rows):
-        tokens = _draw_cut(scaled, params, uniform)
-    elif cut:
-        tokens[cut] = _draw_cut(scaled[cut], [params[j] for j in cut], uniform[cut])
+    if whole:
+        tokens[whole] = _inverse_cdf(_rows(scaled, whole).softmax(-1), uniform[whole])
+    if cut:
+        tokens[cut] = _draw_cut(_rows(scaled, cut), [params[j] for j in cut], uniform[cut])
     return tokens.tolist()
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows `rows` (increasing): t itself where they are all of them, else a gathered copy."""
+    return t if len(rows) == t.shape[0] else t[rows]
 
 
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
