@@ -297,9 +297,9 @@ void run_dot(const Packed& p, const Rows& io) {
   const int64_t kp = p.kp, nblocks = p.dot.size(0);
   const c10::BFloat16* a = nullptr;  // the rows in bf16, lda apart (the workers read them through `a`)
   int64_t lda = kp;
-  if (io.x_bf16 && kp == p.k) {  // the caller's rows as they are
+  if (io.x_bf16 && kp == p.k) {  // the caller's rows as they are (checked_run gives one row ldx = k)
     a = io.xb(0);
-    lda = m > 1 ? io.ldx : kp;
+    lda = io.ldx;
   } else {
     c10::BFloat16* rows = grown(scratch.x_bf16, m * kp);  // this thread's
     for (int r = 0; r < m; ++r) {
