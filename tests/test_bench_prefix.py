@@ -179,18 +179,30 @@ def test_closed_turns_and_concurrency_options_shape_the_intent_spec():
 
 
 def test_a_timed_section_waits_for_an_idle_cpu():
-    """A process that keeps a core busy (as vLLM's server does for a second after it answers)
-    holds the next timed section back until it stops."""
+    """Processes that keep the CPU busy (as vLLM's server does for a second after it answers) hold
+    the next timed section back until they stop. The spinners say when they spin: a Python start-up
+    that waits on the disk is not busy enough to count, and timing from it raced."""
+    import math
+    import os
     import subprocess
     import sys
 
     from prefix_service.bench import modes
     if modes._cpu_jiffies() is None:
         pytest.skip("no /proc/stat on this platform: wait_idle does not wait")
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 1.5\nwhile time.time() < t: pass"])
+    cpus = os.cpu_count() or 1
+    count = min(cpus, max(1, math.ceil(2 * modes.IDLE_SHARE * cpus)))  # twice the idle share, at least
+    code = "import sys, time\nprint('spinning', flush=True)\nt = time.time() + 1.5\nwhile time.time() < t: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+                for _ in range(count)]
     try:
+        for spinner in spinners:
+            assert spinner.stdout is not None and spinner.stdout.readline().strip() == "spinning"
         modes.wait_idle(max_wait_s=30)
-        assert spinner.poll() is not None
+        assert all(spinner.poll() is not None for spinner in spinners)
     finally:
-        spinner.kill()
-        spinner.wait()
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+            if spinner.stdout is not None:
+                spinner.stdout.close()
