@@ -1,5 +1,6 @@
 """The sampler's cost per step: `engine.sampler.sample` on N rows of next-token logits, per sampling
-option (greedy, temperature, top-p, top-k), milliseconds a call. A step samples every row at once
+option (greedy, temperature, top-p, top-k, the penalties over each row's 1,039 prompt and 30
+generated tokens), milliseconds a call. A step samples every row at once
 after the model's forward, so on a CPU this time is added to each decode step of N sequences.
 
 The logits are the default model's own (SmolLM2-135M-Instruct through transformers, float32, the
@@ -33,7 +34,11 @@ OPTIONS = {
     "t0.7 top_p0.9": {"temperature": 0.7, "top_p": 0.9},
     "t1.0 top_p0.95": {"temperature": 1.0, "top_p": 0.95},
     "t0.7 top_k50": {"temperature": 0.7, "top_k": 50},
+    "repetition1.1": {"repetition_penalty": 1.1},
+    "presence0.5 frequency0.5": {"presence_penalty": 0.5, "frequency_penalty": 0.5},
 }
+# the penalties read each row's tokens: the intent workload's (a 1,039-token prompt, 30 generated)
+HISTORY = (1039, 30)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there", "I want to cancel my order",
            "The weather today is", "In 1492, Columbus", "My favourite food is", "The best way to learn Python is"]
 
@@ -67,14 +72,25 @@ def child(args: argparse.Namespace) -> None:
     import torch
     sys.path.insert(0, str(Path(args.repo).resolve()))
     from prefix_service.engine import sampler
+    from prefix_service.engine.sequence import Sequence
     from prefix_service.sampling_params import SamplingParams
     logits = torch.load(args.logits_file)
     result = {}
+    ids = torch.Generator().manual_seed(0)
     for name, kw in OPTIONS.items():
         for n in args.rows:
             params = SamplingParams(max_tokens=1, **kw)
-            seqs = [SimpleNamespace(sampling=params, matcher=None, generator=torch.Generator().manual_seed(i))
-                    for i in range(n)]
+            seqs: list = []
+            for i in range(n):
+                if params.adjusts_logits:  # a real sequence: the penalties read its tokens
+                    prompt, generated = (torch.randint(0, logits.shape[1], (k,), generator=ids).tolist()
+                                         for k in HISTORY)
+                    seq = Sequence(f"r{i}", prompt, params, HISTORY[1] + 1, None, torch.Generator().manual_seed(i))
+                    seq.token_ids += generated
+                    seqs.append(seq)
+                else:
+                    seqs.append(SimpleNamespace(sampling=params, matcher=None,
+                                                generator=torch.Generator().manual_seed(i)))
             rows = logits[:n]
             sampler.sample(rows, seqs)
             times = []

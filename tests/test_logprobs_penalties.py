@@ -9,7 +9,7 @@ import torch
 
 from helpers import engine_last_logits, greedy
 from prefix_service import FinishReason, GenerateRequest, InvalidRequest, SamplingParams
-from prefix_service.engine.sampler import _adjust_row
+from prefix_service.engine.sampler import adjust_logits
 from prefix_service.engine.sequence import Sequence
 
 PROMPT = [9, 40, 77, 120, 301, 17, 9, 40]
@@ -89,11 +89,54 @@ def test_adjust_row_arithmetic():
     seq = Sequence("r", [1, 2, 3], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
                                                   repetition_penalty=2.0, logit_bias=((0, 3.0),)), 8, None, None)
     seq.token_ids += [4, 4, 2]  # generated: 4 twice, 2 once
-    row = torch.tensor([1.0, -1.0, 2.0, 4.0, 6.0, 8.0])
-    _adjust_row(row, seq, ())
+    row = torch.tensor([[1.0, -1.0, 2.0, 4.0, 6.0, 8.0]])
+    adjust_logits(row, [0], [seq], ())
     # token 0: untouched but for its bias; 1..3: prompt, repetition only; 2 also generated once;
     # 4: generated twice (repetition, then 2 x 0.25 + 0.5); 5: untouched
-    assert row.tolist() == [4.0, -2.0, 1.0 - 0.75, 2.0, 3.0 - 1.0, 8.0]
+    assert row[0].tolist() == [4.0, -2.0, 1.0 - 0.75, 2.0, 3.0 - 1.0, 8.0]
+
+
+def _adjusted_alone(row: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> torch.Tensor:
+    """One row adjusted by itself, term by term over the whole vocabulary: the oracle for the batch."""
+    p, row = seq.sampling, row.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.token_ids)))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty)
+    counts = torch.bincount(torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64),
+                            minlength=row.shape[0]).float()
+    row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    for token, bias in p.logit_bias:
+        row[token] += bias
+    if seq.num_output_tokens < p.min_tokens:
+        for token in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
+            row[token] = float("-inf")
+    return row
+
+
+def test_a_batch_is_adjusted_as_each_row_alone():
+    """Rows asking for different adjustments (and rows asking for none) in one call: each row ends
+    bit for bit as it would alone, rows that ask for nothing are untouched."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50
+    options = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5), {},
+               dict(logit_bias=((7, 2.5), (7, -1.0), (49, 4.0))), dict(min_tokens=9, stop_token_ids=(5,)),
+               dict(min_tokens=9, ignore_eos=True), dict(repetition_penalty=0.7, frequency_penalty=-1.0, min_tokens=1),
+               dict(presence_penalty=1.0)]
+    seqs = []
+    for k, kw in enumerate(options):
+        prompt = torch.randint(0, vocab, (5 + k,), generator=gen).tolist()
+        seq = Sequence(f"r{k}", prompt, SamplingParams(**kw), 16, None, None)
+        seq.token_ids += torch.randint(0, vocab, (k,), generator=gen).tolist()  # row k has generated k tokens
+        seqs.append(seq)
+    logits = torch.randn(len(seqs), vocab, generator=gen)
+    rows = [i for i, seq in enumerate(seqs) if seq.sampling.adjusts_logits]
+    assert rows == [0, 1, 3, 4, 5, 6, 7]
+    batch = logits.clone()
+    adjust_logits(batch, rows, seqs, (2, 11))
+    for i, seq in enumerate(seqs):
+        expected = _adjusted_alone(logits[i], seq, (2, 11)) if i in rows else logits[i]
+        assert torch.equal(batch[i], expected), f"row {i} ({options[i]})"
+    assert torch.isinf(batch[4, [2, 5, 11]]).all() and not torch.isinf(batch[5]).any()
 
 
 def test_min_tokens_masks_stops_until_reached(make_engine):
@@ -136,3 +179,18 @@ def test_greedy_unchanged_by_neutral_parameters(make_engine):
 
 def greedy_ids(engine):
     return engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(8))])[0].token_ids
+
+
+def test_ids_tensor_follows_the_sequence_as_it_grows():
+    """Sequence.ids_tensor converts each token once, as token_ids grows: every call still gives
+    exactly token_ids[start:], as a copy the sequence does not change afterwards."""
+    seq = Sequence("r", [5, 6, 7], SamplingParams(), 8, None, None)
+    assert seq.ids_tensor().tolist() == [5, 6, 7] and seq.ids_tensor(3).tolist() == []
+    first = seq.ids_tensor()
+    seq.token_ids += [8, 2**40]
+    assert seq.ids_tensor().tolist() == [5, 6, 7, 8, 2**40] and seq.ids_tensor(3).tolist() == [8, 2**40]
+    assert first.tolist() == [5, 6, 7]  # a copy, not a view of what grows
+    seq.token_ids.append(9)
+    assert seq.ids_tensor(4).tolist() == [2**40, 9] and seq.ids_tensor(9).tolist() == []
+    seq.token_ids = [1]  # a shorter list in its place: converted again
+    assert seq.ids_tensor().tolist() == [1] and seq.ids_tensor().dtype == torch.int64

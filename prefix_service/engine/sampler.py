@@ -32,10 +32,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     adjust = [i for i, seq in enumerate(seqs) if seq.sampling.adjusts_logits]
     constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     if adjust or constrained:
-        logits = logits.clone()
-        eos = tuple(eos_token_ids)
-        for i in adjust:
-            _adjust_row(logits[i], seqs[i], eos)
+        logits = logits.clone(memory_format=torch.contiguous_format)
+        if adjust:
+            adjust_logits(logits, adjust, seqs, tuple(eos_token_ids))
         if constrained:  # every constrained row of the batch in one mask
             mask_rows(logits, constrained, [seqs[i].matcher for i in constrained])
     tokens = [0] * len(seqs)
@@ -60,27 +59,51 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     return tokens, out
 
 
-def _adjust_row(logits: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> None:
-    # logits: [vocab], changed in place
-    p = seq.sampling
-    vocab, device = logits.shape[0], logits.device
+def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos: tuple[int, ...]) -> None:
+    """The adjustments `rows` ask for (seqs[i] row i's sequence), each over all of those rows at once,
+    in place on logits [N, vocab] (contiguous): repetition penalty over the prompt and the output, as
+    in the CTRL paper and vLLM (a seen token's positive logit divided by it, a negative one
+    multiplied); presence and frequency penalties over the output only, as OpenAI; logit_bias added;
+    until min_tokens, the stop tokens masked. Each touches only the tokens it names, by their flat
+    index row * vocab + token."""
+    vocab, device = logits.shape[-1], logits.device
+    flat = logits.view(-1)
+    params = [seqs[i].sampling for i in rows]
 
-    def ids(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    if p.repetition_penalty != 1.0:  # over the prompt and the output, as in the CTRL paper and vLLM
-        seen = torch.unique(ids(seq.token_ids))
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if p.presence_penalty or p.frequency_penalty:  # over the output only, as OpenAI
-        counts = torch.bincount(ids(seq.token_ids[seq.num_prompt_tokens:]), minlength=vocab)[:vocab].to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    if p.logit_bias:
-        logits.index_add_(0, ids([t for t, _ in p.logit_bias]),
-                          torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype, device=device))
-    if seq.num_output_tokens < p.min_tokens:
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
-        if stops:
-            logits[ids(sorted(stops))] = float("-inf")
+    def flat_ids(tokens: list[torch.Tensor], on: list[int]) -> torch.Tensor:
+        parts = [t + i * vocab for i, t in zip(on, tokens)]
+        return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+    def per_row(values: dict[int, float], at: torch.Tensor) -> torch.Tensor:
+        # each flat index's row's value, float32 (what the logits hold)
+        table = torch.zeros(logits.shape[0], dtype=torch.float32)
+        table[list(values)] = torch.tensor(list(values.values()), dtype=torch.float32)
+        return table.to(device)[at // vocab]
+
+    repeat = {i: p.repetition_penalty for i, p in zip(rows, params) if p.repetition_penalty != 1.0}
+    if repeat:
+        # a token seen twice is written twice with the same value, made from the logit before either
+        seen = flat_ids([seqs[i].ids_tensor() for i in repeat], list(repeat))
+        vals, penalty = flat[seen], per_row(repeat, seen)
+        flat[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    counted = [i for i, p in zip(rows, params) if p.presence_penalty or p.frequency_penalty]
+    if counted:
+        out, counts = torch.unique(flat_ids([seqs[i].ids_tensor(seqs[i].num_prompt_tokens) for i in counted], counted),
+                                   return_counts=True)
+        frequency = per_row({i: seqs[i].sampling.frequency_penalty for i in counted}, out)
+        presence = per_row({i: seqs[i].sampling.presence_penalty for i in counted}, out)
+        flat[out] -= frequency * counts.to(torch.float32) + presence
+    biased = [i for i, p in zip(rows, params) if p.logit_bias]
+    if biased:
+        at = flat_ids([torch.tensor([t for t, _ in seqs[i].sampling.logit_bias], dtype=torch.int64) for i in biased],
+                      biased)
+        bias = [b for i in biased for _, b in seqs[i].sampling.logit_bias]
+        flat.index_add_(0, at, torch.tensor(bias, dtype=logits.dtype).to(device))
+    held = [i for i, p in zip(rows, params) if seqs[i].num_output_tokens < p.min_tokens]
+    stops = [sorted(set(seqs[i].sampling.stop_token_ids) | (set() if seqs[i].sampling.ignore_eos else set(eos)))
+             for i in held]
+    if any(stops):
+        flat[flat_ids([torch.tensor(t, dtype=torch.int64) for t in stops], held)] = float("-inf")
 
 
 # a top-p row (without top-k) is cut among its this many most likely tokens, the next count where

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +138,20 @@ class Sequence:
         self.cached_tokens = 0  # set at admission; reported in usage
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
+        self._id_array = array("q")  # token_ids as int64, converted once each as they come (ids_tensor)
+
+    def ids_tensor(self, start: int = 0) -> torch.Tensor:
+        """token_ids[start:] as a new int64 tensor. The penalties read every token of a sequence at
+        every step: converted from Python ints once each, as token_ids grows, the step's cost does
+        not grow with the sequence."""
+        ids, held = self.token_ids, self._id_array
+        if len(held) > len(ids):  # token_ids only grows; a shorter list put in its place starts again
+            del held[:]
+        if len(held) < len(ids):
+            held.extend(ids[len(held):])
+        if start >= len(ids):
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.frombuffer(held, dtype=torch.int64)[start:len(ids)].clone()  # the view dies here
 
     @property
     def num_output_tokens(self) -> int:
