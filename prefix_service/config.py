@@ -80,6 +80,9 @@ class ModelConfig:
     # cuda backend: decode steps of up to this many rows replay CUDA graphs captured at start
     # (backends/cuda/graphs.py; at most scheduler.max_num_seqs); 0: every step runs eagerly
     cuda_graph_max_batch: int = 256
+    # cuda backend: each layer's norms, rotary embedding and SiLU as fused Triton kernels
+    # (backends/cuda/layers.py); false: the model's reference layers
+    cuda_fused_layers: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
@@ -93,6 +96,8 @@ class ModelConfig:
         if self.max_model_len is not None:
             _check_int("model.max_model_len", self.max_model_len, 1)
         _check_int("model.cuda_graph_max_batch", self.cuda_graph_max_batch, 0)
+        if not isinstance(self.cuda_fused_layers, bool):
+            raise ConfigError(f"model.cuda_fused_layers: expected true or false, got {self.cuda_fused_layers!r}")
         if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name.strip()
                                              or not self.served_name.isprintable()):
             raise ConfigError(f"model.served_name: expected a model id like SmolLM2-135M-Instruct, "

@@ -11,7 +11,8 @@
 # STEP: info build tests probe ops cpu engine sanitizer (default: all, in that order); also
 # trace (bench_gpu.py's one-sequence decode under torch's profiler, a Chrome trace per way to
 # decode: the host's share of an eager step), profile (where a Llama-3-8B-shaped decode step's
-# time goes on the GPU), cpuprofile (where a prefill's and
+# time goes on the GPU), layers (the same decode profile and the prefill's, with the fused layers and with
+# the model's reference layers, alternated twice), cpuprofile (where a prefill's and
 # a decode step's time go in the cpu backend, in each dtype, on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
 # CPU tests, then each linear kernel's cost per call (brgemm also in the block widths
@@ -56,7 +57,8 @@ step info 30 bash -c 'nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,cl
   python3 -c "import torch, triton, transformers; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__, \"transformers\", transformers.__version__)";
   nvcc --version | tail -n 2; which ninja g++ compute-sanitizer'
 step build 240 python3 -c 'import time; t = time.perf_counter(); from cuda_ops import load_cuda_ops; load_cuda_ops(); print(f"cuda_ops built and loaded in {time.perf_counter() - t:.1f} s")'
-step tests 200 python3 -m pytest -q -rs -p no:cacheprovider -o addopts= tests/test_cuda_ops.py tests/test_attention_cuda.py
+step tests 200 python3 -m pytest -q -rs -p no:cacheprovider -o addopts= tests/test_cuda_ops.py tests/test_attention_cuda.py \
+  tests/test_cuda_fused.py
 step probe 60 python3 - <<'EOF'
 import torch
 from torch.nn.attention.varlen import varlen_attn
@@ -81,6 +83,14 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
   for graphs in 256 0; do echo "--- model.cuda_graph_max_batch $graphs"
     python3 scripts/profile_decode.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
       --kv-cache-memory 16GiB --cuda-graph-max-batch $graphs --batches 1,16,64 --steps 5; done'
+step layers 300 bash -c 'set -e; L=$(mktemp -d)
+  python3 -c "import sys; from pathlib import Path; from prefix_service.synthetic import LLAMA3_8B, build_config_only, build_tokenizer
+build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1]) / \"tok\"), \"llama\", **LLAMA3_8B)" "$L"
+  for round in 1 2; do for fused in 1 0; do echo "--- round $round, model.cuda_fused_layers $fused"
+    python3 scripts/profile_decode.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
+      --kv-cache-memory 16GiB --cuda-fused-layers $fused --batches 1,16,64 --steps 5 | tail -n 4
+    python3 scripts/profile_prefill.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
+      --kv-cache-memory 16GiB --cuda-fused-layers $fused --runs 5 | tail -n 3; done; done'
 step cpuprofile 240 bash -c 'for dtype in float32 bfloat16; do
     python3 scripts/profile_prefill.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu --dtype $dtype
     python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \

@@ -73,10 +73,11 @@ def make_engine(llama_dir):
                 prefix_budget_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 2048, max_queue: int = 1024, enable_prefix: bool = True,
                 dtype: str = "float32", max_model_len: int | None = None, backend: str = "auto",
-                pack_prefix_kv: bool = True, snapshot_dir: str | None = None, **scheduler: Any) -> Engine:
+                pack_prefix_kv: bool = True, snapshot_dir: str | None = None, cuda_fused_layers: bool = True,
+                **scheduler: Any) -> Engine:
         cfg = EngineConfig(
             ModelConfig(path=str(model_dir or llama_dir), dtype=dtype, device="cpu", max_model_len=max_model_len,
-                        backend=backend),
+                        backend=backend, cuda_fused_layers=cuda_fused_layers),
             CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_budget_blocks=prefix_budget_blocks,
                         enable_prefix=enable_prefix, pack_prefix_kv=pack_prefix_kv, snapshot_dir=snapshot_dir),
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -73,7 +73,7 @@ def test_backend_glue_in_engine_on_cpu(make_engine, monkeypatch):
     monkeypatch.setattr(core_mod, "select_backend", lambda *args: functools.partial(
         CudaBackend, prefill=("sdpa_loop", prefill_sdpa_loop), decode=("triton_paged", decode_triton)))
     engine = make_engine(block_size=4, max_num_batched_tokens=7)
-    assert engine.info.backend_description == "cuda (prefill sdpa_loop, decode triton_paged, cuda_ops references)"
+    assert engine.info.backend_description == "cuda (prefill sdpa_loop, decode triton_paged, cuda_ops references, fused layers)"
     prefix = [(7 * i + 5) % 500 + 3 for i in range(10)]
     users = [[(11 * i + k) % 500 + 3 for i in range(3 + 2 * k)] for k in range(3)]
     expected = [run_ids(ref_engine, prefix + u, max_tokens=6) for u in users]

@@ -44,6 +44,7 @@ prefixes:
     ({"model": {"path": "m"}, "cache": {"gpu_memory_utilization": 0}}, r"cache.gpu_memory_utilization: expected a "
                                                                         r"fraction in \(0, 1\]"),
     ({"model": {"path": "m", "cuda_graph_max_batch": -1}}, "model.cuda_graph_max_batch: expected an integer"),
+    ({"model": {"path": "m", "cuda_fused_layers": "yes"}}, "model.cuda_fused_layers: expected true or false"),
 ])
 def test_errors_name_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):
@@ -55,6 +56,8 @@ def test_kv_cache_memory_auto_and_the_gpu_share():
     assert cfg.engine.cache.kv_cache_memory == "auto" and cfg.engine.cache.gpu_memory_utilization == 0.8
     assert config_from_dict({"model": {"path": "m"}}).engine.cache.kv_cache_memory == "auto"  # the default
     assert config_from_dict({"model": {"path": "m", "cuda_graph_max_batch": 0}}).engine.model.cuda_graph_max_batch == 0
+    assert config_from_dict({"model": {"path": "m"}}).engine.model.cuda_fused_layers is True
+    assert config_from_dict({"model": {"path": "m", "cuda_fused_layers": False}}).engine.model.cuda_fused_layers is False
 
 
 def test_sizes():

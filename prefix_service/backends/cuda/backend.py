@@ -5,19 +5,24 @@ and the Triton paged decode (attention.py); decode steps replay CUDA graphs (gra
 At start (`prepare`) the kernels are built (about 20 s the first time on a machine, then loaded
 from the build cache); where they cannot be (no nvcc or ninja, a compiler error), the engine logs
 one warning with the reason and runs cuda_ops' torch references instead, slower but the same
-results. Then the decode graphs are captured."""
+results. Then each layer's element-wise work is fused (layers.py: Triton kernels, compiled here on
+a tiny input; where they cannot be, one warning and the model's reference layers), and the decode
+graphs are captured."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 import cuda_ops
+from cuda_ops.paged_decode import triton_available
 from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata, decode_triton,
                                                     pick_decode, pick_prefill)
 from prefix_service.backends.cuda.graphs import DecodeGraphs
+from prefix_service.backends.cuda.layers import FusedForward, fused_layers_fit
 from prefix_service.config import CacheConfig, EngineConfig
 from prefix_service.model.llama import LlamaForCausalLM
 
@@ -42,24 +47,54 @@ def load_kernels() -> str:
 
 
 class CudaBackend(Backend):
-    """prefill, decode: (name, implementation) to use instead of the fastest that runs here."""
+    """prefill, decode: (name, implementation) to use instead of the fastest that runs here;
+    fused_layers: False runs the model's reference layers (None: model.cuda_fused_layers decides)."""
     name = "cuda"
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, prefill: tuple[str, PrefillFn] | None = None,
-                 decode: tuple[str, DecodeFn] | None = None) -> None:
+                 decode: tuple[str, DecodeFn] | None = None, fused_layers: bool | None = None) -> None:
         super().__init__(model, cache)
         self.model = model
         self.prefill_name, self.prefill = prefill or pick_prefill(self.dtype)
         self.decode_name, self.decode = decode or pick_decode()
         self.graphs: DecodeGraphs | None = None
         self.kernels = "cuda_ops"
+        self.fused_layers = fused_layers
+        # the forward: (input_ids, positions, attention) -> hidden states, the model's or FusedForward
+        self.run_model: Callable[..., torch.Tensor] = model
 
     def describe(self) -> str:
         graphs = f", CUDA graphs up to {self.graphs.max_batch} rows" if self.graphs is not None else ""
-        return f"cuda (prefill {self.prefill_name}, decode {self.decode_name}, {self.kernels}{graphs})"
+        layers = "fused layers" if isinstance(self.run_model, FusedForward) else "reference layers"
+        return f"cuda (prefill {self.prefill_name}, decode {self.decode_name}, {self.kernels}, {layers}{graphs})"
+
+    def _pick_layers(self, configured: bool) -> None:
+        """The fused layers where they are asked for (fused_layers, else model.cuda_fused_layers) and
+        can run: Triton present (on CPU tensors: its interpreter), the model's shapes fitting;
+        compiled now, else one warning and the reference layers."""
+        if not (configured if self.fused_layers is None else self.fused_layers):
+            return
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        reason = None
+        if not triton_available():
+            reason = "triton is not installed"
+        elif self.device.type != "cuda" and not interpreted:
+            reason = f"the model is on {self.device.type}, not a GPU (TRITON_INTERPRET=1 runs them there)"
+        elif not fused_layers_fit(self.model):
+            reason = "the model's rows are wider than the kernels hold"
+        if reason is None:
+            forward = FusedForward(self.model)
+            try:
+                forward.warm_up(self.device)
+                self.run_model = forward
+                return
+            except Exception as exc:  # a Triton build error: the reference layers still serve
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.warning("fused layers off, running the model's reference layers: %s", reason)
 
     def prepare(self, config: EngineConfig, max_model_len: int) -> None:
         self.kernels = load_kernels()
+        self._pick_layers(config.model.cuda_fused_layers)
         max_batch = min(config.model.cuda_graph_max_batch, config.scheduler.max_num_seqs)
         # graphs replay the paged decode kernel; the gather + SDPA fallback would gather max_model_len rows
         if self.device.type == "cuda" and max_batch > 0 and self.decode is decode_triton:
@@ -81,7 +116,7 @@ class CudaBackend(Backend):
         positions = host.positions.to(device, non_blocking=True)
         # copied before the forward is queued: a copy from pageable memory waits for the stream's work
         logit_rows = host.logit_rows.to(device, non_blocking=True) if host.logit_rows.numel() else None
-        hidden = self.model(ids, positions, VarlenAttention(self.kv_layers, meta, self.prefill, self.decode))
+        hidden = self.run_model(ids, positions, VarlenAttention(self.kv_layers, meta, self.prefill, self.decode))
         if logit_rows is None:
             return None
         return self.model.compute_logits(hidden[logit_rows])

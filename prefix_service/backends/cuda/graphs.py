@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -43,6 +43,7 @@ class GraphedBackend(Protocol):
     decode: DecodeFn
     block_size: int
     device: torch.device
+    run_model: Callable[..., torch.Tensor]  # the forward: the model's, or its fused layers'
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -114,7 +115,7 @@ class DecodeGraphs:
                                   self.group_blocks[:groups], self.work[:self._items(n)]) if self.cascade else None,
             decode_own_max=self.width * backend.block_size)
         attention = VarlenAttention(backend.kv_layers, meta, backend.prefill, backend.decode)
-        hidden = backend.model(self.ids[:n], self.positions[:n], attention)
+        hidden = backend.run_model(self.ids[:n], self.positions[:n], attention)
         return backend.model.compute_logits(hidden)
 
     def _capture(self, n: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
