@@ -199,3 +199,34 @@ def test_fused_forward_matches_the_reference_forward_on_gpu(arch_kind):
         want = model(ids, positions, _causal)
         got = FusedForward(model)(ids, positions, _causal)
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+# --- a step's inputs in one copy (backends/cuda/staging.py) ----------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_staging_moves_a_steps_tensors_in_one_copy(device):
+    """Mixed int32 and int64 tensors of any shape, empty ones included, come back equal, typed and
+    shaped as given, each 16-byte aligned (as a fresh allocation); later calls reuse the host
+    buffers (and grow them) without touching what earlier calls returned. On a GPU the host buffers
+    are pinned and the copies asynchronous: a buffer is refilled only after its copy has run."""
+    from prefix_service.backends.cuda.staging import Staging
+    staging = Staging(torch.device(device))
+    assert staging.pinned == (device == "cuda")
+    g = torch.Generator().manual_seed(4)
+    kept = []
+    for step in range(5):
+        parts = [torch.randint(-2**40, 2**40, (3 + step,), generator=g), torch.randint(-9, 9, (2, 5), generator=g,
+                                                                                       dtype=torch.int32),
+                 torch.zeros(0, dtype=torch.int64), torch.zeros((0, 7), dtype=torch.int32),
+                 torch.randint(0, 2**30, (step * 700,), generator=g, dtype=torch.int32),  # grows the buffers
+                 torch.randint(0, 9, (4, 2), generator=g)[:, :1]]  # not contiguous
+        moved = staging.to_device(parts)
+        assert staging.copies == step + 1
+        for host, dev in zip(parts, moved):
+            assert dev.dtype == host.dtype and dev.shape == host.shape and torch.equal(dev.cpu(), host)
+            assert dev.data_ptr() % 16 == 0
+        kept.append((parts, moved))
+    for parts, moved in kept:  # what each call returned is its own
+        assert all(torch.equal(h, d.cpu()) for h, d in zip(parts, moved))
+    with pytest.raises(TypeError, match="int32 and int64"):
+        staging.to_device([torch.zeros(2)])

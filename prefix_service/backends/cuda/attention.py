@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 
@@ -29,6 +29,7 @@ from prefix_service.backends.base import StepTensors
 from prefix_service.backends.torch.attention import CausalMasks, attend_contiguous
 
 if TYPE_CHECKING:
+    from prefix_service.backends.cuda.staging import Staging
     from prefix_service.engine.step import StepBatch
 
 
@@ -66,27 +67,15 @@ class VarlenMetadata:
     decode_own_max: int = 0  # with a cascade: the most tokens a decode row reads outside its group's template
 
     @classmethod
-    def build(cls, step: StepBatch, host: StepTensors, device: torch.device,
-              block_size: int | None = None, heads: tuple[int, int] = (1, 1)) -> VarlenMetadata:
-        """block_size: the cache's, to group decode rows by template (None: no cascade); heads: the
-        model's (query heads, kv heads), which set the cascade's rows per chunk."""
-        def to_device(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        cascade, own_max = None, 0
-        if block_size is not None and cascade_supported(block_size) and step.num_decodes >= 2:
-            first, groups = cascade_rows(step)
-            if groups:
-                width = max(len(rows) for _, rows in groups)
-                table = [rows + [-1] * (width - len(rows)) for _, rows in groups]
-
-                def ints(data) -> torch.Tensor:
-                    return to_device(torch.tensor(data, dtype=torch.int32))
-                sizes = [len(rows) for _, rows in groups]
-                items = work_items(sizes, rows_per_chunk(*heads))
-                cascade = CascadeGroups(ints(first), ints(table).view(len(groups), width), ints(sizes),
-                                        ints([b for b, _ in groups]), ints(items).view(len(items), 2))
-                own_max = max(r.context_len - f * block_size for r, f in zip(step.decodes, first))
+    def build(cls, step: StepBatch, host: StepTensors, staging: Staging, block_size: int | None = None,
+              heads: tuple[int, int] = (1, 1), also: Sequence[torch.Tensor] = ()
+              ) -> tuple[VarlenMetadata, list[torch.Tensor]]:
+        """The step's metadata on the device, moved there by one copy (staging) with the host
+        tensors `also` (returned on the device, in order). block_size: the cache's, to group
+        decode rows by template (None: no cascade); heads: the model's (query heads, kv heads),
+        which set the cascade's rows per chunk."""
+        def ints(data) -> torch.Tensor:
+            return torch.tensor(data, dtype=torch.int32)
 
         nd = step.num_decodes
         new = [r.num_new_tokens for r in step.prefills]
@@ -94,20 +83,38 @@ class VarlenMetadata:
         cu_q = [0]
         for n in new:
             cu_q.append(cu_q[-1] + n)
-        return cls(
-            slots=to_device(host.slots),
+        parts = [host.slots, host.block_tables[:nd], host.context_lens[:nd], host.block_tables[nd:], ints(context),
+                 ints(cu_q)]
+        groups: list[tuple[int, list[int]]] = []
+        own_max = 0
+        if block_size is not None and cascade_supported(block_size) and step.num_decodes >= 2:
+            first, groups = cascade_rows(step)
+            if groups:
+                width = max(len(rows) for _, rows in groups)
+                sizes = [len(rows) for _, rows in groups]
+                items = work_items(sizes, rows_per_chunk(*heads))
+                parts += [ints(first), ints([rows + [-1] * (width - len(rows)) for _, rows in groups]), ints(sizes),
+                          ints([b for b, _ in groups]), ints(items).view(len(items), 2)]
+                own_max = max(r.context_len - f * block_size for r, f in zip(step.decodes, first))
+        moved = staging.to_device(list(also) + parts)
+        extra, moved = moved[:len(also)], moved[len(also):]
+        meta = cls(
+            slots=moved[0],
             num_decodes=nd,
-            decode_tables=to_device(host.block_tables[:nd]),
-            decode_lens=to_device(host.context_lens[:nd]),
+            decode_tables=moved[1],
+            decode_lens=moved[2],
             decode_max=max((r.context_len for r in step.decodes), default=0),
-            prefill_tables=to_device(host.block_tables[nd:]),
-            prefill_context=to_device(torch.tensor(context, dtype=torch.int32)),
-            cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32)),
+            prefill_tables=moved[3],
+            prefill_context=moved[4],
+            cu_seqlens_q=moved[5],
             prefill_new_list=new,
             prefill_context_list=context,
             max_q=max(new, default=0),
             max_k=max((a + b for a, b in zip(new, context)), default=0),
-            total_k=sum(new) + sum(context), cascade=cascade, decode_own_max=own_max)
+            total_k=sum(new) + sum(context),
+            cascade=CascadeGroups(moved[6], moved[7], moved[8], moved[9], moved[10]) if groups else None,
+            decode_own_max=own_max)
+        return meta, extra
 
 
 # prefill(q [Tq, Hq, D], k [Tk, Hkv, D], v, cu_seqlens_k [Np+1], meta, scale) -> [Tq, Hq, D]

@@ -23,6 +23,7 @@ from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenA
                                                     pick_decode, pick_prefill)
 from prefix_service.backends.cuda.graphs import DecodeGraphs
 from prefix_service.backends.cuda.layers import FusedForward, fused_layers_fit
+from prefix_service.backends.cuda.staging import Staging
 from prefix_service.config import CacheConfig, EngineConfig
 from prefix_service.model.llama import LlamaForCausalLM
 
@@ -59,6 +60,7 @@ class CudaBackend(Backend):
         self.decode_name, self.decode = decode or pick_decode()
         self.graphs: DecodeGraphs | None = None
         self.kernels = "cuda_ops"
+        self.staging = Staging(self.device)
         self.fused_layers = fused_layers
         # the forward: (input_ids, positions, attention) -> hidden states, the model's or FusedForward
         self.run_model: Callable[..., torch.Tensor] = model
@@ -109,15 +111,12 @@ class CudaBackend(Backend):
         graphs = self.graphs
         if graphs is not None and graphs.fits(step) and host.block_tables.shape[1] <= graphs.width:
             return graphs.run(step, host)
-        device = self.device
-        meta = VarlenMetadata.build(step, host, device, self.block_size if self.decode is decode_triton else None,
-                                    (self.arch.num_heads, self.arch.num_kv_heads))
-        ids = host.token_ids.to(device, non_blocking=True)
-        positions = host.positions.to(device, non_blocking=True)
-        # copied before the forward is queued: a copy from pageable memory waits for the stream's work
-        logit_rows = host.logit_rows.to(device, non_blocking=True) if host.logit_rows.numel() else None
+        # every input in one copy, queued before the forward
+        meta, (ids, positions, logit_rows) = VarlenMetadata.build(
+            step, host, self.staging, self.block_size if self.decode is decode_triton else None,
+            (self.arch.num_heads, self.arch.num_kv_heads), also=(host.token_ids, host.positions, host.logit_rows))
         hidden = self.run_model(ids, positions, VarlenAttention(self.kv_layers, meta, self.prefill, self.decode))
-        if logit_rows is None:
+        if not host.logit_rows.numel():
             return None
         return self.model.compute_logits(hidden[logit_rows])
 

@@ -27,6 +27,7 @@ from cuda_ops.paged_decode import UNUSED_ITEM, CascadeGroups, cascade_supported,
 from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cuda.attention import (DecodeFn, PrefillFn, VarlenAttention, VarlenMetadata, cascade_rows,
                                                     decode_triton)
+from prefix_service.backends.cuda.staging import Staging
 from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class GraphedBackend(Protocol):
     block_size: int
     device: torch.device
     run_model: Callable[..., torch.Tensor]  # the forward: the model's, or its fused layers'
+    staging: Staging  # a step's host tensors to the device in one copy
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -80,6 +82,7 @@ class DecodeGraphs:
         self.rows_per_chunk = rows_per_chunk(arch.num_heads, arch.num_kv_heads)
         # work items: at most one per chunk of rows plus one per group (a partial last chunk)
         self.work = torch.tensor([UNUSED_ITEM] * self._items(b), dtype=torch.int32, device=device)
+        self.staging = backend.staging
         self.replays = 0  # steps served by a graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -134,40 +137,44 @@ class DecodeGraphs:
         n = len(step.rows)
         return 0 < n <= self.max_batch and step.num_decodes == n and step.num_logits == n
 
-    def _fill_groups(self, step: StepBatch, size: int) -> None:
-        """The step's template groups into the static cascade buffers (no group: every size 0)."""
+    def _groups_of(self, step: StepBatch, size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's template groups as (static cascade buffer, host tensor) pairs (no group: every
+        size 0; the padding rows start at block 0)."""
         first, groups = cascade_rows(step)
         first += [0] * (size - len(first))  # the padding rows
         slots = self._groups(size)
         assert len(groups) <= slots
         sizes = [len(rows) for _, rows in groups] + [0] * (slots - len(groups))
         blocks = [b for b, _ in groups] + [0] * (slots - len(groups))
-        self.first[:size].copy_(torch.tensor(first, dtype=torch.int32), non_blocking=True)
-        self.group_sizes[:slots].copy_(torch.tensor(sizes, dtype=torch.int32), non_blocking=True)
-        self.group_blocks[:slots].copy_(torch.tensor(blocks, dtype=torch.int32), non_blocking=True)
-        for g, (_, rows) in enumerate(groups):
-            self.group_rows[g, :len(rows)].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        width = max((len(rows) for _, rows in groups), default=0)
         capacity = self._items(size)
         items = work_items(sizes, self.rows_per_chunk)
         assert len(items) <= capacity
         items += [UNUSED_ITEM] * (capacity - len(items))
-        self.work[:capacity].copy_(torch.tensor(items, dtype=torch.int32), non_blocking=True)
+
+        def ints(data) -> torch.Tensor:
+            return torch.tensor(data, dtype=torch.int32)
+        return [(self.first[:size], ints(first)), (self.group_sizes[:slots], ints(sizes)),
+                (self.group_blocks[:slots], ints(blocks)),
+                (self.group_rows[:len(groups), :width],
+                 ints([rows + [0] * (width - len(rows)) for _, rows in groups]).view(len(groups), width)),
+                (self.work[:capacity], ints(items))]
 
     def run(self, step: StepBatch, host: StepTensors) -> torch.Tensor:
-        """The logits [n, vocab] of a step that `fits`, by replaying the smallest graph that holds it."""
+        """The logits [n, vocab] of a step that `fits`, by replaying the smallest graph that holds it.
+        The step's inputs reach the device in one copy (staging), then into the graph's buffers."""
         n = len(step.rows)
         size = next(s for s in self.sizes if s >= n)
-        self.ids[:n].copy_(host.token_ids, non_blocking=True)
-        self.positions[:n].copy_(host.positions, non_blocking=True)
-        self.slots[:n].copy_(host.slots, non_blocking=True)
-        self.tables[:n, :host.block_tables.shape[1]].copy_(host.block_tables, non_blocking=True)
-        self.lens[:n].copy_(host.context_lens, non_blocking=True)
+        fills = [(self.ids[:n], host.token_ids), (self.positions[:n], host.positions), (self.slots[:n], host.slots),
+                 (self.tables[:n, :host.block_tables.shape[1]], host.block_tables), (self.lens[:n], host.context_lens)]
+        if self.cascade:
+            fills += self._groups_of(step, size)
+        for buffer, moved in zip((b for b, _ in fills), self.staging.to_device([t for _, t in fills])):
+            buffer.copy_(moved)
         if size > n:  # the padding rows: no K/V written, one token of context
             self.slots[n:size].fill_(-1)
             self.lens[n:size].fill_(1)
             self.tables[n:size, 0].fill_(0)
-        if self.cascade:
-            self._fill_groups(step, size)
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size][:n].clone()  # the next replay overwrites the graph's own output
