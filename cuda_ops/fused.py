@@ -72,9 +72,9 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         dt = out_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:  # the residual add, rounded as the model's, written back in place
-            x = (x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-            tl.store(res_ptr + row * stride_r + offs, x, mask=mask)
-            x = x.to(tl.float32)
+            total = (x + tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+            tl.store(res_ptr + row * stride_r + offs, total, mask=mask)
+            x = total.to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + offs, (w * (x * inv).to(dt).to(tl.float32)).to(dt), mask=mask)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+from cuda_ops.timing import copy_bandwidth_gbps, median_ms
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,30 +38,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="calls per timed sample")
     p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
     return p.parse_args(argv)
-
-
-def median_ms(fn, warmup: int, iters: int, reps: int) -> float:
-    """Median over `iters` samples of the mean time of `reps` back-to-back calls, in ms."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / reps)
-    return statistics.median(samples)
-
-
-def copy_bandwidth_gbps(args) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), args.warmup, args.iters, 1)
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 def make_inputs(args, batch: int, shared: bool) -> dict:
@@ -95,7 +72,7 @@ def main(argv=None) -> int:
     from cuda_ops import concat_kvcache_with_prefix, concat_kvcache_with_prefix_ref, load_cuda_ops
 
     load_cuda_ops()  # compile before timing
-    copy_gbps = copy_bandwidth_gbps(args)
+    copy_gbps = copy_bandwidth_gbps(args.warmup, args.iters)
     rows = []
     for mode in ("shared", "distinct"):
         for batch in args.batches:

@@ -71,7 +71,8 @@ for dtype in (torch.float32, torch.bfloat16):
     except Exception as exc:
         print(f"varlen_attn {dtype}: {type(exc).__name__}: {str(exc)[:200]}")
 EOF
-step ops 60 python3 scripts/bench_cuda_ops.py --iters 10 --json "$LOGS/cuda_ops.json"
+step ops 90 bash -c 'python3 scripts/bench_cuda_ops.py --iters 10 --json '"$LOGS"'/cuda_ops.json
+  python3 scripts/bench_cuda_layers.py --iters 10 --json '"$LOGS"'/cuda_layers.json' 
 SANITIZE_DEFAULT_K="(kernel_matches_reference and bfloat16 and 128) or copy_blocks_kernel or many_sequences or cascade_decode_on_gpu"
 CPU_MODEL=${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy}
 step cpu 120 python3 scripts/bench_cpu_dtype.py $CPU_MODEL --rounds 1 --singles 3 --concurrency 16,64 --json "$LOGS/cpu_dtype.json"

@@ -8,6 +8,7 @@ outputs poisoned first so that an unwritten element shows.
 """
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -412,10 +413,11 @@ def test_disable_env_turns_kernels_off(monkeypatch):
 
 
 @cpu_only
-def test_bench_script_needs_gpu():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_cuda_ops.py")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
+@pytest.mark.parametrize("script", ["bench_cuda_ops.py", "bench_cuda_layers.py"])
+def test_bench_script_needs_gpu(script):
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr
     assert "needs a CUDA GPU" in proc.stderr
 
 
