@@ -16,13 +16,11 @@ Needs a CUDA GPU: exits with status 2 and a message otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from cuda_ops.timing import copy_bandwidth_gbps, median_ms
+from cuda_ops.timing import add_timing_args, copy_bandwidth_gbps, gpu_or_say, median_ms, write_results
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,10 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=30, help="timed samples; the median is reported")
-    p.add_argument("--reps", type=int, default=20, help="calls per timed sample")
-    p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    add_timing_args(p, reps=20)
     return p.parse_args(argv)
 
 
@@ -70,9 +65,7 @@ def cases(args, t: int) -> list[tuple[str, object, object, int]]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_cuda_layers: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured",
-              file=sys.stderr)
+    if not gpu_or_say("bench_cuda_layers"):
         return 2
     copy_gbps = copy_bandwidth_gbps(args.warmup, args.iters)
     rows = []
@@ -94,12 +87,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['op']:<16}{r['tokens']:>7}{r['reference_us']:>14.1f}{r['fused_us']:>10.1f}{r['speedup']:>7.1f}"
               f"{r['fused_gbps']:>8.0f}{r['pct_of_copy']:>7.0f}%")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.json.write_text(json.dumps(dict(device=name, torch=torch.__version__, cuda=torch.version.cuda,
-                                             copy_gbps=copy_gbps, config=config, rows=rows), indent=2))
-        print(f"wrote {args.json}")
+    write_results(args, copy_gbps, rows)
     return 0
 
 

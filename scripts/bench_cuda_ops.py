@@ -15,13 +15,11 @@ Needs a CUDA GPU: exits with status 2 and a message otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from cuda_ops.timing import copy_bandwidth_gbps, median_ms
+from cuda_ops.timing import add_timing_args, copy_bandwidth_gbps, gpu_or_say, median_ms, write_results
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,10 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=30, help="timed samples; the median is reported")
-    p.add_argument("--reps", type=int, default=10, help="calls per timed sample")
-    p.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    add_timing_args(p, reps=10)
     return p.parse_args(argv)
 
 
@@ -65,9 +60,7 @@ def make_inputs(args, batch: int, shared: bool) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_cuda_ops: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured",
-              file=sys.stderr)
+    if not gpu_or_say("bench_cuda_ops"):
         return 2
     from cuda_ops import concat_kvcache_with_prefix, concat_kvcache_with_prefix_ref, load_cuda_ops
 
@@ -103,12 +96,7 @@ def main(argv=None) -> int:
         print(f"{r['mode']:<9}{r['batch']:>6}{r['total_k']:>9}{r['mbytes']:>9.1f}{r['kernel_us']:>11.1f}"
               f"{r['kernel_gbps']:>8.0f}{r['pct_of_copy']:>7.0f}%{r['kernel_sync_us']:>10.1f}"
               f"{r['reference_us']:>10.0f}{r['speedup_vs_reference']:>8.1f}")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        args.json.write_text(json.dumps(dict(device=name, torch=torch.__version__, cuda=torch.version.cuda,
-                                             copy_gbps=copy_gbps, config=config, rows=rows), indent=2))
-        print(f"wrote {args.json}")
+    write_results(args, copy_gbps, rows)
     return 0
 
 
