@@ -133,3 +133,25 @@ def test_logprobs_of_rows_asking_for_different_counts_in_one_step():
         top = want[i].topk(k) if k else None
         assert [t for t, _ in lp.top] == ([] if top is None else top.indices.tolist())
         assert [v for _, v in lp.top] == pytest.approx([] if top is None else top.values.tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [2048, 49152, 50257, 3000, 100])
+def test_first_argmax_is_torchs_argmax(vocab):
+    """The blocked argmax picks torch's index on every row: ties within a block and across blocks
+    (the first wins), the largest in a short tail block, rows masked to -inf but one, a NaN."""
+    from prefix_service.engine.sampler import first_argmax
+    g = torch.Generator().manual_seed(vocab)
+    rows = torch.randn(12, vocab, generator=g)
+    rows[1, [5, vocab - 1]] = 50.0  # a tie across blocks: the first
+    rows[2, vocab - 1] = 60.0  # the largest in the last (possibly short) block
+    rows[3] = float("-inf")
+    rows[3, vocab // 2] = 0.0
+    rows[4] = 7.0  # every value equal: index 0
+    rows[5, [vocab // 3, vocab // 3 + 1]] = 40.0  # a tie within a block
+    rows[6, vocab - 2] = float("nan")
+    rows[7, 0] = 30.0
+    rows[8] = torch.round(rows[8])  # many ties among small integers
+    got = first_argmax(rows)
+    assert torch.equal(got, rows.argmax(dim=-1)), (got, rows.argmax(dim=-1))
+    assert torch.equal(first_argmax(rows[::2]), rows[::2].argmax(dim=-1))  # rows not contiguous
+    assert got[1] == 5 and got[2] == vocab - 1 and got[4] == 0 and got[5] == vocab // 3

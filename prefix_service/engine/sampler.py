@@ -41,7 +41,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     greedy = [i for i, seq in enumerate(seqs) if seq.sampling.greedy]
     drawn = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
     if greedy:  # their argmax only
-        for i, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist()):
+        for i, token in zip(greedy, first_argmax(_rows(logits, greedy)).tolist()):
             tokens[i] = token
     if drawn:
         for i, token in zip(drawn, draw(logits, drawn, seqs)):
@@ -130,6 +130,30 @@ def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[in
     if cut:
         tokens[cut] = _draw_cut(_rows(scaled, cut), [params[j] for j in cut], uniform[cut])
     return tokens.tolist()
+
+
+ARGMAX_BLOCK = 1024  # first_argmax's block of a row
+
+
+def first_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """rows.argmax(-1) for rows [N, V]: the first index of each row's largest value (NaN the
+    largest, as torch's). On a CPU, torch's argmax takes about ten times its amax's time (2.6 ms
+    against 0.1 for 64 rows of 49,152 logits), so there each row's blocks of ARGMAX_BLOCK are
+    reduced to their maxima first (a vocabulary's tail short of a block is one more), the first
+    block that holds the row's largest is found, and its argmax taken: the same index."""
+    n, v = rows.shape
+    b = ARGMAX_BLOCK
+    if rows.device.type != "cpu" or v < 2 * b or n == 0:
+        return rows.argmax(dim=-1)
+    rows = rows.contiguous()
+    full = v // b * b
+    maxima = rows.as_strided((n, full // b, b), (v, b, 1)).amax(-1)  # [N, blocks]
+    if full < v:
+        maxima = torch.cat([maxima, rows[:, full:].amax(-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1) * b  # the first block holding the row's largest
+    # the block's indices; a short tail block repeats its last one, which cannot come first
+    index = (start.unsqueeze(1) + torch.arange(b, dtype=start.dtype)).clamp_(max=v - 1)
+    return start + rows.gather(1, index).argmax(dim=-1)
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
