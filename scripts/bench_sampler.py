@@ -1,6 +1,7 @@
 """The sampler's cost per step: `engine.sampler.sample` on N rows of next-token logits, per sampling
 option (greedy, temperature, top-p, top-k, the penalties over each row's 1,039 prompt and 30
-generated tokens), milliseconds a call. A step samples every row at once
+generated tokens), milliseconds a call, with glibc malloc set as the engine sets it on a CPU
+(backends/hostmem.py: without it a call's fresh 12 MB temporaries fault on every page). A step samples every row at once
 after the model's forward, so on a CPU this time is added to each decode step of N sequences.
 
 The logits are the default model's own (SmolLM2-135M-Instruct through transformers, float32, the
@@ -71,8 +72,10 @@ def child(args: argparse.Namespace) -> None:
     """One checkout: ms a call per (option, rows), printed as one JSON line."""
     import torch
     sys.path.insert(0, str(Path(args.repo).resolve()))
+    from prefix_service.backends import hostmem
     from prefix_service.engine import sampler
     from prefix_service.engine.sequence import Sequence
+    hostmem.keep_freed_memory()  # malloc as an engine on a CPU sets it: no page faults for a step's temporaries
     from prefix_service.sampling_params import SamplingParams
     logits = torch.load(args.logits_file)
     result = {}
