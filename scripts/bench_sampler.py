@@ -121,17 +121,18 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    logits_file = Path(tempfile.mkdtemp()) / "logits.pt"
-    make_logits(args.logits, max(args.rows), logits_file)
     sys.path.insert(0, str(REPO))
     from prefix_service.bench.main import child_result, machine_info
     systems = ([("base", args.baseline)] if args.baseline else []) + [("ours", str(REPO))]
     runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
-    for r in range(args.rounds):
-        for name, repo in systems:
-            cmd = [sys.executable, __file__, "--child", "--repo", repo, "--logits-file", str(logits_file),
-                   "--rows", ",".join(map(str, args.rows)), "--calls", str(args.calls)]
-            runs[name].append(child_result(cmd, {**os.environ, "PYTHONPATH": repo}, f"{name} (round {r})"))
+    with tempfile.TemporaryDirectory() as tmp:  # the logits every child reads, removed at the end
+        logits_file = Path(tmp) / "logits.pt"
+        make_logits(args.logits, max(args.rows), logits_file)
+        for r in range(args.rounds):
+            for name, repo in systems:
+                cmd = [sys.executable, __file__, "--child", "--repo", repo, "--logits-file", str(logits_file),
+                       "--rows", ",".join(map(str, args.rows)), "--calls", str(args.calls)]
+                runs[name].append(child_result(cmd, {**os.environ, "PYTHONPATH": repo}, f"{name} (round {r})"))
     info = machine_info()
     table = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
     print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, {args.logits} logits, "
