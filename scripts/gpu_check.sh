@@ -12,7 +12,7 @@
 # trace (bench_gpu.py's one-sequence decode under torch's profiler, a Chrome trace per way to
 # decode: the host's share of an eager step), profile (where a Llama-3-8B-shaped decode step's
 # time goes on the GPU), layers (the same decode profile and the prefill's, with the fused layers and with
-# the model's reference layers, alternated twice), cpuprofile (where a prefill's and
+# the model's reference layers, LAYERS_ROUNDS times, default 1; each run loads the model: about 40 s), cpuprofile (where a prefill's and
 # a decode step's time go in the cpu backend, in each dtype, on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
 # CPU tests, then each linear kernel's cost per call (brgemm also in the block widths
@@ -87,7 +87,7 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
 step layers 300 bash -c 'set -e; L=$(mktemp -d)
   python3 -c "import sys; from pathlib import Path; from prefix_service.synthetic import LLAMA3_8B, build_config_only, build_tokenizer
 build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1]) / \"tok\"), \"llama\", **LLAMA3_8B)" "$L"
-  for round in 1 2; do for fused in 1 0; do echo "--- round $round, model.cuda_fused_layers $fused"
+  for round in $(seq ${LAYERS_ROUNDS:-1}); do for fused in 1 0; do echo "--- round $round, model.cuda_fused_layers $fused"
     python3 scripts/profile_decode.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
       --kv-cache-memory 16GiB --cuda-fused-layers $fused --batches 1,16,64 --steps 5 | tail -n 4
     python3 scripts/profile_prefill.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
