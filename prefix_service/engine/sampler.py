@@ -193,7 +193,9 @@ def _draw_cut(scaled: torch.Tensor, params: list[SamplingParams], uniform: torch
     # the candidates: the largest top_k, at least TOP_P_CANDIDATES[0]; rows with only a top_p whose
     # nucleus is wider than that go on to the next width, the last the whole vocabulary, sorted
     width = min(vocab, max(max(ks), TOP_P_CANDIDATES[0]))
-    probs, index = _nucleus(scaled, width, ks, no_k, top_p)
+    # the log-normaliser over the whole vocabulary of the rows without a top_k, once for every width
+    whole = scaled.logsumexp(-1) if 0 in ks else None
+    probs, index = _nucleus(scaled, width, ks, no_k, top_p, whole)
     picked = index.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
     rows = torch.arange(len(params), device=device)
     for wider in [w for w in TOP_P_CANDIDATES[1:] if w > width] + [vocab]:
@@ -201,24 +203,26 @@ def _draw_cut(scaled: torch.Tensor, params: list[SamplingParams], uniform: torch
         if width >= vocab or not bool(short.any()):
             break
         rows, width = rows[short], min(wider, vocab)
-        probs, index = _nucleus(scaled[rows], width, [0] * len(rows), no_k[rows], top_p[rows])
+        probs, index = _nucleus(scaled[rows], width, [0] * len(rows), no_k[rows], top_p[rows],
+                                None if whole is None else whole[rows])
         picked[rows] = index.gather(1, _inverse_cdf(probs, uniform[rows]).unsqueeze(1)).squeeze(1)
     return picked
 
 
-def _nucleus(scaled: torch.Tensor, width: int, ks: list[int], no_k: torch.Tensor, top_p: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus(scaled: torch.Tensor, width: int, ks: list[int], no_k: torch.Tensor, top_p: torch.Tensor,
+             whole: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The `width` most likely tokens of each row [R, vocab], sorted (their ids [R, width]), and
     their probabilities, 0 past the row's k (ks[r], 0: none) and past its nucleus: the probability
     before a token reaching top_p[r]. A row with a top_k has its probabilities over its k tokens; one
     without, over its whole vocabulary, so that they sum to less than top_p where the nucleus is
-    wider than `width`."""
+    wider than `width` (whole: each row's log-normaliser over its vocabulary, where some row has no
+    top_k)."""
     values, index = scaled.topk(width, dim=-1)  # sorted, largest first
     limit = torch.tensor([k or width for k in ks], device=scaled.device).unsqueeze(1)
     values = values.masked_fill(torch.arange(width, device=scaled.device) >= limit, float("-inf"))
     total = values.logsumexp(-1)  # log of each row's normaliser
-    if 0 in ks:
-        total = torch.where(no_k, scaled.logsumexp(-1), total)
+    if whole is not None:
+        total = torch.where(no_k, whole, total)
     probs = (values - total.unsqueeze(1)).exp()
     before = probs.cumsum(-1) - probs
     return probs.masked_fill(before >= top_p.unsqueeze(1), 0.0), index
