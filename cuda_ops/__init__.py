@@ -1,4 +1,8 @@
-"""KV-cache copy ops: torch references and (on CUDA) compiled kernels behind checked wrappers.
+"""The cuda backend's GPU ops: KV-cache copy kernels (CUDA C++, below), the Triton paged decode
+(paged_decode.py) and a layer's fused element-wise kernels (fused.py), each with its torch reference;
+timing.py times them for the op benchmarks.
+
+KV-cache copy ops: torch references and (on CUDA) compiled kernels behind checked wrappers.
 
 `concat_kvcache_with_prefix` gathers, per prefill sequence, its cached context (a pinned prefix
 and/or earlier prefill chunks) from the paged cache and appends its new K/V, producing the
