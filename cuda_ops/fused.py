@@ -127,11 +127,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     place to residual + x and returned; without one, x is returned as the residual."""
     t, n = x.shape
     out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    res = x if residual is None else residual
     if t:
-        res = residual if residual is not None else x
         _k().rms_norm[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
                             HAS_RES=residual is not None, BLOCK=_next_pow2(n))
-    return out, (residual if residual is not None else x)
+    return out, res
 
 
 def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

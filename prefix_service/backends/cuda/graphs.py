@@ -82,7 +82,6 @@ class DecodeGraphs:
         self.rows_per_chunk = rows_per_chunk(arch.num_heads, arch.num_kv_heads)
         # work items: at most one per chunk of rows plus one per group (a partial last chunk)
         self.work = torch.tensor([UNUSED_ITEM] * self._items(b), dtype=torch.int32, device=device)
-        self.staging = backend.staging
         self.replays = 0  # steps served by a graph
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -169,7 +168,7 @@ class DecodeGraphs:
                  (self.tables[:n, :host.block_tables.shape[1]], host.block_tables), (self.lens[:n], host.context_lens)]
         if self.cascade:
             fills += self._groups_of(step, size)
-        for buffer, moved in zip((b for b, _ in fills), self.staging.to_device([t for _, t in fills])):
+        for buffer, moved in zip((b for b, _ in fills), self.backend.staging.to_device([t for _, t in fills])):
             buffer.copy_(moved)
         if size > n:  # the padding rows: no K/V written, one token of context
             self.slots[n:size].fill_(-1)

@@ -14,7 +14,7 @@ the reference launches about thirty.
                        h, x = norm_in_{i+1}(x + m)         # the last layer: the final norm
     return h
 
-The results are the reference's but for the order of a norm's sum (tests/test_attention_cuda.py).
+The results are the reference's but for the order of a norm's sum (tests/test_cuda_fused.py).
 Qwen3's per-head q and k norms run as the reference's modules.
 """
 from __future__ import annotations
@@ -37,10 +37,7 @@ class FusedForward:
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
-        arch = model.arch
-        self.eps = arch.rms_norm_eps
-        self.inter = arch.intermediate_size
-        self.heads = arch.num_heads + arch.num_kv_heads
+        self.eps = model.arch.rms_norm_eps
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
@@ -70,7 +67,7 @@ class FusedForward:
         x = torch.zeros((2, arch.hidden_size), dtype=dtype, device=device)
         fused.rms_norm(x, self.model.norm.weight, self.eps, residual=x.clone())
         fused.rms_norm(x, self.model.norm.weight, self.eps)
-        qk = torch.zeros((2, self.heads, arch.head_dim), dtype=dtype, device=device)
+        qk = torch.zeros((2, arch.num_heads + arch.num_kv_heads, arch.head_dim), dtype=dtype, device=device)
         cos, sin = self.model.rotary.tables(device)
         fused.rope_(qk, cos, sin, torch.zeros(2, dtype=torch.int64, device=device))
-        fused.silu_mul(torch.zeros((2, 2 * self.inter), dtype=dtype, device=device))
+        fused.silu_mul(torch.zeros((2, 2 * arch.intermediate_size), dtype=dtype, device=device))
