@@ -500,14 +500,44 @@ def test_template_attention_is_the_softmax_state_within_bf16_rounding(rows, r_le
     assert packed.nbytes >= 2 * r_len * hkv * d * 2
     q = (torch.randn(rows, 2 * d, generator=g) * d ** -0.5)[:, :d]  # rows 2d apart
     for h in range(hkv):
-        o, m, l = packed.attend(h, q)
-        m_ref, l_ref, out_ref, w_ref, bound = template_reference(q, k[:, h].float(), v[:, h].float())
-        assert ((m.double() - m_ref).abs() <= bound + 1e-7).all()
-        scale = torch.exp(m.double() - m_ref)  # l is relative to the kernel's own maximum
-        assert ((l.double() / scale / l_ref - 1).abs() <= 2.0 ** -8).all()
-        out = o.double() / l.double()[:, None]
-        tol = 2 * 2.0 ** -8 * (w_ref @ v[:, h].double().abs()) + 1e-6
-        assert ((out - out_ref).abs() <= tol).all(), (out - out_ref).abs().max().item()
+        assert_template_state(packed, h, q, k[:, h].float(), v[:, h].float())
+
+
+def assert_template_state(packed, h, q, k, v):
+    """packed.attend(h, q) against template_reference(q, k, v) within the bounds above."""
+    o, m, l = packed.attend(h, q)
+    m_ref, l_ref, out_ref, w_ref, bound = template_reference(q, k, v)
+    assert ((m.double() - m_ref).abs() <= bound + 1e-7).all()
+    scale = torch.exp(m.double() - m_ref)  # l is relative to the kernel's own maximum
+    assert ((l.double() / scale / l_ref - 1).abs() <= 2.0 ** -8).all()
+    out = o.double() / l.double()[:, None]
+    tol = 2 * 2.0 ** -8 * (w_ref @ v.double().abs()) + 1e-6
+    assert ((out - out_ref).abs() <= tol).all(), (out - out_ref).abs().max().item()
+
+
+@needs_lib
+@pytest.mark.parametrize("shape", ["rising", "falling", "steps"])
+def test_template_attention_follows_scores_that_move_far_between_chunks(shape):
+    """Scores that climb by 140 across the template's chunks (past float32's range: each row's
+    exponentials must be taken against a reference that moves, and what came before rescaled), that
+    fall (everything after the first chunk negligible), and that jump up and down by less and more
+    than 8 within and between chunks: the state is still the softmax's, its maximum the largest
+    score."""
+    r_len, d, rows = 330, 64, 13
+    g = torch.Generator().manual_seed(7)
+    u = torch.nn.functional.normalize(torch.randn(d, generator=g), dim=0)
+    q = u[None, :] * (1.0 + 0.1 * torch.rand(rows, 1, generator=g)) + 0.05 * torch.randn(rows, d, generator=g)
+    j = torch.arange(r_len, dtype=torch.float32)
+    if shape == "rising":
+        a = -30.0 + 140.0 * j / r_len  # the largest score in the last chunk, e^140 past float32
+    elif shape == "falling":
+        a = 40.0 - 60.0 * j / r_len  # the largest in the first chunk
+    else:
+        a = torch.tensor([0.0, 6.0, -3.0, 14.0, 9.0, 30.0, 22.0, 31.0])[(j // 42).long()] + torch.randn(r_len, generator=g)
+    k = (a[:, None] * u[None, :] + 0.1 * torch.randn(r_len, d, generator=g)).bfloat16()
+    v = torch.randn(r_len, d, generator=g).bfloat16()
+    packed = onednn.OneDnnTemplate(k[:, None, :], v[:, None, :])
+    assert_template_state(packed, 0, q, k.float(), v.float())
 
 
 @needs_lib

@@ -13,8 +13,10 @@
 // takes VNNI (AMX). Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later, Intel Cooper
 // Lake), the two products run instead as this file's own loops of bf16 dot-product instructions
 // (vdpbf16ps: 16 float32 sums, each adding two bf16 products, per instruction) over the same
-// VNNI pairs: the brgemm micro-kernel takes bf16 only on AMX, and torch's fallback GEMM is 2-3x
-// slower than the native float32 kernels. Elsewhere plain row-major for that fallback GEMM. Built
+// VNNI pairs (the brgemm micro-kernel takes bf16 only on AMX, and torch's fallback GEMM is 2-3x
+// slower than the native float32 kernels), a few rows at a time with the softmax between the two
+// products while the chunk's K and V are in L1 (attend_dot). Elsewhere plain row-major for that
+// fallback GEMM. Built
 // into the oneDNN library with onednn_linear.cpp (onednn.py); its entry points report failures
 // through ps_onednn_last_error.
 #include <ATen/ATen.h>
@@ -56,7 +58,7 @@ constexpr int64_t kTM = 32;  // query rows per pair of products (two AMX tiles o
 struct TemplateKV {
   int64_t r_len = 0, hkv = 0, d = 0, chunks = 0;
   bool vnni = false;  // AMX: brgemm on VNNI-packed chunks
-  bool dot = false;   // AVX512-BF16 without AMX: scores_dot and values_dot on VNNI pairs
+  bool dot = false;   // AVX512-BF16 without AMX: attend_dot on VNNI pairs
   // k: [hkv][chunks][d][kTK] (K^T of each chunk), v: [hkv][chunks][kTK][d], bf16, each chunk
   // VNNI-packed when vnni; when dot, k [hkv][chunks][d / 2][kTK][2] and v [hkv][chunks][kTK / 2][d][2]
   // (the pairs a dot-product instruction multiplies)
@@ -65,83 +67,6 @@ struct TemplateKV {
 
 constexpr int kRB = 4;  // the dot products: rows per block of accumulators (4 rows x 4 vectors of 16 sums)
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-using ps_onednn::broadcast_pair;
-using ps_onednn::pairs;
-
-// The two products' loops over rows and vectors are unrolled, so the accumulators stay in
-// registers: the library builds at -O2, which would keep them on the stack (2.2x slower).
-
-// s [mm][kTK] = q [mm][d] (bf16, rows d apart) times a chunk's K^T, k [d / 2][kTK][2]; mm a multiple of kRB
-void scores_dot(const c10::BFloat16* q, int64_t d, const c10::BFloat16* k, int mm, float* s) {
-  for (int r = 0; r < mm; r += kRB) {
-    __m512 acc[kRB][4];
-    #pragma GCC unroll 4
-    for (int i = 0; i < kRB; ++i)
-      #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < d / 2; ++p) {
-      const c10::BFloat16* kp = k + p * kTK * 2;
-      __m512bh kv[4];
-      #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) kv[v] = pairs(_mm512_loadu_si512(kp + v * 32));
-      #pragma GCC unroll 4
-      for (int i = 0; i < kRB; ++i) {
-        const __m512bh a = broadcast_pair(q + (r + i) * d + 2 * p);
-        #pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, kv[v]);
-      }
-    }
-    #pragma GCC unroll 4
-    for (int i = 0; i < kRB; ++i)
-      #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(s + (r + i) * kTK + v * 16, acc[i][v]);
-  }
-}
-
-// o[r][e0, e0 + 16 NV) += p [mm][kTK] (bf16) times columns e0.. of a chunk's V, v [kTK / 2][d][2]
-template <int NV>
-void values_block(const c10::BFloat16* p, const c10::BFloat16* v, int64_t d, int64_t e0, int mm, float* o) {
-  for (int r = 0; r < mm; r += kRB) {
-    __m512 acc[kRB][NV];
-    #pragma GCC unroll 4
-    for (int i = 0; i < kRB; ++i)
-      #pragma GCC unroll 4
-      for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_loadu_ps(o + (r + i) * d + e0 + w * 16);
-    for (int64_t j = 0; j < kTK / 2; ++j) {
-      const c10::BFloat16* vp = v + (j * d + e0) * 2;
-      __m512bh vv[NV];
-      #pragma GCC unroll 4
-      for (int w = 0; w < NV; ++w) vv[w] = pairs(_mm512_loadu_si512(vp + w * 32));
-      #pragma GCC unroll 4
-      for (int i = 0; i < kRB; ++i) {
-        const __m512bh a = broadcast_pair(p + (r + i) * kTK + 2 * j);
-        #pragma GCC unroll 4
-        for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], a, vv[w]);
-      }
-    }
-    #pragma GCC unroll 4
-    for (int i = 0; i < kRB; ++i)
-      #pragma GCC unroll 4
-      for (int w = 0; w < NV; ++w) _mm512_storeu_ps(o + (r + i) * d + e0 + w * 16, acc[i][w]);
-  }
-}
-
-// o [mm][d] += p [mm][kTK] (bf16) times a chunk's V, v [kTK / 2][d][2]; d a multiple of 16, 64 columns at a time
-void values_dot(const c10::BFloat16* p, const c10::BFloat16* v, int64_t d, int mm, float* o) {
-  int64_t e0 = 0;
-  for (; e0 + 64 <= d; e0 += 64) values_block<4>(p, v, d, e0, mm, o);
-  switch ((d - e0) / 16) {
-    case 3: values_block<3>(p, v, d, e0, mm, o); break;
-    case 2: values_block<2>(p, v, d, e0, mm, o); break;
-    case 1: values_block<1>(p, v, d, e0, mm, o); break;
-    default: break;
-  }
-}
-#else
-void scores_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, int, float*) {}
-void values_dot(const c10::BFloat16*, const c10::BFloat16*, int64_t, int, float*) {}
-#endif
 
 // The kernel a template of head size d multiplies with on a CPU where oneDNN's brgemm takes
 // VNNI-packed bf16 (amx) and this file's dot products are built (dot): 2 oneDNN's brgemm
@@ -165,10 +90,11 @@ thread_local Scratch scratch;
 
 
 #if defined(__AVX512F__)
-// e^x for x <= 0 (a score less its row's maximum), to well within the bf16 rounding P goes through:
-// x = n ln 2 + f, |f| <= ln 2 / 2, e^f by its degree-5 Taylor polynomial (relative error below
-// 2.5e-6, against bf16's 2^-9), scaled by 2^n; x below -87 is clamped (e^-87 ~ 1.6e-38).
-inline __m512 exp_nonpositive(__m512 x) {
+// e^x for x <= 0 (a score less its row's maximum) or a little above (at most kLazy, attend_dot),
+// to well within the bf16 rounding P goes through: x = n ln 2 + f, |f| <= ln 2 / 2, e^f by its
+// degree-5 Taylor polynomial (relative error below 2.5e-6, against bf16's 2^-9), scaled by 2^n; x
+// below -87 is clamped (e^-87 ~ 1.6e-38).
+inline __m512 exp_small(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -191,7 +117,7 @@ float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
   const ps::vf mb = ps::vset1(m);
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < kTK; j += ps::LANES) {
-    const ps::vf e = ps::vkeep_first(ps::vf{exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(src + j), mb.v))}, n - j);
+    const ps::vf e = ps::vkeep_first(ps::vf{exp_small(_mm512_sub_ps(_mm512_loadu_ps(src + j), mb.v))}, n - j);
 #if defined(__AVX512BF16__)
     // one instruction for the rounding: to nearest even, as bf16_bits, and the same bits here (the
     // exponentials are 0 or normal numbers, e^-87 and up, where its flush of subnormals cannot act)
@@ -250,6 +176,145 @@ void scale_row(float* o, int64_t d, float alpha) {
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+using ps_onednn::broadcast_pair;
+using ps_onednn::pairs;
+
+// The loops over rows and vectors below are unrolled, so the accumulators stay in registers: the
+// library builds at -O2, which would keep them on the stack (2.2x slower).
+
+// s [kRB][kTK] = q [kRB][d] (bf16, rows d apart) times a chunk's K^T, k [d / 2][kTK][2]
+inline void scores_rows(const c10::BFloat16* q, int64_t d, const c10::BFloat16* k, float* s) {
+  __m512 acc[kRB][4];
+  #pragma GCC unroll 4
+  for (int i = 0; i < kRB; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < d / 2; ++p) {
+    const c10::BFloat16* kp = k + p * kTK * 2;
+    __m512bh kv[4];
+    #pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) kv[v] = pairs(_mm512_loadu_si512(kp + v * 32));
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i) {
+      const __m512bh a = broadcast_pair(q + i * d + 2 * p);
+      #pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, kv[v]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < kRB; ++i)
+    #pragma GCC unroll 4
+    for (int v = 0; v < 4; ++v) _mm512_store_ps(s + i * kTK + v * 16, acc[i][v]);
+}
+
+// o[0, kRB)[e0, e0 + 16 NV) (rows d apart) += p [kRB][kTK] (bf16) times columns e0.. of a chunk's V,
+// v [kTK / 2][d][2]
+template <int NV>
+inline void values_rows(const c10::BFloat16* p, const c10::BFloat16* v, int64_t d, int64_t e0, float* o) {
+  __m512 acc[kRB][NV];
+  #pragma GCC unroll 4
+  for (int i = 0; i < kRB; ++i)
+    #pragma GCC unroll 4
+    for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_loadu_ps(o + i * d + e0 + w * 16);
+  for (int64_t j = 0; j < kTK / 2; ++j) {
+    const c10::BFloat16* vp = v + (j * d + e0) * 2;
+    __m512bh vv[NV];
+    #pragma GCC unroll 4
+    for (int w = 0; w < NV; ++w) vv[w] = pairs(_mm512_loadu_si512(vp + w * 32));
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i) {
+      const __m512bh a = broadcast_pair(p + i * kTK + 2 * j);
+      #pragma GCC unroll 4
+      for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], a, vv[w]);
+    }
+  }
+  #pragma GCC unroll 4
+  for (int i = 0; i < kRB; ++i)
+    #pragma GCC unroll 4
+    for (int w = 0; w < NV; ++w) _mm512_storeu_ps(o + i * d + e0 + w * 16, acc[i][w]);
+}
+
+constexpr float kLazy = 8.0f;  // how far a row's scores may rise above its reference before it moves
+
+// The dot products' path over mm rows (a multiple of kRB; padding rows are zero queries) of qb:
+// for each chunk of kTK keys and block of kRB rows, the block's scores (into L1), their
+// exponentials rounded to bf16 into the block's P, and P V added into the rows' outputs ob
+// (zeroed by the caller), while the chunk's K and V stay in L1. Each row's exponentials are taken
+// against a reference score that moves (rescaling what came before) only when a chunk's scores
+// pass it by more than kLazy, so rescaling is rare and a chunk needs no reduction across lanes;
+// its sum of exponentials and its largest score are kept as 16 lanes each. At the end each row's
+// output and sum are moved to its largest score: m and l receive the state's maximum and sum.
+void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, const c10::BFloat16* vh, int64_t chunks,
+                int64_t r_len, int mm, float* ob, float* m, float* l) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const int64_t chunk_k = d * kTK;
+  alignas(64) float sb[kRB * kTK];
+  alignas(64) c10::BFloat16 pb[kRB * kTK];
+  __m512 lsum[kTM], top[kTM];  // per row: 16 lanes of its sum and of its largest score
+  float ref[kTM];              // per row: the score its exponentials are taken against
+  for (int r = 0; r < mm; ++r) {
+    lsum[r] = _mm512_setzero_ps();
+    top[r] = _mm512_set1_ps(-kInf);
+    ref[r] = -kInf;
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int nk = static_cast<int>(std::min<int64_t>(kTK, r_len - c * kTK));
+    const c10::BFloat16* kc = kh + c * chunk_k;
+    const c10::BFloat16* vc = vh + c * chunk_k;
+    for (int r = 0; r < mm; r += kRB) {
+      scores_rows(qb + r * d, d, kc, sb);
+      for (int i = 0; i < kRB; ++i) {
+        const int row = r + i;
+        __m512 x[4];
+        #pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)  // the keys past the template's end: no score
+          x[v] = _mm512_mask_load_ps(_mm512_set1_ps(-kInf), ps::first_mask(nk - v * 16), sb + i * kTK + v * 16);
+        const __m512 hi = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
+        top[row] = _mm512_max_ps(top[row], hi);
+        if (_mm512_cmp_ps_mask(hi, _mm512_set1_ps(ref[row] + kLazy), _CMP_GT_OQ) != 0) {  // the reference moves
+          const float moved = _mm512_reduce_max_ps(hi);
+          const float alpha = std::exp(ref[row] - moved);  // 0 on the first chunk (reference -inf)
+          lsum[row] = _mm512_mul_ps(lsum[row], _mm512_set1_ps(alpha));
+          if (c > 0) scale_row(ob + row * d, d, alpha);
+          ref[row] = moved;
+        }
+        const __m512 rb = _mm512_set1_ps(ref[row]);
+        __m512 sum = lsum[row];
+        #pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          // e^(score - reference), at most e^kLazy; 0 past the template's end. Rounded to bf16 by one
+          // instruction, to nearest even as bf16_bits (the values are 0 or normal numbers, e^-87 and
+          // up, where its flush of subnormals cannot act); the sum adds the rounded values
+          const __m512 e = _mm512_maskz_mov_ps(ps::first_mask(nk - v * 16), exp_small(_mm512_sub_ps(x[v], rb)));
+          const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb + i * kTK + v * 16), b);
+          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+        }
+        lsum[row] = sum;
+      }
+      int64_t e0 = 0;  // the block's outputs, 64 columns at a time
+      for (; e0 + 64 <= d; e0 += 64) values_rows<4>(pb, vc, d, e0, ob + r * d);
+      switch ((d - e0) / 16) {
+        case 3: values_rows<3>(pb, vc, d, e0, ob + r * d); break;
+        case 2: values_rows<2>(pb, vc, d, e0, ob + r * d); break;
+        case 1: values_rows<1>(pb, vc, d, e0, ob + r * d); break;
+        default: break;
+      }
+    }
+  }
+  for (int r = 0; r < mm; ++r) {  // each row's state at its largest score
+    m[r] = _mm512_reduce_max_ps(top[r]);
+    const float alpha = std::exp(ref[r] - m[r]);
+    l[r] = _mm512_reduce_add_ps(lsum[r]) * alpha;
+    if (alpha != 1.0f) scale_row(ob + r * d, d, alpha);
+  }
+}
+#else
+void attend_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int,
+                float*, float*, float*) {}
+#endif
+
 // Rows [0, rows) of q (scaled already; rows q_stride floats apart) over head h of the template:
 // o (rows ld_o apart), m, l receive each row's state after it.
 void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, int rows, float* o, int64_t ld_o,
@@ -258,9 +323,9 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
   const auto* kh = static_cast<const c10::BFloat16*>(t.k.data_ptr()) + h * t.chunks * chunk_k;
   const auto* vh = static_cast<const c10::BFloat16*>(t.v.data_ptr()) + h * t.chunks * chunk_k;
   c10::BFloat16* qb = grown(scratch.q, kTM * d);
-  c10::BFloat16* pb = grown(scratch.p, kTM * kTK);
-  float* s = grown(scratch.s, kTM * kTK);
   float* ob = grown(scratch.o, kTM * d);
+  c10::BFloat16* pb = t.dot ? nullptr : grown(scratch.p, kTM * kTK);
+  float* s = t.dot ? nullptr : grown(scratch.s, kTM * kTK);
   float mi[kTM], li[kTM];
   for (int r0 = 0; r0 < rows; r0 += kTM) {
     // rows, padded to whole AMX tiles (brgemm) or blocks of accumulators (the dot products)
@@ -268,33 +333,31 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
     for (int r = 0; r < mr; ++r) to_bf16(q + (r0 + r) * q_stride, d, qb + r * d);
     std::fill(qb + mr * d, qb + mm * d, c10::BFloat16(0.0f));  // padding rows
     std::fill(ob, ob + mm * d, 0.0f);
-    std::fill(pb, pb + mm * kTK, c10::BFloat16(0.0f));  // padding rows keep P = 0
-    for (int r = 0; r < mr; ++r) {
-      mi[r] = -std::numeric_limits<float>::infinity();
-      li[r] = 0.0f;
-    }
-    for (int64_t c = 0; c < t.chunks; ++c) {
-      const int nk = static_cast<int>(std::min<int64_t>(kTK, t.r_len - c * kTK));
-      if (t.dot)
-        scores_dot(qb, d, kh + c * chunk_k, mm, s);
-      else
-        at::native::cpublas::brgemm(mm, kTK, d, d, kTK, kTK, /*add_C=*/false, qb, kh + c * chunk_k, s, t.vnni);
+    if (t.dot) {
+      attend_dot(qb, d, kh, vh, t.chunks, t.r_len, mm, ob, mi, li);
+    } else {
+      std::fill(pb, pb + mm * kTK, c10::BFloat16(0.0f));  // padding rows keep P = 0
       for (int r = 0; r < mr; ++r) {
-        const float* sr = s + r * kTK;
-        const float mx = row_max(sr, nk, mi[r]);
-        const float sum = exp_row(sr, nk, mx, pb + r * kTK);
-        if (mx != mi[r]) {  // the running maximum moved: what came before is rescaled
-          const float alpha = std::exp(mi[r] - mx);  // 0 on the first chunk (m = -inf)
-          li[r] *= alpha;
-          if (c > 0) scale_row(ob + r * d, d, alpha);
-        }
-        li[r] += sum;
-        mi[r] = mx;
+        mi[r] = -std::numeric_limits<float>::infinity();
+        li[r] = 0.0f;
       }
-      if (t.dot)
-        values_dot(pb, vh + c * chunk_k, d, mm, ob);
-      else
+      for (int64_t c = 0; c < t.chunks; ++c) {
+        const int nk = static_cast<int>(std::min<int64_t>(kTK, t.r_len - c * kTK));
+        at::native::cpublas::brgemm(mm, kTK, d, d, kTK, kTK, /*add_C=*/false, qb, kh + c * chunk_k, s, t.vnni);
+        for (int r = 0; r < mr; ++r) {
+          const float* sr = s + r * kTK;
+          const float mx = row_max(sr, nk, mi[r]);
+          const float sum = exp_row(sr, nk, mx, pb + r * kTK);
+          if (mx != mi[r]) {  // the running maximum moved: what came before is rescaled
+            const float alpha = std::exp(mi[r] - mx);  // 0 on the first chunk (m = -inf)
+            li[r] *= alpha;
+            if (c > 0) scale_row(ob + r * d, d, alpha);
+          }
+          li[r] += sum;
+          mi[r] = mx;
+        }
         at::native::cpublas::brgemm(mm, d, kTK, kTK, d, d, /*add_C=*/true, pb, vh + c * chunk_k, ob, t.vnni);
+      }
     }
     for (int r = 0; r < mr; ++r) {
       std::memcpy(o + (r0 + r) * ld_o, ob + r * d, sizeof(float) * d);
