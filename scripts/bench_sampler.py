@@ -1,6 +1,6 @@
 """The sampler's cost per step: `engine.sampler.sample` on N rows of next-token logits, per sampling
 option (greedy, temperature, top-p, top-k, the penalties over each row's 1,039 prompt and 30
-generated tokens), milliseconds a call, with glibc malloc set as the engine sets it on a CPU
+generated tokens), with the cpu backend's passes over its logits (`CpuBackend.sampler_ops`), milliseconds a call, with glibc malloc set as the engine sets it on a CPU
 (backends/hostmem.py: without it a call's fresh 12 MB temporaries fault on every page). A step samples every row at once
 after the model's forward, so on a CPU this time is added to each decode step of N sequences.
 
@@ -77,6 +77,11 @@ def child(args: argparse.Namespace) -> None:
     from prefix_service.engine.sequence import Sequence
     hostmem.keep_freed_memory()  # malloc as an engine on a CPU sets it: no page faults for a step's temporaries
     from prefix_service.sampling_params import SamplingParams
+    try:  # the cpu backend's passes over its logits (Backend.sampler_ops), as its engine samples; older checkouts: none
+        from prefix_service.backends.cpu.backend import CpuBackend
+        ops: tuple = (CpuBackend.sampler_ops,)
+    except (ImportError, AttributeError):
+        ops = ()
     logits = torch.load(args.logits_file)
     result = {}
     ids = torch.Generator().manual_seed(0)
@@ -95,11 +100,11 @@ def child(args: argparse.Namespace) -> None:
                     seqs.append(SimpleNamespace(sampling=params, matcher=None,
                                                 generator=torch.Generator().manual_seed(i)))
             rows = logits[:n]
-            sampler.sample(rows, seqs)
+            sampler.sample(rows, seqs, (), *ops)
             times = []
             for _ in range(args.calls):
                 t = time.perf_counter()
-                sampler.sample(rows, seqs)
+                sampler.sample(rows, seqs, (), *ops)
                 times.append((time.perf_counter() - t) * 1e3)
             result[f"{name}|{n}"] = statistics.median(times)
     print("RESULT " + json.dumps(result), flush=True)

@@ -2,7 +2,8 @@
 one uniform of its own generator. The frequencies of many draws match the distribution each option
 defines (temperature, top-k, top-p, both), within 5 standard deviations; tokens outside it (masked,
 past k, past the nucleus) never come; a row's token depends on its logits and generator only, not
-on the rows beside it; and nuclei wider than the first candidates are found in full."""
+on the rows beside it; and nuclei wider than the first candidates are found in full. On a CPU each
+runs with the cpu backend's passes over its logits (backends/cpu/sampling.py) and with torch's."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -10,8 +11,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from prefix_service.backends.base import TORCH_SAMPLER_OPS
+from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu.sampling import NATIVE_SAMPLER_OPS
 from prefix_service.engine import sampler
 from prefix_service.sampling_params import SamplingParams
+
+
+@pytest.fixture(params=["native", "torch"])
+def ops(request):
+    """The passes over the logits the sampler takes from its backend (Backend.sampler_ops): the cpu
+    backend's native ones (backends/cpu/sampling.py; skipped where the library cannot load), or
+    torch's topk and logsumexp, every other backend's."""
+    if request.param == "torch":
+        return TORCH_SAMPLER_OPS
+    if native.load()[1] is not None:
+        pytest.skip(f"no native CPU library here: {native.load()[1]}")
+    return NATIVE_SAMPLER_OPS
 
 
 def seqs_for(params: list[SamplingParams], seed: int = 0) -> list[SimpleNamespace]:
@@ -19,10 +35,10 @@ def seqs_for(params: list[SamplingParams], seed: int = 0) -> list[SimpleNamespac
             for i, p in enumerate(params)]
 
 
-def frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+def frequencies(logits: torch.Tensor, params: SamplingParams, draws: int, ops=TORCH_SAMPLER_OPS) -> torch.Tensor:
     """How often each token is drawn from one row of logits, `draws` times (a row per draw)."""
     rows = logits.unsqueeze(0).expand(draws, -1).contiguous()
-    tokens = sampler.draw(rows, list(range(draws)), seqs_for([params] * draws))
+    tokens = sampler.draw(rows, list(range(draws)), seqs_for([params] * draws), ops)
     return torch.bincount(torch.tensor(tokens), minlength=logits.shape[0]).double() / draws
 
 
@@ -58,34 +74,34 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, float("-inf"),
     SamplingParams(max_tokens=1, temperature=1.0, top_p=0.8),
     SamplingParams(max_tokens=1, temperature=1.5, top_k=5, top_p=0.7),
 ], ids=["t1", "t0.5", "top_k", "top_p", "top_k_and_top_p"])
-def test_draws_follow_the_distribution_the_options_define(params):
+def test_draws_follow_the_distribution_the_options_define(params, ops):
     draws = 20_000
     want = reference(LOGITS, params)
-    assert_matches(frequencies(LOGITS, params, draws), want, draws)
+    assert_matches(frequencies(LOGITS, params, draws, ops), want, draws)
 
 
-def test_a_rows_token_depends_on_its_logits_and_generator_only():
+def test_a_rows_token_depends_on_its_logits_and_generator_only(ops):
     torch.manual_seed(0)
     logits = torch.randn(12, 500) * 2
     params = [SamplingParams(max_tokens=1, temperature=0.9, top_k=(0, 7, 0)[i % 3], top_p=(1.0, 1.0, 0.9)[i % 3])
               for i in range(12)]
-    together = sampler.draw(logits, list(range(12)), seqs_for(params, seed=40))
-    alone = [sampler.draw(logits[i:i + 1], [0], seqs_for([params[i]], seed=40 + i))[0] for i in range(12)]
+    together = sampler.draw(logits, list(range(12)), seqs_for(params, seed=40), ops)
+    alone = [sampler.draw(logits[i:i + 1], [0], seqs_for([params[i]], seed=40 + i), ops)[0] for i in range(12)]
     assert together == alone
     # a subset of the rows, named by index among others (the greedy rows of a step are not drawn)
     seqs = seqs_for(params, seed=40)
-    some = sampler.draw(logits, [1, 4, 9], seqs)
+    some = sampler.draw(logits, [1, 4, 9], seqs, ops)
     assert some == [alone[1], alone[4], alone[9]]
 
 
-def test_a_nucleus_wider_than_the_candidates_is_found_in_full(monkeypatch):
+def test_a_nucleus_wider_than_the_candidates_is_found_in_full(monkeypatch, ops):
     """Flat logits: a top_p of 0.5 keeps half the vocabulary, far more than the first candidate
     counts; the draws spread over it and never past it."""
     monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", (8, 32))
     vocab, draws = 512, 4_000
     logits = torch.linspace(0.0, 0.01, vocab)  # nearly flat, token 511 the most likely
     params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.5)
-    freq = frequencies(logits, params, draws)
+    freq = frequencies(logits, params, draws, ops)
     want = reference(logits, params)
     assert (want > 0).sum() > 200
     assert_matches(freq, want, draws)

@@ -60,6 +60,23 @@ class StepTensors:
                    torch.tensor([r.context_len for r in step.rows], dtype=torch.int32), longs(logit_rows))
 
 
+class SamplerOps:
+    """The passes over a step's logits that the sampler (engine/sampler.py) takes from the backend
+    whose logits they are: each row's k largest, sorted (top-k's and top-p's candidates), and each
+    row's log-normaliser. torch's here; a backend gives its own where they are faster on its device."""
+
+    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [R, k], indices [R, k]) of rows x [R, V]: each row's k largest, largest first."""
+        return x.topk(k, dim=-1)
+
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        """[R]: each row's log of the sum of its exponentials."""
+        return x.logsumexp(-1)
+
+
+TORCH_SAMPLER_OPS = SamplerOps()
+
+
 class Backend(abc.ABC):
     """A platform: the model's weights, the KV cache and the forward pass on it.
 
@@ -68,6 +85,7 @@ class Backend(abc.ABC):
     A backend that cannot serve a model says so once, in `select_backend`, before it is built.
     """
     name: ClassVar[str]
+    sampler_ops: ClassVar[SamplerOps] = TORCH_SAMPLER_OPS  # what the sampler runs on this backend's logits
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
         param = model.embed_tokens.weight

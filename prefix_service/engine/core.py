@@ -444,7 +444,7 @@ class EngineCore:
         logprobs: list[TokenLogprob | None] = []
         if sample_seqs:
             assert sample_logits is not None
-            tokens, logprobs = sample(sample_logits, sample_seqs, self.eos_token_ids)
+            tokens, logprobs = sample(sample_logits, sample_seqs, self.eos_token_ids, self.backend.sampler_ops)
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
             seq = s.seq

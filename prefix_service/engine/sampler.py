@@ -18,15 +18,17 @@ from typing import Iterable
 
 import torch
 
+from prefix_service.backends.base import TORCH_SAMPLER_OPS, SamplerOps
 from prefix_service.engine.sequence import Sequence, TokenLogprob
 from prefix_service.engine.structured import mask_rows
 from prefix_service.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int] = ()
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int] = (),
+           ops: SamplerOps = TORCH_SAMPLER_OPS) -> tuple[list[int], list[TokenLogprob | None]]:
     """-> (each row's token, each row's TokenLogprob or None). logits: [N, vocab], row i is seqs[i]'s;
-    eos_token_ids: the model's, which min_tokens masks (with the request's stop_token_ids)."""
+    eos_token_ids: the model's, which min_tokens masks (with the request's stop_token_ids); ops: the
+    backend's passes over its logits (Backend.sampler_ops)."""
     want = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
     model_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None  # [len(want), vocab]
     adjust = [i for i, seq in enumerate(seqs) if seq.sampling.adjusts_logits]
@@ -44,7 +46,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
         for i, token in zip(greedy, first_argmax(_rows(logits, greedy)).tolist()):
             tokens[i] = token
     if drawn:
-        for i, token in zip(drawn, draw(logits, drawn, seqs)):
+        for i, token in zip(drawn, draw(logits, drawn, seqs, ops)):
             tokens[i] = token
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if model_logprobs is not None:  # every row's at once: the host reads the device twice, not twice a row
@@ -111,7 +113,8 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
 TOP_P_CANDIDATES = (64, 1024, 8192)
 
 
-def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[int]:
+def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: SamplerOps = TORCH_SAMPLER_OPS
+         ) -> list[int]:
     """A token for each of logits' `rows` (seqs[i] row i's sequence, not greedy): the logits over
     its temperature; where it has a top_k, only its k most likely tokens (ties at the k-th broken
     by index); where it has a top_p, only the most likely tokens until the probability before one
@@ -128,7 +131,7 @@ def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> list[in
     if whole:
         tokens[whole] = _inverse_cdf(_rows(scaled, whole).softmax(-1), uniform[whole])
     if cut:
-        tokens[cut] = _draw_cut(_rows(scaled, cut), [params[j] for j in cut], uniform[cut])
+        tokens[cut] = _draw_cut(_rows(scaled, cut), [params[j] for j in cut], uniform[cut], ops)
     return tokens.tolist()
 
 
@@ -184,7 +187,8 @@ def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return index
 
 
-def _draw_cut(scaled: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+def _draw_cut(scaled: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor, ops: SamplerOps
+              ) -> torch.Tensor:
     """draw() for rows [R, vocab] with a top_k or a top_p: among their most likely tokens, sorted."""
     device, vocab = scaled.device, scaled.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
@@ -194,8 +198,8 @@ def _draw_cut(scaled: torch.Tensor, params: list[SamplingParams], uniform: torch
     # nucleus is wider than that go on to the next width, the last the whole vocabulary, sorted
     width = min(vocab, max(max(ks), TOP_P_CANDIDATES[0]))
     # the log-normaliser over the whole vocabulary of the rows without a top_k, once for every width
-    whole = scaled.logsumexp(-1) if 0 in ks else None
-    probs, index = _nucleus(scaled, width, ks, no_k, top_p, whole)
+    whole = ops.logsumexp(scaled) if 0 in ks else None
+    probs, index = _nucleus(scaled, width, ks, no_k, top_p, whole, ops)
     picked = index.gather(1, _inverse_cdf(probs, uniform).unsqueeze(1)).squeeze(1)
     rows = torch.arange(len(params), device=device)
     for wider in [w for w in TOP_P_CANDIDATES[1:] if w > width] + [vocab]:
@@ -204,20 +208,20 @@ def _draw_cut(scaled: torch.Tensor, params: list[SamplingParams], uniform: torch
             break
         rows, width = rows[short], min(wider, vocab)
         probs, index = _nucleus(scaled[rows], width, [0] * len(rows), no_k[rows], top_p[rows],
-                                None if whole is None else whole[rows])
+                                None if whole is None else whole[rows], ops)
         picked[rows] = index.gather(1, _inverse_cdf(probs, uniform[rows]).unsqueeze(1)).squeeze(1)
     return picked
 
 
 def _nucleus(scaled: torch.Tensor, width: int, ks: list[int], no_k: torch.Tensor, top_p: torch.Tensor,
-             whole: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+             whole: torch.Tensor | None, ops: SamplerOps) -> tuple[torch.Tensor, torch.Tensor]:
     """The `width` most likely tokens of each row [R, vocab], sorted (their ids [R, width]), and
     their probabilities, 0 past the row's k (ks[r], 0: none) and past its nucleus: the probability
     before a token reaching top_p[r]. A row with a top_k has its probabilities over its k tokens; one
     without, over its whole vocabulary, so that they sum to less than top_p where the nucleus is
     wider than `width` (whole: each row's log-normaliser over its vocabulary, where some row has no
     top_k)."""
-    values, index = scaled.topk(width, dim=-1)  # sorted, largest first
+    values, index = ops.top_k(scaled, width)  # sorted, largest first
     limit = torch.tensor([k or width for k in ks], device=scaled.device).unsqueeze(1)
     values = values.masked_fill(torch.arange(width, device=scaled.device) >= limit, float("-inf"))
     total = values.logsumexp(-1)  # log of each row's normaliser

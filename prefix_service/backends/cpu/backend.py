@@ -23,6 +23,7 @@ import torch
 from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.backends.cpu import elementwise, linear
 from prefix_service.backends.cpu.packed_template import PackedTemplate
+from prefix_service.backends.cpu.sampling import NATIVE_SAMPLER_OPS
 from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
 from prefix_service.backends.cpu.stack import unsupported as stack_unsupported
 from prefix_service.config import CacheConfig
@@ -37,6 +38,7 @@ log = logging.getLogger("prefix_service.engine")
 
 class CpuBackend(Backend):
     name = "cpu"
+    sampler_ops = NATIVE_SAMPLER_OPS
 
     @staticmethod
     def unsupported(arch: ModelArch, dtype: torch.dtype) -> str | None:

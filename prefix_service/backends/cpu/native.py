@@ -1,8 +1,9 @@
 """The native CPU library (csrc/*.cpp): built on first use, loaded through ctypes.
 
 One shared library holds the cpu backend's kernels: prefill and decode attention (attention.py),
-linear layers (linear.py), a layer's element-wise work (elementwise.py) and the decoder stack
-that runs them all for a forward (stack.py). It is compiled with the system C++ compiler (`CXX`,
+linear layers (linear.py), a layer's element-wise work (elementwise.py), the decoder stack
+that runs them all for a forward (stack.py), and the sampler's passes over the logits
+(sampling.py). It is compiled with the system C++ compiler (`CXX`,
 else `c++`/`g++`/`clang++`), `-march=native`, into `$PREFIX_SERVICE_CACHE_DIR` (default
 `~/.cache/prefix_service`), keyed by the sources, the compiler and the CPU; a few seconds, once
 per machine. The kernels run on torch's OpenMP runtime (the same libgomp, the same threads).
@@ -35,7 +36,8 @@ import torch
 log = logging.getLogger("prefix_service.engine")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp", CSRC / "cpu_layer.cpp")
+SOURCES = (CSRC / "cpu_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_elementwise.cpp", CSRC / "cpu_layer.cpp",
+           CSRC / "cpu_sampling.cpp")
 HEADERS = (CSRC / "simd.h", CSRC / "timers.h", CSRC / "bf16.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
@@ -56,6 +58,8 @@ SIGNATURES = {
     "ps_silu_mul": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, _i32], _i32),
     "ps_rope": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
     "ps_head_rms_norm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _f32, _i32], _i32),
+    "ps_top_k_rows": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32], _i32),
+    "ps_logsumexp_rows": ([_ptr, _i64, _i32, _i32, _ptr, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
                           _ptr, _i32, _i32, _i64], _i32),

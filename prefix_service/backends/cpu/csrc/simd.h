@@ -46,6 +46,8 @@ inline vf vfnmadd(vf a, vf b, vf c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; 
 inline vf vmax_first(vf acc, vf x, int n) { return {_mm512_mask_max_ps(acc.v, first_mask(n), acc.v, x.v)}; }
 // a with the lanes from n on zeroed
 inline vf vkeep_first(vf a, int n) { return {_mm512_maskz_mov_ps(first_mask(n), a.v)}; }
+// bit i set where lane i of a is greater than t (never for a NaN)
+inline unsigned vgt_bits(vf a, float t) { return _mm512_cmp_ps_mask(a.v, _mm512_set1_ps(t), _CMP_GT_OQ); }
 inline float vreduce_add(vf a) { return _mm512_reduce_add_ps(a.v); }
 inline float vreduce_max(vf a) { return _mm512_reduce_max_ps(a.v); }
 inline vf vround(vf a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
@@ -165,6 +167,12 @@ inline vf vmax_first(vf acc, vf x, int n) {
 inline vf vkeep_first(vf a, int n) {
   return {_mm256_and_ps(a.lo, _mm256_castsi256_ps(half_mask(n))),
           _mm256_and_ps(a.hi, _mm256_castsi256_ps(half_mask(n - 8)))};
+}
+// bit i set where lane i of a is greater than t (never for a NaN)
+inline unsigned vgt_bits(vf a, float t) {
+  const __m256 tt = _mm256_set1_ps(t);
+  return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.lo, tt, _CMP_GT_OQ)) |
+         ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a.hi, tt, _CMP_GT_OQ)) << 8);
 }
 inline float hsum8(__m256 a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));

@@ -1,0 +1,174 @@
+// The sampler's passes over a step's logits on the CPU (engine/sampler.py), float32, AVX-512 or
+// AVX2 (simd.h), rows split over OpenMP threads (torch's runtime):
+//   ps_top_k_rows:      the k largest of each row, sorted, ties in index order (top-k and top-p's
+//                       candidates)
+//   ps_logsumexp_rows:  each row's log of the sum of its exponentials (top-p's normaliser)
+// On a CPU, torch's topk was most of a sampled step's time once many requests asked for a top-p. Here
+// a row's k largest take two passes: the maxima of at least 2k blocks of it give a bar that at
+// least k values reach (the k-th largest maximum), then the values that reach it, few more than k,
+// are the candidates ranked.
+// A NaN counts as -inf in both (a token that is never drawn). Each row is computed the same way
+// whatever the split over threads.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+#include <omp.h>
+
+namespace {
+
+constexpr int64_t PARALLEL_FLOATS = 1 << 15;  // below this much work, one thread
+
+inline int team(int64_t rows, int64_t row_floats, int threads) {
+  return rows * row_floats >= PARALLEL_FLOATS && threads > 1 && rows > 1 ? threads : 1;
+}
+
+// A candidate as one integer that orders as `before` ranks, largest first: its value's bits made
+// monotonic in the high half (-0 taken as +0, a NaN as -inf), the complement of its index in the low
+// half (equal values: the earlier first)
+using Candidate = uint64_t;
+
+inline float no_nan(float x) { return std::isnan(x) ? -std::numeric_limits<float>::infinity() : x; }
+
+inline Candidate candidate(float x, int j) {
+  uint32_t u;
+  const float v = no_nan(x) + 0.0f;  // -0 + 0 = +0
+  std::memcpy(&u, &v, sizeof u);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((uint64_t)u << 32) | (uint32_t)(0xFFFFFFFFu - (uint32_t)j);
+}
+
+inline float value_of(Candidate c) {
+  uint32_t u = (uint32_t)(c >> 32);
+  u = (u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u;
+  float v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+inline int64_t index_of(Candidate c) { return (int64_t)(0xFFFFFFFFu - (uint32_t)c); }
+
+inline bool before(Candidate a, Candidate b) { return a > b; }
+
+// The bar a row's k largest clear: the k-th largest of the maxima of nb >= k blocks of the row
+// (at least k values reach it, the k maxima that do), so few more than k pass it. -inf where the
+// row has too few blocks for that (every value is then a candidate). maxima: room for nb floats.
+float bar(const float* x, int vocab, int k, float* maxima) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#if defined(PS_SIMD)
+  const int vectors = vocab / ps::LANES;
+  if (vectors < 2 * k) return kNegInf;
+  const int per = vectors / (2 * k);  // vectors a block: at least 2k blocks
+  int nb = 0;
+  for (int v0 = 0; v0 + per <= vectors; v0 += per) {
+    ps::vf acc = ps::vset1(kNegInf);
+    for (int v = v0; v < v0 + per; ++v) acc = ps::vmax(ps::vload(x + v * ps::LANES), acc);  // a NaN lane keeps acc
+    maxima[nb++] = ps::vreduce_max(acc);
+  }
+  std::nth_element(maxima, maxima + (k - 1), maxima + nb, [](float a, float b) { return a > b; });
+  return maxima[k - 1];
+#else
+  (void)x; (void)vocab; (void)k; (void)maxima;
+  return kNegInf;
+#endif
+}
+
+// row x [vocab]: its k largest into values and index (ranked by `before`). kept: room for vocab
+// candidates; maxima: for vocab / 16.
+void top_k_row(const float* x, int vocab, int k, float* values, int64_t* index, Candidate* kept, float* maxima) {
+  const float b = bar(x, vocab, k, maxima);
+  int n = 0;
+  if (b != -std::numeric_limits<float>::infinity()) {
+    const float below = std::nextafter(b, -std::numeric_limits<float>::infinity());  // x > below: x >= b
+    int j = 0;
+#if defined(PS_SIMD)
+    for (; j + ps::LANES <= vocab; j += ps::LANES)
+      for (unsigned bits = ps::vgt_bits(ps::vload(x + j), below); bits != 0; bits &= bits - 1) {
+        const int t = j + __builtin_ctz(bits);
+        kept[n++] = candidate(x[t], t);
+      }
+#endif
+    for (; j < vocab; ++j)
+      if (x[j] > below) kept[n++] = candidate(x[j], j);
+  }
+  if (n < k) {  // no bar (or NaN where its values were): every value a candidate
+    n = 0;
+    for (int j = 0; j < vocab; ++j) kept[n++] = candidate(x[j], j);
+  }
+  if (n > k) std::nth_element(kept, kept + (k - 1), kept + n, before);  // the k first-ranked, unsorted
+  std::sort(kept, kept + k, before);
+  for (int t = 0; t < k; ++t) {
+    values[t] = value_of(kept[t]);
+    index[t] = index_of(kept[t]);
+  }
+}
+
+float logsumexp_row(const float* x, int vocab) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float m = kNegInf;
+  int j = 0;
+#if defined(PS_SIMD)
+  ps::vf acc = ps::vset1(kNegInf);
+  for (; j + ps::LANES <= vocab; j += ps::LANES) acc = ps::vmax(ps::vload(x + j), acc);  // a NaN lane keeps acc
+  m = ps::vreduce_max(acc);
+#endif
+  for (int t = j; t < vocab; ++t) m = std::max(no_nan(x[t]), m);
+  if (std::isinf(m)) return m;  // every token -inf (or NaN), or one +inf
+  double sum = 0.0;
+  j = 0;
+#if defined(PS_SIMD)
+  // exp_ps clamps its argument to [-87, 88]: a -inf (or NaN) adds e^-87, ~1.6e-38, beside the 1 of
+  // the largest. float32 sums over blocks of 16 vectors, added up in double.
+  const ps::vf mb = ps::vset1(m);
+  for (; j + ps::LANES <= vocab;) {
+    ps::vf s = ps::vzero();
+    for (int v = 0; v < 16 && j + ps::LANES <= vocab; ++v, j += ps::LANES)
+      s = ps::vadd(s, ps::exp_ps(ps::vsub(ps::vload(x + j), mb)));
+    sum += ps::vreduce_add(s);
+  }
+#endif
+  for (; j < vocab; ++j) sum += std::exp(no_nan(x[j]) - m);
+  return m + static_cast<float>(std::log(sum));
+}
+
+}  // namespace
+
+// For rows of x (float32, row r at x + r * stride, vocab values each), the k (1 <= k <= vocab)
+// largest of each, largest first and equal values in index order: values [rows][k], index
+// [rows][k]. 0, or 2 for bad operands.
+extern "C" int ps_top_k_rows(const float* x, int64_t stride, int rows, int vocab, int k, float* values,
+                             int64_t* index, int threads) {
+  if (rows < 0 || vocab <= 0 || k <= 0 || k > vocab || (rows > 1 && stride < vocab)) return 2;
+  int status = 0;
+#pragma omp parallel num_threads(team(rows, vocab, threads))
+  {
+    std::vector<Candidate> kept;
+    std::vector<float> maxima;
+    bool ok = true;
+    try {
+      kept.resize(vocab);
+      maxima.resize(vocab / 16 + 1);
+    } catch (...) {
+      ok = false;
+#pragma omp atomic write
+      status = 3;
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r)
+      if (ok) top_k_row(x + r * stride, vocab, k, values + (int64_t)r * k, index + (int64_t)r * k, kept.data(),
+                        maxima.data());
+  }
+  return status;
+}
+
+// out[r] = log(sum_j e^x[r][j]) for rows of x as above. 0, or 2 for bad operands.
+extern "C" int ps_logsumexp_rows(const float* x, int64_t stride, int rows, int vocab, float* out, int threads) {
+  if (rows < 0 || vocab <= 0 || (rows > 1 && stride < vocab)) return 2;
+#pragma omp parallel for num_threads(team(rows, vocab, threads)) schedule(static)
+  for (int r = 0; r < rows; ++r) out[r] = logsumexp_row(x + r * stride, vocab);
+  return 0;
+}

@@ -1,0 +1,73 @@
+"""The sampler's passes over a step's logits in the native CPU library (csrc/cpu_sampling.cpp):
+each row's k largest logits, sorted (the candidates of top-k and top-p), and each row's
+log-normaliser. The cpu backend hands them to the sampler (engine/sampler.py) as its
+`sampler_ops` (NativeSamplerOps): float32 logits on the CPU where the library loads (`usable`) take
+them, anything else torch's topk and logsumexp.
+
+On a CPU, torch's topk was most of a sampled step's time once many requests asked for a top-p
+(docs/benchmarks.md, "Sampling"): it costs about as much for 64 candidates of a 49,152-token row as
+a pass that sorts far more. Here a row is one pass that compares 16 logits at a time with the
+smallest of the k kept so far; only those above it enter a heap. Equal logits rank in index order,
+and a NaN counts as -inf, in both passes.
+"""
+from __future__ import annotations
+
+import torch
+
+from prefix_service.backends.base import SamplerOps
+from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu.native import NativeKernelError
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether top_k and logsumexp below take x: float32 rows on the CPU, the library loaded."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and native.load()[0] is not None
+
+
+def _rows(x: torch.Tensor, name: str) -> int:
+    """x's row stride, after checking it is a float32 CPU matrix with dense rows."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise NativeKernelError(f"{name}: float32 CPU rows [R, V] with dense rows are needed, got {x.dtype} "
+                                f"{tuple(x.shape)} on {x.device}, strides {x.stride()}")
+    if x.shape[1] == 0:
+        raise NativeKernelError(f"{name}: rows of at least one value are needed, got {tuple(x.shape)}")
+    return x.stride(0)
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [R, k], indices [R, k] int64): each row's k largest (1 <= k <= V), largest first, equal
+    values in index order; x.topk(k) but for the order of ties and NaN (here -inf)."""
+    stride = _rows(x, "top_k")
+    rows, vocab = x.shape
+    if not 0 < k <= vocab:
+        raise NativeKernelError(f"top_k: k must be in [1, {vocab}], got {k}")
+    values = torch.empty(rows, k, dtype=torch.float32)
+    index = torch.empty(rows, k, dtype=torch.int64)
+    if rows:
+        native.check(native.require().ps_top_k_rows(x.data_ptr(), stride, rows, vocab, k, values.data_ptr(),
+                                                    index.data_ptr(), torch.get_num_threads()), "ps_top_k_rows")
+    return values, index
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[R]: each row's log of the sum of its exponentials (x.logsumexp(-1), a NaN counted as -inf)."""
+    stride = _rows(x, "logsumexp")
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    if x.shape[0]:
+        native.check(native.require().ps_logsumexp_rows(x.data_ptr(), stride, x.shape[0], x.shape[1], out.data_ptr(),
+                                                        torch.get_num_threads()), "ps_logsumexp_rows")
+    return out
+
+
+class NativeSamplerOps(SamplerOps):
+    """The sampler's passes through top_k and logsumexp above where they take the logits (`usable`),
+    else torch's."""
+
+    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return top_k(x.contiguous(), k) if usable(x) else super().top_k(x, k)
+
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        return logsumexp(x.contiguous()) if usable(x) else super().logsumexp(x)
+
+
+NATIVE_SAMPLER_OPS = NativeSamplerOps()
