@@ -110,7 +110,7 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
 
 # a top-p row (without top-k) is cut among its this many most likely tokens, the next count where
 # they hold less than its top_p of the probability, then its whole vocabulary
-TOP_P_CANDIDATES = (64, 1024, 8192)
+TOP_P_CANDIDATES = (64, 256, 1024, 2048, 8192)
 
 
 def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: SamplerOps = TORCH_SAMPLER_OPS

@@ -54,15 +54,36 @@ inline int64_t index_of(Candidate c) { return (int64_t)(0xFFFFFFFFu - (uint32_t)
 
 inline bool before(Candidate a, Candidate b) { return a > b; }
 
+constexpr int kRadixFrom = 256;  // candidates from which rank() sorts them, not std::sort
+
+// c[0, n) (in index order) ranked by `before`: a stable sort, largest value first, by the value's
+// 32 bits alone (equal values keep their index order), least significant digits first, 11 bits at a
+// time (a comparison sort mispredicts a branch about every other comparison). spare: room for n.
+void rank(Candidate* c, int n, Candidate* spare) {
+  Candidate* from = c;
+  Candidate* to = spare;
+  for (int shift = 32; shift < 64; shift += 11) {
+    const int bits = std::min(11, 64 - shift);
+    const uint32_t mask = (1u << bits) - 1u;
+    int count[(1 << 11) + 1] = {};
+    for (int t = 0; t < n; ++t) ++count[((~from[t] >> shift) & mask) + 1];  // ~: the larger value first
+    for (uint32_t d = 0; d < mask + 1; ++d) count[d + 1] += count[d];
+    for (int t = 0; t < n; ++t) to[count[(~from[t] >> shift) & mask]++] = from[t];
+    std::swap(from, to);
+  }
+  if (from != c) std::memcpy(c, from, sizeof(Candidate) * n);  // three passes: the result is in spare
+}
+
 // The bar a row's k largest clear: the k-th largest of the maxima of nb >= k blocks of the row
-// (at least k values reach it, the k maxima that do), so few more than k pass it. -inf where the
-// row has too few blocks for that (every value is then a candidate). maxima: room for nb floats.
+// (at least k values reach it, the k maxima that do), so not many more than k pass it: blocks of
+// as many vectors as leave at least 2k of them, else of one vector where that leaves k. -inf where
+// the row has fewer than k vectors (every value is then a candidate). maxima: room for nb floats.
 float bar(const float* x, int vocab, int k, float* maxima) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 #if defined(PS_SIMD)
   const int vectors = vocab / ps::LANES;
-  if (vectors < 2 * k) return kNegInf;
-  const int per = vectors / (2 * k);  // vectors a block: at least 2k blocks
+  if (vectors < k) return kNegInf;
+  const int per = vectors >= 2 * k ? vectors / (2 * k) : 1;  // vectors a block
   int nb = 0;
   for (int v0 = 0; v0 + per <= vectors; v0 += per) {
     ps::vf acc = ps::vset1(kNegInf);
@@ -77,9 +98,10 @@ float bar(const float* x, int vocab, int k, float* maxima) {
 #endif
 }
 
-// row x [vocab]: its k largest into values and index (ranked by `before`). kept: room for vocab
-// candidates; maxima: for vocab / 16.
-void top_k_row(const float* x, int vocab, int k, float* values, int64_t* index, Candidate* kept, float* maxima) {
+// row x [vocab]: its k largest into values and index (ranked by `before`). kept and spare: room for
+// vocab candidates; maxima: for vocab / 16.
+void top_k_row(const float* x, int vocab, int k, float* values, int64_t* index, Candidate* kept, Candidate* spare,
+               float* maxima) {
   const float b = bar(x, vocab, k, maxima);
   int n = 0;
   if (b != -std::numeric_limits<float>::infinity()) {
@@ -99,8 +121,12 @@ void top_k_row(const float* x, int vocab, int k, float* values, int64_t* index, 
     n = 0;
     for (int j = 0; j < vocab; ++j) kept[n++] = candidate(x[j], j);
   }
-  if (n > k) std::nth_element(kept, kept + (k - 1), kept + n, before);  // the k first-ranked, unsorted
-  std::sort(kept, kept + k, before);
+  if (n >= kRadixFrom) {
+    rank(kept, n, spare);
+  } else {
+    if (n > k) std::nth_element(kept, kept + (k - 1), kept + n, before);  // the k first-ranked, unsorted
+    std::sort(kept, kept + k, before);
+  }
   for (int t = 0; t < k; ++t) {
     values[t] = value_of(kept[t]);
     index[t] = index_of(kept[t]);
@@ -146,11 +172,12 @@ extern "C" int ps_top_k_rows(const float* x, int64_t stride, int rows, int vocab
   int status = 0;
 #pragma omp parallel num_threads(team(rows, vocab, threads))
   {
-    std::vector<Candidate> kept;
+    std::vector<Candidate> kept, spare;
     std::vector<float> maxima;
     bool ok = true;
     try {
       kept.resize(vocab);
+      spare.resize(vocab);
       maxima.resize(vocab / 16 + 1);
     } catch (...) {
       ok = false;
@@ -160,7 +187,7 @@ extern "C" int ps_top_k_rows(const float* x, int64_t stride, int rows, int vocab
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r)
       if (ok) top_k_row(x + r * stride, vocab, k, values + (int64_t)r * k, index + (int64_t)r * k, kept.data(),
-                        maxima.data());
+                        spare.data(), maxima.data());
   }
   return status;
 }
