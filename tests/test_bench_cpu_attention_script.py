@@ -49,8 +49,9 @@ def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_enviro
         for n in ("1", "3"):  # attention is part of the step, and each system's median is its one run
             assert 0 < run_["step_ms"][n] < run_["decode_step_ms"][n]
             assert data["medians_ms"][name][n] == run_["step_ms"][n]
-        # the segment's prefill on the template: attention is part of its first token
-        assert 0 < run_["prefill_ms"] < run_["prefill_ttft_ms"]
+        # the segment's prefill on the template: attention is part of the first token of the requests it
+        # was timed in (a separate timed request's can be shorter than one slow spell of the machine)
+        assert 0 < run_["prefill_ms"] < run_["prefill_profiled_ttft_ms"] and run_["prefill_ttft_ms"] > 0
         assert data["medians_ms"][name]["prefill"] == run_["prefill_ms"]
     m = data["medians_ms"]
     for n in ("1", "3"):

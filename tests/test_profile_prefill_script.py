@@ -67,6 +67,7 @@ def test_profile_prefill_script(script, llama_dir, tmp_path, capsys, backend):
         assert r["attention_flop"] == want_attn
         assert 0 < r["ttft_min_ms"] <= r["ttft_p50_ms"]
         assert r["linear_ms"] > 0 and r["attention_ms"] > 0  # the profile saw both kinds of kernel
+        assert r["linear_ms"] + r["attention_ms"] < r["profiled_ttft_ms"]  # within the requests they were timed in
     ratio = data["ratio"]
     assert ratio["flop_bound"] == pytest.approx(rows["no_prefix"]["flop"] / rows["prefix"]["flop"], rel=0.01)
     assert ratio["ttft_p50"] == pytest.approx(rows["no_prefix"]["ttft_p50_ms"] / rows["prefix"]["ttft_p50_ms"],
