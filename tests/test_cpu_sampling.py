@@ -134,3 +134,37 @@ def test_the_cpu_backend_engine_samples_through_the_native_passes(make_engine, m
     calls.clear()
     assert generate_together(engine, batch) == native_ids
     assert calls == []
+
+
+def test_softmax_draw_picks_the_torch_samplers_tokens():
+    """Each row's token from its whole softmax over its temperature: the token the sampler's torch
+    draw (the inverse of the cumulative softmax, engine/sampler.py) picks for the same uniform, over
+    model-like rows, for random uniforms and 0. Just below 1 the two sums' roundings decide which of
+    the last tokens comes: one that can come (a finite logit)."""
+    from prefix_service.engine.sampler import _inverse_cdf
+
+    x = logits(64, 49152, seed=8)
+    temperature = torch.tensor([0.3, 0.7, 1.0, 1.5] * 16)
+    g = torch.Generator().manual_seed(9)
+    for uniform in (torch.rand(64, generator=g, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)):
+        want = _inverse_cdf((x / temperature[:, None]).softmax(-1), uniform)
+        assert torch.equal(sampling.softmax_draw(x, temperature, uniform), want)
+    got = sampling.softmax_draw(x, temperature, torch.full((64,), 1.0 - 2.0 ** -40, dtype=torch.float64))
+    assert x.gather(1, got[:, None]).isfinite().all()
+
+
+def test_softmax_draw_never_picks_a_masked_token_and_keeps_to_the_first_largest_where_nothing_is_finite():
+    x = torch.full((5, 300), float("-inf"))
+    x[0, 7], x[0, 250] = 0.0, 0.0  # two equal tokens
+    x[1, 40], x[1, 41] = 1.0, float("nan")  # NaN: never drawn
+    x[3, 99] = float("inf")
+    x[4, 12], x[4, 13] = float("nan"), float("nan")
+    uniform = torch.tensor([0.25, 0.999, 0.5, 0.5, 0.5], dtype=torch.float64)
+    got = sampling.softmax_draw(x, torch.ones(5), uniform).tolist()
+    assert got[:2] == [7, 40]
+    assert got[2] == 0 and got[3] == 99 and got[4] == 0  # no finite logit: the first largest (NaN as -inf)
+    assert sampling.softmax_draw(x[:1], torch.ones(1), torch.tensor([0.75], dtype=torch.float64)).item() == 250
+    with pytest.raises(NativeKernelError, match="temperatures must be positive"):
+        sampling.softmax_draw(x, torch.zeros(5), uniform)
+    with pytest.raises(NativeKernelError, match="a temperature and a uniform per row"):
+        sampling.softmax_draw(x, torch.ones(4), uniform)

@@ -62,8 +62,9 @@ class StepTensors:
 
 class SamplerOps:
     """The passes over a step's logits that the sampler (engine/sampler.py) takes from the backend
-    whose logits they are: each row's k largest, sorted (top-k's and top-p's candidates), and each
-    row's log-normaliser. torch's here; a backend gives its own where they are faster on its device."""
+    whose logits they are: each row's k largest, sorted (top-k's and top-p's candidates), each row's
+    log-normaliser, and a draw from a row's whole softmax. torch's here (the draw: the sampler's own);
+    a backend gives its own where they are faster on its device."""
 
     def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(values [R, k], indices [R, k]) of rows x [R, V]: each row's k largest, largest first."""
@@ -72,6 +73,12 @@ class SamplerOps:
     def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
         """[R]: each row's log of the sum of its exponentials."""
         return x.logsumexp(-1)
+
+    def softmax_draw(self, x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor | None:
+        """[R] int64: for rows x [R, V] of logits, the token uniform[r] (float64 in [0, 1)) picks by the
+        inverse of the cumulative softmax of x[r] / temperature[r]; None where the backend has no pass
+        of its own (the sampler then draws with torch's)."""
+        return None
 
 
 TORCH_SAMPLER_OPS = SamplerOps()

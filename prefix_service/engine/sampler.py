@@ -122,16 +122,20 @@ def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: Sampl
     the inverse of the kept probabilities' cumulative sum (in float64)."""
     device, vocab = logits.device, logits.shape[-1]
     params = [seqs[i].sampling for i in rows]
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).unsqueeze(1)
-    scaled = _rows(logits, rows).float() / temperature  # a new tensor
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     uniform = torch.cat([torch.rand(1, generator=seqs[i].generator, device=device) for i in rows]).double()
     tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
     whole = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
     cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+
+    def scaled(some: list[int]) -> torch.Tensor:  # those rows' logits over their temperatures, a new tensor
+        return _rows(logits, [rows[j] for j in some]).float() / temperature[some].unsqueeze(1)
+
     if whole:
-        tokens[whole] = _inverse_cdf(_rows(scaled, whole).softmax(-1), uniform[whole])
+        picked = ops.softmax_draw(_rows(logits, [rows[j] for j in whole]), temperature[whole], uniform[whole])
+        tokens[whole] = picked if picked is not None else _inverse_cdf(scaled(whole).softmax(-1), uniform[whole])
     if cut:
-        tokens[cut] = _draw_cut(_rows(scaled, cut), [params[j] for j in cut], uniform[cut], ops)
+        tokens[cut] = _draw_cut(scaled(cut), [params[j] for j in cut], uniform[cut], ops)
     return tokens.tolist()
 
 

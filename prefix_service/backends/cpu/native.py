@@ -60,6 +60,7 @@ SIGNATURES = {
     "ps_head_rms_norm": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _f32, _i32], _i32),
     "ps_top_k_rows": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i32], _i32),
     "ps_logsumexp_rows": ([_ptr, _i64, _i32, _i32, _ptr, _i32], _i32),
+    "ps_softmax_draw_rows": ([_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i32], _i32),
     "ps_decoder_stack": ([_ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _ptr,
                           _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i64, _i32, _ptr, _ptr,
                           _ptr, _i32, _i32, _i64], _i32),

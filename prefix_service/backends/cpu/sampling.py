@@ -1,6 +1,6 @@
 """The sampler's passes over a step's logits in the native CPU library (csrc/cpu_sampling.cpp):
-each row's k largest logits, sorted (the candidates of top-k and top-p), and each row's
-log-normaliser. The cpu backend hands them to the sampler (engine/sampler.py) as its
+each row's k largest logits, sorted (the candidates of top-k and top-p), each row's
+log-normaliser, and a draw from a row's whole softmax (temperature alone). The cpu backend hands them to the sampler (engine/sampler.py) as its
 `sampler_ops` (NativeSamplerOps): float32 logits on the CPU where the library loads (`usable`) take
 them, anything else torch's topk and logsumexp.
 
@@ -59,6 +59,29 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def softmax_draw(x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[R] int64: each row's token drawn from the softmax of x[r] / temperature[r] (float32, > 0) by
+    uniform[r] (float64 in [0, 1)): the first index whose cumulative sum of exponentials passes
+    uniform times the row's total (over blocks of 256 in float32, summed in float64, then in float64
+    within the block picked); a pick of a token of probability 0 (a rounding at a block's end), or a
+    row with no finite logit, gives the row's first largest."""
+    stride = _rows(x, "softmax_draw")
+    rows = x.shape[0]
+    temperature = temperature.to(torch.float32).contiguous()
+    uniform = uniform.to(torch.float64).contiguous()
+    if temperature.shape != (rows,) or uniform.shape != (rows,):
+        raise NativeKernelError(f"softmax_draw: a temperature and a uniform per row are needed, got "
+                                f"{tuple(temperature.shape)} and {tuple(uniform.shape)} for {rows} rows")
+    if rows and not bool((temperature > 0).all()):
+        raise NativeKernelError(f"softmax_draw: temperatures must be positive, got {temperature.min().item()}")
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        native.check(native.require().ps_softmax_draw_rows(x.data_ptr(), stride, rows, x.shape[1], temperature.data_ptr(),
+                                                           uniform.data_ptr(), out.data_ptr(), torch.get_num_threads()),
+                     "ps_softmax_draw_rows")
+    return out
+
+
 class NativeSamplerOps(SamplerOps):
     """The sampler's passes through top_k and logsumexp above where they take the logits (`usable`),
     else torch's."""
@@ -68,6 +91,9 @@ class NativeSamplerOps(SamplerOps):
 
     def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
         return logsumexp(x.contiguous()) if usable(x) else super().logsumexp(x)
+
+    def softmax_draw(self, x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor | None:
+        return softmax_draw(x.contiguous(), temperature, uniform) if usable(x) else None
 
 
 NATIVE_SAMPLER_OPS = NativeSamplerOps()

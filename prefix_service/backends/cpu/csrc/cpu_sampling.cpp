@@ -1,13 +1,15 @@
 // The sampler's passes over a step's logits on the CPU (engine/sampler.py), float32, AVX-512 or
 // AVX2 (simd.h), rows split over OpenMP threads (torch's runtime):
-//   ps_top_k_rows:      the k largest of each row, sorted, ties in index order (top-k and top-p's
-//                       candidates)
-//   ps_logsumexp_rows:  each row's log of the sum of its exponentials (top-p's normaliser)
+//   ps_top_k_rows:        the k largest of each row, sorted, ties in index order (top-k and top-p's
+//                         candidates)
+//   ps_logsumexp_rows:    each row's log of the sum of its exponentials (top-p's normaliser)
+//   ps_softmax_draw_rows: each row's token drawn from its whole softmax over its temperature
 // On a CPU, torch's topk was most of a sampled step's time once many requests asked for a top-p. Here
-// a row's k largest take two passes: the maxima of at least 2k blocks of it give a bar that at
-// least k values reach (the k-th largest maximum), then the values that reach it, few more than k,
-// are the candidates ranked.
-// A NaN counts as -inf in both (a token that is never drawn). Each row is computed the same way
+// a row's k largest take two passes: the maxima of at least k blocks of it give a bar that at least
+// k values reach (the k-th largest maximum), then the values that reach it, not many more than k,
+// are the candidates, ranked by a stable radix sort. A draw from the whole softmax is a pass for the
+// maximum, one for the blocks' sums and one within the block picked.
+// A NaN counts as -inf throughout (a token that is never drawn). Each row is computed the same way
 // whatever the split over threads.
 #include <algorithm>
 #include <cmath>
@@ -133,19 +135,24 @@ void top_k_row(const float* x, int vocab, int k, float* values, int64_t* index, 
   }
 }
 
-float logsumexp_row(const float* x, int vocab) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  float m = kNegInf;
+// The largest of x[0, vocab), a NaN counted as -inf
+float row_max(const float* x, int vocab) {
+  float m = -std::numeric_limits<float>::infinity();
   int j = 0;
 #if defined(PS_SIMD)
-  ps::vf acc = ps::vset1(kNegInf);
+  ps::vf acc = ps::vset1(m);
   for (; j + ps::LANES <= vocab; j += ps::LANES) acc = ps::vmax(ps::vload(x + j), acc);  // a NaN lane keeps acc
   m = ps::vreduce_max(acc);
 #endif
-  for (int t = j; t < vocab; ++t) m = std::max(no_nan(x[t]), m);
+  for (; j < vocab; ++j) m = std::max(no_nan(x[j]), m);
+  return m;
+}
+
+float logsumexp_row(const float* x, int vocab) {
+  const float m = row_max(x, vocab);
   if (std::isinf(m)) return m;  // every token -inf (or NaN), or one +inf
   double sum = 0.0;
-  j = 0;
+  int j = 0;
 #if defined(PS_SIMD)
   // exp_ps clamps its argument to [-87, 88]: a -inf (or NaN) adds e^-87, ~1.6e-38, beside the 1 of
   // the largest. float32 sums over blocks of 16 vectors, added up in double.
@@ -159,6 +166,54 @@ float logsumexp_row(const float* x, int vocab) {
 #endif
   for (; j < vocab; ++j) sum += std::exp(no_nan(x[j]) - m);
   return m + static_cast<float>(std::log(sum));
+}
+
+// The token of row x (temperature t > 0) that uniform u in [0, 1) picks from its softmax: the first
+// index whose cumulative sum of e^(x / t - max) passes u times the whole sum (over blocks of 256 in
+// float32, added up in double, then within the one block picked in double); a pick of a token whose
+// exponential is 0 (a rounding at a block's end) or a row with no finite value gives the row's
+// first largest. sums: room for vocab / 256 + 1 doubles.
+int64_t softmax_draw_row(const float* x, int vocab, float t, double u, double* sums) {
+  constexpr int kBlock = 256;
+  const float m = row_max(x, vocab);
+  const auto first_max = [&]() -> int64_t {  // the first index of the largest (NaN as -inf)
+    for (int j = 0; j < vocab; ++j)
+      if (no_nan(x[j]) == m) return j;
+    return 0;
+  };
+  if (!std::isfinite(m)) return first_max();
+  const float top = m / t;  // the largest of x / t (division keeps the order)
+  const auto block_sum = [&](int j0, int j1) {  // sum of e^(x / t - top) over [j0, j1), float32
+    float sum = 0.0f;
+    int j = j0;
+#if defined(PS_SIMD)
+    ps::vf acc = ps::vzero();
+    const ps::vf tb = ps::vset1(t), mb = ps::vset1(top);
+    for (; j + ps::LANES <= j1; j += ps::LANES) acc = ps::vadd(acc, ps::exp_ps(ps::vsub(ps::vdiv(ps::vload(x + j), tb), mb)));
+    sum = ps::vreduce_add(acc);
+#endif
+    for (; j < j1; ++j) sum += std::isnan(x[j]) ? 0.0f : std::exp(x[j] / t - top);
+    return sum;
+  };
+  const int blocks = (vocab + kBlock - 1) / kBlock;
+  double total = 0.0;
+  for (int b = 0; b < blocks; ++b) {
+    sums[b] = block_sum(b * kBlock, std::min(vocab, (b + 1) * kBlock));
+    total += sums[b];
+  }
+  double rest = u * total;
+  int b = 0;
+  while (b < blocks - 1 && rest >= sums[b]) rest -= sums[b++];  // the block where the cumulative sum passes
+  const int j0 = b * kBlock, j1 = std::min(vocab, j0 + kBlock);
+  double cum = 0.0, e = 0.0;
+  int j = j0;
+  for (; j < j1; ++j) {
+    e = std::isnan(x[j]) ? 0.0 : std::exp((double)(x[j] / t) - top);
+    cum += e;
+    if (cum > rest) break;
+  }
+  if (j == j1) j = j1 - 1;  // the block's float32 sum passed where its double sum does not: its last token
+  return e > 0.0 ? j : first_max();
 }
 
 }  // namespace
@@ -198,4 +253,28 @@ extern "C" int ps_logsumexp_rows(const float* x, int64_t stride, int rows, int v
 #pragma omp parallel for num_threads(team(rows, vocab, threads)) schedule(static)
   for (int r = 0; r < rows; ++r) out[r] = logsumexp_row(x + r * stride, vocab);
   return 0;
+}
+
+// out[r] = the token uniform[r] draws from the softmax of row r of x over temperature[r] (> 0),
+// rows as above (softmax_draw_row). 0, or 2 for bad operands.
+extern "C" int ps_softmax_draw_rows(const float* x, int64_t stride, int rows, int vocab, const float* temperature,
+                                    const double* uniform, int64_t* out, int threads) {
+  if (rows < 0 || vocab <= 0 || (rows > 1 && stride < vocab)) return 2;
+  int status = 0;
+#pragma omp parallel num_threads(team(rows, vocab, threads))
+  {
+    std::vector<double> sums;
+    bool ok = true;
+    try {
+      sums.resize(vocab / 256 + 1);
+    } catch (...) {
+      ok = false;
+#pragma omp atomic write
+      status = 3;
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < rows; ++r)
+      if (ok) out[r] = softmax_draw_row(x + r * stride, vocab, temperature[r], uniform[r], sums.data());
+  }
+  return status;
 }
