@@ -1,7 +1,8 @@
 """The sampler's cost per step: `engine.sampler.sample` on N rows of next-token logits, per sampling
 option (greedy, temperature, top-p, top-k, the penalties over each row's 1,039 prompt and 30
-generated tokens), with the cpu backend's passes over its logits (`CpuBackend.sampler_ops`), milliseconds a call, with glibc malloc set as the engine sets it on a CPU
-(backends/hostmem.py: without it a call's fresh 12 MB temporaries fault on every page). A step samples every row at once
+generated tokens), with the cpu backend's passes over its logits (`CpuBackend.sampler_ops`),
+milliseconds a call, with glibc malloc set as the engine sets it on a CPU (backends/hostmem.py:
+without it a call's fresh 12 MB temporaries fault on every page). A step samples every row at once
 after the model's forward, so on a CPU this time is added to each decode step of N sequences.
 
 The logits are the default model's own (SmolLM2-135M-Instruct through transformers, float32, the

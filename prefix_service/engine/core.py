@@ -217,11 +217,14 @@ class EngineCore:
 
     def _generator(self, sampling: SamplingParams, offset: int = 0) -> torch.Generator | None:
         """A sampling request's own generator: seeded seed + offset (sample `offset` of n), or from the
-        engine's seed when the request has none; None for greedy."""
+        engine's seed when the request has none; None for greedy. On the host whatever the device: the
+        sampler draws each row's one uniform a step there and hands the step's uniforms to the device
+        in one copy (a generator on a GPU launched a kernel per row), and a seed draws the same
+        uniforms on every backend."""
         if sampling.greedy:
             return None
         seed = sampling.seed + offset if sampling.seed is not None else self._seed_rng.getrandbits(63)
-        generator = torch.Generator(device=self.device)
+        generator = torch.Generator()
         generator.manual_seed(seed % 2**63)
         return generator
 

@@ -123,7 +123,8 @@ def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: Sampl
     device, vocab = logits.device, logits.shape[-1]
     params = [seqs[i].sampling for i in rows]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    uniform = torch.cat([torch.rand(1, generator=seqs[i].generator, device=device) for i in rows]).double()
+    # one uniform a row from its own generator, on the host (EngineCore._generator), then one copy
+    uniform = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in rows]).double().to(device)
     tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
     whole = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
     cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]

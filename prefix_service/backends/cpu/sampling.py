@@ -1,8 +1,8 @@
 """The sampler's passes over a step's logits in the native CPU library (csrc/cpu_sampling.cpp):
 each row's k largest logits, sorted (the candidates of top-k and top-p), each row's
-log-normaliser, and a draw from a row's whole softmax (temperature alone). The cpu backend hands them to the sampler (engine/sampler.py) as its
-`sampler_ops` (NativeSamplerOps): float32 logits on the CPU where the library loads (`usable`) take
-them, anything else torch's topk and logsumexp.
+log-normaliser, and a draw from a row's whole softmax (temperature alone). The cpu backend hands
+them to the sampler (engine/sampler.py) as its `sampler_ops` (NativeSamplerOps): float32 logits on
+the CPU where the library loads (`usable`) take them, anything else torch's passes.
 
 On a CPU, torch's topk was most of a sampled step's time once many requests asked for a top-p
 (docs/benchmarks.md, "Sampling"): it costs about as much for 64 candidates of a 49,152-token row as
@@ -76,9 +76,9 @@ def softmax_draw(x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tens
         raise NativeKernelError(f"softmax_draw: temperatures must be positive, got {temperature.min().item()}")
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
-        native.check(native.require().ps_softmax_draw_rows(x.data_ptr(), stride, rows, x.shape[1], temperature.data_ptr(),
-                                                           uniform.data_ptr(), out.data_ptr(), torch.get_num_threads()),
-                     "ps_softmax_draw_rows")
+        code = native.require().ps_softmax_draw_rows(x.data_ptr(), stride, rows, x.shape[1], temperature.data_ptr(),
+                                                     uniform.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        native.check(code, "ps_softmax_draw_rows")
     return out
 
 
