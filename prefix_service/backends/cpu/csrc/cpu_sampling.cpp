@@ -216,24 +216,31 @@ int64_t softmax_draw_row(const float* x, int vocab, float t, double u, double* s
   return e > 0.0 ? j : first_max();
 }
 
-}  // namespace
+// A thread's buffers for its rows: top_k_row's candidates (kept, spare) and block maxima, or
+// softmax_draw_row's block sums
+struct RowScratch {
+  std::vector<Candidate> kept, spare;
+  std::vector<float> maxima;
+  std::vector<double> sums;
+};
 
-// For rows of x (float32, row r at x + r * stride, vocab values each), the k (1 <= k <= vocab)
-// largest of each, largest first and equal values in index order: values [rows][k], index
-// [rows][k]. 0, or 2 for bad operands.
-extern "C" int ps_top_k_rows(const float* x, int64_t stride, int rows, int vocab, int k, float* values,
-                             int64_t* index, int threads) {
-  if (rows < 0 || vocab <= 0 || k <= 0 || k > vocab || (rows > 1 && stride < vocab)) return 2;
+// row(r, scratch) for r in [0, rows), the rows split over the team, each thread with its own
+// scratch (for ranking: candidates, else block sums). 0, or 3 when a thread's could not be allocated.
+template <typename Row>
+int over_rows(int rows, int vocab, int threads, bool ranking, Row row) {
   int status = 0;
 #pragma omp parallel num_threads(team(rows, vocab, threads))
   {
-    std::vector<Candidate> kept, spare;
-    std::vector<float> maxima;
+    RowScratch scratch;
     bool ok = true;
     try {
-      kept.resize(vocab);
-      spare.resize(vocab);
-      maxima.resize(vocab / 16 + 1);
+      if (ranking) {
+        scratch.kept.resize(vocab);
+        scratch.spare.resize(vocab);
+        scratch.maxima.resize(vocab / 16 + 1);
+      } else {
+        scratch.sums.resize(vocab / 256 + 1);
+      }
     } catch (...) {
       ok = false;
 #pragma omp atomic write
@@ -241,10 +248,23 @@ extern "C" int ps_top_k_rows(const float* x, int64_t stride, int rows, int vocab
     }
 #pragma omp for schedule(static)
     for (int r = 0; r < rows; ++r)
-      if (ok) top_k_row(x + r * stride, vocab, k, values + (int64_t)r * k, index + (int64_t)r * k, kept.data(),
-                        spare.data(), maxima.data());
+      if (ok) row(r, scratch);
   }
   return status;
+}
+
+}  // namespace
+
+// For rows of x (float32, row r at x + r * stride, vocab values each), the k (1 <= k <= vocab)
+// largest of each, largest first and equal values in index order: values [rows][k], index
+// [rows][k]. 0, 2 for bad operands, or 3 out of memory.
+extern "C" int ps_top_k_rows(const float* x, int64_t stride, int rows, int vocab, int k, float* values,
+                             int64_t* index, int threads) {
+  if (rows < 0 || vocab <= 0 || k <= 0 || k > vocab || (rows > 1 && stride < vocab)) return 2;
+  return over_rows(rows, vocab, threads, true, [&](int r, RowScratch& s) {
+    top_k_row(x + r * stride, vocab, k, values + (int64_t)r * k, index + (int64_t)r * k, s.kept.data(),
+              s.spare.data(), s.maxima.data());
+  });
 }
 
 // out[r] = log(sum_j e^x[r][j]) for rows of x as above. 0, or 2 for bad operands.
@@ -256,25 +276,11 @@ extern "C" int ps_logsumexp_rows(const float* x, int64_t stride, int rows, int v
 }
 
 // out[r] = the token uniform[r] draws from the softmax of row r of x over temperature[r] (> 0),
-// rows as above (softmax_draw_row). 0, or 2 for bad operands.
+// rows as above (softmax_draw_row). 0, 2 for bad operands, or 3 out of memory.
 extern "C" int ps_softmax_draw_rows(const float* x, int64_t stride, int rows, int vocab, const float* temperature,
                                     const double* uniform, int64_t* out, int threads) {
   if (rows < 0 || vocab <= 0 || (rows > 1 && stride < vocab)) return 2;
-  int status = 0;
-#pragma omp parallel num_threads(team(rows, vocab, threads))
-  {
-    std::vector<double> sums;
-    bool ok = true;
-    try {
-      sums.resize(vocab / 256 + 1);
-    } catch (...) {
-      ok = false;
-#pragma omp atomic write
-      status = 3;
-    }
-#pragma omp for schedule(static)
-    for (int r = 0; r < rows; ++r)
-      if (ok) out[r] = softmax_draw_row(x + r * stride, vocab, temperature[r], uniform[r], sums.data());
-  }
-  return status;
+  return over_rows(rows, vocab, threads, false, [&](int r, RowScratch& s) {
+    out[r] = softmax_draw_row(x + r * stride, vocab, temperature[r], uniform[r], s.sums.data());
+  });
 }
