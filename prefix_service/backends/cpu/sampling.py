@@ -5,10 +5,10 @@ them to the sampler (engine/sampler.py) as its `sampler_ops` (NativeSamplerOps):
 the CPU where the library loads (`usable`) take them, anything else torch's passes.
 
 On a CPU, torch's topk was most of a sampled step's time once many requests asked for a top-p
-(docs/benchmarks.md, "Sampling"): it costs about as much for 64 candidates of a 49,152-token row as
-a pass that sorts far more. Here a row is one pass that compares 16 logits at a time with the
-smallest of the k kept so far; only those above it enter a heap. Equal logits rank in index order,
-and a NaN counts as -inf, in both passes.
+(docs/benchmarks.md, "Sampling"). Here a row's k largest are the values that reach a bar (the k-th
+largest of the maxima of at least k blocks of the row), ranked by a stable radix sort; a whole
+softmax's draw is a pass for the blocks' sums and one within the block picked. Equal logits rank in
+index order, and a NaN counts as -inf, throughout.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from prefix_service.backends.cpu.native import NativeKernelError
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether top_k and logsumexp below take x: float32 rows on the CPU, the library loaded."""
+    """Whether the passes below take x: float32 rows on the CPU, the library loaded."""
     return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and native.load()[0] is not None
 
 
@@ -83,8 +83,8 @@ def softmax_draw(x: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tens
 
 
 class NativeSamplerOps(SamplerOps):
-    """The sampler's passes through top_k and logsumexp above where they take the logits (`usable`),
-    else torch's."""
+    """The sampler's passes through top_k, logsumexp and softmax_draw above where they take the logits
+    (`usable`), else torch's."""
 
     def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return top_k(x.contiguous(), k) if usable(x) else super().top_k(x, k)
