@@ -1,8 +1,8 @@
 """The sampler's cost per step: `engine.sampler.sample` on N rows of next-token logits, per sampling
-option (greedy, temperature, top-p, top-k, the penalties over each row's 1,039 prompt and 30
-generated tokens), with the cpu backend's passes over its logits (`CpuBackend.sampler_ops`),
-milliseconds a call, with glibc malloc set as the engine sets it on a CPU (backends/hostmem.py:
-without it a call's fresh 12 MB temporaries fault on every page). A step samples every row at once
+option (greedy, its log-probabilities, temperature, top-p, top-k, the penalties over each row's
+1,039 prompt and 30 generated tokens), with the cpu backend's passes over its logits
+(`CpuBackend.sampler_ops`), milliseconds a call, with glibc malloc set as the engine sets it on a
+CPU (backends/hostmem.py: without it a call's fresh 12 MB temporaries fault on every page). A step samples every row at once
 after the model's forward, so on a CPU this time is added to each decode step of N sequences.
 
 The logits are the default model's own (SmolLM2-135M-Instruct through transformers, float32, the
@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 # name: SamplingParams keywords
 OPTIONS = {
     "greedy": {},
+    "greedy logprobs5": {"logprobs": 5},
     "t1.0": {"temperature": 1.0},
     "t0.7 top_p0.9": {"temperature": 0.7, "top_p": 0.9},
     "t1.0 top_p0.95": {"temperature": 1.0, "top_p": 0.95},

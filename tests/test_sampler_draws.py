@@ -131,7 +131,7 @@ def test_the_sampled_and_greedy_rows_of_one_step():
     assert tokens[3] in logits[3].topk(3).indices.tolist()
 
 
-def test_logprobs_of_rows_asking_for_different_counts_in_one_step():
+def test_logprobs_of_rows_asking_for_different_counts_in_one_step(ops):
     """Each row's chosen token's log-probability and its own number of alternatives, most likely
     first, from the model's log-softmax; rows that ask for none get none."""
     torch.manual_seed(2)
@@ -139,7 +139,7 @@ def test_logprobs_of_rows_asking_for_different_counts_in_one_step():
     params = [SamplingParams(max_tokens=1, logprobs=3), SamplingParams(max_tokens=1),
               SamplingParams(max_tokens=1, temperature=0.8, logprobs=0),
               SamplingParams(max_tokens=1, logprobs=7), SamplingParams(max_tokens=1, temperature=1.0, logprobs=1)]
-    tokens, out = sampler.sample(logits, seqs_for(params, seed=9))
+    tokens, out = sampler.sample(logits, seqs_for(params, seed=9), (), ops)
     want = torch.log_softmax(logits, dim=-1)
     assert out[1] is None
     for i, k in ((0, 3), (2, 0), (3, 7), (4, 1)):

@@ -30,7 +30,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     eos_token_ids: the model's, which min_tokens masks (with the request's stop_token_ids); ops: the
     backend's passes over its logits (Backend.sampler_ops)."""
     want = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
-    model_logprobs = torch.log_softmax(logits[want], dim=-1) if want else None  # [len(want), vocab]
+    raw = _rows(logits, want).float() if want else None  # the model's logits of those rows, before any adjustment
     adjust = [i for i, seq in enumerate(seqs) if seq.sampling.adjusts_logits]
     constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     if adjust or constrained:
@@ -49,12 +49,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
         for i, token in zip(drawn, draw(logits, drawn, seqs, ops)):
             tokens[i] = token
     out: list[TokenLogprob | None] = [None] * len(seqs)
-    if model_logprobs is not None:  # every row's at once: the host reads the device twice, not twice a row
+    if raw is not None:  # every row's at once: the host reads the device twice, not twice a row
+        # log-probabilities as the log-softmax gives them, x - log(sum(e^x)), read where needed only
+        norm = ops.logsumexp(raw).unsqueeze(1)
         picked = torch.tensor([tokens[i] for i in want], dtype=torch.int64, device=logits.device).unsqueeze(1)
-        chosen = model_logprobs.gather(1, picked).squeeze(1).tolist()
+        chosen = (raw.gather(1, picked) - norm).squeeze(1).tolist()
         most = max(seqs[i].sampling.logprobs or 0 for i in want)
-        values, ids = model_logprobs.topk(most, dim=-1) if most else (model_logprobs[:, :0], picked[:, :0])
-        values_l, ids_l = values.tolist(), ids.tolist()
+        values, ids = ops.top_k(raw, most) if most else (raw[:, :0], picked[:, :0])
+        values_l, ids_l = (values - norm).tolist(), ids.tolist()
         for j, i in enumerate(want):
             k = seqs[i].sampling.logprobs or 0
             out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(ids_l[j][:k], values_l[j][:k])))
