@@ -25,6 +25,7 @@ AVX512-BF16, AVX-512, AVX2) and the load.
     python scripts/bench_cpu_dtype.py --vllm-dtypes bfloat16,float32 --json bench_out/cpu_dtype_vllm.json
     python scripts/bench_cpu_dtype.py --concurrency 1,4,16,64 --plot bench_out/cpu_dtype.png
     python scripts/bench_cpu_dtype.py --dtypes bfloat16 --temperature 1.0 --baseline /tmp/before
+    python scripts/bench_cpu_dtype.py --dtypes bfloat16 --temperature 0.7 --top-p 0.9 --baseline /tmp/before
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def child(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     engine.add_template(work.prefix_name, token_ids=list(work.prefix_ids))
     warm_ms = (time.perf_counter() - start) * 1e3
-    params = SamplingParams(max_tokens=work.output_tokens, ignore_eos=True, temperature=args.temperature)
+    params = SamplingParams(max_tokens=work.output_tokens, ignore_eos=True, temperature=args.temperature,
+                            top_p=args.top_p)
     index = iter(range(args.round * 100_000, 10**9))  # segments of this round only: never sent before
 
     def batch(n: int) -> tuple[float, list]:
@@ -126,8 +128,8 @@ def vllm_child(args: argparse.Namespace) -> None:
     def batch(n: int, tokens: int) -> float:
         prompts = [TokensPrompt(prompt_token_ids=prefix + next(segments)) for _ in range(n)]
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=args.temperature),
-                            use_tqdm=False)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=args.temperature,
+                                                    top_p=args.top_p), use_tqdm=False)
         wall = time.perf_counter() - t0
         assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
         return wall
@@ -226,6 +228,8 @@ def main() -> None:
                          "speed only, the tokens are noise)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="every request's (default 0: greedy; 1.0: what an OpenAI client gets by default)")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="every request's (default 1.0: none; with a --temperature above 0)")
     ap.add_argument("--json")
     ap.add_argument("--plot", help="a PNG: output tok/s against the requests submitted together (two or more "
                                    "--concurrency values), and TTFT, per system")
@@ -268,7 +272,7 @@ def main() -> None:
         for name, repo, dtype, variables in systems:
             common = ["--round", str(r), "--singles", str(args.singles), "--concurrency",
                       ",".join(map(str, args.concurrency)), "--load-format", args.load_format,
-                      "--temperature", str(args.temperature)]
+                      "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
             if args.model:
                 common += ["--model", args.model]
             env = None
