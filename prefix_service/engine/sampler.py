@@ -87,9 +87,12 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
     repeat = {i: p.repetition_penalty for i, p in zip(rows, params) if p.repetition_penalty != 1.0}
     if repeat:
         # a token seen twice is written twice with the same value, made from the logit before either
-        seen = flat_ids([seqs[i].ids_tensor() for i in repeat], list(repeat))
-        vals, penalty = flat[seen], per_row(repeat, seen)
-        flat[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        history = [seqs[i].ids_tensor() for i in repeat]
+        seen = flat_ids(history, list(repeat))
+        penalty = torch.repeat_interleave(torch.tensor(list(repeat.values()), dtype=torch.float32),
+                                          torch.tensor([len(h) for h in history])).to(device)  # each index's row's
+        vals = flat.gather(0, seen)
+        flat.scatter_(0, seen, torch.where(vals > 0, vals / penalty, vals * penalty))
     counted = [i for i, p in zip(rows, params) if p.presence_penalty or p.frequency_penalty]
     if counted:
         out, counts = torch.unique(flat_ids([seqs[i].ids_tensor(seqs[i].num_prompt_tokens) for i in counted], counted),
