@@ -18,8 +18,8 @@ def test_the_sampler_is_timed_per_option_and_rows_for_each_checkout(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data["medians"]) == {"base", "ours"}
-    keys = {f"{option}|{n}" for option in ("greedy", "t1.0", "t0.7 top_p0.9", "t1.0 top_p0.95", "t0.7 top_k50",
-                                          "repetition1.1", "presence0.5 frequency0.5")
+    keys = {f"{option}|{n}" for option in ("greedy", "greedy logprobs5", "t1.0", "t0.7 top_p0.9", "t1.0 top_p0.95",
+                                          "t0.7 top_k50", "repetition1.1", "presence0.5 frequency0.5")
             for n in (1, 3)}
     for name, row in data["medians"].items():
         assert set(row) == keys and all(ms > 0 for ms in row.values())
