@@ -109,27 +109,35 @@ inline __m512 exp_small(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// p[j] = e^(src[j] - m) rounded to bf16 for j < n, 0 for n <= j < kTK; returns acc plus those rounded
+// values, lane by lane (e^(src - m) may exceed 1 by up to e^kLazy in attend_dot, never NaN)
+inline __m512 exp_round_add(const float* src, int n, float m, c10::BFloat16* p, __m512 acc) {
+  const __m512 mb = _mm512_set1_ps(m);
+  #pragma GCC unroll 4
+  for (int j = 0; j < kTK; j += ps::LANES) {
+    const __m512 e = _mm512_maskz_mov_ps(ps::first_mask(n - j), exp_small(_mm512_sub_ps(_mm512_loadu_ps(src + j), mb)));
+#if defined(__AVX512BF16__)
+    // one instruction for the rounding: to nearest even, as bf16_bits, and the same bits here (the
+    // exponentials are 0 or normal numbers, e^-87 and up, where its flush of subnormals cannot act)
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), b);
+    acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+#else
+    const __m512i r = bf16_bits(_mm512_castps_si512(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm512_cvtepi32_epi16(r));
+    acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+#endif
+  }
+  return acc;
+}
+#endif
+
 // dst[j] = exp(src[j] - m) for j < n, 0 for n <= j < kTK; returns the sum of dst rounded to bf16,
 // each value rounded to bf16 into p (the weights P V multiplies)
 float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
 #if defined(__AVX512F__)
-  // the rounding in vectors: the values here are exponentials of non-positive numbers, never NaN
-  const ps::vf mb = ps::vset1(m);
-  __m512 sum = _mm512_setzero_ps();
-  for (int j = 0; j < kTK; j += ps::LANES) {
-    const ps::vf e = ps::vkeep_first(ps::vf{exp_small(_mm512_sub_ps(_mm512_loadu_ps(src + j), mb.v))}, n - j);
-#if defined(__AVX512BF16__)
-    // one instruction for the rounding: to nearest even, as bf16_bits, and the same bits here (the
-    // exponentials are 0 or normal numbers, e^-87 and up, where its flush of subnormals cannot act)
-    const __m256i b = (__m256i)_mm512_cvtneps_pbh(e.v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), b);
-    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-#else
-    const __m512i r = bf16_bits(_mm512_castps_si512(e.v));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm512_cvtepi32_epi16(r));
-    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
-#endif
-  }
+  const __m512 sum = exp_round_add(src, n, m, p, _mm512_setzero_ps());
   return _mm512_reduce_add_ps(sum);
 #else
   float sum = 0.0f;
@@ -279,19 +287,8 @@ void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, con
           if (c > 0) scale_row(ob + row * d, d, alpha);
           ref[row] = moved;
         }
-        const __m512 rb = _mm512_set1_ps(ref[row]);
-        __m512 sum = lsum[row];
-        #pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          // e^(score - reference), at most e^kLazy; 0 past the template's end. Rounded to bf16 by one
-          // instruction, to nearest even as bf16_bits (the values are 0 or normal numbers, e^-87 and
-          // up, where its flush of subnormals cannot act); the sum adds the rounded values
-          const __m512 e = _mm512_maskz_mov_ps(ps::first_mask(nk - v * 16), exp_small(_mm512_sub_ps(x[v], rb)));
-          const __m256i b = (__m256i)_mm512_cvtneps_pbh(e);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pb + i * kTK + v * 16), b);
-          sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-        }
-        lsum[row] = sum;
+        // e^(score - reference), at most e^kLazy, rounded into the block's P; 0 past the template's end
+        lsum[row] = exp_round_add(sb + i * kTK, nk, ref[row], pb + i * kTK, lsum[row]);
       }
       int64_t e0 = 0;  // the block's outputs, 64 columns at a time
       for (; e0 + 64 <= d; e0 += 64) values_rows<4>(pb, vc, d, e0, ob + r * d);
