@@ -134,14 +134,16 @@ def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: Sampl
     whole = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
     cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
 
-    def scaled(some: list[int]) -> torch.Tensor:  # those rows' logits over their temperatures, a new tensor
-        return _rows(logits, [rows[j] for j in some]).float() / temperature[some].unsqueeze(1)
+    def scaled(x: torch.Tensor, some: list[int]) -> torch.Tensor:  # rows x over their temperatures, a new tensor
+        return x.float() / temperature[some].unsqueeze(1)
 
     if whole:
-        picked = ops.softmax_draw(_rows(logits, [rows[j] for j in whole]), temperature[whole], uniform[whole])
-        tokens[whole] = picked if picked is not None else _inverse_cdf(scaled(whole).softmax(-1), uniform[whole])
+        x = _rows(logits, [rows[j] for j in whole])
+        picked = ops.softmax_draw(x, temperature[whole], uniform[whole])
+        tokens[whole] = picked if picked is not None else _inverse_cdf(scaled(x, whole).softmax(-1), uniform[whole])
     if cut:
-        tokens[cut] = _draw_cut(scaled(cut), [params[j] for j in cut], uniform[cut], ops)
+        tokens[cut] = _draw_cut(scaled(_rows(logits, [rows[j] for j in cut]), cut), [params[j] for j in cut],
+                                uniform[cut], ops)
     return tokens.tolist()
 
 
