@@ -2,8 +2,9 @@
 
 One EngineCore runs in this process and thread. A template of --prefix-tokens random ids is pinned;
 then requests of --prompt-tokens ids run one at a time, taking turns: (a) naming the template, so
-only the prompt is computed over the pinned KV, and (b) the same ids with no prefix, all of them
-computed. Where the backend packs the template's K/V (cache.pack_prefix_kv on the cpu backend), a
+only the prompt is computed over the pinned KV, (b) the template's ids and the prompt's with no
+prefix, all of them computed, and (c) the prompt's ids alone (path alone): what the template's
+attention adds to a prompt of the same length. Where the backend packs the template's K/V (cache.pack_prefix_kv on the cpu backend), a
 second engine with packing off runs (a) too (path prefix_unpacked), in the same turns. For each:
 time to first token (median and min over --runs), and, over --profile-runs more, the time in
 linear layers, in attention, and in everything else (element-wise work, the scheduler, Python),
@@ -50,8 +51,10 @@ class Runner:
     def pin(self) -> None:
         pin(self.core, TEMPLATE, self.prefix_ids)
 
-    def ttft(self, prompt_ids: list[int], by_name: bool) -> float:
-        """Seconds from submit to the first token, stepping the engine here."""
+    def ttft(self, prompt_ids: list[int], mode: str) -> float:
+        """Seconds from submit to the first token, stepping the engine here. mode: "template" (the prompt on the
+        pinned template, by name), "full" (the template's ids and the prompt's, no prefix) or "alone" (the
+        prompt's ids, no prefix)."""
         first: list[float] = []
         errors: list[str] = []
 
@@ -62,9 +65,9 @@ class Runner:
                 errors.append(str(out.error))
 
         self.count += 1
-        ids = prompt_ids if by_name else self.prefix_ids + prompt_ids
+        ids = self.prefix_ids + prompt_ids if mode == "full" else prompt_ids
         start = time.perf_counter()
-        self.core.add_request(f"profile-{self.count}", ids, TEMPLATE if by_name else None,
+        self.core.add_request(f"profile-{self.count}", ids, TEMPLATE if mode == "template" else None,
                               SamplingParams(max_tokens=1, ignore_eos=True), sink)
         while self.core.has_work():
             self.core.step()
@@ -73,7 +76,7 @@ class Runner:
         return first[0] - start
 
 
-PATHS = ("prefix", "no_prefix", "prefix_unpacked")
+PATHS = ("prefix", "no_prefix", "alone", "prefix_unpacked")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,40 +108,40 @@ def main(argv: list[str] | None = None) -> int:
     runner.pin()
     prompts = [[rng.randrange(arch.vocab_size) for _ in range(args.prompt_tokens)]
                for _ in range(2 + args.runs + args.profile_runs)]
-    # path: (the engine, names the template); where the template's K/V is packed, the same requests
+    # path: (the engine, what the request holds); where the template's K/V is packed, the same requests
     # also run on an engine that does not pack (prefix_unpacked): what the packing buys, in the same turns
-    paths = {name: path for name, path in (("prefix", (runner, True)), ("no_prefix", (runner, False)))
-             if name in wanted}
+    paths = {name: path for name, path in (("prefix", (runner, "template")), ("no_prefix", (runner, "full")),
+                                           ("alone", (runner, "alone"))) if name in wanted}
     if "prefix_unpacked" in wanted and core.kv_stats()["packed_template_bytes"]:
         unpacked = Runner(EngineCore(dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, pack_prefix_kv=False))),
                           prefix_ids)
         unpacked.pin()
-        paths["prefix_unpacked"] = (unpacked, True)
+        paths["prefix_unpacked"] = (unpacked, "template")
     for prompt in prompts[:2]:  # warm-up
-        for path_runner, by_name in paths.values():
-            path_runner.ttft(prompt, by_name)
+        for path_runner, mode in paths.values():
+            path_runner.ttft(prompt, mode)
 
     times: dict[str, list[float]] = {name: [] for name in paths}
     for i, prompt in enumerate(prompts[2:2 + args.runs]):
         order = list(paths.items()) if i % 2 == 0 else list(paths.items())[::-1]
-        for name, (path_runner, by_name) in order:  # in turns, so a slow spell of the machine hits every path
-            times[name].append(path_runner.ttft(prompt, by_name))
+        for name, (path_runner, mode) in order:  # in turns, so a slow spell of the machine hits every path
+            times[name].append(path_runner.ttft(prompt, mode))
 
     split: dict[str, dict[str, float]] = {name: {"linear": 0.0, "attention": 0.0} for name in paths}
     profiled: dict[str, float] = {name: 0.0 for name in paths}  # the profiled requests' own TTFT, ms per request
     if args.profile_runs:
-        for name, (path_runner, by_name) in paths.items():
+        for name, (path_runner, mode) in paths.items():
             with kernel_times(path_runner.core.backend) as kernel_ms:
                 for prompt in prompts[2 + args.runs:]:
-                    profiled[name] += path_runner.ttft(prompt, by_name) * 1e3 / args.profile_runs
+                    profiled[name] += path_runner.ttft(prompt, mode) * 1e3 / args.profile_runs
             split[name] = {kind: ms / args.profile_runs for kind, ms in kernel_ms.items()}  # ms per request
     for path_runner, _ in paths.values():
         path_runner.core.check_integrity()
 
     results = []
-    for name, (_, by_name) in paths.items():
-        tokens = args.prompt_tokens if by_name else args.prefix_tokens + args.prompt_tokens
-        context = args.prefix_tokens if by_name else 0
+    for name, (_, mode) in paths.items():
+        tokens = args.prefix_tokens + args.prompt_tokens if mode == "full" else args.prompt_tokens
+        context = args.prefix_tokens if mode == "template" else 0
         linear, attention = arch.forward_flops(tokens, context)
         f = {"linear_flop": linear, "attention_flop": attention, "flop": linear + attention}
         p50, best = statistics.median(times[name]) * 1e3, min(times[name]) * 1e3
@@ -154,11 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
     by_path = {r["path"]: r for r in results}
     pre, full, unpacked_row = by_path.get("prefix"), by_path.get("no_prefix"), by_path.get("prefix_unpacked")
+    alone = by_path.get("alone")
     ratio: dict[str, float] = {}  # those of the paths that ran
     if pre is not None and full is not None:
         ratio = {"ttft_p50": round(full["ttft_p50_ms"] / pre["ttft_p50_ms"], 2),
                  "ttft_min": round(full["ttft_min_ms"] / pre["ttft_min_ms"], 2),
                  "flop_bound": round(full["flop"] / pre["flop"], 2)}
+    if pre is not None and alone is not None:  # what the template's attention adds: prefix / alone
+        ratio.update(alone_p50=round(pre["ttft_p50_ms"] / alone["ttft_p50_ms"], 2),
+                     alone_min=round(pre["ttft_min_ms"] / alone["ttft_min_ms"], 2),
+                     alone_flop_bound=round(pre["flop"] / alone["flop"], 2))
     if pre is not None and unpacked_row is not None:
         ratio["packing_p50"] = round(unpacked_row["ttft_p50_ms"] / pre["ttft_p50_ms"], 3)
 
@@ -179,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     if "ttft_p50" in ratio:
         print(f"TTFT ratio no_prefix / prefix: {ratio['ttft_p50']:.2f}x at the medians, {ratio['ttft_min']:.2f}x at "
               f"the minimums; {ratio['flop_bound']:.2f}x at equal FLOP rates (the FLOP ratio)")
+    if "alone_p50" in ratio:
+        print(f"TTFT ratio prefix / alone: {ratio['alone_p50']:.2f}x at the medians, {ratio['alone_min']:.2f}x at "
+              f"the minimums; {ratio['alone_flop_bound']:.2f}x at equal FLOP rates")
     if pre is not None and unpacked_row is not None:
         print(f"the template's packed K/V (cache.pack_prefix_kv): TTFT p50 {unpacked_row['ttft_p50_ms']:.1f} ms "
               f"without it, {pre['ttft_p50_ms']:.1f} with it ({ratio['packing_p50']:.3f}x)")

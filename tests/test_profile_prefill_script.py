@@ -54,9 +54,9 @@ def test_profile_prefill_script(script, llama_dir, tmp_path, capsys, backend):
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     rows = {r["path"]: r for r in data["results"]}
     packed = want_backend == "cpu"  # the cpu backend packs the template (default config)
-    assert set(rows) == {"prefix", "no_prefix"} | ({"prefix_unpacked"} if packed else set())
+    assert set(rows) == {"prefix", "no_prefix", "alone"} | ({"prefix_unpacked"} if packed else set())
     for path, tokens, context in (("prefix", prompt, prefix), ("no_prefix", prefix + prompt, 0),
-                                  ("prefix_unpacked", prompt, prefix)):
+                                  ("alone", prompt, 0), ("prefix_unpacked", prompt, prefix)):
         if path not in rows:
             continue
         r = rows[path]
@@ -72,11 +72,14 @@ def test_profile_prefill_script(script, llama_dir, tmp_path, capsys, backend):
     assert ratio["flop_bound"] == pytest.approx(rows["no_prefix"]["flop"] / rows["prefix"]["flop"], rel=0.01)
     assert ratio["ttft_p50"] == pytest.approx(rows["no_prefix"]["ttft_p50_ms"] / rows["prefix"]["ttft_p50_ms"],
                                               rel=0.01)
+    assert ratio["alone_flop_bound"] == pytest.approx(rows["prefix"]["flop"] / rows["alone"]["flop"], rel=0.01)
+    assert ratio["alone_flop_bound"] > 1  # the template's keys are attention work the prompt alone does not have
+    assert ratio["alone_p50"] == pytest.approx(rows["prefix"]["ttft_p50_ms"] / rows["alone"]["ttft_p50_ms"], rel=0.01)
     if packed:
         assert ratio["packing_p50"] == pytest.approx(
             rows["prefix_unpacked"]["ttft_p50_ms"] / rows["prefix"]["ttft_p50_ms"], rel=0.01)
     assert data["threads"] == 1 and data["prefix_tokens"] == prefix and data["git_commit"]
-    assert "TTFT ratio no_prefix / prefix" in printed and "JSON:" in printed
+    assert "TTFT ratio no_prefix / prefix" in printed and "TTFT ratio prefix / alone" in printed and "JSON:" in printed
 
 
 def test_profile_prefill_script_runs_only_the_paths_asked_for(script, llama_dir, tmp_path, capsys):
@@ -97,4 +100,4 @@ def test_profile_prefill_script_rejects_bad_counts(script, llama_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--model", str(llama_dir), "--paths", "prefix,full"])
     assert exit_info.value.code == 2
-    assert "--paths: names of prefix, no_prefix, prefix_unpacked" in capsys.readouterr().err
+    assert "--paths: names of prefix, no_prefix, alone, prefix_unpacked" in capsys.readouterr().err
