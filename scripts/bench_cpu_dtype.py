@@ -265,7 +265,7 @@ def main() -> None:
         workload_ids(ids_file, args.rounds, 2 + args.singles + sum(args.concurrency))
         systems += [(f"vllm-{d}", "vllm", d, {}) for d in vllm_dtypes]
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import child_result, machine_info
+    from prefix_service.bench.main import child_result, git_commit, machine_info
     info = machine_info()
     runs: dict[str, list[dict]] = {name: [] for name, *_ in systems}
     for r in range(args.rounds):
@@ -318,11 +318,13 @@ def main() -> None:
             print("no plot: it needs two or more --concurrency values", file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        described = {name: {"dtype": dtype, "checkout": repo, "environment": variables}
+        described = {name: {"dtype": dtype, "checkout": repo, "environment": variables,
+                            **({} if repo == "vllm" else {"git_commit": git_commit(repo)})}
                      for name, repo, dtype, variables in systems}
         Path(args.json).write_text(json.dumps({"machine": info, "args": vars(args), "systems": described,
                                                "medians": table, "against_vllm": versus, "runs": runs,
-                                               "date": time.strftime("%Y-%m-%d")},
+                                               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                               "git_commit": git_commit()},
                                               indent=2))
 
 

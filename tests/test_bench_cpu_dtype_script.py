@@ -38,6 +38,9 @@ def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_pat
                "--plot", str(tmp_path / "dtype.png"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
+    assert data["git_commit"]  # this checkout's, as is each of our systems'
+    assert {name: system.pop("git_commit") for name, system in data["systems"].items()} == {
+        "float32": data["git_commit"], "bf16-matrix": data["git_commit"]}
     assert data["systems"] == {
         "float32": {"dtype": "float32", "checkout": str(SCRIPT.parent.parent), "environment": {}},
         "bf16-matrix": {"dtype": "bfloat16", "checkout": str(SCRIPT.parent.parent),

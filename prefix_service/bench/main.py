@@ -184,10 +184,11 @@ def child_result(cmd: list[str], env: dict[str, str] | None, what: str, timeout_
     return result
 
 
-def git_commit() -> str | None:
+def git_commit(repo: str | Path = REPO) -> str | None:
+    """The checkout's HEAD, marked "+uncommitted" where tracked files differ from it; None outside git."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
