@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 from prefix_service.bench.systems import base_system
@@ -186,7 +187,7 @@ def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: 
         ax.set_xticks(sorted({p["offered_qps"] for r in rows for p in r["points"]}))
         ax.set_xlabel("offered load (requests/s, Poisson arrivals)")
         ax.set_ylabel("p99 end-to-end latency (ms)\nx: over 1% missed the deadline")
-        ax.set_title(f"{workload}: {title}")
+        ax.set_title(textwrap.fill(f"{workload}: {title}", 70), fontsize=10)  # the machine's name can be long
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
