@@ -16,10 +16,11 @@
 # a decode step's time go in the cpu backend, in each dtype, on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
 # CPU tests, then each linear kernel's cost per call (brgemm also in the block widths
-# BRGEMM_COLUMNS names, e.g. 64,128), a decode step in bf16 by default (the inner product with the
-# few-row kernel), in float32, on brgemm, without the few-row kernel and with the template attention
-# as bf16 matrix products, and the dtype benchmark (bf16 also with those products), each at 2
-# threads, a 2-vCPU machine's count, then at 16) and omp (which OpenMP runtimes the cpu backend's libraries
+# BRGEMM_COLUMNS names, e.g. 64,128), the template products' cost per call on AMX tiles and on
+# the AVX512-BF16 dot products, a decode step in bf16 by default (brgemm on AMX), in float32, on
+# brgemm, without the few-row kernel and with the template attention as matrix products on the dot
+# products, and the dtype benchmark (bf16 also with those products), each at 2 threads, a 2-vCPU
+# machine's count, then at 16) and omp (which OpenMP runtimes the cpu backend's libraries
 # load, and the bf16 decode under each OMP_WAIT_POLICY).
 # SANITIZE_TESTS and SANITIZE_K: the test files compute-sanitizer runs and their -k expression (default:
 # the store, concat and copy kernels and the cascade decode, tests/test_cuda_ops.py and test_attention_cuda.py).
@@ -99,15 +100,17 @@ step cpuprofile 240 bash -c 'for dtype in float32 bfloat16; do
 step linear 90 python3 scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --passes 5 --json "$LOGS/cpu_linear_bf16.json"
 step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
   python3 scripts/bench_cpu_linear_call.py --threads 2,16 --rows 1,8,16,32,64 --calls 100 ${BRGEMM_COLUMNS:+--brgemm-columns $BRGEMM_COLUMNS} --json '"$LOGS"'/cpu_linear_call.json
-  for threads in 2 16; do for way in default float32 brgemm no-few-rows default+matrix; do echo "--- $threads threads, $way"
+  for products in auto dot; do PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=$products python3 scripts/bench_cpu_template_call.py \
+    --rows 6,48,150,300 --calls 300 --json '"$LOGS"'/cpu_template_call_$products.json; done
+  for threads in 2 16; do for way in default float32 brgemm no-few-rows default+dot; do echo "--- $threads threads, $way"
     case $way in brgemm) vars=PREFIX_SERVICE_BF16_LINEAR=brgemm ;; no-few-rows) vars=PREFIX_SERVICE_BF16_FEW_ROWS=0 ;;
-      default+matrix) vars=PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix ;; *) vars= ;; esac
+      default+dot) vars=PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot ;; *) vars= ;; esac
     env OMP_NUM_THREADS=$threads $vars python3 scripts/profile_decode.py \
       ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu \
       --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done; done
   for threads in 2 16; do echo "--- bench_cpu_dtype, $threads threads"
     OMP_NUM_THREADS=$threads python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
-      --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix \
+      --system bf16-dot:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot \
       --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json; done'
 step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
   python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"

@@ -303,12 +303,15 @@ def assert_same_or_near_tie(engine, ids: list[int], want: list[int], got: list[i
 
 
 # the template attentions the engine tests run: the native kernels (the default) and the matrix
-# products (onednn.OneDnnTemplate; without AMX through torch's fallback GEMM)
-TEMPLATE_ATTENTIONS = ["native", "matrix"]
+# products (onednn.OneDnnTemplate) on the CPU's best kernel for them (AMX tiles, AVX512-BF16 dot
+# products, else torch's fallback GEMM) and on the fallback GEMM whatever the CPU has
+TEMPLATE_ATTENTIONS = ["native", "matrix", "matrix-fallback"]
+FAST_PRODUCTS = onednn.template_kernel(16) != "fallback GEMM"  # the CPU has AMX or AVX512-BF16
 
 
 def choose_template_attention(monkeypatch, how: str) -> None:
-    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, how)
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, how.split("-")[0])
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "fallback" if how.endswith("-fallback") else "auto")
 
 
 @needs_bf16
@@ -321,7 +324,9 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which, how, monke
     near-tie branch with the native kernels."""
     choose_template_attention(monkeypatch, how)
     engine = make_engine(model_dirs[which], block_size=BS, dtype="bfloat16", backend="cpu")
-    assert engine._core.backend.stack.template_matrix == (how == "matrix")
+    assert engine._core.backend.stack.template_matrix == how.startswith("matrix")
+    assert ("(fallback GEMM)" in engine._core.backend.describe()) == (how == "matrix-fallback"
+                                                                      or (how == "matrix" and not FAST_PRODUCTS))
     calls = onednn.template_attend_calls()
     for prefix_len in (1, BS - 1, BS, BS + 1, 2 * BS, 4 * BS + 1):
         full = ids_of(prefix_len + 9, salt=prefix_len)
@@ -331,7 +336,7 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which, how, monke
         assert engine.remove_template("p")
         assert_same_or_near_tie(engine, full, expected, got, prefix_len)
     # the decodes on templates of a full block or more ran their template part as matrix products
-    assert (onednn.template_attend_calls() > calls) == (how == "matrix")
+    assert (onednn.template_attend_calls() > calls) == how.startswith("matrix")
 
 
 @needs_bf16

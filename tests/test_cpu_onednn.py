@@ -483,19 +483,40 @@ def template_reference(q, k, v):
     return m, p.sum(dim=1), (p @ vd) / p.sum(dim=1)[:, None], p / p.sum(dim=1)[:, None], bound
 
 
+def pack_with(products, k, v, monkeypatch):
+    """OneDnnTemplate(k, v) with PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=products, checked to multiply
+    with the kernel that allows; None where the CPU has no dot products to ask for (refused)."""
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, products)
+    d = k.shape[-1]
+    if products == "dot" and "avx512_bf16" not in cpuinfo.cpu_flags():
+        with pytest.raises(onednn.OneDnnError, match="TEMPLATE_PRODUCTS=dot: this CPU has no AVX512-BF16"):
+            onednn.OneDnnTemplate(k, v)
+        return None
+    packed = onednn.OneDnnTemplate(k, v)
+    assert packed.kernel == onednn.template_kernel(d)
+    if products == "fallback":
+        assert packed.kernel == "fallback GEMM"
+    elif products == "dot":  # not AMX tiles, where the CPU has them too
+        assert packed.kernel == ("AVX512-BF16 dot products" if d % 16 == 0 else "fallback GEMM")
+    return packed
+
+
 @needs_lib
+@pytest.mark.parametrize("products", ["auto", "dot", "fallback"])
 @pytest.mark.parametrize("rows,r_len,hkv,d", [(1, 16, 1, 16), (45, 100, 3, 64), (32, 64, 2, 32), (7, 130, 1, 128),
                                                (5, 70, 1, 18)])
-def test_template_attention_is_the_softmax_state_within_bf16_rounding(rows, r_len, hkv, d):
+def test_template_attention_is_the_softmax_state_within_bf16_rounding(rows, r_len, hkv, d, products, monkeypatch):
     """Each row's state after the template: the maximum score within float32 summation error of
     the exact maximum of its bf16-rounded query's scores; the sum of exponentials and the
     normalised output within the rounding of the probabilities to bf16 (2^-8 relative, doubled for
     the normalisation); over more than one chunk of keys and more than one block of rows, strided
-    query rows."""
+    query rows; on each kernel the products may be limited to."""
     g = torch.Generator().manual_seed(rows + r_len)
     k = torch.randn(r_len, hkv, d, generator=g).bfloat16()
     v = torch.randn(r_len, hkv, d, generator=g).bfloat16()
-    packed = onednn.OneDnnTemplate(k, v)
+    packed = pack_with(products, k, v, monkeypatch)
+    if packed is None:
+        return
     assert (packed.num_tokens, packed.num_kv_heads, packed.head_size) == (r_len, hkv, d)
     assert packed.nbytes >= 2 * r_len * hkv * d * 2
     q = (torch.randn(rows, 2 * d, generator=g) * d ** -0.5)[:, :d]  # rows 2d apart
@@ -516,8 +537,9 @@ def assert_template_state(packed, h, q, k, v):
 
 
 @needs_lib
+@pytest.mark.parametrize("products", ["auto", "fallback"])
 @pytest.mark.parametrize("shape", ["rising", "falling", "steps"])
-def test_template_attention_follows_scores_that_move_far_between_chunks(shape):
+def test_template_attention_follows_scores_that_move_far_between_chunks(shape, products, monkeypatch):
     """Scores that climb by 140 across the template's chunks (past float32's range: each row's
     exponentials must be taken against a reference that moves, and what came before rescaled), that
     fall (everything after the first chunk negligible), and that jump up and down by less and more
@@ -536,7 +558,7 @@ def test_template_attention_follows_scores_that_move_far_between_chunks(shape):
         a = torch.tensor([0.0, 6.0, -3.0, 14.0, 9.0, 30.0, 22.0, 31.0])[(j // 42).long()] + torch.randn(r_len, generator=g)
     k = (a[:, None] * u[None, :] + 0.1 * torch.randn(r_len, d, generator=g)).bfloat16()
     v = torch.randn(r_len, d, generator=g).bfloat16()
-    packed = onednn.OneDnnTemplate(k[:, None, :], v[:, None, :])
+    packed = pack_with(products, k[:, None, :], v[:, None, :], monkeypatch)
     assert_template_state(packed, 0, q, k.float(), v.float())
 
 
@@ -601,3 +623,31 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "amx")
     with pytest.raises(onednn.OneDnnError, match="TEMPLATE_ATTENTION='amx': one of native, matrix is needed"):
         onednn.template_attention(64)
+
+
+@needs_lib
+def test_the_template_products_are_limited_by_the_environment(monkeypatch):
+    """PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS: "fallback" on any CPU; "dot" where the CPU has
+    AVX512-BF16, and then the matrix-product template attention by default on AMX too; anything else
+    is refused with the values it takes."""
+    monkeypatch.delenv(onednn.TEMPLATE_ATTENTION_ENV, raising=False)
+    has_dot = "avx512_bf16" in cpuinfo.cpu_flags()
+    auto = onednn.template_kernel(64)
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "auto")
+    assert onednn.template_kernel(64) == auto
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "fallback")
+    assert onednn.template_kernel(64) == onednn.template_kernel(128) == "fallback GEMM"
+    assert onednn.template_attention(64) == "native"  # the fallback is slower than the native kernels
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "dot")
+    if has_dot:
+        assert onednn.template_kernel(64) == "AVX512-BF16 dot products"
+        monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)  # as on AMX: asked for, they run there too
+        assert onednn.template_attention(64) == "matrix"
+        monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "auto")
+        assert onednn.template_attention(64) == "native"
+    else:
+        with pytest.raises(onednn.OneDnnError, match="TEMPLATE_PRODUCTS=dot: this CPU has no AVX512-BF16"):
+            onednn.template_kernel(64)
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "amx")
+    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_PRODUCTS='amx': one of auto, dot, fallback is needed"):
+        onednn.template_kernel(64)

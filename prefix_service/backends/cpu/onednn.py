@@ -70,13 +70,14 @@ SIGNATURES = {
     "ps_onednn_last_error": ([], ctypes.c_char_p),
     "ps_onednn_brgemm_vnni": ([], _i32),
     "ps_onednn_threads_used": ([_i64], _i32),
-    "ps_onednn_template_pack": ([_ptr, _ptr, _i64, _i64, _i64, _i64], _ptr),
+    "ps_onednn_template_pack": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _i32], _ptr),
     "ps_onednn_template_kernel_rule": ([_i64, _i32, _i32], _i32),
     "ps_onednn_template_attend": ([_ptr, _i32, _ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr], _i32),
     "ps_onednn_template_bytes": ([_ptr], _i64),
     "ps_onednn_template_free": ([_ptr], None),
     "ps_onednn_template_calls": ([], _i64),
-    "ps_onednn_template_kernel": ([_i64], _i32),
+    "ps_onednn_template_kernel": ([_i64, _i32], _i32),
+    "ps_onednn_template_packed_kernel": ([_ptr], _i32),
 }
 # a bf16 weight's kernels, as ps_onednn_pack numbers them
 KERNELS = {"inner_product": 0, "emulated": 1, "brgemm": 2}
@@ -347,11 +348,12 @@ class OneDnnTemplate:
         if k.stride()[1:] != (self.head_size, 1) or v.stride() != k.stride():
             k, v = k.contiguous(), v.contiguous()
         handle = lib.ps_onednn_template_pack(k.data_ptr(), v.data_ptr(), k.stride(0), self.num_tokens,
-                                             self.num_kv_heads, self.head_size)
+                                             self.num_kv_heads, self.head_size, template_products())
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
         self.nbytes = int(lib.ps_onednn_template_bytes(handle))
+        self.kernel = TEMPLATE_KERNELS[int(lib.ps_onednn_template_packed_kernel(handle))]  # what multiplies
         self._lib = lib
         self._finalizer = weakref.finalize(self, lib.ps_onednn_template_free, handle)
 
@@ -374,15 +376,41 @@ TEMPLATE_ATTENTION_ALIASES = {"brgemm": "matrix"}  # the value's older name, sti
 TEMPLATE_KERNELS = {0: "fallback GEMM", 1: "AVX512-BF16 dot products", 2: "AMX brgemm"}
 
 
+TEMPLATE_PRODUCTS_ENV = "PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS"
+# the most capable of TEMPLATE_KERNELS (its number) that each value lets the template's products use
+TEMPLATE_PRODUCTS = {"auto": 2, "dot": 1, "fallback": 0}
+
+
+def template_products() -> int:
+    """The most capable kernel (a TEMPLATE_KERNELS number) the matrix-product template attention
+    may multiply with: $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS where set ("dot": the AVX512-BF16
+    dot products, not AMX tiles, to compare the two on a CPU that has both; "fallback": torch's
+    fallback GEMM, on any CPU), else "auto" (AMX tiles, else the dot products, else the fallback).
+    Read when a template is packed."""
+    chosen = os.environ.get(TEMPLATE_PRODUCTS_ENV) or "auto"
+    if chosen not in TEMPLATE_PRODUCTS:
+        raise OneDnnError(f"{TEMPLATE_PRODUCTS_ENV}={chosen!r}: one of {', '.join(TEMPLATE_PRODUCTS)} is needed")
+    most = TEMPLATE_PRODUCTS[chosen]
+    if chosen == "dot":
+        lib = load()[0]
+        if lib is None or TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(16, most))] != TEMPLATE_KERNELS[1]:
+            raise OneDnnError(f"{TEMPLATE_PRODUCTS_ENV}=dot: this CPU has no AVX512-BF16 dot products for the "
+                              "library to use")
+    return most
+
+
 def template_kernel(head_size: int) -> str:
     """What multiplies the matrix-product template attention's bf16 products here for heads of
     head_size (a value of TEMPLATE_KERNELS; the library decides, as it does when it packs a
     template): oneDNN's brgemm micro-kernel on AMX tiles; elsewhere, where the CPU has AVX512-BF16
     (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product instructions,
     for head sizes that are a multiple of 16 (on AMX too, for the sizes its brgemm packing refuses:
-    over 64); else torch's fallback GEMM. "fallback GEMM" as well without the library."""
+    over 64); else torch's fallback GEMM. "fallback GEMM" as well without the library. None above
+    what template_products() allows."""
     lib = load()[0]
-    return TEMPLATE_KERNELS[0] if lib is None else TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(head_size))]
+    if lib is None:
+        return TEMPLATE_KERNELS[0]
+    return TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(head_size, template_products()))]
 
 
 def template_kernel_rule(head_size: int, amx: bool, dot: bool) -> str:
@@ -404,10 +432,15 @@ def template_attention(head_size: int) -> str:
     or a batched decode on a template there (docs/benchmarks.md), and "native" elsewhere: the
     fallback GEMM is 2-3x slower than the native kernels, and on AMX the brgemm products made the
     first token of a 100-token prompt on a template 3x slower at 16 threads (docs/benchmarks.md,
-    "Run 8")."""
+    "Run 8"). With PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot (template_products()) the default is
+    "matrix" on AMX too, on the dot products: to measure them against the native kernels there."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
     if not chosen:
-        return "matrix" if template_kernel(head_size) == TEMPLATE_KERNELS[1] and not brgemm_vnni() else "native"
+        # on AMX the dot products run by default only for the head sizes its tiles refuse, and stay native
+        # there; $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot asks for them
+        dot = template_kernel(head_size) == TEMPLATE_KERNELS[1]
+        asked = os.environ.get(TEMPLATE_PRODUCTS_ENV) == "dot"
+        return "matrix" if dot and (asked or not brgemm_vnni()) else "native"
     chosen = TEMPLATE_ATTENTION_ALIASES.get(chosen, chosen)
     if chosen not in TEMPLATE_ATTENTIONS:
         raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")

@@ -78,7 +78,10 @@ int kernel_rule(int64_t d, bool amx, bool dot) {
   return dot && d % 16 == 0 ? 1 : 0;
 }
 
-int kernel_for(int64_t d) { return kernel_rule(d, at::native::cpublas::could_pack(at::kBFloat16), kDotBf16); }
+// The kernel for head size d here, using none above `most` (2: any; 1: not AMX; 0: the fallback GEMM).
+int kernel_for(int64_t d, int most) {
+  return kernel_rule(d, most >= 2 && at::native::cpublas::could_pack(at::kBFloat16), most >= 1 && kDotBf16);
+}
 
 // Per-thread scratch, grown and never shrunk: the rows' queries in bf16, a chunk's scores and
 // probabilities, the rows' outputs.
@@ -369,10 +372,10 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
 
 // The template's keys and values of every KV head, packed: k, v [r_len][hkv][d] bf16 bits, rows
 // row_stride elements apart (a cache's run of blocks, or any copy). d: a positive even head size.
-// A handle for ps_onednn_template_attend and ps_onednn_template_free, or nullptr (and
-// ps_onednn_last_error()).
+// most: the most capable kernel the products may use (kernel_for). A handle for
+// ps_onednn_template_attend and ps_onednn_template_free, or nullptr (and ps_onednn_last_error()).
 extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t row_stride, int64_t r_len,
-                                         int64_t hkv, int64_t d) {
+                                         int64_t hkv, int64_t d, int most) {
   if (k == nullptr || v == nullptr || r_len <= 0 || hkv <= 0 || d <= 0 || d % 2 != 0 || row_stride < hkv * d) {
     last_error = "ps_onednn_template_pack: bad operands: r_len " + std::to_string(r_len) + ", hkv " +
                  std::to_string(hkv) + ", d " + std::to_string(d) + " (a positive even head size), row_stride " +
@@ -386,7 +389,7 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
     t->hkv = hkv;
     t->d = d;
     t->chunks = (r_len + kTK - 1) / kTK;
-    const int kernel = kernel_for(d);
+    const int kernel = kernel_for(d, most);
     t->vnni = kernel == 2;
     t->dot = kernel == 1;
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
@@ -444,11 +447,11 @@ extern "C" int ps_onednn_template_attend(const void* handle, int h, const float*
   });
 }
 
-// Which kernel a template of head size d packed here multiplies with (kernel_for); 0 as well if
-// asking fails.
-extern "C" int ps_onednn_template_kernel(int64_t d) {
+// Which kernel a template of head size d packed here with the same `most` multiplies with
+// (kernel_for); 0 as well if asking fails.
+extern "C" int ps_onednn_template_kernel(int64_t d, int most) {
   try {
-    return kernel_for(d);
+    return kernel_for(d, most);
   } catch (...) {
     return 0;
   }
@@ -459,6 +462,12 @@ extern "C" int ps_onednn_template_kernel_rule(int64_t d, int amx, int dot) { ret
 
 // How many calls of ps_onednn_template_attend have succeeded in this process.
 extern "C" int64_t ps_onednn_template_calls() { return attend_calls.load(std::memory_order_relaxed); }
+
+// The kernel a packed template multiplies with (kernel_for's numbers).
+extern "C" int ps_onednn_template_packed_kernel(const void* handle) {
+  const auto* t = static_cast<const TemplateKV*>(handle);
+  return t == nullptr ? 0 : t->vnni ? 2 : t->dot ? 1 : 0;
+}
 
 // The bytes a packed template holds.
 extern "C" int64_t ps_onednn_template_bytes(const void* handle) {
