@@ -436,8 +436,8 @@ def template_attention(head_size: int) -> str:
     "matrix" on AMX too, on the dot products: to measure them against the native kernels there."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
     if not chosen:
-        # on AMX the dot products run by default only for the head sizes its tiles refuse, and stay native
-        # there; $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot asks for them
+        # on AMX the native kernels, whatever would multiply, unless $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot
+        # asks for the dot products there
         dot = template_kernel(head_size) == TEMPLATE_KERNELS[1]
         asked = os.environ.get(TEMPLATE_PRODUCTS_ENV) == "dot"
         return "matrix" if dot and (asked or not brgemm_vnni()) else "native"
