@@ -51,7 +51,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
                       template: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                       cache: tuple[torch.Tensor, torch.Tensor] | None = None, block_table: torch.Tensor | None = None,
                       cached: tuple[int, int] = (0, 0), slots: torch.Tensor | None = None,
-                      matrix: onednn.OneDnnTemplate | None = None) -> torch.Tensor:
+                      matrix: onednn.OneDnnTemplate | None = None, causal: bool = False) -> torch.Tensor:
     """Attention of one sequence's new tokens.
 
     q: [M, Hq, D]; template: (K panels, V rows, R) from attention.pack_keys/pack_values, R keys every
@@ -106,7 +106,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         kc.data_ptr() if kc is not None else None, vc.data_ptr() if vc is not None else None, blocks, bs,
         block_table.data_ptr() if length else None, width, start, length,
         slots.data_ptr() if slots is not None else None, None, kv_bf16,
-        matrix.handle if matrix is not None else None, onednn.template_attend_fn() if matrix is not None else 0)
+        matrix.handle if matrix is not None else None, onednn.template_attend_fn() if matrix is not None else 0,
+        onednn.causal_attend_fn() if causal else 0)
     native.check(code, "ps_prefill_attention", onednn.last_error)
     return out
 

@@ -74,6 +74,8 @@ class CpuBackend(Backend):
             how += f" ({'; '.join(notes)})" if notes else ""
             matrix = (f", template attention as bf16 matrix products ({onednn.template_kernel(self.stack.head_dim)})"
                       if self.stack.template_matrix else "")
+            if self.stack.prompt_dot:
+                matrix += ", a prompt's own attention as AVX512-BF16 dot products"
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         return "cpu (native kernels, decoder stack)"
 

@@ -78,6 +78,9 @@ SIGNATURES = {
     "ps_onednn_template_calls": ([], _i64),
     "ps_onednn_template_kernel": ([_i64, _i32], _i32),
     "ps_onednn_template_packed_kernel": ([_ptr], _i32),
+    "ps_onednn_causal_attend": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _i64, _ptr,
+                                 _i64], _i32),  # called by native code (causal_attend_fn)
+    "ps_onednn_causal_calls": ([], _i64),
 }
 # a bf16 weight's kernels, as ps_onednn_pack numbers them
 KERNELS = {"inner_product": 0, "emulated": 1, "brgemm": 2}
@@ -422,6 +425,15 @@ def template_kernel_rule(head_size: int, amx: bool, dot: bool) -> str:
     return TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel_rule(head_size, int(amx), int(dot)))]
 
 
+def _dot_by_default(head_size: int) -> bool:
+    """Whether the attention's bf16 products run on the AVX512-BF16 dot products by default here: where
+    they multiply the template's products (template_kernel) and the CPU has no AMX, or
+    $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot asks for them there (on AMX the native kernels by
+    default, whatever would multiply)."""
+    dot = template_kernel(head_size) == TEMPLATE_KERNELS[1]
+    return dot and (os.environ.get(TEMPLATE_PRODUCTS_ENV) == "dot" or not brgemm_vnni())
+
+
 def template_attention(head_size: int) -> str:
     """How a bfloat16 model's rows attend over a pinned template's keys, for heads of head_size:
     "native" (the native kernels' float32 FMAs over a float32 copy) or "matrix" (matrix products in
@@ -436,11 +448,7 @@ def template_attention(head_size: int) -> str:
     "matrix" on AMX too, on the dot products: to measure them against the native kernels there."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
     if not chosen:
-        # on AMX the native kernels, whatever would multiply, unless $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot
-        # asks for the dot products there
-        dot = template_kernel(head_size) == TEMPLATE_KERNELS[1]
-        asked = os.environ.get(TEMPLATE_PRODUCTS_ENV) == "dot"
-        return "matrix" if dot and (asked or not brgemm_vnni()) else "native"
+        return "matrix" if _dot_by_default(head_size) else "native"
     chosen = TEMPLATE_ATTENTION_ALIASES.get(chosen, chosen)
     if chosen not in TEMPLATE_ATTENTIONS:
         raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")
@@ -452,6 +460,50 @@ def template_attend_calls() -> int:
     template_attend_fn) have run in this process: 0 without the library."""
     lib = load()[0]
     return 0 if lib is None else int(lib.ps_onednn_template_calls())
+
+
+PROMPT_ATTENTION_ENV = "PREFIX_SERVICE_BF16_PROMPT_ATTENTION"
+PROMPT_ATTENTIONS = ("native", "dot")
+
+
+def prompt_attention(head_size: int) -> str:
+    """How a bfloat16 model's prompt attends over its own keys when nothing comes before it in the
+    cache (a prompt that names no template, and a template being pinned) and it has
+    PROMPT_ATTENTION_MIN_TOKENS tokens or more: "native" (the native kernels' float32 FMAs) or
+    "dot" (the template attention's AVX512-BF16 dot products, causal: ps_onednn_causal_attend,
+    through causal_attend_fn(); q and P rounded to bf16 as for a template). The environment
+    variable PREFIX_SERVICE_BF16_PROMPT_ATTENTION chooses; by default "dot" where the template's
+    products run on them by default (AVX512-BF16 without AMX), else "native"."""
+    chosen = os.environ.get(PROMPT_ATTENTION_ENV)
+    if not chosen:
+        return "dot" if _dot_by_default(head_size) else "native"
+    if chosen not in PROMPT_ATTENTIONS:
+        raise OneDnnError(f"{PROMPT_ATTENTION_ENV}={chosen!r}: one of {', '.join(PROMPT_ATTENTIONS)} is needed")
+    lib = load()[0]
+    if chosen == "dot" and (lib is None or int(lib.ps_onednn_template_kernel(head_size, 1)) != 1):
+        raise OneDnnError(f"{PROMPT_ATTENTION_ENV}=dot: the AVX512-BF16 dot products are not available here for "
+                          f"head size {head_size}")
+    return chosen
+
+
+# a prompt of fewer tokens (nearly all in its first chunk of keys) stays on the native kernels
+# (cpu_attention.cpp's kCausalMin)
+PROMPT_ATTENTION_MIN_TOKENS = 128
+
+
+def causal_attend_calls() -> int:
+    """How many prompts' own attentions (one a layer) have run on the dot products in this process: 0
+    without the library."""
+    lib = load()[0]
+    return 0 if lib is None else int(lib.ps_onednn_causal_calls())
+
+
+def causal_attend_fn() -> int:
+    """The address of ps_onednn_causal_attend, the call native code makes for a prompt's own keys."""
+    lib = load()[0]
+    if lib is None:
+        raise OneDnnError(f"no oneDNN library here: {load()[1]}")
+    return native.address(lib.ps_onednn_causal_attend)
 
 
 def template_attend_fn() -> int:

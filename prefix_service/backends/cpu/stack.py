@@ -141,6 +141,9 @@ class DecoderStack:
         # carry their handles), else the native kernels
         self.template_matrix = bool(self.kv_bf16) and onednn.template_attention(self.head_dim) == "matrix"
         self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0
+        # a bf16 prompt with nothing before it: its own keys on the dot products where chosen
+        self.prompt_dot = bool(self.kv_bf16) and onednn.prompt_attention(self.head_dim) == "dot"
+        self.causal_fn = onednn.causal_attend_fn() if self.prompt_dot else 0
         self.num_layers = len(layers)
         self.kv_layers = [(k, v) for k, v in kv_layers]
         self.num_blocks, self.block_size = shape[0], shape[1]
@@ -209,7 +212,8 @@ class DecoderStack:
             n_pre, plan.prefill_info.data_ptr(), pre_tables.data_ptr() if n_pre else None,
             pre_tables.stride(0) if n_pre else 0, pre_tables.shape[1] if n_pre else 0,
             plan.templates.data_ptr() if plan.templates is not None else None, pending.data_ptr(), scratch.data_ptr(),
-            torch.get_num_threads(), self.kv_bf16, self.template_fn), "ps_decoder_stack", onednn.last_error)
+            torch.get_num_threads(), self.kv_bf16, self.template_fn, self.causal_fn), "ps_decoder_stack",
+            onednn.last_error)
         return pending
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -281,7 +281,10 @@ inline bool slots_fit(const int64_t* slots, int n, int64_t num_slots) {
 // t_handle (not null, the same template packed for it): segment A runs there instead (a
 // PsTemplateAttendFn), per KV head and block of query rows, before the tiles carry on from each
 // row's state over segment B; 6 when it fails. Its rows and states live in buffers each thread keeps
-// from call to call (GrownBuffer), not in scratch.
+// from call to call (GrownBuffer), not in scratch. causal_fn (not 0; a PsCausalAttendFn, the
+// oneDNN library's ps_onednn_causal_attend): where nothing comes before the new tokens (no template,
+// no cached part), the cache holds bf16 and there are kCausalMin or more of them, their attention
+// over their own keys runs there (bf16 dot products) after the store; 6 when it fails.
 extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
   const int64_t panels = (c_len + KP - 1) / KP;
   const int64_t kb = (int64_t)hkv * panels * d_len * KP + KP;  // a multiple of 16: 64-byte aligned
@@ -293,6 +296,10 @@ extern "C" int64_t ps_prefill_scratch_floats(int hkv, int d_len, int c_len) {
 // ps_onednn_template_attend, matrix products in bf16): rows [0, rows) of q (scaled, rows q_stride
 // apart) over KV head h of the template `handle` packed; o (rows ld_o apart), m, l receive each row's
 // softmax state after it. 0, or a nonzero status.
+using PsCausalAttendFn = int (*)(const float* q, int64_t q_stride, float* out, int64_t out_stride, int m_len, int hq,
+                                 int hkv, int d, float scale, const float* kn, int64_t kn_stride, const float* vn,
+                                 int64_t vn_stride);
+constexpr int kCausalMin = 128;  // fewer new tokens stay on the tiles below (nearly all in one chunk of keys)
 using PsTemplateAttendFn = int (*)(const void* handle, int h, const float* q, int64_t q_stride, int rows, float* o,
                                    int64_t ld_o, float* m, float* l);
 
@@ -354,12 +361,13 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
                                     void* k_cache, void* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
                                     const int64_t* slots, float* scratch, int kv_bf16, const void* t_handle,
-                                    int64_t template_fn) {
+                                    int64_t template_fn, int64_t causal_fn) {
 #if !defined(PS_SIMD)
   (void)q; (void)q_stride; (void)out; (void)out_stride; (void)m_len; (void)hq; (void)hkv; (void)d_len;
   (void)scale; (void)kt; (void)vt; (void)r_len; (void)kn; (void)kn_stride; (void)vn; (void)vn_stride; (void)kn_len;
   (void)k_cache; (void)v_cache; (void)num_blocks; (void)block_size; (void)block_table; (void)table_len;
   (void)l_start; (void)l_len; (void)slots; (void)scratch; (void)kv_bf16; (void)t_handle; (void)template_fn;
+  (void)causal_fn;
   return 1;
 #else
   ps::TimerScope timer(ps::kAttention);
@@ -370,6 +378,15 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
     if (l_start < 0 || block_size <= 0 || (int64_t)(l_start + l_len - 1) / block_size >= table_len) return 4;
     for (int b = l_start / block_size; b <= (l_start + l_len - 1) / block_size; ++b)
       if (block_table[b] < 0 || block_table[b] >= num_blocks) return 4;
+  }
+  if (causal_fn != 0 && kv_bf16 != 0 && r_len == 0 && l_len == 0 && kn_len == m_len && m_len >= kCausalMin) {
+    const ps::KvStore kc{k_cache, true}, vc{v_cache, true};
+    if (slots != nullptr) {
+#pragma omp parallel
+      store_rows(kn, kn_stride, vn, vn_stride, kn_len, slots, kc, vc, slot_floats);
+    }
+    return reinterpret_cast<PsCausalAttendFn>(causal_fn)(q, q_stride, out, out_stride, m_len, hq, hkv, d_len, scale,
+                                                         kn, kn_stride, vn, vn_stride) == 0 ? 0 : 6;
   }
   const int g = hq / hkv;
   const int c_len = l_len + kn_len;              // segment B: cached part, then kn's keys

@@ -153,7 +153,7 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
                                     int kn_len, void* k_cache, void* v_cache, int num_blocks, int block_size,
                                     const int32_t* block_table, int table_len, int l_start, int l_len,
                                     const int64_t* slots, float* scratch, int kv_bf16, const void* t_handle,
-                                    int64_t template_fn);
+                                    int64_t template_fn, int64_t causal_fn);
 extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out, int64_t out_stride, int n_seq,
                                    int hq, int hkv, int d_len, float scale, void* k_cache, void* v_cache,
                                    int block_size, const int32_t* block_tables, int64_t table_stride,
@@ -190,7 +190,8 @@ extern "C" int64_t ps_stack_scratch_floats(int rows, int hidden, int hq, int hkv
 // packed template's K panels and V rows of each sequence's layer (0: none), and its handle for
 // template_fn (0: none; a row's template part then runs there, see ps_decode_attention and
 // ps_prefill_attention, and the first two only name the template; 0 template_fn: the native
-// kernels throughout). slots: each row's cache
+// kernels throughout). causal_fn (0: none): a prefill with nothing before it in the cache runs its
+// own keys' attention there (see ps_prefill_attention). slots: each row's cache
 // slot. scratch: ps_stack_scratch_floats(...) floats, 64-byte aligned, for every intermediate (kept by
 // the caller from step to step, so a step allocates no activation memory). Returns 0 or the first
 // failing kernel's status (native.py's STATUS names them).
@@ -201,7 +202,7 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
                                 int64_t dec_stride, const int32_t* dec_ctx, const int32_t* dec_skip, int n_pre,
                                 const int32_t* pre_info, const int32_t* pre_tables, int64_t pre_stride,
                                 int pre_width, const int64_t* templates, float* pending, float* scratch, int threads,
-                                int kv_bf16, int64_t template_fn) {
+                                int kv_bf16, int64_t template_fn, int64_t causal_fn) {
   const int q_size = hq * head_dim, kv_size = hkv * head_dim, n_qkv = q_size + 2 * kv_size;
   Scratch take{scratch};
   float* qkv = take.take((int64_t)rows * n_qkv);
@@ -250,7 +251,8 @@ extern "C" int ps_decoder_stack(float* x, int rows, int hidden, int layers, cons
                                   row + q_size + kv_size, n_qkv, q_len, k_cache, v_cache, num_blocks, block_size,
                                   rest ? pre_tables + i * pre_stride : nullptr, rest ? pre_width : 0, first,
                                   ctx - first, slots + start, keys, kv_bf16,
-                                  t != nullptr ? reinterpret_cast<const void*>(t[2]) : nullptr, template_fn);
+                                  t != nullptr ? reinterpret_cast<const void*>(t[2]) : nullptr, template_fn,
+                                  causal_fn);
       start += q_len;
     }
     if (code == 0)

@@ -20,6 +20,7 @@
 // into the oneDNN library with onednn_linear.cpp (onednn.py); its entry points report failures
 // through ps_onednn_last_error.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/BFloat16.h>
@@ -51,6 +52,7 @@ using ps::bf16_bits;
 #endif
 
 std::atomic<int64_t> attend_calls{0};  // ps_onednn_template_attend's calls, for ps_onednn_template_calls
+std::atomic<int64_t> causal_calls{0};  // ps_onednn_causal_attend's, for ps_onednn_causal_calls
 
 constexpr int64_t kTK = 64;  // template keys per chunk (the N of S = Q K^T, the K of P V)
 constexpr int64_t kTM = 32;  // query rows per pair of products (two AMX tiles of 16)
@@ -256,8 +258,9 @@ constexpr float kLazy = 8.0f;  // how far a row's scores may rise above its refe
 // pass it by more than kLazy, so rescaling is rare and a chunk needs no reduction across lanes;
 // its sum of exponentials and its largest score are kept as 16 lanes each. At the end each row's
 // output and sum are moved to its largest score: m and l receive the state's maximum and sum.
+// visible (null: every key): row r sees the first visible[r] keys only (a causal prompt's own keys).
 void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, const c10::BFloat16* vh, int64_t chunks,
-                int64_t r_len, int mm, float* ob, float* m, float* l) {
+                int64_t r_len, int mm, float* ob, float* m, float* l, const int* visible = nullptr) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const int64_t chunk_k = d * kTK;
   alignas(64) float sb[kRB * kTK];
@@ -277,10 +280,12 @@ void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, con
       scores_rows(qb + r * d, d, kc, sb);
       for (int i = 0; i < kRB; ++i) {
         const int row = r + i;
+        // the keys this row sees in the chunk: all but those past the template's end (or past the row's own)
+        const int n = visible == nullptr ? nk : static_cast<int>(std::clamp<int64_t>(visible[row] - c * kTK, 0, nk));
         __m512 x[4];
         #pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v)  // the keys past the template's end: no score
-          x[v] = _mm512_mask_load_ps(_mm512_set1_ps(-kInf), ps::first_mask(nk - v * 16), sb + i * kTK + v * 16);
+        for (int v = 0; v < 4; ++v)  // the keys it does not see: no score
+          x[v] = _mm512_mask_load_ps(_mm512_set1_ps(-kInf), ps::first_mask(n - v * 16), sb + i * kTK + v * 16);
         const __m512 hi = _mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3]));
         top[row] = _mm512_max_ps(top[row], hi);
         if (_mm512_cmp_ps_mask(hi, _mm512_set1_ps(ref[row] + kLazy), _CMP_GT_OQ) != 0) {  // the reference moves
@@ -290,8 +295,8 @@ void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, con
           if (c > 0) scale_row(ob + row * d, d, alpha);
           ref[row] = moved;
         }
-        // e^(score - reference), at most e^kLazy, rounded into the block's P; 0 past the template's end
-        lsum[row] = exp_round_add(sb + i * kTK, nk, ref[row], pb + i * kTK, lsum[row]);
+        // e^(score - reference), at most e^kLazy, rounded into the block's P; 0 for the keys it does not see
+        lsum[row] = exp_round_add(sb + i * kTK, n, ref[row], pb + i * kTK, lsum[row]);
       }
       int64_t e0 = 0;  // the block's outputs, 64 columns at a time
       for (; e0 + 64 <= d; e0 += 64) values_rows<4>(pb, vc, d, e0, ob + r * d);
@@ -312,7 +317,7 @@ void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, con
 }
 #else
 void attend_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int,
-                float*, float*, float*) {}
+                float*, float*, float*, const int* = nullptr) {}
 #endif
 
 // Rows [0, rows) of q (scaled already; rows q_stride floats apart) over head h of the template:
@@ -368,6 +373,44 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
   if (!t.dot) at::native::cpublas::brgemm_release(t.vnni);
 }
 
+// kin, vin [r_len][hkv][d] (bf16, or float32 of bf16 values) packed for `kernel` (kernel_for's numbers).
+std::unique_ptr<TemplateKV> pack_kv(const at::Tensor& kin, const at::Tensor& vin, int kernel) {
+  const int64_t r_len = kin.size(0), hkv = kin.size(1), d = kin.size(2);
+  auto t = std::make_unique<TemplateKV>();
+  t->r_len = r_len;
+  t->hkv = hkv;
+  t->d = d;
+  t->chunks = (r_len + kTK - 1) / kTK;
+  t->vnni = kernel == 2;
+  t->dot = kernel == 1;
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  // [hkv][chunks * kTK][d], zero past r_len
+  at::Tensor kp = at::zeros({hkv, t->chunks * kTK, d}, bf16), vp = at::zeros({hkv, t->chunks * kTK, d}, bf16);
+  kp.narrow(1, 0, r_len).copy_(kin.transpose(0, 1));
+  vp.narrow(1, 0, r_len).copy_(vin.transpose(0, 1));
+  // K^T per chunk: [hkv][chunks][d][kTK]; V per chunk: [hkv][chunks][kTK][d]
+  at::Tensor kt = kp.view({hkv, t->chunks, kTK, d}).transpose(2, 3).contiguous();
+  at::Tensor vt = vp.view({hkv, t->chunks, kTK, d}).contiguous();
+  if (t->vnni) {
+    t->k = at::empty_like(kt);
+    t->v = at::empty_like(vt);
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t c = 0; c < t->chunks; ++c) {
+        at::native::cpublas::pack(d, kTK, kTK, kTK, at::kBFloat16, at::kBFloat16, kt[h][c].data_ptr(),
+                                  t->k[h][c].data_ptr());
+        at::native::cpublas::pack(kTK, d, d, d, at::kBFloat16, at::kBFloat16, vt[h][c].data_ptr(),
+                                  t->v[h][c].data_ptr());
+      }
+  } else if (t->dot) {  // pairs: K^T's rows two by two along d, V's rows two by two along the keys
+    t->k = kt.view({hkv, t->chunks, d / 2, 2, kTK}).transpose(3, 4).contiguous();
+    t->v = vt.view({hkv, t->chunks, kTK / 2, 2, d}).transpose(3, 4).contiguous();
+  } else {
+    t->k = kt;
+    t->v = vt;
+  }
+  return t;
+}
+
 }  // namespace
 
 // The template's keys and values of every KV head, packed: k, v [r_len][hkv][d] bf16 bits, rows
@@ -384,44 +427,13 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
   }
   return guarded<void*>("ps_onednn_template_pack", nullptr, [&]() -> void* {
     c10::InferenceMode guard;
-    auto t = std::make_unique<TemplateKV>();
-    t->r_len = r_len;
-    t->hkv = hkv;
-    t->d = d;
-    t->chunks = (r_len + kTK - 1) / kTK;
-    const int kernel = kernel_for(d, most);
-    t->vnni = kernel == 2;
-    t->dot = kernel == 1;
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     const at::Tensor kin = at::from_blob(const_cast<void*>(k), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
     const at::Tensor vin = at::from_blob(const_cast<void*>(v), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
-    // [hkv][chunks * kTK][d], zero past r_len
-    at::Tensor kp = at::zeros({hkv, t->chunks * kTK, d}, bf16), vp = at::zeros({hkv, t->chunks * kTK, d}, bf16);
-    kp.narrow(1, 0, r_len).copy_(kin.transpose(0, 1));
-    vp.narrow(1, 0, r_len).copy_(vin.transpose(0, 1));
-    // K^T per chunk: [hkv][chunks][d][kTK]; V per chunk: [hkv][chunks][kTK][d]
-    at::Tensor kt = kp.view({hkv, t->chunks, kTK, d}).transpose(2, 3).contiguous();
-    at::Tensor vt = vp.view({hkv, t->chunks, kTK, d}).contiguous();
-    if (t->vnni) {
-      t->k = at::empty_like(kt);
-      t->v = at::empty_like(vt);
-      for (int64_t h = 0; h < hkv; ++h)
-        for (int64_t c = 0; c < t->chunks; ++c) {
-          at::native::cpublas::pack(d, kTK, kTK, kTK, at::kBFloat16, at::kBFloat16, kt[h][c].data_ptr(),
-                                    t->k[h][c].data_ptr());
-          at::native::cpublas::pack(kTK, d, d, d, at::kBFloat16, at::kBFloat16, vt[h][c].data_ptr(),
-                                    t->v[h][c].data_ptr());
-        }
-    } else if (t->dot) {  // pairs: K^T's rows two by two along d, V's rows two by two along the keys
-      t->k = kt.view({hkv, t->chunks, d / 2, 2, kTK}).transpose(3, 4).contiguous();
-      t->v = vt.view({hkv, t->chunks, kTK / 2, 2, d}).transpose(3, 4).contiguous();
-    } else {
-      t->k = kt;
-      t->v = vt;
-    }
-    return t.release();
+    return pack_kv(kin, vin, kernel_for(d, most)).release();
   });
 }
+
 
 // Rows [0, rows) of q (float32, rows q_stride apart; each the query times the attention scale) over
 // KV head h of the packed template: o [rows] (ld_o apart; d floats each), m [rows], l [rows] receive
@@ -447,6 +459,69 @@ extern "C" int ps_onednn_template_attend(const void* handle, int h, const float*
   });
 }
 
+// A prompt's attention over its own keys, causal, on the dot products (attend_dot), where nothing
+// comes before the prompt: q [m_len][hq][d] (unscaled, rows q_stride floats apart) over kn, vn
+// [m_len][hkv][d] (float32 holding bf16 values, as a bf16 cache stores them; rows kn_stride /
+// vn_stride apart); token t's rows see keys [0, t]. out [m_len][hq][d] (rows out_stride apart)
+// receives the normalised outputs. The keys are packed once for the call, then per KV head and
+// block of kTM rows (the group's query heads token by token) each row walks the chunks it sees,
+// the last masked past its own token. Tasks split over torch's threads in an order that gives each
+// thread as many late (long) blocks as early ones. 0; 2 where the library has no dot products or
+// d is not a multiple of 16; 6 on bad operands or a failure (ps_onednn_last_error()).
+extern "C" int ps_onednn_causal_attend(const float* q, int64_t q_stride, float* out, int64_t out_stride, int m_len,
+                                       int hq, int hkv, int d, float scale, const float* kn, int64_t kn_stride,
+                                       const float* vn, int64_t vn_stride) {
+  if (!kDotBf16 || d <= 0 || d % 16 != 0) return 2;
+  if (q == nullptr || out == nullptr || kn == nullptr || vn == nullptr || m_len <= 0 || hkv <= 0 || hq % hkv != 0 ||
+      q_stride < (int64_t)hq * d || out_stride < (int64_t)hq * d || kn_stride < (int64_t)hkv * d ||
+      vn_stride < (int64_t)hkv * d) {
+    last_error = "ps_onednn_causal_attend: bad operands: m_len " + std::to_string(m_len) + ", hq " +
+                 std::to_string(hq) + ", hkv " + std::to_string(hkv) + ", d " + std::to_string(d);
+    return 6;
+  }
+  return guarded("ps_onednn_causal_attend", 6, [&] {
+    c10::InferenceMode guard;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const at::Tensor kin = at::from_blob(const_cast<float*>(kn), {m_len, hkv, d}, {kn_stride, d, 1}, f32);
+    const at::Tensor vin = at::from_blob(const_cast<float*>(vn), {m_len, hkv, d}, {vn_stride, d, 1}, f32);
+    const std::unique_ptr<TemplateKV> t = pack_kv(kin, vin, 1);
+    const int g = hq / hkv;
+    const int64_t rows = (int64_t)m_len * g, blocks = (rows + kTM - 1) / kTM, chunk_k = (int64_t)d * kTK;
+    // task i: KV head i / blocks, block zigzag(i % blocks): 0, last, 1, last - 1, ...
+    at::parallel_for(0, hkv * blocks, 1, [&](int64_t begin, int64_t end) {
+      c10::BFloat16* qb = grown(scratch.q, kTM * d);
+      float* ob = grown(scratch.o, kTM * d);
+      float mi[kTM], li[kTM];
+      int visible[kTM];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t h = task / blocks, i = task % blocks, b = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+        const int64_t r0 = b * kTM;
+        const int mr = (int)std::min<int64_t>(kTM, rows - r0), mm = (mr + kRB - 1) / kRB * kRB;
+        for (int r = 0; r < mm; ++r) {
+          const int64_t row = std::min<int64_t>(r0 + r, rows - 1);  // a padding row repeats the last
+          const int64_t tok = row / g, head = h * g + row % g;
+          const float* src = q + tok * q_stride + head * d;
+          for (int e = 0; e < d; ++e) qb[r * d + e] = c10::BFloat16(src[e] * scale);
+          visible[r] = (int)tok + 1;
+        }
+        std::fill(ob, ob + mm * d, 0.0f);
+        const int64_t chunks = (visible[mm - 1] + kTK - 1) / kTK;  // the block's last row sees the most
+        attend_dot(qb, d, static_cast<const c10::BFloat16*>(t->k.data_ptr()) + h * t->chunks * chunk_k,
+                   static_cast<const c10::BFloat16*>(t->v.data_ptr()) + h * t->chunks * chunk_k, chunks, m_len, mm,
+                   ob, mi, li, visible);
+        for (int r = 0; r < mr; ++r) {
+          const int64_t row = r0 + r, tok = row / g, head = h * g + row % g;
+          float* dst = out + tok * out_stride + head * d;
+          const float inv = 1.0f / li[r];
+          for (int e = 0; e < d; ++e) dst[e] = ob[r * d + e] * inv;
+        }
+      }
+    });
+    causal_calls.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  });
+}
+
 // Which kernel a template of head size d packed here with the same `most` multiplies with
 // (kernel_for); 0 as well if asking fails.
 extern "C" int ps_onednn_template_kernel(int64_t d, int most) {
@@ -468,6 +543,9 @@ extern "C" int ps_onednn_template_packed_kernel(const void* handle) {
   const auto* t = static_cast<const TemplateKV*>(handle);
   return t == nullptr ? 0 : t->vnni ? 2 : t->dot ? 1 : 0;
 }
+
+// How many calls of ps_onednn_causal_attend have succeeded in this process.
+extern "C" int64_t ps_onednn_causal_calls() { return causal_calls.load(std::memory_order_relaxed); }
 
 // The bytes a packed template holds.
 extern "C" int64_t ps_onednn_template_bytes(const void* handle) {
