@@ -18,7 +18,7 @@
 # CPU tests, then each linear kernel's cost per call (brgemm also in the block widths
 # BRGEMM_COLUMNS names, e.g. 64,128), the template products' cost per call on AMX tiles and on
 # the AVX512-BF16 dot products, a decode step in bf16 by default (brgemm on AMX), in float32, on
-# brgemm, without the few-row kernel and with the template attention as matrix products on the dot
+# brgemm, without the few-row kernel and with the template attention (and a long prompt's own) on the dot
 # products, and the dtype benchmark (bf16 also with those products), each at 2 threads, a 2-vCPU
 # machine's count, then at 16) and omp (which OpenMP runtimes the cpu backend's libraries
 # load, and the bf16 decode under each OMP_WAIT_POLICY).
