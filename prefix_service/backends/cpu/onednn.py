@@ -384,6 +384,12 @@ TEMPLATE_PRODUCTS_ENV = "PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS"
 TEMPLATE_PRODUCTS = {"auto": 2, "dot": 1, "fallback": 0}
 
 
+def _has_dot(head_size: int) -> bool:
+    """Whether the library's AVX512-BF16 dot products can multiply heads of head_size here."""
+    lib = load()[0]
+    return lib is not None and TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(head_size, 1))] == TEMPLATE_KERNELS[1]
+
+
 def template_products() -> int:
     """The most capable kernel (a TEMPLATE_KERNELS number) the matrix-product template attention
     may multiply with: $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS where set ("dot": the AVX512-BF16
@@ -393,13 +399,10 @@ def template_products() -> int:
     chosen = os.environ.get(TEMPLATE_PRODUCTS_ENV) or "auto"
     if chosen not in TEMPLATE_PRODUCTS:
         raise OneDnnError(f"{TEMPLATE_PRODUCTS_ENV}={chosen!r}: one of {', '.join(TEMPLATE_PRODUCTS)} is needed")
-    most = TEMPLATE_PRODUCTS[chosen]
-    if chosen == "dot":
-        lib = load()[0]
-        if lib is None or TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(16, most))] != TEMPLATE_KERNELS[1]:
-            raise OneDnnError(f"{TEMPLATE_PRODUCTS_ENV}=dot: this CPU has no AVX512-BF16 dot products for the "
-                              "library to use")
-    return most
+    if chosen == "dot" and not _has_dot(16):
+        raise OneDnnError(f"{TEMPLATE_PRODUCTS_ENV}=dot: this CPU has no AVX512-BF16 dot products for the "
+                          "library to use")
+    return TEMPLATE_PRODUCTS[chosen]
 
 
 def template_kernel(head_size: int) -> str:
@@ -479,8 +482,7 @@ def prompt_attention(head_size: int) -> str:
         return "dot" if _dot_by_default(head_size) else "native"
     if chosen not in PROMPT_ATTENTIONS:
         raise OneDnnError(f"{PROMPT_ATTENTION_ENV}={chosen!r}: one of {', '.join(PROMPT_ATTENTIONS)} is needed")
-    lib = load()[0]
-    if chosen == "dot" and (lib is None or int(lib.ps_onednn_template_kernel(head_size, 1)) != 1):
+    if chosen == "dot" and not _has_dot(head_size):
         raise OneDnnError(f"{PROMPT_ATTENTION_ENV}=dot: the AVX512-BF16 dot products are not available here for "
                           f"head size {head_size}")
     return chosen

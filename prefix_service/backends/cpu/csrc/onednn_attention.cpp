@@ -434,7 +434,6 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
   });
 }
 
-
 // Rows [0, rows) of q (float32, rows q_stride apart; each the query times the attention scale) over
 // KV head h of the packed template: o [rows] (ld_o apart; d floats each), m [rows], l [rows] receive
 // each row's state after all of the template's keys (unnormalised output, maximum score, sum of
@@ -491,6 +490,7 @@ extern "C" int ps_onednn_causal_attend(const float* q, int64_t q_stride, float* 
     at::parallel_for(0, hkv * blocks, 1, [&](int64_t begin, int64_t end) {
       c10::BFloat16* qb = grown(scratch.q, kTM * d);
       float* ob = grown(scratch.o, kTM * d);
+      float* qs = grown(scratch.s, d);  // a row's scaled query (the dot products keep no scores here)
       float mi[kTM], li[kTM];
       int visible[kTM];
       for (int64_t task = begin; task < end; ++task) {
@@ -501,7 +501,8 @@ extern "C" int ps_onednn_causal_attend(const float* q, int64_t q_stride, float* 
           const int64_t row = std::min<int64_t>(r0 + r, rows - 1);  // a padding row repeats the last
           const int64_t tok = row / g, head = h * g + row % g;
           const float* src = q + tok * q_stride + head * d;
-          for (int e = 0; e < d; ++e) qb[r * d + e] = c10::BFloat16(src[e] * scale);
+          for (int e = 0; e < d; ++e) qs[e] = src[e] * scale;
+          to_bf16(qs, d, qb + r * d);
           visible[r] = (int)tok + 1;
         }
         std::fill(ob, ob + mm * d, 0.0f);
