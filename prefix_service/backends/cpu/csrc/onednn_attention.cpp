@@ -470,7 +470,11 @@ extern "C" int ps_onednn_template_attend(const void* handle, int h, const float*
 extern "C" int ps_onednn_causal_attend(const float* q, int64_t q_stride, float* out, int64_t out_stride, int m_len,
                                        int hq, int hkv, int d, float scale, const float* kn, int64_t kn_stride,
                                        const float* vn, int64_t vn_stride) {
-  if (!kDotBf16 || d <= 0 || d % 16 != 0) return 2;
+  if (!kDotBf16 || d <= 0 || d % 16 != 0) {
+    last_error =
+        "ps_onednn_causal_attend: no AVX512-BF16 dot products in this build for head size " + std::to_string(d);
+    return 2;
+  }
   if (q == nullptr || out == nullptr || kn == nullptr || vn == nullptr || m_len <= 0 || hkv <= 0 || hq % hkv != 0 ||
       q_stride < (int64_t)hq * d || out_stride < (int64_t)hq * d || kn_stride < (int64_t)hkv * d ||
       vn_stride < (int64_t)hkv * d) {
