@@ -22,6 +22,7 @@ from prefix_service.sampling_params import StructuredOutput
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "cpu", "cuda")
+QUANTIZATIONS = ("none", "int8")  # model.quantization (model/quantize.py)
 LOAD_FORMATS = ("auto", "dummy")
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -83,6 +84,9 @@ class ModelConfig:
     # cuda backend: each layer's norms, rotary embedding and SiLU as fused Triton kernels
     # (backends/cuda/layers.py); false: the model's reference layers
     cuda_fused_layers: bool = True
+    # int8: each decoder layer's linear weights as int8 with a scale per output row (model/quantize.py),
+    # which the cpu backend's decode steps read at half a bf16 weight's bytes; none: the checkpoint's
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
@@ -91,6 +95,7 @@ class ModelConfig:
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.device", self.device, DEVICES)
         _check_choice("model.backend", self.backend, BACKENDS)
+        _check_choice("model.quantization", self.quantization, QUANTIZATIONS)
         if not isinstance(self.path, str) or not self.path:
             raise ConfigError(f"model.path: expected a Hugging Face model directory, got {self.path!r}")
         if self.max_model_len is not None:

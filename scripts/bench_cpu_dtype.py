@@ -16,7 +16,7 @@ spreads over all of them; the table gives medians over rounds. A system is a dty
 another checkout of this repository (`--baseline PATH`: the same measures with that tree's
 package, for an A/B of one dtype before and after a change), or a dtype under environment
 variables (`--system NAME:DTYPE:VAR=VALUE[,VAR=VALUE]`, repeatable: a kernel choice against the
-default in the same turns). The JSON records the CPU, its instruction sets (AMX-BF16,
+default in the same turns). A dtype `+int8` runs with int8 weights (model.quantization: int8). The JSON records the CPU, its instruction sets (AMX-BF16,
 AVX512-BF16, AVX-512, AVX2) and the load.
 
     python scripts/bench_cpu_dtype.py --json bench_out/cpu_dtype.json
@@ -26,6 +26,7 @@ AVX512-BF16, AVX-512, AVX2) and the load.
     python scripts/bench_cpu_dtype.py --concurrency 1,4,16,64 --plot bench_out/cpu_dtype.png
     python scripts/bench_cpu_dtype.py --dtypes bfloat16 --temperature 1.0 --baseline /tmp/before
     python scripts/bench_cpu_dtype.py --dtypes bfloat16 --temperature 0.7 --top-p 0.9 --baseline /tmp/before
+    python scripts/bench_cpu_dtype.py --dtypes bfloat16,bfloat16+int8 --concurrency 1,4,16,64
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# our systems' dtypes: a model.dtype, with int8 weights after "+int8" (model.quantization)
+DTYPES = ("float32", "bfloat16", "float32+int8", "bfloat16+int8")
 
 
 # issue targets for the cpu backend against vLLM on the same machine: its first token at least this
@@ -78,8 +81,9 @@ def child(args: argparse.Namespace) -> None:
     from prefix_service.prepare_model import prepare_default_model
 
     model = args.model or prepare_default_model(progress=False)
-    engine = Engine(EngineConfig(ModelConfig(path=str(model), dtype=args.child, device="cpu", backend="cpu",
-                                             load_format=args.load_format),
+    dtype, _, quantization = args.child.partition("+")  # e.g. bfloat16+int8: model.quantization int8
+    engine = Engine(EngineConfig(ModelConfig(path=str(model), dtype=dtype, device="cpu", backend="cpu",
+                                             load_format=args.load_format, quantization=quantization or "none"),
                                  CacheConfig(block_size=16, kv_cache_memory=1 << 30),
                                  SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048)))
     work = build_workload("intent", engine.tokenizer, Sizes())
@@ -104,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
     gc.freeze()
     ttft = [batch(1)[1][0].ttft_ms for _ in range(args.singles)]
     result = {"template_warmup_ms": warm_ms, "ttft_ms": statistics.median(ttft), "ttft_all_ms": ttft,
-              "backend": engine.info.backend_description}
+              "backend": engine.info.backend_description, "quantization": quantization or "none"}
     for n in args.concurrency:
         wall, out = batch(n)
         assert all(len(o.token_ids) == work.output_tokens for o in out)
@@ -163,8 +167,8 @@ def parse_system(spec: str) -> tuple[str, str, str, dict[str, str]]:
     """--system NAME:DTYPE:VAR=VALUE[,VAR=VALUE] as a system of this checkout; exits naming the
     problem when the spec is malformed."""
     parts = spec.split(":", 2)
-    if len(parts) != 3 or not parts[0] or parts[1] not in ("float32", "bfloat16"):
-        sys.exit(f"--system {spec!r}: NAME:DTYPE:VAR=VALUE[,VAR=VALUE] with DTYPE float32 or bfloat16 is needed")
+    if len(parts) != 3 or not parts[0] or parts[1] not in DTYPES:
+        sys.exit(f"--system {spec!r}: NAME:DTYPE:VAR=VALUE[,VAR=VALUE] with DTYPE one of {', '.join(DTYPES)} is needed")
     variables = {}
     for item in parts[2].split(","):
         var, eq, value = item.partition("=")
@@ -247,9 +251,12 @@ def main() -> None:
         vllm_child(args)
         return
     # (name, package checkout or "vllm", dtype, environment variables it runs under)
-    systems: list[tuple[str, str, str, dict[str, str]]] = [(d, str(REPO), d, {}) for d in args.dtypes.split(",")]
+    dtypes = args.dtypes.split(",")
+    if bad := [d for d in dtypes if d not in DTYPES]:
+        sys.exit(f"--dtypes: {', '.join(bad)} is none of {', '.join(DTYPES)}")
+    systems: list[tuple[str, str, str, dict[str, str]]] = [(d, str(REPO), d, {}) for d in dtypes]
     if args.baseline:
-        systems = [(f"base-{d}", args.baseline, d, {}) for d in args.dtypes.split(",")] + systems
+        systems = [(f"base-{d}", args.baseline, d, {}) for d in dtypes] + systems
     for spec in args.system:
         systems.append(parse_system(spec))
     if len({name for name, *_ in systems}) != len(systems):

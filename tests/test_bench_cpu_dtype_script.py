@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from prefix_service import synthetic as models
+from prefix_service import cpuinfo
 from prefix_service.backends.cpu import linear, native
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_dtype.py"
@@ -32,7 +33,7 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(REASON is not None, reason=f"no cpu backend in bfloat16 here: {REASON}")
 def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_path):
     out = tmp_path / "dtype.json"
-    proc = run("--model", str(long_context_dir), "--load-format", "dummy", "--dtypes", "float32",
+    proc = run("--model", str(long_context_dir), "--load-format", "dummy", "--dtypes", "float32,bfloat16+int8",
                "--system", "bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix",
                "--rounds", "1", "--singles", "1", "--concurrency", "1,2", "--json", str(out),
                "--plot", str(tmp_path / "dtype.png"))
@@ -40,14 +41,19 @@ def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_pat
     data = json.loads(out.read_text())
     assert data["git_commit"]  # this checkout's, as is each of our systems'
     assert {name: system.pop("git_commit") for name, system in data["systems"].items()} == {
-        "float32": data["git_commit"], "bf16-matrix": data["git_commit"]}
+        "float32": data["git_commit"], "bfloat16+int8": data["git_commit"], "bf16-matrix": data["git_commit"]}
     assert data["systems"] == {
         "float32": {"dtype": "float32", "checkout": str(SCRIPT.parent.parent), "environment": {}},
+        "bfloat16+int8": {"dtype": "bfloat16+int8", "checkout": str(SCRIPT.parent.parent), "environment": {}},
         "bf16-matrix": {"dtype": "bfloat16", "checkout": str(SCRIPT.parent.parent),
                         "environment": {"PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION": "matrix"}}}
     (f32,), (bf16,) = data["runs"]["float32"], data["runs"]["bf16-matrix"]
     assert "bf16" not in f32["backend"]
     assert "bf16 KV cache" in bf16["backend"] and "template attention as bf16 matrix products" in bf16["backend"]
+    # int8 weights: read by the few-row kernel where the CPU has AVX512-BF16, else their bf16 copy
+    (int8,) = data["runs"]["bfloat16+int8"]
+    assert int8["quantization"] == "int8" and f32["quantization"] == bf16["quantization"] == "none"
+    assert ("int8 weights in" in int8["backend"]) == ("avx512_bf16" in cpuinfo.cpu_flags())
     for name, run_ in data["runs"].items():
         row = data["medians"][name]
         assert row["ttft_ms"] == run_[0]["ttft_ms"] > 0 and row["tok_s_2"] == run_[0]["tok_s_2"] > 0
@@ -57,13 +63,18 @@ def test_a_system_runs_its_dtype_under_its_environment(long_context_dir, tmp_pat
 
 
 @pytest.mark.parametrize("spec,problem", [
-    ("bf16:int8:A=1", "DTYPE float32 or bfloat16 is needed"),
+    ("bf16:int8:A=1", "DTYPE one of float32, bfloat16, float32+int8, bfloat16+int8 is needed"),
     ("bf16:bfloat16:A", "'A' is not VAR=VALUE"),
     ("float32:float32:A=1", "system names must differ"),
 ])
 def test_a_malformed_system_is_refused(spec, problem):
     proc = run("--dtypes", "float32", "--system", spec, timeout=120)
     assert proc.returncode != 0 and problem in proc.stderr
+
+
+def test_an_unknown_dtype_is_refused():
+    proc = run("--dtypes", "float32,bfloat16+int4", timeout=120)
+    assert proc.returncode != 0 and "--dtypes: bfloat16+int4 is none of float32, bfloat16" in proc.stderr
 
 
 def load_script():

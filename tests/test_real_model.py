@@ -110,3 +110,49 @@ def test_smollm2_tokenizer_is_the_one_autotokenizer_loads(smollm2_dir):
     from prefix_service.model.loader import _tokenizer_config_kwargs, load_tokenizer
     assert _tokenizer_config_kwargs(smollm2_dir)["config"].model_type == "llama"  # the light config
     assert_same_tokenizer(load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(str(smollm2_dir)))
+
+
+@pytest.fixture(scope="module")
+def smollm2_int8_reference(smollm2_dir, tmp_path_factory):
+    """SmolLM2 with its decoder linears as q diag(scale) in float32: transformers' view of the model an
+    engine with model.quantization int8 runs."""
+    from helpers import dequantized_checkpoint
+    return dequantized_checkpoint(smollm2_dir, tmp_path_factory.mktemp("smollm2-int8") / "model")
+
+
+# int8 weights in bfloat16 against transformers in float32 on the same dequantized weights: a decode
+# call of the cpu backend multiplies q exactly and scales the float32 sums; a prefill of more than 64
+# rows multiplies the bf16 copy of q diag(scale). Measured over BF16_PROMPTS: 0.15-0.42 from
+# transformers on the dequantized weights (within BF16_TO_F32_ATOL, as the unquantized model), while
+# int8 moved transformers' own logits 0.79-1.26 from the unquantized model's.
+
+
+def test_smollm2_int8_bfloat16_against_transformers(smollm2_dir, smollm2_int8_reference, make_engine):
+    """The cpu backend in bfloat16 with int8 weights against transformers in float32 on the
+    dequantized checkpoint: first-token logits within BF16_TO_F32_ATOL of it and nearer it than the
+    unquantized model's are, 8 greedy ids equal up to the first step where the two tokens' float32
+    logits are within BF16_NEAR_TIE."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    engine = make_engine(smollm2_dir, block_size=16, num_blocks=64, dtype="bfloat16", backend="cpu",
+                         quantization="int8")
+    ref = str(smollm2_int8_reference)
+    diffs, gaps = [], []
+    for prompt in BF16_PROMPTS:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        f32_ids, f32_logits = hf_reference(ref, tuple(ids), 8, torch.float32)
+        _, plain_logits = hf_reference(str(smollm2_dir), tuple(ids), 1, torch.float32)
+        logits = engine_last_logits(engine, ids)
+        diffs.append(round((logits - f32_logits).abs().max().item(), 3))
+        assert diffs[-1] <= BF16_TO_F32_ATOL, (prompt, diffs[-1])
+        assert (logits - plain_logits).abs().max().item() > diffs[-1], prompt
+        got = run_ids(engine, ids, max_tokens=8)
+        if got != f32_ids:
+            j = next(i for i, (a, b) in enumerate(zip(got, f32_ids)) if a != b)
+            _, there = hf_reference(ref, tuple(ids + f32_ids[:j]), 1, torch.float32)
+            gap = (there[f32_ids[j]] - there[got[j]]).item()
+            gaps.append((prompt, j, round(gap, 3)))
+            assert 0 <= gap <= BF16_NEAR_TIE, (prompt, j, gap)
+    print("first-token logits, max |ours - transformers|:", diffs, "near ties:", gaps)

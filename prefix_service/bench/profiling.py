@@ -29,6 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="model.device (default: the config's)")
     p.add_argument("--kv-cache-memory", help="cache.kv_cache_memory, e.g. 16GiB (default: the config's)")
     p.add_argument("--cuda-graph-max-batch", type=int, help="model.cuda_graph_max_batch (0: eager; default: the config's)")
+    p.add_argument("--quantization", choices=("none", "int8"), help="model.quantization (default: the config's)")
     p.add_argument("--cuda-fused-layers", type=int, choices=(0, 1),
                    help="model.cuda_fused_layers (0: the model's reference layers; default: the config's)")
 
@@ -48,7 +49,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         from prefix_service.config import parse_size_or_auto
         size = parse_size_or_auto(args.kv_cache_memory, "--kv-cache-memory")
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_memory=size, num_blocks=None))
-    for field in ("dtype", "device", "cuda_graph_max_batch"):
+    for field in ("dtype", "device", "cuda_graph_max_batch", "quantization"):
         if getattr(args, field, None) is not None:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{field: getattr(args, field)}))
     if getattr(args, "cuda_fused_layers", None) is not None:

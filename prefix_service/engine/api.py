@@ -61,6 +61,7 @@ class EngineInfo:
     block_size: int
     backend: str  # torch, cpu or cuda
     backend_description: str  # with its kernel choices, e.g. "cuda (prefill flash_attn, decode triton_paged)"
+    quantization: str = "none"  # model.quantization: none or int8
 
 
 # What a CUDA error looks like once the device's context is broken (an illegal address, a
@@ -105,7 +106,7 @@ class Engine:
         core = self._core
         self.info = EngineInfo(config.model.path, str(core.device), str(core.dtype).replace("torch.", ""),
                                core.arch, core.max_model_len, core.allocator.num_blocks, core.block_size,
-                               core.backend.name, core.backend.describe())
+                               core.backend.name, core.backend.describe(), config.model.quantization)
         self._config = config
         self._snapshots: TemplateSnapshots | None = None
         self._codec: SnapshotStore | None = None  # the snapshot format of this engine's KV (made when needed)

@@ -23,6 +23,7 @@ from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixServiceError, PromptTooLong,
                                    QueueFull)
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
+from prefix_service.model.quantize import quantize_model
 from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, TemplateInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
@@ -101,6 +102,10 @@ class EngineCore:
             model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
         else:
             model = load_model(mc.path, self.dtype, self.device, max_positions=max_len)
+        if mc.quantization != "none":
+            count = quantize_model(model, mc.quantization)
+            log.info("model.quantization %s: %d decoder linears hold int8 weights, one scale per output row "
+                     "(the output head and embeddings as loaded)", mc.quantization, count)
         cache = config.cache
         if cache.num_blocks is None and cache.kv_cache_memory == "auto" and self.device.type == "cuda":
             cache = dataclasses.replace(cache, kv_cache_memory=auto_kv_cache_memory(model, config, self.device))

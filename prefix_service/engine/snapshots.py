@@ -137,11 +137,14 @@ def snapshot_key(config: EngineConfig, device: torch.device, dtype: torch.dtype)
     """The key of the snapshots an engine on `config` makes and loads, given the device and dtype it
     runs on (EngineCore's: resolve_device, choose_dtype). Reads config.json and samples of the
     weight files (model_fingerprint), never loads the weights. A dummy model's fingerprint also
-    names the device type: its random weights come from that device's generator."""
+    names the device type: its random weights come from that device's generator; a quantized
+    model's names its model.quantization."""
     mc = config.model
     fingerprint = model_fingerprint(mc.path, mc.load_format, mc.seed)
     if mc.load_format == "dummy":
         fingerprint = hashlib.sha256(f"{fingerprint}:{device.type}".encode()).hexdigest()[:16]
+    if mc.quantization != "none":  # other weights, other K/V
+        fingerprint = hashlib.sha256(f"{fingerprint}:quantization={mc.quantization}".encode()).hexdigest()[:16]
     return SnapshotKey(fingerprint, str(dtype).removeprefix("torch."), config.cache.block_size)
 
 

@@ -76,6 +76,8 @@ class CpuBackend(Backend):
                       if self.stack.template_matrix else "")
             if self.stack.prompt_dot:
                 matrix += ", a prompt's own attention as AVX512-BF16 dot products"
+            if self.stack.int8_linears:
+                matrix += f", int8 weights in {self.stack.int8_linears} linears' few-row calls"
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         return "cpu (native kernels, decoder stack)"
 

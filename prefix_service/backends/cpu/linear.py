@@ -123,10 +123,13 @@ class NativeLinear:
         return linear(x2, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:
-    """W [out, in] packed for the kernel of its dtype: float32 -> the native kernel, bfloat16 -> oneDNN."""
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> CpuLinear:
+    """W [out, in] packed for the kernel of its dtype: float32 -> the native kernel, bfloat16 -> oneDNN.
+    int8: the weight's (q, scale) where it was quantized (model/quantize.py; W is q diag(scale) in its
+    dtype): a bf16 weight's few-row calls then read q (OneDnnLinear); elsewhere W is multiplied as it is."""
     if weight.dtype == torch.float32:
         return NativeLinear(weight, bias)
     if weight.dtype == torch.bfloat16:
-        return onednn.OneDnnLinear(weight, bias)
+        return onednn.OneDnnLinear(weight, bias, int8=int8)
     raise NativeKernelError(f"no CPU linear kernel for {weight.dtype} weights (float32 and bfloat16 are served)")

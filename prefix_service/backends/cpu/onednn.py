@@ -21,7 +21,8 @@ A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one
                  rounds x to bf16, runs the bf16 inner product (float32 sums, bf16 output) and
                  widens the output into y. Where the CPU has
                  AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
-                 which takes the calls of up to 64 rows;
+                 which takes the calls of up to 64 rows (with int8 weights, model.quantization,
+                 reading int8 blocks there: `OneDnnLinear(int8=...)`, ps_onednn_pack_int8);
   brgemm         where the CPU has AMX (`brgemm_vnni()`), elsewhere by choice
                  ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns
                  (`brgemm_columns()`), each packed once; each call rounds x to bf16 and runs
@@ -64,6 +65,8 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 SIGNATURES = {
     "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32], _ptr),
     "ps_onednn_few_rows": ([_ptr], _i32),
+    "ps_onednn_pack_int8": ([_ptr, _ptr, _ptr, _i64, _i64], _i32),
+    "ps_onednn_int8": ([_ptr], _i32),
     "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_onednn_linear_bf16": ([_ptr, _ptr, _i32, _i64, _i32, _ptr, _i32, _i64, _i32], _i32),
     "ps_onednn_free": ([_ptr], None),
@@ -251,7 +254,8 @@ class OneDnnLinear:
     the handle lives as long as this object and is freed after it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
-                 columns: int | None = None, few_rows: bool | None = None) -> None:
+                 columns: int | None = None, few_rows: bool | None = None,
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise OneDnnError(f"weight: a float32 or bfloat16 CPU tensor [N, K] is needed, got {weight.dtype} "
                               f"{tuple(weight.shape)} on {weight.device}")
@@ -281,6 +285,19 @@ class OneDnnLinear:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
         self.few_rows = int(lib.ps_onednn_few_rows(handle))
+        self.int8 = False  # whether the few-row calls read int8 weights
+        if int8 is not None and self.few_rows:
+            q, scale = (t.detach().contiguous() for t in int8)
+            if (q.dtype != torch.int8 or q.shape != weight.shape or scale.dtype != torch.float32
+                    or scale.shape != (self.out_features,)):
+                lib.ps_onednn_free(handle)
+                raise OneDnnError(f"int8: q int8 {tuple(weight.shape)} and scale float32 [{self.out_features}] are "
+                                  f"needed, got {q.dtype} {tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
+            if lib.ps_onednn_pack_int8(handle, q.data_ptr(), scale.data_ptr(), self.out_features, self.in_features):
+                reason = lib.ps_onednn_last_error().decode(errors="replace")
+                lib.ps_onednn_free(handle)
+                raise OneDnnError(reason)
+            self.int8 = True
         self.fn = native.address(lib.ps_onednn_linear)
         bf16_fn = native.address(lib.ps_onednn_linear_bf16) if self.dtype == torch.bfloat16 else 0
         self.call = native.LinearCall(self.fn, self.handle, bf16_fn)
@@ -325,7 +342,7 @@ class OneDnnLinear:
         if self.columns != DEFAULT_BRGEMM_COLUMNS and self.kernel == "brgemm":
             mode += f", {self.columns}-column blocks"
         if self.few_rows:
-            mode += f", dot products up to {self.few_rows} rows"
+            mode += f", {'int8 ' if self.int8 else ''}dot products up to {self.few_rows} rows"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"
 
 

@@ -24,6 +24,7 @@ from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
+from prefix_service.model.quantize import int8_weight, release_int8
 from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
@@ -159,15 +160,21 @@ class DecoderStack:
             q_norm, k_norm = attn.q_norm, attn.k_norm
             self.layers.append(LayerWeights(
                 vector(layer.input_layernorm.weight), layer.input_layernorm.eps,
-                make_linear(attn.qkv_proj.weight, attn.qkv_proj.bias), vector(layer.post_attention_layernorm.weight),
-                layer.post_attention_layernorm.eps, make_linear(attn.o_proj.weight),
-                make_linear(mlp.gate_up_proj.weight), make_linear(mlp.down_proj.weight),
+                make_linear(attn.qkv_proj.weight, attn.qkv_proj.bias, int8_weight(attn.qkv_proj)),
+                vector(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps,
+                make_linear(attn.o_proj.weight, int8=int8_weight(attn.o_proj)),
+                make_linear(mlp.gate_up_proj.weight, int8=int8_weight(mlp.gate_up_proj)),
+                make_linear(mlp.down_proj.weight, int8=int8_weight(mlp.down_proj)),
                 vector(q_norm.weight) if q_norm is not None else None,
                 vector(k_norm.weight) if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0))
             # packed above: released (the q/k/v bias is kept as it is); nn.Module takes None for a
             # parameter, which torch's annotations do not say
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 m.weight = None  # type: ignore[assignment]
+                release_int8(m)  # copied by the pack as well
+        # linears whose few-row calls read int8 weights (model.quantization: int8, AVX512-BF16)
+        self.int8_linears = sum(bool(getattr(m, "int8", False)) for w in self.layers
+                                for m in (w.qkv, w.o, w.gate_up, w.down))
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]
         self.eps = torch.tensor([[w.input_eps, w.post_eps, w.qk_eps] for w in self.layers], dtype=torch.float32)
         self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]

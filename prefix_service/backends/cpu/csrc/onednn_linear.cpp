@@ -34,7 +34,10 @@
 // kernel streams once per call from memory on torch's threads. oneDNN's inner product spends more
 // per call than such a call's arithmetic (scripts/bench_cpu_linear_call.py), so a decode step's
 // linears read their weights at a fraction of the memory's rate through it; the blocks cost the
-// weight's bytes once more. PREFIX_SERVICE_BF16_FEW_ROWS=0 packs none (onednn.py).
+// weight's bytes once more. PREFIX_SERVICE_BF16_FEW_ROWS=0 packs none (onednn.py). With int8 weights
+// (model.quantization: int8; ps_onednn_pack_int8) those blocks hold int8 values and a scale per
+// column instead: half the bytes, widened to bf16 in registers (exactly) on the way to the same dot
+// products.
 // All of these multiply bf16 operands (the products are exact in float32), sum in float32 and round
 // the output to bf16; only the order of the sums may differ (and `vdpbf16ps`, the few-row kernel's
 // dot product, reads bf16 subnormals, below 1.2e-38, as zero). In all of them the bias is rounded to
@@ -80,6 +83,7 @@ constexpr int64_t kMB = 32;  // brgemm: rows per micro-kernel call (two AMX tile
 constexpr int kDefaultNB = 32;  // brgemm: output columns per block when the caller names none
 constexpr int kDotNB = 32;      // the few-row kernel: output columns per block (two vectors of 16 sums)
 constexpr int kDotRB = 4;       // the few-row kernel: rows per pass over a block (4 x 2 accumulators)
+constexpr int kDot8RB = 8;      // the same over int8 weights (8 x 2 accumulators)
 constexpr int kDotRows = 64;   // calls of up to this many rows take the few-row kernel where it is packed
 
 struct Packed {
@@ -99,6 +103,11 @@ struct Packed {
   // j kDotNB .. in block j, pairs of rows of K side by side (zero past N and K; kp: K rounded up to
   // even), and bias_f32 as for brgemm; undefined without
   at::Tensor dot;
+  // int8 weights (ps_onednn_pack_int8): W = q diag(scale) with q int8, in place of `dot` in the same
+  // layout, [ceil(N / kDotNB)][kp / 2][kDotNB][2] int8, and scale [ceil(N / kDotNB) kDotNB] float32
+  // (zero past N); undefined without
+  at::Tensor dot8;
+  std::vector<float> scale;
 };
 
 // A call's rows: x [m][k] float32, or bf16 bits where x_bf16 (rows the caller rounded to bf16 as this
@@ -232,29 +241,36 @@ void run_brgemm(const Packed& p, const Rows& io) {
   });
 }
 
-// native, few rows: W into p's dot blocks (see Packed)
-void pack_dot(Packed& p, const at::Tensor& w) {
-  p.kp = (p.k + 1) / 2 * 2;
-  const int64_t nblocks = (p.n + kDotNB - 1) / kDotNB, pairs = p.kp / 2;
-  p.dot = at::zeros({nblocks, pairs, kDotNB, 2}, at::TensorOptions().dtype(at::kBFloat16));
-  const auto* src = static_cast<const c10::BFloat16*>(w.data_ptr());  // [n][k], contiguous
-  auto* dst = static_cast<c10::BFloat16*>(p.dot.data_ptr());
+// W [n][k] (contiguous) into dot blocks [ceil(n / kDotNB)][kp / 2][kDotNB][2] of T (see Packed),
+// zero past n and k
+template <typename T>
+at::Tensor dot_blocks(const T* src, int64_t n, int64_t k, int64_t kp, at::ScalarType type) {
+  const int64_t nblocks = (n + kDotNB - 1) / kDotNB, pairs = kp / 2;
+  at::Tensor out = at::zeros({nblocks, pairs, kDotNB, 2}, at::TensorOptions().dtype(type));
+  T* dst = static_cast<T*>(out.data_ptr());
   // written in order, read from a block's 32 rows at once (a scatter from each row in turn wrote a
   // cache line per element: seconds for a model)
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t j = b0; j < b1; ++j) {
-      const int64_t cols = std::min<int64_t>(kDotNB, p.n - j * kDotNB);
-      const c10::BFloat16* rows = src + j * kDotNB * p.k;
+      const int64_t cols = std::min<int64_t>(kDotNB, n - j * kDotNB);
+      const T* rows = src + j * kDotNB * k;
       for (int64_t q = 0; q < pairs; ++q) {
-        c10::BFloat16* d = dst + (j * pairs + q) * kDotNB * 2;
-        const bool second = 2 * q + 1 < p.k;
+        T* d = dst + (j * pairs + q) * kDotNB * 2;
+        const bool second = 2 * q + 1 < k;
         for (int64_t c = 0; c < cols; ++c) {
-          d[2 * c] = rows[c * p.k + 2 * q];
-          if (second) d[2 * c + 1] = rows[c * p.k + 2 * q + 1];
+          d[2 * c] = rows[c * k + 2 * q];
+          if (second) d[2 * c + 1] = rows[c * k + 2 * q + 1];
         }
       }
     }
   });
+  return out;
+}
+
+// native, few rows: W into p's dot blocks (see Packed)
+void pack_dot(Packed& p, const at::Tensor& w) {
+  p.kp = (p.k + 1) / 2 * 2;
+  p.dot = dot_blocks(static_cast<const c10::BFloat16*>(w.data_ptr()), p.n, p.k, p.kp, at::kBFloat16);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -283,6 +299,42 @@ void dot_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const c10::BFloa
   }
 }
 
+// One pair-step of an int8 block (kDotNB columns x 2 of K, 64 values) as the two bf16 operands of
+// the dot product: each value widened to float32 and rounded to bf16, both exact for |q| <= 128
+inline __m512 int8_floats(const int8_t* p) {  // 16 int8 values widened to float32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline void int8_pairs(const int8_t* wq, __m512bh& w0, __m512bh& w1) {
+  const __m512 f0 = int8_floats(wq), f1 = int8_floats(wq + 16), f2 = int8_floats(wq + 32), f3 = int8_floats(wq + 48);
+  w0 = _mm512_cvtne2ps_pbh(f1, f0);  // f0's 16 values in the low half
+  w1 = _mm512_cvtne2ps_pbh(f3, f2);
+}
+
+// dot_block over an int8 block, w [kp / 2][kDotNB][2] int8, each pair-step widened in registers
+// (exactly) and multiplied against R <= kDot8RB rows: the block streams from memory at half a bf16
+// block's bytes, and the widening is shared by the pass's rows
+template <int R>
+void dot8_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const int8_t* w, float* sums) {
+  __m512 acc[R][2];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < kp / 2; ++q) {
+    __m512bh w0, w1;
+    int8_pairs(w + q * kDotNB * 2, w0, w1);
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512bh xv = ps_onednn::broadcast_pair(a + i * lda + 2 * q);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
+    }
+  }
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(sums + i * kDotNB, acc[i][0]);
+    _mm512_storeu_ps(sums + i * kDotNB + 16, acc[i][1]);
+  }
+}
+
 // 16 outputs (the lanes of `keep`) rounded to bf16: widened into a float32 row, or as bf16 bits
 inline void store_out(const Rows& io, int64_t r, int64_t c, __mmask16 keep, __m512 v) {
   if (io.y_bf16)
@@ -294,7 +346,7 @@ inline void store_out(const Rows& io, int64_t r, int64_t c, __mmask16 keep, __m5
 // native, m <= kDotRows rows: y = round_bf16(round_bf16(x) W^T + bias) over p's dot blocks
 void run_dot(const Packed& p, const Rows& io) {
   const int m = io.m;
-  const int64_t kp = p.kp, nblocks = p.dot.size(0);
+  const int64_t kp = p.kp, nblocks = (p.n + kDotNB - 1) / kDotNB;
   const c10::BFloat16* a = nullptr;  // the rows in bf16, lda apart (the workers read them through `a`)
   int64_t lda = kp;
   if (io.x_bf16 && kp == p.k) {  // the caller's rows as they are (checked_run gives one row ldx = k)
@@ -311,29 +363,50 @@ void run_dot(const Packed& p, const Rows& io) {
     }
     a = rows;
   }
-  const auto* blocks = static_cast<const c10::BFloat16*>(p.dot.data_ptr());
+  const bool int8 = p.dot8.defined();
+  const auto* blocks = int8 ? nullptr : static_cast<const c10::BFloat16*>(p.dot.data_ptr());
+  const auto* blocks8 = int8 ? static_cast<const int8_t*>(p.dot8.data_ptr()) : nullptr;
   const float* bias = p.bias_f32.data();
+  // rows a pass over a block: int8 passes take more, as each widens the block's values again
+  const int pass = int8 ? kDot8RB : kDotRB;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[kDotRB * kDotNB];
+    alignas(64) float sums[kDot8RB * kDotNB];
     for (int64_t j = b0; j < b1; ++j) {
-      const c10::BFloat16* w = blocks + j * kp * kDotNB;
+      const c10::BFloat16* w = int8 ? nullptr : blocks + j * kp * kDotNB;
+      const int8_t* w8 = int8 ? blocks8 + j * kp * kDotNB : nullptr;
       const int64_t n0 = j * kDotNB, cols = std::min<int64_t>(kDotNB, p.n - n0);
       const __mmask16 lo = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
       const __mmask16 hi = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
       const __m512 b_lo = _mm512_maskz_loadu_ps(lo, bias + n0), b_hi = _mm512_maskz_loadu_ps(hi, bias + n0 + 16);
-      for (int r0 = 0; r0 < m; r0 += kDotRB) {
-        const int rows = std::min(kDotRB, m - r0);
+      // int8: each column's sums times its scale (zero past n), then the bias
+      const __m512 s_lo = int8 ? _mm512_loadu_ps(p.scale.data() + n0) : _mm512_set1_ps(1.0f);
+      const __m512 s_hi = int8 ? _mm512_loadu_ps(p.scale.data() + n0 + 16) : _mm512_set1_ps(1.0f);
+      for (int r0 = 0; r0 < m; r0 += pass) {
+        const int rows = std::min(pass, m - r0);
         const c10::BFloat16* ar = a + r0 * lda;
-        switch (rows) {
-          case 1: dot_block<1>(ar, lda, kp, w, sums); break;
-          case 2: dot_block<2>(ar, lda, kp, w, sums); break;
-          case 3: dot_block<3>(ar, lda, kp, w, sums); break;
-          default: dot_block<4>(ar, lda, kp, w, sums); break;
+        if (int8) {
+          switch (rows) {
+            case 1: dot8_block<1>(ar, lda, kp, w8, sums); break;
+            case 2: dot8_block<2>(ar, lda, kp, w8, sums); break;
+            case 3: dot8_block<3>(ar, lda, kp, w8, sums); break;
+            case 4: dot8_block<4>(ar, lda, kp, w8, sums); break;
+            case 5: dot8_block<5>(ar, lda, kp, w8, sums); break;
+            case 6: dot8_block<6>(ar, lda, kp, w8, sums); break;
+            case 7: dot8_block<7>(ar, lda, kp, w8, sums); break;
+            default: dot8_block<8>(ar, lda, kp, w8, sums); break;
+          }
+        } else {
+          switch (rows) {
+            case 1: dot_block<1>(ar, lda, kp, w, sums); break;
+            case 2: dot_block<2>(ar, lda, kp, w, sums); break;
+            case 3: dot_block<3>(ar, lda, kp, w, sums); break;
+            default: dot_block<4>(ar, lda, kp, w, sums); break;
+          }
         }
         for (int i = 0; i < rows; ++i) {
           const float* si = sums + i * kDotNB;
-          store_out(io, r0 + i, n0, lo, _mm512_add_ps(_mm512_load_ps(si), b_lo));
-          store_out(io, r0 + i, n0 + 16, hi, _mm512_add_ps(_mm512_load_ps(si + 16), b_hi));
+          store_out(io, r0 + i, n0, lo, _mm512_fmadd_ps(_mm512_load_ps(si), s_lo, b_lo));
+          store_out(io, r0 + i, n0 + 16, hi, _mm512_fmadd_ps(_mm512_load_ps(si + 16), s_hi, b_hi));
         }
       }
     }
@@ -346,7 +419,7 @@ void run_dot(const Packed&, const Rows&) {}
 // io's rows with a bf16 weight or float32 one (f32: float32 rows only, nothing rounded)
 void run(const Packed& p, const Rows& io) {
   const int m = io.m;
-  if (ps_onednn::kDotBf16 && m <= kDotRows && p.dot.defined()) {
+  if (ps_onednn::kDotBf16 && m <= kDotRows && (p.dot.defined() || p.dot8.defined())) {
     run_dot(p, io);
     return;
   }
@@ -512,7 +585,53 @@ extern "C" int ps_onednn_linear_bf16(const void* handle, const void* x, int x_bf
 // packed for it, else 0.
 extern "C" int ps_onednn_few_rows(const void* handle) {
   const auto* p = static_cast<const Packed*>(handle);
-  return p != nullptr && p->dot.defined() ? kDotRows : 0;
+  return p != nullptr && (p->dot.defined() || p->dot8.defined()) ? kDotRows : 0;
+}
+
+// Int8 weights for the few-row kernel: q [n][k] int8 (|q| <= 127) and scale [n] float32, the weight
+// being W[i][j] = q[i][j] scale[i] (model/quantize.py). They replace the handle's bf16 dot blocks (a
+// handle packed for the few-row kernel only: ps_onednn_few_rows > 0), so its calls of up to kDotRows
+// rows compute round_bf16(scale[i] sum_j round_bf16(x[j]) q[i][j] + bias[i]) from half the bytes; the
+// larger calls go on multiplying the weight the handle was packed with (the caller's bf16 copy of
+// q diag(scale)). 0, or 5 (ps_onednn_last_error() says why).
+extern "C" int ps_onednn_pack_int8(void* handle, const int8_t* q, const float* scale, int64_t n, int64_t k) {
+  auto* p = static_cast<Packed*>(handle);
+  if (p == nullptr || q == nullptr || scale == nullptr) {
+    last_error = "ps_onednn_pack_int8: a null handle, q or scale";
+    return 5;
+  }
+  if (n != p->n || k != p->k) {
+    last_error = "ps_onednn_pack_int8: q is " + std::to_string(n) + " x " + std::to_string(k) + ", the weight " +
+                 std::to_string(p->n) + " x " + std::to_string(p->k);
+    return 5;
+  }
+  if (!p->dot.defined() && !p->dot8.defined()) {
+    last_error = "ps_onednn_pack_int8: this weight is not packed for the few-row kernel (it needs AVX512-BF16 "
+                 "and the inner-product kernel with few rows on)";
+    return 5;
+  }
+  for (int64_t i = 0; i < n * k; ++i) {
+    if (q[i] < -127) {
+      last_error = "ps_onednn_pack_int8: q holds -128; int8 weights are symmetric, -127 to 127";
+      return 5;
+    }
+  }
+  return guarded("ps_onednn_pack_int8", 5, [&] {
+    c10::InferenceMode guard;
+    at::Tensor blocks = dot_blocks(q, n, k, p->kp, at::kChar);
+    std::vector<float> padded((size_t)blocks.size(0) * kDotNB, 0.0f);
+    std::copy(scale, scale + n, padded.begin());
+    p->dot8 = blocks;
+    p->scale = std::move(padded);
+    p->dot = at::Tensor();
+    return 0;
+  });
+}
+
+// 1 where the handle's few-row calls read int8 weights (ps_onednn_pack_int8), else 0
+extern "C" int ps_onednn_int8(const void* handle) {
+  const auto* p = static_cast<const Packed*>(handle);
+  return p != nullptr && p->dot8.defined() ? 1 : 0;
 }
 
 extern "C" void ps_onednn_free(void* handle) {

@@ -1,0 +1,77 @@
+"""Int8 weights (model.quantization: int8): each decoder layer's linear weights held as int8 with one
+float32 scale per output row, W[i][j] = q[i][j] scale[i], scale[i] = max_j |W[i][j]| / 127 and q the
+weight over it rounded to nearest, in -127 .. 127 (symmetric, per channel, weight-only: activations
+stay in the compute dtype).
+
+`quantize_model` makes that the model every backend runs: each quantized linear's weight is replaced
+by q diag(scale) in the compute dtype (exact in float32; in bfloat16 each product q scale is rounded
+once). Where the model lives on a CPU, each such linear also keeps (q, scale) (`int8_weight`), which
+the cpu backend packs for its few-row kernel (a decode step's calls read half the bytes of a bf16
+weight; csrc/onednn_linear.cpp, ps_onednn_pack_int8). The output head and the embeddings stay as
+they are.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from prefix_service.config import QUANTIZATIONS
+INT8_MAX = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (q int8 [N, K], scale float32 [N]) with W ~ q diag(scale): per output row, the
+    largest magnitude maps to 127 (a row of zeros gets scale 0 and q 0)."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize_int8: a floating-point [N, K] weight is needed, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32)
+    if not torch.isfinite(w).all():
+        raise ValueError("quantize_int8: the weight holds inf or NaN")
+    scale = w.abs().amax(dim=1) / INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q diag(scale) in `dtype` (computed in float32, rounded once)."""
+    return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
+
+
+def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The linears quantize_model quantizes: each decoder layer's q/k/v, o, gate/up and down."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj",
+                                                                        "down_proj")]
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantize the model's decoder linears in place (module docstring); returns how many. `method`:
+    one of QUANTIZATIONS ("none" changes nothing)."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization {method!r}: one of {', '.join(QUANTIZATIONS)} is needed")
+    if method == "none":
+        return 0
+    linears = quantized_linears(model)
+    for _, m in linears:
+        q, scale = quantize_int8(m.weight)
+        m.weight.data = dequantize(q, scale, m.weight.dtype).to(m.weight.device)
+        setattr(m, _ATTR, (q, scale) if m.weight.device.type == "cpu" else None)
+    return len(linears)
+
+
+_ATTR = "int8_weight"  # a quantized linear's (q, scale), a plain attribute (not a parameter or buffer)
+
+
+def int8_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A quantized linear's (q, scale) where quantize_model kept them, else None."""
+    pair = getattr(m, _ATTR, None)
+    return pair if isinstance(pair, tuple) else None
+
+
+def release_int8(m: nn.Module) -> None:
+    """Drop a linear's (q, scale), once a backend has copied them."""
+    if hasattr(m, _ATTR):
+        setattr(m, _ATTR, None)

@@ -1,0 +1,224 @@
+"""Int8 weights (model.quantization: int8, model/quantize.py): the quantizer's arithmetic, the cpu
+backend's int8 few-row kernel against the exact products, and engines with int8 weights against
+transformers running the same dequantized weights and against themselves without a template.
+
+- quantize_int8: symmetric per output row, q in -127 .. 127, |W - q scale| <= scale / 2.
+- The kernel (ps_onednn_pack_int8): each output is round_bf16(scale sum(round_bf16(x) q) + bias)
+  up to the order of the float32 sums, for 1 to 64 rows; a call of more rows multiplies the
+  handle's bf16 copy, bit for bit the plain bf16 linear over it.
+- An engine in float32 with int8 weights gives transformers' greedy ids and logits on a
+  checkpoint holding q diag(scale) (the torch and cpu backends); in bfloat16 its greedy ids on a
+  template equal those without one, or first differ at a near tie.
+"""
+import pytest
+import torch
+
+from helpers import dequantized_checkpoint, engine_last_logits, hf_greedy, run_ids
+from prefix_service import CacheConfig, EngineConfig, ModelConfig, cpuinfo
+from prefix_service.backends.cpu import linear, native, onednn
+from prefix_service.config import ConfigError, load_config
+from prefix_service.engine.snapshots import snapshot_key
+from prefix_service.model.quantize import dequantize, int8_weight, quantize_int8, quantize_model, quantized_linears
+
+LOGITS_ATOL = 2e-3  # float32 against transformers, as tests/test_real_model.py
+INT8_KERNEL = (native.load()[1] is None and onednn.load()[0] is not None and onednn.bf16_native()
+               and "avx512_bf16" in cpuinfo.cpu_flags())
+needs_int8_kernel = pytest.mark.skipif(not INT8_KERNEL, reason="the int8 few-row kernel needs AVX512-BF16 and "
+                                       "torch's bf16 inner product; this CPU or torch has not both")
+needs_bf16 = pytest.mark.skipif(linear.available(torch.bfloat16) is not None or native.load()[1] is not None,
+                                reason="no cpu backend in bfloat16 here")
+
+
+# --- the quantizer ------------------------------------------------------------------------------
+
+def test_quantize_int8_is_symmetric_per_row_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 53, generator=g) * torch.logspace(-3, 2, 37)[:, None]
+    w[5] = 0.0  # a row of zeros
+    w[7, 3] = -w[7].abs().max() * 2  # the largest magnitude negative
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape and scale.shape == (37,)
+    assert q.min() >= -127 and q.max() <= 127
+    assert torch.equal(scale, w.abs().amax(1) / 127)
+    assert scale[5] == 0 and not q[5].any()
+    assert q[7, 3] == -127 and (q.abs().amax(1)[scale > 0] == 127).all()  # each row reaches the end of the range
+    err = (w.double() - q.double() * scale.double()[:, None]).abs()
+    assert (err <= scale.double()[:, None] / 2 * (1 + 1e-6)).all()
+    assert torch.equal(dequantize(q, scale, torch.float32), q.float() * scale[:, None])
+    assert dequantize(q, scale, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_quantize_int8_refuses_what_it_cannot_quantize():
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_int8(torch.ones(3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_int8(torch.ones(2, 2, dtype=torch.int32))
+    bad = torch.ones(2, 3)
+    bad[1, 1] = float("nan")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_int8(bad)
+
+
+def test_quantize_model_replaces_each_decoder_linear(llama_dir):
+    from prefix_service.model.loader import load_model
+    model = load_model(llama_dir, torch.float32, torch.device("cpu"), 64)
+    before = {name: m.weight.detach().clone() for name, m in quantized_linears(model)}
+    head = model.embed_tokens.weight.detach().clone()
+    assert quantize_model(model, "none") == 0 and all(int8_weight(m) is None for _, m in quantized_linears(model))
+    layers = len(model.layers)
+    assert quantize_model(model, "int8") == 4 * layers == len(before)
+    for name, m in quantized_linears(model):
+        q, scale = int8_weight(m)
+        assert torch.equal(q, quantize_int8(before[name])[0]) and torch.equal(scale, quantize_int8(before[name])[1])
+        assert torch.equal(m.weight, dequantize(q, scale, torch.float32))
+        assert not torch.equal(m.weight, before[name])
+    assert torch.equal(model.embed_tokens.weight, head)  # embeddings and the output head as loaded
+    with pytest.raises(ValueError, match="quantization 'int4'"):
+        quantize_model(model, "int4")
+
+
+def test_model_quantization_is_checked_and_read_from_yaml(tmp_path, llama_dir):
+    with pytest.raises(ConfigError, match="model.quantization: 'int4' is not one of none, int8"):
+        ModelConfig(path=str(llama_dir), quantization="int4")
+    assert ModelConfig(path=str(llama_dir)).quantization == "none"
+    cfg = tmp_path / "service.yaml"
+    cfg.write_text(f"model:\n  path: {llama_dir}\n  quantization: int8\n")
+    assert load_config(cfg).engine.model.quantization == "int8"
+
+
+def test_snapshots_of_int8_weights_are_their_own(llama_dir):
+    """A template's K/V made with int8 weights must not load into an engine without them."""
+    keys = {q: snapshot_key(EngineConfig(ModelConfig(path=str(llama_dir), quantization=q), CacheConfig()),
+                            torch.device("cpu"), torch.float32) for q in ("none", "int8")}
+    assert keys["none"].fingerprint != keys["int8"].fingerprint
+    assert keys["none"].dtype == keys["int8"].dtype
+
+
+# --- the int8 few-row kernel --------------------------------------------------------------------
+
+def int8_case(m: int, n: int, k: int, seed: int, bias: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.linspace(0.01, 1.0, n)[:, None]
+    q, scale = quantize_int8(w)
+    x = torch.randn(m, k, generator=g) * 3
+    b = torch.randn(n, generator=g) if bias else None
+    return x, q, scale, b
+
+
+def exact_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """scale sum(round_bf16(x) q) + round_bf16(b) in float64 (the products are exact)."""
+    y = (x.bfloat16().double() @ q.double().T) * scale.double()
+    return y + (b.bfloat16().double() if b is not None else 0.0)
+
+
+def assert_int8_rounding(got: torch.Tensor, x, q, scale, b) -> None:
+    """got is the exact result rounded to bf16, up to one bf16 step where float32 sums in another
+    order may have crossed a rounding boundary (bounded by the sums' float32 error)."""
+    want = exact_int8(x, q, scale, b)
+    assert torch.equal(got, got.bfloat16().float())  # rounded to bf16
+    sum_err = (x.bfloat16().double().abs() @ q.double().abs().T) * scale.double() * (q.shape[1] * 2.0 ** -24)
+    excess = (got.double() - want).abs() - (2.0 ** -8 * want.abs() + sum_err + 1e-30)
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("n,k", [(49, 37), (96, 576), (256, 72), (3072, 64), (5, 1)])
+def test_the_int8_kernel_is_the_exact_product_rounded(n, k):
+    """1 to 64 rows through the int8 kernel (a pass of up to 8 rows, widening the int8 block once):
+    the exact product rounded to bf16; from 65 rows the handle's bf16 copy, exactly the plain linear
+    over q diag(scale) in bf16; bits independent of the thread count; a NaN stays in its row."""
+    x, q, scale, b = int8_case(70, n, k, seed=n + k)
+    copy = dequantize(q, scale, torch.bfloat16)
+    layer = onednn.OneDnnLinear(copy, b, kernel="inner_product", few_rows=True, int8=(q, scale))
+    plain = onednn.OneDnnLinear(copy, b, kernel="inner_product", few_rows=False)
+    assert layer.int8 and layer.few_rows == 64 and "int8 dot products up to 64 rows" in repr(layer)
+    for m in (1, 2, 3, 4, 7, 8, 9, 17, 63, 64, 65, 70):
+        got = layer(x[:m])
+        if m <= 64:
+            assert_int8_rounding(got, x[:m], q, scale, b)
+        else:
+            assert torch.equal(got, plain(x[:m]))
+    before = torch.get_num_threads()
+    try:
+        by_threads = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            by_threads.append(torch.cat([layer(x[:1]), layer(x[:6]), layer(x[:40])]))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(by_threads[0], t) for t in by_threads[1:])
+    # the bf16 hand-offs the decoder stack makes give the same bits
+    assert torch.equal(layer.rows_bf16(x[:5].bfloat16(), torch.float32), layer(x[:5].bfloat16().float()))
+    bad = x[:3].clone()
+    bad[1, k // 2] = float("nan")
+    y = layer(bad)
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
+
+
+@needs_int8_kernel
+def test_int8_weights_are_checked():
+    x, q, scale, b = int8_case(2, 40, 24, seed=3)
+    copy = dequantize(q, scale, torch.bfloat16)
+    with pytest.raises(onednn.OneDnnError, match="int8: q int8"):
+        onednn.OneDnnLinear(copy, b, few_rows=True, int8=(q.float(), scale))
+    with pytest.raises(onednn.OneDnnError, match="int8: q int8"):
+        onednn.OneDnnLinear(copy, b, few_rows=True, int8=(q, scale[:-1]))
+    low = q.clone()
+    low[3, 4] = -128
+    with pytest.raises(onednn.OneDnnError, match="-128"):
+        onednn.OneDnnLinear(copy, b, few_rows=True, int8=(low, scale))
+
+
+@needs_bf16
+def test_without_the_few_row_kernel_int8_weights_run_as_their_bf16_copy():
+    """Where the weight is not packed for the few-row kernel (brgemm, few_rows off, or a CPU without
+    AVX512-BF16) int8 weights are not used: the layer is the plain bf16 linear over the copy."""
+    x, q, scale, b = int8_case(5, 40, 24, seed=4)
+    copy = dequantize(q, scale, torch.bfloat16)
+    for kernel, few in (("brgemm", True), (None, False)):
+        layer = onednn.OneDnnLinear(copy, b, kernel=kernel, few_rows=few, int8=(q, scale))
+        assert not layer.int8 and "int8" not in repr(layer)
+        assert torch.equal(layer(x), onednn.OneDnnLinear(copy, b, kernel=kernel, few_rows=few)(x))
+
+
+# --- engines with int8 weights ------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_int8_engine_matches_transformers_on_the_dequantized_weights(make_engine, model_dirs, tmp_path, backend,
+                                                                     which):
+    if backend == "cpu" and native.load()[1] is not None:
+        pytest.skip(f"no native CPU kernels here: {native.load()[1]}")
+    ref_dir = dequantized_checkpoint(model_dirs[which], tmp_path / "dequantized")
+    ids = [(11 * i + 5) % 500 + 3 for i in range(19)]
+    want, want_logits = hf_greedy(ref_dir, ids, 16)
+    engine = make_engine(model_dirs[which], dtype="float32", backend=backend, quantization="int8")
+    assert run_ids(engine, ids, max_tokens=16) == want
+    logits = engine_last_logits(engine, ids)
+    assert torch.allclose(logits, want_logits, atol=LOGITS_ATOL, rtol=0), (logits - want_logits).abs().max()
+    # and not the unquantized model's logits
+    plain = hf_greedy(model_dirs[which], ids, 1)[1]
+    assert (plain - want_logits).abs().max() > 10 * LOGITS_ATOL
+
+
+NEAR_TIE = 0.1  # as tests/test_cpu_bf16.py
+
+
+@needs_bf16
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_int8_bf16_engine_on_a_template_equals_no_template(make_engine, model_dirs, which):
+    """bf16 with int8 weights (the int8 kernel for calls of up to 64 rows where the CPU has
+    AVX512-BF16): greedy ids on a pinned template equal those of the same ids without it, or first
+    differ where the two tokens are the top two within NEAR_TIE."""
+    from test_cpu_bf16 import assert_same_or_near_tie, ids_of
+    engine = make_engine(model_dirs[which], dtype="bfloat16", backend="cpu", quantization="int8")
+    stack = engine._core.backend.stack
+    assert stack.int8_linears == (4 * stack.num_layers if INT8_KERNEL and onednn.few_rows_default() else 0)
+    assert ("int8 weights in" in engine._core.backend.describe()) == bool(stack.int8_linears)
+    for prefix_len in (3, 4, 9, 17):
+        full = ids_of(prefix_len + 9, salt=prefix_len)
+        expected = run_ids(engine, full, max_tokens=20)
+        engine.add_template("p", token_ids=full[:prefix_len])
+        got = run_ids(engine, full[prefix_len:], prefix="p", max_tokens=20)
+        assert engine.remove_template("p")
+        assert_same_or_near_tie(engine, full, expected, got, prefix_len)
