@@ -274,53 +274,34 @@ void pack_dot(Packed& p, const at::Tensor& w) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// sums [R][kDotNB] = a [R][kp] (bf16, rows lda apart) times one dot block, w [kp / 2][kDotNB][2]. The
-// loops over rows and vectors are unrolled so the accumulators stay in registers (the library
-// builds at -O2).
-template <int R>
-void dot_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const c10::BFloat16* w, float* sums) {
-  __m512 acc[R][2];
-  #pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < kp / 2; ++q) {
-    const c10::BFloat16* wq = w + q * kDotNB * 2;
-    const __m512bh w0 = ps_onednn::pairs(_mm512_loadu_si512(wq)), w1 = ps_onednn::pairs(_mm512_loadu_si512(wq + 32));
-    #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const __m512bh xv = ps_onednn::broadcast_pair(a + i * lda + 2 * q);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xv, w0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xv, w1);
-    }
-  }
-  #pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(sums + i * kDotNB, acc[i][0]);
-    _mm512_storeu_ps(sums + i * kDotNB + 16, acc[i][1]);
-  }
+// One pair-step of a dot block (kDotNB columns x 2 of K, 64 values) as the two bf16 operands of the
+// dot product: a bf16 block's as they are; an int8 block's widened to float32 and rounded to bf16,
+// both exact for |q| <= 128, so the int8 block streams half the bytes for the same products
+inline void block_pairs(const c10::BFloat16* wq, __m512bh& w0, __m512bh& w1) {
+  w0 = ps_onednn::pairs(_mm512_loadu_si512(wq));
+  w1 = ps_onednn::pairs(_mm512_loadu_si512(wq + 32));
 }
-
-// One pair-step of an int8 block (kDotNB columns x 2 of K, 64 values) as the two bf16 operands of
-// the dot product: each value widened to float32 and rounded to bf16, both exact for |q| <= 128
 inline __m512 int8_floats(const int8_t* p) {  // 16 int8 values widened to float32
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline void int8_pairs(const int8_t* wq, __m512bh& w0, __m512bh& w1) {
+inline void block_pairs(const int8_t* wq, __m512bh& w0, __m512bh& w1) {
   const __m512 f0 = int8_floats(wq), f1 = int8_floats(wq + 16), f2 = int8_floats(wq + 32), f3 = int8_floats(wq + 48);
   w0 = _mm512_cvtne2ps_pbh(f1, f0);  // f0's 16 values in the low half
   w1 = _mm512_cvtne2ps_pbh(f3, f2);
 }
 
-// dot_block over an int8 block, w [kp / 2][kDotNB][2] int8, each pair-step widened in registers
-// (exactly) and multiplied against R <= kDot8RB rows: the block streams from memory at half a bf16
-// block's bytes, and the widening is shared by the pass's rows
-template <int R>
-void dot8_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const int8_t* w, float* sums) {
+// sums [R][kDotNB] = a [R][kp] (bf16, rows lda apart) times one dot block, w [kp / 2][kDotNB][2] of
+// bf16 or int8 values (an int8 pass takes more rows, kDot8RB, to share each pair-step's widening).
+// The loops over rows and vectors are unrolled so the accumulators stay in registers (the library
+// builds at -O2).
+template <int R, typename T>
+void dot_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const T* w, float* sums) {
   __m512 acc[R][2];
   #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t q = 0; q < kp / 2; ++q) {
     __m512bh w0, w1;
-    int8_pairs(w + q * kDotNB * 2, w0, w1);
+    block_pairs(w + q * kDotNB * 2, w0, w1);
     #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m512bh xv = ps_onednn::broadcast_pair(a + i * lda + 2 * q);
@@ -332,6 +313,21 @@ void dot8_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const int8_t* w
   for (int i = 0; i < R; ++i) {
     _mm512_storeu_ps(sums + i * kDotNB, acc[i][0]);
     _mm512_storeu_ps(sums + i * kDotNB + 16, acc[i][1]);
+  }
+}
+
+// dot_block for a pass of `rows` (1 to kDot8RB) rows
+template <typename T>
+void dot_rows(int rows, const c10::BFloat16* a, int64_t lda, int64_t kp, const T* w, float* sums) {
+  switch (rows) {
+    case 1: dot_block<1>(a, lda, kp, w, sums); break;
+    case 2: dot_block<2>(a, lda, kp, w, sums); break;
+    case 3: dot_block<3>(a, lda, kp, w, sums); break;
+    case 4: dot_block<4>(a, lda, kp, w, sums); break;
+    case 5: dot_block<5>(a, lda, kp, w, sums); break;
+    case 6: dot_block<6>(a, lda, kp, w, sums); break;
+    case 7: dot_block<7>(a, lda, kp, w, sums); break;
+    default: dot_block<8>(a, lda, kp, w, sums); break;
   }
 }
 
@@ -384,25 +380,10 @@ void run_dot(const Packed& p, const Rows& io) {
       for (int r0 = 0; r0 < m; r0 += pass) {
         const int rows = std::min(pass, m - r0);
         const c10::BFloat16* ar = a + r0 * lda;
-        if (int8) {
-          switch (rows) {
-            case 1: dot8_block<1>(ar, lda, kp, w8, sums); break;
-            case 2: dot8_block<2>(ar, lda, kp, w8, sums); break;
-            case 3: dot8_block<3>(ar, lda, kp, w8, sums); break;
-            case 4: dot8_block<4>(ar, lda, kp, w8, sums); break;
-            case 5: dot8_block<5>(ar, lda, kp, w8, sums); break;
-            case 6: dot8_block<6>(ar, lda, kp, w8, sums); break;
-            case 7: dot8_block<7>(ar, lda, kp, w8, sums); break;
-            default: dot8_block<8>(ar, lda, kp, w8, sums); break;
-          }
-        } else {
-          switch (rows) {
-            case 1: dot_block<1>(ar, lda, kp, w, sums); break;
-            case 2: dot_block<2>(ar, lda, kp, w, sums); break;
-            case 3: dot_block<3>(ar, lda, kp, w, sums); break;
-            default: dot_block<4>(ar, lda, kp, w, sums); break;
-          }
-        }
+        if (int8)
+          dot_rows(rows, ar, lda, kp, w8, sums);
+        else
+          dot_rows(rows, ar, lda, kp, w, sums);
         for (int i = 0; i < rows; ++i) {
           const float* si = sums + i * kDotNB;
           store_out(io, r0 + i, n0, lo, _mm512_fmadd_ps(_mm512_load_ps(si), s_lo, b_lo));
