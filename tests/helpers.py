@@ -54,16 +54,13 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float3
     return out[0, len(ids):].tolist(), logits
 
 
-HF_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def dequantized_checkpoint(src, dst):
     """A copy of the model directory whose decoder linears hold q diag(scale) in float32
     (model/quantize.py): what an engine with model.quantization int8 runs, as transformers reads it.
-    Per row, quantizing q, k and v (gate and up) apart equals quantizing their fused weight."""
+    (model/quantize.py's HF_QUANTIZED: per row, quantizing the parts apart is quantizing the fused weight)"""
     import shutil
     from safetensors.torch import load_file, save_file
-    from prefix_service.model.quantize import dequantize, quantize_int8
+    from prefix_service.model.quantize import HF_QUANTIZED, dequantize, quantize_int8
     shutil.copytree(src, dst)
     for f in sorted(dst.glob("*.safetensors")):
         tensors = load_file(str(f))

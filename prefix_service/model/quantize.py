@@ -39,6 +39,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.to(torch.float32) * scale.to(torch.float32)[:, None]).to(dtype)
 
 
+# the same linears as a Hugging Face checkpoint names them (ours fuse q/k/v and gate/up; per output
+# row, quantizing the parts apart is quantizing the fused weight)
+HF_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The linears quantize_model quantizes: each decoder layer's q/k/v, o, gate/up and down."""
     return [(name, m) for name, m in model.named_modules()
