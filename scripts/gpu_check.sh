@@ -18,8 +18,8 @@
 # CPU tests, then each linear kernel's cost per call (brgemm also in the block widths
 # BRGEMM_COLUMNS names, e.g. 64,128), the template products' cost per call on AMX tiles and on
 # the AVX512-BF16 dot products, a decode step in bf16 by default (brgemm on AMX), in float32, on
-# brgemm, without the few-row kernel and with the template attention (and a long prompt's own) on the dot
-# products, and the dtype benchmark (bf16 also with those products), each at 2 threads, a 2-vCPU
+# brgemm, without the few-row kernel, with the template attention (and a long prompt's own) on the dot
+# products and on the inner product with int8 weights (model.quantization), and the dtype benchmark (bf16 also with those products), each at 2 threads, a 2-vCPU
 # machine's count, then at 16) and omp (which OpenMP runtimes the cpu backend's libraries
 # load, and the bf16 decode under each OMP_WAIT_POLICY).
 # SANITIZE_TESTS and SANITIZE_K: the test files compute-sanitizer runs and their -k expression (default:
@@ -98,16 +98,18 @@ step cpuprofile 240 bash -c 'for dtype in float32 bfloat16; do
     python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
     --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
 step linear 90 python3 scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --passes 5 --json "$LOGS/cpu_linear_bf16.json"
-step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py
+step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py tests/test_quantize.py
   python3 scripts/bench_cpu_linear_call.py --threads 2,16 --rows 1,8,16,32,64 --calls 100 ${BRGEMM_COLUMNS:+--brgemm-columns $BRGEMM_COLUMNS} --json '"$LOGS"'/cpu_linear_call.json
   for products in auto dot; do PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=$products python3 scripts/bench_cpu_template_call.py \
     --rows 6,48,150,300 --calls 300 --json '"$LOGS"'/cpu_template_call_$products.json; done
-  for threads in 2 16; do for way in default float32 brgemm no-few-rows default+dot; do echo "--- $threads threads, $way"
+  for threads in 2 16; do for way in default float32 brgemm no-few-rows default+dot inner+int8; do echo "--- $threads threads, $way"
     case $way in brgemm) vars=PREFIX_SERVICE_BF16_LINEAR=brgemm ;; no-few-rows) vars=PREFIX_SERVICE_BF16_FEW_ROWS=0 ;;
-      default+dot) vars=PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot ;; *) vars= ;; esac
+      default+dot) vars=PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot ;; inner+int8) vars=PREFIX_SERVICE_BF16_LINEAR=inner_product ;;
+      *) vars= ;; esac
     env OMP_NUM_THREADS=$threads $vars python3 scripts/profile_decode.py \
       ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu \
-      --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,16,64 --steps 5 2>&1 | tail -n 4; done; done
+      --quantization $( [ $way = inner+int8 ] && echo int8 || echo none ) \
+      --dtype $( [ $way = float32 ] && echo float32 || echo bfloat16 ) --batches 1,4,16,64 --steps 5 2>&1 | tail -n 5; done; done
   for threads in 2 16; do echo "--- bench_cpu_dtype, $threads threads"
     OMP_NUM_THREADS=$threads python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
       --system bf16-dot:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot \

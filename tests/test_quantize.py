@@ -18,6 +18,7 @@ from prefix_service import CacheConfig, EngineConfig, ModelConfig, cpuinfo
 from prefix_service.backends.cpu import linear, native, onednn
 from prefix_service.config import ConfigError, load_config
 from prefix_service.engine.snapshots import snapshot_key
+from prefix_service.errors import ModelLoadError
 from prefix_service.model.quantize import dequantize, int8_weight, quantize_int8, quantize_model, quantized_linears
 
 LOGITS_ATOL = 2e-3  # float32 against transformers, as tests/test_real_model.py
@@ -75,6 +76,11 @@ def test_quantize_model_replaces_each_decoder_linear(llama_dir):
     assert torch.equal(model.embed_tokens.weight, head)  # embeddings and the output head as loaded
     with pytest.raises(ValueError, match="quantization 'int4'"):
         quantize_model(model, "int4")
+    broken = load_model(llama_dir, torch.float32, torch.device("cpu"), 64)
+    with torch.no_grad():
+        broken.layers[1].mlp.down_proj.weight[2, 3] = float("inf")
+    with pytest.raises(ModelLoadError, match=r"cannot quantize layers\.1\.mlp\.down_proj\.weight: .*inf or NaN"):
+        quantize_model(broken, "int8")
 
 
 def test_model_quantization_is_checked_and_read_from_yaml(tmp_path, llama_dir):

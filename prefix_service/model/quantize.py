@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from prefix_service.config import QUANTIZATIONS
+from prefix_service.errors import ModelLoadError
 INT8_MAX = 127
 
 
@@ -54,14 +55,18 @@ def quantized_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str) -> int:
     """Quantize the model's decoder linears in place (module docstring); returns how many. `method`:
-    one of QUANTIZATIONS ("none" changes nothing)."""
+    one of QUANTIZATIONS ("none" changes nothing). A weight holding inf or NaN raises ModelLoadError
+    naming it."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization {method!r}: one of {', '.join(QUANTIZATIONS)} is needed")
     if method == "none":
         return 0
     linears = quantized_linears(model)
-    for _, m in linears:
-        q, scale = quantize_int8(m.weight)
+    for name, m in linears:
+        try:
+            q, scale = quantize_int8(m.weight)
+        except ValueError as exc:
+            raise ModelLoadError(f"model.quantization {method}: cannot quantize {name}.weight: {exc}") from exc
         m.weight.data = dequantize(q, scale, m.weight.dtype).to(m.weight.device)
         setattr(m, _ATTR, (q, scale) if m.weight.device.type == "cpu" else None)
     return len(linears)
