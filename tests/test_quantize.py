@@ -19,7 +19,8 @@ from prefix_service.backends.cpu import linear, native, onednn
 from prefix_service.config import ConfigError, load_config
 from prefix_service.engine.snapshots import snapshot_key
 from prefix_service.errors import ModelLoadError
-from prefix_service.model.quantize import dequantize, int8_weight, quantize_int8, quantize_model, quantized_linears
+from prefix_service.model.quantize import (dequantize, int8_weight, quantize_int8, quantize_model, quantized_linears,
+                                           release_int8)
 
 LOGITS_ATOL = 2e-3  # float32 against transformers, as tests/test_real_model.py
 INT8_KERNEL = (native.load()[1] is None and onednn.load()[0] is not None and onednn.bf16_native()
@@ -74,6 +75,10 @@ def test_quantize_model_replaces_each_decoder_linear(llama_dir):
         assert torch.equal(m.weight, dequantize(q, scale, torch.float32))
         assert not torch.equal(m.weight, before[name])
     assert torch.equal(model.embed_tokens.weight, head)  # embeddings and the output head as loaded
+    release_int8(model)  # what the engine does once its backend has packed them
+    assert all(int8_weight(m) is None for _, m in quantized_linears(model))
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, dequantize(*quantize_int8(before["layers.0.mlp.down_proj"]),
+                                                                        torch.float32))
     with pytest.raises(ValueError, match="quantization 'int4'"):
         quantize_model(model, "int4")
     broken = load_model(llama_dir, torch.float32, torch.device("cpu"), 64)
@@ -199,6 +204,7 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(make_engine
     ids = [(11 * i + 5) % 500 + 3 for i in range(19)]
     want, want_logits = hf_greedy(ref_dir, ids, 16)
     engine = make_engine(model_dirs[which], dtype="float32", backend=backend, quantization="int8")
+    assert engine.info.quantization == "int8"
     assert run_ids(engine, ids, max_tokens=16) == want
     logits = engine_last_logits(engine, ids)
     assert torch.allclose(logits, want_logits, atol=LOGITS_ATOL, rtol=0), (logits - want_logits).abs().max()

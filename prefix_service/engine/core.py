@@ -23,7 +23,7 @@ from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixServiceError, PromptTooLong,
                                    QueueFull)
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
-from prefix_service.model.quantize import quantize_model
+from prefix_service.model.quantize import quantize_model, release_int8
 from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, TemplateInfo
 from prefix_service.engine.sampler import sample
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
@@ -112,6 +112,7 @@ class EngineCore:
             log.info("KV cache: %.1f GiB (cache.kv_cache_memory auto: %.0f%% of the GPU's memory after the model)",
                      int(cache.kv_cache_memory) / (1 << 30), 100 * cache.gpu_memory_utilization)
         self.backend = backend(model, cache)  # owns the model from here on
+        release_int8(model)  # int8 weights: the backend has packed what it reads of them
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.backend.num_blocks)
         budget = config.cache.prefix_budget_blocks

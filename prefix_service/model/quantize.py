@@ -81,7 +81,9 @@ def int8_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     return pair if isinstance(pair, tuple) else None
 
 
-def release_int8(m: nn.Module) -> None:
-    """Drop a linear's (q, scale), once a backend has copied them."""
-    if hasattr(m, _ATTR):
-        setattr(m, _ATTR, None)
+def release_int8(model: nn.Module) -> None:
+    """Drop every quantized linear's (q, scale): the engine's call once the backend has copied what
+    it packs (the cpu backend's few-row kernel), so a backend that reads none holds none."""
+    for _, m in quantized_linears(model):
+        if hasattr(m, _ATTR):
+            setattr(m, _ATTR, None)

@@ -24,7 +24,7 @@ from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
-from prefix_service.model.quantize import int8_weight, release_int8
+from prefix_service.model.quantize import int8_weight
 from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 
@@ -171,7 +171,6 @@ class DecoderStack:
             # parameter, which torch's annotations do not say
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 m.weight = None  # type: ignore[assignment]
-                release_int8(m)  # copied by the pack as well
         # linears whose few-row calls read int8 weights (model.quantization: int8, AVX512-BF16)
         self.int8_linears = sum(bool(getattr(m, "int8", False)) for w in self.layers
                                 for m in (w.qkv, w.o, w.gate_up, w.down))
