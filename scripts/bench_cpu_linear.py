@@ -22,9 +22,12 @@ long prefill.
     python scripts/bench_cpu_linear.py --json bench_out/cpu_linear.json
     python scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --json bench_out/cpu_linear_bf16.json
 
-int8 (`--dtype int8`): weight-only int8 (per-channel scales) through torch's own kernel
-(aten._weight_int8pack_mm) on bf16 and on float32 rows, against the float32 kernel: what int8
-weights would buy a decode step that streams them.
+int8 (`--dtype int8`): int8 weights (model.quantization: int8, one scale per output row) against
+the float32 kernel: the float32 kernel over them (`native_int8`, what a float32 model serves with
+them), and where the CPU has AVX512-BF16 the bf16 few-row kernel over bf16 blocks (`inner_product`)
+and over int8 blocks (`inner_product_int8`, what a bf16 model serves; from 65 rows both are oneDNN's
+bf16 inner product); then torch's own weight-only int8 kernel (aten._weight_int8pack_mm) on bf16
+and on float32 rows.
 """
 from __future__ import annotations
 
@@ -129,6 +132,18 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
     else:
         ways["native"] = (each(lambda w: cpu_linear.NativeLinear(w, None)), f32)
     if dtype == "int8":
+        from prefix_service.model.quantize import dequantize, quantize_int8
+        pairs = each(quantize_int8)  # model.quantization int8's weights, per layer
+        if not native_reason:
+            ways["native_int8"] = (each(lambda p: cpu_linear.NativeLinear(dequantize(*p, f32), None, int8=p), pairs),
+                                   f32)
+        if not cpu_linear.available(bf16) and onednn.bf16_native():
+            few = [[onednn.OneDnnLinear(dequantize(*p, bf16), None, kernel="inner_product") for p in layer]
+                   for layer in pairs]
+            if few[0][0].few_rows:  # the bf16 few-row kernel, and the same over int8 blocks
+                ways["inner_product"] = (few, f32)
+                ways["inner_product_int8"] = (each(lambda p: onednn.OneDnnLinear(
+                    dequantize(*p, bf16), None, kernel="inner_product", int8=p), pairs), f32)
         for way, rows in (("int8_bf16", bf16), ("int8_f32", f32)):
             ways[way] = (each(lambda w, rows=rows: Int8WeightOnly(w, rows)), rows)
         return ways
@@ -183,7 +198,8 @@ def main() -> int:
     # the weight bytes each way streams a pass: 4 a parameter in float32, 2 in bf16 (the service's
     # emulated kernel holds its weights widened to float32)
     from prefix_service.backends.cpu import onednn
-    per_param = {way: 1 if way.startswith("int8") else 2 if dt == torch.bfloat16 or way.startswith(("brgemm", "inner_product"))
+    # (int8: 1; inner_product_int8 reads its int8 blocks in calls of up to 64 rows, its bf16 copy above)
+    per_param = {way: 1 if "int8" in way else 2 if dt == torch.bfloat16 or way.startswith(("brgemm", "inner_product"))
                  else 4 for way, (_, dt) in ways.items()}
     weight_bytes = {way: params * per_param[way] for way in names}
     info = machine()

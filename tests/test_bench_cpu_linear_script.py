@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from prefix_service import cpuinfo
 from prefix_service.backends.cpu import linear as cpu_linear
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_linear.py"
@@ -80,11 +81,16 @@ def test_bench_cpu_linear_script_in_bfloat16(llama_dir, tmp_path):
 @pytest.mark.skipif(cpu_linear.available(torch.float32) is not None,
                     reason=f"no native kernels here: {cpu_linear.available(torch.float32)}")
 def test_bench_cpu_linear_script_in_int8(llama_dir, tmp_path):
-    """int8 weight-only through torch's kernel, on bf16 and float32 rows, against the float32 kernel."""
+    """int8 weights: the float32 kernel over them, the bf16 few-row kernel over bf16 and int8 blocks
+    where the CPU has AVX512-BF16, and torch's kernel on bf16 and float32 rows, against the float32
+    kernel."""
+    from prefix_service.backends.cpu import onednn
     proc, data = run_script(llama_dir, tmp_path, "--dtype", "int8")
-    check_results(data, ["native", "int8_bf16", "int8_f32"])
-    assert data["weight_bytes"]["int8_bf16"] == data["parameters"] and data["dtype"] == "int8"
-    assert "int8_bf16 vs native" in proc.stdout
+    few = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.bf16_native()
+    check_results(data, ["native", "native_int8", *(["inner_product", "inner_product_int8"] if few else []),
+                         "int8_bf16", "int8_f32"])
+    assert data["weight_bytes"]["int8_bf16"] == data["weight_bytes"]["native_int8"] == data["parameters"]
+    assert data["dtype"] == "int8" and "native_int8 vs native" in proc.stdout
 
 
 CALL_SCRIPT = SCRIPT.parent / "bench_cpu_linear_call.py"

@@ -192,6 +192,80 @@ def test_without_the_few_row_kernel_int8_weights_run_as_their_bf16_copy():
         assert torch.equal(layer(x), onednn.OneDnnLinear(copy, b, kernel=kernel, few_rows=few)(x))
 
 
+# --- the float32 kernel over int8 weights --------------------------------------------------------
+
+needs_native = pytest.mark.skipif(native.load()[1] is not None, reason=f"no native CPU kernels here: {native.load()[1]}")
+
+
+def assert_float32_int8(got: torch.Tensor, x, q, scale, b) -> None:
+    """got is (x q^T) scale + b up to float32 sums of K products (each term exact in float64)."""
+    want = (x.double() @ q.double().T) * scale.double() + (b.double() if b is not None else 0.0)
+    size = (x.double().abs() @ q.double().abs().T) * scale.double() + (b.double().abs() if b is not None else 0.0)
+    excess = (got.double() - want).abs() - size * (q.shape[1] + 2) * 2.0 ** -24
+    assert excess.max().item() <= 0, excess.max().item()
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(49, 37), (96, 576), (70, 130), (3072, 64), (5, 1)])
+def test_the_float32_kernel_over_int8_weights(n, k):
+    """A float32 weight with (q, scale) holds only q (packed as the float32 kernel reads its panels)
+    and every call, 1 to 100 rows, computes (x q^T) scale + b in float32; strided rows; bits
+    independent of the thread count; a NaN stays in its row."""
+    x, q, scale, b = int8_case(100, n, k, seed=n + 7 * k)
+    layer = linear.NativeLinear(dequantize(q, scale, torch.float32), b, int8=(q, scale))
+    assert layer.packed is None and layer.q_packed.dtype == torch.int8
+    assert layer.q_packed.shape == (-(-n // linear.PANEL), k, linear.PANEL)
+    for m in (1, 2, 5, 6, 7, 13, 16, 17, 64, 100):
+        assert_float32_int8(layer(x[:m]), x[:m], q, scale, b)
+    wide = torch.randn(9, k + 5)
+    rows = wide[:, 2:2 + k]  # rows k + 5 apart
+    out = torch.full((9, n + 3), 7.0)
+    layer(rows, out=out[:, :n])
+    assert_float32_int8(out[:, :n], rows, q, scale, b)
+    assert (out[:, n:] == 7.0).all()
+    before = torch.get_num_threads()
+    try:
+        by_threads = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            by_threads.append(torch.cat([layer(x[:1]), layer(x[:7]), layer(x[:40])]))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(by_threads[0], t) for t in by_threads[1:])
+    bad = x[:3].clone()
+    bad[1, k // 2] = float("nan")
+    y = layer(bad)
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
+    with pytest.raises(native.NativeKernelError, match="int8: q int8"):
+        linear.NativeLinear(dequantize(q, scale, torch.float32), b, int8=(q.to(torch.int16), scale))
+
+
+@needs_native
+def test_the_int8_kernel_built_for_avx2_agrees_with_this_build():
+    """The same sources built for AVX2 + FMA alone (x86-64-v3, no AVX-512: what an AVX2 machine
+    builds) run ps_linear_int8 to the same bound and agree with this machine's build."""
+    import ctypes
+    from prefix_service.cpuinfo import cpu_flags
+    if not {"avx2", "fma"} <= set(cpu_flags()):
+        pytest.skip("this CPU cannot run an AVX2 build")
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native.FLAGS)
+    path = native.compile_library(native.compiler(), "prefix_service_native_avx2_check", native.SOURCES, flags,
+                                  key_parts=tuple(h.read_bytes() for h in native.HEADERS))
+    lib = ctypes.CDLL(str(path))
+    assert lib.ps_isa() == 256
+    x, q, scale, b = int8_case(13, 70, 130, seed=5)
+    packed = linear.pack_weight(q, torch.int8)
+    got = torch.empty(13, 70)
+    fn = lib.ps_linear_int8
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    assert fn(x.data_ptr(), 130, 13, 130, packed.data_ptr(), 70, scale.data_ptr(), b.data_ptr(), got.data_ptr(), 70,
+              2) == 0
+    assert_float32_int8(got, x, q, scale, b)
+    here = linear.NativeLinear(dequantize(q, scale, torch.float32), b, int8=(q, scale))(x)
+    assert torch.allclose(got, here, rtol=1e-5, atol=1e-5)
+
+
 # --- engines with int8 weights ------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

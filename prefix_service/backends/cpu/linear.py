@@ -34,11 +34,12 @@ def available(dtype: torch.dtype) -> str | None:
     return reason
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] -> the kernel's layout [ceil(N/16), K, 16]: panels of 16 output columns, zero-padded."""
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [N, K] -> the kernel's layout [ceil(N/16), K, 16] in dtype (float32, or int8 for int8
+    weights): panels of 16 output columns, zero-padded."""
     n, k = weight.shape
     pad = -n % PANEL
-    w = weight.detach().to(torch.float32)
+    w = weight.detach().to(dtype)
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
     return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
@@ -100,36 +101,69 @@ class _PackedArgs(ctypes.Structure):  # csrc/cpu_linear.cpp's PsPackedLinear
     _fields_ = [("panels", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 
-class NativeLinear:
-    """y = x @ W.T + b in the native float32 kernel, W held only in its layout (pack_weight)."""
+class _PackedInt8Args(ctypes.Structure):  # csrc/cpu_linear.cpp's PsPackedLinearInt8
+    _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("bias", ctypes.c_void_p)]
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class NativeLinear:
+    """y = x @ W.T + b in the native float32 kernel, W held only in its layout (pack_weight). int8:
+    the weight's (q, scale) where it was quantized (W is q diag(scale)): then only q is held, packed
+    the same way, a quarter of the bytes, and every call multiplies it (`packed` is None)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         lib = native.require()
         self.out_features, self.in_features = weight.shape
-        self.packed = pack_weight(weight)
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-        _check_weight(self.packed, self.out_features, self.in_features, self.bias)
-        self._args = _PackedArgs(self.packed.data_ptr(), self.out_features, self.in_features,
-                                 self.bias.data_ptr() if self.bias is not None else None)
+        bias_ptr = self.bias.data_ptr() if self.bias is not None else None
+        self.int8 = int8 is not None
+        self.packed: torch.Tensor | None = None
+        self._args: ctypes.Structure
+        if int8 is None:
+            self.packed = pack_weight(weight)
+            _check_weight(self.packed, self.out_features, self.in_features, self.bias)
+            self._args = _PackedArgs(self.packed.data_ptr(), self.out_features, self.in_features, bias_ptr)
+            self.fn = native.address(lib.ps_packed_linear)
+        else:
+            q, scale = int8
+            if (q.dtype != torch.int8 or q.shape != weight.shape or scale.dtype != torch.float32
+                    or scale.shape != (self.out_features,)):
+                raise NativeKernelError(f"int8: q int8 {tuple(weight.shape)} and scale float32 [{self.out_features}] "
+                                        f"are needed, got {q.dtype} {tuple(q.shape)} and {scale.dtype} "
+                                        f"{tuple(scale.shape)}")
+            self.q_packed = pack_weight(q, torch.int8)
+            self.scale = scale.detach().contiguous()
+            self._args = _PackedInt8Args(self.q_packed.data_ptr(), self.scale.data_ptr(), self.out_features,
+                                         self.in_features, bias_ptr)
+            self.fn = native.address(lib.ps_packed_linear_int8)
         self.handle = ctypes.addressof(self._args)
-        self.fn = native.address(lib.ps_packed_linear)
         self.call = native.LinearCall(self.fn, self.handle)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided."""
-        if x.dim() == 2:
+        if x.dim() != 2:
+            return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if self.packed is not None:
             return linear(x, self.packed, self.out_features, self.bias, out=out)
-        x2 = x.reshape(-1, self.in_features)
-        return linear(x2, self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
+        _check_x(x)  # int8: through the stack's call
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        elif out.shape != (x.shape[0], self.out_features) or out.dtype != torch.float32 or out.stride(1) != 1:
+            raise NativeKernelError(f"out: float32 [{x.shape[0]}, {self.out_features}] with dense rows is needed, "
+                                    f"got {tuple(out.shape)}")
+        native.check(native.call_linear(self.call, x, out), "ps_packed_linear_int8")
+        return out
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> CpuLinear:
     """W [out, in] packed for the kernel of its dtype: float32 -> the native kernel, bfloat16 -> oneDNN.
     int8: the weight's (q, scale) where it was quantized (model/quantize.py; W is q diag(scale) in its
-    dtype): a bf16 weight's few-row calls then read q (OneDnnLinear); elsewhere W is multiplied as it is."""
+    dtype): a bf16 weight's few-row calls then read q (OneDnnLinear), a float32 weight's every call
+    (NativeLinear)."""
     if weight.dtype == torch.float32:
-        return NativeLinear(weight, bias)
+        return NativeLinear(weight, bias, int8=int8)
     if weight.dtype == torch.bfloat16:
         return onednn.OneDnnLinear(weight, bias, int8=int8)
     raise NativeKernelError(f"no CPU linear kernel for {weight.dtype} weights (float32 and bfloat16 are served)")

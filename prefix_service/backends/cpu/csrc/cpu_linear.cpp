@@ -29,15 +29,21 @@ constexpr int MR = 6;   // rows per tile
 constexpr int NG = 4;   // panels per group
 constexpr int64_t CHUNK_BYTES = 1 << 20;  // x rows per chunk: at most this much of x
 
-// One register tile: R rows of x against NP panels. ps: floats between panels. `last`: the valid
-// columns of the tile's last panel. Prefetches pf_lines lines of 16 floats from pf on, spread over K steps.
-template <int R, int NP>
-inline void tile(const float* x, int64_t ldx, int K, const float* w, int64_t ps, float* y, int64_t ldy,
-                 const float* bias, int last, const float* pf, int pf_lines) {
+// A row of a panel (16 columns at one k) as floats: float32 weights as they are, int8 ones widened
+inline vf wload(const float* p) { return ps::vload(p); }
+inline vf wload(const int8_t* p) { return ps::vload_i8(p); }
+
+// One register tile: R rows of x against NP panels of T (float or int8) weights. ps: weights
+// between panels. `last`: the valid columns of the tile's last panel. float32: the sums start at
+// the bias; int8 (scale set): y = sums scale + bias. Prefetches pf_lines 64-byte lines from pf on,
+// spread over K steps.
+template <int R, int NP, typename T>
+inline void tile(const float* x, int64_t ldx, int K, const T* w, int64_t ps, float* y, int64_t ldy,
+                 const float* bias, const float* scale, int last, const char* pf, int pf_lines) {
   vf acc[R][NP];
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) {
-    const vf b = bias ? ps::vload_first(bias + j * NR, j == NP - 1 ? last : NR) : ps::vzero();
+    const vf b = bias && !scale ? ps::vload_first(bias + j * NR, j == NP - 1 ? last : NR) : ps::vzero();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) acc[r][j] = b;
   }
@@ -45,13 +51,22 @@ inline void tile(const float* x, int64_t ldx, int K, const float* w, int64_t ps,
   for (int k = 0; k < K; ++k) {
     vf wv[NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) wv[j] = ps::vload(w + j * ps + (int64_t)k * NR);
-    for (pf_acc += pf_lines; pf_acc >= K; pf_acc -= K, pf += NR) _mm_prefetch((const char*)pf, _MM_HINT_T1);
+    for (int j = 0; j < NP; ++j) wv[j] = wload(w + j * ps + (int64_t)k * NR);
+    for (pf_acc += pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const vf a = ps::vset1(x[r * ldx + k]);
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) acc[r][j] = ps::vfmadd(a, wv[j], acc[r][j]);
+    }
+  }
+  if (scale) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int n = j == NP - 1 ? last : NR;
+      const vf sc = ps::vload_first(scale + j * NR, n), b = bias ? ps::vload_first(bias + j * NR, n) : ps::vzero();
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) acc[r][j] = ps::vfmadd(acc[r][j], sc, b);
     }
   }
 #pragma GCC unroll 6
@@ -63,43 +78,46 @@ inline void tile(const float* x, int64_t ldx, int K, const float* w, int64_t ps,
 
 // np <= NG panels: in one register tile where the registers hold them (AVX-512), else one tile per
 // panel (AVX2: 6 rows x 16 columns is 12 of its 16 registers), the prefetching shared between them.
-template <int R>
-inline void tile_np(int np, const float* x, int64_t ldx, int K, const float* w, int64_t ps, float* y, int64_t ldy,
-                    const float* bias, int last, const float* pf, int pf_lines) {
+template <int R, typename T>
+inline void tile_np(int np, const float* x, int64_t ldx, int K, const T* w, int64_t ps, float* y, int64_t ldy,
+                    const float* bias, const float* scale, int last, const char* pf, int pf_lines) {
   if constexpr (ps::REG_PANELS >= 4) {
     switch (np) {
-      case 1: tile<R, 1>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-      case 2: tile<R, 2>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-      case 3: tile<R, 3>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-      default: tile<R, 4>(x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
+      case 1: tile<R, 1>(x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+      case 2: tile<R, 2>(x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+      case 3: tile<R, 3>(x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+      default: tile<R, 4>(x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
     }
   } else {
     const int per = (pf_lines + np - 1) / np;
     for (int j = 0, done = 0; j < np; ++j) {
       const int lines = pf_lines - done < per ? pf_lines - done : per;
-      tile<R, 1>(x, ldx, K, w + j * ps, ps, y + j * NR, ldy, bias ? bias + j * NR : nullptr, j == np - 1 ? last : NR,
-                 lines > 0 ? pf + (int64_t)done * NR : nullptr, lines);
+      tile<R, 1>(x, ldx, K, w + j * ps, ps, y + j * NR, ldy, bias ? bias + j * NR : nullptr,
+                 scale ? scale + j * NR : nullptr, j == np - 1 ? last : NR,
+                 lines > 0 ? pf + (int64_t)done * 64 : nullptr, lines);
       done += lines;
     }
   }
 }
 
-inline void tile_any(int rows, int np, const float* x, int64_t ldx, int K, const float* w, int64_t ps, float* y,
-                     int64_t ldy, const float* bias, int last, const float* pf, int pf_lines) {
+template <typename T>
+inline void tile_any(int rows, int np, const float* x, int64_t ldx, int K, const T* w, int64_t ps, float* y,
+                     int64_t ldy, const float* bias, const float* scale, int last, const char* pf, int pf_lines) {
   switch (rows) {
-    case 1: tile_np<1>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    case 2: tile_np<2>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    case 3: tile_np<3>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    case 4: tile_np<4>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    case 5: tile_np<5>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
-    default: tile_np<6>(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines); break;
+    case 1: tile_np<1>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+    case 2: tile_np<2>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+    case 3: tile_np<3>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+    case 4: tile_np<4>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+    case 5: tile_np<5>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
+    default: tile_np<6>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
   }
 }
 
 // Rows [m0, m1) against panels [p0, p1): the rows in chunks whose x fits in L2 next to a group
 // of panels (~1 MiB), and per chunk the panels group by group, each next group prefetched.
-void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const float* wp, int64_t ps, int p0, int p1,
-               int P, int tail, const float* bias, float* y, int64_t ldy) {
+template <typename T>
+void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const T* wp, int64_t ps, int p0, int p1,
+               int P, int tail, const float* bias, const float* scale, float* y, int64_t ldy) {
   const int64_t x_bytes = (int64_t)(m1 - m0) * K * (int64_t)sizeof(float);
   const int chunks = (int)((x_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES);
   const int chunk_tiles = ((m1 - m0 + MR - 1) / MR + chunks - 1) / chunks;  // equal chunks
@@ -114,16 +132,43 @@ void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const float* 
       const int next = g + np;
       const int next_np = group_size(gi + 1);  // 0 after the last group
       const int last = next == P ? tail : NR;
-      // the next group's panels are contiguous: next_np * K lines, an equal share per row tile
-      const int64_t lines = (int64_t)next_np * K, per = (lines + tiles - 1) / tiles;
+      // the next group's panels are contiguous: their 64-byte lines, an equal share per row tile
+      const int64_t lines = ((int64_t)next_np * ps * (int64_t)sizeof(T) + 63) / 64, per = (lines + tiles - 1) / tiles;
+      const char* next_panels = reinterpret_cast<const char*>(wp + next * ps);
       for (int t = 0; t < tiles; ++t) {
         const int r0 = c0 + t * MR;
         const int rows = c1 - r0 < MR ? c1 - r0 : MR;
         const int64_t first = t * per < lines ? t * per : lines;
         const int pf_lines = (int)(lines - first < per ? lines - first : per);
         tile_any(rows, np, x + r0 * ldx, ldx, K, wp + g * ps, ps, y + r0 * ldy + (int64_t)g * NR, ldy,
-                 bias ? bias + g * NR : nullptr, last, pf_lines ? wp + next * ps + first * NR : nullptr, pf_lines);
+                 bias ? bias + g * NR : nullptr, scale ? scale + g * NR : nullptr, last,
+                 pf_lines ? next_panels + first * 64 : nullptr, pf_lines);
       }
+    }
+  }
+}
+
+// y = x W^T (+ bias) over panels of T on `threads` OpenMP threads (ps_linear, ps_linear_int8)
+template <typename T>
+void run(const float* x, int64_t ldx, int M, int K, const T* wp, int N, const float* bias, const float* scale,
+         float* y, int64_t ldy, int threads) {
+  if (M <= 0 || N <= 0) return;
+  const int P = (N + NR - 1) / NR;
+  const int64_t ps = (int64_t)K * NR;
+  const int tail = N - (P - 1) * NR;
+  const int team = threads > 0 ? threads : 1;
+  // panels per thread when there are enough to share (the weights read once), else rows per thread
+  const bool by_rows = P < 2 * team && M >= 2 * MR * team;
+#pragma omp parallel num_threads(team)
+  {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    if (by_rows) {
+      const int tiles = (M + MR - 1) / MR;
+      const int m0 = (int)((int64_t)tiles * t / nt) * MR, m1 = (int)((int64_t)tiles * (t + 1) / nt) * MR;
+      if (m0 < M) run_block(x, ldx, m0, m1 < M ? m1 : M, K, wp, ps, 0, P, P, tail, bias, scale, y, ldy);
+    } else {
+      const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
+      if (p0 < p1) run_block(x, ldx, 0, M, K, wp, ps, p0, p1, P, tail, bias, scale, y, ldy);
     }
   }
 }
@@ -140,25 +185,21 @@ extern "C" int ps_linear(const float* x, int64_t ldx, int M, int K, const float*
   (void)x; (void)ldx; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)ldy; (void)threads;
   return 1;
 #else
-  if (M <= 0 || N <= 0) return 0;
-  const int P = (N + NR - 1) / NR;
-  const int64_t ps = (int64_t)K * NR;
-  const int tail = N - (P - 1) * NR;
-  const int T = threads > 0 ? threads : 1;
-  // panels per thread when there are enough to share (the weights read once), else rows per thread
-  const bool by_rows = P < 2 * T && M >= 2 * MR * T;
-#pragma omp parallel num_threads(T)
-  {
-    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    if (by_rows) {
-      const int tiles = (M + MR - 1) / MR;
-      const int m0 = (int)((int64_t)tiles * t / nt) * MR, m1 = (int)((int64_t)tiles * (t + 1) / nt) * MR;
-      if (m0 < M) run_block(x, ldx, m0, m1 < M ? m1 : M, K, wp, ps, 0, P, P, tail, bias, y, ldy);
-    } else {
-      const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
-      if (p0 < p1) run_block(x, ldx, 0, M, K, wp, ps, p0, p1, P, tail, bias, y, ldy);
-    }
-  }
+  run(x, ldx, M, K, wp, N, bias, nullptr, y, ldy, threads);
+  return 0;
+#endif
+}
+
+// The same over int8 weights W = q diag(scale) (model.quantization: int8): qp: q packed as W is for
+// ps_linear, [ceil(N/16)][K][16] int8; scale: N floats. y = (x q^T) scale + bias, the sums in float32
+// over q widened exactly: a quarter of float32 weights' bytes to stream.
+extern "C" int ps_linear_int8(const float* x, int64_t ldx, int M, int K, const int8_t* qp, int N, const float* scale,
+                              const float* bias, float* y, int64_t ldy, int threads) {
+#if !defined(PS_SIMD)
+  (void)x; (void)ldx; (void)M; (void)K; (void)qp; (void)N; (void)scale; (void)bias; (void)y; (void)ldy; (void)threads;
+  return 1;
+#else
+  run(x, ldx, M, K, qp, N, bias, scale, y, ldy, threads);
   return 0;
 #endif
 }
@@ -175,4 +216,21 @@ extern "C" int ps_packed_linear(const void* self, const float* x, int64_t ldx, i
                                 int threads) {
   const PsPackedLinear* w = static_cast<const PsPackedLinear*>(self);
   return ps_linear(x, ldx, M, (int)w->k, w->panels, (int)w->n, w->bias, y, ldy, threads);
+}
+
+// ps_linear_int8 behind the same interface: `self` points to {const int8_t* q, const float* scale,
+// int64_t n, int64_t k, const float* bias}, q packed as ps_linear_int8 reads it. Every call reads q:
+// from a few hundred rows on, where the arithmetic and not the bytes limits the kernel, widening q
+// costs 0-3% against float32 panels (docs/benchmarks.md), which are not kept.
+struct PsPackedLinearInt8 {
+  const int8_t* q;
+  const float* scale;
+  int64_t n, k;
+  const float* bias;
+};
+
+extern "C" int ps_packed_linear_int8(const void* self, const float* x, int64_t ldx, int M, float* y, int64_t ldy,
+                                     int threads) {
+  const PsPackedLinearInt8* w = static_cast<const PsPackedLinearInt8*>(self);
+  return ps_linear_int8(x, ldx, M, (int)w->k, w->q, (int)w->n, w->scale, w->bias, y, ldy, threads);
 }

@@ -33,6 +33,10 @@ inline vf vset1(float x) { return {_mm512_set1_ps(x)}; }
 inline vf vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a.v); }
 inline vf vload_first(const float* p, int n) { return {_mm512_maskz_loadu_ps(first_mask(n), p)}; }
+// 16 int8 values widened to float32 (exactly)
+inline vf vload_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline void vstore_first(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, first_mask(n), a.v); }
 inline vf vadd(vf a, vf b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline vf vsub(vf a, vf b) { return {_mm512_sub_ps(a.v, b.v)}; }
@@ -136,6 +140,12 @@ inline __m256i half_mask(int n) {
 inline vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline vf vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline vf vload_i8(const int8_t* p) {
+  const auto eight = [](const int8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  };
+  return {eight(p), eight(p + 8)};
+}
 inline void vstore(float* p, vf a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
