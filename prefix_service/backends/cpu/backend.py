@@ -79,6 +79,8 @@ class CpuBackend(Backend):
             if self.stack.int8_linears:
                 matrix += f", int8 weights in {self.stack.int8_linears} linears' few-row calls"
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
+        if self.stack.int8_linears:
+            return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears)"
         return "cpu (native kernels, decoder stack)"
 
     # --- one step ------------------------------------------------------------------------------

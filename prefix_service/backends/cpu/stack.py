@@ -171,7 +171,8 @@ class DecoderStack:
             # parameter, which torch's annotations do not say
             for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 m.weight = None  # type: ignore[assignment]
-        # linears whose few-row calls read int8 weights (model.quantization: int8, AVX512-BF16)
+        # linears that read int8 weights (model.quantization: int8): every float32 one, a bf16 one's
+        # few-row calls where the CPU has AVX512-BF16
         self.int8_linears = sum(bool(getattr(m, "int8", False)) for w in self.layers
                                 for m in (w.qkv, w.o, w.gate_up, w.down))
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]

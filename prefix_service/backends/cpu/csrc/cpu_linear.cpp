@@ -13,8 +13,10 @@
 // any cache (a model is larger than the caches; the previous layers pushed this one out), and at
 // a few hundred rows the hardware prefetcher leaves the first row tile of each group waiting on
 // memory; so while a group is computed, the next group's panels are prefetched into L2, a few
-// lines per step spread evenly over the group's row tiles. Built into the native library by
-// prefix_service/backends/cpu/native.py; without AVX-512 or AVX2 ps_linear returns 1.
+// lines per step spread evenly over the group's row tiles. With int8 weights (model.quantization:
+// int8) the panels hold int8 values, a quarter of the bytes, each panel row widened to floats in
+// registers, and the sums are scaled per column before the bias (ps_linear_int8). Built into the
+// native library by prefix_service/backends/cpu/native.py; without AVX-512 or AVX2 ps_linear returns 1.
 #include <cstdint>
 
 #include "simd.h"
