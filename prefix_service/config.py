@@ -85,7 +85,7 @@ class ModelConfig:
     # (backends/cuda/layers.py); false: the model's reference layers
     cuda_fused_layers: bool = True
     # int8: each decoder layer's linear weights as int8 with a scale per output row (model/quantize.py),
-    # which the cpu backend's decode steps read at half a bf16 weight's bytes; none: the checkpoint's
+    # which the cpu backend's kernels read (float32: every call; bf16: a decode step's); none: the checkpoint's
     quantization: str = "none"
 
     def __post_init__(self) -> None:

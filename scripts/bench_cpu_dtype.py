@@ -16,8 +16,8 @@ spreads over all of them; the table gives medians over rounds. A system is a dty
 another checkout of this repository (`--baseline PATH`: the same measures with that tree's
 package, for an A/B of one dtype before and after a change), or a dtype under environment
 variables (`--system NAME:DTYPE:VAR=VALUE[,VAR=VALUE]`, repeatable: a kernel choice against the
-default in the same turns). A dtype `+int8` runs with int8 weights (model.quantization: int8). The JSON records the CPU, its instruction sets (AMX-BF16,
-AVX512-BF16, AVX-512, AVX2) and the load.
+default in the same turns). A dtype `+int8` runs with int8 weights (model.quantization: int8). The
+JSON records the CPU, its instruction sets (AMX-BF16, AVX512-BF16, AVX-512, AVX2) and the load.
 
     python scripts/bench_cpu_dtype.py --json bench_out/cpu_dtype.json
     python scripts/bench_cpu_dtype.py --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix

@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -88,13 +88,12 @@ Layer = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Int8WeightOnly:
-    """y = x @ W.T with W quantized per output channel to int8 (symmetric, one scale a row), through
+    """y = x @ (q diag(scale)).T, the int8 weights of model.quantization int8 (quantize_int8), through
     torch's weight-only int8 kernel (aten._weight_int8pack_mm); x in float32 or bf16."""
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.weight = torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8).contiguous()
-        self.scales = scales.to(dtype)
+    def __init__(self, pair: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> None:
+        self.weight = pair[0].contiguous()
+        self.scales = pair[1].to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
@@ -108,7 +107,8 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
     def skip(way: str, reason: str) -> None:
         print(f"{way}: not available here ({reason})", file=sys.stderr)
 
-    def each(make: Callable[[torch.Tensor], Layer], of: list[list[torch.Tensor]] = weights) -> list[list[Layer]]:
+    def each(make: Callable[[Any], Any], of: list[list[Any]] = weights) -> list[list[Any]]:
+        """make(x) for each layer's weights x (or their int8 pairs)."""
         return [[make(w) for w in layer] for layer in of]
 
     f32, bf16 = torch.float32, torch.bfloat16
@@ -145,7 +145,7 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
                 ways["inner_product_int8"] = (each(lambda p: onednn.OneDnnLinear(
                     dequantize(*p, bf16), None, kernel="inner_product", int8=p), pairs), f32)
         for way, rows in (("int8_bf16", bf16), ("int8_f32", f32)):
-            ways[way] = (each(lambda w, rows=rows: Int8WeightOnly(w, rows)), rows)
+            ways[way] = (each(lambda p, rows=rows: Int8WeightOnly(p, rows), pairs), rows)
         return ways
     wb = each(lambda w: w.to(bf16))
     ways["blas"] = (each(lambda w: lambda x: F.linear(x, w), wb), bf16)

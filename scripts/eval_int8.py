@@ -50,13 +50,11 @@ def prompt_ids(tok, n: int) -> list[list[int]]:
 def hf_model(model_dir: str, dtype: torch.dtype, int8: bool):
     from transformers import AutoModelForCausalLM
 
-    from prefix_service.model.quantize import HF_QUANTIZED, dequantize, quantize_int8
+    from prefix_service.model.quantize import dequantized_checkpoint_tensors
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     if int8:
         with torch.no_grad():
-            for name, m in model.named_modules():
-                if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in HF_QUANTIZED:
-                    m.weight.data = dequantize(*quantize_int8(m.weight), torch.float32)
+            model.load_state_dict(dequantized_checkpoint_tensors(model.state_dict()))
     return model.to(dtype)
 
 

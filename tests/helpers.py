@@ -56,18 +56,14 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float3
 
 def dequantized_checkpoint(src, dst):
     """A copy of the model directory whose decoder linears hold q diag(scale) in float32
-    (model/quantize.py): what an engine with model.quantization int8 runs, as transformers reads it.
-    (model/quantize.py's HF_QUANTIZED: per row, quantizing the parts apart is quantizing the fused weight)"""
+    (model/quantize.py's dequantized_checkpoint_tensors): what an engine with model.quantization int8
+    runs, as transformers reads it."""
     import shutil
     from safetensors.torch import load_file, save_file
-    from prefix_service.model.quantize import HF_QUANTIZED, dequantize, quantize_int8
+    from prefix_service.model.quantize import dequantized_checkpoint_tensors
     shutil.copytree(src, dst)
     for f in sorted(dst.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        for name, t in tensors.items():
-            if name.endswith(".weight") and any(f".{part}." in name for part in HF_QUANTIZED):
-                tensors[name] = dequantize(*quantize_int8(t), torch.float32)
-        save_file(tensors, str(f), metadata={"format": "pt"})
+        save_file(dequantized_checkpoint_tensors(load_file(str(f))), str(f), metadata={"format": "pt"})
     return dst
 
 

@@ -351,6 +351,18 @@ def assert_same_or_near_tie(engine, ids: list[int], want: list[int], got: list[i
     assert (order == [want[j], got[j]] or either) and gap <= NEAR_TIE, (what, j, top, gap)
 
 
+def assert_templates_equal_no_template(engine, prefix_lens, max_tokens: int) -> None:
+    """For each length, 9 more ids after a template of that many: greedy ids on the pinned template
+    equal those of the same ids without it, or first differ at a near tie (assert_same_or_near_tie)."""
+    for prefix_len in prefix_lens:
+        full = ids_of(prefix_len + 9, salt=prefix_len)
+        expected = run_ids(engine, full, max_tokens=max_tokens)
+        engine.add_template("p", token_ids=full[:prefix_len])
+        got = run_ids(engine, full[prefix_len:], prefix="p", max_tokens=max_tokens)
+        assert engine.remove_template("p")
+        assert_same_or_near_tie(engine, full, expected, got, prefix_len)
+
+
 # the template attentions the engine tests run: the native kernels (the default) and the matrix
 # products (onednn.OneDnnTemplate) on the CPU's best kernel for them (AMX tiles, AVX512-BF16 dot
 # products, else torch's fallback GEMM) and on the fallback GEMM whatever the CPU has
@@ -377,13 +389,7 @@ def test_bf16_prefix_equals_no_prefix(make_engine, model_dirs, which, how, monke
     assert ("(fallback GEMM)" in engine._core.backend.describe()) == (how == "matrix-fallback"
                                                                       or (how == "matrix" and not FAST_PRODUCTS))
     calls = onednn.template_attend_calls()
-    for prefix_len in (1, BS - 1, BS, BS + 1, 2 * BS, 4 * BS + 1):
-        full = ids_of(prefix_len + 9, salt=prefix_len)
-        expected = run_ids(engine, full, max_tokens=24)
-        engine.add_template("p", token_ids=full[:prefix_len])
-        got = run_ids(engine, full[prefix_len:], prefix="p", max_tokens=24)
-        assert engine.remove_template("p")
-        assert_same_or_near_tie(engine, full, expected, got, prefix_len)
+    assert_templates_equal_no_template(engine, (1, BS - 1, BS, BS + 1, 2 * BS, 4 * BS + 1), 24)
     # the decodes on templates of a full block or more ran their template part as matrix products
     assert (onednn.template_attend_calls() > calls) == how.startswith("matrix")
 

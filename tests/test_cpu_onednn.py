@@ -274,27 +274,37 @@ def test_the_few_row_kernel_agrees_with_the_inner_product(n, k, bias):
     x, w, b = case(70, n, k, bias=bias, seed=n + k)
     few = onednn.OneDnnLinear(w.bfloat16(), b, kernel="inner_product", few_rows=True)
     ip = onednn.OneDnnLinear(w.bfloat16(), b, kernel="inner_product", few_rows=False)
+    for m in (1, 2, 3, 4, 5, 8, 63, 64, 65, 70):
+        got, other = few(x[:m]), ip(x[:m])
+        close_bf16(got, x[:m], w, b)
+        _, sum_err = bf16_bounds(x[:m], w, b)
+        excess = (got.double() - other.double()).abs() - (
+            2.0 ** -8 * (got.double().abs() + other.double().abs()) + 2 * sum_err)
+        assert excess.max().item() <= 0, (m, excess.max().item())
+        if m > 64:
+            assert torch.equal(got, other)  # the same kernel
+    assert_same_bits_on_threads(few, x, (1, 6, 40), (1, 2, 3, 8))
+    assert_nan_stays_in_its_row(few, x)
+
+
+def assert_same_bits_on_threads(layer, x, sizes, threads) -> None:
+    """layer's outputs for x[:size], each size, are the same bits on each of these thread counts."""
     before = torch.get_num_threads()
     try:
-        for m in (1, 2, 3, 4, 5, 8, 63, 64, 65, 70):
-            got, other = few(x[:m]), ip(x[:m])
-            close_bf16(got, x[:m], w, b)
-            _, sum_err = bf16_bounds(x[:m], w, b)
-            excess = (got.double() - other.double()).abs() - (
-                2.0 ** -8 * (got.double().abs() + other.double().abs()) + 2 * sum_err)
-            assert excess.max().item() <= 0, (m, excess.max().item())
-            if m > 64:
-                assert torch.equal(got, other)  # the same kernel
         by_threads = []
-        for threads in (1, 2, 3, 8):
-            torch.set_num_threads(threads)
-            by_threads.append(torch.cat([few(x[:1]), few(x[:6]), few(x[:40])]))
+        for count in threads:
+            torch.set_num_threads(count)
+            by_threads.append(torch.cat([layer(x[:size]) for size in sizes]))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(by_threads[0], t) for t in by_threads[1:])
+
+
+def assert_nan_stays_in_its_row(layer, x) -> None:
+    """A NaN in the second of three rows makes that row's outputs NaN and no other's."""
     bad = x[:3].clone()
-    bad[1, k // 2] = float("nan")
-    y = few(bad)
+    bad[1, x.shape[1] // 2] = float("nan")
+    y = layer(bad)
     assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
 
 
@@ -426,15 +436,18 @@ def test_the_c_functions_report_bad_operands():
     assert b"ldx = 4 for k = 8" in lib.ps_onednn_last_error()
     assert "ldx = 4 for k = 8" in onednn.last_error()  # the latest failure, not the first
     assert lib.ps_onednn_linear(layer.handle, None, 8, 0, None, 20, 1) == 0  # no rows: nothing read
-    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0, 0, 0) is None
+    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0, 0, 0, None, None) is None
     assert b"at least 1 x 1" in lib.ps_onednn_last_error()
     w = torch.randn(20, 8).bfloat16()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0, 0) is None
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0, 0, None, None) is None
     assert b"kernel 3 is none of" in lib.ps_onednn_last_error()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0) is None  # not whole 16-column tiles
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0, None, None) is None  # not whole 16-column tiles
     assert b"must be 16, 32, 48 or 64 (or 0: 32), got 40" in lib.ps_onednn_last_error()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 128, 0) is None  # wider than AMX's packing takes
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 128, 0, None, None) is None  # wider than AMX packs
     assert b"got 128" in lib.ps_onednn_last_error()
+    q = torch.zeros(20, 8, dtype=torch.int8)
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 0, 0, 1, q.data_ptr(), None) is None  # q without scale
+    assert b"int8 weights need both q and scale" in lib.ps_onednn_last_error()
 
 
 @needs_lib

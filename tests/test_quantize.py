@@ -3,7 +3,7 @@ backend's int8 few-row kernel against the exact products, and engines with int8 
 transformers running the same dequantized weights and against themselves without a template.
 
 - quantize_int8: symmetric per output row, q in -127 .. 127, |W - q scale| <= scale / 2.
-- The kernel (ps_onednn_pack_int8): each output is round_bf16(scale sum(round_bf16(x) q) + bias)
+- The bf16 kernel (ps_onednn_pack's q): each output is round_bf16(scale sum(round_bf16(x) q) + bias)
   up to the order of the float32 sums, for 1 to 64 rows; a call of more rows multiplies the
   handle's bf16 copy, bit for bit the plain bf16 linear over it.
 - An engine in float32 with int8 weights gives transformers' greedy ids and logits on a
@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from helpers import dequantized_checkpoint, engine_last_logits, hf_greedy, run_ids
+from test_cpu_bf16 import assert_templates_equal_no_template, needs_bf16
+from test_cpu_onednn import FEW_ROWS, assert_nan_stays_in_its_row, assert_same_bits_on_threads, needs_few_rows
 from prefix_service import CacheConfig, EngineConfig, ModelConfig, cpuinfo
 from prefix_service.backends.cpu import linear, native, onednn
 from prefix_service.config import ConfigError, load_config
@@ -23,12 +25,8 @@ from prefix_service.model.quantize import (dequantize, int8_weight, quantize_int
                                            release_int8)
 
 LOGITS_ATOL = 2e-3  # float32 against transformers, as tests/test_real_model.py
-INT8_KERNEL = (native.load()[1] is None and onednn.load()[0] is not None and onednn.bf16_native()
-               and "avx512_bf16" in cpuinfo.cpu_flags())
-needs_int8_kernel = pytest.mark.skipif(not INT8_KERNEL, reason="the int8 few-row kernel needs AVX512-BF16 and "
-                                       "torch's bf16 inner product; this CPU or torch has not both")
-needs_bf16 = pytest.mark.skipif(linear.available(torch.bfloat16) is not None or native.load()[1] is not None,
-                                reason="no cpu backend in bfloat16 here")
+# the int8 few-row kernel is the few-row kernel over int8 blocks: where that one is packed
+needs_int8_kernel = needs_few_rows
 
 
 # --- the quantizer ------------------------------------------------------------------------------
@@ -149,21 +147,10 @@ def test_the_int8_kernel_is_the_exact_product_rounded(n, k):
             assert_int8_rounding(got, x[:m], q, scale, b)
         else:
             assert torch.equal(got, plain(x[:m]))
-    before = torch.get_num_threads()
-    try:
-        by_threads = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            by_threads.append(torch.cat([layer(x[:1]), layer(x[:6]), layer(x[:40])]))
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(by_threads[0], t) for t in by_threads[1:])
+    assert_same_bits_on_threads(layer, x, (1, 6, 40), (1, 2, 3))
     # the bf16 hand-offs the decoder stack makes give the same bits
     assert torch.equal(layer.rows_bf16(x[:5].bfloat16(), torch.float32), layer(x[:5].bfloat16().float()))
-    bad = x[:3].clone()
-    bad[1, k // 2] = float("nan")
-    y = layer(bad)
-    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
+    assert_nan_stays_in_its_row(layer, x)
 
 
 @needs_int8_kernel
@@ -223,19 +210,8 @@ def test_the_float32_kernel_over_int8_weights(n, k):
     layer(rows, out=out[:, :n])
     assert_float32_int8(out[:, :n], rows, q, scale, b)
     assert (out[:, n:] == 7.0).all()
-    before = torch.get_num_threads()
-    try:
-        by_threads = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            by_threads.append(torch.cat([layer(x[:1]), layer(x[:7]), layer(x[:40])]))
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(by_threads[0], t) for t in by_threads[1:])
-    bad = x[:3].clone()
-    bad[1, k // 2] = float("nan")
-    y = layer(bad)
-    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
+    assert_same_bits_on_threads(layer, x, (1, 7, 40), (1, 2, 3))
+    assert_nan_stays_in_its_row(layer, x)
     with pytest.raises(native.NativeKernelError, match="int8: q int8"):
         linear.NativeLinear(dequantize(q, scale, torch.float32), b, int8=(q.to(torch.int16), scale))
 
@@ -245,8 +221,7 @@ def test_the_int8_kernel_built_for_avx2_agrees_with_this_build():
     """The same sources built for AVX2 + FMA alone (x86-64-v3, no AVX-512: what an AVX2 machine
     builds) run ps_linear_int8 to the same bound and agree with this machine's build."""
     import ctypes
-    from prefix_service.cpuinfo import cpu_flags
-    if not {"avx2", "fma"} <= set(cpu_flags()):
+    if not {"avx2", "fma"} <= set(cpuinfo.cpu_flags()):
         pytest.skip("this CPU cannot run an AVX2 build")
     flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in native.FLAGS)
     path = native.compile_library(native.compiler(), "prefix_service_native_avx2_check", native.SOURCES, flags,
@@ -291,24 +266,14 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(make_engine
     assert (plain - want_logits).abs().max() > 10 * LOGITS_ATOL
 
 
-NEAR_TIE = 0.1  # as tests/test_cpu_bf16.py
-
-
 @needs_bf16
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
 def test_int8_bf16_engine_on_a_template_equals_no_template(make_engine, model_dirs, which):
     """bf16 with int8 weights (the int8 kernel for calls of up to 64 rows where the CPU has
     AVX512-BF16): greedy ids on a pinned template equal those of the same ids without it, or first
-    differ where the two tokens are the top two within NEAR_TIE."""
-    from test_cpu_bf16 import assert_same_or_near_tie, ids_of
+    differ at a near tie (tests/test_cpu_bf16.py's NEAR_TIE)."""
     engine = make_engine(model_dirs[which], dtype="bfloat16", backend="cpu", quantization="int8")
     stack = engine._core.backend.stack
-    assert stack.int8_linears == (4 * stack.num_layers if INT8_KERNEL and onednn.few_rows_default() else 0)
+    assert stack.int8_linears == (4 * stack.num_layers if FEW_ROWS and onednn.few_rows_default() else 0)
     assert ("int8 weights in" in engine._core.backend.describe()) == bool(stack.int8_linears)
-    for prefix_len in (3, 4, 9, 17):
-        full = ids_of(prefix_len + 9, salt=prefix_len)
-        expected = run_ids(engine, full, max_tokens=20)
-        engine.add_template("p", token_ids=full[:prefix_len])
-        got = run_ids(engine, full[prefix_len:], prefix="p", max_tokens=20)
-        assert engine.remove_template("p")
-        assert_same_or_near_tie(engine, full, expected, got, prefix_len)
+    assert_templates_equal_no_template(engine, (3, 4, 9, 17), 20)

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from prefix_service.bench.main import REPO
-from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config
+from prefix_service.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, load_config
 from prefix_service.backends.base import Backend
 from prefix_service.engine.core import EngineCore
 
@@ -29,7 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="model.device (default: the config's)")
     p.add_argument("--kv-cache-memory", help="cache.kv_cache_memory, e.g. 16GiB (default: the config's)")
     p.add_argument("--cuda-graph-max-batch", type=int, help="model.cuda_graph_max_batch (0: eager; default: the config's)")
-    p.add_argument("--quantization", choices=("none", "int8"), help="model.quantization (default: the config's)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, help="model.quantization (default: the config's)")
     p.add_argument("--cuda-fused-layers", type=int, choices=(0, 1),
                    help="model.cuda_fused_layers (0: the model's reference layers; default: the config's)")
 

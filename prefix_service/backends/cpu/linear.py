@@ -21,6 +21,7 @@ import torch
 
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
+from prefix_service.model.quantize import int8_problem
 
 PANEL = 16  # output columns per weight panel: the layout of pack_weight, as the kernel reads it
 
@@ -90,6 +91,7 @@ class CpuLinear(Protocol):
     float* y, int64_t ldy, int threads), 0 on success; `call` holds the two as the stack reads them."""
     in_features: int
     out_features: int
+    int8: bool  # whether it reads int8 weights (model.quantization: int8), in some calls or all
     fn: int
     handle: int
     call: native.LinearCall
@@ -126,12 +128,9 @@ class NativeLinear:
             self._args = _PackedArgs(self.packed.data_ptr(), self.out_features, self.in_features, bias_ptr)
             self.fn = native.address(lib.ps_packed_linear)
         else:
+            if problem := int8_problem(int8, tuple(weight.shape)):
+                raise NativeKernelError(problem)
             q, scale = int8
-            if (q.dtype != torch.int8 or q.shape != weight.shape or scale.dtype != torch.float32
-                    or scale.shape != (self.out_features,)):
-                raise NativeKernelError(f"int8: q int8 {tuple(weight.shape)} and scale float32 [{self.out_features}] "
-                                        f"are needed, got {q.dtype} {tuple(q.shape)} and {scale.dtype} "
-                                        f"{tuple(scale.shape)}")
             self.q_packed = pack_weight(q, torch.int8)
             self.scale = scale.detach().contiguous()
             self._args = _PackedInt8Args(self.q_packed.data_ptr(), self.scale.data_ptr(), self.out_features,

@@ -22,7 +22,7 @@ A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one
                  widens the output into y. Where the CPU has
                  AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
                  which takes the calls of up to 64 rows (with int8 weights, model.quantization,
-                 reading int8 blocks there: `OneDnnLinear(int8=...)`, ps_onednn_pack_int8);
+                 reading int8 blocks there: `OneDnnLinear(int8=...)`, ps_onednn_pack's q);
   brgemm         where the CPU has AMX (`brgemm_vnni()`), elsewhere by choice
                  ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns
                  (`brgemm_columns()`), each packed once; each call rounds x to bf16 and runs
@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from prefix_service.backends.cpu import native
+from prefix_service.model.quantize import int8_problem
 
 SOURCES = (native.CSRC / "onednn_linear.cpp", native.CSRC / "onednn_attention.cpp")
 # the sources' includes: part of the build's key
@@ -63,9 +64,8 @@ FLAGS = ("-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # name: (argument types, return type) of each function the library exports
 SIGNATURES = {
-    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32], _ptr),
+    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32, _ptr, _ptr], _ptr),
     "ps_onednn_few_rows": ([_ptr], _i32),
-    "ps_onednn_pack_int8": ([_ptr, _ptr, _ptr, _i64, _i64], _i32),
     "ps_onednn_int8": ([_ptr], _i32),
     "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_onednn_linear_bf16": ([_ptr, _ptr, _i32, _i64, _i32, _ptr, _i32, _i64, _i32], _i32),
@@ -133,7 +133,7 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes, fn.restype = args, res
     # a 1 x 1 pack finds both operators: a torch without them says so here, once
     one = ctypes.c_float(1.0)
-    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0, 0, 0)
+    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0, 0, 0, None, None)
     if not handle:
         return None, lib.ps_onednn_last_error().decode(errors="replace")
     lib.ps_onednn_free(handle)
@@ -277,27 +277,21 @@ class OneDnnLinear:
             self.columns = brgemm_columns() if columns is None else _check_columns(columns, f"columns={columns}")
         w = weight.detach().contiguous()  # [N, K]; the library copies it
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [N]
+        q = scale = None  # int8 weights: the few-row kernel reads them where it is packed
+        if int8 is not None:
+            if problem := int8_problem(int8, tuple(weight.shape)):
+                raise OneDnnError(problem)
+            q, scale = (t.detach().contiguous() for t in int8)
         handle = lib.ps_onednn_pack(w.data_ptr(), int(self.dtype == torch.bfloat16), self.out_features,
                                     self.in_features, None if b is None else b.data_ptr(),
                                     KERNELS.get(self.kernel, 0), self.columns,
-                                    int(few_rows_default() if few_rows is None else few_rows))
+                                    int(few_rows_default() if few_rows is None else few_rows),
+                                    None if q is None else q.data_ptr(), None if scale is None else scale.data_ptr())
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
         self.few_rows = int(lib.ps_onednn_few_rows(handle))
-        self.int8 = False  # whether the few-row calls read int8 weights
-        if int8 is not None and self.few_rows:
-            q, scale = (t.detach().contiguous() for t in int8)
-            if (q.dtype != torch.int8 or q.shape != weight.shape or scale.dtype != torch.float32
-                    or scale.shape != (self.out_features,)):
-                lib.ps_onednn_free(handle)
-                raise OneDnnError(f"int8: q int8 {tuple(weight.shape)} and scale float32 [{self.out_features}] are "
-                                  f"needed, got {q.dtype} {tuple(q.shape)} and {scale.dtype} {tuple(scale.shape)}")
-            if lib.ps_onednn_pack_int8(handle, q.data_ptr(), scale.data_ptr(), self.out_features, self.in_features):
-                reason = lib.ps_onednn_last_error().decode(errors="replace")
-                lib.ps_onednn_free(handle)
-                raise OneDnnError(reason)
-            self.int8 = True
+        self.int8 = bool(lib.ps_onednn_int8(handle))  # whether the few-row calls read int8 weights
         self.fn = native.address(lib.ps_onednn_linear)
         bf16_fn = native.address(lib.ps_onednn_linear_bf16) if self.dtype == torch.bfloat16 else 0
         self.call = native.LinearCall(self.fn, self.handle, bf16_fn)

@@ -24,9 +24,9 @@ from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
-from prefix_service.model.quantize import int8_weight
 from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
+from prefix_service.model.quantize import int8_weight
 
 if TYPE_CHECKING:
     from prefix_service.engine.step import ScheduledRow, StepBatch
@@ -173,8 +173,7 @@ class DecoderStack:
                 m.weight = None  # type: ignore[assignment]
         # linears that read int8 weights (model.quantization: int8): every float32 one, a bf16 one's
         # few-row calls where the CPU has AVX512-BF16
-        self.int8_linears = sum(bool(getattr(m, "int8", False)) for w in self.layers
-                                for m in (w.qkv, w.o, w.gate_up, w.down))
+        self.int8_linears = sum(m.int8 for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down))
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]
         self.eps = torch.tensor([[w.input_eps, w.post_eps, w.qk_eps] for w in self.layers], dtype=torch.float32)
         self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]

@@ -35,7 +35,7 @@
 // per call than such a call's arithmetic (scripts/bench_cpu_linear_call.py), so a decode step's
 // linears read their weights at a fraction of the memory's rate through it; the blocks cost the
 // weight's bytes once more. PREFIX_SERVICE_BF16_FEW_ROWS=0 packs none (onednn.py). With int8 weights
-// (model.quantization: int8; ps_onednn_pack_int8) those blocks hold int8 values and a scale per
+// (model.quantization: int8; ps_onednn_pack's q) those blocks hold int8 values and a scale per
 // column instead: half the bytes, widened to bf16 in registers (exactly) on the way to the same dot
 // products.
 // All of these multiply bf16 operands (the products are exact in float32), sum in float32 and round
@@ -103,7 +103,7 @@ struct Packed {
   // j kDotNB .. in block j, pairs of rows of K side by side (zero past N and K; kp: K rounded up to
   // even), and bias_f32 as for brgemm; undefined without
   at::Tensor dot;
-  // int8 weights (ps_onednn_pack_int8): W = q diag(scale) with q int8, in place of `dot` in the same
+  // int8 weights (ps_onednn_pack's q): W = q diag(scale) with q int8, in place of `dot` in the same
   // layout, [ceil(N / kDotNB)][kp / 2][kDotNB][2] int8, and scale [ceil(N / kDotNB) kDotNB] float32
   // (zero past N); undefined without
   at::Tensor dot8;
@@ -267,10 +267,16 @@ at::Tensor dot_blocks(const T* src, int64_t n, int64_t k, int64_t kp, at::Scalar
   return out;
 }
 
-// native, few rows: W into p's dot blocks (see Packed)
-void pack_dot(Packed& p, const at::Tensor& w) {
+// native, few rows: W into p's dot blocks, or its int8 form q, scale where given (see Packed)
+void pack_dot(Packed& p, const at::Tensor& w, const int8_t* q, const float* scale) {
   p.kp = (p.k + 1) / 2 * 2;
-  p.dot = dot_blocks(static_cast<const c10::BFloat16*>(w.data_ptr()), p.n, p.k, p.kp, at::kBFloat16);
+  if (q == nullptr) {
+    p.dot = dot_blocks(static_cast<const c10::BFloat16*>(w.data_ptr()), p.n, p.k, p.kp, at::kBFloat16);
+    return;
+  }
+  p.dot8 = dot_blocks(q, p.n, p.k, p.kp, at::kChar);
+  p.scale.assign((size_t)p.dot8.size(0) * kDotNB, 0.0f);
+  std::copy(scale, scale + p.n, p.scale.begin());
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -491,13 +497,22 @@ extern "C" int ps_onednn_threads_used(int64_t items) {
 // bias: n float32 values or null; kernel, for a bf16 weight (see the top): 0 native inner product,
 // 1 emulated, 2 brgemm; columns: brgemm's output columns per block (16, 32, 48 or 64: what oneDNN packs for AMX;
 // 0: 32), ignored by the others; few_rows: nonzero to pack a native weight for the few-row kernel
-// as well where the CPU has AVX512-BF16 (ps_onednn_few_rows says whether it was). A handle for
+// as well where the CPU has AVX512-BF16 (ps_onednn_few_rows says whether it was). q, scale (both or
+// neither): the weight's int8 form, q [n][k] int8 (|q| <= 127) and scale [n] float32, W[i][j] =
+// q[i][j] scale[i] (model/quantize.py; `weight` is then the caller's copy of q diag(scale)): where
+// the few-row kernel is packed it reads q instead of a bf16 copy, so its calls of up to kDotRows
+// rows compute round_bf16(scale[i] sum_j round_bf16(x[j]) q[i][j] + bias[i]) from half the bytes
+// (ps_onednn_int8 says whether it does); elsewhere they are not used. A handle for
 // ps_onednn_linear and ps_onednn_free, or nullptr (ps_onednn_last_error() says why).
 extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, int64_t k, const float* bias,
-                                int kernel, int columns, int few_rows) {
+                                int kernel, int columns, int few_rows, const int8_t* q, const float* scale) {
   if (weight == nullptr || n <= 0 || k <= 0) {
     last_error = "ps_onednn_pack: a weight of at least 1 x 1 is needed, got " + std::to_string(n) + " x " +
                  std::to_string(k) + (weight == nullptr ? " at a null pointer" : "");
+    return nullptr;
+  }
+  if ((q == nullptr) != (scale == nullptr)) {
+    last_error = "ps_onednn_pack: int8 weights need both q and scale";
     return nullptr;
   }
   if (weight_bf16 && (kernel < 0 || kernel > 2)) {
@@ -518,7 +533,11 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
                                      weight_bf16 ? at::kBFloat16 : at::kFloat));
-    const bool dot = p->mode == Mode::bf16_native && ps_onednn::kDotBf16 && few_rows;  // pack_dot as well
+    const bool dot = p->mode == Mode::bf16_native && ps_onednn::kDotBf16 && few_rows;  // dot blocks as well
+    if (dot && q != nullptr && std::any_of(q, q + n * k, [](int8_t v) { return v < -127; })) {
+      last_error = "ps_onednn_pack: q holds -128; int8 weights are symmetric, -127 to 127";
+      return nullptr;
+    }
     if (p->mode == Mode::bf16_brgemm || dot) {
       p->bias_f32.assign((size_t)n, 0.0f);  // rounded to bf16, widened
       if (bias != nullptr)
@@ -529,7 +548,7 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
       pack_blocks(*p, w);
       return p.release();
     }
-    if (dot) pack_dot(*p, w);
+    if (dot) pack_dot(*p, w, q, scale);
     // the reorder writes a new tensor; the clone makes the copy explicit whatever layout it picks
     w = p->mode == Mode::bf16_emulated ? w.to(at::kFloat) : w.clone();
     p->weight = reorder(w);
@@ -569,47 +588,7 @@ extern "C" int ps_onednn_few_rows(const void* handle) {
   return p != nullptr && (p->dot.defined() || p->dot8.defined()) ? kDotRows : 0;
 }
 
-// Int8 weights for the few-row kernel: q [n][k] int8 (|q| <= 127) and scale [n] float32, the weight
-// being W[i][j] = q[i][j] scale[i] (model/quantize.py). They replace the handle's bf16 dot blocks (a
-// handle packed for the few-row kernel only: ps_onednn_few_rows > 0), so its calls of up to kDotRows
-// rows compute round_bf16(scale[i] sum_j round_bf16(x[j]) q[i][j] + bias[i]) from half the bytes; the
-// larger calls go on multiplying the weight the handle was packed with (the caller's bf16 copy of
-// q diag(scale)). 0, or 5 (ps_onednn_last_error() says why).
-extern "C" int ps_onednn_pack_int8(void* handle, const int8_t* q, const float* scale, int64_t n, int64_t k) {
-  auto* p = static_cast<Packed*>(handle);
-  if (p == nullptr || q == nullptr || scale == nullptr) {
-    last_error = "ps_onednn_pack_int8: a null handle, q or scale";
-    return 5;
-  }
-  if (n != p->n || k != p->k) {
-    last_error = "ps_onednn_pack_int8: q is " + std::to_string(n) + " x " + std::to_string(k) + ", the weight " +
-                 std::to_string(p->n) + " x " + std::to_string(p->k);
-    return 5;
-  }
-  if (!p->dot.defined() && !p->dot8.defined()) {
-    last_error = "ps_onednn_pack_int8: this weight is not packed for the few-row kernel (it needs AVX512-BF16 "
-                 "and the inner-product kernel with few rows on)";
-    return 5;
-  }
-  for (int64_t i = 0; i < n * k; ++i) {
-    if (q[i] < -127) {
-      last_error = "ps_onednn_pack_int8: q holds -128; int8 weights are symmetric, -127 to 127";
-      return 5;
-    }
-  }
-  return guarded("ps_onednn_pack_int8", 5, [&] {
-    c10::InferenceMode guard;
-    at::Tensor blocks = dot_blocks(q, n, k, p->kp, at::kChar);
-    std::vector<float> padded((size_t)blocks.size(0) * kDotNB, 0.0f);
-    std::copy(scale, scale + n, padded.begin());
-    p->dot8 = blocks;
-    p->scale = std::move(padded);
-    p->dot = at::Tensor();
-    return 0;
-  });
-}
-
-// 1 where the handle's few-row calls read int8 weights (ps_onednn_pack_int8), else 0
+// 1 where the handle's few-row calls read int8 weights (ps_onednn_pack's q), else 0
 extern "C" int ps_onednn_int8(const void* handle) {
   const auto* p = static_cast<const Packed*>(handle);
   return p != nullptr && p->dot8.defined() ? 1 : 0;
