@@ -53,6 +53,13 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Launch option of the kernels below: no multiply-add contraction. With it, a bfloat16 product that the
+# reference rounds before adding (rope's x * cos + rotate_half(x) * sin) was compiled on a GPU into one
+# fused multiply-add of the unrounded product, one bfloat16 ulp off the reference; these kernels are
+# bound by memory, so the separate multiply and add cost nothing measurable.
+EXACT = dict(enable_fp_fusion=False)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -130,7 +137,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res = x if residual is None else residual
     if t:
         _k().rms_norm[(t,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
-                            HAS_RES=residual is not None, BLOCK=_next_pow2(n))
+                            HAS_RES=residual is not None, BLOCK=_next_pow2(n), **EXACT)
     return out, res
 
 
@@ -140,7 +147,7 @@ def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: tor
     t, h, d = qk.shape
     if t:
         _k().rope[(t,)](qk, cos, sin, positions, qk.stride(0), qk.stride(1), cos.stride(0), h,
-                        HALF=d // 2, BH=_next_pow2(h), BD=_next_pow2(d // 2))
+                        HALF=d // 2, BH=_next_pow2(h), BD=_next_pow2(d // 2), **EXACT)
     return qk
 
 
@@ -151,7 +158,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = min(1024, _next_pow2(inter))
-        _k().silu_mul[(t, -(-inter // block))](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
+        _k().silu_mul[(t, -(-inter // block))](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block,
+                                                **EXACT)
     return out
 
 

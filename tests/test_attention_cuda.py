@@ -240,12 +240,13 @@ def test_gpu_float32_matches_transformers_token_for_token(reference_llama):
         engine.check_integrity()
 
 
-# bfloat16 against float32 on this random model: transformers' own bf16 is ~0.3 nats off its fp32 here
-# (weights of std 0.2 make large activations), so ours is held to transformers' bf16 error, with a margin,
-# and to transformers' bf16 itself.
+# bfloat16 against float32 on this random model: transformers' own bf16 is ~0.3 nats off its fp32 here at
+# its worst token (weights of std 0.2 make large activations), and two bf16 implementations that round
+# differently are as far apart as each is from fp32 (the torch and cpu backends' bf16 on a CPU: 0.06 and
+# 0.26 nats from transformers' bf16 at the worst token). So ours is held to transformers' bf16 error
+# against fp32, with a margin, over the whole sequence and at its worst token.
 BF16_ERROR_MARGIN = 1.5  # ours' relative error to fp32 <= this x transformers' bf16's, + 0.01
-BF16_VS_HF_BF16_MAX_ABS = 0.2  # nats per token, ours against transformers in bf16 (both round differently)
-BF16_VS_HF_BF16_MAX_REL = 3e-2
+BF16_WORST_TOKEN_MARGIN = 2.0  # ours' worst token's error <= this x transformers' bf16's worst, + 0.05 nats
 
 
 def _assert_bf16_logprobs(model_dir, prompt_ids: list[int], token_ids: list[int], ours: list[float]) -> None:
@@ -258,9 +259,13 @@ def _assert_bf16_logprobs(model_dir, prompt_ids: list[int], token_ids: list[int]
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())
-    assert rel(got, fp32) <= BF16_ERROR_MARGIN * rel(hf_bf16, fp32) + 0.01, (got, fp32, hf_bf16)
-    assert float((got - hf_bf16).abs().max()) <= BF16_VS_HF_BF16_MAX_ABS, (got, hf_bf16)
-    assert rel(got, hf_bf16) <= BF16_VS_HF_BF16_MAX_REL, (got, hf_bf16)
+
+    def worst(a, b):
+        return float((a - b).abs().max())
+    figures = (f"ours vs fp32: rel {rel(got, fp32):.4f}, worst {worst(got, fp32):.4f}; transformers' bf16 vs "
+               f"fp32: rel {rel(hf_bf16, fp32):.4f}, worst {worst(hf_bf16, fp32):.4f}")
+    assert rel(got, fp32) <= BF16_ERROR_MARGIN * rel(hf_bf16, fp32) + 0.01, figures
+    assert worst(got, fp32) <= BF16_WORST_TOKEN_MARGIN * worst(hf_bf16, fp32) + 0.05, figures
 
 
 @needs_gpu
