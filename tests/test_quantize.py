@@ -10,6 +10,8 @@ transformers running the same dequantized weights and against themselves without
   checkpoint holding q diag(scale) (the torch and cpu backends); in bfloat16 its greedy ids on a
   template equal those without one, or first differ at a near tie.
 """
+import logging
+
 import pytest
 import torch
 
@@ -246,18 +248,26 @@ def test_the_int8_kernel_built_for_avx2_agrees_with_this_build():
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("which", ["llama", "qwen2"])
 def test_int8_engine_matches_transformers_on_the_dequantized_weights(make_engine, model_dirs, tmp_path, backend,
-                                                                     which):
+                                                                     which, caplog):
+    """Greedy ids and logits of transformers on the checkpoint rewritten to q diag(scale); a backend
+    none of whose linears read int8 (torch's) says so at start."""
     if backend == "cpu" and native.load()[1] is not None:
         pytest.skip(f"no native CPU kernels here: {native.load()[1]}")
     ref_dir = dequantized_checkpoint(model_dirs[which], tmp_path / "dequantized")
     ids = [(11 * i + 5) % 500 + 3 for i in range(19)]
     want, want_logits = hf_greedy(ref_dir, ids, 16)
-    engine = make_engine(model_dirs[which], dtype="float32", backend=backend, quantization="int8")
+    with caplog.at_level(logging.WARNING, logger="prefix_service.engine"):
+        engine = make_engine(model_dirs[which], dtype="float32", backend=backend, quantization="int8")
     assert engine.info.quantization == "int8"
+    unread = [r.getMessage() for r in caplog.records if "no linear of this backend reads" in r.getMessage()]
     if backend == "cpu":  # the float32 kernel reads q in every call
         stack = engine._core.backend.stack
-        assert stack.int8_linears == 4 * stack.num_layers
+        assert stack.int8_linears == 4 * stack.num_layers == engine._core.backend.int8_linears
         assert f"int8 weights in {4 * stack.num_layers} linears" in engine.info.backend_description
+        assert unread == []
+    else:
+        assert unread == ["model.quantization int8: no linear of this backend reads the int8 weights (torch); they "
+                          "run as their values in float32, with int8's rounding and none of its speed"]
     assert run_ids(engine, ids, max_tokens=16) == want
     logits = engine_last_logits(engine, ids)
     assert torch.allclose(logits, want_logits, atol=LOGITS_ATOL, rtol=0), (logits - want_logits).abs().max()

@@ -110,6 +110,12 @@ class Backend(abc.ABC):
         """What runs, for the engine's start-up log line."""
         return self.name
 
+    @property
+    def int8_linears(self) -> int:
+        """How many linears read int8 weights in some of their calls (model.quantization: int8); the
+        others multiply the int8 weights' values in the model's dtype. Default: none."""
+        return 0
+
     def prepare(self, config: EngineConfig, max_model_len: int) -> None:
         """Once, after the engine is built and before its first step: whatever would otherwise stall
         the first requests (compiling kernels, capturing graphs). Default: nothing."""

@@ -113,6 +113,10 @@ class EngineCore:
                      int(cache.kv_cache_memory) / (1 << 30), 100 * cache.gpu_memory_utilization)
         self.backend = backend(model, cache)  # owns the model from here on
         release_int8(model)  # int8 weights: the backend has packed what it reads of them
+        if mc.quantization != "none" and not self.backend.int8_linears:
+            log.warning("model.quantization %s: no linear of this backend reads the int8 weights (%s); they run as "
+                        "their values in %s, with int8's rounding and none of its speed", mc.quantization,
+                        self.backend.describe(), str(self.dtype).removeprefix("torch."))
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.backend.num_blocks)
         budget = config.cache.prefix_budget_blocks

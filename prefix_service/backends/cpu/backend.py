@@ -59,6 +59,10 @@ class CpuBackend(Backend):
         self.pack_templates = cache.pack_prefix_kv
         self.templates: dict[int, PackedTemplate] = {}  # by TemplateHandle.template_id
 
+    @property
+    def int8_linears(self) -> int:
+        return self.stack.int8_linears
+
     def describe(self) -> str:
         if self.dtype == torch.bfloat16:
             from prefix_service.backends.cpu import onednn
