@@ -206,3 +206,54 @@ def test_a_timed_section_waits_for_an_idle_cpu():
             spinner.wait()
             if spinner.stdout is not None:
                 spinner.stdout.close()
+
+
+def test_open_loop_runs_the_systems_rate_by_rate_in_turns():
+    """Every system at a rate before the next rate, the first one moving along each rate, so that a
+    rate's systems share the machine's minutes; a system that falls behind stops there, the others
+    go on, and each gets its record (the highest rate under the SLO)."""
+    import threading
+
+    from prefix_service.bench.metrics import Timing
+    from prefix_service.bench.plan import FULL, with_overrides
+    from prefix_service.bench.runner import OPEN_BASE, Runner
+    from prefix_service.bench.systems import System, now
+
+    log, lock = [], threading.Lock()
+
+    class Fake(System):
+        def __init__(self, name, slow):
+            self.name, self.slow = name, slow
+
+        def supports(self, workload):
+            return True
+
+        def run(self, workload, req, timeout_s=None):
+            rate = (req.index - OPEN_BASE) // 10_000
+            with lock:
+                if not log or log[-1] != (self.name, rate):
+                    log.append((self.name, rate))
+            t = Timing(start=now() - (0.05 * 10 ** rate if self.slow else 0.0))  # b: 50 ms, then 500: falls behind
+            t.add_tokens(3, now())
+            t.end = now()
+            return t
+
+    class Workload:
+        name = "intent"
+
+        def request(self, index):
+            return type("Req", (), {"index": index})()
+
+    plan = with_overrides(FULL, workloads=("intent",), open_workloads=("intent",), open_systems=("a", "b"),
+                          systems=("a", "b", "c"), qps=(100.0, 200.0, 400.0), open_duration_s=0.03,
+                          open_min_requests=2, slo_ms=20.0, idle_wait_s=0.0, min_points=2)
+    systems = [Fake("a", slow=False), Fake("b", slow=True), Fake("c", slow=False)]  # c: no open loop
+    runner = Runner(plan, systems, {"intent": Workload()}, tick=lambda: None, status=lambda s: None)
+    runner.open_loop()
+    assert log == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2)]
+    records = {r["system"]: r for r in runner.records}
+    assert set(records) == {"a", "b"}
+    assert [p["offered_qps"] for p in records["a"]["points"]] == [100.0, 200.0, 400.0]
+    assert records["a"]["max_qps_under_slo"] == 400.0
+    assert [p["under_slo"] for p in records["b"]["points"]] == [False, False]
+    assert records["b"]["max_qps_under_slo"] == 0.0

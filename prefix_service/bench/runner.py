@@ -252,29 +252,35 @@ class Runner:
                                          windows[system.name].peak), in_turns=True, turns=len(runs))
 
     def open_loop(self) -> None:
+        """Each rate of plan.qps in turn, every system at it before the next rate (the system that
+        starts a rate moves one along each time), so that systems compared at a rate run in the same
+        minutes of the machine; a system stops at the first rate where it falls behind (_keeps_up)."""
         plan = self.plan
         for name in plan.open_workloads:
             workload = self.workloads.get(name)
             if workload is None:
                 continue
-            for system in self.systems:
-                if not plan.runs_open_loop(system.name) or not system.supports(workload):
-                    continue
-                points, results = [], []
-                for j, qps in enumerate(plan.qps):
-                    arrivals = modes.poisson_arrivals(qps, plan.open_duration_s, seed=j, min_requests=plan.open_min_requests)
+            going = [s for s in self.systems if plan.runs_open_loop(s.name) and s.supports(workload)]
+            runs: dict[str, tuple[list[dict], list]] = {s.name: ([], []) for s in going}
+            for j, qps in enumerate(plan.qps):
+                if not going:
+                    break
+                arrivals = modes.poisson_arrivals(qps, plan.open_duration_s, seed=j, min_requests=plan.open_min_requests)
+                base = OPEN_BASE + 10_000 * j
+                requests = [workload.request(base + i) for i in range(len(arrivals))]
+                for system in going[j % len(going):] + going[:j % len(going)]:
+                    points, results = runs[system.name]
                     if j >= plan.min_points:
                         self.expect_more(plan.open_requests(qps))
-                    base = OPEN_BASE + 10_000 * j
-                    requests = [workload.request(base + i) for i in range(len(arrivals))]
                     self.status(f"open loop: {system.name} {name} {qps:g} QPS ({len(arrivals)} requests)")
                     result = modes.run_open_loop_point(system, workload, requests, arrivals, plan.open_timeout_s,
                                                        self.tick, plan.idle_wait_s)
                     points.append(modes.open_loop_summary(result, qps, plan.slo_ms))
                     results.append(result)
-                    if len(points) >= plan.min_points and not self._keeps_up(points):
-                        break
-                self._open_record(system, workload, points, results)
+                going = [s for s in going if len(runs[s.name][0]) < plan.min_points or self._keeps_up(runs[s.name][0])]
+            for system in self.systems:
+                if system.name in runs and runs[system.name][0]:
+                    self._open_record(system, workload, *runs[system.name])
 
     def _keeps_up(self, points: list[dict]) -> bool:
         """Go on to the next rate? While under the SLO, or while no request missed its deadline
