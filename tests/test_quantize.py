@@ -216,6 +216,10 @@ def test_the_float32_kernel_over_int8_weights(n, k):
     assert_nan_stays_in_its_row(layer, x)
     with pytest.raises(native.NativeKernelError, match="int8: q int8"):
         linear.NativeLinear(dequantize(q, scale, torch.float32), b, int8=(q.to(torch.int16), scale))
+    with pytest.raises(native.NativeKernelError, match=rf"x: \[M, {k}\] is needed"):  # the handle's K, not x's
+        layer(torch.randn(3, k + 1))
+    with pytest.raises(native.NativeKernelError, match=rf"out: float32 \[3, {n}\]"):
+        layer(x[:3], out=torch.empty(3, n + 1))
 
 
 @needs_native

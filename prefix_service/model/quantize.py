@@ -92,7 +92,6 @@ def quantize_model(model: nn.Module, method: str) -> int:
     return len(linears)
 
 
-
 def int8_weight(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A quantized linear's (q, scale) where quantize_model kept them, else None."""
     pair = getattr(m, _ATTR, None)

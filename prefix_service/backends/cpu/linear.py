@@ -77,11 +77,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     m, k = x.shape
     n = out_features
     _check_weight(packed, n, k, bias)
+    return _run(x, packed, n, bias, _output(out, m, n))
+
+
+def _output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """`out` checked as a call's output, float32 [m, n] with dense rows, or a new one."""
     if out is None:
-        out = torch.empty(m, n, dtype=torch.float32)
-    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        return torch.empty(m, n, dtype=torch.float32)
+    if out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise NativeKernelError(f"out: float32 [{m}, {n}] with dense rows is needed, got {tuple(out.shape)}")
-    return _run(x, packed, n, bias, out)
+    return out
 
 
 class CpuLinear(Protocol):
@@ -145,12 +150,10 @@ class NativeLinear:
             return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return linear(x, self.packed, self.out_features, self.bias, out=out)
-        _check_x(x)  # int8: through the stack's call
-        if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        elif out.shape != (x.shape[0], self.out_features) or out.dtype != torch.float32 or out.stride(1) != 1:
-            raise NativeKernelError(f"out: float32 [{x.shape[0]}, {self.out_features}] with dense rows is needed, "
-                                    f"got {tuple(out.shape)}")
+        _check_x(x)  # int8: through the stack's call, whose handle holds K
+        if x.shape[1] != self.in_features:
+            raise NativeKernelError(f"x: [M, {self.in_features}] is needed, got {tuple(x.shape)}")
+        out = _output(out, x.shape[0], self.out_features)
         native.check(native.call_linear(self.call, x, out), "ps_packed_linear_int8")
         return out
 
