@@ -82,8 +82,10 @@ enum class Mode { f32 = -1, bf16_native = 0, bf16_emulated = 1, bf16_brgemm = 2 
 constexpr int64_t kMB = 32;  // brgemm: rows per micro-kernel call (two AMX tiles of 16)
 constexpr int kDefaultNB = 32;  // brgemm: output columns per block when the caller names none
 constexpr int kDotNB = 32;      // the few-row kernel: output columns per block (two vectors of 16 sums)
-constexpr int kDotRB = 4;       // the few-row kernel: rows per pass over a block (4 x 2 accumulators)
-constexpr int kDot8RB = 8;      // the same over int8 weights (8 x 2 accumulators)
+// the few-row kernel: rows per pass over a block, bf16 or int8 (8 x 2 accumulators: enough
+// independent sums to cover the dot product's latency; with 4 x 2 a 64-row call ran at 0.76x the
+// speed on a Zen 5, and 10 x 2 or more gave nothing further, docs/benchmarks.md)
+constexpr int kDotRB = 8;
 constexpr int kDotRows = 64;   // calls of up to this many rows take the few-row kernel where it is packed
 
 struct Packed {
@@ -297,7 +299,7 @@ inline void block_pairs(const int8_t* wq, __m512bh& w0, __m512bh& w1) {
 }
 
 // sums [R][kDotNB] = a [R][kp] (bf16, rows lda apart) times one dot block, w [kp / 2][kDotNB][2] of
-// bf16 or int8 values (an int8 pass takes more rows, kDot8RB, to share each pair-step's widening).
+// bf16 or int8 values (kDotRB rows a pass, which also share an int8 pair-step's widening).
 // The loops over rows and vectors are unrolled so the accumulators stay in registers (the library
 // builds at -O2).
 template <int R, typename T>
@@ -322,7 +324,7 @@ void dot_block(const c10::BFloat16* a, int64_t lda, int64_t kp, const T* w, floa
   }
 }
 
-// dot_block for a pass of `rows` (1 to kDot8RB) rows
+// dot_block for a pass of `rows` (1 to kDotRB) rows
 template <typename T>
 void dot_rows(int rows, const c10::BFloat16* a, int64_t lda, int64_t kp, const T* w, float* sums) {
   switch (rows) {
@@ -369,10 +371,8 @@ void run_dot(const Packed& p, const Rows& io) {
   const auto* blocks = int8 ? nullptr : static_cast<const c10::BFloat16*>(p.dot.data_ptr());
   const auto* blocks8 = int8 ? static_cast<const int8_t*>(p.dot8.data_ptr()) : nullptr;
   const float* bias = p.bias_f32.data();
-  // rows a pass over a block: int8 passes take more, as each widens the block's values again
-  const int pass = int8 ? kDot8RB : kDotRB;
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[kDot8RB * kDotNB];
+    alignas(64) float sums[kDotRB * kDotNB];
     for (int64_t j = b0; j < b1; ++j) {
       const c10::BFloat16* w = int8 ? nullptr : blocks + j * kp * kDotNB;
       const int8_t* w8 = int8 ? blocks8 + j * kp * kDotNB : nullptr;
@@ -383,8 +383,8 @@ void run_dot(const Packed& p, const Rows& io) {
       // int8: each column's sums times its scale (zero past n), then the bias
       const __m512 s_lo = int8 ? _mm512_loadu_ps(p.scale.data() + n0) : _mm512_set1_ps(1.0f);
       const __m512 s_hi = int8 ? _mm512_loadu_ps(p.scale.data() + n0 + 16) : _mm512_set1_ps(1.0f);
-      for (int r0 = 0; r0 < m; r0 += pass) {
-        const int rows = std::min(pass, m - r0);
+      for (int r0 = 0; r0 < m; r0 += kDotRB) {
+        const int rows = std::min(kDotRB, m - r0);
         const c10::BFloat16* ar = a + r0 * lda;
         if (int8)
           dot_rows(rows, ar, lda, kp, w8, sums);
