@@ -10,7 +10,7 @@ auto` serves on a CPU), then on bf16 weights `F.linear` and oneDNN's prepacked i
 bf16 inputs (torch's operators alone), and the cpu backend's bf16 kernels (onednn.py) as the
 decoder stack calls them, float32 rows in and out: `brgemm` (oneDNN's micro-kernel; AMX, else
 torch's fallback GEMM) and `inner_product` (where torch's oneDNN runs bf16; with AVX512-BF16 its
-calls of up to 64 rows run the few-row dot-product kernel, and `inner_product_onednn` is oneDNN's
+calls of up to 128 rows run the few-row dot-product kernel, and `inner_product_onednn` is oneDNN's
 inner product for every call) or `emulated` (elsewhere); the ratios are against the float32 kernel.
 
 One pass runs every linear layer of the model's decoder stack (fused qkv, o, fused gate_up, down)
@@ -25,7 +25,7 @@ long prefill.
 int8 (`--dtype int8`): int8 weights (model.quantization: int8, one scale per output row) against
 the float32 kernel: the float32 kernel over them (`native_int8`, what a float32 model serves with
 them), and where the CPU has AVX512-BF16 the bf16 few-row kernel over bf16 blocks (`inner_product`)
-and over int8 blocks (`inner_product_int8`, what a bf16 model serves; from 65 rows both are oneDNN's
+and over int8 blocks (`inner_product_int8`, what a bf16 model serves; from 129 rows both are oneDNN's
 bf16 inner product); then torch's own weight-only int8 kernel (aten._weight_int8pack_mm) on bf16
 and on float32 rows.
 """
@@ -198,7 +198,7 @@ def main() -> int:
     # the weight bytes each way streams a pass: 4 a parameter in float32, 2 in bf16 (the service's
     # emulated kernel holds its weights widened to float32)
     from prefix_service.backends.cpu import onednn
-    # (int8: 1; inner_product_int8 reads its int8 blocks in calls of up to 64 rows, its bf16 copy above)
+    # (int8: 1; inner_product_int8 reads its int8 blocks in calls of up to 128 rows, its bf16 copy above)
     per_param = {way: 1 if "int8" in way else 2 if dt == torch.bfloat16 or way.startswith(("brgemm", "inner_product"))
                  else 4 for way, (_, dt) in ways.items()}
     weight_bytes = {way: params * per_param[way] for way in names}

@@ -7,7 +7,7 @@ thread start-up, and how the work splits over threads (a kernel that gets no fas
 threads is not splitting its work). Ways: the native float32 kernel, torch's prepacked oneDNN
 inner product on bf16 rows, torch's bf16 `F.linear`, and the cpu backend's bf16 kernels
 (prefix_service/backends/cpu/onednn.py) on float32 rows as the decoder stack calls them, where
-`inner_product` runs calls of up to 64 rows on the few-row dot-product kernel on a CPU with
+`inner_product` runs calls of up to 128 rows on the few-row dot-product kernel on a CPU with
 AVX512-BF16 and `inner_product_onednn` is oneDNN's inner product for every call; a way this CPU
 cannot run is left out with the reason.
 

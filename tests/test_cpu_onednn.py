@@ -2,7 +2,7 @@
 float64 for any row count, output and input width, strided rows; a bfloat16 weight gives the bf16
 arithmetic (bf16 operands and bias, float32 sums, bf16 output) up to the order of the float32 sums,
 and torch's own bf16 F.linear up to a rounding of the output, in each kernel (inner product,
-emulated, brgemm) and in the few-row kernel (AVX512-BF16 dot products for calls of up to 64 rows),
+emulated, brgemm) and in the few-row kernel (AVX512-BF16 dot products for calls of up to 128 rows),
 which is packed where the CPU has AVX512-BF16 and gives the same bits on any thread count; the C
 function behind `fn` is the call `__call__` makes; bad input gets an
 error that names the problem; the weight is copied at pack time and the handle freed with the layer; a failed
@@ -237,6 +237,7 @@ def test_every_kernel_agrees_with_the_others(kernel):
     assert excess.max().item() <= 0, excess.max().item()
 
 
+DOT_ROWS = 128  # the most rows a call runs on the few-row kernel (onednn_linear.cpp, kDotRows)
 FEW_ROWS = onednn.load()[0] is not None and onednn.bf16_native() and "avx512_bf16" in cpuinfo.cpu_flags()
 needs_few_rows = pytest.mark.skipif(not FEW_ROWS, reason="the few-row kernel needs AVX512-BF16 and torch's bf16 "
                                     "inner product; this CPU or torch has not both")
@@ -248,13 +249,13 @@ def test_the_few_row_kernel_is_packed_where_the_cpu_has_avx512_bf16(monkeypatch)
     monkeypatch.delenv(onednn.FEW_ROWS_ENV, raising=False)
     if onednn.bf16_native():
         layer = onednn.OneDnnLinear(w, None, kernel="inner_product")
-        assert layer.few_rows == (64 if FEW_ROWS else 0)
-        assert ("dot products up to 64 rows" in repr(layer)) == FEW_ROWS
+        assert layer.few_rows == (DOT_ROWS if FEW_ROWS else 0)
+        assert (f"dot products up to {DOT_ROWS} rows" in repr(layer)) == FEW_ROWS
         assert onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False).few_rows == 0
         monkeypatch.setenv(onednn.FEW_ROWS_ENV, "0")
         assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == 0
         monkeypatch.setenv(onednn.FEW_ROWS_ENV, "1")
-        assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == (64 if FEW_ROWS else 0)
+        assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == (DOT_ROWS if FEW_ROWS else 0)
     # the other kernels and a float32 weight never take it
     assert onednn.OneDnnLinear(w, None, kernel="brgemm", few_rows=True).few_rows == 0
     assert onednn.OneDnnLinear(w.float(), None, few_rows=True).few_rows == 0
@@ -267,21 +268,21 @@ def test_the_few_row_kernel_is_packed_where_the_cpu_has_avx512_bf16(monkeypatch)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n,k", [(49, 37), (96, 576), (256, 72), (3072, 64)])
 def test_the_few_row_kernel_agrees_with_the_inner_product(n, k, bias):
-    """Calls of up to 64 rows run the few-row kernel, more the inner product: both are the bf16
+    """Calls of up to DOT_ROWS rows run the few-row kernel, more the inner product: both are the bf16
     arithmetic and differ only in the order of the sums; the few-row kernel splits a call by
     output columns, so its bits are the same on any number of threads (1 to 8 here, more than this
     machine may have); a NaN stays in its row."""
-    x, w, b = case(70, n, k, bias=bias, seed=n + k)
+    x, w, b = case(DOT_ROWS + 6, n, k, bias=bias, seed=n + k)
     few = onednn.OneDnnLinear(w.bfloat16(), b, kernel="inner_product", few_rows=True)
     ip = onednn.OneDnnLinear(w.bfloat16(), b, kernel="inner_product", few_rows=False)
-    for m in (1, 2, 3, 4, 5, 8, 63, 64, 65, 70):
+    for m in (1, 2, 3, 4, 5, 8, 9, 17, 100, DOT_ROWS - 1, DOT_ROWS, DOT_ROWS + 1, DOT_ROWS + 6):
         got, other = few(x[:m]), ip(x[:m])
         close_bf16(got, x[:m], w, b)
         _, sum_err = bf16_bounds(x[:m], w, b)
         excess = (got.double() - other.double()).abs() - (
             2.0 ** -8 * (got.double().abs() + other.double().abs()) + 2 * sum_err)
         assert excess.max().item() <= 0, (m, excess.max().item())
-        if m > 64:
+        if m > DOT_ROWS:
             assert torch.equal(got, other)  # the same kernel
     assert_same_bits_on_threads(few, x, (1, 6, 40), (1, 2, 3, 8))
     assert_nan_stays_in_its_row(few, x)
@@ -348,12 +349,12 @@ def test_bf16_hand_offs_are_the_float32_rows_bits(kernel, n, k):
     still in bf16 (ps_onednn_linear_bf16, OneDnnLinear.rows_bf16): the same bits as the float32 rows
     the layer rounds and widens itself, at the row counts on either side of the few-row kernel's
     limit, with an odd K (the few-row kernel then pads its own copy of the rows) and with a bias."""
-    x, w, b = case(70, n, k, seed=n + k, bias=True)
+    x, w, b = case(DOT_ROWS + 6, n, k, seed=n + k, bias=True)
     layers = [onednn.OneDnnLinear(w.bfloat16(), b, kernel=kernel)]
     if kernel is None:
         layers.append(onednn.OneDnnLinear(w.bfloat16(), b, few_rows=False))
     for layer in layers:
-        for m in (1, 3, 8, 63, 64, 65, 70):
+        for m in (1, 3, 8, 9, DOT_ROWS - 1, DOT_ROWS, DOT_ROWS + 1, DOT_ROWS + 6):
             want = layer(x[:m])
             for rows in (x[:m], x[:m].bfloat16()):
                 assert torch.equal(layer.rows_bf16(rows, torch.float32), want), (m, rows.dtype)

@@ -4,7 +4,7 @@ transformers running the same dequantized weights and against themselves without
 
 - quantize_int8: symmetric per output row, q in -127 .. 127, |W - q scale| <= scale / 2.
 - The bf16 kernel (ps_onednn_pack's q): each output is round_bf16(scale sum(round_bf16(x) q) + bias)
-  up to the order of the float32 sums, for 1 to 64 rows; a call of more rows multiplies the
+  up to the order of the float32 sums, for 1 to 128 rows; a call of more rows multiplies the
   handle's bf16 copy, bit for bit the plain bf16 linear over it.
 - An engine in float32 with int8 weights gives transformers' greedy ids and logits on a
   checkpoint holding q diag(scale) (the torch and cpu backends); in bfloat16 its greedy ids on a
@@ -17,7 +17,7 @@ import torch
 
 from helpers import dequantized_checkpoint, engine_last_logits, hf_greedy, run_ids
 from test_cpu_bf16 import assert_templates_equal_no_template, needs_bf16
-from test_cpu_onednn import FEW_ROWS, assert_nan_stays_in_its_row, assert_same_bits_on_threads, needs_few_rows
+from test_cpu_onednn import DOT_ROWS, FEW_ROWS, assert_nan_stays_in_its_row, assert_same_bits_on_threads, needs_few_rows
 from prefix_service import CacheConfig, EngineConfig, ModelConfig, cpuinfo
 from prefix_service.backends.cpu import linear, native, onednn
 from prefix_service.config import ConfigError, load_config
@@ -135,17 +135,17 @@ def assert_int8_rounding(got: torch.Tensor, x, q, scale, b) -> None:
 @needs_int8_kernel
 @pytest.mark.parametrize("n,k", [(49, 37), (96, 576), (256, 72), (3072, 64), (5, 1)])
 def test_the_int8_kernel_is_the_exact_product_rounded(n, k):
-    """1 to 64 rows through the int8 kernel (a pass of up to 8 rows, widening the int8 block once):
-    the exact product rounded to bf16; from 65 rows the handle's bf16 copy, exactly the plain linear
+    """1 to DOT_ROWS rows through the int8 kernel (a pass of up to 8 rows, widening the int8 block once):
+    the exact product rounded to bf16; from DOT_ROWS + 1 rows the handle's bf16 copy, exactly the plain linear
     over q diag(scale) in bf16; bits independent of the thread count; a NaN stays in its row."""
-    x, q, scale, b = int8_case(70, n, k, seed=n + k)
+    x, q, scale, b = int8_case(DOT_ROWS + 6, n, k, seed=n + k)
     copy = dequantize(q, scale, torch.bfloat16)
     layer = onednn.OneDnnLinear(copy, b, kernel="inner_product", few_rows=True, int8=(q, scale))
     plain = onednn.OneDnnLinear(copy, b, kernel="inner_product", few_rows=False)
-    assert layer.int8 and layer.few_rows == 64 and "int8 dot products up to 64 rows" in repr(layer)
-    for m in (1, 2, 3, 4, 7, 8, 9, 17, 63, 64, 65, 70):
+    assert layer.int8 and layer.few_rows == DOT_ROWS and f"int8 dot products up to {DOT_ROWS} rows" in repr(layer)
+    for m in (1, 2, 3, 4, 7, 8, 9, 17, 100, DOT_ROWS - 1, DOT_ROWS, DOT_ROWS + 1, DOT_ROWS + 6):
         got = layer(x[:m])
-        if m <= 64:
+        if m <= DOT_ROWS:
             assert_int8_rounding(got, x[:m], q, scale, b)
         else:
             assert torch.equal(got, plain(x[:m]))
@@ -283,7 +283,7 @@ def test_int8_engine_matches_transformers_on_the_dequantized_weights(make_engine
 @needs_bf16
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
 def test_int8_bf16_engine_on_a_template_equals_no_template(make_engine, model_dirs, which):
-    """bf16 with int8 weights (the int8 kernel for calls of up to 64 rows where the CPU has
+    """bf16 with int8 weights (the int8 kernel for calls of up to 128 rows where the CPU has
     AVX512-BF16): greedy ids on a pinned template equal those of the same ids without it, or first
     differ at a near tie (tests/test_cpu_bf16.py's NEAR_TIE)."""
     engine = make_engine(model_dirs[which], dtype="bfloat16", backend="cpu", quantization="int8")

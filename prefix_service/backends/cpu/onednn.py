@@ -21,7 +21,7 @@ A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one
                  rounds x to bf16, runs the bf16 inner product (float32 sums, bf16 output) and
                  widens the output into y. Where the CPU has
                  AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
-                 which takes the calls of up to 64 rows (with int8 weights, model.quantization,
+                 which takes the calls of up to 128 rows (with int8 weights, model.quantization,
                  reading int8 blocks there: `OneDnnLinear(int8=...)`, ps_onednn_pack's q);
   brgemm         where the CPU has AMX (`brgemm_vnni()`), elsewhere by choice
                  ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns
@@ -177,7 +177,7 @@ FEW_ROWS_ENV = "PREFIX_SERVICE_BF16_FEW_ROWS"
 
 def few_rows_default() -> bool:
     """Whether a bf16 inner-product weight is also packed for the few-row kernel (AVX512-BF16 dot
-    products for calls of up to 64 rows, a decode step's; the weight's bytes once more):
+    products for calls of up to 128 rows, a decode step's or a short prompt's; the weight's bytes once more):
     $PREFIX_SERVICE_BF16_FEW_ROWS (1 or 0) where set, else yes. Where the CPU lacks AVX512-BF16
     nothing is packed either way."""
     chosen = os.environ.get(FEW_ROWS_ENV)

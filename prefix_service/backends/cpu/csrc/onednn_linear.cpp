@@ -29,8 +29,8 @@
 //   emulated (elsewhere): W widened (exactly) to float32 and packed as a float32 weight; each call
 //            rounds x through bf16, runs the float32 product and rounds the output through bf16.
 // Where the CPU has AVX512-BF16, a native weight is also packed a second time for calls of up to
-// kDotRows rows (a decode step's, one row per sequence): W in blocks of kDotNB output columns, each
-// [K / 2][kDotNB][2] (pairs of K, as the VNNI dot product takes them), which this file's dot-product
+// kDotRows rows (a decode step's, one row per sequence, or a short prompt's): W in blocks of kDotNB
+// output columns, each [K / 2][kDotNB][2] (pairs of K, as the VNNI dot product takes them), which this file's dot-product
 // kernel streams once per call from memory on torch's threads. oneDNN's inner product spends more
 // per call than such a call's arithmetic (scripts/bench_cpu_linear_call.py), so a decode step's
 // linears read their weights at a fraction of the memory's rate through it; the blocks cost the
@@ -86,7 +86,9 @@ constexpr int kDotNB = 32;      // the few-row kernel: output columns per block 
 // independent sums to cover the dot product's latency; with 4 x 2 a 64-row call ran at 0.76x the
 // speed on a Zen 5, and 10 x 2 or more gave nothing further, docs/benchmarks.md)
 constexpr int kDotRB = 8;
-constexpr int kDotRows = 64;   // calls of up to this many rows take the few-row kernel where it is packed
+// calls of up to this many rows take the few-row kernel where it is packed: on a Zen 5 it beat oneDNN's
+// inner product (through `run`) by 1.1-1.15x at 64-128 rows, by 3% at 192-256 and lost from 512
+constexpr int kDotRows = 128;
 
 struct Packed {
   at::Tensor weight;                // oneDNN's blocked layout, as _reorder_linear_weight made it (not brgemm)
