@@ -30,10 +30,11 @@
 //            rounds x through bf16, runs the float32 product and rounds the output through bf16.
 // Where the CPU has AVX512-BF16, a native weight is also packed a second time for calls of up to
 // kDotRows rows (a decode step's, one row per sequence, or a short prompt's): W in blocks of kDotNB
-// output columns, each [K / 2][kDotNB][2] (pairs of K, as the VNNI dot product takes them), which this file's dot-product
-// kernel streams once per call from memory on torch's threads. oneDNN's inner product spends more
-// per call than such a call's arithmetic (scripts/bench_cpu_linear_call.py), so a decode step's
-// linears read their weights at a fraction of the memory's rate through it; the blocks cost the
+// output columns, each [K / 2][kDotNB][2] (pairs of K, as the VNNI dot product takes them), which
+// this file's dot-product kernel streams once per call from memory on torch's threads. oneDNN's
+// inner product spends more per call than such a call's arithmetic (scripts/bench_cpu_linear_call.py),
+// so a decode step's linears read their weights at a fraction of the memory's rate through it, and
+// up to about 256 rows it was faster than oneDNN's on a Zen 5 as well (kDotRows); the blocks cost the
 // weight's bytes once more. PREFIX_SERVICE_BF16_FEW_ROWS=0 packs none (onednn.py). With int8 weights
 // (model.quantization: int8; ps_onednn_pack's q) those blocks hold int8 values and a scale per
 // column instead: half the bytes, widened to bf16 in registers (exactly) on the way to the same dot
