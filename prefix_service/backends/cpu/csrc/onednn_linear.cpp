@@ -88,7 +88,7 @@ constexpr int kDotNB = 32;      // the few-row kernel: output columns per block 
 // speed on a Zen 5, and 10 x 2 or more gave nothing further, docs/benchmarks.md)
 constexpr int kDotRB = 8;
 // calls of up to this many rows take the few-row kernel where it is packed: on a Zen 5 it beat oneDNN's
-// inner product (through `run`) by 1.1-1.15x at 64-128 rows, by 3% at 192-256 and lost from 512
+// inner product (through `run`) by 1.1-1.2x at 64-128 rows, by up to 3% at 192-256 and lost from 512
 constexpr int kDotRows = 128;
 
 struct Packed {
