@@ -284,11 +284,7 @@ def test_the_few_row_kernel_agrees_with_the_inner_product(n, k, bias):
         assert excess.max().item() <= 0, (m, excess.max().item())
         if m > DOT_ROWS:
             assert torch.equal(got, other)  # the same kernel
-    # a row's bits do not depend on the other rows of its call, whichever pass of 8 takes it
-    whole = few(x[:DOT_ROWS])
-    for m in (1, 5, 9, 100):
-        assert torch.equal(few(x[:m]), whole[:m]), m
-    assert torch.equal(few(x[DOT_ROWS - 3:DOT_ROWS]), whole[-3:])
+    assert_rows_independent_of_the_call(few, x)
     assert_same_bits_on_threads(few, x, (1, 6, 40), (1, 2, 3, 8))
     assert_nan_stays_in_its_row(few, x)
 
@@ -304,6 +300,16 @@ def assert_same_bits_on_threads(layer, x, sizes, threads) -> None:
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(by_threads[0], t) for t in by_threads[1:])
+
+
+def assert_rows_independent_of_the_call(layer, x) -> None:
+    """A row's bits from the few-row kernel do not depend on the other rows of its call, whichever
+    pass of 8 takes it: calls of the first 1, 5, 9 and 100 rows and of the last 3 give the bits of
+    one call of x[:DOT_ROWS]."""
+    whole = layer(x[:DOT_ROWS])
+    for m in (1, 5, 9, 100):
+        assert torch.equal(layer(x[:m]), whole[:m]), m
+    assert torch.equal(layer(x[DOT_ROWS - 3:DOT_ROWS]), whole[-3:])
 
 
 def assert_nan_stays_in_its_row(layer, x) -> None:

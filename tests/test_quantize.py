@@ -17,7 +17,8 @@ import torch
 
 from helpers import dequantized_checkpoint, engine_last_logits, hf_greedy, run_ids
 from test_cpu_bf16 import assert_templates_equal_no_template, needs_bf16
-from test_cpu_onednn import DOT_ROWS, FEW_ROWS, assert_nan_stays_in_its_row, assert_same_bits_on_threads, needs_few_rows
+from test_cpu_onednn import (DOT_ROWS, FEW_ROWS, assert_nan_stays_in_its_row, assert_rows_independent_of_the_call,
+                             assert_same_bits_on_threads, needs_few_rows)
 from prefix_service import CacheConfig, EngineConfig, ModelConfig, cpuinfo
 from prefix_service.backends.cpu import linear, native, onednn
 from prefix_service.config import ConfigError, load_config
@@ -149,10 +150,7 @@ def test_the_int8_kernel_is_the_exact_product_rounded(n, k):
             assert_int8_rounding(got, x[:m], q, scale, b)
         else:
             assert torch.equal(got, plain(x[:m]))
-    whole = layer(x[:DOT_ROWS])  # a row's bits do not depend on the other rows of its call
-    for m in (1, 5, 9, 100):
-        assert torch.equal(layer(x[:m]), whole[:m]), m
-    assert torch.equal(layer(x[DOT_ROWS - 3:DOT_ROWS]), whole[-3:])
+    assert_rows_independent_of_the_call(layer, x)
     assert_same_bits_on_threads(layer, x, (1, 6, 40), (1, 2, 3))
     # the bf16 hand-offs the decoder stack makes give the same bits
     assert torch.equal(layer.rows_bf16(x[:5].bfloat16(), torch.float32), layer(x[:5].bfloat16().float()))
