@@ -203,6 +203,37 @@ void pack_blocks(Packed& p, const at::Tensor& w) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 outputs (the lanes of `keep`) rounded to bf16: widened into a float32 row, or as bf16 bits
+inline void store_out(const Rows& io, int64_t r, int64_t c, __mmask16 keep, __m512 v) {
+  if (io.y_bf16)
+    _mm256_mask_storeu_epi16(io.yb(r) + c, keep, _mm512_cvtepi32_epi16(ps::bf16_round_bits(v)));
+  else
+    _mm512_mask_storeu_ps(io.yf(r) + c, keep, ps_onednn::round_bf16(v));
+}
+#endif
+
+// Output row r, columns [n0, n0 + cols): round_bf16(s[c] + bias[n0 + c]), 16 at a time where the
+// CPU has AVX-512 (the same bits as the scalar loop, whose NaN test keeps the compiler from
+// vectorizing it: a decode step of 64 sequences rounds ~10 million outputs)
+inline void store_sums(const Rows& io, int64_t r, int64_t n0, int64_t cols, const float* s, const float* bias) {
+  int64_t c = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  for (; c < cols; c += 16) {
+    const __mmask16 keep = ps::first_mask(static_cast<int>(std::min<int64_t>(16, cols - c)));
+    store_out(io, r, n0 + c, keep,
+              _mm512_add_ps(_mm512_maskz_loadu_ps(keep, s + c), _mm512_maskz_loadu_ps(keep, bias + n0 + c)));
+  }
+#endif
+  for (; c < cols; ++c) {
+    const c10::BFloat16 out(s[c] + bias[n0 + c]);
+    if (io.y_bf16)
+      io.yb(r)[n0 + c] = out;
+    else
+      io.yf(r)[n0 + c] = static_cast<float>(out);
+  }
+}
+
 // brgemm: y = round_bf16(round_bf16(x) W^T + bias).
 void run_brgemm(const Packed& p, const Rows& io) {
   const int m = io.m;
@@ -214,7 +245,7 @@ void run_brgemm(const Packed& p, const Rows& io) {
       if (r < m && io.x_bf16)
         std::memcpy(dst, io.xb(r), sizeof(c10::BFloat16) * (size_t)p.k);
       else if (r < m)
-        for (int64_t c = 0; c < p.k; ++c) dst[c] = c10::BFloat16(io.xf(r)[c]);  // round to nearest even
+        ps_onednn::to_bf16(io.xf(r), p.k, dst);  // round to nearest even
       std::fill(dst + (r < m ? p.k : 0), dst + kp, c10::BFloat16(0.0f));
     }
   });
@@ -231,16 +262,7 @@ void run_brgemm(const Packed& p, const Rows& io) {
       at::native::cpublas::brgemm(mm, nb, kp, kp, nb, nb, /*add_C=*/false, a + m0 * kp, blocks + j * kp * nb,
                                   sums, p.vnni);
       const int64_t n0 = j * nb, cols = std::min<int64_t>(nb, p.n - n0);
-      for (int64_t r = 0; r < valid; ++r) {
-        const float* s = sums + r * nb;
-        if (io.y_bf16) {
-          c10::BFloat16* out = io.yb(m0 + r) + n0;
-          for (int64_t c = 0; c < cols; ++c) out[c] = c10::BFloat16(s[c] + bias[n0 + c]);
-        } else {
-          float* out = io.yf(m0 + r) + n0;
-          for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<float>(c10::BFloat16(s[c] + bias[n0 + c]));
-        }
-      }
+      for (int64_t r = 0; r < valid; ++r) store_sums(io, m0 + r, n0, cols, sums + r * nb, bias);
     }
     at::native::cpublas::brgemm_release(p.vnni);
   });
@@ -340,14 +362,6 @@ void dot_rows(int rows, const c10::BFloat16* a, int64_t lda, int64_t kp, const T
     case 7: dot_block<7>(a, lda, kp, w, sums); break;
     default: dot_block<8>(a, lda, kp, w, sums); break;
   }
-}
-
-// 16 outputs (the lanes of `keep`) rounded to bf16: widened into a float32 row, or as bf16 bits
-inline void store_out(const Rows& io, int64_t r, int64_t c, __mmask16 keep, __m512 v) {
-  if (io.y_bf16)
-    _mm256_mask_storeu_epi16(io.yb(r) + c, keep, _mm512_cvtepi32_epi16(ps::bf16_round_bits(v)));
-  else
-    _mm512_mask_storeu_ps(io.yf(r) + c, keep, ps_onednn::round_bf16(v));
 }
 
 // native, m <= kDotRows rows: y = round_bf16(round_bf16(x) W^T + bias) over p's dot blocks
