@@ -12,8 +12,9 @@
 # trace (bench_gpu.py's one-sequence decode under torch's profiler, a Chrome trace per way to
 # decode: the host's share of an eager step), profile (where a Llama-3-8B-shaped decode step's
 # time goes on the GPU), layers (the same decode profile and the prefill's, with the fused layers and with
-# the model's reference layers, LAYERS_ROUNDS times, default 1; each run loads the model: about 40 s), cpuprofile (where a prefill's and
-# a decode step's time go in the cpu backend, in each dtype, on the host CPU), linear (scripts/bench_cpu_linear.py in bf16:
+# the model's reference layers, LAYERS_ROUNDS times, default 1; each run loads the model: about 40 s), cpuprofile (where a prefill's, with the
+# template and without, and a decode step's time go in the cpu backend, in each dtype, on the host CPU at 2 threads,
+# a 2-vCPU machine's count, and at 16; the bf16 prefill also on the inner product instead of AMX's brgemm), linear (scripts/bench_cpu_linear.py in bf16:
 # the float32 kernel, torch's bf16 linears and the service's bf16 kernels), cpubf16 (the bf16
 # CPU tests, then each linear kernel's cost per call (brgemm also in the block widths
 # BRGEMM_COLUMNS names, e.g. 64,128), the template products' cost per call on AMX tiles and on
@@ -93,10 +94,13 @@ build_config_only(Path(sys.argv[1]) / \"model\", build_tokenizer(Path(sys.argv[1
       --kv-cache-memory 16GiB --cuda-fused-layers $fused --batches 1,16,64 --steps 5 | tail -n 4
     python3 scripts/profile_prefill.py --model "$L/model" --load-format dummy --backend cuda --device cuda --dtype bfloat16 \
       --kv-cache-memory 16GiB --cuda-fused-layers $fused --runs 5 | tail -n 3; done; done'
-step cpuprofile 240 bash -c 'for dtype in float32 bfloat16; do
-    python3 scripts/profile_prefill.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu --dtype $dtype
-    python3 scripts/profile_decode.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
-    --backend cpu --device cpu --dtype $dtype --batches 1,16,64 --steps 5; done'
+step cpuprofile 360 bash -c 'for threads in 2 16; do for way in float32 bfloat16 bf16-inner; do echo "--- $threads threads, $way"
+    vars=; dtype=bfloat16; case $way in float32) dtype=float32 ;; bf16-inner) vars=PREFIX_SERVICE_BF16_LINEAR=inner_product ;; esac
+    env OMP_NUM_THREADS=$threads $vars python3 scripts/profile_prefill.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+      --backend cpu --device cpu --dtype $dtype --runs 5 --profile-runs 1 --paths prefix,no_prefix 2>&1 | tail -n 4
+    [ $way = bf16-inner ] || env OMP_NUM_THREADS=$threads python3 scripts/profile_decode.py \
+      ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu --dtype $dtype \
+      --batches 1,16,64 --steps 5 2>&1 | tail -n 5; done; done'
 step linear 90 python3 scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --passes 5 --json "$LOGS/cpu_linear_bf16.json"
 step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py tests/test_cpu_bf16.py tests/test_cpu_stack.py tests/test_quantize.py
   python3 scripts/bench_cpu_linear_call.py --threads 2,16 --rows 1,8,16,32,64 --calls 100 ${BRGEMM_COLUMNS:+--brgemm-columns $BRGEMM_COLUMNS} --json '"$LOGS"'/cpu_linear_call.json
