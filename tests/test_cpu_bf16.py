@@ -9,6 +9,8 @@
   on a pinned template equal those without it, or first differ at a stated near tie; seeded
   sampling repeats; the engine reports the cpu backend, bfloat16 and a bfloat16 KV cache.
 """
+import ctypes
+
 import pytest
 import torch
 
@@ -230,6 +232,34 @@ def test_a_prompt_over_its_own_keys_on_the_dot_products_is_within_bf16_rounding(
         v.repeat_interleave(g, 1).transpose(0, 1).double(), is_causal=True, scale=d ** -0.5).transpose(0, 1)
     assert (dot_out.double() - exact).abs().max().item() <= MATRIX_TEMPLATE_BOUND
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@needs_dot
+@pytest.mark.parametrize("m,hq,hkv,d", [(130, 9, 3, 64), (200, 4, 2, 48), (257, 8, 1, 16)])
+def test_a_prompts_last_token_on_the_causal_dot_products_is_the_template_products_bit_for_bit(m, hq, hkv, d,
+                                                                                             monkeypatch):
+    """The causal dot products pack a prompt's own keys and values on each call, from float32 rows that
+    hold bf16 values (rows wider than the keys, as the projection leaves them); a template is packed once
+    from bf16. The prompt's last token sees every key, so its rows must come out as the template products'
+    over all of them on the same dot products, bit for bit: a key or value packed differently (a pair's
+    halves, a chunk's end, another head's rows) shows."""
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "dot")  # on AMX too: the causal path has no tiles
+    torch.manual_seed(m)
+    scale = float(torch.tensor(d ** -0.5, dtype=torch.float32))  # the same scale in float32 on both sides
+    q = torch.randn(m, hq, d)
+    kv = torch.randn(m, 2 * hkv * d + 8).bfloat16().float()
+    k, v = kv[:, :hkv * d], kv[:, hkv * d:2 * hkv * d]
+    out = torch.empty(m, hq, d)
+    lib = onednn.load()[0]
+    assert lib.ps_onednn_causal_attend(q.data_ptr(), hq * d, out.data_ptr(), hq * d, m, hq, hkv, d,
+                                       ctypes.c_float(scale), k.data_ptr(), kv.stride(0), v.data_ptr(),
+                                       kv.stride(0)) == 0, onednn.last_error()
+    template = onednn.OneDnnTemplate(k.reshape(m, hkv, d).bfloat16(), v.reshape(m, hkv, d).bfloat16())
+    assert template.kernel == onednn.TEMPLATE_KERNELS[1]
+    g = hq // hkv
+    for h in range(hkv):
+        o, _, l = template.attend(h, (q[-1, h * g:(h + 1) * g] * scale).contiguous())
+        assert torch.equal(out[-1, h * g:(h + 1) * g], o * (1.0 / l)[:, None]), h
 
 
 @needs_dot

@@ -373,7 +373,8 @@ void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, in
   if (!t.dot) at::native::cpublas::brgemm_release(t.vnni);
 }
 
-// kin, vin [r_len][hkv][d] (bf16, or float32 of bf16 values) packed for `kernel` (kernel_for's numbers).
+// kin, vin [r_len][hkv][d] bf16 packed for `kernel` (kernel_for's numbers); a prompt's own float32 rows take
+// pack_dot_rows.
 std::unique_ptr<TemplateKV> pack_kv(const at::Tensor& kin, const at::Tensor& vin, int kernel) {
   const int64_t r_len = kin.size(0), hkv = kin.size(1), d = kin.size(2);
   auto t = std::make_unique<TemplateKV>();
@@ -410,6 +411,60 @@ std::unique_ptr<TemplateKV> pack_kv(const at::Tensor& kin, const at::Tensor& vin
   }
   return t;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// A prompt's own keys and values, float32 holding bf16 values as a bf16 cache stores them ([r_len][hkv][d],
+// rows k_stride / v_stride floats apart; d a multiple of 16), in the dot products' layout in one pass over
+// them: what pack_kv(kin, vin, 1) makes with five copies (the same bits: each value rounded to bf16 as torch
+// rounds it, zero past r_len). k [hkv][chunks][d / 2][kTK][2], v [hkv][chunks][kTK / 2][d][2], as uint32 pairs:
+// k's pair (p, j) holds key j's values 2p and 2p + 1, v's pair (jp, e) value e of keys 2 jp and 2 jp + 1.
+std::unique_ptr<TemplateKV> pack_dot_rows(const float* kn, int64_t k_stride, const float* vn, int64_t v_stride,
+                                          int64_t r_len, int64_t hkv, int64_t d) {
+  auto t = std::make_unique<TemplateKV>();
+  t->r_len = r_len;
+  t->hkv = hkv;
+  t->d = d;
+  t->chunks = (r_len + kTK - 1) / kTK;
+  t->dot = true;
+  const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+  t->k = at::empty({hkv, t->chunks, d / 2, kTK, 2}, bf16);
+  t->v = at::empty({hkv, t->chunks, kTK / 2, d, 2}, bf16);
+  auto* kd = static_cast<uint32_t*>(t->k.data_ptr());
+  auto* vd = static_cast<uint32_t*>(t->v.data_ptr());
+  const int64_t pairs = d / 2 * kTK;  // a chunk's pairs of one head, of K or of V
+  const int64_t chunks = t->chunks;
+  at::parallel_for(0, hkv * chunks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint32_t> row(d / 2);  // one key's pairs
+    for (int64_t hc = b0; hc < b1; ++hc) {
+      const int64_t h = hc / chunks, c = hc % chunks;
+      uint32_t* kc = kd + hc * pairs;  // [d / 2][kTK]
+      uint32_t* vc = vd + hc * pairs;  // [kTK / 2][d]
+      for (int64_t j = 0; j < kTK; ++j) {
+        const int64_t tok = c * kTK + j;
+        if (tok < r_len) {
+          const float* src = kn + tok * k_stride + h * d;
+          for (int64_t e = 0; e < d; e += 16)  // 16 values: 8 pairs, the first value of each in its low half
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.data() + e / 2),
+                                _mm512_cvtepi32_epi16(ps::bf16_round_bits(_mm512_loadu_ps(src + e))));
+        } else {
+          std::fill(row.begin(), row.end(), 0u);
+        }
+        for (int64_t p = 0; p < d / 2; ++p) kc[p * kTK + j] = row[p];
+      }
+      for (int64_t jp = 0; jp < kTK / 2; ++jp) {
+        const int64_t t0 = c * kTK + 2 * jp;
+        const float* a = vn + t0 * v_stride + h * d;
+        for (int64_t e = 0; e < d; e += 16) {
+          const __m512i lo = t0 < r_len ? ps::bf16_round_bits(_mm512_loadu_ps(a + e)) : _mm512_setzero_si512();
+          const __m512i hi = t0 + 1 < r_len ? ps::bf16_round_bits(_mm512_loadu_ps(a + v_stride + e)) : _mm512_setzero_si512();
+          _mm512_storeu_si512(vc + jp * d + e, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+      }
+    }
+  });
+  return t;
+}
+#endif
 
 }  // namespace
 
@@ -484,10 +539,11 @@ extern "C" int ps_onednn_causal_attend(const float* q, int64_t q_stride, float* 
   }
   return guarded("ps_onednn_causal_attend", 6, [&] {
     c10::InferenceMode guard;
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    const at::Tensor kin = at::from_blob(const_cast<float*>(kn), {m_len, hkv, d}, {kn_stride, d, 1}, f32);
-    const at::Tensor vin = at::from_blob(const_cast<float*>(vn), {m_len, hkv, d}, {vn_stride, d, 1}, f32);
-    const std::unique_ptr<TemplateKV> t = pack_kv(kin, vin, 1);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    const std::unique_ptr<TemplateKV> t = pack_dot_rows(kn, kn_stride, vn, vn_stride, m_len, hkv, d);
+#else
+    const std::unique_ptr<TemplateKV> t;  // not reached: kDotBf16 is false
+#endif
     const int g = hq / hkv;
     const int64_t rows = (int64_t)m_len * g, blocks = (rows + kTM - 1) / kTM, chunk_k = (int64_t)d * kTK;
     // task i: KV head i / blocks, block zigzag(i % blocks): 0, last, 1, last - 1, ...
