@@ -222,6 +222,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.summary_only:
+        from prefix_service.bench.systems.vllm import vllm_python
+        python, why = vllm_python()
+        if python is None:  # every step but our own ratios needs it: say so before the first one runs
+            print(f"error: {why}", file=sys.stderr)
+            return 2
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         for step in FILES:
             if args.resume and (out / FILES[step]).exists():

@@ -5,6 +5,7 @@ closed loop, and a missing step or record named."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,14 @@ def test_summary_only_writes_the_table_or_names_what_is_missing(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "empty"), "--summary-only"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "engine.json is missing" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_run_without_vllms_environment_stops_before_its_first_step(tmp_path):
+    """The steps take ~25 minutes and all but the first need vLLM: without its environment the script
+    says so and runs nothing."""
+    out = tmp_path / "run"
+    env = dict(os.environ, PREFIX_SERVICE_VLLM_PYTHON=str(tmp_path / "nowhere" / "python"))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 2 and "no vLLM environment" in proc.stderr and "make bench-peers" in proc.stderr
+    assert list(out.iterdir()) == []
