@@ -115,55 +115,56 @@ def row(measure: str, ours: float | None, theirs: float | None, value: float | N
             "met": met}
 
 
+def compared(measure: str, ours: float | None, theirs: float | None, at_least: float, vllm: str,
+             sooner: bool = False) -> dict[str, Any]:
+    """A row judging our figure against vLLM's: ours / theirs, or theirs / ours for a time (sooner),
+    at least at_least; no figure (met None) where either is missing."""
+    value = (theirs / ours if sooner else ours / theirs) if ours and theirs else None
+    return row(measure, ours, theirs, value, f">= {at_least}x" + (" sooner" if sooner else ""),
+               None if value is None else value >= at_least, vllm)
+
+
 def summarize(out: Path, ours: str | None = None) -> dict[str, Any]:
     """The targets table from the steps' JSON in out. ours: our dtype (default: auto's choice here)."""
     ours = ours or ours_dtype()
-    engine, servers, opened = load(out, "engine"), load(out, "servers"), load(out, "open")
-    ratios = [load(out, "ratios-1"), load(out, "ratios-2")]
+    steps = {step: load(out, step) for step in ("engine", "servers", "open", "ratios-1", "ratios-2")}
+    engine, servers, opened = steps["engine"], steps["servers"], steps["open"]
     medians = engine["medians"]
     if ours not in medians:
         raise TargetsError(f"the engine run has no {ours!r} system (ours, auto's choice here)")
+    peers = vllm_dtypes(engine)
     rows = []
-    for dtype in vllm_dtypes(engine):
+    for dtype in peers:
         peer, server = medians.get(f"vllm-{dtype}"), VLLM_SERVER[dtype]
         if peer is None:
             raise TargetsError(f"the engine run has no vllm-{dtype} system")
         for n in (16, 64):
-            a, b = medians[ours].get(f"tok_s_{n}"), peer.get(f"tok_s_{n}")
-            v = a / b if a and b else None
-            rows.append(row(f"tok/s, {n} requests together, engine to engine", a, b, v, f">= {TOK_S_AT_LEAST}x",
-                            None if v is None else v >= TOK_S_AT_LEAST, dtype))
+            rows.append(compared(f"tok/s, {n} requests together, engine to engine", medians[ours].get(f"tok_s_{n}"),
+                                 peer.get(f"tok_s_{n}"), TOK_S_AT_LEAST, dtype))
         for n in (16, 64):
             a, b = (record(servers, s, "closed_loop", n)["output_tok_s"] for s in ("grpc_prefix", server))
-            v = a / b if a and b else None
-            rows.append(row(f"tok/s, {n} clients, through the servers", a, b, v, f">= {TOK_S_AT_LEAST}x",
-                            None if v is None else v >= TOK_S_AT_LEAST, dtype))
-        a, b = medians[ours].get("ttft_ms"), peer.get("ttft_ms")
-        v = b / a if a and b else None
-        rows.append(row("TTFT, template cached, one request, engine to engine (ms; x sooner)", a, b, v,
-                        f">= {TTFT_AT_LEAST}x sooner", None if v is None else v >= TTFT_AT_LEAST, dtype))
+            rows.append(compared(f"tok/s, {n} clients, through the servers", a, b, TOK_S_AT_LEAST, dtype))
+        rows.append(compared("TTFT, template cached, one request, engine to engine (ms; x sooner)",
+                             medians[ours].get("ttft_ms"), peer.get("ttft_ms"), TTFT_AT_LEAST, dtype, sooner=True))
         a, b = (record(servers, s, "single")["ttft_p50_ms"] for s in ("grpc_prefix", server))
-        v = b / a if a and b else None
-        rows.append(row("TTFT p50, template cached, single requests, through the servers (ms; x sooner)", a, b, v,
-                        f">= {TTFT_AT_LEAST}x sooner", None if v is None else v >= TTFT_AT_LEAST, dtype))
+        rows.append(compared("TTFT p50, template cached, single requests, through the servers (ms; x sooner)", a, b,
+                             TTFT_AT_LEAST, dtype, sooner=True))
         a, b = (record(opened, s, "open_loop").get("max_qps_under_slo") for s in ("grpc_prefix", server))
-        if a and b:
-            v, met = a / b, a / b >= OPEN_LOOP_AT_LEAST
-        else:  # a system under the SLO at no rate tried: the other's lead has no figure
-            v, met = None, (bool(a) and not b) or None
-        rows.append(row("most requests/s with p99 e2e < 2 s, open loop, through the servers", a, b, v,
-                        f">= {OPEN_LOOP_AT_LEAST}x", met, dtype))
-    full = [r["ratio"]["ttft_p50"] for r in ratios]
-    alone = [r["ratio"]["alone_p50"] for r in ratios]
+        open_row = compared("most requests/s with p99 e2e < 2 s, open loop, through the servers", a, b,
+                            OPEN_LOOP_AT_LEAST, dtype)
+        if open_row["value"] is None:  # a system under the SLO at no rate tried: ours leads where only vLLM has none
+            open_row["met"] = (bool(a) and not b) or None
+        rows.append(open_row)
+    full = [steps[s]["ratio"]["ttft_p50"] for s in ("ratios-1", "ratios-2")]
+    alone = [steps[s]["ratio"]["alone_p50"] for s in ("ratios-1", "ratios-2")]
     rows.append(row("TTFT full / prefix (1,000 tokens alone; the last 100 on the 900-token template), two runs",
                     None, None, min(full), f">= {FULL_OVER_PREFIX_AT_LEAST}x",
                     min(full) >= FULL_OVER_PREFIX_AT_LEAST) | {"values": full})
     rows.append(row("TTFT prefix / alone (100 tokens on the template; the same 100 alone), two runs",
                     None, None, max(alone), f"<= {PREFIX_OVER_ALONE_AT_MOST}x",
                     max(alone) <= PREFIX_OVER_ALONE_AT_MOST) | {"values": alone})
-    return {"ours": ours, "vllm_dtypes": vllm_dtypes(engine), "machine": engine.get("machine"),
-            "git_commit": engine.get("git_commit"), "load_average": {s: load(out, s).get("machine", {}).get(
-                "load_average_start") for s in FILES}, "rows": rows,
+    return {"ours": ours, "vllm_dtypes": peers, "machine": engine.get("machine"), "git_commit": engine.get("git_commit"),
+            "load_average": {s: steps[s].get("machine", {}).get("load_average_start") for s in FILES}, "rows": rows,
             "all_met": all(r["met"] is True for r in rows)}
 
 
