@@ -434,22 +434,18 @@ std::unique_ptr<TemplateKV> pack_dot_rows(const float* kn, int64_t k_stride, con
   const int64_t pairs = d / 2 * kTK;  // a chunk's pairs of one head, of K or of V
   const int64_t chunks = t->chunks;
   at::parallel_for(0, hkv * chunks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint32_t> row(d / 2);  // one key's pairs
+    std::vector<c10::BFloat16> row(d);  // one key's values, in order: its pairs
     for (int64_t hc = b0; hc < b1; ++hc) {
       const int64_t h = hc / chunks, c = hc % chunks;
       uint32_t* kc = kd + hc * pairs;  // [d / 2][kTK]
       uint32_t* vc = vd + hc * pairs;  // [kTK / 2][d]
       for (int64_t j = 0; j < kTK; ++j) {
         const int64_t tok = c * kTK + j;
-        if (tok < r_len) {
-          const float* src = kn + tok * k_stride + h * d;
-          for (int64_t e = 0; e < d; e += 16)  // 16 values: 8 pairs, the first value of each in its low half
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.data() + e / 2),
-                                _mm512_cvtepi32_epi16(ps::bf16_round_bits(_mm512_loadu_ps(src + e))));
-        } else {
-          std::fill(row.begin(), row.end(), 0u);
-        }
-        for (int64_t p = 0; p < d / 2; ++p) kc[p * kTK + j] = row[p];
+        if (tok < r_len)
+          to_bf16(kn + tok * k_stride + h * d, d, row.data());
+        else
+          std::fill(row.begin(), row.end(), c10::BFloat16(0.0f));
+        for (int64_t p = 0; p < d / 2; ++p) std::memcpy(kc + p * kTK + j, row.data() + 2 * p, sizeof(uint32_t));
       }
       for (int64_t jp = 0; jp < kTK / 2; ++jp) {
         const int64_t t0 = c * kTK + 2 * jp;
