@@ -12,6 +12,10 @@ kernel the products run on this CPU (`onednn.template_kernel`).
 
     python scripts/bench_cpu_template_call.py --json bench_out/cpu_template_call.json
     python scripts/bench_cpu_template_call.py --rows 3,24 --tokens 2000 --head-size 128
+    python scripts/bench_cpu_template_call.py --key-rows   # the dot products in the key-row walk
+
+With `--key-rows` the template is walked as the rows of its products (the walk AMX's brgemm and the
+fallback GEMM take) on any kernel, the AVX512-BF16 dot products included, to compare the two walks.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ def main() -> int:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--rows", default="3,12,24,48,300", help="query rows a call, comma-separated")
     p.add_argument("--calls", type=int, default=200, help="timed calls per row count")
+    p.add_argument("--key-rows", action="store_true", help="the key-row walk on any kernel (the dot products too)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     lib, reason = onednn.load()
@@ -57,10 +62,12 @@ def main() -> int:
     from prefix_service import cpuinfo
     torch.manual_seed(0)
     shape = (args.tokens, args.kv_heads, args.head_size)
-    template = onednn.OneDnnTemplate(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16())
-    kernel = onednn.template_kernel(args.head_size)
+    template = onednn.OneDnnTemplate(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16(),
+                                     key_rows=args.key_rows)
+    kernel = template.kernel
+    walk = "the key-row walk" if template.key_rows else "64 keys at a time"
     print(f"{', '.join(cpuinfo.isa()) or 'no listed ISA'}: a {args.tokens}-token template, head size "
-          f"{args.head_size}, products on {kernel}, {args.calls} calls a row count, one thread")
+          f"{args.head_size}, products on {kernel}, {walk}, {args.calls} calls a row count, one thread")
     print(f"{'rows':>6} {'min us':>10} {'p50 us':>10} {'us a row':>10}")
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -73,7 +80,7 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"isa": cpuinfo.isa(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                       "kernel": kernel, "tokens": args.tokens, "kv_heads": args.kv_heads,
+                       "kernel": kernel, "key_rows": template.key_rows, "tokens": args.tokens, "kv_heads": args.kv_heads,
                        "head_size": args.head_size, "calls": args.calls,
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, f, indent=1)
         print(f"JSON: {args.json}")

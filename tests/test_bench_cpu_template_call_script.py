@@ -31,3 +31,14 @@ def test_bench_cpu_template_call_script(tmp_path):
     for r, line in zip(data["results"], table):  # rows, then the minimum within the JSON's rounding
         assert int(line[0]) == r["rows"] and abs(float(line[1]) - r["min_us"]) <= 0.06, (line, r)
     assert "JSON:" in proc.stdout
+    assert data["key_rows"] == (data["kernel"] != "AVX512-BF16 dot products")
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no oneDNN library here: {REASON}")
+def test_bench_cpu_template_call_script_walks_key_rows_when_asked(tmp_path):
+    out = tmp_path / "call.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "70", "--kv-heads", "1", "--head-size", "32",
+                           "--rows", "2", "--calls", "2", "--key-rows", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["key_rows"] is True and "the key-row walk" in proc.stdout

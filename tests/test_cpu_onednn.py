@@ -510,15 +510,20 @@ def template_reference(q, k, v):
 
 def pack_with(products, k, v, monkeypatch):
     """OneDnnTemplate(k, v) with PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=products, checked to multiply
-    with the kernel that allows; None where the CPU has no dot products to ask for (refused)."""
+    with the kernel that allows and to walk the keys as that kernel does; None where the CPU has no dot
+    products to ask for (refused). "dot-rows": the dot products in the key-row walk (the VNNI operands
+    AMX's brgemm multiplies, on a CPU without AMX)."""
+    key_rows = products == "dot-rows"
+    products = "dot" if key_rows else products
     monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, products)
     d = k.shape[-1]
     if products == "dot" and "avx512_bf16" not in cpuinfo.cpu_flags():
         with pytest.raises(onednn.OneDnnError, match="TEMPLATE_PRODUCTS=dot: this CPU has no AVX512-BF16"):
             onednn.OneDnnTemplate(k, v)
         return None
-    packed = onednn.OneDnnTemplate(k, v)
+    packed = onednn.OneDnnTemplate(k, v, key_rows=key_rows)
     assert packed.kernel == onednn.template_kernel(d)
+    assert packed.key_rows == (key_rows or packed.kernel != "AVX512-BF16 dot products")
     if products == "fallback":
         assert packed.kernel == "fallback GEMM"
     elif products == "dot":  # not AMX tiles, where the CPU has them too
@@ -527,9 +532,9 @@ def pack_with(products, k, v, monkeypatch):
 
 
 @needs_lib
-@pytest.mark.parametrize("products", ["auto", "dot", "fallback"])
+@pytest.mark.parametrize("products", ["auto", "dot", "dot-rows", "fallback"])
 @pytest.mark.parametrize("rows,r_len,hkv,d", [(1, 16, 1, 16), (45, 100, 3, 64), (32, 64, 2, 32), (7, 130, 1, 128),
-                                               (5, 70, 1, 18)])
+                                               (5, 70, 1, 18), (150, 600, 1, 48), (64, 257, 2, 32)])
 def test_template_attention_is_the_softmax_state_within_bf16_rounding(rows, r_len, hkv, d, products, monkeypatch):
     """Each row's state after the template: the maximum score within float32 summation error of
     the exact maximum of its bf16-rounded query's scores; the sum of exponentials and the
@@ -562,7 +567,7 @@ def assert_template_state(packed, h, q, k, v):
 
 
 @needs_lib
-@pytest.mark.parametrize("products", ["auto", "fallback"])
+@pytest.mark.parametrize("products", ["auto", "dot-rows", "fallback"])
 @pytest.mark.parametrize("shape", ["rising", "falling", "steps"])
 def test_template_attention_follows_scores_that_move_far_between_chunks(shape, products, monkeypatch):
     """Scores that climb by 140 across the template's chunks (past float32's range: each row's
@@ -595,26 +600,22 @@ def test_the_template_products_run_on_the_cpus_bf16_units():
     want = ("AMX brgemm" if "amx_bf16" in flags else "AVX512-BF16 dot products" if "avx512_bf16" in flags
             else "fallback GEMM")
     assert onednn.template_kernel(64) == want
-    # the dot products take head sizes that are a multiple of 16; others run the fallback GEMM, on AMX too
+    # the tiles and the dot products take head sizes that are a multiple of 16; others run the fallback GEMM
     assert onednn.template_kernel(18) == "fallback GEMM"
-    dot = "AVX512-BF16 dot products" if "avx512_bf16" in flags else "fallback GEMM"
-    assert onednn.template_kernel(128) == dot  # AMX's packing takes V's chunks up to 64 columns
+    assert onednn.template_kernel(128) == want
 
 
-def test_the_template_kernel_rule_keeps_amx_to_the_head_sizes_its_packing_takes():
-    """oneDNN packs a template chunk's V ([64 keys][head size]) for AMX only with a leading dimension
-    of 16, 32, 48 or 64 (head sizes 18 and 128 failed to pack there): larger multiples of 16 run the
-    dot products, and the rest the fallback GEMM."""
+def test_the_template_kernel_rule_gives_amx_every_head_size_a_multiple_of_16():
+    """AMX's brgemm and the dot products take head sizes that are a multiple of 16 (AMX's, since the
+    key-row walk packs nothing with oneDNN, 80, 128 and 256 too), AMX first where the CPU has both; other
+    sizes run the fallback GEMM."""
     rule = onednn.template_kernel_rule
-    for d in (16, 32, 48, 64):
+    for d in (16, 32, 48, 64, 80, 128, 256):
         assert rule(d, amx=True, dot=True) == rule(d, amx=True, dot=False) == "AMX brgemm"
         assert rule(d, amx=False, dot=True) == "AVX512-BF16 dot products"
-    for d in (80, 128, 256):
-        assert rule(d, amx=True, dot=True) == rule(d, amx=False, dot=True) == "AVX512-BF16 dot products"
-        assert rule(d, amx=True, dot=False) == "fallback GEMM"
+        assert rule(d, amx=False, dot=False) == "fallback GEMM"
     for d in (18, 72, 100):
         assert rule(d, amx=True, dot=True) == rule(d, amx=False, dot=True) == "fallback GEMM"
-    assert rule(128, amx=False, dot=False) == "fallback GEMM"
 
 
 @needs_lib

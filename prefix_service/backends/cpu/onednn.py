@@ -73,7 +73,7 @@ SIGNATURES = {
     "ps_onednn_last_error": ([], ctypes.c_char_p),
     "ps_onednn_brgemm_vnni": ([], _i32),
     "ps_onednn_threads_used": ([_i64], _i32),
-    "ps_onednn_template_pack": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _i32], _ptr),
+    "ps_onednn_template_pack": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _i32, _i32], _ptr),
     "ps_onednn_template_kernel_rule": ([_i64, _i32, _i32], _i32),
     "ps_onednn_template_attend": ([_ptr, _i32, _ptr, _i64, _i32, _ptr, _i64, _ptr, _ptr], _i32),
     "ps_onednn_template_bytes": ([_ptr], _i64),
@@ -81,6 +81,7 @@ SIGNATURES = {
     "ps_onednn_template_calls": ([], _i64),
     "ps_onednn_template_kernel": ([_i64, _i32], _i32),
     "ps_onednn_template_packed_kernel": ([_ptr], _i32),
+    "ps_onednn_template_key_rows": ([_ptr], _i32),
     "ps_onednn_causal_attend": ([_ptr, _i64, _ptr, _i64, _i32, _i32, _i32, _i32, ctypes.c_float, _ptr, _i64, _ptr,
                                  _i64], _i32),  # called by native code (causal_attend_fn)
     "ps_onednn_causal_calls": ([], _i64),
@@ -347,9 +348,15 @@ class OneDnnTemplate:
     `attend(h, q)` gives, for query rows q [rows, D] float32 (each query times the attention scale)
     over KV head h, each row's softmax state after the template's R keys: (o [rows, D] unnormalised
     output, m [rows] maximum score, l [rows] sum of exponentials). `handle` and
-    `template_attend_fn()` let native code make the same call."""
+    `template_attend_fn()` let native code make the same call.
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    Every kernel but the dot products walks the keys as the rows of its products (the key-row walk:
+    two products per 256 keys for up to 64 query rows, whatever the kernel); the dot products walk
+    the keys 64 at a time a few query rows at a time (attend_dot), which is faster with them, unless
+    `key_rows` asks for the key-row walk on them too (to check its VNNI operands on a CPU without
+    AMX, and to compare the two)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_rows: bool = False) -> None:
         if (k.dim() != 3 or k.shape != v.shape or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
                 or k.device.type != "cpu" or v.device.type != "cpu"):
             raise OneDnnError(f"k, v: bfloat16 CPU tensors [R, Hkv, D] of one shape are needed, got {k.dtype} "
@@ -362,12 +369,13 @@ class OneDnnTemplate:
         if k.stride()[1:] != (self.head_size, 1) or v.stride() != k.stride():
             k, v = k.contiguous(), v.contiguous()
         handle = lib.ps_onednn_template_pack(k.data_ptr(), v.data_ptr(), k.stride(0), self.num_tokens,
-                                             self.num_kv_heads, self.head_size, template_products())
+                                             self.num_kv_heads, self.head_size, template_products(), int(key_rows))
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
         self.nbytes = int(lib.ps_onednn_template_bytes(handle))
         self.kernel = TEMPLATE_KERNELS[int(lib.ps_onednn_template_packed_kernel(handle))]  # what multiplies
+        self.key_rows = bool(lib.ps_onednn_template_key_rows(handle))  # how it walks the keys
         self._lib = lib
         self._finalizer = weakref.finalize(self, lib.ps_onednn_template_free, handle)
 
@@ -420,10 +428,9 @@ def template_kernel(head_size: int) -> str:
     """What multiplies the matrix-product template attention's bf16 products here for heads of
     head_size (a value of TEMPLATE_KERNELS; the library decides, as it does when it packs a
     template): oneDNN's brgemm micro-kernel on AMX tiles; elsewhere, where the CPU has AVX512-BF16
-    (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product instructions,
-    for head sizes that are a multiple of 16 (on AMX too, for the sizes its brgemm packing refuses:
-    over 64); else torch's fallback GEMM. "fallback GEMM" as well without the library. None above
-    what template_products() allows."""
+    (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product instructions;
+    each for head sizes that are a multiple of 16; else torch's fallback GEMM. "fallback GEMM" as
+    well without the library. None above what template_products() allows."""
     lib = load()[0]
     if lib is None:
         return TEMPLATE_KERNELS[0]
@@ -456,8 +463,9 @@ def template_attention(head_size: int) -> str:
     ("brgemm", its older name, means "matrix"); by default "matrix" where its products are the
     AVX512-BF16 dot products on a CPU without AMX, which take 10-25% off the attention of a prefill
     or a batched decode on a template there (docs/benchmarks.md), and "native" elsewhere: the
-    fallback GEMM is 2-3x slower than the native kernels, and on AMX the brgemm products made the
-    first token of a 100-token prompt on a template 3x slower at 16 threads (docs/benchmarks.md,
+    fallback GEMM is 2-3x slower than the native kernels, and on AMX the tiles have yet to be timed
+    in the key-row walk (OneDnnTemplate), which replaced the walk of 64 keys at a time that made the
+    first token of a 100-token prompt on a template 3x slower at 16 threads there (docs/benchmarks.md,
     "Run 8"). With PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot (template_products()) the default is
     "matrix" on AMX too, on the dot products: to measure them against the native kernels there."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)

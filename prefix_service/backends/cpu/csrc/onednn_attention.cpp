@@ -1,24 +1,25 @@
-// A pinned template's part of attention as matrix products through oneDNN's brgemm micro-kernel
-// (at::native::cpublas::brgemm, AMX tiles where the CPU has them): bf16 operands, float32 sums.
+// A pinned template's part of attention as matrix products in bf16 with float32 sums: oneDNN's brgemm
+// micro-kernel on AMX tiles (at::native::cpublas::brgemm), this file's loops of AVX512-BF16 dot-product
+// instructions (vdpbf16ps: 16 float32 sums, each adding two bf16 products, per instruction) where the CPU
+// has those but no AMX (AMD Zen 4 and later, Intel Cooper Lake), else torch's fallback GEMM.
 //
-// The native kernels (cpu_attention.cpp) walk a template's keys with float32 vector FMAs. Here the
-// query rows that read one KV head of a template are the rows of two products per chunk of kTK
-// keys: S = Q K^T (Q rounded to bf16, already scaled), then, after the online softmax over S in
-// float32, O = alpha O + P V with P rounded to bf16. The result is each row's softmax state after
-// the template (unnormalised output, running maximum, sum of exponentials), the state the native
-// kernels carry on from over the rest of the context.
+// The native kernels (cpu_attention.cpp) walk a template's keys with float32 vector FMAs. Here the query
+// rows that read one KV head of a template (already scaled, rounded to bf16) meet its keys in products,
+// with the softmax in float32 between them and its probabilities rounded to bf16. The result is each
+// row's softmax state after the template (unnormalised output, maximum, sum of exponentials), the state
+// the native kernels carry on from over the rest of the context. Two walks:
+// - The key-row walk (walk_rows; AMX and the fallback GEMM): per block of up to 64 query rows and 256
+//   keys, S^T = K Q^T with the keys as the rows of A, the softmax down S^T's columns sixteen query rows
+//   to a vector, then O^T += V^T P^T. Two products per 256 keys, each the same shape from call to call,
+//   with the template as plain rows (A operands: no oneDNN packing) and the rows' queries and
+//   probabilities as B, written by this file in VNNI pairs where the kernel takes them.
+// - attend_dot (the dot products): per chunk of 64 keys and block of four query rows, S = Q K^T, the
+//   softmax along each row, O += P V, while the chunk's K and V are in L1; faster than the key-row walk
+//   with the dot products for the few rows of a decode step (which the key-row walk pads to 16).
 //
-// A template is packed once, when it is pinned (ps_onednn_template_pack): per KV head, K^T and V
-// in chunks of kTK keys (zero past the template's end), VNNI-packed for the micro-kernel where it
-// takes VNNI (AMX). Where the CPU has AVX512-BF16 but no AMX (AMD Zen 4 and later, Intel Cooper
-// Lake), the two products run instead as this file's own loops of bf16 dot-product instructions
-// (vdpbf16ps: 16 float32 sums, each adding two bf16 products, per instruction) over the same
-// VNNI pairs (the brgemm micro-kernel takes bf16 only on AMX, and torch's fallback GEMM is 2-3x
-// slower than the native float32 kernels), a few rows at a time with the softmax between the two
-// products while the chunk's K and V are in L1 (attend_dot). Elsewhere plain row-major for that
-// fallback GEMM. Built
-// into the oneDNN library with onednn_linear.cpp (onednn.py); its entry points report failures
-// through ps_onednn_last_error.
+// A template is packed once, when it is pinned (ps_onednn_template_pack), zero past its end. Built into
+// the oneDNN library with onednn_linear.cpp (onednn.py); its entry points report failures through
+// ps_onednn_last_error.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -54,16 +55,20 @@ using ps::bf16_bits;
 std::atomic<int64_t> attend_calls{0};  // ps_onednn_template_attend's calls, for ps_onednn_template_calls
 std::atomic<int64_t> causal_calls{0};  // ps_onednn_causal_attend's, for ps_onednn_causal_calls
 
-constexpr int64_t kTK = 64;  // template keys per chunk (the N of S = Q K^T, the K of P V)
-constexpr int64_t kTM = 32;  // query rows per pair of products (two AMX tiles of 16)
+constexpr int64_t kTK = 64;  // keys per chunk: a template's keys are padded to whole chunks (attend_dot's N and K)
+constexpr int64_t kTM = 32;  // query rows per block of attend_dot's walk
+constexpr int64_t kSK = 256; // template keys per pair of products in the key-row walk (a multiple of kTK)
+constexpr int kNB = 64;      // query rows per block of the key-row walk: the N of both its products, the leading
+                             // dimension of their B operands (16, 32, 48 or 64: what AMX's brgemm takes)
 
 struct TemplateKV {
   int64_t r_len = 0, hkv = 0, d = 0, chunks = 0;
-  bool vnni = false;  // AMX: brgemm on VNNI-packed chunks
-  bool dot = false;   // AVX512-BF16 without AMX: attend_dot on VNNI pairs
-  // k: [hkv][chunks][d][kTK] (K^T of each chunk), v: [hkv][chunks][kTK][d], bf16, each chunk
-  // VNNI-packed when vnni; when dot, k [hkv][chunks][d / 2][kTK][2] and v [hkv][chunks][kTK / 2][d][2]
-  // (the pairs a dot-product instruction multiplies)
+  int kernel = 0;  // what multiplies (kernel_for's numbers): 2 AMX's brgemm, 1 the dot products, 0 the fallback GEMM
+  bool by_chunk = false;  // attend_dot's layout (a prompt's own keys: pack_dot_rows), else the key-row walk's
+  // The key-row walk's (every packed template): k [hkv][chunks * kTK][d] (the keys as rows), v [hkv][d][chunks * kTK]
+  // (V^T), bf16, zero past r_len: both are the A operands of the walk's products, which no kernel packs.
+  // attend_dot's: k [hkv][chunks][d / 2][kTK][2], v [hkv][chunks][kTK / 2][d][2] (the pairs a dot-product
+  // instruction multiplies).
   at::Tensor k, v;
 };
 
@@ -72,11 +77,12 @@ constexpr int kRB = 4;  // the dot products: rows per block of accumulators (4 r
 
 // The kernel a template of head size d multiplies with on a CPU where oneDNN's brgemm takes
 // VNNI-packed bf16 (amx) and this file's dot products are built (dot): 2 oneDNN's brgemm
-// micro-kernel (AMX, VNNI-packed chunks) for head sizes of 16, 32, 48 or 64 (oneDNN packs V's
-// chunks, [kTK][d], only with a leading dimension of one to four whole tiles), 1 the AVX512-BF16
-// dot products (head sizes a multiple of 16), 0 torch's fallback GEMM.
+// micro-kernel (AMX) and 1 the AVX512-BF16 dot products, each for head sizes a multiple of 16; 0 torch's
+// fallback GEMM. (The key-row walk hands AMX's brgemm the template as plain rows, its A operands, and its
+// own VNNI pairs of 16 to 64 query rows as B: no oneDNN packing, whose leading dimension of 16 to 64 kept
+// AMX to head sizes up to 64 when the template's V was packed.)
 int kernel_rule(int64_t d, bool amx, bool dot) {
-  if (amx && d % 16 == 0 && d <= 64) return 2;
+  if (amx && d % 16 == 0) return 2;
   return dot && d % 16 == 0 ? 1 : 0;
 }
 
@@ -85,8 +91,8 @@ int kernel_for(int64_t d, int most) {
   return kernel_rule(d, most >= 2 && at::native::cpublas::could_pack(at::kBFloat16), most >= 1 && kDotBf16);
 }
 
-// Per-thread scratch, grown and never shrunk: the rows' queries in bf16, a chunk's scores and
-// probabilities, the rows' outputs.
+// Per-thread scratch, grown and never shrunk: the rows' queries in bf16 (Q^T in the key-row walk), its
+// scores and probabilities S^T and P^T, the rows' outputs (O^T).
 struct Scratch {
   std::vector<c10::BFloat16> q, p;
   std::vector<float> s, o;
@@ -137,44 +143,6 @@ inline __m512 exp_round_add(const float* src, int n, float m, c10::BFloat16* p, 
   return acc;
 }
 #endif
-
-// dst[j] = exp(src[j] - m) for j < n, 0 for n <= j < kTK; returns the sum of dst rounded to bf16,
-// each value rounded to bf16 into p (the weights P V multiplies)
-float exp_row(const float* src, int n, float m, c10::BFloat16* p) {
-#if defined(__AVX512F__)
-  const __m512 sum = exp_round_add(src, n, m, p, _mm512_setzero_ps());
-  return _mm512_reduce_add_ps(sum);
-#else
-  float sum = 0.0f;
-#if defined(PS_SIMD)
-  alignas(64) float e[kTK];
-  const ps::vf mb = ps::vset1(m);
-  for (int j = 0; j < kTK; j += ps::LANES) ps::vstore(e + j, ps::vkeep_first(ps::exp_ps(ps::vsub(ps::vload(src + j), mb)), n - j));
-  for (int j = 0; j < kTK; ++j) {
-    p[j] = c10::BFloat16(e[j]);
-    sum += static_cast<float>(p[j]);
-  }
-#else
-  for (int j = 0; j < kTK; ++j) {
-    p[j] = c10::BFloat16(j < n ? std::exp(src[j] - m) : 0.0f);
-    sum += static_cast<float>(p[j]);
-  }
-#endif
-  return sum;
-#endif
-}
-
-// The larger of init and the first n (<= kTK) of a row's scores
-float row_max(const float* sr, int n, float init) {
-#if defined(PS_SIMD)
-  ps::vf acc = ps::vset1(init);
-  for (int j = 0; j < n; j += ps::LANES) acc = ps::vmax_first(acc, ps::vload_first(sr + j, n - j), n - j);
-  return ps::vreduce_max(acc);
-#else
-  for (int j = 0; j < n; ++j) init = std::max(init, sr[j]);
-  return init;
-#endif
-}
 
 // o[0, d) *= alpha
 void scale_row(float* o, int64_t d, float alpha) {
@@ -320,95 +288,206 @@ void attend_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::
                 float*, float*, float*, const int* = nullptr) {}
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// c [m][NV 16] (+)= a [m][kk] (bf16 rows lda apart; m a multiple of kRB) times b, VNNI pairs [kk / 2][NV 16][2]:
+// the key-row walk's products on the dot-product instructions, kRB rows of a at a time against all of b's columns
+template <int NV>
+void gemm_dot(int64_t m, int64_t kk, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, float* c, bool add) {
+  constexpr int64_t n = NV * 16;
+  for (int64_t i0 = 0; i0 < m; i0 += kRB) {
+    __m512 acc[kRB][NV];
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i)
+      #pragma GCC unroll 4
+      for (int w = 0; w < NV; ++w)
+        acc[i][w] = add ? _mm512_loadu_ps(c + (i0 + i) * n + w * 16) : _mm512_setzero_ps();
+    for (int64_t p = 0; p < kk / 2; ++p) {
+      __m512bh bv[NV];
+      #pragma GCC unroll 4
+      for (int w = 0; w < NV; ++w) bv[w] = pairs(_mm512_loadu_si512(b + (p * n + w * 16) * 2));
+      #pragma GCC unroll 4
+      for (int i = 0; i < kRB; ++i) {
+        const __m512bh x = broadcast_pair(a + (i0 + i) * lda + 2 * p);
+        #pragma GCC unroll 4
+        for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], x, bv[w]);
+      }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < kRB; ++i)
+      #pragma GCC unroll 4
+      for (int w = 0; w < NV; ++w) _mm512_storeu_ps(c + (i0 + i) * n + w * 16, acc[i][w]);
+  }
+}
+#endif
+
+// c [m][n] (+)= a [m][kk] (bf16 rows lda apart) times b [kk][n] on `kernel`: b as VNNI pairs [kk / 2][n][2] for
+// AMX's brgemm (2) and the dot products (1), as rows for the fallback GEMM (0); n one of 16, 32, 48, 64
+void product(int kernel, int64_t m, int64_t n, int64_t kk, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b,
+             float* c, bool add) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (kernel == 1) {
+    switch (n / 16) {
+      case 1: gemm_dot<1>(m, kk, a, lda, b, c, add); return;
+      case 2: gemm_dot<2>(m, kk, a, lda, b, c, add); return;
+      case 3: gemm_dot<3>(m, kk, a, lda, b, c, add); return;
+      default: gemm_dot<4>(m, kk, a, lda, b, c, add); return;
+    }
+  }
+#endif
+  at::native::cpublas::brgemm(m, n, kk, lda, n, n, add, a, b, c, kernel == 2);
+}
+
+// One block of the key-row walk: rows [0, mr) (mr <= kNB) of q (scaled already; rows q_stride floats apart) over
+// KV head h of the template, each row's state after it into o (rows ld_o apart), m, l. The rows are the columns
+// of both products, nb of them (mr padded to 16 with zero queries): per kSK keys, S^T = K Q^T (the keys as the
+// rows of A, M = kSK, N = nb, K = d), the softmax down S^T's columns, sixteen rows to a vector (no reduction
+// across lanes), into P^T rounded to bf16, then O^T (+)= V^T P^T (M = d, N = nb, K = kSK), after O^T's columns
+// are rescaled where a row's maximum moved. Two products per kSK keys, whatever the rows, each a shape that
+// repeats from call to call (AMX's tile configuration loaded once per shape).
+void walk_rows(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, int mr, float* o, int64_t ld_o,
+               float* m, float* l) {
+  const int64_t d = t.d, kp = t.chunks * kTK, nb = (mr + 15) / 16 * 16;
+  const bool vnni = t.kernel != 0;
+  const auto* kh = static_cast<const c10::BFloat16*>(t.k.data_ptr()) + h * kp * d;
+  const auto* vh = static_cast<const c10::BFloat16*>(t.v.data_ptr()) + h * d * kp;
+  c10::BFloat16* qt = grown(scratch.q, d * nb + d);  // Q^T, B of the first product; then a row of q in bf16
+  c10::BFloat16* row = qt + d * nb;
+  float* st = grown(scratch.s, kSK * nb);            // S^T [kSK][nb]
+  c10::BFloat16* pt = grown(scratch.p, kSK * nb);    // P^T, B of the second product
+  float* ot = grown(scratch.o, d * nb + 2 * nb);     // O^T [d][nb], then each row's maximum and sum
+  float* mx = ot + d * nb;
+  float* sum = mx + nb;
+  for (int64_t r = 0; r < nb; ++r) {  // Q^T: [d / 2][nb][2] (VNNI) or [d][nb]
+    if (r < mr)
+      to_bf16(q + r * q_stride, d, row);
+    else
+      std::fill(row, row + d, c10::BFloat16(0.0f));  // a padding row: a zero query
+    for (int64_t e = 0; e < d; ++e) qt[vnni ? ((e / 2) * nb + r) * 2 + e % 2 : e * nb + r] = row[e];
+  }
+  for (int64_t c0 = 0; c0 < kp; c0 += kSK) {
+    const int64_t sk = std::min(kSK, kp - c0), seen = std::min(sk, t.r_len - c0);  // seen: keys before the end
+    product(t.kernel, sk, nb, d, kh + c0 * d, d, qt, st, false);
+    for (int64_t r0 = 0; r0 < nb; r0 += 16) {  // sixteen rows at a time
+#if defined(PS_SIMD)
+      ps::vf hi = ps::vload(st + r0);
+      for (int64_t j = 1; j < seen; ++j) hi = ps::vmax(hi, ps::vload(st + j * nb + r0));
+      ps::vf ref = hi, total = ps::vzero();
+      if (c0 > 0) {  // the state so far moves to the larger maximum
+        const ps::vf before = ps::vload(mx + r0);
+        ref = ps::vmax(before, hi);
+        const ps::vf alpha = ps::exp_ps(ps::vsub(before, ref));
+        total = ps::vmul(ps::vload(sum + r0), alpha);
+        for (int64_t e = 0; e < d; ++e) ps::vstore(ot + e * nb + r0, ps::vmul(ps::vload(ot + e * nb + r0), alpha));
+      }
+      ps::vstore(mx + r0, ref);
+#if defined(__AVX512F__)
+      if (vnni) {  // keys two by two: their probabilities' bf16 bits in each 32-bit lane, P^T [kSK / 2][nb][2]
+        for (int64_t j = 0; j < sk; j += 2) {
+          const __m512 e0 = j < seen ? exp_small(_mm512_sub_ps(_mm512_loadu_ps(st + j * nb + r0), ref.v))
+                                     : _mm512_setzero_ps();
+          const __m512 e1 = j + 1 < seen ? exp_small(_mm512_sub_ps(_mm512_loadu_ps(st + (j + 1) * nb + r0), ref.v))
+                                         : _mm512_setzero_ps();
+          const __m512i b0 = ps::bf16_round_bits(e0), b1 = ps::bf16_round_bits(e1);
+          _mm512_storeu_si512(pt + (j / 2 * nb + r0) * 2, _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
+          total.v = _mm512_add_ps(total.v, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b0, 16)),
+                                                         _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16))));
+        }
+        ps::vstore(sum + r0, total);
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < sk; ++j) {  // P^T [kSK][nb]
+        auto* dst = reinterpret_cast<uint16_t*>(pt + j * nb + r0);
+        ps::vstore_bf16_first(dst, j < seen ? ps::exp_ps(ps::vsub(ps::vload(st + j * nb + r0), ref)) : ps::vzero(),
+                              16);
+        total = ps::vadd(total, ps::vload_bf16_first(dst, 16));
+      }
+      ps::vstore(sum + r0, total);
+#else
+      for (int64_t r = r0; r < r0 + 16; ++r) {
+        float hi = st[r];
+        for (int64_t j = 1; j < seen; ++j) hi = std::max(hi, st[j * nb + r]);
+        float ref = hi, total = 0.0f;
+        if (c0 > 0) {
+          ref = std::max(mx[r], hi);
+          const float alpha = std::exp(mx[r] - ref);
+          total = sum[r] * alpha;
+          for (int64_t e = 0; e < d; ++e) ot[e * nb + r] *= alpha;
+        }
+        mx[r] = ref;
+        for (int64_t j = 0; j < sk; ++j) {
+          const c10::BFloat16 p(j < seen ? std::exp(st[j * nb + r] - ref) : 0.0f);
+          pt[vnni ? (j / 2 * nb + r) * 2 + j % 2 : j * nb + r] = p;
+          total += static_cast<float>(p);
+        }
+        sum[r] = total;
+      }
+#endif
+    }
+    product(t.kernel, d, nb, sk, vh + c0, kp, pt, ot, c0 > 0);
+  }
+  for (int r = 0; r < mr; ++r) {
+    for (int64_t e = 0; e < d; ++e) o[r * ld_o + e] = ot[e * nb + r];
+    m[r] = mx[r];
+    l[r] = sum[r];
+  }
+}
+
 // Rows [0, rows) of q (scaled already; rows q_stride floats apart) over head h of the template:
 // o (rows ld_o apart), m, l receive each row's state after it.
 void attend(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride, int rows, float* o, int64_t ld_o,
             float* m, float* l) {
+  if (!t.by_chunk) {
+    for (int r0 = 0; r0 < rows; r0 += kNB)
+      walk_rows(t, h, q + r0 * q_stride, q_stride, std::min(kNB, rows - r0), o + r0 * ld_o, ld_o, m + r0, l + r0);
+    if (t.kernel == 2) at::native::cpublas::brgemm_release(true);
+    return;
+  }
   const int64_t d = t.d, chunk_k = d * kTK;
   const auto* kh = static_cast<const c10::BFloat16*>(t.k.data_ptr()) + h * t.chunks * chunk_k;
   const auto* vh = static_cast<const c10::BFloat16*>(t.v.data_ptr()) + h * t.chunks * chunk_k;
   c10::BFloat16* qb = grown(scratch.q, kTM * d);
   float* ob = grown(scratch.o, kTM * d);
-  c10::BFloat16* pb = t.dot ? nullptr : grown(scratch.p, kTM * kTK);
-  float* s = t.dot ? nullptr : grown(scratch.s, kTM * kTK);
   float mi[kTM], li[kTM];
   for (int r0 = 0; r0 < rows; r0 += kTM) {
-    // rows, padded to whole AMX tiles (brgemm) or blocks of accumulators (the dot products)
-    const int mr = std::min<int>(kTM, rows - r0), pad = t.dot ? kRB : 16, mm = (mr + pad - 1) / pad * pad;
+    // rows, padded to whole blocks of accumulators
+    const int mr = std::min<int>(kTM, rows - r0), mm = (mr + kRB - 1) / kRB * kRB;
     for (int r = 0; r < mr; ++r) to_bf16(q + (r0 + r) * q_stride, d, qb + r * d);
     std::fill(qb + mr * d, qb + mm * d, c10::BFloat16(0.0f));  // padding rows
     std::fill(ob, ob + mm * d, 0.0f);
-    if (t.dot) {
-      attend_dot(qb, d, kh, vh, t.chunks, t.r_len, mm, ob, mi, li);
-    } else {
-      std::fill(pb, pb + mm * kTK, c10::BFloat16(0.0f));  // padding rows keep P = 0
-      for (int r = 0; r < mr; ++r) {
-        mi[r] = -std::numeric_limits<float>::infinity();
-        li[r] = 0.0f;
-      }
-      for (int64_t c = 0; c < t.chunks; ++c) {
-        const int nk = static_cast<int>(std::min<int64_t>(kTK, t.r_len - c * kTK));
-        at::native::cpublas::brgemm(mm, kTK, d, d, kTK, kTK, /*add_C=*/false, qb, kh + c * chunk_k, s, t.vnni);
-        for (int r = 0; r < mr; ++r) {
-          const float* sr = s + r * kTK;
-          const float mx = row_max(sr, nk, mi[r]);
-          const float sum = exp_row(sr, nk, mx, pb + r * kTK);
-          if (mx != mi[r]) {  // the running maximum moved: what came before is rescaled
-            const float alpha = std::exp(mi[r] - mx);  // 0 on the first chunk (m = -inf)
-            li[r] *= alpha;
-            if (c > 0) scale_row(ob + r * d, d, alpha);
-          }
-          li[r] += sum;
-          mi[r] = mx;
-        }
-        at::native::cpublas::brgemm(mm, d, kTK, kTK, d, d, /*add_C=*/true, pb, vh + c * chunk_k, ob, t.vnni);
-      }
-    }
+    attend_dot(qb, d, kh, vh, t.chunks, t.r_len, mm, ob, mi, li);
     for (int r = 0; r < mr; ++r) {
       std::memcpy(o + (r0 + r) * ld_o, ob + r * d, sizeof(float) * d);
       m[r0 + r] = mi[r];
       l[r0 + r] = li[r];
     }
   }
-  if (!t.dot) at::native::cpublas::brgemm_release(t.vnni);
 }
 
-// kin, vin [r_len][hkv][d] bf16 packed for `kernel` (kernel_for's numbers); a prompt's own float32 rows take
-// pack_dot_rows.
-std::unique_ptr<TemplateKV> pack_kv(const at::Tensor& kin, const at::Tensor& vin, int kernel) {
+// kin, vin [r_len][hkv][d] bf16, packed for the key-row walk on `kernel` (kernel_for's numbers); with by_chunk
+// (the dot products only) for attend_dot instead. A prompt's own float32 rows take pack_dot_rows.
+std::unique_ptr<TemplateKV> pack_kv(const at::Tensor& kin, const at::Tensor& vin, int kernel, bool by_chunk) {
   const int64_t r_len = kin.size(0), hkv = kin.size(1), d = kin.size(2);
   auto t = std::make_unique<TemplateKV>();
   t->r_len = r_len;
   t->hkv = hkv;
   t->d = d;
   t->chunks = (r_len + kTK - 1) / kTK;
-  t->vnni = kernel == 2;
-  t->dot = kernel == 1;
+  t->kernel = kernel;
+  t->by_chunk = by_chunk && kernel == 1;
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   // [hkv][chunks * kTK][d], zero past r_len
   at::Tensor kp = at::zeros({hkv, t->chunks * kTK, d}, bf16), vp = at::zeros({hkv, t->chunks * kTK, d}, bf16);
   kp.narrow(1, 0, r_len).copy_(kin.transpose(0, 1));
   vp.narrow(1, 0, r_len).copy_(vin.transpose(0, 1));
-  // K^T per chunk: [hkv][chunks][d][kTK]; V per chunk: [hkv][chunks][kTK][d]
-  at::Tensor kt = kp.view({hkv, t->chunks, kTK, d}).transpose(2, 3).contiguous();
-  at::Tensor vt = vp.view({hkv, t->chunks, kTK, d}).contiguous();
-  if (t->vnni) {
-    t->k = at::empty_like(kt);
-    t->v = at::empty_like(vt);
-    for (int64_t h = 0; h < hkv; ++h)
-      for (int64_t c = 0; c < t->chunks; ++c) {
-        at::native::cpublas::pack(d, kTK, kTK, kTK, at::kBFloat16, at::kBFloat16, kt[h][c].data_ptr(),
-                                  t->k[h][c].data_ptr());
-        at::native::cpublas::pack(kTK, d, d, d, at::kBFloat16, at::kBFloat16, vt[h][c].data_ptr(),
-                                  t->v[h][c].data_ptr());
-      }
-  } else if (t->dot) {  // pairs: K^T's rows two by two along d, V's rows two by two along the keys
-    t->k = kt.view({hkv, t->chunks, d / 2, 2, kTK}).transpose(3, 4).contiguous();
-    t->v = vt.view({hkv, t->chunks, kTK / 2, 2, d}).transpose(3, 4).contiguous();
-  } else {
-    t->k = kt;
-    t->v = vt;
+  if (!t->by_chunk) {
+    t->k = kp;
+    t->v = vp.transpose(1, 2).contiguous();  // V^T
+    return t;
   }
+  // pairs: each chunk's K^T rows two by two along d, its V rows two by two along the keys
+  t->k = kp.view({hkv, t->chunks, kTK, d / 2, 2}).permute({0, 1, 3, 2, 4}).contiguous();
+  t->v = vp.view({hkv, t->chunks, kTK / 2, 2, d}).transpose(3, 4).contiguous();
   return t;
 }
 
@@ -425,7 +504,8 @@ std::unique_ptr<TemplateKV> pack_dot_rows(const float* kn, int64_t k_stride, con
   t->hkv = hkv;
   t->d = d;
   t->chunks = (r_len + kTK - 1) / kTK;
-  t->dot = true;
+  t->kernel = 1;
+  t->by_chunk = true;
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   t->k = at::empty({hkv, t->chunks, d / 2, kTK, 2}, bf16);
   t->v = at::empty({hkv, t->chunks, kTK / 2, d, 2}, bf16);
@@ -469,7 +549,7 @@ std::unique_ptr<TemplateKV> pack_dot_rows(const float* kn, int64_t k_stride, con
 // most: the most capable kernel the products may use (kernel_for). A handle for
 // ps_onednn_template_attend and ps_onednn_template_free, or nullptr (and ps_onednn_last_error()).
 extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t row_stride, int64_t r_len,
-                                         int64_t hkv, int64_t d, int most) {
+                                         int64_t hkv, int64_t d, int most, int key_rows) {
   if (k == nullptr || v == nullptr || r_len <= 0 || hkv <= 0 || d <= 0 || d % 2 != 0 || row_stride < hkv * d) {
     last_error = "ps_onednn_template_pack: bad operands: r_len " + std::to_string(r_len) + ", hkv " +
                  std::to_string(hkv) + ", d " + std::to_string(d) + " (a positive even head size), row_stride " +
@@ -481,7 +561,7 @@ extern "C" void* ps_onednn_template_pack(const void* k, const void* v, int64_t r
     const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
     const at::Tensor kin = at::from_blob(const_cast<void*>(k), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
     const at::Tensor vin = at::from_blob(const_cast<void*>(v), {r_len, hkv, d}, {row_stride, d, 1}, bf16);
-    return pack_kv(kin, vin, kernel_for(d, most)).release();
+    return pack_kv(kin, vin, kernel_for(d, most), key_rows == 0).release();
   });
 }
 
@@ -595,10 +675,16 @@ extern "C" int ps_onednn_template_kernel_rule(int64_t d, int amx, int dot) { ret
 // How many calls of ps_onednn_template_attend have succeeded in this process.
 extern "C" int64_t ps_onednn_template_calls() { return attend_calls.load(std::memory_order_relaxed); }
 
+// Whether a packed template walks its keys as the rows of its products (1), or 64 at a time (attend_dot, 0).
+extern "C" int ps_onednn_template_key_rows(const void* handle) {
+  const auto* t = static_cast<const TemplateKV*>(handle);
+  return t != nullptr && !t->by_chunk ? 1 : 0;
+}
+
 // The kernel a packed template multiplies with (kernel_for's numbers).
 extern "C" int ps_onednn_template_packed_kernel(const void* handle) {
   const auto* t = static_cast<const TemplateKV*>(handle);
-  return t == nullptr ? 0 : t->vnni ? 2 : t->dot ? 1 : 0;
+  return t == nullptr ? 0 : t->kernel;
 }
 
 // How many calls of ps_onednn_causal_attend have succeeded in this process.
