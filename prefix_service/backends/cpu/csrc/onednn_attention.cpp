@@ -350,20 +350,32 @@ void walk_rows(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride,
   const bool vnni = t.kernel != 0;
   const auto* kh = static_cast<const c10::BFloat16*>(t.k.data_ptr()) + h * kp * d;
   const auto* vh = static_cast<const c10::BFloat16*>(t.v.data_ptr()) + h * d * kp;
-  c10::BFloat16* qt = grown(scratch.q, d * nb + d);  // Q^T, B of the first product; then a row of q in bf16
-  c10::BFloat16* row = qt + d * nb;
+  c10::BFloat16* qt = grown(scratch.q, 2 * d * nb);  // Q^T, B of the first product; then the rows of q in bf16
+  c10::BFloat16* rows = qt + d * nb;                  // [nb][d], zero past mr (a padding row: a zero query)
   float* st = grown(scratch.s, kSK * nb);            // S^T [kSK][nb]
   c10::BFloat16* pt = grown(scratch.p, kSK * nb);    // P^T, B of the second product
   float* ot = grown(scratch.o, d * nb + 2 * nb);     // O^T [d][nb], then each row's maximum and sum
   float* mx = ot + d * nb;
   float* sum = mx + nb;
-  for (int64_t r = 0; r < nb; ++r) {  // Q^T: [d / 2][nb][2] (VNNI) or [d][nb]
-    if (r < mr)
-      to_bf16(q + r * q_stride, d, row);
-    else
-      std::fill(row, row + d, c10::BFloat16(0.0f));  // a padding row: a zero query
-    for (int64_t e = 0; e < d; ++e) qt[vnni ? ((e / 2) * nb + r) * 2 + e % 2 : e * nb + r] = row[e];
-  }
+  for (int64_t r = 0; r < mr; ++r) to_bf16(q + r * q_stride, d, rows + r * d);
+  std::fill(rows + mr * d, rows + nb * d, c10::BFloat16(0.0f));
+  // Q^T: VNNI [d / 2][nb][2], each pair of a row's values one 32-bit word (a transpose of [nb][d / 2] words), or [d][nb]
+#if defined(__AVX512F__)
+  if (vnni) {
+    const auto* words = reinterpret_cast<const float*>(rows);  // 32-bit words moved as floats: the bits unchanged
+    auto* out = reinterpret_cast<float*>(qt);
+    for (int64_t r0 = 0; r0 < nb; r0 += 16)
+      for (int64_t p0 = 0; p0 < d / 2; p0 += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, d / 2 - p0));
+        ps::vf blk[16];
+        for (int i = 0; i < 16; ++i) blk[i] = ps::vload_first(words + (r0 + i) * (d / 2) + p0, n);
+        ps::transpose16(blk);
+        for (int k = 0; k < n; ++k) ps::vstore(out + (p0 + k) * nb + r0, blk[k]);
+      }
+  } else
+#endif
+    for (int64_t r = 0; r < nb; ++r)
+      for (int64_t e = 0; e < d; ++e) qt[vnni ? ((e / 2) * nb + r) * 2 + e % 2 : e * nb + r] = rows[r * d + e];
   for (int64_t c0 = 0; c0 < kp; c0 += kSK) {
     const int64_t sk = std::min(kSK, kp - c0), seen = std::min(sk, t.r_len - c0);  // seen: keys before the end
     product(t.kernel, sk, nb, d, kh + c0 * d, d, qt, st, false);
@@ -427,10 +439,23 @@ void walk_rows(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride,
     product(t.kernel, d, nb, sk, vh + c0, kp, pt, ot, c0 > 0);
   }
   for (int r = 0; r < mr; ++r) {
-    for (int64_t e = 0; e < d; ++e) o[r * ld_o + e] = ot[e * nb + r];
     m[r] = mx[r];
     l[r] = sum[r];
   }
+#if defined(PS_SIMD)
+  if (d % 16 == 0) {  // O^T [d][nb] to the rows' outputs, 16 x 16 at a time
+    for (int64_t e0 = 0; e0 < d; e0 += 16)
+      for (int64_t r0 = 0; r0 < mr; r0 += 16) {
+        ps::vf blk[16];
+        for (int i = 0; i < 16; ++i) blk[i] = ps::vload(ot + (e0 + i) * nb + r0);
+        ps::transpose16(blk);
+        for (int64_t k = 0; k < 16 && r0 + k < mr; ++k) ps::vstore(o + (r0 + k) * ld_o + e0, blk[k]);
+      }
+    return;
+  }
+#endif
+  for (int r = 0; r < mr; ++r)
+    for (int64_t e = 0; e < d; ++e) o[r * ld_o + e] = ot[e * nb + r];
 }
 
 // Rows [0, rows) of q (scaled already; rows q_stride floats apart) over head h of the template:
