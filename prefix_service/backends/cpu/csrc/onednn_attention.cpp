@@ -399,10 +399,19 @@ void walk_rows(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride,
                                      : _mm512_setzero_ps();
           const __m512 e1 = j + 1 < seen ? exp_small(_mm512_sub_ps(_mm512_loadu_ps(st + (j + 1) * nb + r0), ref.v))
                                          : _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+          // one instruction a rounding (to nearest even, as bf16_round_bits: the exponentials are 0 or normal
+          // numbers, where its flush of subnormals cannot act), and the pair's sum by a dot product with (1, 1)
+          const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0)),
+                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1)), 16));
+          _mm512_storeu_si512(pt + (j / 2 * nb + r0) * 2, w);
+          total.v = _mm512_dpbf16_ps(total.v, (__m512bh)w, (__m512bh)_mm512_set1_epi32(0x3f803f80));
+#else
           const __m512i b0 = ps::bf16_round_bits(e0), b1 = ps::bf16_round_bits(e1);
           _mm512_storeu_si512(pt + (j / 2 * nb + r0) * 2, _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
           total.v = _mm512_add_ps(total.v, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b0, 16)),
                                                          _mm512_castsi512_ps(_mm512_slli_epi32(b1, 16))));
+#endif
         }
         ps::vstore(sum + r0, total);
         continue;
