@@ -80,7 +80,8 @@ def main() -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"isa": cpuinfo.isa(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                       "kernel": kernel, "key_rows": template.key_rows, "tokens": args.tokens, "kv_heads": args.kv_heads,
+                       "kernel": kernel, "key_rows": template.key_rows, "tokens": args.tokens,
+                       "kv_heads": args.kv_heads,
                        "head_size": args.head_size, "calls": args.calls,
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, f, indent=1)
         print(f"JSON: {args.json}")

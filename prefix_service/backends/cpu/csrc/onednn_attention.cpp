@@ -359,7 +359,8 @@ void walk_rows(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride,
   float* sum = mx + nb;
   for (int64_t r = 0; r < mr; ++r) to_bf16(q + r * q_stride, d, rows + r * d);
   std::fill(rows + mr * d, rows + nb * d, c10::BFloat16(0.0f));
-  // Q^T: VNNI [d / 2][nb][2], each pair of a row's values one 32-bit word (a transpose of [nb][d / 2] words), or [d][nb]
+  // Q^T: VNNI [d / 2][nb][2], each pair of a row's values one 32-bit word (a transpose of [nb][d / 2] words),
+  // or [d][nb]
 #if defined(__AVX512F__)
   if (vnni) {
     const auto* words = reinterpret_cast<const float*>(rows);  // 32-bit words moved as floats: the bits unchanged
@@ -402,8 +403,9 @@ void walk_rows(const TemplateKV& t, int64_t h, const float* q, int64_t q_stride,
 #if defined(__AVX512BF16__)
           // one instruction a rounding (to nearest even, as bf16_round_bits: the exponentials are 0 or normal
           // numbers, where its flush of subnormals cannot act), and the pair's sum by a dot product with (1, 1)
-          const __m512i w = _mm512_or_si512(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0)),
-                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1)), 16));
+          const __m512i w0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+          const __m512i w1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+          const __m512i w = _mm512_or_si512(w0, _mm512_slli_epi32(w1, 16));
           _mm512_storeu_si512(pt + (j / 2 * nb + r0) * 2, w);
           total.v = _mm512_dpbf16_ps(total.v, (__m512bh)w, (__m512bh)_mm512_set1_epi32(0x3f803f80));
 #else
