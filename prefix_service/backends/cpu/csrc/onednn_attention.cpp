@@ -164,56 +164,34 @@ using ps_onednn::pairs;
 // The loops over rows and vectors below are unrolled, so the accumulators stay in registers: the
 // library builds at -O2, which would keep them on the stack (2.2x slower).
 
-// s [kRB][kTK] = q [kRB][d] (bf16, rows d apart) times a chunk's K^T, k [d / 2][kTK][2]
-inline void scores_rows(const c10::BFloat16* q, int64_t d, const c10::BFloat16* k, float* s) {
-  __m512 acc[kRB][4];
-  #pragma GCC unroll 4
-  for (int i = 0; i < kRB; ++i)
-    #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < d / 2; ++p) {
-    const c10::BFloat16* kp = k + p * kTK * 2;
-    __m512bh kv[4];
-    #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) kv[v] = pairs(_mm512_loadu_si512(kp + v * 32));
-    #pragma GCC unroll 4
-    for (int i = 0; i < kRB; ++i) {
-      const __m512bh a = broadcast_pair(q + i * d + 2 * p);
-      #pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a, kv[v]);
-    }
-  }
-  #pragma GCC unroll 4
-  for (int i = 0; i < kRB; ++i)
-    #pragma GCC unroll 4
-    for (int v = 0; v < 4; ++v) _mm512_store_ps(s + i * kTK + v * 16, acc[i][v]);
-}
-
-// o[0, kRB)[e0, e0 + 16 NV) (rows d apart) += p [kRB][kTK] (bf16) times columns e0.. of a chunk's V,
-// v [kTK / 2][d][2]
+// c [kRB][16 NV] (rows ldc apart) = (c if add, else 0) + a [kRB][kk] (bf16 rows lda apart) times the first 16 NV
+// columns of b, VNNI pairs [kk / 2][ldb][2]: every product of the dot products, attend_dot's scores (a the
+// queries, b a chunk's K^T) and values (a the probabilities, b a chunk's V) and the key-row walk's (gemm_dot).
+// Inlined into each caller, where the strides are constants or loop invariants
 template <int NV>
-inline void values_rows(const c10::BFloat16* p, const c10::BFloat16* v, int64_t d, int64_t e0, float* o) {
+[[gnu::always_inline]] inline void dot_block(const c10::BFloat16* a, int64_t lda, int64_t kk, const c10::BFloat16* b,
+                                             int64_t ldb, float* c, int64_t ldc, bool add) {
   __m512 acc[kRB][NV];
   #pragma GCC unroll 4
   for (int i = 0; i < kRB; ++i)
     #pragma GCC unroll 4
-    for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_loadu_ps(o + i * d + e0 + w * 16);
-  for (int64_t j = 0; j < kTK / 2; ++j) {
-    const c10::BFloat16* vp = v + (j * d + e0) * 2;
-    __m512bh vv[NV];
+    for (int w = 0; w < NV; ++w) acc[i][w] = add ? _mm512_loadu_ps(c + i * ldc + w * 16) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kk / 2; ++p) {
+    const c10::BFloat16* bp = b + p * ldb * 2;
+    __m512bh bv[NV];
     #pragma GCC unroll 4
-    for (int w = 0; w < NV; ++w) vv[w] = pairs(_mm512_loadu_si512(vp + w * 32));
+    for (int w = 0; w < NV; ++w) bv[w] = pairs(_mm512_loadu_si512(bp + w * 32));
     #pragma GCC unroll 4
     for (int i = 0; i < kRB; ++i) {
-      const __m512bh a = broadcast_pair(p + i * kTK + 2 * j);
+      const __m512bh x = broadcast_pair(a + i * lda + 2 * p);
       #pragma GCC unroll 4
-      for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], a, vv[w]);
+      for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], x, bv[w]);
     }
   }
   #pragma GCC unroll 4
   for (int i = 0; i < kRB; ++i)
     #pragma GCC unroll 4
-    for (int w = 0; w < NV; ++w) _mm512_storeu_ps(o + i * d + e0 + w * 16, acc[i][w]);
+    for (int w = 0; w < NV; ++w) _mm512_storeu_ps(c + i * ldc + w * 16, acc[i][w]);
 }
 
 constexpr float kLazy = 8.0f;  // how far a row's scores may rise above its reference before it moves
@@ -245,7 +223,7 @@ void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, con
     const c10::BFloat16* kc = kh + c * chunk_k;
     const c10::BFloat16* vc = vh + c * chunk_k;
     for (int r = 0; r < mm; r += kRB) {
-      scores_rows(qb + r * d, d, kc, sb);
+      dot_block<4>(qb + r * d, d, d, kc, kTK, sb, kTK, false);  // the block's scores
       for (int i = 0; i < kRB; ++i) {
         const int row = r + i;
         // the keys this row sees in the chunk: all but those past the template's end (or past the row's own)
@@ -267,11 +245,11 @@ void attend_dot(const c10::BFloat16* qb, int64_t d, const c10::BFloat16* kh, con
         lsum[row] = exp_round_add(sb + i * kTK, n, ref[row], pb + i * kTK, lsum[row]);
       }
       int64_t e0 = 0;  // the block's outputs, 64 columns at a time
-      for (; e0 + 64 <= d; e0 += 64) values_rows<4>(pb, vc, d, e0, ob + r * d);
+      for (; e0 + 64 <= d; e0 += 64) dot_block<4>(pb, kTK, kTK, vc + e0 * 2, d, ob + r * d + e0, d, true);
       switch ((d - e0) / 16) {
-        case 3: values_rows<3>(pb, vc, d, e0, ob + r * d); break;
-        case 2: values_rows<2>(pb, vc, d, e0, ob + r * d); break;
-        case 1: values_rows<1>(pb, vc, d, e0, ob + r * d); break;
+        case 3: dot_block<3>(pb, kTK, kTK, vc + e0 * 2, d, ob + r * d + e0, d, true); break;
+        case 2: dot_block<2>(pb, kTK, kTK, vc + e0 * 2, d, ob + r * d + e0, d, true); break;
+        case 1: dot_block<1>(pb, kTK, kTK, vc + e0 * 2, d, ob + r * d + e0, d, true); break;
         default: break;
       }
     }
@@ -294,29 +272,7 @@ void attend_dot(const c10::BFloat16*, int64_t, const c10::BFloat16*, const c10::
 template <int NV>
 void gemm_dot(int64_t m, int64_t kk, const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, float* c, bool add) {
   constexpr int64_t n = NV * 16;
-  for (int64_t i0 = 0; i0 < m; i0 += kRB) {
-    __m512 acc[kRB][NV];
-    #pragma GCC unroll 4
-    for (int i = 0; i < kRB; ++i)
-      #pragma GCC unroll 4
-      for (int w = 0; w < NV; ++w)
-        acc[i][w] = add ? _mm512_loadu_ps(c + (i0 + i) * n + w * 16) : _mm512_setzero_ps();
-    for (int64_t p = 0; p < kk / 2; ++p) {
-      __m512bh bv[NV];
-      #pragma GCC unroll 4
-      for (int w = 0; w < NV; ++w) bv[w] = pairs(_mm512_loadu_si512(b + (p * n + w * 16) * 2));
-      #pragma GCC unroll 4
-      for (int i = 0; i < kRB; ++i) {
-        const __m512bh x = broadcast_pair(a + (i0 + i) * lda + 2 * p);
-        #pragma GCC unroll 4
-        for (int w = 0; w < NV; ++w) acc[i][w] = _mm512_dpbf16_ps(acc[i][w], x, bv[w]);
-      }
-    }
-    #pragma GCC unroll 4
-    for (int i = 0; i < kRB; ++i)
-      #pragma GCC unroll 4
-      for (int w = 0; w < NV; ++w) _mm512_storeu_ps(c + (i0 + i) * n + w * 16, acc[i][w]);
-  }
+  for (int64_t i0 = 0; i0 < m; i0 += kRB) dot_block<NV>(a + i0 * lda, lda, kk, b, n, c + i0 * n, n, add);
 }
 #endif
 
