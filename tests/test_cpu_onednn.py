@@ -638,7 +638,9 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     assert onednn.template_attention(64) == ("matrix" if dot else "native")  # the default: by the machine
     assert onednn.template_attention(72) == "native"  # the dot products take multiples of 16
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
-    assert onednn.template_attention(64) == "native"  # on AMX the native kernels by default, whatever multiplies
+    # on AMX with the dot products (or the fallback) multiplying: the native kernels by default
+    # (with the tiles multiplying: "measure", tests/test_cpu_tuning.py)
+    assert onednn.template_attention(64) == "native"
     monkeypatch.undo()
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "native")
     assert onednn.template_attention(64) == "native"
@@ -647,7 +649,7 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "brgemm")  # the older name of matrix
     assert onednn.template_attention(64) == "matrix"
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "amx")
-    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_ATTENTION='amx': one of native, matrix is needed"):
+    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_ATTENTION='amx': one of native, matrix, measure is needed"):
         onednn.template_attention(64)
 
 

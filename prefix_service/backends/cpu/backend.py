@@ -76,8 +76,11 @@ class CpuBackend(Backend):
             if few_rows := getattr(self.head, "few_rows", 0):
                 notes.append(f"AVX512-BF16 dot products up to {few_rows} rows")
             how += f" ({'; '.join(notes)})" if notes else ""
-            matrix = (f", template attention as bf16 matrix products ({onednn.template_kernel(self.stack.head_dim)})"
-                      if self.stack.template_matrix else "")
+            timed = f"; timed each way: {t.why}" if (t := self.stack.template_timing) is not None else ""
+            kernel = onednn.template_kernel(self.stack.head_dim, self.stack.template_products)
+            matrix = (f", template attention as bf16 matrix products ({kernel}{timed})"
+                      if self.stack.template_matrix else
+                      f", template attention on the native kernels ({timed[2:]})" if timed else "")
             if self.stack.prompt_dot:
                 matrix += ", a prompt's own attention as AVX512-BF16 dot products"
             if self.stack.int8_linears:
@@ -118,7 +121,8 @@ class CpuBackend(Backend):
             return
         start = time.perf_counter()
         packed = self.templates[handle.template_id] = PackedTemplate(self.kv_layers, list(handle.block_table[:full]),
-                                                                     matrix=self.stack.template_matrix)
+                                                                     matrix=self.stack.template_matrix,
+                                                                     products=self.stack.template_products)
         log.info("prefix template %r: K/V of its %d full blocks packed for CPU attention (%.1f MiB, %.0f ms)",
                  handle.name, packed.num_blocks, packed.nbytes / 2**20, (time.perf_counter() - start) * 1e3)
 

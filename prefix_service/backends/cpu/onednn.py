@@ -354,9 +354,10 @@ class OneDnnTemplate:
     two products per 256 keys for up to 64 query rows, whatever the kernel); the dot products walk
     the keys 64 at a time a few query rows at a time (attend_dot), which is faster with them, unless
     `key_rows` asks for the key-row walk on them too (to check its VNNI operands on a CPU without
-    AMX, and to compare the two)."""
+    AMX, and to compare the two). `products` caps the kernel as template_products() does (a
+    TEMPLATE_KERNELS number; None: template_products())."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_rows: bool = False) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_rows: bool = False, products: int | None = None) -> None:
         if (k.dim() != 3 or k.shape != v.shape or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16
                 or k.device.type != "cpu" or v.device.type != "cpu"):
             raise OneDnnError(f"k, v: bfloat16 CPU tensors [R, Hkv, D] of one shape are needed, got {k.dtype} "
@@ -369,7 +370,8 @@ class OneDnnTemplate:
         if k.stride()[1:] != (self.head_size, 1) or v.stride() != k.stride():
             k, v = k.contiguous(), v.contiguous()
         handle = lib.ps_onednn_template_pack(k.data_ptr(), v.data_ptr(), k.stride(0), self.num_tokens,
-                                             self.num_kv_heads, self.head_size, template_products(), int(key_rows))
+                                             self.num_kv_heads, self.head_size,
+                                             template_products() if products is None else products, int(key_rows))
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
@@ -392,7 +394,7 @@ class OneDnnTemplate:
 
 
 TEMPLATE_ATTENTION_ENV = "PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION"
-TEMPLATE_ATTENTIONS = ("native", "matrix")
+TEMPLATE_ATTENTIONS = ("native", "matrix", "measure")
 TEMPLATE_ATTENTION_ALIASES = {"brgemm": "matrix"}  # the value's older name, still taken
 # what ps_onednn_template_kernel numbers: the products of the matrix-product template attention
 TEMPLATE_KERNELS = {0: "fallback GEMM", 1: "AVX512-BF16 dot products", 2: "AMX brgemm"}
@@ -424,17 +426,19 @@ def template_products() -> int:
     return TEMPLATE_PRODUCTS[chosen]
 
 
-def template_kernel(head_size: int) -> str:
+def template_kernel(head_size: int, products: int | None = None) -> str:
     """What multiplies the matrix-product template attention's bf16 products here for heads of
     head_size (a value of TEMPLATE_KERNELS; the library decides, as it does when it packs a
     template): oneDNN's brgemm micro-kernel on AMX tiles; elsewhere, where the CPU has AVX512-BF16
     (AMD Zen 4 on, Intel Cooper Lake), the library's own loops of bf16 dot-product instructions;
     each for head sizes that are a multiple of 16; else torch's fallback GEMM. "fallback GEMM" as
-    well without the library. None above what template_products() allows."""
+    well without the library. None above what `products` (a TEMPLATE_KERNELS number; None:
+    template_products()) allows."""
     lib = load()[0]
     if lib is None:
         return TEMPLATE_KERNELS[0]
-    return TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(head_size, template_products()))]
+    most = template_products() if products is None else products
+    return TEMPLATE_KERNELS[int(lib.ps_onednn_template_kernel(head_size, most))]
 
 
 def template_kernel_rule(head_size: int, amx: bool, dot: bool) -> str:
@@ -457,20 +461,23 @@ def _dot_by_default(head_size: int) -> bool:
 
 def template_attention(head_size: int) -> str:
     """How a bfloat16 model's rows attend over a pinned template's keys, for heads of head_size:
-    "native" (the native kernels' float32 FMAs over a float32 copy) or "matrix" (matrix products in
+    "native" (the native kernels' float32 FMAs over a float32 copy), "matrix" (matrix products in
     bf16 with float32 sums, OneDnnTemplate, on template_kernel(): AMX tiles, AVX512-BF16 dot products
-    or the fallback GEMM). The environment variable PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION chooses
-    ("brgemm", its older name, means "matrix"); by default "matrix" where its products are the
-    AVX512-BF16 dot products on a CPU without AMX, which take 10-25% off the attention of a prefill
-    or a batched decode on a template there (docs/benchmarks.md), and "native" elsewhere: the
-    fallback GEMM is 2-3x slower than the native kernels, and on AMX the tiles have yet to be timed
-    in the key-row walk (OneDnnTemplate), which replaced the walk of 64 keys at a time that made the
-    first token of a 100-token prompt on a template 3x slower at 16 threads there (docs/benchmarks.md,
-    "Run 8"). With PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot (template_products()) the default is
-    "matrix" on AMX too, on the dot products: to measure them against the native kernels there."""
+    or the fallback GEMM), or "measure": the decoder stack times both on the model when it is built
+    and keeps the faster (tuning.py). The environment variable PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION
+    chooses ("brgemm", its older name, means "matrix"). By default: "matrix" where its products are
+    the AVX512-BF16 dot products on a CPU without AMX, which take 10-25% off the attention of a
+    prefill or a batched decode on a template there (docs/benchmarks.md); "measure" where they are
+    AMX's tiles, whose key-row walk has no figure yet (the walk it replaced made the first token of
+    a 100-token prompt on a template 3x slower at 16 threads there, docs/benchmarks.md, "Run 8");
+    "native" elsewhere: the fallback GEMM is 2-3x slower than the native kernels. With
+    PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot (template_products()) the default is "matrix" on AMX
+    too, on the dot products: to measure them against the native kernels there."""
     chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
     if not chosen:
-        return "matrix" if _dot_by_default(head_size) else "native"
+        if _dot_by_default(head_size):
+            return "matrix"
+        return "measure" if template_kernel(head_size) == TEMPLATE_KERNELS[2] else "native"
     chosen = TEMPLATE_ATTENTION_ALIASES.get(chosen, chosen)
     if chosen not in TEMPLATE_ATTENTIONS:
         raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")

@@ -28,10 +28,10 @@ class PackedTemplate:
     matrix-product template attention (onednn.OneDnnTemplate), the only copy the attention then
     reads. `pointers` [layers, 3] int64, as the decoder stack reads them: the K panels', the V
     rows' and 0; with `matrix`, the OneDnnTemplate's handle three times (the first two only name
-    the template, which the decode kernel groups its rows by)."""
+    the template, which the decode kernel groups its rows by). `products`: OneDnnTemplate's."""
 
     def __init__(self, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int],
-                 matrix: bool = False) -> None:
+                 matrix: bool = False, products: int | None = None) -> None:
         if not block_ids:
             raise ValueError("a packed template needs at least one full block")
         self.num_blocks = len(block_ids)
@@ -50,7 +50,7 @@ class PackedTemplate:
             if matrix:  # [R, Hkv, D] bf16, as the cache holds it
                 kb = k_cache[first:first + self.num_blocks] if run else k_cache.index_select(0, idx)
                 vb = v_cache[first:first + self.num_blocks] if run else v_cache.index_select(0, idx)
-                self.matrix.append(OneDnnTemplate(kb.flatten(0, 1), vb.flatten(0, 1)))
+                self.matrix.append(OneDnnTemplate(kb.flatten(0, 1), vb.flatten(0, 1), products=products))
                 self.nbytes += self.matrix[-1].nbytes
                 continue
             # [R, Hkv, D] as float32, which the kernels read (a bfloat16 cache widens exactly)

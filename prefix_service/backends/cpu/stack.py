@@ -14,6 +14,8 @@ paid once per step. Activations are float32 in either dtype; the KV cache holds 
 from __future__ import annotations
 
 import ctypes
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -25,11 +27,14 @@ from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
 from prefix_service.backends.cpu.packed_template import PackedTemplate
+from prefix_service.backends.cpu.tuning import TemplateTiming, measure_template_attention
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 from prefix_service.model.quantize import int8_weight
 
 if TYPE_CHECKING:
     from prefix_service.engine.step import ScheduledRow, StepBatch
+
+log = logging.getLogger("prefix_service.engine")
 
 
 def unsupported(arch: ModelArch, dtype: torch.dtype) -> str | None:
@@ -139,9 +144,12 @@ class DecoderStack:
                                             f"{tuple(c.shape)}")
         self.kv_bf16 = int(kv_dtype == torch.bfloat16)
         # a bf16 model's rows over a template: matrix products where chosen (the templates then
-        # carry their handles), else the native kernels
-        self.template_matrix = bool(self.kv_bf16) and onednn.template_attention(self.head_dim) == "matrix"
+        # carry their handles), else the native kernels; "measure": chosen below, once the layers are packed
+        template_attention = onednn.template_attention(self.head_dim) if self.kv_bf16 else "native"
+        self.template_matrix = template_attention == "matrix"
         self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0
+        self.template_timing: TemplateTiming | None = None  # what timing each way found, where it was timed
+        self.template_products: int | None = None  # the matrix products' kernel cap (None: the environment's)
         # a bf16 prompt with nothing before it: its own keys on the dot products where chosen
         self.prompt_dot = bool(self.kv_bf16) and onednn.prompt_attention(self.head_dim) == "dot"
         self.causal_fn = onednn.causal_attend_fn() if self.prompt_dot else 0
@@ -183,6 +191,16 @@ class DecoderStack:
         # to the system and faulted in again by the next one (malloc's arenas of threads other than
         # the main one give whole free heaps back, whatever its trim threshold)
         self.workspace = torch.empty(0, dtype=torch.float32)
+        if template_attention == "measure":
+            log.info("timing the template attention each way, once: the native kernels and bf16 matrix products")
+            start = time.perf_counter()
+            self.template_timing = measure_template_attention(self)
+            self.template_matrix = self.template_timing.choice == "matrix"
+            self.template_products = self.template_timing.products
+            self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0
+            self.workspace = torch.empty(0, dtype=torch.float32)  # what the test's steps grew it to
+            log.info("template attention timed in %.0f ms: %s", (time.perf_counter() - start) * 1e3,
+                     self.template_timing.summary())
 
     def forward(self, x: torch.Tensor, plan: StackPlan) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens, contiguous float32) is the residual stream, updated in

@@ -1,0 +1,191 @@
+"""Choosing the template attention by timing it on the machine itself (onednn.template_attention()
+"measure", the default where the CPU has AMX tiles).
+
+A bfloat16 model's rows may attend over a pinned template in two ways: the native kernels' float32
+FMAs over a float32 copy, or bf16 matrix products (OneDnnTemplate) on one of the kernels the CPU
+has for them (AMX tiles, AVX512-BF16 dot products). Which is fastest depends on the CPU's matrix
+units and on its thread count, so where no figure settles it the decoder stack times each once,
+when it is built, on the model's own layers: a synthetic template written into free
+blocks of the (still empty) KV cache and packed each way, then, in rounds that alternate the order, a
+`PREFILL_TOKENS`-token prompt continuing it and a decode step of `DECODE_SEQUENCES` sequences on it,
+as the engine runs them. The fastest matrix products on the sum of both are kept when they are faster
+than the native kernels on each and by at least `MARGIN` on the sum; anything else (slower, too close
+to call, a failure in the products, a cache too small for the test) keeps the native kernels, and
+says why. The blocks used are zeroed again
+afterwards, so the cache is handed to the engine as it was allocated.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefix_service.backends.cpu import onednn
+from prefix_service.backends.cpu.native import NativeKernelError
+from prefix_service.backends.cpu.packed_template import PackedTemplate
+
+if TYPE_CHECKING:
+    from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
+
+log = logging.getLogger("prefix_service.engine")
+
+TEMPLATE_TOKENS = 1024  # the synthetic template's length, at most (less where the cache is small)
+MIN_TEMPLATE_TOKENS = 128  # below this the test says little: the native kernels are kept untimed
+PREFILL_TOKENS = 100
+DECODE_SEQUENCES = 16
+ROUNDS = 3  # timed rounds of each way, after one untimed
+MARGIN = 0.05  # how much faster, on the sum of both, the matrix products must be to be chosen
+
+
+@dataclass(frozen=True)
+class TemplateTiming:
+    """What timing the template attention found: milliseconds a forward (median of the timed
+    rounds) for each way ("native", and each kernel of the matrix products, TEMPLATE_KERNELS' names)
+    and each case ("prefill", "decode"); the way chosen ("native" or "matrix"), with `kernel`, the
+    matrix products' kernel chosen, and `products`, the cap (onednn.template_products()'s kind of
+    number) that packs templates for it (both None for "native"); and why. `ms` is empty where
+    nothing was timed (`why` says what stopped it)."""
+    choice: str
+    why: str
+    kernel: str | None = None
+    products: int | None = None
+    template_tokens: int = 0
+    ms: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        if not self.ms:
+            return f"{self.choice} ({self.why})"
+        ways = "; ".join(f"{way} {t['prefill']:.1f} and {t['decode']:.1f} ms" for way, t in self.ms.items())
+        return (f"{self.kernel or 'native kernels'} ({self.why}); on a {self.template_tokens}-token template, "
+                f"a {PREFILL_TOKENS}-token prefill and a {DECODE_SEQUENCES}-sequence decode step took: {ways}")
+
+
+def choose(ms: dict[str, dict[str, float]], margin: float = MARGIN) -> tuple[str, str]:
+    """(way, why) from the medians `ms` (TemplateTiming.ms, "native" among them): the matrix
+    products' kernel of the least sum that is faster than the native kernels in both cases, and on
+    the sum by at least `margin`; else "native"."""
+    n = ms["native"]
+    total = {way: t["prefill"] + t["decode"] for way, t in ms.items()}
+    faster = [way for way, t in ms.items()
+              if way != "native" and t["prefill"] < n["prefill"] and t["decode"] < n["decode"]]
+    if not faster:
+        return "native", "no matrix products were faster on both the prefill and the decode step"
+    best = min(faster, key=total.__getitem__)
+    ratio = total[best] / total["native"]
+    if ratio > 1 - margin:
+        return "native", (f"the fastest matrix products ({best}) took {ratio:.0%} of the native time, within the "
+                          f"{margin:.0%} margin")
+    return best, f"{ratio:.0%} of the native kernels' time"
+
+
+def candidates(head_size: int) -> dict[str, int]:
+    """The matrix products' kernels to time here: TEMPLATE_KERNELS' name -> number, each that runs
+    in bf16 units on this CPU for heads of head_size (not the fallback GEMM), within what
+    onednn.template_products() allows."""
+    most = onednn.template_products()
+    found: dict[str, int] = {}
+    for products in range(most, 0, -1):
+        kernel = onednn.template_kernel(head_size, products)
+        if kernel != onednn.TEMPLATE_KERNELS[0]:
+            found.setdefault(kernel, products)
+    return found
+
+
+def _plans(stack: DecoderStack, template_blocks: list[int], own: list[int]) -> tuple[StackPlan, StackPlan]:
+    """A prefill of PREFILL_TOKENS after the template into blocks own[:p], and a decode step of
+    DECODE_SEQUENCES sequences on the template, each storing its token in one block of own[p:]."""
+    from prefix_service.backends.cpu.stack import StackPlan
+    bs, r = stack.block_size, len(template_blocks) * stack.block_size
+    p_blocks = -(-PREFILL_TOKENS // bs)
+    pre_own, dec_own = own[:p_blocks], own[p_blocks:]
+    prefill = StackPlan(
+        slots=torch.tensor([pre_own[i // bs] * bs + i % bs for i in range(PREFILL_TOKENS)]),
+        positions=torch.arange(r, r + PREFILL_TOKENS), num_decodes=0,
+        decode_tables=torch.zeros(0, 0, dtype=torch.int32), decode_context=torch.zeros(0, dtype=torch.int32),
+        decode_skip=None, prefill_info=torch.tensor([[PREFILL_TOKENS, r, r]], dtype=torch.int32),
+        prefill_tables=torch.tensor([template_blocks + pre_own], dtype=torch.int32), templates=None)
+    n = DECODE_SEQUENCES
+    decode = StackPlan(
+        slots=torch.tensor([b * bs for b in dec_own]), positions=torch.full((n,), r), num_decodes=n,
+        decode_tables=torch.tensor([template_blocks + [b] for b in dec_own], dtype=torch.int32),
+        decode_context=torch.full((n,), r + 1, dtype=torch.int32),
+        decode_skip=torch.full((n,), len(template_blocks), dtype=torch.int32),
+        prefill_info=torch.zeros(0, 3, dtype=torch.int32), prefill_tables=torch.zeros(0, 0, dtype=torch.int32),
+        templates=None)
+    return prefill, decode
+
+
+def measure_template_attention(stack: DecoderStack) -> TemplateTiming:
+    """Times a bf16 stack's template attention each way (the module's docstring) and returns the
+    choice; the stack is left as it was (its template_fn untouched, the blocks used zeroed)."""
+    bs, nb, positions = stack.block_size, stack.num_blocks, stack.cos.shape[0]
+    kernels = candidates(stack.head_dim)
+    if not kernels:
+        return TemplateTiming("native", f"no bf16 units multiply heads of {stack.head_dim} here")
+    own_blocks = -(-PREFILL_TOKENS // bs) + DECODE_SEQUENCES
+    t_blocks = min((nb - own_blocks) * bs, TEMPLATE_TOKENS, positions - PREFILL_TOKENS - 1) // bs
+    if t_blocks * bs < MIN_TEMPLATE_TOKENS:
+        return TemplateTiming("native", f"not timed: {nb} blocks of {bs} tokens and {positions} positions leave no "
+                                        f"room for a {MIN_TEMPLATE_TOKENS}-token template and the test's rows")
+    template_blocks = list(range(t_blocks))
+    own = list(range(t_blocks, t_blocks + own_blocks))
+    gen = torch.Generator().manual_seed(0)
+    shape = (t_blocks, bs, stack.hkv, stack.head_dim)
+    try:
+        for k, v in stack.kv_layers:
+            k[:t_blocks] = torch.randn(shape, generator=gen).to(k.dtype)
+            v[:t_blocks] = torch.randn(shape, generator=gen).to(v.dtype)
+        packed = {"native": PackedTemplate(stack.kv_layers, template_blocks)}
+        matrix_fn = onednn.template_attend_fn()
+        fns = {"native": 0}
+        failed: dict[str, str] = {}
+        for kernel, products in kernels.items():
+            try:
+                packed[kernel] = PackedTemplate(stack.kv_layers, template_blocks, matrix=True, products=products)
+                fns[kernel] = matrix_fn
+            except (onednn.OneDnnError, ValueError) as e:
+                failed[kernel] = f"could not pack the template: {e}"
+        prefill, decode = _plans(stack, template_blocks, own)
+        x = {"prefill": torch.randn(PREFILL_TOKENS, stack.hidden, generator=gen) * 0.1,
+             "decode": torch.randn(DECODE_SEQUENCES, stack.hidden, generator=gen) * 0.1}
+        times: dict[str, dict[str, list[float]]] = {w: {"prefill": [], "decode": []} for w in fns}
+        saved = stack.template_fn
+        try:
+            for round_ in range(ROUNDS + 1):
+                order = [w for w in fns if w not in failed]
+                for way in (order if round_ % 2 == 0 else order[::-1]):
+                    stack.template_fn = fns[way]
+                    for case, plan in (("prefill", prefill), ("decode", decode)):
+                        rows = plan.num_decodes or 1
+                        plan.templates = packed[way].pointers.unsqueeze(0).expand(rows, -1, -1).contiguous()
+                        h = x[case].clone()
+                        start = time.perf_counter()
+                        try:
+                            stack.forward(h, plan)
+                        except (NativeKernelError, onednn.OneDnnError) as e:
+                            if way == "native":
+                                raise
+                            failed[way] = f"failed: {e}"
+                            break
+                        if round_:
+                            times[way][case].append((time.perf_counter() - start) * 1e3)
+        finally:
+            stack.template_fn = saved
+        for way, reason in failed.items():
+            log.warning("template attention: the matrix products on %s %s", way, reason)
+        ms = {w: {c: statistics.median(t) for c, t in cases.items()} for w, cases in times.items() if w not in failed}
+        way, why = choose(ms)
+        if failed:
+            why += "; " + "; ".join(f"{w} {reason}" for w, reason in failed.items())
+        if way == "native":
+            return TemplateTiming("native", why, None, None, t_blocks * bs, ms)
+        return TemplateTiming("matrix", why, way, kernels[way], t_blocks * bs, ms)
+    finally:
+        for k, v in stack.kv_layers:
+            k[:t_blocks + own_blocks] = 0
+            v[:t_blocks + own_blocks] = 0

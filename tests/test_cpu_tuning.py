@@ -1,0 +1,140 @@
+"""The template attention chosen by timing it (onednn.template_attention() "measure", tuning.py):
+the rule that reads the timings, the stack's choice and what it leaves behind, and what happens
+when the matrix products cannot run. Timings are never asserted; what is checked is that the
+choice follows the rule from what was timed, that the cache comes back as allocated, and that the
+engine then serves on its choice (prefix equals no prefix)."""
+import pytest
+import torch
+
+from helpers import pinned_handle, run_ids
+from prefix_service.backends.cpu import linear, native, onednn, tuning
+from prefix_service.backends.cpu.stack import DecoderStack
+from test_cpu_bf16 import BS, assert_templates_equal_no_template
+
+REASON = native.load()[1] or linear.available(torch.bfloat16)
+needs_bf16 = pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels for bfloat16 here: {REASON}")
+# a CPU whose bf16 units multiply the template's products (AMX tiles or AVX512-BF16 dot products)
+KERNELS = tuning.candidates(16) if onednn.load()[0] is not None else {}
+needs_units = pytest.mark.skipif(not KERNELS, reason="no bf16 units multiply the template's products here")
+
+
+def ms(native_ms, **kernels):
+    """A TemplateTiming.ms: (prefill, decode) milliseconds for the native kernels and each kernel."""
+    return {way: {"prefill": p, "decode": d} for way, (p, d) in {"native": native_ms, **kernels}.items()}
+
+
+def test_the_rule_keeps_matrix_products_only_when_faster_on_both_and_by_the_margin():
+    assert tuning.choose(ms((40, 12), dot=(30, 9))) == ("dot", "75% of the native kernels' time")
+    way, why = tuning.choose(ms((40, 12), dot=(30, 12.5)))  # faster on the sum, slower on the decode step
+    assert way == "native" and "not faster" not in why and "on both the prefill and the decode step" in why
+    way, why = tuning.choose(ms((40, 12), dot=(39, 11.5)))  # faster on both, by 2.9% on the sum
+    assert way == "native" and "dot" in why and "97%" in why and "5% margin" in why
+    assert tuning.choose(ms((40, 12), dot=(39, 11.5)), margin=0.02)[0] == "dot"
+    # of two kernels the fastest on the sum among those faster on both
+    assert tuning.choose(ms((40, 12), amx=(20, 12.1), dot=(30, 9)))[0] == "dot"
+    assert tuning.choose(ms((40, 12), amx=(20, 8), dot=(30, 9)))[0] == "amx"
+    assert tuning.choose(ms((40, 12)))[0] == "native"  # nothing else timed
+
+
+def test_measure_is_the_default_only_where_amx_tiles_would_multiply(monkeypatch):
+    monkeypatch.delenv(onednn.TEMPLATE_ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(onednn.TEMPLATE_PRODUCTS_ENV, raising=False)
+    monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
+    monkeypatch.setattr(onednn, "template_kernel", lambda head_size, products=None: "AMX brgemm")
+    assert onednn.template_attention(64) == "measure"
+    monkeypatch.setattr(onednn, "template_kernel", lambda head_size, products=None: "fallback GEMM")
+    assert onednn.template_attention(72) == "native"
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")  # asked for anywhere
+    assert onednn.template_attention(72) == "measure"
+
+
+def stack_of(engine) -> DecoderStack:
+    return engine._core.backend.stack
+
+
+@needs_bf16
+def test_the_stack_times_each_way_and_keeps_what_the_rule_picks(make_engine, monkeypatch):
+    """With "measure" the stack times the native kernels and every kernel of the CPU's bf16 units,
+    keeps the way tuning.choose() picks from those timings, hands the cache back zeroed, and the
+    engine serves on it: greedy ids on a pinned template equal those without it (or first differ at
+    a near tie), the template packed for the way chosen."""
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    stack = stack_of(engine)
+    timing = stack.template_timing
+    assert timing is not None
+    assert all(not k.any() and not v.any() for k, v in stack.kv_layers)  # the blocks it used, zeroed
+    if not KERNELS:  # nothing to time against
+        assert timing.choice == "native" and not timing.ms and "no bf16 units" in timing.why
+    else:
+        assert set(timing.ms) == {"native", *KERNELS}
+        assert all(t["prefill"] > 0 and t["decode"] > 0 for t in timing.ms.values())
+        way, why = tuning.choose(timing.ms)
+        assert timing.why == why and timing.kernel == (None if way == "native" else way)
+        assert timing.choice == ("native" if way == "native" else "matrix")
+        assert timing.products == KERNELS.get(way)
+        assert "a 100-token prefill and a 16-sequence decode step" in timing.summary()
+    assert stack.template_matrix == (timing.choice == "matrix")
+    assert (stack.template_fn != 0) == stack.template_matrix
+    assert "timed each way: " + timing.why in engine._core.backend.describe()
+    calls = onednn.template_attend_calls()
+    assert_templates_equal_no_template(engine, (BS, 2 * BS + 1, 20 * BS + 3), 24)
+    assert (onednn.template_attend_calls() > calls) == stack.template_matrix
+    engine.add_template("t", token_ids=list(range(3, 40)))
+    (packed,) = engine._core.backend.templates.values()
+    assert bool(packed.matrix) == stack.template_matrix
+    if stack.template_matrix:
+        assert {m.kernel for m in packed.matrix} == {timing.kernel}
+        stack.template_products = onednn.TEMPLATE_PRODUCTS["fallback"]  # templates are packed for the stack's cap
+        engine.add_template("u", token_ids=list(range(5, 40)))
+        assert {m.kernel for m in engine._core.backend.templates[pinned_handle(engine, "u").template_id].matrix} == {
+            "fallback GEMM"}
+
+
+@needs_bf16
+@needs_units
+def test_a_failure_in_the_matrix_products_keeps_the_native_kernels(make_engine, monkeypatch):
+    """The matrix products refused when the template is packed, or failing inside the timed step:
+    the stack keeps the native kernels, says which kernel failed and why, restores what it changed,
+    and the engine serves."""
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    real_pack = tuning.PackedTemplate
+
+    def refuse(*args, matrix=False, **kwargs):
+        if matrix:
+            raise onednn.OneDnnError("ps_onednn_template_pack: refused here")
+        return real_pack(*args, **kwargs)
+    monkeypatch.setattr(tuning, "PackedTemplate", refuse)
+    stack = stack_of(make_engine(block_size=BS, dtype="bfloat16", backend="cpu"))
+    timing = stack.template_timing
+    assert timing.choice == "native" and not stack.template_matrix and stack.template_fn == 0
+    assert set(timing.ms) == {"native"}
+    assert all(f"{kernel} could not pack the template: ps_onednn_template_pack: refused here" in timing.why
+               for kernel in KERNELS)
+    monkeypatch.setattr(tuning, "PackedTemplate", real_pack)
+
+    real_forward = DecoderStack.forward
+
+    def fail_on_matrix(self, x, plan):
+        if self.template_fn:
+            raise onednn.OneDnnError("ps_onednn_template_attend: a shape the kernel refused")
+        return real_forward(self, x, plan)
+    monkeypatch.setattr(DecoderStack, "forward", fail_on_matrix)
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    monkeypatch.setattr(DecoderStack, "forward", real_forward)
+    stack = stack_of(engine)
+    assert stack.template_timing.choice == "native" and stack.template_fn == 0
+    assert "failed: ps_onednn_template_attend: a shape the kernel refused" in stack.template_timing.why
+    assert all(not k.any() and not v.any() for k, v in stack.kv_layers)
+    engine.add_template("t", token_ids=list(range(3, 40)))
+    assert len(run_ids(engine, [5, 6, 7], prefix="t", max_tokens=4)) == 4
+
+
+@needs_bf16
+def test_a_cache_too_small_to_time_in_keeps_the_native_kernels(make_engine, monkeypatch):
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    stack = stack_of(make_engine(block_size=BS, num_blocks=60, dtype="bfloat16", backend="cpu"))
+    timing = stack.template_timing
+    assert timing.choice == "native" and not stack.template_matrix and not timing.ms
+    assert ("no bf16 units" in timing.why if not KERNELS
+            else "not timed: 60 blocks of 4 tokens and 512 positions leave no room" in timing.why)
