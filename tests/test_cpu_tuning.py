@@ -12,6 +12,8 @@ from prefix_service.backends.cpu.stack import DecoderStack
 from test_cpu_bf16 import BS, assert_templates_equal_no_template
 
 REASON = native.load()[1] or linear.available(torch.bfloat16)
+LIB = onednn.load()[1]
+needs_lib = pytest.mark.skipif(LIB is not None, reason=f"no oneDNN library here: {LIB}")
 needs_bf16 = pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels for bfloat16 here: {REASON}")
 # a CPU whose bf16 units multiply the template's products (AMX tiles or AVX512-BF16 dot products)
 KERNELS = tuning.candidates(16) if onednn.load()[0] is not None else {}
@@ -138,3 +140,63 @@ def test_a_cache_too_small_to_time_in_keeps_the_native_kernels(make_engine, monk
     assert timing.choice == "native" and not stack.template_matrix and not timing.ms
     assert ("no bf16 units" in timing.why if not KERNELS
             else "not timed: 60 blocks of 4 tokens and 512 positions leave no room" in timing.why)
+
+
+def swap_pairs(o):
+    """o [rows, D] with each pair of dimensions (0 and 1, 2 and 3, ...) swapped."""
+    return o.view(o.shape[0], -1, 2).flip(-1).reshape(o.shape)
+
+
+class Swapped:
+    """A packed template whose outputs come back with a pair of dimensions swapped: what a kernel
+    reading its VNNI pairs in the wrong order gives."""
+
+    def __init__(self, template, how):
+        self.template, self.how = template, how
+        self.head_size, self.num_kv_heads = template.head_size, template.num_kv_heads
+
+    def attend(self, h, q):
+        o, m, l = self.template.attend(h, q)
+        if self.how == "pairs":
+            o = swap_pairs(o)
+        elif self.how == "rows":
+            o = o.roll(1, 0)
+        else:
+            m = m + 0.5
+        return o, m, l
+
+
+@needs_lib
+@pytest.mark.parametrize("products,key_rows", [("auto", False), ("dot", False), ("dot", True), ("fallback", False)])
+def test_the_kernel_check_passes_each_real_kernel_and_catches_a_wrong_one(products, key_rows, monkeypatch):
+    """tuning.disagreement: None for the kernels the products run on here (both walks, on 3 and 80
+    rows over 1,000 keys), a message for outputs with their VNNI pairs swapped, rows shifted by one,
+    or maxima off by 0.5."""
+    if products == "dot" and "AVX512-BF16 dot products" not in KERNELS:
+        pytest.skip("no AVX512-BF16 dot products here")
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, products)
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(1000, 3, 64, generator=g).bfloat16() for _ in range(2))
+    template = onednn.OneDnnTemplate(k, v, key_rows=key_rows)
+    assert tuning.disagreement(template, k, v, g) is None
+    assert "outside bf16's rounding" in tuning.disagreement(Swapped(template, "pairs"), k, v, g)
+    assert "outputs up to" in tuning.disagreement(Swapped(template, "rows"), k, v, g)
+    assert "maxima of the scores" in tuning.disagreement(Swapped(template, "max"), k, v, g)
+
+
+@needs_bf16
+@needs_units
+def test_a_kernel_that_gives_wrong_outputs_is_not_timed(make_engine, monkeypatch):
+    """Matrix products whose outputs are wrong (here, swapped pairs) are checked out before they are
+    timed, whatever their speed: the native kernels are kept and the reason given."""
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    real_attend = onednn.OneDnnTemplate.attend
+
+    def swapped(self, h, q):
+        o, m, l = real_attend(self, h, q)
+        return swap_pairs(o), m, l
+    monkeypatch.setattr(onednn.OneDnnTemplate, "attend", swapped)
+    stack = stack_of(make_engine(block_size=BS, dtype="bfloat16", backend="cpu"))
+    timing = stack.template_timing
+    assert timing.choice == "native" and stack.template_fn == 0 and set(timing.ms) == {"native"}
+    assert all(f"{kernel} gave outputs up to" in timing.why for kernel in KERNELS)

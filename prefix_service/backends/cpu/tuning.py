@@ -5,14 +5,18 @@ A bfloat16 model's rows may attend over a pinned template in two ways: the nativ
 FMAs over a float32 copy, or bf16 matrix products (OneDnnTemplate) on one of the kernels the CPU
 has for them (AMX tiles, AVX512-BF16 dot products). Which is fastest depends on the CPU's matrix
 units and on its thread count, so where no figure settles it the decoder stack times each once,
-when it is built, on the model's own layers: a synthetic template written into free
-blocks of the (still empty) KV cache and packed each way, then, in rounds that alternate the order, a
-`PREFILL_TOKENS`-token prompt continuing it and a decode step of `DECODE_SEQUENCES` sequences on it,
-as the engine runs them. The fastest matrix products on the sum of both are kept when they are faster
-than the native kernels on each and by at least `MARGIN` on the sum; anything else (slower, too close
-to call, a failure in the products, a cache too small for the test) keeps the native kernels, and
-says why. The blocks used are zeroed again
-afterwards, so the cache is handed to the engine as it was allocated.
+when it is built, on the model's own layers:
+
+1. a synthetic template is written into free blocks of the (still empty) KV cache and packed each way;
+2. each kernel's results are checked against float64 on the first layer's heads (`disagreement`: a
+   kernel whose operands are laid out wrong for this CPU must not win on speed);
+3. in rounds that alternate the order, a `PREFILL_TOKENS`-token prompt continuing the template and a
+   decode step of `DECODE_SEQUENCES` sequences on it run as the engine runs them, and are timed.
+
+The fastest matrix products on the sum of both are kept when they are faster than the native kernels
+on each and by at least `MARGIN` on the sum; anything else (slower, too close to call, a failure or a
+wrong result in the products, a cache too small for the test) keeps the native kernels, and says why.
+The blocks used are zeroed again afterwards, so the cache is handed to the engine as allocated.
 """
 from __future__ import annotations
 
@@ -96,6 +100,36 @@ def candidates(head_size: int) -> dict[str, int]:
     return found
 
 
+def disagreement(template: onednn.OneDnnTemplate, k: torch.Tensor, v: torch.Tensor,
+                 gen: torch.Generator) -> str | None:
+    """None when the packed `template` (of k, v [R, Hkv, D] bf16) gives, on every KV head, each row's
+    softmax state within bf16 rounding of float64's for 3 and for 80 query rows (a decode's few, and
+    more than one block of rows); else what differed. The products' kernel is checked on the
+    machine before it is timed: a fast kernel whose operands are laid out wrong must not win."""
+    d = template.head_size
+    for rows in (3, 80):
+        q = torch.randn(rows, d, generator=gen) * d ** -0.5
+        qb = q.bfloat16().double()
+        for h in range(template.num_kv_heads):
+            kd, vd = k[:, h].double(), v[:, h].double()
+            s = qb @ kd.T
+            m_ref = s.max(dim=1).values
+            p = torch.exp(s - m_ref[:, None])
+            w = p / p.sum(dim=1, keepdim=True)
+            o, m, l = template.attend(h, q)
+            out = o.double() / l.double()[:, None]
+            # the scores' float32 sums; the probabilities' bf16 rounding, doubled for the normalisation
+            m_tol = 2 * (d + 1) * 2.0 ** -24 * (qb.abs() @ kd.abs().T).max(dim=1).values + 1e-6
+            tol = 2 * 2.0 ** -8 * (w @ vd.abs()) + 1e-5
+            if not bool(((m.double() - m_ref).abs() <= m_tol).all()):
+                return f"gave maxima of the scores outside float32's summation error on head {h} of {rows} rows"
+            err = (out - w @ vd).abs()
+            if not bool((err <= tol).all()):
+                return (f"gave outputs up to {float(err.max()):.3g} from float64's on head {h} of {rows} rows, "
+                        f"outside bf16's rounding (at most {float(tol.max()):.3g})")
+    return None
+
+
 def _plans(stack: DecoderStack, template_blocks: list[int], own: list[int]) -> tuple[StackPlan, StackPlan]:
     """A prefill of PREFILL_TOKENS after the template into blocks own[:p], and a decode step of
     DECODE_SEQUENCES sequences on the template, each storing its token in one block of own[p:]."""
@@ -147,9 +181,15 @@ def measure_template_attention(stack: DecoderStack) -> TemplateTiming:
         for kernel, products in kernels.items():
             try:
                 packed[kernel] = PackedTemplate(stack.kv_layers, template_blocks, matrix=True, products=products)
-                fns[kernel] = matrix_fn
             except (onednn.OneDnnError, ValueError) as e:
                 failed[kernel] = f"could not pack the template: {e}"
+                continue
+            k0, v0 = (c[:t_blocks].flatten(0, 1) for c in stack.kv_layers[0])
+            wrong = disagreement(packed[kernel].matrix[0], k0, v0, gen)
+            if wrong is None:
+                fns[kernel] = matrix_fn
+            else:
+                failed[kernel] = wrong
         prefill, decode = _plans(stack, template_blocks, own)
         x = {"prefill": torch.randn(PREFILL_TOKENS, stack.hidden, generator=gen) * 0.1,
              "decode": torch.randn(DECODE_SEQUENCES, stack.hidden, generator=gen) * 0.1}
