@@ -21,7 +21,8 @@
 # the AVX512-BF16 dot products, a decode step in bf16 by default (brgemm on AMX), in float32, on
 # brgemm, without the few-row kernel, with the template attention (and a long prompt's own) on the dot
 # products and on the inner product with int8 weights (model.quantization), and the dtype benchmark (bf16 also with those products), each at 2 threads, a 2-vCPU
-# machine's count, then at 16), amxattn (the template attention's key-row walk on AMX tiles: its tests, its
+# machine's count, then at 16), amxattn (the template attention's key-row walk on AMX tiles: its tests, what
+# timing it at start-up keeps at 2 threads and 16, its
 # cost per call against the dot products' two walks, a bf16 prefill's and decode step's profile with the
 # native template attention and with the matrix products, at 2 threads and 16, and the dtype benchmark at 2)
 # and omp (which OpenMP runtimes the cpu backend's libraries load, and the bf16 decode under each OMP_WAIT_POLICY).
@@ -122,6 +123,9 @@ step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= t
       --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json; done'
 step amxattn 420 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py -k template
   python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_bf16.py -k prefix_equals_no_prefix
+  python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_tuning.py
+  python3 scripts/time_template_attention.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+    --thread-counts 2,16 --repeat 2 --json '"$LOGS"'/amx_template_timing.json
   for way in auto dot dot-rows; do echo "--- template call, products $way"
     PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=${way%-rows} python3 scripts/bench_cpu_template_call.py --rows 3,24,64,152,300 \
       --calls 200 $( [ $way = dot-rows ] && echo --key-rows ) --json '"$LOGS"'/amx_template_call_$way.json | tail -n 6; done

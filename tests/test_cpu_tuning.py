@@ -67,7 +67,7 @@ def test_the_stack_times_each_way_and_keeps_what_the_rule_picks(make_engine, mon
     assert timing is not None
     assert all(not k.any() and not v.any() for k, v in stack.kv_layers)  # the blocks it used, zeroed
     if not KERNELS:  # nothing to time against
-        assert timing.choice == "native" and not timing.ms and "no bf16 units" in timing.why
+        assert timing.choice == "native" and not timing.ms and "no matrix products on bf16 units" in timing.why
     else:
         assert set(timing.ms) == {"native", *KERNELS}
         assert all(t["prefill"] > 0 and t["decode"] > 0 for t in timing.ms.values())
@@ -138,7 +138,7 @@ def test_a_cache_too_small_to_time_in_keeps_the_native_kernels(make_engine, monk
     stack = stack_of(make_engine(block_size=BS, num_blocks=60, dtype="bfloat16", backend="cpu"))
     timing = stack.template_timing
     assert timing.choice == "native" and not stack.template_matrix and not timing.ms
-    assert ("no bf16 units" in timing.why if not KERNELS
+    assert ("no matrix products on bf16 units" in timing.why if not KERNELS
             else "not timed: 60 blocks of 4 tokens and 512 positions leave no room" in timing.why)
 
 
@@ -200,3 +200,13 @@ def test_a_kernel_that_gives_wrong_outputs_is_not_timed(make_engine, monkeypatch
     timing = stack.template_timing
     assert timing.choice == "native" and stack.template_fn == 0 and set(timing.ms) == {"native"}
     assert all(f"{kernel} gave outputs up to" in timing.why for kernel in KERNELS)
+
+
+@needs_bf16
+def test_products_capped_at_the_fallback_leave_nothing_to_time(make_engine, monkeypatch):
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "fallback")
+    stack = stack_of(make_engine(block_size=BS, dtype="bfloat16", backend="cpu"))
+    assert stack.template_timing.choice == "native" and not stack.template_timing.ms and stack.template_fn == 0
+    assert stack.template_timing.why == ("no matrix products on bf16 units for heads of 16 here within "
+                                         "PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS")

@@ -21,6 +21,7 @@ The blocks used are zeroed again afterwards, so the cache is handed to the engin
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -160,7 +161,8 @@ def measure_template_attention(stack: DecoderStack) -> TemplateTiming:
     bs, nb, positions = stack.block_size, stack.num_blocks, stack.cos.shape[0]
     kernels = candidates(stack.head_dim)
     if not kernels:
-        return TemplateTiming("native", f"no bf16 units multiply heads of {stack.head_dim} here")
+        capped = f" within {onednn.TEMPLATE_PRODUCTS_ENV}" if os.environ.get(onednn.TEMPLATE_PRODUCTS_ENV) else ""
+        return TemplateTiming("native", f"no matrix products on bf16 units for heads of {stack.head_dim} here{capped}")
     own_blocks = -(-PREFILL_TOKENS // bs) + DECODE_SEQUENCES
     t_blocks = min((nb - own_blocks) * bs, TEMPLATE_TOKENS, positions - PREFILL_TOKENS - 1) // bs
     if t_blocks * bs < MIN_TEMPLATE_TOKENS:

@@ -1,0 +1,79 @@
+"""What the bf16 template attention's timing at start-up (PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=measure,
+prefix_service/backends/cpu/tuning.py) finds on this machine, at each thread count asked for: the
+cpu backend is built for the model in bfloat16 with "measure" set (the default where the CPU has
+AMX tiles), which times the native kernels and each kernel of the matrix products the CPU has on a
+synthetic template, a 100-token prefill and a 16-sequence decode step, and keeps one. The table
+gives the medians and the way kept; --repeat builds the backend again to show how stable the
+choice is on a busy machine.
+
+    python scripts/time_template_attention.py --thread-counts 2,16 --json bench_out/template_timing.json
+    python scripts/time_template_attention.py --model DIR --load-format dummy --repeat 3
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
+from prefix_service.bench.profiling import add_engine_args, engine_config  # noqa: E402
+from prefix_service.backends.cpu import onednn  # noqa: E402
+from prefix_service.engine.core import EngineCore  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(p)
+    p.set_defaults(backend="cpu", device="cpu", dtype="bfloat16")
+    p.add_argument("--thread-counts", default=str(torch.get_num_threads()),
+                   help="comma-separated torch thread counts, each timed with a backend of its own")
+    p.add_argument("--repeat", type=int, default=1, help="backends built per thread count")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if args.threads:
+        args.thread_counts = str(args.threads)
+    os.environ[onednn.TEMPLATE_ATTENTION_ENV] = "measure"
+    machine = machine_info()
+    results = []
+    print(f"{'threads':>7} {'run':>3} {'way':<26} {'prefill ms':>10} {'decode ms':>10}  kept")
+    for threads in (int(t) for t in args.thread_counts.split(",")):
+        for run in range(args.repeat):
+            cfg = engine_config(args)
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_threads=threads))
+            start = time.perf_counter()
+            core = EngineCore(cfg)
+            built_s = time.perf_counter() - start
+            stack = getattr(core.backend, "stack", None)
+            timing = getattr(stack, "template_timing", None)
+            if timing is None:
+                print(f"the backend built is {core.backend.describe()}: it times no template attention "
+                      f"(a bfloat16 model on the cpu backend does)", file=sys.stderr)
+                return 1
+            kept = timing.kernel or "native"
+            for way, t in timing.ms.items():
+                print(f"{threads:7d} {run:3d} {way:<26} {t['prefill']:10.2f} {t['decode']:10.2f}  "
+                      f"{'<-' if way == kept else ''}")
+            print(f"{threads:7d} {run:3d} kept: {kept} ({timing.why})", flush=True)
+            results.append({"threads": threads, "run": run, "choice": timing.choice, "kernel": timing.kernel,
+                            "why": timing.why, "template_tokens": timing.template_tokens, "ms": timing.ms,
+                            "backend_built_s": round(built_s, 3)})
+            del core
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "model": args.model or args.config, "load_average_end": list(os.getloadavg()),
+                       "results": results}, f, indent=1)
+        print(f"JSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
