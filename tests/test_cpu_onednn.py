@@ -134,23 +134,28 @@ def test_emulated_mode_is_the_float32_product_of_rounded_operands():
 
 @needs_lib
 def test_the_default_kernel_fits_the_machine():
-    """brgemm on AMX, else the bf16 inner product where torch's oneDNN supports bf16, else emulated;
-    a float32 weight is oneDNN's float32."""
-    want = "brgemm" if onednn.brgemm_vnni() else "inner_product" if onednn.bf16_native() else "emulated"
+    """On AMX each shape timed (brgemm, the inner product, or both by rows), else the bf16 inner
+    product where torch's oneDNN supports bf16, else emulated; a float32 weight is oneDNN's float32."""
+    want = "measure" if onednn.brgemm_vnni() else "inner_product" if onednn.bf16_native() else "emulated"
     assert onednn.default_kernel() == want
-    assert onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None).kernel == want
+    layer = onednn.OneDnnLinear(torch.randn(8, 4).bfloat16(), None)
+    if want == "measure":
+        assert layer.timing is not None and layer.kernel == layer.timing.kernel
+    else:
+        assert layer.kernel == want and layer.timing is None
     assert onednn.OneDnnLinear(torch.randn(8, 4), None, kernel="brgemm").kernel == "float32"
     if onednn.brgemm_vnni():  # AMX has the bf16 instructions the inner product needs too
         assert onednn.bf16_native()
 
 
 @needs_lib
-def test_amx_defaults_to_brgemm_and_the_environment_still_chooses(monkeypatch):
-    """On AMX the default is the brgemm kernel (its tiles beat the inner product and the few-row dot
-    products there); PREFIX_SERVICE_BF16_LINEAR still picks another."""
+def test_amx_defaults_to_timing_the_kernels_and_the_environment_still_chooses(monkeypatch):
+    """On AMX the default is to time brgemm against the inner product per shape (the tiles beat the
+    few-row dot products there; which of the two wins depends on the rows); PREFIX_SERVICE_BF16_LINEAR
+    still picks another."""
     monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
-    assert onednn.default_kernel() == "brgemm"
+    assert onednn.default_kernel() == "measure"
     monkeypatch.setenv(onednn.KERNEL_ENV, "emulated")
     assert onednn.default_kernel() == "emulated"
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: False)
@@ -166,12 +171,46 @@ def test_the_environment_chooses_the_default_kernel(monkeypatch):
     monkeypatch.setenv(onednn.KERNEL_ENV, "emulated")
     assert onednn.default_kernel() == "emulated"
     monkeypatch.setenv(onednn.KERNEL_ENV, "amx")
-    with pytest.raises(onednn.OneDnnError, match="PREFIX_SERVICE_BF16_LINEAR='amx': one of inner_product"):
+    with pytest.raises(onednn.OneDnnError,
+                       match="PREFIX_SERVICE_BF16_LINEAR='amx': one of inner_product, emulated, brgemm, measure"):
         onednn.default_kernel()
     if not onednn.bf16_native():
         monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
         with pytest.raises(onednn.OneDnnError, match="refuses bf16 inner products on this CPU"):
             onednn.default_kernel()
+
+
+@needs_lib
+@pytest.mark.skipif(not onednn.bf16_native(), reason="torch's oneDNN runs no bf16 inner product here")
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_brgemm_for_few_rows_beside_the_inner_product(rows, monkeypatch):
+    """An inner-product weight with brgemm_rows: calls of up to that many rows give brgemm's bits,
+    the others the inner product's (each kernel alone on the same weight), through both entry points
+    (float32 rows and bf16 hand-offs); PREFIX_SERVICE_BF16_BRGEMM_ROWS sets the count by default, and
+    the few-row kernel is not packed beside it."""
+    x, w, b = case(90, 72, 100, seed=rows)
+    wb = w.bfloat16()
+    hybrid = onednn.OneDnnLinear(wb, b, kernel="inner_product", brgemm_rows=rows)
+    alone = {"brgemm": onednn.OneDnnLinear(wb, b, kernel="brgemm"),
+             "inner_product": onednn.OneDnnLinear(wb, b, kernel="inner_product", few_rows=False)}
+    assert (hybrid.kernel, hybrid.brgemm_rows, hybrid.few_rows) == ("inner_product", rows, 0)
+    assert hybrid.columns == onednn.DEFAULT_BRGEMM_COLUMNS and f"brgemm up to {rows} rows" in repr(hybrid)
+    for m in sorted({1, rows, rows + 1, 90}):
+        want = alone["brgemm" if m <= rows else "inner_product"]
+        calls = onednn.brgemm_calls()
+        got = hybrid(x[:m])
+        assert onednn.brgemm_calls() == calls + (m <= rows), m  # the call ran where it should
+        assert torch.equal(got, want(x[:m])), m
+        assert torch.equal(hybrid.rows_bf16(x[:m]), want.rows_bf16(x[:m])), m
+        close_bf16(got, x[:m], w, b)
+    monkeypatch.setenv(onednn.BRGEMM_ROWS_ENV, str(rows))
+    assert onednn.OneDnnLinear(wb, b, kernel="inner_product").brgemm_rows == rows
+    assert onednn.OneDnnLinear(wb, b, kernel="brgemm").brgemm_rows == 0  # brgemm for every call already
+    monkeypatch.setenv(onednn.BRGEMM_ROWS_ENV, "many")
+    with pytest.raises(onednn.OneDnnError, match="BRGEMM_ROWS='many': a count of rows, 0 or more"):
+        onednn.OneDnnLinear(wb, b, kernel="inner_product")
+    with pytest.raises(onednn.OneDnnError, match="brgemm_rows: 0 or more is needed, got -1"):
+        onednn.OneDnnLinear(wb, b, kernel="inner_product", brgemm_rows=-1)
 
 
 @needs_lib
@@ -431,7 +470,7 @@ def test_bad_input_is_refused():
         onednn.OneDnnLinear(w.double(), None)
     with pytest.raises(onednn.OneDnnError, match=r"bias: a CPU tensor \[20\] is needed, got \(19,\)"):
         onednn.OneDnnLinear(w, b[:19])
-    with pytest.raises(onednn.OneDnnError, match="kernel: one of inner_product, emulated, brgemm is needed, got 'amx'"):
+    with pytest.raises(onednn.OneDnnError, match="kernel: one of inner_product, emulated, brgemm, measure is needed, got 'amx'"):
         onednn.OneDnnLinear(w.bfloat16(), b, kernel="amx")
 
 
@@ -448,18 +487,22 @@ def test_the_c_functions_report_bad_operands():
     assert b"ldx = 4 for k = 8" in lib.ps_onednn_last_error()
     assert "ldx = 4 for k = 8" in onednn.last_error()  # the latest failure, not the first
     assert lib.ps_onednn_linear(layer.handle, None, 8, 0, None, 20, 1) == 0  # no rows: nothing read
-    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0, 0, 0, None, None) is None
+    assert lib.ps_onednn_pack(None, 0, 0, 8, None, 0, 0, 0, None, None, 0) is None
     assert b"at least 1 x 1" in lib.ps_onednn_last_error()
     w = torch.randn(20, 8).bfloat16()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0, 0, None, None) is None
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0, 0, None, None, 0) is None
     assert b"kernel 3 is none of" in lib.ps_onednn_last_error()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0, None, None) is None  # not whole 16-column tiles
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0, None, None, 0) is None  # not whole 16-column tiles
     assert b"must be 16, 32, 48 or 64 (or 0: 32), got 40" in lib.ps_onednn_last_error()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 128, 0, None, None) is None  # wider than AMX packs
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 128, 0, None, None, 0) is None  # wider than AMX packs
     assert b"got 128" in lib.ps_onednn_last_error()
     q = torch.zeros(20, 8, dtype=torch.int8)
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 0, 0, 1, q.data_ptr(), None) is None  # q without scale
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 0, 0, 1, q.data_ptr(), None, 0) is None  # q without scale
     assert b"int8 weights need both q and scale" in lib.ps_onednn_last_error()
+    for kernel, rows in ((2, 16), (1, 16), (0, -1)):  # brgemm beside the inner product only, a count of rows
+        assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, kernel, 0, 0, None, None, rows) is None
+        assert f"brgemm_rows {rows} (brgemm for calls of few rows) needs a bf16 weight on the native inner".encode() in (
+            lib.ps_onednn_last_error())
 
 
 @needs_lib

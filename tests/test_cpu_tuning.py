@@ -210,3 +210,79 @@ def test_products_capped_at_the_fallback_leave_nothing_to_time(make_engine, monk
     assert stack.template_timing.choice == "native" and not stack.template_timing.ms and stack.template_fn == 0
     assert stack.template_timing.why == ("no matrix products on bf16 units for heads of 16 here within "
                                          "PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS")
+
+
+# --- bf16 linears: brgemm, the inner product, or brgemm for few rows ---------------------------------
+
+def us(brgemm, inner):
+    """A LinearTiming.us from per-row-count pairs of lists."""
+    rows = [1, 2, 4, 8, 16, 32, 64]
+    return {"brgemm": dict(zip(rows, brgemm)), "inner_product": dict(zip(rows, inner))}
+
+
+def test_the_linear_rule_runs_brgemm_for_the_rows_it_wins_from_one_up():
+    assert tuning.choose_linear(us([5, 6, 9], [7, 7, 8])) == (
+        "inner_product", 2, "brgemm up to 2 rows, the inner product faster at 4")
+    assert tuning.choose_linear(us([9], [7])) == ("inner_product", 0, "the inner product faster from one row")
+    assert tuning.choose_linear(us([5] * 7, [7] * 7)) == (
+        "brgemm", 0, "brgemm no slower at every row count timed, 1 to 64")
+    assert tuning.choose_linear(us([5, 5], [5, 4]))[:2] == ("inner_product", 1)  # a tie goes to brgemm
+
+
+@needs_bf16
+@pytest.mark.skipif(not onednn.bf16_native(), reason="torch's oneDNN runs no bf16 inner product here")
+def test_a_timed_linear_runs_what_the_rule_picks_from_its_timings(monkeypatch):
+    """kernel "measure": the shape is timed until brgemm loses (or at every row count), the layer runs
+    choose_linear's choice from those timings, and a second weight of the shape reuses them untimed;
+    its outputs are the chosen kernel's, bit for bit."""
+    monkeypatch.setattr(tuning, "_LINEAR_TIMINGS", {})
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(80, 48, generator=g) * 48 ** -0.5).bfloat16()
+    layer = onednn.OneDnnLinear(w, None, kernel="measure")
+    timing = layer.timing
+    assert (layer.kernel, layer.brgemm_rows, timing.why) == tuning.choose_linear(timing.us)
+    timed = sorted(timing.us["brgemm"])
+    assert timed == sorted(timing.us["inner_product"]) == list(tuning.LINEAR_ROWS[:len(timed)])
+    lost = [r for r in timed if timing.us["brgemm"][r] > timing.us["inner_product"][r]]
+    assert lost == ([timed[-1]] if layer.kernel == "inner_product" else [])  # timed up to the first loss
+    assert layer.few_rows == 0  # the few-row kernel is not packed beside a timed choice
+    again = onednn.OneDnnLinear(torch.randn(80, 48, generator=g).bfloat16(), None, kernel="measure")
+    assert again.timing is timing
+    x = torch.randn(70, 48, generator=g)
+    alone = {"brgemm": onednn.OneDnnLinear(w, None, kernel="brgemm"),
+             "inner_product": onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False)}
+    for m in (1, 5, 70):
+        on_brgemm = layer.kernel == "brgemm" or m <= layer.brgemm_rows
+        assert torch.equal(layer(x[:m]), alone["brgemm" if on_brgemm else "inner_product"](x[:m]))
+
+
+@needs_bf16
+@pytest.mark.skipif(not onednn.bf16_native(), reason="torch's oneDNN runs no bf16 inner product here")
+@pytest.mark.parametrize("how", ["measure", "brgemm-rows"])
+def test_an_engine_on_timed_or_split_linears_gives_prefix_equal_no_prefix(make_engine, how, monkeypatch):
+    """The engine with its linears timed per shape, or with brgemm for calls of up to 6 rows beside the
+    inner product (PREFIX_SERVICE_BF16_BRGEMM_ROWS: a decode step's calls on brgemm, a prefill's on the
+    inner product): greedy ids on a pinned template equal those without it (or first differ at a near
+    tie), and the start-up line says what each linear runs."""
+    monkeypatch.setattr(tuning, "_LINEAR_TIMINGS", {})
+    if how == "measure":
+        monkeypatch.setenv(onednn.KERNEL_ENV, "measure")
+    else:
+        monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
+        monkeypatch.setenv(onednn.BRGEMM_ROWS_ENV, "6")
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    backend = engine._core.backend
+    layer = backend.stack.layers[0]
+    linears = [layer.qkv, layer.o, layer.gate_up, layer.down, backend.head]
+    if how == "measure":
+        assert all(m.timing is not None and (m.kernel, m.brgemm_rows) == (m.timing.kernel, m.timing.brgemm_rows)
+                   for m in linears)
+        assert "each shape timed on brgemm and the inner product" in backend.describe()
+        assert backend.linear_choices() in backend.describe()
+    else:
+        assert all((m.kernel, m.brgemm_rows, m.few_rows) == ("inner_product", 6, 0) for m in linears)
+        assert "(brgemm up to 6 rows)" in backend.describe()
+    calls = onednn.brgemm_calls()
+    assert_templates_equal_no_template(engine, (BS, 2 * BS + 1, 20 * BS + 3), 24)
+    on_brgemm = any(m.kernel == "brgemm" or m.brgemm_rows for m in linears)
+    assert (onednn.brgemm_calls() > calls) == on_brgemm  # the decode steps' calls, where brgemm takes them

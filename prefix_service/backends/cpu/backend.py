@@ -71,8 +71,13 @@ class CpuBackend(Backend):
             if kernel == "brgemm" and (columns := onednn.brgemm_columns()) != onednn.DEFAULT_BRGEMM_COLUMNS:
                 brgemm += f", {columns}-column blocks"
             how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
-                   "emulated": "oneDNN linears, bf16 emulated in float32"}[kernel]
-            notes = ["AMX"] if kernel == "inner_product" and onednn.brgemm_vnni() else []  # oneDNN picks its tiles
+                   "emulated": "oneDNN linears, bf16 emulated in float32",
+                   "measure": "oneDNN bf16 linears, each shape timed on brgemm and the inner product"}[kernel]
+            notes = ["AMX"] if kernel in ("inner_product", "measure") and onednn.brgemm_vnni() else []
+            if kernel == "measure":
+                notes.append(self.linear_choices())
+            elif (rows := getattr(self.head, "brgemm_rows", 0)) and kernel == "inner_product":
+                notes.append(f"brgemm up to {rows} rows")
             if few_rows := getattr(self.head, "few_rows", 0):
                 notes.append(f"AVX512-BF16 dot products up to {few_rows} rows")
             how += f" ({'; '.join(notes)})" if notes else ""
@@ -89,6 +94,18 @@ class CpuBackend(Backend):
         if self.stack.int8_linears:
             return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears)"
         return "cpu (native kernels, decoder stack)"
+
+    def linear_choices(self) -> str:
+        """What each bf16 linear of a layer, and the output head, runs: "qkv, o: brgemm up to 16 rows,
+        the inner product above; gate_up, down: brgemm; head: ...", shapes with the same choice together."""
+        layer = self.stack.layers[0]
+        named = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "head": self.head}
+        groups: dict[str, list[str]] = {}
+        for name, m in named.items():
+            kernel, rows = getattr(m, "kernel", "float32"), getattr(m, "brgemm_rows", 0)
+            what = f"brgemm up to {rows} rows, the inner product above" if rows else kernel.replace("_", " ")
+            groups.setdefault(what, []).append(name)
+        return "; ".join(f"{', '.join(names)}: {what}" for what, names in groups.items())
 
     # --- one step ------------------------------------------------------------------------------
     def forward(self, step: StepBatch, host: StepTensors) -> torch.Tensor | None:

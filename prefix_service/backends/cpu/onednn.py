@@ -64,8 +64,10 @@ FLAGS = ("-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 # name: (argument types, return type) of each function the library exports
 SIGNATURES = {
-    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32, _ptr, _ptr], _ptr),
+    "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32], _ptr),
     "ps_onednn_few_rows": ([_ptr], _i32),
+    "ps_onednn_brgemm_rows": ([_ptr], _i32),
+    "ps_onednn_brgemm_calls": ([], _i64),
     "ps_onednn_int8": ([_ptr], _i32),
     "ps_onednn_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_onednn_linear_bf16": ([_ptr, _ptr, _i32, _i64, _i32, _ptr, _i32, _i64, _i32], _i32),
@@ -134,7 +136,7 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes, fn.restype = args, res
     # a 1 x 1 pack finds both operators: a torch without them says so here, once
     one = ctypes.c_float(1.0)
-    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0, 0, 0, None, None)
+    handle = lib.ps_onednn_pack(ctypes.byref(one), 0, 1, 1, None, 0, 0, 0, None, None, 0)
     if not handle:
         return None, lib.ps_onednn_last_error().decode(errors="replace")
     lib.ps_onednn_free(handle)
@@ -163,6 +165,12 @@ def brgemm_vnni() -> bool:
     return lib is not None and bool(lib.ps_onednn_brgemm_vnni())
 
 
+def brgemm_calls() -> int:
+    """How many linear calls have run on brgemm in this process: 0 without the library."""
+    lib = load()[0]
+    return 0 if lib is None else int(lib.ps_onednn_brgemm_calls())
+
+
 def threads_used(items: int) -> int:
     """On how many of torch's threads the library splits `items` work items (the brgemm kernel's
     split of a call): torch.get_num_threads() when there are enough items; 0 without the library."""
@@ -171,6 +179,10 @@ def threads_used(items: int) -> int:
 
 
 KERNEL_ENV = "PREFIX_SERVICE_BF16_LINEAR"
+# what KERNEL_ENV takes: a kernel, or "measure" (each weight shape's calls timed on both AMX ways:
+# brgemm, the inner product, or brgemm up to a row count and the inner product above; tuning.py)
+KERNEL_CHOICES = (*KERNELS, "measure")
+BRGEMM_ROWS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_ROWS"
 COLUMNS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_COLUMNS"
 DEFAULT_BRGEMM_COLUMNS = 32
 FEW_ROWS_ENV = "PREFIX_SERVICE_BF16_FEW_ROWS"
@@ -212,21 +224,39 @@ def _check_columns(columns: int, what: str) -> int:
 
 def default_kernel() -> str:
     """The kernel a bfloat16 weight runs by default here: $PREFIX_SERVICE_BF16_LINEAR where set (one
-    of KERNELS: to compare them on one machine), else brgemm where the CPU has AMX (a decode step of
-    1, 16 and 64 sequences on 2 and 16 threads ran 0.97-2.3x as fast on it as on the inner product,
-    with or without the few-row kernel, whose dot products lose to the tiles from 8 rows there;
-    docs/benchmarks.md, "Run 8"), else oneDNN's bf16 inner product where torch supports it, else
-    emulated."""
+    of KERNEL_CHOICES: to compare them on one machine), else "measure" where the CPU has AMX: each
+    weight shape is timed on brgemm and on the inner product when the first weight of that shape
+    is packed, and runs brgemm, the inner product, or brgemm for calls up to a row count and the
+    inner product above (tuning.time_linear). On AMX brgemm's decode steps ran 0.97-2.3x as fast as the inner
+    product's with f32 hand-offs, while oneDNN's own inner product on bf16 rows ran calls of 16 to 64
+    rows 1.6-2x as fast as brgemm (docs/benchmarks.md, "Run 8"): the crossover is the machine's.
+    Elsewhere oneDNN's bf16 inner product where torch supports it, else emulated."""
     chosen = os.environ.get(KERNEL_ENV)
     if chosen:
-        if chosen not in KERNELS:
-            raise OneDnnError(f"{KERNEL_ENV}={chosen!r}: one of {', '.join(KERNELS)} is needed")
-        if chosen == "inner_product" and not bf16_native():
-            raise OneDnnError(f"{KERNEL_ENV}=inner_product: torch's oneDNN refuses bf16 inner products on this CPU")
+        if chosen not in KERNEL_CHOICES:
+            raise OneDnnError(f"{KERNEL_ENV}={chosen!r}: one of {', '.join(KERNEL_CHOICES)} is needed")
+        if chosen in ("inner_product", "measure") and not bf16_native():
+            raise OneDnnError(f"{KERNEL_ENV}={chosen}: torch's oneDNN refuses bf16 inner products on this CPU")
         return chosen
     if brgemm_vnni():
-        return "brgemm"
+        return "measure"
     return "inner_product" if bf16_native() else "emulated"
+
+
+def brgemm_rows_default() -> int:
+    """For an inner-product weight: the most rows a call runs on brgemm instead (a second copy of
+    the weight, packed for it; the few-row kernel is then not packed), $PREFIX_SERVICE_BF16_BRGEMM_ROWS
+    where set (to compare crossovers on one machine), else 0 (none)."""
+    chosen = os.environ.get(BRGEMM_ROWS_ENV)
+    if not chosen:
+        return 0
+    try:
+        rows = int(chosen)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise OneDnnError(f"{BRGEMM_ROWS_ENV}={chosen!r}: a count of rows, 0 or more, is needed")
+    return rows
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) -> None:
@@ -248,7 +278,10 @@ class OneDnnLinear:
     kernel: a bfloat16 weight's (KERNELS; default: default_kernel()); columns: the brgemm kernel's
     block width (default: brgemm_columns()); few_rows: whether an inner-product weight is also packed
     for the few-row kernel where the CPU has AVX512-BF16 (default: few_rows_default()). `few_rows`
-    then holds the most rows a call runs through it (0: none).
+    then holds the most rows a call runs through it (0: none). brgemm_rows: for an inner-product
+    weight, the most rows a call runs on brgemm instead (default: brgemm_rows_default(); the few-row
+    kernel is then not packed). kernel "measure" times the shape (tuning.time_linear, once per shape
+    and thread count) and sets both; `timing` then holds what it found (else None).
 
     `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call, and for a
     bf16 weight `call.run_bf16` (ps_onednn_linear_bf16) the call with bf16 hand-offs (`rows_bf16`);
@@ -256,7 +289,7 @@ class OneDnnLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
                  columns: int | None = None, few_rows: bool | None = None,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, brgemm_rows: int | None = None) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise OneDnnError(f"weight: a float32 or bfloat16 CPU tensor [N, K] is needed, got {weight.dtype} "
                               f"{tuple(weight.shape)} on {weight.device}")
@@ -268,14 +301,26 @@ class OneDnnLinear:
         if lib is None:
             raise OneDnnError(f"no oneDNN linear here: {reason}")
         self.dtype = weight.dtype
-        if kernel is not None and kernel not in KERNELS:
-            raise OneDnnError(f"kernel: one of {', '.join(KERNELS)} is needed, got {kernel!r}")
+        if kernel is not None and kernel not in KERNEL_CHOICES:
+            raise OneDnnError(f"kernel: one of {', '.join(KERNEL_CHOICES)} is needed, got {kernel!r}")
+        if brgemm_rows is not None and brgemm_rows < 0:
+            raise OneDnnError(f"brgemm_rows: 0 or more is needed, got {brgemm_rows}")
         # float32: oneDNN's float32 inner product, whatever `kernel` says
         self.kernel = "float32" if self.dtype == torch.float32 else kernel or default_kernel()
+        self.timing = None
+
+        def block_width() -> int:  # read only where a call may run brgemm
+            return brgemm_columns() if columns is None else _check_columns(columns, f"columns={columns}")
+        if self.kernel == "measure":
+            from prefix_service.backends.cpu import tuning
+            self.timing = tuning.time_linear(self.out_features, self.in_features, block_width())
+            self.kernel, brgemm_rows, few_rows = self.timing.kernel, self.timing.brgemm_rows, False
         self.emulated = self.kernel == "emulated"
-        self.columns = 0  # brgemm's block width
-        if self.kernel == "brgemm":
-            self.columns = brgemm_columns() if columns is None else _check_columns(columns, f"columns={columns}")
+        if self.kernel != "inner_product":
+            brgemm_rows = 0
+        elif brgemm_rows is None:
+            brgemm_rows = brgemm_rows_default()
+        self.columns = block_width() if self.kernel == "brgemm" or brgemm_rows else 0  # brgemm's block width
         w = weight.detach().contiguous()  # [N, K]; the library copies it
         b = None if bias is None else bias.detach().to(torch.float32).contiguous()  # [N]
         q = scale = None  # int8 weights: the few-row kernel reads them where it is packed
@@ -287,11 +332,13 @@ class OneDnnLinear:
                                     self.in_features, None if b is None else b.data_ptr(),
                                     KERNELS.get(self.kernel, 0), self.columns,
                                     int(few_rows_default() if few_rows is None else few_rows),
-                                    None if q is None else q.data_ptr(), None if scale is None else scale.data_ptr())
+                                    None if q is None else q.data_ptr(), None if scale is None else scale.data_ptr(),
+                                    brgemm_rows)
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
         self.few_rows = int(lib.ps_onednn_few_rows(handle))
+        self.brgemm_rows = int(lib.ps_onednn_brgemm_rows(handle))
         self.int8 = bool(lib.ps_onednn_int8(handle))  # whether the few-row calls read int8 weights
         self.fn = native.address(lib.ps_onednn_linear)
         bf16_fn = native.address(lib.ps_onednn_linear_bf16) if self.dtype == torch.bfloat16 else 0
@@ -334,8 +381,12 @@ class OneDnnLinear:
 
     def __repr__(self) -> str:
         mode = "float32" if self.dtype == torch.float32 else f"bf16 {self.kernel}"
-        if self.columns != DEFAULT_BRGEMM_COLUMNS and self.kernel == "brgemm":
+        if self.brgemm_rows:
+            mode += f", brgemm up to {self.brgemm_rows} rows"
+        if self.columns != DEFAULT_BRGEMM_COLUMNS and self.columns:
             mode += f", {self.columns}-column blocks"
+        if self.timing is not None:
+            mode += ", timed"
         if self.few_rows:
             mode += f", {'int8 ' if self.int8 else ''}dot products up to {self.few_rows} rows"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"

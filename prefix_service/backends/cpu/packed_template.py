@@ -50,7 +50,8 @@ class PackedTemplate:
             if matrix:  # [R, Hkv, D] bf16, as the cache holds it
                 kb = k_cache[first:first + self.num_blocks] if run else k_cache.index_select(0, idx)
                 vb = v_cache[first:first + self.num_blocks] if run else v_cache.index_select(0, idx)
-                self.matrix.append(OneDnnTemplate(kb.flatten(0, 1), vb.flatten(0, 1), products=products))
+                self.matrix.append(OneDnnTemplate(kb.flatten(0, 1), vb.flatten(0, 1),
+                                                  products=products))
                 self.nbytes += self.matrix[-1].nbytes
                 continue
             # [R, Hkv, D] as float32, which the kernels read (a bfloat16 cache widens exactly)

@@ -231,3 +231,73 @@ def measure_template_attention(stack: DecoderStack) -> TemplateTiming:
         for k, v in stack.kv_layers:
             k[:t_blocks + own_blocks] = 0
             v[:t_blocks + own_blocks] = 0
+
+
+# --- bf16 linears on AMX: brgemm, the inner product, or brgemm for few rows ---------------------
+
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed, in order, until brgemm loses
+LINEAR_CALLS = 5  # timed calls of each kernel at each row count, alternating, after 2 untimed
+
+
+@dataclass(frozen=True)
+class LinearTiming:
+    """What timing a weight shape's calls found: microseconds a call (median) for each kernel
+    ("brgemm", "inner_product") at each row count timed, and the choice: `kernel` with
+    `brgemm_rows` (the inner product with calls of up to that many rows on brgemm; 0: none)."""
+    kernel: str
+    brgemm_rows: int
+    why: str
+    us: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+def choose_linear(us: dict[str, dict[int, float]]) -> tuple[str, int, str]:
+    """(kernel, brgemm_rows, why) from per-call medians: brgemm for the row counts, from 1 up, at
+    which it was not slower than the inner product; the inner product from the first at which it was
+    (and for every row count past the last timed where brgemm never was: "brgemm" alone)."""
+    rows = sorted(us["brgemm"])
+    won = 0
+    for r in rows:
+        if us["brgemm"][r] > us["inner_product"].get(r, float("inf")):
+            break
+        won = r
+    else:
+        return "brgemm", 0, f"brgemm no slower at every row count timed, 1 to {rows[-1]}"
+    if not won:
+        return "inner_product", 0, "the inner product faster from one row"
+    return "inner_product", won, f"brgemm up to {won} rows, the inner product faster at {r}"
+
+
+_LINEAR_TIMINGS: dict[tuple[int, int, int, int], LinearTiming] = {}
+
+
+def time_linear(n: int, k: int, columns: int) -> LinearTiming:
+    """Times a bf16 weight of n x k (random values) on brgemm (blocks of `columns`) and on oneDNN's
+    inner product at LINEAR_ROWS in order until brgemm is slower, and returns choose_linear()'s
+    choice; once per shape, block width and torch thread count in a process (what it found is kept)."""
+    key = (n, k, columns, torch.get_num_threads())
+    if key in _LINEAR_TIMINGS:
+        return _LINEAR_TIMINGS[key]
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+    layers = {"brgemm": onednn.OneDnnLinear(w, None, kernel="brgemm", columns=columns),
+              "inner_product": onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False, brgemm_rows=0)}
+    us: dict[str, dict[int, float]] = {name: {} for name in layers}
+    for r in LINEAR_ROWS:
+        x = torch.randn(r, k, generator=gen)
+        outs = {name: torch.empty(r, n) for name in layers}
+        samples: dict[str, list[float]] = {name: [] for name in layers}
+        for call in range(LINEAR_CALLS + 2):
+            for name in (layers if call % 2 == 0 else reversed(list(layers))):
+                start = time.perf_counter()
+                layers[name](x, outs[name])
+                if call >= 2:
+                    samples[name].append((time.perf_counter() - start) * 1e6)
+        for name in layers:
+            us[name][r] = statistics.median(samples[name])
+        if us["brgemm"][r] > us["inner_product"][r]:
+            break
+    kernel, rows, why = choose_linear(us)
+    timing = _LINEAR_TIMINGS[key] = LinearTiming(kernel, rows, why, us)
+    log.info("bf16 linear %d x %d timed on %d threads: %s (%s)", n, k, key[3],
+             kernel if not rows else f"brgemm up to {rows} rows, the inner product above", why)
+    return timing

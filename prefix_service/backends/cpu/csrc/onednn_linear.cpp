@@ -104,6 +104,9 @@ struct Packed {
   int64_t kp = 0;
   int64_t nb = kDefaultNB;  // brgemm: output columns per block (a multiple of 16: whole AMX tiles)
   bool vnni = false;
+  // native with brgemm for few rows: calls of up to this many rows run brgemm on `blocks` (packed as
+  // for brgemm), the others the inner product on `weight`; 0: none
+  int brgemm_rows = 0;
   // native with the few-row kernel: dot [ceil(N / kDotNB)][kp / 2][kDotNB][2] bf16, W^T's columns
   // j kDotNB .. in block j, pairs of rows of K side by side (zero past N and K; kp: K rounded up to
   // even), and bias_f32 as for brgemm; undefined without
@@ -234,8 +237,11 @@ inline void store_sums(const Rows& io, int64_t r, int64_t n0, int64_t cols, cons
   }
 }
 
+std::atomic<int64_t> brgemm_calls{0};  // run_brgemm's calls, for ps_onednn_brgemm_calls
+
 // brgemm: y = round_bf16(round_bf16(x) W^T + bias).
 void run_brgemm(const Packed& p, const Rows& io) {
+  brgemm_calls.fetch_add(1, std::memory_order_relaxed);
   const int m = io.m;
   const int64_t kp = p.kp, rows = (m + 15) / 16 * 16;  // A's rows: zero-padded to whole AMX tiles
   c10::BFloat16* a = grown(scratch.x_bf16, rows * kp);
@@ -427,7 +433,7 @@ void run(const Packed& p, const Rows& io) {
     run_dot(p, io);
     return;
   }
-  if (p.mode == Mode::bf16_brgemm) {
+  if (p.mode == Mode::bf16_brgemm || m <= p.brgemm_rows) {
     run_brgemm(p, io);
     return;
   }
@@ -520,9 +526,13 @@ extern "C" int ps_onednn_threads_used(int64_t items) {
 // the few-row kernel is packed it reads q instead of a bf16 copy, so its calls of up to kDotRows
 // rows compute round_bf16(scale[i] sum_j round_bf16(x[j]) q[i][j] + bias[i]) from half the bytes
 // (ps_onednn_int8 says whether it does); elsewhere they are not used. A handle for
-// ps_onednn_linear and ps_onednn_free, or nullptr (ps_onednn_last_error() says why).
+// brgemm_rows: for the native inner product (kernel 0), a positive count packs the weight for brgemm
+// as well (in `columns`-wide blocks), and calls of up to that many rows run brgemm, the rest the
+// inner product (the few-row kernel is then not packed: ps_onednn_brgemm_rows says the count); 0: none.
+// A handle for ps_onednn_linear and ps_onednn_free, or nullptr (ps_onednn_last_error() says why).
 extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, int64_t k, const float* bias,
-                                int kernel, int columns, int few_rows, const int8_t* q, const float* scale) {
+                                int kernel, int columns, int few_rows, const int8_t* q, const float* scale,
+                                int brgemm_rows) {
   if (weight == nullptr || n <= 0 || k <= 0) {
     last_error = "ps_onednn_pack: a weight of at least 1 x 1 is needed, got " + std::to_string(n) + " x " +
                  std::to_string(k) + (weight == nullptr ? " at a null pointer" : "");
@@ -534,6 +544,11 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
   }
   if (weight_bf16 && (kernel < 0 || kernel > 2)) {
     last_error = "ps_onednn_pack: kernel " + std::to_string(kernel) + " is none of 0 (native), 1 (emulated), 2 (brgemm)";
+    return nullptr;
+  }
+  if (brgemm_rows < 0 || (brgemm_rows > 0 && (!weight_bf16 || kernel != 0))) {
+    last_error = "ps_onednn_pack: brgemm_rows " + std::to_string(brgemm_rows) +
+                 " (brgemm for calls of few rows) needs a bf16 weight on the native inner product (kernel 0)";
     return nullptr;
   }
   if (columns != 0 && (columns < 16 || columns > 64 || columns % 16 != 0)) {
@@ -550,12 +565,13 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     at::Tensor w = at::from_blob(const_cast<void*>(weight), {n, k}, at::TensorOptions().dtype(
                                      weight_bf16 ? at::kBFloat16 : at::kFloat));
-    const bool dot = p->mode == Mode::bf16_native && ps_onednn::kDotBf16 && few_rows;  // dot blocks as well
+    // dot blocks as well (not beside brgemm blocks: those take the few rows)
+    const bool dot = p->mode == Mode::bf16_native && ps_onednn::kDotBf16 && few_rows && brgemm_rows == 0;
     if (dot && q != nullptr && std::any_of(q, q + n * k, [](int8_t v) { return v < -127; })) {
       last_error = "ps_onednn_pack: q holds -128; int8 weights are symmetric, -127 to 127";
       return nullptr;
     }
-    if (p->mode == Mode::bf16_brgemm || dot) {
+    if (p->mode == Mode::bf16_brgemm || dot || brgemm_rows > 0) {
       p->bias_f32.assign((size_t)n, 0.0f);  // rounded to bf16, widened
       if (bias != nullptr)
         for (int64_t i = 0; i < n; ++i) p->bias_f32[i] = static_cast<float>(c10::BFloat16(bias[i]));
@@ -566,6 +582,11 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
       return p.release();
     }
     if (dot) pack_dot(*p, w, q, scale);
+    if (brgemm_rows > 0) {
+      p->nb = columns != 0 ? columns : kDefaultNB;
+      pack_blocks(*p, w);
+      p->brgemm_rows = brgemm_rows;
+    }
     // the reorder writes a new tensor; the clone makes the copy explicit whatever layout it picks
     w = p->mode == Mode::bf16_emulated ? w.to(at::kFloat) : w.clone();
     p->weight = reorder(w);
@@ -603,6 +624,17 @@ extern "C" int ps_onednn_linear_bf16(const void* handle, const void* x, int x_bf
 extern "C" int ps_onednn_few_rows(const void* handle) {
   const auto* p = static_cast<const Packed*>(handle);
   return p != nullptr && (p->dot.defined() || p->dot8.defined()) ? kDotRows : 0;
+}
+
+// How many calls have run on brgemm in this process (either way: a brgemm weight, or few rows beside
+// the inner product).
+extern "C" int64_t ps_onednn_brgemm_calls() { return brgemm_calls.load(std::memory_order_relaxed); }
+
+// The most rows a call of this handle runs through brgemm beside the inner product (ps_onednn_pack's
+// brgemm_rows), else 0.
+extern "C" int ps_onednn_brgemm_rows(const void* handle) {
+  const auto* p = static_cast<const Packed*>(handle);
+  return p != nullptr ? p->brgemm_rows : 0;
 }
 
 // 1 where the handle's few-row calls read int8 weights (ps_onednn_pack's q), else 0
