@@ -16,7 +16,7 @@ from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu import native
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.packed_template import PackedTemplate
-from prefix_service.backends.cpu.stack import StackPlan
+from prefix_service.backends.cpu.plan import StackPlan
 from prefix_service.backends.torch.attention import PagedAttention, PagedMetadata
 from prefix_service.engine.step import ScheduledRow, StepBatch
 

@@ -508,13 +508,15 @@ def test_an_engine_on_wider_brgemm_blocks_says_so_and_matches_the_default(make_e
 
 @needs_bf16
 def test_an_engine_on_amx_names_its_default_linears_and_the_tiles(make_engine, monkeypatch):
-    """Where oneDNN has AMX tiles (brgemm_vnni), the default linears are the brgemm kernel, without
-    the few-row kernel, and the start-up line says so; the inner product, asked for, names the tiles
-    oneDNN runs it on."""
+    """Where oneDNN has AMX tiles (brgemm_vnni), the default linears are each shape timed on brgemm and
+    the inner product, without the few-row kernel, and the start-up line says so and what each runs;
+    the inner product, asked for, names the tiles oneDNN runs it on."""
     monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
-    described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
-    assert "oneDNN brgemm bf16 linears (AMX)" in described and "dot products up to" not in described, described
+    backend = make_engine(dtype="bfloat16", backend="cpu")._core.backend
+    described = backend.describe()
+    assert (f"oneDNN bf16 linears, each shape timed on brgemm and the inner product (AMX; {backend.linear_choices()})"
+            in described and "dot products up to" not in described), described
     if onednn.bf16_native():
         monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
         described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
@@ -530,12 +532,14 @@ def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     assert core.backend.name == "cpu" and core.dtype == torch.bfloat16
     described = core.backend.describe()
     assert "bf16" in described and ("AMX" in described) == onednn.brgemm_vnni()
-    # the default linears: brgemm on AMX, else oneDNN's inner product on every CPU whose torch runs it in bf16,
-    # a decode step's small calls on the few-row kernel where the CPU has AVX512-BF16 (the test env's default)
-    inner = onednn.bf16_native() and not onednn.brgemm_vnni()
+    # the default linears: on AMX each shape timed on brgemm and the inner product, else oneDNN's inner
+    # product on every CPU whose torch runs it in bf16, a decode step's small calls on the few-row kernel
+    # where the CPU has AVX512-BF16 (the test env's default)
+    amx = onednn.brgemm_vnni()
+    inner = onednn.bf16_native() and not amx
     few_rows = inner and "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
-    assert ("oneDNN brgemm bf16 linears (AMX)" in described) == onednn.brgemm_vnni()
-    assert ("oneDNN bf16 linears" in described) == inner
+    assert ("oneDNN bf16 linears, each shape timed on brgemm and the inner product (AMX; " in described) == amx
+    assert ("oneDNN bf16 linears" in described) == (inner or amx)
     assert (f"AVX512-BF16 dot products up to {DOT_ROWS} rows" in described) == few_rows
     assert len(core.backend.kv_layers) > 0
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in core.backend.kv_layers)

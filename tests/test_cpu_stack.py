@@ -17,7 +17,8 @@ from prefix_service.backends.cpu import linear as linear_mod
 from prefix_service.backends.cpu import stack as stack_mod
 from prefix_service.backends.cpu.elementwise import add_rms_norm
 from prefix_service.backends.cpu.native import NativeKernelError
-from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
+from prefix_service.backends.cpu.plan import StackPlan
+from prefix_service.backends.cpu.stack import DecoderStack
 from prefix_service.bench.profiling import kernel_times
 from prefix_service.model.loader import load_model
 

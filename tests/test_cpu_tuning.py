@@ -221,12 +221,12 @@ def us(brgemm, inner):
 
 
 def test_the_linear_rule_runs_brgemm_for_the_rows_it_wins_from_one_up():
-    assert tuning.choose_linear(us([5, 6, 9], [7, 7, 8])) == (
+    assert onednn.choose_linear(us([5, 6, 9], [7, 7, 8])) == (
         "inner_product", 2, "brgemm up to 2 rows, the inner product faster at 4")
-    assert tuning.choose_linear(us([9], [7])) == ("inner_product", 0, "the inner product faster from one row")
-    assert tuning.choose_linear(us([5] * 7, [7] * 7)) == (
+    assert onednn.choose_linear(us([9], [7])) == ("inner_product", 0, "the inner product faster from one row")
+    assert onednn.choose_linear(us([5] * 7, [7] * 7)) == (
         "brgemm", 0, "brgemm no slower at every row count timed, 1 to 64")
-    assert tuning.choose_linear(us([5, 5], [5, 4]))[:2] == ("inner_product", 1)  # a tie goes to brgemm
+    assert onednn.choose_linear(us([5, 5], [5, 4]))[:2] == ("inner_product", 1)  # a tie goes to brgemm
 
 
 @needs_bf16
@@ -235,14 +235,14 @@ def test_a_timed_linear_runs_what_the_rule_picks_from_its_timings(monkeypatch):
     """kernel "measure": the shape is timed until brgemm loses (or at every row count), the layer runs
     choose_linear's choice from those timings, and a second weight of the shape reuses them untimed;
     its outputs are the chosen kernel's, bit for bit."""
-    monkeypatch.setattr(tuning, "_LINEAR_TIMINGS", {})
+    monkeypatch.setattr(onednn, "_LINEAR_TIMINGS", {})
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(80, 48, generator=g) * 48 ** -0.5).bfloat16()
     layer = onednn.OneDnnLinear(w, None, kernel="measure")
     timing = layer.timing
-    assert (layer.kernel, layer.brgemm_rows, timing.why) == tuning.choose_linear(timing.us)
+    assert (layer.kernel, layer.brgemm_rows, timing.why) == onednn.choose_linear(timing.us)
     timed = sorted(timing.us["brgemm"])
-    assert timed == sorted(timing.us["inner_product"]) == list(tuning.LINEAR_ROWS[:len(timed)])
+    assert timed == sorted(timing.us["inner_product"]) == list(onednn.LINEAR_ROWS[:len(timed)])
     lost = [r for r in timed if timing.us["brgemm"][r] > timing.us["inner_product"][r]]
     assert lost == ([timed[-1]] if layer.kernel == "inner_product" else [])  # timed up to the first loss
     assert layer.few_rows == 0  # the few-row kernel is not packed beside a timed choice
@@ -264,7 +264,7 @@ def test_an_engine_on_timed_or_split_linears_gives_prefix_equal_no_prefix(make_e
     inner product (PREFIX_SERVICE_BF16_BRGEMM_ROWS: a decode step's calls on brgemm, a prefill's on the
     inner product): greedy ids on a pinned template equal those without it (or first differ at a near
     tie), and the start-up line says what each linear runs."""
-    monkeypatch.setattr(tuning, "_LINEAR_TIMINGS", {})
+    monkeypatch.setattr(onednn, "_LINEAR_TIMINGS", {})
     if how == "measure":
         monkeypatch.setenv(onednn.KERNEL_ENV, "measure")
     else:
@@ -281,7 +281,7 @@ def test_an_engine_on_timed_or_split_linears_gives_prefix_equal_no_prefix(make_e
         assert backend.linear_choices() in backend.describe()
     else:
         assert all((m.kernel, m.brgemm_rows, m.few_rows) == ("inner_product", 6, 0) for m in linears)
-        assert "(brgemm up to 6 rows)" in backend.describe()
+        assert "brgemm up to 6 rows)" in backend.describe()  # "(AMX; brgemm ...)" on AMX
     calls = onednn.brgemm_calls()
     assert_templates_equal_no_template(engine, (BS, 2 * BS + 1, 20 * BS + 3), 24)
     on_brgemm = any(m.kernel == "brgemm" or m.brgemm_rows for m in linears)

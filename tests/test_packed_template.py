@@ -12,7 +12,7 @@ from helpers import greedy, run_ids
 from prefix_service import GenerateRequest
 from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu.packed_template import PackedTemplate
-from prefix_service.backends.cpu.stack import StackPlan
+from prefix_service.backends.cpu.plan import StackPlan
 from prefix_service.config import CacheConfig, ConfigError
 from prefix_service.engine.step import ScheduledRow
 

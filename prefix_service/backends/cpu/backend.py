@@ -24,7 +24,8 @@ from prefix_service.backends.base import Backend, StepTensors
 from prefix_service.backends.cpu import elementwise, linear
 from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.backends.cpu.sampling import NATIVE_SAMPLER_OPS
-from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
+from prefix_service.backends.cpu.plan import StackPlan
+from prefix_service.backends.cpu.stack import DecoderStack
 from prefix_service.backends.cpu.stack import unsupported as stack_unsupported
 from prefix_service.config import CacheConfig
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
@@ -102,8 +103,10 @@ class CpuBackend(Backend):
         named = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "head": self.head}
         groups: dict[str, list[str]] = {}
         for name, m in named.items():
-            kernel, rows = getattr(m, "kernel", "float32"), getattr(m, "brgemm_rows", 0)
-            what = f"brgemm up to {rows} rows, the inner product above" if rows else kernel.replace("_", " ")
+            kernel, rows, few = getattr(m, "kernel", "float32"), getattr(m, "brgemm_rows", 0), getattr(m, "few_rows", 0)
+            what = (f"brgemm up to {rows} rows, the inner product above" if rows
+                    else f"AVX512-BF16 dot products up to {few} rows, the inner product above" if few
+                    else kernel.replace("_", " "))
             groups.setdefault(what, []).append(name)
         return "; ".join(f"{', '.join(names)}: {what}" for what, names in groups.items())
 

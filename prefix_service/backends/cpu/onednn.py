@@ -15,7 +15,9 @@ torch build and the compiler (with OpenMP, so its own parallel loops run on torc
 15-25 seconds.
 
 A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one of three kernels
-(`KERNELS`; `default_kernel()` picks for the machine):
+(`KERNELS`; `default_kernel()` picks for the machine, and on AMX times brgemm against the inner
+product per shape, "measure": brgemm, the inner product, or brgemm for calls of up to a row count
+beside the inner product, `brgemm_rows`):
   inner_product  where torch's oneDNN supports bf16 here (`bf16_native()`: AVX-512 BW/VL/DQ or
                  AVX-NE-CONVERT) and the CPU has no AMX: the weight is packed in bf16; each call
                  rounds x to bf16, runs the bf16 inner product (float32 sums, bf16 output) and
@@ -23,7 +25,7 @@ A float32 weight is packed and multiplied in float32. A bfloat16 weight runs one
                  AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
                  which takes the calls of up to 128 rows (with int8 weights, model.quantization,
                  reading int8 blocks there: `OneDnnLinear(int8=...)`, ps_onednn_pack's q);
-  brgemm         where the CPU has AMX (`brgemm_vnni()`), elsewhere by choice
+  brgemm         where timing on AMX (`brgemm_vnni()`) picks it, elsewhere by choice
                  ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns
                  (`brgemm_columns()`), each packed once; each call rounds x to bf16 and runs
                  oneDNN's micro-kernel per (block, 32 rows), the kernels generated once per
@@ -40,15 +42,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import platform
+import statistics
+import time
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from prefix_service.backends.cpu import native
 from prefix_service.model.quantize import int8_problem
+
+log = logging.getLogger("prefix_service.engine")
 
 SOURCES = (native.CSRC / "onednn_linear.cpp", native.CSRC / "onednn_attention.cpp")
 # the sources' includes: part of the build's key
@@ -227,7 +235,7 @@ def default_kernel() -> str:
     of KERNEL_CHOICES: to compare them on one machine), else "measure" where the CPU has AMX: each
     weight shape is timed on brgemm and on the inner product when the first weight of that shape
     is packed, and runs brgemm, the inner product, or brgemm for calls up to a row count and the
-    inner product above (tuning.time_linear). On AMX brgemm's decode steps ran 0.97-2.3x as fast as the inner
+    inner product above (time_linear). On AMX brgemm's decode steps ran 0.97-2.3x as fast as the inner
     product's with f32 hand-offs, while oneDNN's own inner product on bf16 rows ran calls of 16 to 64
     rows 1.6-2x as fast as brgemm (docs/benchmarks.md, "Run 8"): the crossover is the machine's.
     Elsewhere oneDNN's bf16 inner product where torch supports it, else emulated."""
@@ -280,7 +288,7 @@ class OneDnnLinear:
     for the few-row kernel where the CPU has AVX512-BF16 (default: few_rows_default()). `few_rows`
     then holds the most rows a call runs through it (0: none). brgemm_rows: for an inner-product
     weight, the most rows a call runs on brgemm instead (default: brgemm_rows_default(); the few-row
-    kernel is then not packed). kernel "measure" times the shape (tuning.time_linear, once per shape
+    kernel is then not packed). kernel "measure" times the shape (time_linear, once per shape
     and thread count) and sets both; `timing` then holds what it found (else None).
 
     `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call, and for a
@@ -307,13 +315,12 @@ class OneDnnLinear:
             raise OneDnnError(f"brgemm_rows: 0 or more is needed, got {brgemm_rows}")
         # float32: oneDNN's float32 inner product, whatever `kernel` says
         self.kernel = "float32" if self.dtype == torch.float32 else kernel or default_kernel()
-        self.timing = None
+        self.timing: LinearTiming | None = None
 
         def block_width() -> int:  # read only where a call may run brgemm
             return brgemm_columns() if columns is None else _check_columns(columns, f"columns={columns}")
         if self.kernel == "measure":
-            from prefix_service.backends.cpu import tuning
-            self.timing = tuning.time_linear(self.out_features, self.in_features, block_width())
+            self.timing = time_linear(self.out_features, self.in_features, block_width())
             self.kernel, brgemm_rows, few_rows = self.timing.kernel, self.timing.brgemm_rows, False
         self.emulated = self.kernel == "emulated"
         if self.kernel != "inner_product":
@@ -390,6 +397,76 @@ class OneDnnLinear:
         if self.few_rows:
             mode += f", {'int8 ' if self.int8 else ''}dot products up to {self.few_rows} rows"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"
+
+
+# --- bf16 linears on AMX: brgemm, the inner product, or brgemm for few rows ---------------------
+
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed, in order, until brgemm loses
+LINEAR_CALLS = 5  # timed calls of each kernel at each row count, alternating, after 2 untimed
+
+
+@dataclass(frozen=True)
+class LinearTiming:
+    """What timing a weight shape's calls found: microseconds a call (median) for each kernel
+    ("brgemm", "inner_product") at each row count timed, and the choice: `kernel` with
+    `brgemm_rows` (the inner product with calls of up to that many rows on brgemm; 0: none)."""
+    kernel: str
+    brgemm_rows: int
+    why: str
+    us: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+def choose_linear(us: dict[str, dict[int, float]]) -> tuple[str, int, str]:
+    """(kernel, brgemm_rows, why) from per-call medians: brgemm for the row counts, from 1 up, at
+    which it was no slower than the inner product, and the inner product from the first at which it
+    was slower; brgemm alone where it was never slower at any row count timed."""
+    rows = sorted(us["brgemm"])
+    won = 0
+    for r in rows:
+        if us["brgemm"][r] > us["inner_product"].get(r, float("inf")):
+            break
+        won = r
+    else:
+        return "brgemm", 0, f"brgemm no slower at every row count timed, 1 to {rows[-1]}"
+    if not won:
+        return "inner_product", 0, "the inner product faster from one row"
+    return "inner_product", won, f"brgemm up to {won} rows, the inner product faster at {r}"
+
+
+_LINEAR_TIMINGS: dict[tuple[int, int, int, int], LinearTiming] = {}
+
+
+def time_linear(n: int, k: int, columns: int) -> LinearTiming:
+    """Times a bf16 weight of n x k (random values) on brgemm (blocks of `columns`) and on oneDNN's
+    inner product at LINEAR_ROWS in order until brgemm is slower, and returns choose_linear()'s
+    choice; once per shape, block width and torch thread count in a process (what it found is kept)."""
+    key = (n, k, columns, torch.get_num_threads())
+    if key in _LINEAR_TIMINGS:
+        return _LINEAR_TIMINGS[key]
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
+    layers = {"brgemm": OneDnnLinear(w, None, kernel="brgemm", columns=columns),
+              "inner_product": OneDnnLinear(w, None, kernel="inner_product", few_rows=False, brgemm_rows=0)}
+    us: dict[str, dict[int, float]] = {name: {} for name in layers}
+    for r in LINEAR_ROWS:
+        x = torch.randn(r, k, generator=gen)
+        outs = {name: torch.empty(r, n) for name in layers}
+        samples: dict[str, list[float]] = {name: [] for name in layers}
+        for call in range(LINEAR_CALLS + 2):
+            for name in (layers if call % 2 == 0 else reversed(list(layers))):
+                start = time.perf_counter()
+                layers[name](x, outs[name])
+                if call >= 2:
+                    samples[name].append((time.perf_counter() - start) * 1e6)
+        for name in layers:
+            us[name][r] = statistics.median(samples[name])
+        if us["brgemm"][r] > us["inner_product"][r]:
+            break
+    kernel, rows, why = choose_linear(us)
+    timing = _LINEAR_TIMINGS[key] = LinearTiming(kernel, rows, why, us)
+    log.info("bf16 linear %d x %d timed on %d threads: %s (%s)", n, k, key[3],
+             kernel if not rows else f"brgemm up to {rows} rows, the inner product above", why)
+    return timing
 
 
 class OneDnnTemplate:

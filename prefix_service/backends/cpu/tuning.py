@@ -25,16 +25,14 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from prefix_service.backends.cpu import onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.packed_template import PackedTemplate
-
-if TYPE_CHECKING:
-    from prefix_service.backends.cpu.stack import DecoderStack, StackPlan
+from prefix_service.backends.cpu.plan import StackPlan
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -44,6 +42,20 @@ PREFILL_TOKENS = 100
 DECODE_SEQUENCES = 16
 ROUNDS = 3  # timed rounds of each way, after one untimed
 MARGIN = 0.05  # how much faster, on the sum of both, the matrix products must be to be chosen
+
+
+class TimedStack(Protocol):
+    """What the timing reads and runs of the decoder stack (stack.DecoderStack)."""
+    block_size: int
+    num_blocks: int
+    hkv: int
+    head_dim: int
+    hidden: int
+    cos: torch.Tensor  # [positions, D]: its length is the most positions a row may take
+    kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
+    template_fn: int
+
+    def forward(self, x: torch.Tensor, plan: StackPlan) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -131,10 +143,9 @@ def disagreement(template: onednn.OneDnnTemplate, k: torch.Tensor, v: torch.Tens
     return None
 
 
-def _plans(stack: DecoderStack, template_blocks: list[int], own: list[int]) -> tuple[StackPlan, StackPlan]:
+def _plans(stack: TimedStack, template_blocks: list[int], own: list[int]) -> tuple[StackPlan, StackPlan]:
     """A prefill of PREFILL_TOKENS after the template into blocks own[:p], and a decode step of
     DECODE_SEQUENCES sequences on the template, each storing its token in one block of own[p:]."""
-    from prefix_service.backends.cpu.stack import StackPlan
     bs, r = stack.block_size, len(template_blocks) * stack.block_size
     p_blocks = -(-PREFILL_TOKENS // bs)
     pre_own, dec_own = own[:p_blocks], own[p_blocks:]
@@ -155,7 +166,7 @@ def _plans(stack: DecoderStack, template_blocks: list[int], own: list[int]) -> t
     return prefill, decode
 
 
-def measure_template_attention(stack: DecoderStack) -> TemplateTiming:
+def measure_template_attention(stack: TimedStack) -> TemplateTiming:
     """Times a bf16 stack's template attention each way (the module's docstring) and returns the
     choice; the stack is left as it was (its template_fn untouched, the blocks used zeroed)."""
     bs, nb, positions = stack.block_size, stack.num_blocks, stack.cos.shape[0]
@@ -232,72 +243,3 @@ def measure_template_attention(stack: DecoderStack) -> TemplateTiming:
             k[:t_blocks + own_blocks] = 0
             v[:t_blocks + own_blocks] = 0
 
-
-# --- bf16 linears on AMX: brgemm, the inner product, or brgemm for few rows ---------------------
-
-LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts timed, in order, until brgemm loses
-LINEAR_CALLS = 5  # timed calls of each kernel at each row count, alternating, after 2 untimed
-
-
-@dataclass(frozen=True)
-class LinearTiming:
-    """What timing a weight shape's calls found: microseconds a call (median) for each kernel
-    ("brgemm", "inner_product") at each row count timed, and the choice: `kernel` with
-    `brgemm_rows` (the inner product with calls of up to that many rows on brgemm; 0: none)."""
-    kernel: str
-    brgemm_rows: int
-    why: str
-    us: dict[str, dict[int, float]] = field(default_factory=dict)
-
-
-def choose_linear(us: dict[str, dict[int, float]]) -> tuple[str, int, str]:
-    """(kernel, brgemm_rows, why) from per-call medians: brgemm for the row counts, from 1 up, at
-    which it was not slower than the inner product; the inner product from the first at which it was
-    (and for every row count past the last timed where brgemm never was: "brgemm" alone)."""
-    rows = sorted(us["brgemm"])
-    won = 0
-    for r in rows:
-        if us["brgemm"][r] > us["inner_product"].get(r, float("inf")):
-            break
-        won = r
-    else:
-        return "brgemm", 0, f"brgemm no slower at every row count timed, 1 to {rows[-1]}"
-    if not won:
-        return "inner_product", 0, "the inner product faster from one row"
-    return "inner_product", won, f"brgemm up to {won} rows, the inner product faster at {r}"
-
-
-_LINEAR_TIMINGS: dict[tuple[int, int, int, int], LinearTiming] = {}
-
-
-def time_linear(n: int, k: int, columns: int) -> LinearTiming:
-    """Times a bf16 weight of n x k (random values) on brgemm (blocks of `columns`) and on oneDNN's
-    inner product at LINEAR_ROWS in order until brgemm is slower, and returns choose_linear()'s
-    choice; once per shape, block width and torch thread count in a process (what it found is kept)."""
-    key = (n, k, columns, torch.get_num_threads())
-    if key in _LINEAR_TIMINGS:
-        return _LINEAR_TIMINGS[key]
-    gen = torch.Generator().manual_seed(n * 7 + k)
-    w = (torch.randn(n, k, generator=gen) * k ** -0.5).bfloat16()
-    layers = {"brgemm": onednn.OneDnnLinear(w, None, kernel="brgemm", columns=columns),
-              "inner_product": onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False, brgemm_rows=0)}
-    us: dict[str, dict[int, float]] = {name: {} for name in layers}
-    for r in LINEAR_ROWS:
-        x = torch.randn(r, k, generator=gen)
-        outs = {name: torch.empty(r, n) for name in layers}
-        samples: dict[str, list[float]] = {name: [] for name in layers}
-        for call in range(LINEAR_CALLS + 2):
-            for name in (layers if call % 2 == 0 else reversed(list(layers))):
-                start = time.perf_counter()
-                layers[name](x, outs[name])
-                if call >= 2:
-                    samples[name].append((time.perf_counter() - start) * 1e6)
-        for name in layers:
-            us[name][r] = statistics.median(samples[name])
-        if us["brgemm"][r] > us["inner_product"][r]:
-            break
-    kernel, rows, why = choose_linear(us)
-    timing = _LINEAR_TIMINGS[key] = LinearTiming(kernel, rows, why, us)
-    log.info("bf16 linear %d x %d timed on %d threads: %s (%s)", n, k, key[3],
-             kernel if not rows else f"brgemm up to {rows} rows, the inner product above", why)
-    return timing
