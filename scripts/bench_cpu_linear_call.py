@@ -69,6 +69,11 @@ def ways(w: torch.Tensor, brgemm_columns: tuple[int, ...] = ()
         # inner_product runs calls of up to few_rows rows on the dot-product kernel; this, oneDNN alone
         out["inner_product_onednn"] = (onednn.OneDnnLinear(wb, None, kernel="inner_product", few_rows=False),
                                        torch.float32)
+    if onednn.bf16_native():
+        # what timing the shape on brgemm and the inner product keeps (AMX's default; its choice is printed)
+        timed = onednn.OneDnnLinear(wb, None, kernel="measure")
+        print(f"measure, {w.shape[0]} x {w.shape[1]}: {timed!r} ({timed.timing.why})", file=sys.stderr)
+        out["measure"] = (timed, torch.float32)
     if "brgemm" in out:
         for columns in brgemm_columns:
             out[f"brgemm_c{columns}"] = (onednn.OneDnnLinear(wb, None, kernel="brgemm", columns=columns),

@@ -21,10 +21,11 @@
 # the AVX512-BF16 dot products, a decode step in bf16 by default (brgemm on AMX), in float32, on
 # brgemm, without the few-row kernel, with the template attention (and a long prompt's own) on the dot
 # products and on the inner product with int8 weights (model.quantization), and the dtype benchmark (bf16 also with those products), each at 2 threads, a 2-vCPU
-# machine's count, then at 16), amxattn (the template attention's key-row walk on AMX tiles: its tests, what
-# timing it at start-up keeps at 2 threads and 16, its
-# cost per call against the dot products' two walks, a bf16 prefill's and decode step's profile with the
-# native template attention and with the matrix products, at 2 threads and 16, and the dtype benchmark at 2)
+# machine's count, then at 16), amxattn (what the bf16 start-up timing keeps on AMX, template attention and
+# linears, at 2 threads and 16, and its tests; the key-row walk's cost per call against the dot products'
+# two walks; a bf16 prefill's and decode step's profile with the AMX defaults before the timing (brgemm
+# linears, native template attention), with the timed defaults and with the matrix products forced, at 2
+# threads and 16; and the dtype benchmark at 2, the timed defaults against those before)
 # and omp (which OpenMP runtimes the cpu backend's libraries load, and the bf16 decode under each OMP_WAIT_POLICY).
 # SANITIZE_TESTS and SANITIZE_K: the test files compute-sanitizer runs and their -k expression (default:
 # the store, concat and copy kernels and the cascade decode, tests/test_cuda_ops.py and test_attention_cuda.py).
@@ -121,23 +122,25 @@ step cpubf16 480 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= t
     OMP_NUM_THREADS=$threads python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
       --system bf16-dot:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot \
       --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/cpu_dtype_t$threads.json; done'
-step amxattn 420 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py -k template
+step amxattn 420 bash -c 'python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_onednn.py -k "template or brgemm"
   python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_bf16.py -k prefix_equals_no_prefix
   python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_cpu_tuning.py
-  python3 scripts/time_template_attention.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
-    --thread-counts 2,16 --repeat 2 --json '"$LOGS"'/amx_template_timing.json
+  python3 scripts/time_kernel_choices.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
+    --thread-counts 2,16 --repeat 2 --json '"$LOGS"'/amx_kernel_choices.json
   for way in auto dot dot-rows; do echo "--- template call, products $way"
     PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=${way%-rows} python3 scripts/bench_cpu_template_call.py --rows 3,24,64,152,300 \
       --calls 200 $( [ $way = dot-rows ] && echo --key-rows ) --json '"$LOGS"'/amx_template_call_$way.json | tail -n 6; done
-  for threads in 2 16; do for way in native matrix; do echo "--- $threads threads, bf16, template attention $way"
-    env OMP_NUM_THREADS=$threads PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=$way python3 scripts/profile_prefill.py \
+  before="PREFIX_SERVICE_BF16_LINEAR=brgemm PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=native"
+  for threads in 2 16; do for way in before default matrix; do echo "--- $threads threads, bf16, $way"
+    case $way in before) vars=$before ;; matrix) vars=PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix ;; *) vars= ;; esac
+    env OMP_NUM_THREADS=$threads $vars python3 scripts/profile_prefill.py \
       ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu --dtype bfloat16 --runs 5 \
       --profile-runs 1 --paths prefix 2>&1 | tail -n 3
-    env OMP_NUM_THREADS=$threads PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=$way python3 scripts/profile_decode.py \
+    env OMP_NUM_THREADS=$threads $vars python3 scripts/profile_decode.py \
       ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} --backend cpu --device cpu --dtype bfloat16 \
       --batches 1,16,64 --steps 5 2>&1 | tail -n 5; done; done
   OMP_NUM_THREADS=2 python3 scripts/bench_cpu_dtype.py ${CPU_MODEL_DIR:+--model $CPU_MODEL_DIR --load-format dummy} \
-    --dtypes bfloat16 --system bf16-matrix:bfloat16:PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=matrix \
+    --dtypes bfloat16 --system bf16-before:bfloat16:${before// /,} \
     --rounds 1 --singles 3 --concurrency 16,64 --json '"$LOGS"'/amx_cpu_dtype_t2.json'
 step omp 120 bash -c 'ls "$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib" | grep -i omp
   python3 -c "import torch; from prefix_service.backends.cpu import native, onednn; native.load(); onednn.load(); print(sorted({l.split()[-1] for l in open(\"/proc/self/maps\") if \"omp\" in l}))"

@@ -113,7 +113,8 @@ def test_bench_cpu_linear_call_script(tmp_path):
     assert [(r["threads"], r["out"], r["in"], r["rows"]) for r in data["results"]] == [
         (t, n, k, m) for t in (1, 2) for n, k in ((40, 24), (24, 56)) for m in (1, 5)]
     want = ["native_f32", "F.linear_bf16", "emulated", "brgemm", "brgemm_c16", "brgemm_c64"]
-    want += ["inner_product", "onednn_bf16_rows"] if onednn.bf16_native() else []
+    # with it, what timing the shape keeps (AMX's default), its choice said
+    want += ["inner_product", "onednn_bf16_rows", "measure"] if onednn.bf16_native() else []
     # oneDNN's inner product alone beside it where inner_product packs the few-row kernel
     few_rows = onednn.bf16_native() and onednn.OneDnnLinear(torch.ones(8, 8).bfloat16(), None,
                                                              kernel="inner_product").few_rows > 0
@@ -123,4 +124,6 @@ def test_bench_cpu_linear_call_script(tmp_path):
         assert ("inner_product_onednn_us" in r) == few_rows, r
     if not onednn.bf16_native():
         assert "inner_product: not available here" in proc.stderr
+    else:
+        assert "measure, 40 x 24: OneDnnLinear(in_features=24, out_features=40, bf16 " in proc.stderr
     assert data["isa"] and "JSON:" in proc.stdout

@@ -1,13 +1,15 @@
-"""What the bf16 template attention's timing at start-up (PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION=measure,
-prefix_service/backends/cpu/tuning.py) finds on this machine, at each thread count asked for: the
-cpu backend is built for the model in bfloat16 with "measure" set (the default where the CPU has
-AMX tiles), which times the native kernels and each kernel of the matrix products the CPU has on a
-synthetic template, a 100-token prefill and a 16-sequence decode step, and keeps one. The table
-gives the medians and the way kept; --repeat builds the backend again to show how stable the
-choice is on a busy machine.
+"""What the bf16 cpu backend's start-up timing keeps on this machine, at each thread count asked for:
+the backend is built for the model in bfloat16 with the template attention set to "measure"
+(PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION, the default where the CPU has AMX tiles:
+prefix_service/backends/cpu/tuning.py), which times the native kernels and each kernel of the
+matrix products the CPU has on a synthetic template, a 100-token prefill and a 16-sequence decode
+step, and keeps one. The table gives the medians and the way kept. With --linears measure (the
+default on AMX) each linear shape is timed on brgemm and the inner product as well, and what each
+runs is printed and kept in the JSON. --repeat builds the backend again to show how stable the
+choices are on a busy machine.
 
-    python scripts/time_template_attention.py --thread-counts 2,16 --json bench_out/template_timing.json
-    python scripts/time_template_attention.py --model DIR --load-format dummy --repeat 3
+    python scripts/time_kernel_choices.py --thread-counts 2,16 --json bench_out/kernel_choices.json
+    python scripts/time_kernel_choices.py --model DIR --load-format dummy --repeat 3 --linears measure
 """
 from __future__ import annotations
 
@@ -28,6 +30,15 @@ from prefix_service.backends.cpu import onednn  # noqa: E402
 from prefix_service.engine.core import EngineCore  # noqa: E402
 
 
+def linear_timings(backend) -> dict:
+    """Per linear of the first layer and the head: what timing found (us a call by kernel and rows), where timed."""
+    layer = backend.stack.layers[0]
+    named = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "head": backend.head}
+    return {name: {"shape": [m.out_features, m.in_features], "kernel": m.kernel, "brgemm_rows": m.brgemm_rows,
+                   "why": m.timing.why, "us": m.timing.us}
+            for name, m in named.items() if getattr(m, "timing", None) is not None}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p)
@@ -35,8 +46,12 @@ def main() -> int:
     p.add_argument("--thread-counts", default=str(torch.get_num_threads()),
                    help="comma-separated torch thread counts, each timed with a backend of its own")
     p.add_argument("--repeat", type=int, default=1, help="backends built per thread count")
+    p.add_argument("--linears", choices=onednn.KERNEL_CHOICES,
+                   help=f"{onednn.KERNEL_ENV} for the run (default: as set, else the machine's default)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    if args.linears:
+        os.environ[onednn.KERNEL_ENV] = args.linears
     if args.threads:
         args.thread_counts = str(args.threads)
     os.environ[onednn.TEMPLATE_ATTENTION_ENV] = "measure"
@@ -61,8 +76,11 @@ def main() -> int:
                 print(f"{threads:7d} {run:3d} {way:<26} {t['prefill']:10.2f} {t['decode']:10.2f}  "
                       f"{'<-' if way == kept else ''}")
             print(f"{threads:7d} {run:3d} kept: {kept} ({timing.why})", flush=True)
+            linears = core.backend.linear_choices()
+            print(f"{threads:7d} {run:3d} linears: {linears}", flush=True)
             results.append({"threads": threads, "run": run, "choice": timing.choice, "kernel": timing.kernel,
                             "why": timing.why, "template_tokens": timing.template_tokens, "ms": timing.ms,
+                            "linears": linears, "linear_timings": linear_timings(core.backend),
                             "backend_built_s": round(built_s, 3)})
             del core
     if args.json:
