@@ -437,6 +437,7 @@ def test_bf16_long_prompts_on_the_dot_products(make_engine, model_dirs, which, m
     monkeypatch.delenv(onednn.TEMPLATE_PRODUCTS_ENV, raising=False)
     want_default = onednn.prompt_attention(64) == "dot"
     for budget in (2048, 160):
+        monkeypatch.delenv(onednn.PROMPT_ATTENTION_ENV, raising=False)  # the default (set below, each round)
         dot = make_engine(model_dirs[which], block_size=BS, dtype="bfloat16", backend="cpu",
                           max_num_batched_tokens=budget)
         monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "native")
