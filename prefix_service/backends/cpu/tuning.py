@@ -116,11 +116,11 @@ def candidates(head_size: int) -> dict[str, int]:
 def disagreement(template: onednn.OneDnnTemplate, k: torch.Tensor, v: torch.Tensor,
                  gen: torch.Generator) -> str | None:
     """None when the packed `template` (of k, v [R, Hkv, D] bf16) gives, on every KV head, each row's
-    softmax state within bf16 rounding of float64's for 3 and for 80 query rows (a decode's few, and
-    more than one block of rows); else what differed. The products' kernel is checked on the
+    softmax state within bf16 rounding of float64's for 3, 24, 40 and 80 query rows (a decode's few,
+    and blocks of rows padded to 16, 32, 48 and 64 + 16, each width AMX's tiles take); else what differed. The products' kernel is checked on the
     machine before it is timed: a fast kernel whose operands are laid out wrong must not win."""
     d = template.head_size
-    for rows in (3, 80):
+    for rows in (3, 24, 40, 80):
         q = torch.randn(rows, d, generator=gen) * d ** -0.5
         qb = q.bfloat16().double()
         for h in range(template.num_kv_heads):
