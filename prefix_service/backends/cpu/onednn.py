@@ -187,8 +187,9 @@ def threads_used(items: int) -> int:
 
 
 KERNEL_ENV = "PREFIX_SERVICE_BF16_LINEAR"
-# what KERNEL_ENV takes: a kernel, or "measure" (each weight shape's calls timed on both AMX ways:
-# brgemm, the inner product, or brgemm up to a row count and the inner product above; tuning.py)
+# what KERNEL_ENV takes: a kernel, or "measure" (each weight shape's calls timed on brgemm and the
+# inner product, then brgemm, the inner product, or brgemm up to a row count and the inner product
+# above: time_linear)
 KERNEL_CHOICES = (*KERNELS, "measure")
 BRGEMM_ROWS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_ROWS"
 COLUMNS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_COLUMNS"
