@@ -66,6 +66,7 @@ def test_the_stack_times_each_way_and_keeps_what_the_rule_picks(make_engine, mon
     timing = stack.template_timing
     assert timing is not None
     assert all(not k.any() and not v.any() for k, v in stack.kv_layers)  # the blocks it used, zeroed
+    assert stack.num_layers == engine._core.arch.num_layers == len(stack.layers)  # every layer again
     if not KERNELS:  # nothing to time against
         assert timing.choice == "native" and not timing.ms and "no matrix products on bf16 units" in timing.why
     else:

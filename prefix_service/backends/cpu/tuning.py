@@ -11,7 +11,8 @@ when it is built, on the model's own layers:
 2. each kernel's results are checked against float64 on the first layer's heads (`disagreement`: a
    kernel whose operands are laid out wrong for this CPU must not win on speed);
 3. in rounds that alternate the order, a `PREFILL_TOKENS`-token prompt continuing the template and a
-   decode step of `DECODE_SEQUENCES` sequences on it run as the engine runs them, and are timed.
+   decode step of `DECODE_SEQUENCES` sequences on it run through the stack's first `TIMED_LAYERS`
+   layers as the engine runs them (every layer does the same work), and are timed.
 
 The fastest matrix products on the sum of both are kept when they are faster than the native kernels
 on each and by at least `MARGIN` on the sum; anything else (slower, too close to call, a failure or a
@@ -40,7 +41,10 @@ TEMPLATE_TOKENS = 1024  # the synthetic template's length, at most (less where t
 MIN_TEMPLATE_TOKENS = 128  # below this the test says little: the native kernels are kept untimed
 PREFILL_TOKENS = 100
 DECODE_SEQUENCES = 16
-ROUNDS = 3  # timed rounds of each way, after one untimed
+ROUNDS = 5  # timed rounds of each way, after one untimed
+# layers the timed steps run (the first ones: every layer does the same work, so a few give the
+# ways' ratio at a fraction of a whole forward's start-up time)
+TIMED_LAYERS = 4
 MARGIN = 0.05  # how much faster, on the sum of both, the matrix products must be to be chosen
 
 
@@ -51,6 +55,7 @@ class TimedStack(Protocol):
     hkv: int
     head_dim: int
     hidden: int
+    num_layers: int
     cos: torch.Tensor  # [positions, D]: its length is the most positions a row may take
     kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
     template_fn: int
@@ -183,21 +188,23 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
     own = list(range(t_blocks, t_blocks + own_blocks))
     gen = torch.Generator().manual_seed(0)
     shape = (t_blocks, bs, stack.hkv, stack.head_dim)
+    all_layers = stack.num_layers
+    layers = stack.kv_layers[:min(all_layers, TIMED_LAYERS)]
     try:
-        for k, v in stack.kv_layers:
+        for k, v in layers:
             k[:t_blocks] = torch.randn(shape, generator=gen).to(k.dtype)
             v[:t_blocks] = torch.randn(shape, generator=gen).to(v.dtype)
-        packed = {"native": PackedTemplate(stack.kv_layers, template_blocks)}
+        packed = {"native": PackedTemplate(layers, template_blocks)}
         matrix_fn = onednn.template_attend_fn()
         fns = {"native": 0}
         failed: dict[str, str] = {}
         for kernel, products in kernels.items():
             try:
-                packed[kernel] = PackedTemplate(stack.kv_layers, template_blocks, matrix=True, products=products)
+                packed[kernel] = PackedTemplate(layers, template_blocks, matrix=True, products=products)
             except (onednn.OneDnnError, ValueError) as e:
                 failed[kernel] = f"could not pack the template: {e}"
                 continue
-            k0, v0 = (c[:t_blocks].flatten(0, 1) for c in stack.kv_layers[0])
+            k0, v0 = (c[:t_blocks].flatten(0, 1) for c in layers[0])
             wrong = disagreement(packed[kernel].matrix[0], k0, v0, gen)
             if wrong is None:
                 fns[kernel] = matrix_fn
@@ -208,6 +215,7 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
              "decode": torch.randn(DECODE_SEQUENCES, stack.hidden, generator=gen) * 0.1}
         times: dict[str, dict[str, list[float]]] = {w: {"prefill": [], "decode": []} for w in fns}
         saved = stack.template_fn
+        stack.num_layers = len(layers)  # the steps run the first layers only
         try:
             for round_ in range(ROUNDS + 1):
                 order = [w for w in fns if w not in failed]
@@ -228,7 +236,7 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
                         if round_:
                             times[way][case].append((time.perf_counter() - start) * 1e3)
         finally:
-            stack.template_fn = saved
+            stack.template_fn, stack.num_layers = saved, all_layers
         for way, reason in failed.items():
             log.warning("template attention: the matrix products on %s %s", way, reason)
         ms = {w: {c: statistics.median(t) for c, t in cases.items()} for w, cases in times.items() if w not in failed}
@@ -239,7 +247,7 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
             return TemplateTiming("native", why, None, None, t_blocks * bs, ms)
         return TemplateTiming("matrix", why, way, kernels[way], t_blocks * bs, ms)
     finally:
-        for k, v in stack.kv_layers:
+        for k, v in layers:
             k[:t_blocks + own_blocks] = 0
             v[:t_blocks + own_blocks] = 0
 
