@@ -3,9 +3,10 @@ the backend is built for the model in bfloat16 with the template attention set t
 (PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION, the default where the CPU has AMX tiles:
 prefix_service/backends/cpu/tuning.py), which times the native kernels and each kernel of the
 matrix products the CPU has on a synthetic template, a 100-token prefill and a 16-sequence decode
-step, and keeps one. The table gives the medians and the way kept. With --linears measure (the
-default on AMX) each linear shape is timed on brgemm and the inner product as well, and what each
-runs is printed and kept in the JSON. --repeat builds the backend again to show how stable the
+step, and keeps one; where the CPU has AVX512-BF16 a prompt's own attention (native kernels or dot
+products, a 512-token prompt) is timed as well. The table gives the medians and the ways kept.
+With --linears measure (the default on AMX) each linear shape is timed on brgemm and the inner
+product as well, and what each runs is printed and kept in the JSON. --repeat builds the backend again to show how stable the
 choices are on a busy machine.
 
     python scripts/time_kernel_choices.py --thread-counts 2,16 --json bench_out/kernel_choices.json
@@ -55,6 +56,9 @@ def main() -> int:
     if args.threads:
         args.thread_counts = str(args.threads)
     os.environ[onednn.TEMPLATE_ATTENTION_ENV] = "measure"
+    from prefix_service import cpuinfo
+    if "avx512_bf16" in cpuinfo.cpu_flags():  # the dot products a prompt's own attention may run on
+        os.environ[onednn.PROMPT_ATTENTION_ENV] = "measure"
     machine = machine_info()
     results = []
     print(f"{'threads':>7} {'run':>3} {'way':<26} {'prefill ms':>10} {'decode ms':>10}  kept")
@@ -78,9 +82,16 @@ def main() -> int:
             print(f"{threads:7d} {run:3d} kept: {kept} ({timing.why})", flush=True)
             linears = core.backend.linear_choices()
             print(f"{threads:7d} {run:3d} linears: {linears}", flush=True)
+            prompt = stack.prompt_timing
+            if prompt is not None:
+                times = ", ".join(f"{w} {t:.2f} ms" for w, t in prompt.ms.items())
+                print(f"{threads:7d} {run:3d} a {prompt.tokens}-token prompt's own attention: {times}; kept: "
+                      f"{prompt.choice} ({prompt.why})", flush=True)
             results.append({"threads": threads, "run": run, "choice": timing.choice, "kernel": timing.kernel,
                             "why": timing.why, "template_tokens": timing.template_tokens, "ms": timing.ms,
                             "linears": linears, "linear_timings": linear_timings(core.backend),
+                            "prompt": None if prompt is None else {"choice": prompt.choice, "why": prompt.why,
+                                                                   "tokens": prompt.tokens, "ms": prompt.ms},
                             "backend_built_s": round(built_s, 3)})
             del core
     if args.json:

@@ -704,13 +704,14 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
 @needs_lib
 def test_the_prompt_attention_is_chosen_by_the_environment(monkeypatch):
     """PREFIX_SERVICE_BF16_PROMPT_ATTENTION: by default the dot products where the template's
-    products run on them by default; "native" anywhere; "dot" only where the CPU has them for the head
-    size; anything else refused with the values it takes."""
+    products run on them by default, both timed where the CPU has them beside AMX; "native"
+    anywhere; "dot" and "measure" only where the CPU has the dot products for the head size; anything
+    else refused with the values it takes."""
     for name in (onednn.PROMPT_ATTENTION_ENV, onednn.TEMPLATE_ATTENTION_ENV, onednn.TEMPLATE_PRODUCTS_ENV):
         monkeypatch.delenv(name, raising=False)
     has_dot = "avx512_bf16" in cpuinfo.cpu_flags()
     default_dot = has_dot and not onednn.brgemm_vnni()
-    assert onednn.prompt_attention(64) == ("dot" if default_dot else "native")
+    assert onednn.prompt_attention(64) == ("dot" if default_dot else "measure" if has_dot else "native")
     assert onednn.prompt_attention(72) == "native"  # the dot products take multiples of 16
     monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "native")
     assert onednn.prompt_attention(64) == "native"
@@ -722,13 +723,20 @@ def test_the_prompt_attention_is_chosen_by_the_environment(monkeypatch):
             onednn.prompt_attention(64)
     with pytest.raises(onednn.OneDnnError, match="not available here for head size 72"):
         onednn.prompt_attention(72)
+    monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "measure")
+    if has_dot:
+        assert onednn.prompt_attention(64) == "measure"
+    else:
+        with pytest.raises(onednn.OneDnnError, match="PROMPT_ATTENTION=measure: the AVX512-BF16 dot products are"):
+            onednn.prompt_attention(64)
     monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "matrix")
-    with pytest.raises(onednn.OneDnnError, match="PROMPT_ATTENTION='matrix': one of native, dot is needed"):
+    with pytest.raises(onednn.OneDnnError, match="PROMPT_ATTENTION='matrix': one of native, dot, measure is needed"):
         onednn.prompt_attention(64)
     monkeypatch.delenv(onednn.PROMPT_ATTENTION_ENV)
-    if has_dot:  # on AMX, asked for with the template's products
+    if has_dot:  # on AMX: timed against the native kernels, or asked for with the template's products
         monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
-        assert onednn.prompt_attention(64) == "native"
+        assert onednn.prompt_attention(64) == "measure"
+        assert onednn.prompt_attention(72) == "native"
         monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "dot")
         assert onednn.prompt_attention(64) == "dot"
 

@@ -9,7 +9,7 @@ import torch
 from helpers import pinned_handle, run_ids
 from prefix_service.backends.cpu import linear, native, onednn, tuning
 from prefix_service.backends.cpu.stack import DecoderStack
-from test_cpu_bf16 import BS, assert_templates_equal_no_template
+from test_cpu_bf16 import BS, assert_same_or_near_tie, assert_templates_equal_no_template, ids_of
 
 REASON = native.load()[1] or linear.available(torch.bfloat16)
 LIB = onednn.load()[1]
@@ -61,6 +61,7 @@ def test_the_stack_times_each_way_and_keeps_what_the_rule_picks(make_engine, mon
     engine serves on it: greedy ids on a pinned template equal those without it (or first differ at
     a near tie), the template packed for the way chosen."""
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    monkeypatch.setattr(tuning, "TIMED_LAYERS", 1)  # fewer than the model's 2: timed on the first only
     engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
     stack = stack_of(engine)
     timing = stack.template_timing
@@ -287,3 +288,69 @@ def test_an_engine_on_timed_or_split_linears_gives_prefix_equal_no_prefix(make_e
     assert_templates_equal_no_template(engine, (BS, 2 * BS + 1, 20 * BS + 3), 24)
     on_brgemm = any(m.kernel == "brgemm" or m.brgemm_rows for m in linears)
     assert (onednn.brgemm_calls() > calls) == on_brgemm  # the decode steps' calls, where brgemm takes them
+
+
+# --- a prompt's own attention --------------------------------------------------------------------------
+
+def test_the_prompt_rule_keeps_the_dot_products_only_by_the_margin():
+    assert tuning.choose_prompt({"native": 20.0, "dot": 15.0}) == ("dot", "75% of the native kernels' time")
+    way, why = tuning.choose_prompt({"native": 20.0, "dot": 19.5})
+    assert way == "native" and "98%" in why and "95% or less" in why
+    assert tuning.choose_prompt({"native": 20.0, "dot": 25.0})[0] == "native"
+
+
+needs_dot = pytest.mark.skipif(not onednn.load()[0] or onednn.template_kernel(16, 1) != "AVX512-BF16 dot products",
+                               reason="no AVX512-BF16 dot products here")
+
+
+@needs_bf16
+@needs_dot
+def test_the_stack_times_a_prompts_own_attention_and_keeps_what_the_rule_picks(make_engine, monkeypatch):
+    """With "measure" the stack times a 512-token prompt's prefill on the native kernels and on the
+    dot products, keeps choose_prompt's way from those timings, hands the cache back zeroed with every
+    layer in use again, and serves: a 200-token prompt's greedy ids are those of an engine on the
+    native kernels, or first differ at a near tie."""
+    monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "measure")
+    monkeypatch.setattr(tuning, "TIMED_LAYERS", 1)  # fewer than the model's 2: timed on the first only
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    stack = stack_of(engine)
+    timing = stack.prompt_timing
+    assert timing.tokens == 512 and set(timing.ms) == {"native", "dot"} and min(timing.ms.values()) > 0
+    assert (timing.choice, timing.why) == tuning.choose_prompt(timing.ms)
+    assert stack.prompt_dot == (timing.choice == "dot") and (stack.causal_fn != 0) == stack.prompt_dot
+    assert all(not k.any() and not v.any() for k, v in stack.kv_layers)
+    assert stack.num_layers == len(stack.layers)
+    assert f"(timed both ways: {timing.why})" in engine._core.backend.describe()
+    monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "native")
+    native_engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    prompt = ids_of(200, salt=3)
+    calls = onednn.causal_attend_calls()
+    got = run_ids(engine, prompt, max_tokens=12)
+    assert (onednn.causal_attend_calls() > calls) == stack.prompt_dot
+    assert_same_or_near_tie(native_engine, prompt, run_ids(native_engine, prompt, max_tokens=12), got, "measured",
+                            either_order=True)
+
+
+@needs_bf16
+@needs_dot
+def test_a_prompt_timing_that_fails_or_has_no_room_keeps_the_native_kernels(make_engine, monkeypatch):
+    monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "measure")
+    real_forward = DecoderStack.forward
+
+    def fail_on_dot(self, x, plan):
+        if self.causal_fn:
+            raise onednn.OneDnnError("ps_onednn_causal_attend: refused here")
+        return real_forward(self, x, plan)
+    monkeypatch.setattr(DecoderStack, "forward", fail_on_dot)
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    monkeypatch.setattr(DecoderStack, "forward", real_forward)
+    stack = stack_of(engine)
+    assert stack.prompt_timing.choice == "native" and stack.causal_fn == 0 and not stack.prompt_dot
+    assert stack.prompt_timing.why == "the dot products failed: ps_onednn_causal_attend: refused here"
+    assert set(stack.prompt_timing.ms) == {"native"} and stack.num_layers == len(stack.layers)
+    assert all(not k.any() and not v.any() for k, v in stack.kv_layers)
+    assert len(run_ids(engine, ids_of(150), max_tokens=3)) == 3
+    small = stack_of(make_engine(block_size=BS, num_blocks=30, dtype="bfloat16", backend="cpu"))
+    assert small.prompt_timing.choice == "native" and not small.prompt_timing.ms
+    assert small.prompt_timing.why == ("not timed: 30 blocks of 4 tokens and 512 positions leave no room for a "
+                                       "128-token prompt")

@@ -87,8 +87,11 @@ class CpuBackend(Backend):
             matrix = (f", template attention as bf16 matrix products ({kernel}{timed})"
                       if self.stack.template_matrix else
                       f", template attention on the native kernels ({timed[2:]})" if timed else "")
+            timed = f" (timed both ways: {p.why})" if (p := self.stack.prompt_timing) is not None else ""
             if self.stack.prompt_dot:
-                matrix += ", a prompt's own attention as AVX512-BF16 dot products"
+                matrix += f", a prompt's own attention as AVX512-BF16 dot products{timed}"
+            elif timed:
+                matrix += f", a prompt's own attention on the native kernels{timed}"
             if self.stack.int8_linears:
                 matrix += f", int8 weights in {self.stack.int8_linears} linears' few-row calls"
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"

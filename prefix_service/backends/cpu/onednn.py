@@ -621,7 +621,7 @@ def template_attend_calls() -> int:
 
 
 PROMPT_ATTENTION_ENV = "PREFIX_SERVICE_BF16_PROMPT_ATTENTION"
-PROMPT_ATTENTIONS = ("native", "dot")
+PROMPT_ATTENTIONS = ("native", "dot", "measure")
 
 
 def prompt_attention(head_size: int) -> str:
@@ -629,17 +629,21 @@ def prompt_attention(head_size: int) -> str:
     cache (a prompt that names no template, and a template being pinned) and it has
     PROMPT_ATTENTION_MIN_TOKENS tokens or more: "native" (the native kernels' float32 FMAs) or
     "dot" (the template attention's AVX512-BF16 dot products, causal: ps_onednn_causal_attend,
-    through causal_attend_fn(); q and P rounded to bf16 as for a template). The environment
-    variable PREFIX_SERVICE_BF16_PROMPT_ATTENTION chooses; by default "dot" where the template's
-    products run on them by default (AVX512-BF16 without AMX), else "native"."""
+    through causal_attend_fn(); q and P rounded to bf16 as for a template), or "measure": the
+    decoder stack times both on the model when it is built and keeps the faster (tuning.py). The
+    environment variable PREFIX_SERVICE_BF16_PROMPT_ATTENTION chooses; by default "dot" where the
+    template's products run on them by default (AVX512-BF16 without AMX), "measure" where the CPU has
+    them beside AMX (not timed there yet), else "native"."""
     chosen = os.environ.get(PROMPT_ATTENTION_ENV)
     if not chosen:
-        return "dot" if _dot_by_default(head_size) else "native"
+        if _dot_by_default(head_size):
+            return "dot"
+        return "measure" if brgemm_vnni() and _has_dot(head_size) else "native"
     if chosen not in PROMPT_ATTENTIONS:
         raise OneDnnError(f"{PROMPT_ATTENTION_ENV}={chosen!r}: one of {', '.join(PROMPT_ATTENTIONS)} is needed")
-    if chosen == "dot" and not _has_dot(head_size):
-        raise OneDnnError(f"{PROMPT_ATTENTION_ENV}=dot: the AVX512-BF16 dot products are not available here for "
-                          f"head size {head_size}")
+    if chosen in ("dot", "measure") and not _has_dot(head_size):
+        raise OneDnnError(f"{PROMPT_ATTENTION_ENV}={chosen}: the AVX512-BF16 dot products are not available here "
+                          f"for head size {head_size}")
     return chosen
 
 

@@ -25,7 +25,8 @@ from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
 from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
 from prefix_service.backends.cpu.plan import StackPlan
-from prefix_service.backends.cpu.tuning import TemplateTiming, measure_template_attention
+from prefix_service.backends.cpu.tuning import (PromptTiming, TemplateTiming, measure_prompt_attention,
+                                                 measure_template_attention)
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 from prefix_service.model.quantize import int8_weight
 
@@ -108,8 +109,10 @@ class DecoderStack:
         self.template_timing: TemplateTiming | None = None  # what timing each way found, where it was timed
         self.template_products: int | None = None  # the matrix products' kernel cap (None: the environment's)
         # a bf16 prompt with nothing before it: its own keys on the dot products where chosen
-        self.prompt_dot = bool(self.kv_bf16) and onednn.prompt_attention(self.head_dim) == "dot"
+        prompt_attention = onednn.prompt_attention(self.head_dim) if self.kv_bf16 else "native"
+        self.prompt_dot = prompt_attention == "dot"
         self.causal_fn = onednn.causal_attend_fn() if self.prompt_dot else 0
+        self.prompt_timing: PromptTiming | None = None  # what timing both ways found, where it was timed
         self.num_layers = len(layers)
         self.kv_layers = [(k, v) for k, v in kv_layers]
         self.num_blocks, self.block_size = shape[0], shape[1]
@@ -158,6 +161,16 @@ class DecoderStack:
             self.workspace = torch.empty(0, dtype=torch.float32)  # what the test's steps grew it to
             log.info("template attention timed in %.0f ms: %s", (time.perf_counter() - start) * 1e3,
                      self.template_timing.summary())
+        if prompt_attention == "measure":
+            start = time.perf_counter()
+            self.prompt_timing = measure_prompt_attention(self)
+            self.prompt_dot = self.prompt_timing.choice == "dot"
+            self.causal_fn = onednn.causal_attend_fn() if self.prompt_dot else 0
+            self.workspace = torch.empty(0, dtype=torch.float32)
+            log.info("a prompt's own attention timed in %.0f ms: %s (%s); a %d-token prompt took %s",
+                     (time.perf_counter() - start) * 1e3, self.prompt_timing.choice, self.prompt_timing.why,
+                     self.prompt_timing.tokens,
+                     ", ".join(f"{w} {t:.1f} ms" for w, t in self.prompt_timing.ms.items()) or "nothing")
 
     def forward(self, x: torch.Tensor, plan: StackPlan) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens, contiguous float32) is the residual stream, updated in

@@ -26,7 +26,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -59,6 +59,7 @@ class TimedStack(Protocol):
     cos: torch.Tensor  # [positions, D]: its length is the most positions a row may take
     kv_layers: list[tuple[torch.Tensor, torch.Tensor]]
     template_fn: int
+    causal_fn: int
 
     def forward(self, x: torch.Tensor, plan: StackPlan) -> torch.Tensor: ...
 
@@ -148,6 +149,30 @@ def disagreement(template: onednn.OneDnnTemplate, k: torch.Tensor, v: torch.Tens
     return None
 
 
+def _timed_rounds(ways: list[str], cases: tuple[str, ...], step: Callable[[str, str], None],
+                  failed: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Median milliseconds of step(way, case) for each way and case: one untimed round, then ROUNDS
+    timed, the ways' order reversed every other round. A way (not the first, the reference) whose step
+    raises the kernels' errors is dropped, the reason kept in `failed`."""
+    times: dict[str, dict[str, list[float]]] = {w: {c: [] for c in cases} for w in ways}
+    for round_ in range(ROUNDS + 1):
+        order = [w for w in ways if w not in failed]
+        for way in (order if round_ % 2 == 0 else order[::-1]):
+            for case in cases:
+                start = time.perf_counter()
+                try:
+                    step(way, case)
+                except (NativeKernelError, onednn.OneDnnError) as e:
+                    if way == ways[0]:
+                        raise
+                    failed[way] = f"failed: {e}"
+                    break
+                if round_:
+                    times[way][case].append((time.perf_counter() - start) * 1e3)
+    return {w: {c: statistics.median(t) for c, t in by_case.items()}
+            for w, by_case in times.items() if w not in failed}
+
+
 def _plans(stack: TimedStack, template_blocks: list[int], own: list[int]) -> tuple[StackPlan, StackPlan]:
     """A prefill of PREFILL_TOKENS after the template into blocks own[:p], and a decode step of
     DECODE_SEQUENCES sequences on the template, each storing its token in one block of own[p:]."""
@@ -210,36 +235,26 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
                 fns[kernel] = matrix_fn
             else:
                 failed[kernel] = wrong
-        prefill, decode = _plans(stack, template_blocks, own)
+        plans = dict(zip(("prefill", "decode"), _plans(stack, template_blocks, own)))
         x = {"prefill": torch.randn(PREFILL_TOKENS, stack.hidden, generator=gen) * 0.1,
              "decode": torch.randn(DECODE_SEQUENCES, stack.hidden, generator=gen) * 0.1}
-        times: dict[str, dict[str, list[float]]] = {w: {"prefill": [], "decode": []} for w in fns}
         saved = stack.template_fn
         stack.num_layers = len(layers)  # the steps run the first layers only
+
+        # each row's template pointers, per way and case
+        rows = {w: {c: packed[w].pointers.unsqueeze(0).expand(p.num_decodes or 1, -1, -1).contiguous()
+                    for c, p in plans.items()} for w in fns}
+
+        def step(way: str, case: str) -> None:
+            stack.template_fn = fns[way]
+            plans[case].templates = rows[way][case]
+            stack.forward(x[case].clone(), plans[case])
         try:
-            for round_ in range(ROUNDS + 1):
-                order = [w for w in fns if w not in failed]
-                for way in (order if round_ % 2 == 0 else order[::-1]):
-                    stack.template_fn = fns[way]
-                    for case, plan in (("prefill", prefill), ("decode", decode)):
-                        rows = plan.num_decodes or 1
-                        plan.templates = packed[way].pointers.unsqueeze(0).expand(rows, -1, -1).contiguous()
-                        h = x[case].clone()
-                        start = time.perf_counter()
-                        try:
-                            stack.forward(h, plan)
-                        except (NativeKernelError, onednn.OneDnnError) as e:
-                            if way == "native":
-                                raise
-                            failed[way] = f"failed: {e}"
-                            break
-                        if round_:
-                            times[way][case].append((time.perf_counter() - start) * 1e3)
+            ms = _timed_rounds([w for w in fns if w not in failed], ("prefill", "decode"), step, failed)
         finally:
             stack.template_fn, stack.num_layers = saved, all_layers
         for way, reason in failed.items():
             log.warning("template attention: the matrix products on %s %s", way, reason)
-        ms = {w: {c: statistics.median(t) for c, t in cases.items()} for w, cases in times.items() if w not in failed}
         way, why = choose(ms)
         if failed:
             why += "; " + "; ".join(f"{w} {reason}" for w, reason in failed.items())
@@ -251,3 +266,69 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
             k[:t_blocks + own_blocks] = 0
             v[:t_blocks + own_blocks] = 0
 
+
+
+# --- a prompt's own attention (PREFIX_SERVICE_BF16_PROMPT_ATTENTION=measure) ----------------------
+
+PROMPT_TOKENS = 512  # the timed prompt's length, at most (a template being pinned, a long prompt)
+
+
+@dataclass(frozen=True)
+class PromptTiming:
+    """What timing a prompt's own attention found: milliseconds a prefill of `tokens` tokens with
+    nothing before it (median of the timed rounds) on the native kernels and on the AVX512-BF16 dot
+    products ("native", "dot"), the way kept (`choice`) and why; `ms` is empty where nothing was
+    timed."""
+    choice: str
+    why: str
+    tokens: int = 0
+    ms: dict[str, float] = field(default_factory=dict)
+
+
+def choose_prompt(ms: dict[str, float], margin: float = MARGIN) -> tuple[str, str]:
+    """("dot" or "native", why): the dot products where they took at most 1 - margin of the native time."""
+    ratio = ms["dot"] / ms["native"]
+    if ratio > 1 - margin:
+        return "native", f"the dot products took {ratio:.0%} of the native time, not {1 - margin:.0%} or less"
+    return "dot", f"{ratio:.0%} of the native kernels' time"
+
+
+def measure_prompt_attention(stack: TimedStack) -> PromptTiming:
+    """Times a bf16 stack's prefill of a prompt with nothing before it (up to PROMPT_TOKENS tokens,
+    into free blocks of the still empty cache, through the first TIMED_LAYERS layers) with its own
+    keys on the native kernels and on the dot products (stack.causal_fn), in alternating rounds, and
+    returns the choice; the stack is left as it was (its causal_fn untouched, the blocks used zeroed)."""
+    bs, nb, positions = stack.block_size, stack.num_blocks, stack.cos.shape[0]
+    tokens = min(PROMPT_TOKENS, nb * bs, positions) // bs * bs
+    if tokens < onednn.PROMPT_ATTENTION_MIN_TOKENS:
+        return PromptTiming("native", f"not timed: {nb} blocks of {bs} tokens and {positions} positions leave no "
+                                      f"room for a {onednn.PROMPT_ATTENTION_MIN_TOKENS}-token prompt")
+    blocks = list(range(tokens // bs))
+    plan = StackPlan(
+        slots=torch.arange(tokens), positions=torch.arange(tokens), num_decodes=0,
+        decode_tables=torch.zeros(0, 0, dtype=torch.int32), decode_context=torch.zeros(0, dtype=torch.int32),
+        decode_skip=None, prefill_info=torch.tensor([[tokens, 0, 0]], dtype=torch.int32),
+        prefill_tables=torch.tensor([blocks], dtype=torch.int32), templates=None)
+    x = torch.randn(tokens, stack.hidden, generator=torch.Generator().manual_seed(1)) * 0.1
+    fns = {"native": 0, "dot": onednn.causal_attend_fn()}
+    saved, all_layers = stack.causal_fn, stack.num_layers
+    layers = stack.kv_layers[:min(all_layers, TIMED_LAYERS)]
+    stack.num_layers = len(layers)
+
+    def step(way: str, case: str) -> None:
+        stack.causal_fn = fns[way]
+        stack.forward(x.clone(), plan)
+    failed: dict[str, str] = {}
+    try:
+        ms = _timed_rounds(["native", "dot"], ("prefill",), step, failed)
+    finally:
+        stack.causal_fn, stack.num_layers = saved, all_layers
+        for k, v in layers:
+            k[:len(blocks)] = 0
+            v[:len(blocks)] = 0
+    if failed:
+        log.warning("a prompt's own attention: the dot products %s", failed["dot"])
+        return PromptTiming("native", f"the dot products {failed['dot']}", tokens, {"native": ms["native"]["prefill"]})
+    flat = {w: t["prefill"] for w, t in ms.items()}
+    way, why = choose_prompt(flat)
+    return PromptTiming(way, why, tokens, flat)
