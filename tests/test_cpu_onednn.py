@@ -472,7 +472,8 @@ def test_bad_input_is_refused():
         onednn.OneDnnLinear(w.double(), None)
     with pytest.raises(onednn.OneDnnError, match=r"bias: a CPU tensor \[20\] is needed, got \(19,\)"):
         onednn.OneDnnLinear(w, b[:19])
-    with pytest.raises(onednn.OneDnnError, match="kernel: one of inner_product, emulated, brgemm, measure is needed, got 'amx'"):
+    with pytest.raises(onednn.OneDnnError,
+                       match="kernel: one of inner_product, emulated, brgemm, measure is needed, got 'amx'"):
         onednn.OneDnnLinear(w.bfloat16(), b, kernel="amx")
 
 
@@ -494,7 +495,8 @@ def test_the_c_functions_report_bad_operands():
     w = torch.randn(20, 8).bfloat16()
     assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 3, 0, 0, None, None, 0) is None
     assert b"kernel 3 is none of" in lib.ps_onednn_last_error()
-    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0, None, None, 0) is None  # not whole 16-column tiles
+    # not whole 16-column tiles
+    assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 40, 0, None, None, 0) is None
     assert b"must be 16, 32, 48 or 64 (or 0: 32), got 40" in lib.ps_onednn_last_error()
     assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, 2, 128, 0, None, None, 0) is None  # wider than AMX packs
     assert b"got 128" in lib.ps_onednn_last_error()
@@ -503,8 +505,8 @@ def test_the_c_functions_report_bad_operands():
     assert b"int8 weights need both q and scale" in lib.ps_onednn_last_error()
     for kernel, rows in ((2, 16), (1, 16), (0, -1)):  # brgemm beside the inner product only, a count of rows
         assert lib.ps_onednn_pack(w.data_ptr(), 1, 20, 8, None, kernel, 0, 0, None, None, rows) is None
-        assert f"brgemm_rows {rows} (brgemm for calls of few rows) needs a bf16 weight on the native inner".encode() in (
-            lib.ps_onednn_last_error())
+        want = f"brgemm_rows {rows} (brgemm for calls of few rows) needs a bf16 weight on the native inner"
+        assert want.encode() in lib.ps_onednn_last_error()
 
 
 @needs_lib
@@ -715,20 +717,15 @@ def test_the_prompt_attention_is_chosen_by_the_environment(monkeypatch):
     assert onednn.prompt_attention(72) == "native"  # the dot products take multiples of 16
     monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "native")
     assert onednn.prompt_attention(64) == "native"
-    monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "dot")
-    if has_dot:
-        assert onednn.prompt_attention(64) == "dot"
-    else:
-        with pytest.raises(onednn.OneDnnError, match="PROMPT_ATTENTION=dot: the AVX512-BF16 dot products are not"):
-            onednn.prompt_attention(64)
-    with pytest.raises(onednn.OneDnnError, match="not available here for head size 72"):
-        onednn.prompt_attention(72)
-    monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "measure")
-    if has_dot:
-        assert onednn.prompt_attention(64) == "measure"
-    else:
-        with pytest.raises(onednn.OneDnnError, match="PROMPT_ATTENTION=measure: the AVX512-BF16 dot products are"):
-            onednn.prompt_attention(64)
+    for way in ("dot", "measure"):  # each needs the dot products
+        monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, way)
+        if has_dot:
+            assert onednn.prompt_attention(64) == way
+        else:
+            with pytest.raises(onednn.OneDnnError, match=f"PROMPT_ATTENTION={way}: the AVX512-BF16 dot products are"):
+                onednn.prompt_attention(64)
+        with pytest.raises(onednn.OneDnnError, match="not available here for head size 72"):
+            onednn.prompt_attention(72)
     monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "matrix")
     with pytest.raises(onednn.OneDnnError, match="PROMPT_ATTENTION='matrix': one of native, dot, measure is needed"):
         onednn.prompt_attention(64)

@@ -54,6 +54,22 @@ def stack_of(engine) -> DecoderStack:
     return engine._core.backend.stack
 
 
+def built_with_failing(make_engine, monkeypatch, fn: str, message: str):
+    """A bf16 engine built while every stack step with its `fn` (template_fn, causal_fn) set fails with
+    `message`, as a kernel refusing a shape would; it then serves with the real steps."""
+    real_forward = DecoderStack.forward
+
+    def failing(self, x, plan):
+        if getattr(self, fn):
+            raise onednn.OneDnnError(message)
+        return real_forward(self, x, plan)
+    monkeypatch.setattr(DecoderStack, "forward", failing)
+    try:
+        return make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    finally:
+        monkeypatch.setattr(DecoderStack, "forward", real_forward)
+
+
 @needs_bf16
 def test_the_stack_times_each_way_and_keeps_what_the_rule_picks(make_engine, monkeypatch):
     """With "measure" the stack times the native kernels and every kernel of the CPU's bf16 units,
@@ -117,15 +133,8 @@ def test_a_failure_in_the_matrix_products_keeps_the_native_kernels(make_engine, 
                for kernel in KERNELS)
     monkeypatch.setattr(tuning, "PackedTemplate", real_pack)
 
-    real_forward = DecoderStack.forward
-
-    def fail_on_matrix(self, x, plan):
-        if self.template_fn:
-            raise onednn.OneDnnError("ps_onednn_template_attend: a shape the kernel refused")
-        return real_forward(self, x, plan)
-    monkeypatch.setattr(DecoderStack, "forward", fail_on_matrix)
-    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
-    monkeypatch.setattr(DecoderStack, "forward", real_forward)
+    engine = built_with_failing(make_engine, monkeypatch, "template_fn",
+                                "ps_onednn_template_attend: a shape the kernel refused")
     stack = stack_of(engine)
     assert stack.template_timing.choice == "native" and stack.template_fn == 0
     assert "failed: ps_onednn_template_attend: a shape the kernel refused" in stack.template_timing.why
@@ -335,15 +344,7 @@ def test_the_stack_times_a_prompts_own_attention_and_keeps_what_the_rule_picks(m
 @needs_dot
 def test_a_prompt_timing_that_fails_or_has_no_room_keeps_the_native_kernels(make_engine, monkeypatch):
     monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "measure")
-    real_forward = DecoderStack.forward
-
-    def fail_on_dot(self, x, plan):
-        if self.causal_fn:
-            raise onednn.OneDnnError("ps_onednn_causal_attend: refused here")
-        return real_forward(self, x, plan)
-    monkeypatch.setattr(DecoderStack, "forward", fail_on_dot)
-    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
-    monkeypatch.setattr(DecoderStack, "forward", real_forward)
+    engine = built_with_failing(make_engine, monkeypatch, "causal_fn", "ps_onednn_causal_attend: refused here")
     stack = stack_of(engine)
     assert stack.prompt_timing.choice == "native" and stack.causal_fn == 0 and not stack.prompt_dot
     assert stack.prompt_timing.why == "the dot products failed: ps_onednn_causal_attend: refused here"
