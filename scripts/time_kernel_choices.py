@@ -6,8 +6,9 @@ matrix products the CPU has on a synthetic template, a 100-token prefill and a 1
 step, and keeps one; where the CPU has AVX512-BF16 a prompt's own attention (native kernels or dot
 products, a 512-token prompt) is timed as well. The table gives the medians and the ways kept.
 With --linears measure (the default on AMX) each linear shape is timed on brgemm and the inner
-product as well, and what each runs is printed and kept in the JSON. --repeat builds the backend again to show how stable the
-choices are on a busy machine.
+product as well, and what each runs is printed and kept in the JSON. --repeat builds the backend
+again to show how stable the attention choices are on a busy machine (a process times each linear
+shape once per thread count, so repeats reuse the linears' first timing).
 
     python scripts/time_kernel_choices.py --thread-counts 2,16 --json bench_out/kernel_choices.json
     python scripts/time_kernel_choices.py --model DIR --load-format dummy --repeat 3 --linears measure
@@ -33,11 +34,9 @@ from prefix_service.engine.core import EngineCore  # noqa: E402
 
 def linear_timings(backend) -> dict:
     """Per linear of the first layer and the head: what timing found (us a call by kernel and rows), where timed."""
-    layer = backend.stack.layers[0]
-    named = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "head": backend.head}
     return {name: {"shape": [m.out_features, m.in_features], "kernel": m.kernel, "brgemm_rows": m.brgemm_rows,
                    "why": m.timing.why, "us": m.timing.us}
-            for name, m in named.items() if getattr(m, "timing", None) is not None}
+            for name, m in backend.named_linears().items() if getattr(m, "timing", None) is not None}
 
 
 def main() -> int:

@@ -99,13 +99,16 @@ class CpuBackend(Backend):
             return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears)"
         return "cpu (native kernels, decoder stack)"
 
+    def named_linears(self) -> dict[str, linear.CpuLinear]:
+        """The first layer's linears and the output head, by name (every layer's are of the same shapes)."""
+        layer = self.stack.layers[0]
+        return {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "head": self.head}
+
     def linear_choices(self) -> str:
         """What each bf16 linear of a layer, and the output head, runs: "qkv, o: brgemm up to 16 rows,
         the inner product above; gate_up, down: brgemm; head: ...", shapes with the same choice together."""
-        layer = self.stack.layers[0]
-        named = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "head": self.head}
         groups: dict[str, list[str]] = {}
-        for name, m in named.items():
+        for name, m in self.named_linears().items():
             kernel, rows, few = getattr(m, "kernel", "float32"), getattr(m, "brgemm_rows", 0), getattr(m, "few_rows", 0)
             what = (f"brgemm up to {rows} rows, the inner product above" if rows
                     else f"AVX512-BF16 dot products up to {few} rows, the inner product above" if few

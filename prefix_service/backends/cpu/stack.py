@@ -158,7 +158,6 @@ class DecoderStack:
             self.template_matrix = self.template_timing.choice == "matrix"
             self.template_products = self.template_timing.products
             self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0
-            self.workspace = torch.empty(0, dtype=torch.float32)  # what the test's steps grew it to
             log.info("template attention timed in %.0f ms: %s", (time.perf_counter() - start) * 1e3,
                      self.template_timing.summary())
         if prompt_attention == "measure":
@@ -166,11 +165,11 @@ class DecoderStack:
             self.prompt_timing = measure_prompt_attention(self)
             self.prompt_dot = self.prompt_timing.choice == "dot"
             self.causal_fn = onednn.causal_attend_fn() if self.prompt_dot else 0
-            self.workspace = torch.empty(0, dtype=torch.float32)
             log.info("a prompt's own attention timed in %.0f ms: %s (%s); a %d-token prompt took %s",
                      (time.perf_counter() - start) * 1e3, self.prompt_timing.choice, self.prompt_timing.why,
                      self.prompt_timing.tokens,
                      ", ".join(f"{w} {t:.1f} ms" for w, t in self.prompt_timing.ms.items()) or "nothing")
+        self.workspace = torch.empty(0, dtype=torch.float32)  # not what the timed steps grew it to
 
     def forward(self, x: torch.Tensor, plan: StackPlan) -> torch.Tensor:
         """x [T, hidden] (the embedded tokens, contiguous float32) is the residual stream, updated in

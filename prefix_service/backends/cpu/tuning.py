@@ -1,5 +1,6 @@
-"""Choosing the template attention by timing it on the machine itself (onednn.template_attention()
-"measure", the default where the CPU has AMX tiles).
+"""Choosing the template attention, and a prompt's own, by timing them on the machine itself
+(onednn.template_attention() and onednn.prompt_attention() "measure", the defaults where the CPU has
+AMX tiles).
 
 A bfloat16 model's rows may attend over a pinned template in two ways: the native kernels' float32
 FMAs over a float32 copy, or bf16 matrix products (OneDnnTemplate) on one of the kernels the CPU
@@ -21,12 +22,13 @@ The blocks used are zeroed again afterwards, so the cache is handed to the engin
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -123,8 +125,9 @@ def disagreement(template: onednn.OneDnnTemplate, k: torch.Tensor, v: torch.Tens
                  gen: torch.Generator) -> str | None:
     """None when the packed `template` (of k, v [R, Hkv, D] bf16) gives, on every KV head, each row's
     softmax state within bf16 rounding of float64's for 3, 24, 40 and 80 query rows (a decode's few,
-    and blocks of rows padded to 16, 32, 48 and 64 + 16, each width AMX's tiles take); else what differed. The products' kernel is checked on the
-    machine before it is timed: a fast kernel whose operands are laid out wrong must not win."""
+    and blocks of rows padded to 16, 32, 48 and 64 + 16, each width AMX's tiles take); else what
+    differed. The products' kernel is checked on the machine before it is timed: a fast kernel whose
+    operands are laid out wrong must not win."""
     d = template.head_size
     for rows in (3, 24, 40, 80):
         q = torch.randn(rows, d, generator=gen) * d ** -0.5
@@ -173,18 +176,42 @@ def _timed_rounds(ways: list[str], cases: tuple[str, ...], step: Callable[[str, 
             for w, by_case in times.items() if w not in failed}
 
 
+@contextlib.contextmanager
+def _first_layers(stack: TimedStack, fn: str, blocks: int) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The (K, V) caches of the stack's first TIMED_LAYERS layers, which its steps run alone meanwhile;
+    afterwards every layer runs again, the stack's `fn` (template_fn, causal_fn) is what it was, and the
+    first `blocks` blocks of those caches are zero again."""
+    saved, all_layers = getattr(stack, fn), stack.num_layers
+    layers = stack.kv_layers[:min(all_layers, TIMED_LAYERS)]
+    stack.num_layers = len(layers)
+    try:
+        yield layers
+    finally:
+        setattr(stack, fn, saved)
+        stack.num_layers = all_layers
+        for k, v in layers:
+            k[:blocks] = 0
+            v[:blocks] = 0
+
+
+def _prefill_plan(tokens: int, start: int, slots: list[int], table: list[int]) -> StackPlan:
+    """One prefill of `tokens` tokens from position `start` into `slots`, the sequence's blocks `table`;
+    the first `start` positions (a template's, packed) already in the cache."""
+    return StackPlan(
+        slots=torch.tensor(slots), positions=torch.arange(start, start + tokens), num_decodes=0,
+        decode_tables=torch.zeros(0, 0, dtype=torch.int32), decode_context=torch.zeros(0, dtype=torch.int32),
+        decode_skip=None, prefill_info=torch.tensor([[tokens, start, start]], dtype=torch.int32),
+        prefill_tables=torch.tensor([table], dtype=torch.int32), templates=None)
+
+
 def _plans(stack: TimedStack, template_blocks: list[int], own: list[int]) -> tuple[StackPlan, StackPlan]:
     """A prefill of PREFILL_TOKENS after the template into blocks own[:p], and a decode step of
     DECODE_SEQUENCES sequences on the template, each storing its token in one block of own[p:]."""
     bs, r = stack.block_size, len(template_blocks) * stack.block_size
     p_blocks = -(-PREFILL_TOKENS // bs)
     pre_own, dec_own = own[:p_blocks], own[p_blocks:]
-    prefill = StackPlan(
-        slots=torch.tensor([pre_own[i // bs] * bs + i % bs for i in range(PREFILL_TOKENS)]),
-        positions=torch.arange(r, r + PREFILL_TOKENS), num_decodes=0,
-        decode_tables=torch.zeros(0, 0, dtype=torch.int32), decode_context=torch.zeros(0, dtype=torch.int32),
-        decode_skip=None, prefill_info=torch.tensor([[PREFILL_TOKENS, r, r]], dtype=torch.int32),
-        prefill_tables=torch.tensor([template_blocks + pre_own], dtype=torch.int32), templates=None)
+    prefill = _prefill_plan(PREFILL_TOKENS, r, [pre_own[i // bs] * bs + i % bs for i in range(PREFILL_TOKENS)],
+                            template_blocks + pre_own)
     n = DECODE_SEQUENCES
     decode = StackPlan(
         slots=torch.tensor([b * bs for b in dec_own]), positions=torch.full((n,), r), num_decodes=n,
@@ -213,9 +240,7 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
     own = list(range(t_blocks, t_blocks + own_blocks))
     gen = torch.Generator().manual_seed(0)
     shape = (t_blocks, bs, stack.hkv, stack.head_dim)
-    all_layers = stack.num_layers
-    layers = stack.kv_layers[:min(all_layers, TIMED_LAYERS)]
-    try:
+    with _first_layers(stack, "template_fn", t_blocks + own_blocks) as layers:
         for k, v in layers:
             k[:t_blocks] = torch.randn(shape, generator=gen).to(k.dtype)
             v[:t_blocks] = torch.randn(shape, generator=gen).to(v.dtype)
@@ -238,9 +263,6 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
         plans = dict(zip(("prefill", "decode"), _plans(stack, template_blocks, own)))
         x = {"prefill": torch.randn(PREFILL_TOKENS, stack.hidden, generator=gen) * 0.1,
              "decode": torch.randn(DECODE_SEQUENCES, stack.hidden, generator=gen) * 0.1}
-        saved = stack.template_fn
-        stack.num_layers = len(layers)  # the steps run the first layers only
-
         # each row's template pointers, per way and case
         rows = {w: {c: packed[w].pointers.unsqueeze(0).expand(p.num_decodes or 1, -1, -1).contiguous()
                     for c, p in plans.items()} for w in fns}
@@ -249,23 +271,15 @@ def measure_template_attention(stack: TimedStack) -> TemplateTiming:
             stack.template_fn = fns[way]
             plans[case].templates = rows[way][case]
             stack.forward(x[case].clone(), plans[case])
-        try:
-            ms = _timed_rounds([w for w in fns if w not in failed], ("prefill", "decode"), step, failed)
-        finally:
-            stack.template_fn, stack.num_layers = saved, all_layers
-        for way, reason in failed.items():
-            log.warning("template attention: the matrix products on %s %s", way, reason)
-        way, why = choose(ms)
-        if failed:
-            why += "; " + "; ".join(f"{w} {reason}" for w, reason in failed.items())
-        if way == "native":
-            return TemplateTiming("native", why, None, None, t_blocks * bs, ms)
-        return TemplateTiming("matrix", why, way, kernels[way], t_blocks * bs, ms)
-    finally:
-        for k, v in layers:
-            k[:t_blocks + own_blocks] = 0
-            v[:t_blocks + own_blocks] = 0
-
+        ms = _timed_rounds([w for w in fns if w not in failed], ("prefill", "decode"), step, failed)
+    for way, reason in failed.items():
+        log.warning("template attention: the matrix products on %s %s", way, reason)
+    way, why = choose(ms)
+    if failed:
+        why += "; " + "; ".join(f"{w} {reason}" for w, reason in failed.items())
+    if way == "native":
+        return TemplateTiming("native", why, None, None, t_blocks * bs, ms)
+    return TemplateTiming("matrix", why, way, kernels[way], t_blocks * bs, ms)
 
 
 # --- a prompt's own attention (PREFIX_SERVICE_BF16_PROMPT_ATTENTION=measure) ----------------------
@@ -303,29 +317,16 @@ def measure_prompt_attention(stack: TimedStack) -> PromptTiming:
     if tokens < onednn.PROMPT_ATTENTION_MIN_TOKENS:
         return PromptTiming("native", f"not timed: {nb} blocks of {bs} tokens and {positions} positions leave no "
                                       f"room for a {onednn.PROMPT_ATTENTION_MIN_TOKENS}-token prompt")
-    blocks = list(range(tokens // bs))
-    plan = StackPlan(
-        slots=torch.arange(tokens), positions=torch.arange(tokens), num_decodes=0,
-        decode_tables=torch.zeros(0, 0, dtype=torch.int32), decode_context=torch.zeros(0, dtype=torch.int32),
-        decode_skip=None, prefill_info=torch.tensor([[tokens, 0, 0]], dtype=torch.int32),
-        prefill_tables=torch.tensor([blocks], dtype=torch.int32), templates=None)
+    plan = _prefill_plan(tokens, 0, list(range(tokens)), list(range(tokens // bs)))  # blocks 0, 1, ... in turn
     x = torch.randn(tokens, stack.hidden, generator=torch.Generator().manual_seed(1)) * 0.1
     fns = {"native": 0, "dot": onednn.causal_attend_fn()}
-    saved, all_layers = stack.causal_fn, stack.num_layers
-    layers = stack.kv_layers[:min(all_layers, TIMED_LAYERS)]
-    stack.num_layers = len(layers)
 
     def step(way: str, case: str) -> None:
         stack.causal_fn = fns[way]
         stack.forward(x.clone(), plan)
     failed: dict[str, str] = {}
-    try:
+    with _first_layers(stack, "causal_fn", tokens // bs):
         ms = _timed_rounds(["native", "dot"], ("prefill",), step, failed)
-    finally:
-        stack.causal_fn, stack.num_layers = saved, all_layers
-        for k, v in layers:
-            k[:len(blocks)] = 0
-            v[:len(blocks)] = 0
     if failed:
         log.warning("a prompt's own attention: the dot products %s", failed["dot"])
         return PromptTiming("native", f"the dot products {failed['dot']}", tokens, {"native": ms["native"]["prefill"]})
