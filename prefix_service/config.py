@@ -77,6 +77,9 @@ class ModelConfig:
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
+    # the nice value the engine's compute threads (its loop thread and the OpenMP workers it starts) add to
+    # the process's, so that the front ends' threads preempt them; None: 10 on a CPU, 0 on a GPU
+    thread_nice: int | None = None
     served_name: str | None = None  # the model's id in the HTTP API; None: the name of model.path's directory
     # cuda backend: decode steps of up to this many rows replay CUDA graphs captured at start
     # (backends/cuda/graphs.py; at most scheduler.max_num_seqs); 0: every step runs eagerly
@@ -92,6 +95,8 @@ class ModelConfig:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
         if self.num_threads is not None:
             _check_int("model.num_threads", self.num_threads, 1)
+        if self.thread_nice is not None:
+            _check_int("model.thread_nice", self.thread_nice, 0, 19)
         _check_choice("model.dtype", self.dtype, DTYPES)
         _check_choice("model.device", self.device, DEVICES)
         _check_choice("model.backend", self.backend, BACKENDS)
