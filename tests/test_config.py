@@ -1,6 +1,4 @@
 """YAML config: every key validated, errors name the key, the value and what is allowed."""
-import os
-
 import pytest
 
 from prefix_service.config import ConfigError, config_from_dict, load_config, parse_size
@@ -115,6 +113,15 @@ def test_dummy_load_format_runs_without_weight_files(tmp_path, tokenizer_dir, ma
         engine.check_integrity()
 
 
+def test_thread_nice_is_validated():
+    from prefix_service.config import ModelConfig
+    assert ModelConfig(path="m").thread_nice is None  # the device's default (engine/threads.py)
+    assert config_from_dict({"model": {"path": "m", "thread_nice": 19}}).engine.model.thread_nice == 19
+    for bad in (-1, 20, True, "5", 2.5):
+        with pytest.raises(ConfigError, match=r"model.thread_nice: expected an integer in \[0, 19\]"):
+            ModelConfig(path="m", thread_nice=bad)
+
+
 def test_num_threads_is_validated_and_applied(make_engine, llama_dir):
     import torch
     from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
@@ -128,67 +135,6 @@ def test_num_threads_is_validated_and_applied(make_engine, llama_dir):
             assert engine._run(lambda core: torch.get_num_threads()) == 1
     finally:
         torch.set_num_threads(before)
-
-
-def _nice(tid: int) -> int:
-    return os.getpriority(os.PRIO_PROCESS, tid)  # Linux: one thread's nice value
-
-
-def _thread_nices() -> dict[int, int]:
-    """This process's threads' nice values, by thread id."""
-    nices = {}
-    for t in map(int, os.listdir("/proc/self/task")):
-        try:
-            nices[t] = _nice(t)
-        except ProcessLookupError:  # ended since the listing
-            pass
-    return nices
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are a Linux feature")
-def test_thread_nice_lowers_the_engine_threads_alone(llama_dir):
-    """The loop thread and the OpenMP workers it starts run at the process's nice + model.thread_nice;
-    the caller's thread and the threads that were there before keep theirs."""
-    import threading
-    import torch
-    from helpers import run_ids
-    from prefix_service import CacheConfig, Engine, EngineConfig, ModelConfig
-    base = _nice(threading.get_native_id())
-    want = min(base + 7, 19)  # 7: no other engine of the suite runs at it (the default is 10)
-    if want == base:
-        pytest.skip(f"this process already runs at nice {base}: nothing lower to test")
-    before = _thread_nices()
-    threads = torch.get_num_threads()
-    try:
-        with Engine(EngineConfig(ModelConfig(path=str(llama_dir), device="cpu", num_threads=2, thread_nice=7),
-                                 CacheConfig(num_blocks=32))) as engine:
-            run_ids(engine, list(range(5, 40)), max_tokens=3)  # parallel regions: the workers are started
-            assert _nice(engine._thread.native_id) == want
-            now = _thread_nices()
-            # the loop thread and the OpenMP workers it started
-            lowered = {t for t, nice in now.items() if nice == want and t not in before}
-            assert engine._thread.native_id in lowered and len(lowered) >= 2, lowered
-            assert all(now[t] == before[t] for t in before if t in now)  # the threads that were there keep theirs
-    finally:
-        torch.set_num_threads(threads)
-    with Engine(EngineConfig(ModelConfig(path=str(llama_dir), device="cpu", thread_nice=0),
-                             CacheConfig(num_blocks=32))) as engine:
-        assert _nice(engine._thread.native_id) == base
-
-
-def test_thread_nice_defaults_and_validation():
-    import torch
-    from prefix_service.config import ModelConfig
-    from prefix_service.engine.core import CPU_THREAD_NICE, thread_nice
-    assert CPU_THREAD_NICE == 10
-    assert thread_nice(ModelConfig(path="m"), torch.device("cpu")) == 10
-    assert thread_nice(ModelConfig(path="m"), torch.device("cuda")) == 0  # a GPU's loop thread only launches
-    assert thread_nice(ModelConfig(path="m", thread_nice=3), torch.device("cuda")) == 3
-    assert thread_nice(ModelConfig(path="m", thread_nice=0), torch.device("cpu")) == 0
-    assert config_from_dict({"model": {"path": "m", "thread_nice": 19}}).engine.model.thread_nice == 19
-    for bad in (-1, 20, True, "5", 2.5):
-        with pytest.raises(ConfigError, match=r"model.thread_nice: expected an integer in \[0, 19\]"):
-            ModelConfig(path="m", thread_nice=bad)
 
 
 def test_http_api_settings():

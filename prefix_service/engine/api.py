@@ -20,7 +20,8 @@ import torch
 
 from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig, ServiceConfig
-from prefix_service.engine.core import EngineCore, lower_thread_priority, resolve_device, thread_nice
+from prefix_service.engine.core import EngineCore
+from prefix_service.engine.threads import lower_thread_priority, thread_nice
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import (FinishReason, GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest,
@@ -131,7 +132,7 @@ class Engine:
         # spin-waiting between operations (docs/architecture.md, "Threads").
         try:
             # before the thread's first torch work, so that the OpenMP workers it starts inherit it
-            nice = lower_thread_priority(thread_nice(config.model, resolve_device(config.model.device)))
+            nice = lower_thread_priority(thread_nice(config.model))
             if nice is not None:
                 log.info("engine threads at nice %d (model.thread_nice): the front ends' threads preempt a step", nice)
             self._core = EngineCore(config, backend)

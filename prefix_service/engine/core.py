@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import random
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,7 +17,7 @@ import torch
 from prefix_service.backends import hostmem, select_backend
 from prefix_service.backends.base import BackendFactory
 from prefix_service.backends.kv_cache import auto_kv_cache_memory
-from prefix_service.config import EngineConfig, ModelConfig
+from prefix_service.config import EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixServiceError, PromptTooLong,
@@ -76,33 +73,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise PrefixServiceError("model.device: 'cuda' was asked for but torch sees no CUDA device")
     return torch.device(name)
-
-
-CPU_THREAD_NICE = 10  # model.thread_nice's default on a CPU
-
-
-def thread_nice(model: ModelConfig, device: torch.device) -> int:
-    """How much the engine's compute threads lower their priority: model.thread_nice, or by default
-    CPU_THREAD_NICE on a CPU (the front ends then answer while a step computes) and 0 on a GPU (whose
-    loop thread only launches kernels: made to wait, it would leave the device idle)."""
-    if model.thread_nice is not None:
-        return model.thread_nice
-    return CPU_THREAD_NICE if device.type == "cpu" else 0
-
-
-def lower_thread_priority(nice: int) -> int | None:
-    """Add nice to the calling thread's nice value; threads it starts later inherit it. Returns the new
-    value, or None where nothing was set: nice 0, or not Linux (elsewhere a nice value belongs to the
-    whole process, and a thread id is no process id), or refused."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return None
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-        return os.getpriority(os.PRIO_PROCESS, tid)
-    except OSError as e:
-        log.warning("model.thread_nice: could not lower the engine thread's priority: %s", e)
-        return None
 
 
 class EngineCore:

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from prefix_service.config import ServiceConfig, split_address
 from prefix_service.engine.api import Engine
+from prefix_service.engine.threads import thread_nice
 from prefix_service.heap import freeze_startup_objects
 from prefix_service.server.admin import PrefixAdminServicer
 from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_api_key, read_token, warn_cleartext_token
@@ -38,7 +39,7 @@ from prefix_service.server.generation import GenerationServicer
 from prefix_service.server.interfaces import EngineClient
 from prefix_service.server.metrics import ServiceMetrics
 from prefix_service.server.parts import EngineProvider, HttpFront, LocalEngineProvider, ServerContext, UvicornHttpFront
-from prefix_service.server.runtime import Runtime
+from prefix_service.server.runtime import Runtime, rpc_executor
 from prefix_service.server.store import TemplateStore, state_path
 from prefix_service.server.tls import TlsFiles, load_tls
 from prefix_service.server.wire import ADMIN_SERVICE, GENERATION_SERVICE, add_admin, add_generation
@@ -59,7 +60,7 @@ class PrefixServer:
     def __init__(self, config: ServiceConfig, *, engine_provider: EngineProvider | None = None,
                  http_front: HttpFront | None = None) -> None:
         self.config = config
-        self.runtime = Runtime()
+        self.runtime = Runtime(executor=rpc_executor(thread_nice(config.engine.model)))
         self.metrics = ServiceMetrics(self.runtime)
         self.engine_provider: EngineProvider = engine_provider or LocalEngineProvider()
         self.http_front: HttpFront = http_front or UvicornHttpFront()

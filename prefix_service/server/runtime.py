@@ -8,12 +8,15 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass, field
 
+from prefix_service.engine.threads import compute_executor
 from prefix_service.server.interfaces import EngineClient, TemplateRegistryClient
 from prefix_service.server.status import ServerNotReady
 
 
-def _rpc_executor() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="prefix-service-rpc")
+def rpc_executor(nice: int = 0) -> concurrent.futures.ThreadPoolExecutor:
+    """The servicers' pool; nice: its threads' place below the process, the engine's (threads.py):
+    they tokenize and compile grammars, compute that shares the cores with a step."""
+    return compute_executor(32, nice, "prefix-service-rpc")
 
 
 @dataclass
@@ -24,7 +27,7 @@ class Runtime:
     phase: str = "starting"  # what the server is doing while not ready: for error messages
     # Blocking calls of the servicers (tokenize + submit, abort, template admin) run here, apart
     # from asyncio's small default pool, so a few long template adds cannot hold up generation.
-    executor: concurrent.futures.ThreadPoolExecutor = field(default_factory=_rpc_executor)
+    executor: concurrent.futures.ThreadPoolExecutor = field(default_factory=rpc_executor)
 
     def attach(self, engine: EngineClient, registry: TemplateRegistryClient) -> None:
         """The engine client and registry, once loaded (before the warm-up: a stop during it then
