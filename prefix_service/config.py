@@ -77,8 +77,9 @@ class ModelConfig:
     seed: int = 0  # seeds the generator of requests that give no seed
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json (benchmarks)
     num_threads: int | None = None  # torch intra-op threads of the engine's thread; None: torch's default
-    # the nice value the engine's compute threads (its loop thread and the OpenMP workers it starts) add to
-    # the process's, so that the front ends' threads preempt them; None: 10 on a CPU, 0 on a GPU
+    # how far the engine's compute threads (its loop thread, the OpenMP workers it starts, the servers' executor)
+    # sit below the process's nice value, so that the front ends' threads preempt them (engine/threads.py);
+    # None: 10 on a CPU, 0 on a GPU
     thread_nice: int | None = None
     served_name: str | None = None  # the model's id in the HTTP API; None: the name of model.path's directory
     # cuda backend: decode steps of up to this many rows replay CUDA graphs captured at start
