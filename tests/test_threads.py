@@ -98,3 +98,50 @@ def test_the_servers_executor_runs_at_the_engines_priority(model_dir):
             assert _nice(threading.get_native_id()) == base
         finally:
             server.runtime.executor.shutdown()
+
+
+def test_the_engines_own_pool_runs_at_its_priority_and_stops_with_it(llama_dir, monkeypatch):
+    """A caller of the async API that names no executor (a fleet replica, a script) submits, scores
+    and aborts on the engine's own pool, lowered like the servers' executor; once the engine is shut
+    down its pool is too, and the async API says EngineStopped rather than the pool's RuntimeError."""
+    import asyncio
+    from prefix_service import GenerateRequest, ScoreRequest
+    from prefix_service.errors import EngineStopped
+    from helpers import greedy
+    base, want = _base_and(4)
+    engine = Engine(EngineConfig(ModelConfig(path=str(llama_dir), device="cpu", thread_nice=4),
+                                 CacheConfig(num_blocks=32)))
+    seen: dict[str, int] = {}
+    for name in ("submit", "submit_score", "abort"):
+        def recorded(*args, _fn=getattr(engine, name), _name=name):
+            seen[_name] = _nice(threading.get_native_id())
+            return _fn(*args)
+        monkeypatch.setattr(engine, name, recorded)
+
+    async def serve() -> None:
+        outs = [o async for o in engine.generate_stream(GenerateRequest(prompt_token_ids=list(range(5, 20)),
+                                                                        sampling=greedy(3)))]
+        assert outs[-1].finished
+        scored = await engine.score_async(ScoreRequest(prompt_token_ids=list(range(5, 20)), candidates=[[7], [8, 9]]))
+        assert len(scored.candidates) == 2
+        stream = engine.generate_stream(GenerateRequest(prompt_token_ids=list(range(5, 20)), sampling=greedy(50)))
+        await stream.__anext__()
+        await stream.aclose()  # ends early: aborted on the pool
+        await engine.drain_aborts()
+
+    try:
+        asyncio.run(serve())
+        assert seen == {"submit": want, "submit_score": want, "abort": want}
+        assert _nice(threading.get_native_id()) == base
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+    assert engine._submits is not None and engine._submits._shutdown
+
+    async def after_shutdown() -> None:
+        with pytest.raises(EngineStopped):
+            async for _ in engine.generate_stream(GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=greedy(2))):
+                pass
+        with pytest.raises(EngineStopped):
+            await engine.score_async(ScoreRequest(prompt_token_ids=[5, 6, 7], candidates=[[8]]))
+    asyncio.run(after_shutdown())

@@ -21,7 +21,7 @@ import torch
 from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.engine.core import EngineCore
-from prefix_service.engine.threads import lower_thread_priority, thread_nice
+from prefix_service.engine.threads import compute_executor, lower_thread_priority, thread_nice
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import (FinishReason, GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest,
@@ -98,6 +98,8 @@ class Engine:
         self._wake = threading.Condition()
         self._stopping = False
         self._aborts: set[asyncio.Future[None]] = set()  # aborts of streams that ended early, still running
+        # where the async API submits and aborts when its caller names no executor (made on first use)
+        self._submits: concurrent.futures.ThreadPoolExecutor | None = None
         built: concurrent.futures.Future[EngineCore] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(config, backend, built),
                                         name="prefix-service-engine", daemon=True)
@@ -195,15 +197,37 @@ class Engine:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._wake:
             if self._stopping:
-                if self.fatal_error is not None:
-                    raise EngineStopped(f"the engine stopped after a device error: {self.fatal_error}")
-                raise EngineStopped("the engine is shut down")
+                raise self._stopped()
             self._commands.append((fn, fut))
             self._wake.notify()
         return fut
 
+    def _stopped(self) -> EngineStopped:
+        if self.fatal_error is not None:
+            return EngineStopped(f"the engine stopped after a device error: {self.fatal_error}")
+        return EngineStopped("the engine is shut down")
+
     def _run(self, fn: Callable[[EngineCore], T]) -> T:
         return self._call(fn).result()
+
+    def _start(self, executor: concurrent.futures.Executor | None, fn: Callable[..., T], *args: Any
+               ) -> asyncio.Future[T]:
+        """fn(*args) run on `executor`, or else on the engine's own pool (made on first use), whose
+        threads share the cores with the engine's steps (threads.py) as a server's executor does.
+        Raises EngineStopped once the engine is shut down (and its pool with it)."""
+        if executor is None:
+            with self._wake:
+                if self._stopping:
+                    raise self._stopped()
+                if self._submits is None:
+                    self._submits = compute_executor(32, thread_nice(self.config.model), "prefix-service-submit")
+                executor = self._submits
+        try:
+            return asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        except RuntimeError:  # the pool was shut down since
+            if self._stopping:
+                raise self._stopped() from None
+            raise
 
     # --- templates ----------------------------------------------------------------------------
     def tokenize_template(self, text: str) -> list[int]:
@@ -399,7 +423,8 @@ class Engine:
 
     async def score_async(self, req: ScoreRequest,
                           executor: concurrent.futures.Executor | None = None) -> ScoreOutput:
-        """score() for an event loop: submitting runs on `executor`; cancelling aborts the request."""
+        """score() for an event loop: submitting runs on `executor` (default: the engine's own pool);
+        cancelling aborts the request."""
         loop = asyncio.get_running_loop()
         request_id = req.request_id or uuid.uuid4().hex
         req = dataclasses.replace(req, request_id=request_id)
@@ -412,7 +437,7 @@ class Engine:
         def sink(out: ScoreOutput) -> None:  # on the loop thread
             loop.call_soon_threadsafe(deliver, out)
 
-        submitted = loop.run_in_executor(executor, self.submit_score, req, sink)
+        submitted = self._start(executor, self.submit_score, req, sink)
         try:
             await asyncio.shield(submitted)
         except asyncio.CancelledError:
@@ -457,7 +482,7 @@ class Engine:
         and frees its blocks: the abort runs on in the background once the submission has landed
         (`drain_aborts` waits for it), so the caller is not held up by the engine's current step.
         Submitting and aborting block on the engine's loop thread: they run on `executor`
-        (default: asyncio's)."""
+        (default: the engine's own pool, at the engine's priority)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = req.request_id
@@ -468,7 +493,7 @@ class Engine:
         def sink(out: RequestOutput) -> None:  # on the loop thread
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        submitted = loop.run_in_executor(executor, self.submit, req, sink)
+        submitted = self._start(executor, self.submit, req, sink)
         finished = False  # the engine holds nothing for this request any more
         try:
             try:
@@ -495,9 +520,9 @@ class Engine:
         except BaseException:  # noqa: BLE001 - never queued, nothing to abort
             return
         try:
-            await asyncio.get_running_loop().run_in_executor(executor, self.abort, request_id)
-        except RuntimeError:  # the executor is shut down: the engine's shutdown ends the request
-            log.debug("request %s: abort skipped, the executor is shut down", request_id)
+            await self._start(executor, self.abort, request_id)
+        except (RuntimeError, EngineStopped):  # the executor or the engine is shut down: the stop ends the request
+            log.debug("request %s: abort skipped, the executor or the engine is shut down", request_id)
 
     async def drain_aborts(self) -> None:
         """Wait for the aborts of streams that ended early (before shutting the engine down)."""
@@ -530,6 +555,8 @@ class Engine:
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        if self._submits is not None:  # an abort still to run finds it shut down: the stop ended its request
+            self._submits.shutdown(wait=False)
         if self._snapshots is not None:  # the pending writes finish
             self._snapshots.close()
 

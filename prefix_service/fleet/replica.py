@@ -26,7 +26,6 @@ from ray import serve
 from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
 from prefix_service.engine.template_pins import TemplateInfo
-from prefix_service.engine.threads import compute_executor, thread_nice
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import TemplateNotFound
 from prefix_service.fleet import log_to_serve
@@ -56,8 +55,6 @@ class EngineReplica:
         self.startup: dict[str, Any] = {}  # how its start went (in its reports): seconds, K/V sources
         started = time.monotonic()
         loop = asyncio.get_running_loop()
-        # submitting (a grammar's compile, tokenizing) shares the cores with the engine's steps (threads.py)
-        self._submits = compute_executor(32, thread_nice(config.engine.model), "prefix-service-submit")
         self.engine = await loop.run_in_executor(None, Engine, config)
         loaded = time.monotonic()
         self.engine.peer_kv = self._kv_from_peer  # a template it pins comes from a holder if one serves
@@ -122,7 +119,7 @@ class EngineReplica:
         if req.prefix_name and not self.registry.known(req.prefix_name):
             raise TemplateNotHeld(f"replica {self.id} does not hold prefix template {req.prefix_name!r}")
         self.requests[req.prefix_name or ""] += 1
-        return await self.engine.score_async(req, self._submits)
+        return await self.engine.score_async(req)
 
     async def generate(self, req: GenerateRequest, holders: Any = None) -> AsyncIterator[RequestOutput | str]:
         """This replica's id first (it took the request), then the engine's outputs. Closing the
@@ -132,7 +129,7 @@ class EngineReplica:
             raise TemplateNotHeld(f"replica {self.id} does not hold prefix template {req.prefix_name!r}")
         self.requests[req.prefix_name or ""] += 1
         yield self.id
-        async with contextlib.aclosing(self.engine.generate_stream(req, self._submits)) as stream:
+        async with contextlib.aclosing(self.engine.generate_stream(req)) as stream:
             async for out in stream:
                 yield out
 
@@ -194,6 +191,3 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
-        submits = getattr(self, "_submits", None)
-        if submits is not None:
-            submits.shutdown(wait=False)
