@@ -7,7 +7,8 @@ pairs bound a change better than two medians taken minutes apart.
 
 --before and --after name commits (checked out with `git archive` into --workdir); without --after
 the working tree is the after side. --engine-args go to both scripts (e.g. `--backend cpu --device cpu
---dtype float32` where `auto` would pick another dtype). Both run under this Python.
+--dtype float32` where `auto` would pick another dtype). Both run under this Python, and a checkout
+shares this one's .cache (the prepared model, the built kernels).
 
     python scripts/ab_checkouts.py --before 4f5b997 --rounds 6 --json bench_out/ab.json
 """
@@ -40,6 +41,9 @@ def checkout(rev: str, workdir: Path) -> Path:
         target.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "-C", str(REPO), "archive", commit], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    cache = REPO / ".cache"  # the prepared model (every checkout's default path) and the built kernels
+    if cache.is_dir() and not (target / ".cache").exists():
+        (target / ".cache").symlink_to(cache)
     return target
 
 
