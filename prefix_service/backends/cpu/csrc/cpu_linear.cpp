@@ -18,6 +18,7 @@
 // registers, and the sums are scaled per column before the bias (ps_linear_int8). Built into the
 // native library by prefix_service/backends/cpu/native.py; without AVX-512 or AVX2 ps_linear returns 1.
 #include <cstdint>
+#include <type_traits>
 
 #include "simd.h"
 #include <omp.h>
@@ -42,10 +43,12 @@ inline vf wload(const int8_t* p) { return ps::vload_i8(p); }
 template <int R, int NP, typename T>
 inline void tile(const float* x, int64_t ldx, int K, const T* w, int64_t ps, float* y, int64_t ldy,
                  const float* bias, const float* scale, int last, const char* pf, int pf_lines) {
+  // known when compiled, so the float32 kernel's inner loop carries nothing of the int8 one's scaling
+  constexpr bool kScaled = std::is_same<T, int8_t>::value;
   vf acc[R][NP];
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) {
-    const vf b = bias && !scale ? ps::vload_first(bias + j * NR, j == NP - 1 ? last : NR) : ps::vzero();
+    const vf b = bias && !kScaled ? ps::vload_first(bias + j * NR, j == NP - 1 ? last : NR) : ps::vzero();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) acc[r][j] = b;
   }
@@ -62,7 +65,7 @@ inline void tile(const float* x, int64_t ldx, int K, const T* w, int64_t ps, flo
       for (int j = 0; j < NP; ++j) acc[r][j] = ps::vfmadd(a, wv[j], acc[r][j]);
     }
   }
-  if (scale) {
+  if constexpr (kScaled) {
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
       const int n = j == NP - 1 ? last : NR;
