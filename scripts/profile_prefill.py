@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine_info(), "model": str(cfg.model.path),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(), "threads": torch.get_num_threads(),
-                       "backend": core.backend.name,
+                       "backend": core.backend.name, "dtype": str(core.dtype).replace("torch.", ""),
                        "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens, "runs": args.runs,
                        "profile_runs": args.profile_runs, "results": results, "ratio": ratio}, fh, indent=2)
         print(f"JSON: {args.json}")

@@ -161,3 +161,18 @@ def test_a_run_without_vllms_environment_stops_before_its_first_step(tmp_path):
                           timeout=300, env=env)
     assert proc.returncode == 2 and "no vLLM environment" in proc.stderr and "make bench-peers" in proc.stderr
     assert list(out.iterdir()) == []
+
+
+def test_our_ratios_run_and_are_named_in_our_dtype(tmp_path, monkeypatch):
+    """On a CPU without bf16 units ours is float32 (auto's choice): the ratio steps run profile_prefill
+    in it and the rows name it; a run's JSON that names no dtype was bf16's."""
+    for dtype in ("float32", "bfloat16"):
+        monkeypatch.setattr(targets, "ours_dtype", lambda d=dtype: d)
+        [cmd] = targets.commands(tmp_path, None, "ratios-1")
+        assert cmd[cmd.index("--dtype") + 1] == dtype and cmd[1].endswith("profile_prefill.py")
+    out = complete(tmp_path / "f32", ratios_1=ratios(8.0, 1.3) | {"dtype": "float32"})
+    rows = targets.summarize(out, ours="bfloat16")["rows"]
+    assert by_measure({"rows": rows}, "TTFT full / prefix in float32", None)["values"] == [8.0, 7.9]
+    assert by_measure({"rows": rows}, "TTFT prefix / alone in float32", None)["values"] == [1.3, 1.35]
+    rows = targets.summarize(complete(tmp_path / "old"), ours="bfloat16")["rows"]
+    assert by_measure({"rows": rows}, "TTFT full / prefix in bfloat16", None)["value"] == 7.9
