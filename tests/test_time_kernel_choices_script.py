@@ -27,6 +27,9 @@ def test_each_thread_count_gets_a_backend_that_times_and_keeps_a_way(tmp_path, t
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--load-format", "dummy",
                            "--thread-counts", "1,2", "--repeat", "2", "--linears", "measure", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
+    if not onednn.bf16_native():  # timing the linears needs the inner product: refused, and said why
+        assert proc.returncode != 0 and "refuses bf16 inner products on this CPU" in proc.stderr, proc.stderr[-3000:]
+        return
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [(r["threads"], r["run"]) for r in data["results"]] == [(1, 0), (1, 1), (2, 0), (2, 1)]

@@ -239,7 +239,8 @@ def default_kernel() -> str:
     inner product above (time_linear). On AMX brgemm's decode steps ran 0.97-2.3x as fast as the inner
     product's with f32 hand-offs, while oneDNN's own inner product on bf16 rows ran calls of 16 to 64
     rows 1.6-2x as fast as brgemm (docs/benchmarks.md, "Run 8"): the crossover is the machine's.
-    Elsewhere oneDNN's bf16 inner product where torch supports it, else emulated."""
+    Elsewhere oneDNN's bf16 inner product where torch supports it, else emulated (brgemm alone on AMX
+    without it, which no CPU has: tests simulate AMX on CPUs without bf16 units)."""
     chosen = os.environ.get(KERNEL_ENV)
     if chosen:
         if chosen not in KERNEL_CHOICES:
@@ -247,8 +248,8 @@ def default_kernel() -> str:
         if chosen in ("inner_product", "measure") and not bf16_native():
             raise OneDnnError(f"{KERNEL_ENV}={chosen}: torch's oneDNN refuses bf16 inner products on this CPU")
         return chosen
-    if brgemm_vnni():
-        return "measure"
+    if brgemm_vnni():  # nothing to time brgemm against where torch refuses the bf16 inner product
+        return "measure" if bf16_native() else "brgemm"
     return "inner_product" if bf16_native() else "emulated"
 
 
