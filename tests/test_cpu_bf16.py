@@ -523,12 +523,11 @@ def test_an_engine_on_amx_names_its_default_linears_and_the_tiles(make_engine, m
         return
     assert (f"oneDNN bf16 linears, each shape timed on brgemm and the inner product (AMX; {backend.linear_choices()})"
             in described and "dot products up to" not in described), described
-    if onednn.bf16_native():
-        monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
-        described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
-        few_rows = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
-        assert (f"oneDNN bf16 linears (AMX; AVX512-BF16 dot products up to {DOT_ROWS} rows)" if few_rows
-                else "oneDNN bf16 linears (AMX)") in described, described
+    monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
+    described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
+    few_rows = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
+    assert (f"oneDNN bf16 linears (AMX; AVX512-BF16 dot products up to {DOT_ROWS} rows)" if few_rows
+            else "oneDNN bf16 linears (AMX)") in described, described
 
 
 @needs_bf16

@@ -157,12 +157,11 @@ def test_amx_defaults_to_timing_the_kernels_and_the_environment_still_chooses(mo
     still picks another. AMX simulated where torch refuses bf16 inner products: brgemm alone."""
     monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
+    bf16_native = onednn.bf16_native
     for native in (True, False):
         monkeypatch.setattr(onednn, "bf16_native", lambda n=native: n)
         assert onednn.default_kernel() == ("measure" if native else "brgemm")
-    monkeypatch.undo()
-    monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
-    monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
+    monkeypatch.setattr(onednn, "bf16_native", bf16_native)
     monkeypatch.setenv(onednn.KERNEL_ENV, "emulated")
     assert onednn.default_kernel() == "emulated"
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: False)

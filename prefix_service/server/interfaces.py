@@ -43,8 +43,9 @@ class EngineClient(Protocol):
         the generator early (or cancelling its task) aborts the request and frees its blocks.
 
         executor: where the call runs what blocks (the one-process engine's submission and abort,
-        which wait on its loop thread); None: the engine's own pool, at its priority. The fleet's client has nothing
-        that blocks (its calls to the replicas are awaited on the event loop) and does not use it.
+        which wait on its loop thread); None: the engine's own pool, at its priority. The fleet's
+        client has nothing that blocks (its calls to the replicas are awaited on the event loop) and
+        does not use it.
 
         Fleet: the request goes to a replica that holds its template; one whose replica dies under
         it, or that no replica takes in time, ends with ReplicaUnavailable."""
