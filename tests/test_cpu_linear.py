@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from helpers import cpu_simd
 from prefix_service.backends.cpu import linear as cpu_linear
-from prefix_service.backends.cpu import native
+from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 
 REASON = cpu_linear.available(torch.float32)
@@ -130,6 +130,88 @@ def test_bad_input_is_refused():
         layer(x.double())
     with pytest.raises(NativeKernelError, match=r"out: float32 \[4, 20\]"):
         layer(x, out=torch.empty(4, 19))
+
+
+# --- float32 weights split by row count between the native kernel and oneDNN (SplitLinear) ---------
+
+ONEDNN_REASON = REASON or onednn.load()[1]
+needs_onednn = pytest.mark.skipif(ONEDNN_REASON is not None, reason=f"no oneDNN linear here: {ONEDNN_REASON}")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_split_linear_runs_each_call_on_the_kernel_of_its_row_count(bias):
+    """Up to native_rows rows: the native kernel's bits; more: oneDNN's float32 inner product's; both
+    within float32 summation error of float64, through the decoder stack's call path, strided rows
+    and `out` included. (The two kernels may sum in the same order, as they do on AVX2 for K up to
+    ~1,000 without a bias: the side each call takes is checked below on two different weights.)"""
+    x, w, b = case(40, 70, 1536, bias=bias, seed=9)
+    split = cpu_linear.make_linear(w, b, native_rows=6)
+    assert isinstance(split, cpu_linear.SplitLinear) and split.native_rows == 6 and not split.int8
+    few, many = cpu_linear.NativeLinear(w, b), onednn.OneDnnLinear(w, b)
+    for m in (1, 5, 6, 7, 40):
+        got = split(x[:m])
+        assert torch.equal(got, (few if m <= 6 else many)(x[:m])), m
+        close(got, reference(x[:m], w, b))
+    wide = torch.randn(40, 1600)
+    wide[:, 3:1539] = x
+    out = torch.full((40, 90), 7.0)
+    split(wide[:, 3:1539], out=out[:, :70])
+    assert torch.equal(out[:, :70], many(x)) and (out[:, 70:] == 7.0).all()
+    assert split(x[:0]).shape == (0, 70)
+    assert split(x.view(4, 10, 1536)).shape == (4, 10, 70)
+    with pytest.raises(NativeKernelError, match=r"x: \[M, 1536\] is needed"):
+        split(torch.randn(3, 9))
+    with pytest.raises(NativeKernelError, match="1 or more is needed"):
+        cpu_linear.SplitLinear(w, b, 0)
+
+
+@needs_onednn
+def test_a_split_linear_sends_calls_above_its_rows_to_the_other_side():
+    """The C dispatch (ps_split_linear) alone: with its `many` side pointed at a layer of another
+    weight, calls of up to native_rows rows give the first weight's product and larger ones the other's."""
+    x, w, b = case(12, 24, 32, seed=4)
+    split = cpu_linear.SplitLinear(w, b, 3)
+    other = cpu_linear.NativeLinear(-2 * w, b)
+    split._args.many = other.call
+    for m in (1, 3):
+        assert torch.equal(split(x[:m]), cpu_linear.NativeLinear(w, b)(x[:m]))
+    for m in (4, 12):
+        assert torch.equal(split(x[:m]), other(x[:m]))
+
+
+@needs_onednn
+def test_make_linear_takes_native_rows_for_float32_weights_only():
+    w = torch.randn(20, 8)
+    assert isinstance(cpu_linear.make_linear(w), cpu_linear.NativeLinear)
+    library = cpu_linear.make_linear(w, native_rows=0)
+    assert isinstance(library, onednn.OneDnnLinear) and library.kernel == "float32"
+    assert isinstance(cpu_linear.make_linear(w, native_rows=3), cpu_linear.SplitLinear)
+    q = torch.randint(-127, 128, (20, 8), dtype=torch.int8)
+    int8 = cpu_linear.make_linear(q.float() * 0.01, int8=(q, torch.full((20,), 0.01)), native_rows=3)
+    assert isinstance(int8, cpu_linear.NativeLinear) and int8.int8  # int8 weights: the native kernel's every call
+
+
+def test_the_float32_kernel_and_its_rows_come_from_the_environment_or_say_what_is_wrong(monkeypatch):
+    monkeypatch.setenv(cpu_linear.FLOAT32_ENV, "fast")
+    with pytest.raises(NativeKernelError, match=r"PREFIX_SERVICE_F32_LINEAR='fast': one of native, inner_product, "
+                                                r"measure is needed"):
+        cpu_linear.float32_kernel()
+    monkeypatch.setenv(cpu_linear.FLOAT32_ENV, "native")
+    assert cpu_linear.float32_kernel() == "native"
+    monkeypatch.setenv(cpu_linear.FLOAT32_ROWS_ENV, "-2")
+    with pytest.raises(NativeKernelError, match=r"PREFIX_SERVICE_F32_NATIVE_ROWS='-2': a count of rows"):
+        cpu_linear.float32_native_rows()
+    monkeypatch.setenv(cpu_linear.FLOAT32_ROWS_ENV, "96")
+    assert cpu_linear.float32_native_rows() == 96
+    monkeypatch.delenv(cpu_linear.FLOAT32_ROWS_ENV)
+    assert cpu_linear.float32_native_rows() == 0
+    monkeypatch.delenv(cpu_linear.FLOAT32_ENV)
+    assert cpu_linear.float32_kernel() == ("measure" if onednn.load()[0] is not None else "native")
+    monkeypatch.setattr(onednn, "load", lambda: (None, "no C++ compiler found (set CXX)"))
+    monkeypatch.setenv(cpu_linear.FLOAT32_ENV, "inner_product")
+    with pytest.raises(NativeKernelError, match=r"=inner_product: no oneDNN library here: no C\+\+ compiler"):
+        cpu_linear.float32_kernel()
 
 
 # --- the native library's build (native.py) -------------------------------------------------------

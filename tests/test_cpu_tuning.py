@@ -6,7 +6,7 @@ engine then serves on its choice (prefix equals no prefix)."""
 import pytest
 import torch
 
-from helpers import pinned_handle, run_ids
+from helpers import engine_last_logits, mixed_generate, pinned_handle, run_ids
 from prefix_service.backends.cpu import linear, native, onednn, tuning
 from prefix_service.backends.cpu.stack import DecoderStack
 from test_cpu_bf16 import BS, assert_same_or_near_tie, assert_templates_equal_no_template, ids_of
@@ -355,3 +355,69 @@ def test_a_prompt_timing_that_fails_or_has_no_room_keeps_the_native_kernels(make
     assert small.prompt_timing.choice == "native" and not small.prompt_timing.ms
     assert small.prompt_timing.why == ("not timed: 30 blocks of 4 tokens and 512 positions leave no room for a "
                                        "128-token prompt")
+
+
+# --- a float32 model's linears: the native kernel, or oneDNN's inner product above a row count ---------
+
+def f32_ms(native_ms, library_ms):
+    """A Float32Timing.ms over the row counts 1, 16, 64, ... (as many as given)."""
+    rows = tuning.FLOAT32_ROWS[:len(native_ms)]
+    return {"native": dict(zip(rows, native_ms)), "inner_product": dict(zip(rows, library_ms))}
+
+
+def test_the_float32_rule_takes_the_library_only_where_it_wins_at_every_larger_count():
+    rows, why = tuning.choose_float32(f32_ms([1, 5, 10, 20, 40, 80], [2, 9, 11, 18, 33, 66]))
+    assert rows == 64 and "90% of the native time at 128 rows" in why and "110% at 64" in why
+    # a win at 64 rows that does not hold at 128 is not a crossover
+    assert tuning.choose_float32(f32_ms([1, 5, 10, 20, 40, 80], [2, 9, 9, 21, 33, 66]))[0] == 128
+    rows, why = tuning.choose_float32(f32_ms([1, 5, 10, 20, 40, 80], [2, 9, 11, 18, 33, 77]))
+    assert rows is None and "96% of the native time at 512 rows, not 95% or less" in why
+    rows, why = tuning.choose_float32(f32_ms([2, 5, 10, 20, 40, 80], [1, 4, 9, 18, 33, 66]))
+    assert rows == 0 and "from 1 row(s) up" in why
+    assert tuning.choose_float32(f32_ms([1, 5, 10, 20, 40, 80], [2, 9, 11, 18, 33, 77]), margin=0.02)[0] == 64
+
+
+@needs_lib
+def test_a_float32_stack_times_its_linears_once_and_runs_what_the_rule_picks(make_engine, monkeypatch, caplog):
+    """By default (where the oneDNN library loads) a float32 model's first layers' linears are timed
+    both ways when the stack is built: the choice follows choose_float32 from those timings, every
+    layer's linears are built for it, the start-up line says so, and a second engine of the same
+    shapes reuses the timings untimed."""
+    monkeypatch.delenv(linear.FLOAT32_ENV, raising=False)
+    monkeypatch.setattr(tuning, "_FLOAT32_TIMINGS", {})
+    engine = make_engine(backend="cpu")
+    backend = engine._core.backend
+    timing = backend.stack.float32_timing
+    assert timing is not None and (timing.native_rows, timing.why) == tuning.choose_float32(timing.ms)
+    assert set(timing.ms) == {"native", "inner_product"}
+    assert all(sorted(t) == list(tuning.FLOAT32_ROWS) for t in timing.ms.values())
+    want = {None: linear.NativeLinear, 0: onednn.OneDnnLinear}.get(timing.native_rows, linear.SplitLinear)
+    for layer in backend.stack.layers:
+        for m in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert type(m) is want and getattr(m, "native_rows", timing.native_rows) == timing.native_rows
+    assert isinstance(backend.head, linear.NativeLinear)  # the head is not timed
+    assert f"linears on {linear.float32_choice(timing.native_rows)}; timed: {timing.why}" in backend.describe()
+    assert make_engine(backend="cpu")._core.backend.stack.float32_timing is timing
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [3, 0])
+def test_a_float32_engine_on_split_or_library_linears_serves_the_native_engines_tokens(make_engine, monkeypatch,
+                                                                                    rows):
+    """A crossover the timing might pick (3 rows: a decode step's calls on the native kernel, a
+    prefill's on oneDNN; 0: oneDNN for every call): the same greedy ids as the engine on the native
+    kernel alone, on plain prompts and on a pinned template (float32's exact contract), and logits
+    within float32 tolerance."""
+    monkeypatch.setattr(tuning, "choose_float32", lambda ms, margin=0.0: (rows, "chosen by the test"))
+    monkeypatch.setattr(tuning, "_FLOAT32_TIMINGS", {})
+    monkeypatch.delenv(linear.FLOAT32_ENV, raising=False)
+    split = make_engine(backend="cpu")
+    monkeypatch.setenv(linear.FLOAT32_ENV, "native")
+    alone = make_engine(backend="cpu")
+    layer = split._core.backend.stack.layers[0]
+    assert type(layer.gate_up) is (linear.SplitLinear if rows else onednn.OneDnnLinear)
+    assert type(alone._core.backend.stack.layers[0].gate_up) is linear.NativeLinear
+    want = mixed_generate(alone)
+    assert mixed_generate(split) == want
+    ids = [(7 * i + 3) % 500 + 3 for i in range(37)]
+    assert (engine_last_logits(split, ids) - engine_last_logits(alone, ids)).abs().max().item() <= 1e-4

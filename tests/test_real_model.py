@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from helpers import assert_same_tokenizer, engine_last_logits, hf_greedy, run_ids
+from prefix_service.backends.cpu import linear as cpu_linear
+from prefix_service.backends.cpu import onednn
 
 LOGITS_ATOL = 2e-3  # float32, 30 layers: observed max differences ~1e-4
 
@@ -28,7 +30,17 @@ def hf_reference(model_dir: str, ids: tuple[int, ...], max_new_tokens: int, dtyp
     return hf_greedy(model_dir, list(ids), max_new_tokens, dtype=dtype)
 
 
-def test_smollm2_matches_transformers_and_prefix(smollm2_dir, make_engine):
+@pytest.mark.parametrize("linears", ["default", "split"])
+def test_smollm2_matches_transformers_and_prefix(smollm2_dir, make_engine, linears, monkeypatch):
+    """float32's exact contract on the real model: greedy ids equal to transformers', with the system
+    prompt pinned as a template or not, and logits within LOGITS_ATOL; on the machine's default
+    linears, and split (PREFIX_SERVICE_F32_LINEAR=inner_product, NATIVE_ROWS=8: the prefills' calls on
+    oneDNN's float32 inner product, the decode steps' on the native kernel)."""
+    if linears == "split":
+        if (reason := onednn.load()[1]) is not None:
+            pytest.skip(f"no oneDNN library here: {reason}")
+        monkeypatch.setenv(cpu_linear.FLOAT32_ENV, "inner_product")
+        monkeypatch.setenv(cpu_linear.FLOAT32_ROWS_ENV, "8")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     system = "You are a concise assistant. Answer the user's question in one short sentence."
@@ -37,7 +49,9 @@ def test_smollm2_matches_transformers_and_prefix(smollm2_dir, make_engine):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tok.encode(ids, add_special_tokens=False)
     ref_ids, ref_logits = hf_greedy(smollm2_dir, ids, 32)
-    engine = make_engine(smollm2_dir, block_size=16, num_blocks=64)
+    engine = make_engine(smollm2_dir, block_size=16, num_blocks=64, backend="cpu" if linears == "split" else "auto")
+    if linears == "split":
+        assert engine._core.backend.stack.float32_native_rows == 8
     assert run_ids(engine, ids) == ref_ids
     assert "Paris" in tok.decode(ref_ids)
     logits = engine_last_logits(engine, ids)

@@ -54,7 +54,9 @@ class CpuBackend(Backend):
         self.embed = model.embed_tokens.weight.detach()  # [vocab, hidden], the model's dtype
         self.norm_weight, self.norm_eps = model.norm.weight.detach().float().contiguous(), model.norm.eps
         head = model.lm_head if model.lm_head is not None else model.embed_tokens  # tied: the embedding
-        self.head = linear.make_linear(head.weight)  # [vocab, hidden]
+        # [vocab, hidden]; a float32 head on the native kernel (make_linear's default), not timed as the
+        # layers are: its calls take a row per sampled sequence (more only for a prompt's logprobs)
+        self.head = linear.make_linear(head.weight)
         if model.lm_head is not None:
             model.lm_head.weight = None  # type: ignore[assignment]  # released; nn.Module takes None
         self.pack_templates = cache.pack_prefix_kv
@@ -97,7 +99,9 @@ class CpuBackend(Backend):
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         if self.stack.int8_linears:
             return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears)"
-        return "cpu (native kernels, decoder stack)"
+        timed = f"; timed: {f.why}" if (f := self.stack.float32_timing) is not None else ""
+        linears = linear.float32_choice(self.stack.float32_native_rows)
+        return f"cpu (native kernels, decoder stack, linears on {linears}{timed})"
 
     def named_linears(self) -> dict[str, linear.CpuLinear]:
         """The first layer's linears and the output head, by name (every layer's are of the same shapes)."""

@@ -11,10 +11,24 @@ There both leave the FLOP units waiting on the weights (docs/benchmarks.md). The
 kernel streams each weight panel from memory once per call with the next one prefetched, and
 multiplies it against all the call's rows from registers. float32; the sums run in a fixed order
 per output, so a row's result does not depend on the other rows of the call or the thread count.
+
+Past a few hundred rows (a long prompt's prefill, a template being pinned) oneDNN's own float32
+inner product, which blocks the product for the caches, can be the faster one: on a Zen 3 (AVX2) it
+ran a layer's linears 17-18% faster from 256 rows, while the kernel here led up to 64 rows and the two
+were even at 100 (docs/benchmarks.md). So a float32 weight's calls are split by row count where
+timing on the machine finds a crossover (`float32_kernel()`, "measure": tuning.measure_float32_linears,
+when the decoder stack is built, on the model's own weights): up to it
+the native kernel, above it oneDNN (`SplitLinear`, the weight held by both, its bytes twice);
+where the library wins at no row count timed, the native kernel alone. A row's bits then depend on
+which side of the crossover its call falls (the two sum in different orders, within float32's
+summation error of each other).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+import os
 from typing import Protocol
 
 import torch
@@ -22,6 +36,8 @@ import torch
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.model.quantize import int8_problem
+
+log = logging.getLogger("prefix_service.engine")
 
 PANEL = 16  # output columns per weight panel: the layout of pack_weight, as the kernel reads it
 
@@ -158,14 +174,116 @@ class NativeLinear:
         return out
 
 
+class _SplitArgs(ctypes.Structure):  # csrc/cpu_layer.cpp's PsSplitLinear
+    _fields_ = [("few", native.LinearCall), ("many", native.LinearCall), ("rows", ctypes.c_int64)]
+
+
+class SplitLinear:
+    """A float32 weight held by both kernels: calls of up to `native_rows` rows run the native kernel
+    (`few`, NativeLinear), calls of more oneDNN's float32 inner product (`many`, onednn.OneDnnLinear);
+    the weight's bytes twice."""
+    int8 = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, native_rows: int) -> None:
+        if weight.dtype != torch.float32:
+            raise NativeKernelError(f"a split linear takes a float32 weight, got {weight.dtype}")
+        if native_rows < 1:
+            raise NativeKernelError(f"native_rows: 1 or more is needed (0: oneDNN alone), got {native_rows}")
+        lib = native.require()
+        self.out_features, self.in_features = weight.shape
+        self.native_rows = native_rows
+        self.few = NativeLinear(weight, bias)
+        self.many = onednn.OneDnnLinear(weight, bias)
+        self._args = _SplitArgs(self.few.call, self.many.call, native_rows)
+        self.fn = native.address(lib.ps_split_linear)
+        self.handle = ctypes.addressof(self._args)
+        self.call = native.LinearCall(self.fn, self.handle)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided."""
+        if x.dim() != 2:
+            return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        _check_x(x)
+        if x.shape[1] != self.in_features:
+            raise NativeKernelError(f"x: [M, {self.in_features}] is needed, got {tuple(x.shape)}")
+        out = _output(out, x.shape[0], self.out_features)
+        native.check(native.call_linear(self.call, x, out), "ps_split_linear", onednn.last_error)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"SplitLinear(in_features={self.in_features}, out_features={self.out_features}, native up to "
+                f"{self.native_rows} rows, oneDNN's float32 inner product above)")
+
+
+# --- float32 weights: the native kernel, oneDNN's inner product, or both split by row count -------
+
+FLOAT32_ENV = "PREFIX_SERVICE_F32_LINEAR"
+# what FLOAT32_ENV takes: the native kernel alone; oneDNN's inner product (with the native kernel up to
+# FLOAT32_ROWS_ENV rows where set); or the crossover timed when the decoder stack is built
+# (tuning.measure_float32_linears)
+FLOAT32_KERNELS = ("native", "inner_product", "measure")
+FLOAT32_ROWS_ENV = "PREFIX_SERVICE_F32_NATIVE_ROWS"
+
+
+def float32_kernel() -> str:
+    """How a float32 model's layers multiply here: $PREFIX_SERVICE_F32_LINEAR where set (one of
+    FLOAT32_KERNELS: to compare them on one machine), else "measure" where the oneDNN library builds
+    and loads, else "native"."""
+    chosen = os.environ.get(FLOAT32_ENV)
+    if chosen:
+        if chosen not in FLOAT32_KERNELS:
+            raise NativeKernelError(f"{FLOAT32_ENV}={chosen!r}: one of {', '.join(FLOAT32_KERNELS)} is needed")
+        if chosen != "native" and (reason := onednn.load()[1]) is not None:
+            raise NativeKernelError(f"{FLOAT32_ENV}={chosen}: no oneDNN library here: {reason}")
+        return chosen
+    return "measure" if _library_loads() else "native"
+
+
+@functools.lru_cache(maxsize=None)
+def _library_loads() -> bool:
+    reason = onednn.load()[1]
+    if reason is not None:
+        log.info("float32 linears on the native kernel alone: no oneDNN library here (%s)", reason)
+    return reason is None
+
+
+def float32_native_rows() -> int:
+    """With the inner product chosen by name: the most rows a call runs on the native kernel instead,
+    $PREFIX_SERVICE_F32_NATIVE_ROWS where set, else 0 (oneDNN for every call)."""
+    chosen = os.environ.get(FLOAT32_ROWS_ENV)
+    if not chosen:
+        return 0
+    try:
+        rows = int(chosen)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise NativeKernelError(f"{FLOAT32_ROWS_ENV}={chosen!r}: a count of rows, 0 or more, is needed")
+    return rows
+
+
+def float32_choice(native_rows: int | None) -> str:
+    """What a float32 weight made with this `native_rows` (make_linear) runs, in words."""
+    if native_rows is None:
+        return "the native kernel"
+    if native_rows == 0:
+        return "oneDNN's inner product"
+    return f"the native kernel up to {native_rows} rows, oneDNN's inner product above"
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> CpuLinear:
-    """W [out, in] packed for the kernel of its dtype: float32 -> the native kernel, bfloat16 -> oneDNN.
-    int8: the weight's (q, scale) where it was quantized (model/quantize.py; W is q diag(scale) in its
-    dtype): a bf16 weight's few-row calls then read q (OneDnnLinear), a float32 weight's every call
-    (NativeLinear)."""
+                int8: tuple[torch.Tensor, torch.Tensor] | None = None, native_rows: int | None = None) -> CpuLinear:
+    """W [out, in] packed for the kernel of its dtype: float32 -> the native kernel (native_rows None),
+    oneDNN's float32 inner product (0), or both, calls of up to native_rows rows on the native kernel
+    (SplitLinear); bfloat16 -> oneDNN (onednn.default_kernel()). int8: the weight's (q, scale) where it
+    was quantized (model/quantize.py; W is q diag(scale) in its dtype): a bf16 weight's few-row calls
+    then read q (OneDnnLinear), a float32 weight's every call (NativeLinear, whatever native_rows says)."""
     if weight.dtype == torch.float32:
-        return NativeLinear(weight, bias, int8=int8)
+        if int8 is not None or native_rows is None:
+            return NativeLinear(weight, bias, int8=int8)
+        if native_rows == 0:
+            return onednn.OneDnnLinear(weight, bias)
+        return SplitLinear(weight, bias, native_rows)
     if weight.dtype == torch.bfloat16:
         return onednn.OneDnnLinear(weight, bias, int8=int8)
     raise NativeKernelError(f"no CPU linear kernel for {weight.dtype} weights (float32 and bfloat16 are served)")

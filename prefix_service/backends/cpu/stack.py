@@ -23,9 +23,11 @@ import torch
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
-from prefix_service.backends.cpu.linear import CpuLinear, available, make_linear
+from prefix_service.backends.cpu.linear import (CpuLinear, available, float32_choice, float32_kernel,
+                                                 float32_native_rows, make_linear)
 from prefix_service.backends.cpu.plan import StackPlan
-from prefix_service.backends.cpu.tuning import (PromptTiming, TemplateTiming, measure_prompt_attention,
+from prefix_service.backends.cpu.tuning import (TIMED_LAYERS, Float32Timing, PromptTiming, TemplateTiming,
+                                                 measure_float32_linears, measure_prompt_attention,
                                                  measure_template_attention)
 from prefix_service.model.llama import LlamaForCausalLM, ModelArch
 from prefix_service.model.quantize import int8_weight
@@ -120,6 +122,25 @@ class DecoderStack:
         def vector(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(torch.float32).contiguous()
 
+        # a float32 model's linears: the native kernel, oneDNN's inner product, or the two split by row
+        # count (linear.make_linear's native_rows), where "measure" timed on the first layers' own weights
+        self.float32_timing: Float32Timing | None = None
+        native_rows: int | None = None
+        first = layers[0].self_attn.qkv_proj
+        if first.weight.dtype == torch.float32 and int8_weight(first) is None:
+            kernel = float32_kernel()
+            if kernel == "inner_product":
+                native_rows = float32_native_rows()
+            elif kernel == "measure":
+                start = time.perf_counter()
+                self.float32_timing = measure_float32_linears(
+                    [[m.weight for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                         layer.mlp.down_proj)] for layer in layers[:TIMED_LAYERS]])
+                native_rows = self.float32_timing.native_rows
+                log.info("float32 linears timed in %.0f ms: %s", (time.perf_counter() - start) * 1e3,
+                         self.float32_timing.summary())
+        self.float32_native_rows = native_rows
+
         self.layers: list[LayerWeights] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -128,11 +149,11 @@ class DecoderStack:
             q_norm, k_norm = attn.q_norm, attn.k_norm
             self.layers.append(LayerWeights(
                 vector(layer.input_layernorm.weight), layer.input_layernorm.eps,
-                make_linear(attn.qkv_proj.weight, attn.qkv_proj.bias, int8_weight(attn.qkv_proj)),
+                make_linear(attn.qkv_proj.weight, attn.qkv_proj.bias, int8_weight(attn.qkv_proj), native_rows),
                 vector(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps,
-                make_linear(attn.o_proj.weight, int8=int8_weight(attn.o_proj)),
-                make_linear(mlp.gate_up_proj.weight, int8=int8_weight(mlp.gate_up_proj)),
-                make_linear(mlp.down_proj.weight, int8=int8_weight(mlp.down_proj)),
+                make_linear(attn.o_proj.weight, int8=int8_weight(attn.o_proj), native_rows=native_rows),
+                make_linear(mlp.gate_up_proj.weight, int8=int8_weight(mlp.gate_up_proj), native_rows=native_rows),
+                make_linear(mlp.down_proj.weight, int8=int8_weight(mlp.down_proj), native_rows=native_rows),
                 vector(q_norm.weight) if q_norm is not None else None,
                 vector(k_norm.weight) if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0))
             # packed above: released (the q/k/v bias is kept as it is); nn.Module takes None for a
@@ -142,6 +163,10 @@ class DecoderStack:
         # linears that read int8 weights (model.quantization: int8): every float32 one, a bf16 one's
         # few-row calls where the CPU has AVX512-BF16
         self.int8_linears = sum(m.int8 for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+        if native_rows:
+            held = sum(4 * m.in_features * m.out_features for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+            log.info("float32 linears: %s; every layer's weights packed for both (%.0f MiB more)",
+                     float32_choice(native_rows), held / 2 ** 20)
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]
         self.eps = torch.tensor([[w.input_eps, w.post_eps, w.qk_eps] for w in self.layers], dtype=torch.float32)
         self.caches = _pointers([[k.data_ptr(), v.data_ptr()] for k, v in kv_layers])  # [layers, 2]

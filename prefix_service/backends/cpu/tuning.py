@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from prefix_service.backends.cpu import onednn
+from prefix_service.backends.cpu.linear import CpuLinear, NativeLinear, float32_choice
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.packed_template import PackedTemplate
 from prefix_service.backends.cpu.plan import StackPlan
@@ -153,12 +154,12 @@ def disagreement(template: onednn.OneDnnTemplate, k: torch.Tensor, v: torch.Tens
 
 
 def _timed_rounds(ways: list[str], cases: tuple[str, ...], step: Callable[[str, str], None],
-                  failed: dict[str, str]) -> dict[str, dict[str, float]]:
-    """Median milliseconds of step(way, case) for each way and case: one untimed round, then ROUNDS
+                  failed: dict[str, str], rounds: int = ROUNDS) -> dict[str, dict[str, float]]:
+    """Median milliseconds of step(way, case) for each way and case: one untimed round, then `rounds`
     timed, the ways' order reversed every other round. A way (not the first, the reference) whose step
     raises the kernels' errors is dropped, the reason kept in `failed`."""
     times: dict[str, dict[str, list[float]]] = {w: {c: [] for c in cases} for w in ways}
-    for round_ in range(ROUNDS + 1):
+    for round_ in range(rounds + 1):
         order = [w for w in ways if w not in failed]
         for way in (order if round_ % 2 == 0 else order[::-1]):
             for case in cases:
@@ -333,3 +334,89 @@ def measure_prompt_attention(stack: TimedStack) -> PromptTiming:
     flat = {w: t["prefill"] for w, t in ms.items()}
     way, why = choose_prompt(flat)
     return PromptTiming(way, why, tokens, flat)
+
+
+# --- a float32 model's linears: the native kernel, or oneDNN's inner product above a row count -------
+
+FLOAT32_ROWS = (1, 16, 64, 128, 256, 512)  # rows a call, timed
+FLOAT32_ROUNDS = 3  # timed rounds of each way, after one untimed
+FLOAT32_MARGIN = 0.05  # how much faster the library must be at a row count to take it
+
+
+@dataclass(frozen=True)
+class Float32Timing:
+    """What timing a float32 model's linears found: milliseconds for every linear of the first layers
+    timed (median of the rounds) on each way ("native", "inner_product") at each row count of
+    FLOAT32_ROWS, and the choice, `native_rows` as linear.make_linear takes it (None: the native kernel
+    for every call; 0: oneDNN's inner product for every call; else the native kernel up to that
+    many rows), and why."""
+    native_rows: int | None
+    why: str
+    ms: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        times = "; ".join(f"{r} rows {self.ms['native'][r]:.2f} and {self.ms['inner_product'][r]:.2f} ms"
+                          for r in sorted(self.ms.get("native", {})))
+        return (f"{float32_choice(self.native_rows)} ({self.why}); the first layers' linears on the native kernel "
+                f"and on oneDNN's inner product took: {times}")
+
+
+def choose_float32(ms: dict[str, dict[int, float]], margin: float = FLOAT32_MARGIN) -> tuple[int | None, str]:
+    """(native_rows, why) from the medians: oneDNN's inner product from the least row count timed at
+    which it took at most 1 - margin of the native time, there and at every larger count timed; the
+    native kernel below it (native_rows: the count timed just below; 0: the library from the first
+    count); None (the native kernel for every call) where the library did not win so at the largest."""
+    rows = sorted(ms["native"])
+    ratio = {r: ms["inner_product"][r] / ms["native"][r] for r in rows}
+    first = None
+    for r in reversed(rows):
+        if ratio[r] > 1 - margin:
+            break
+        first = r
+    if first is None:
+        return None, (f"oneDNN's inner product took {ratio[rows[-1]]:.0%} of the native time at {rows[-1]} rows, "
+                      f"not {1 - margin:.0%} or less")
+    below = [r for r in rows if r < first]
+    if not below:
+        return 0, f"oneDNN's inner product took {ratio[first]:.0%} of the native time from {first} row(s) up"
+    return below[-1], (f"oneDNN's inner product took {ratio[first]:.0%} of the native time at {first} rows and at most "
+                       f"{1 - margin:.0%} above, {ratio[below[-1]]:.0%} at {below[-1]}")
+
+
+_FLOAT32_TIMINGS: dict[tuple[tuple[tuple[int, ...], ...], int], Float32Timing] = {}
+
+
+def measure_float32_linears(layers: list[list[torch.Tensor]]) -> Float32Timing:
+    """Times the float32 weights `layers` (the first layers' linear weights, [out, in] each, in the
+    order a forward calls them) packed for the native kernel and for oneDNN's inner product: at each
+    row count of FLOAT32_ROWS, every weight in turn (each its own, read from memory as a forward reads
+    it when the model is larger than the caches), in rounds that alternate the two ways; returns
+    choose_float32()'s choice. Once per set of shapes and torch thread count in a process."""
+    key = (tuple(tuple(w.shape) for layer in layers for w in layer), torch.get_num_threads())
+    if key in _FLOAT32_TIMINGS:
+        return _FLOAT32_TIMINGS[key]
+    ways: dict[str, list[CpuLinear]] = {
+        "native": [NativeLinear(w, None) for layer in layers for w in layer],
+        "inner_product": [onednn.OneDnnLinear(w.detach(), None) for layer in layers for w in layer]}
+    gen = torch.Generator().manual_seed(2)
+    # dense rows in and out for each width, as the stack hands them over
+    widths = {m.in_features for m in ways["native"]}
+    x = {(r, k): torch.randn(r, k, generator=gen) for r in FLOAT32_ROWS for k in widths}
+    out = {(r, n): torch.empty(r, n) for r in FLOAT32_ROWS for n in {m.out_features for m in ways["native"]}}
+
+    def step(way: str, case: str) -> None:
+        r = int(case)
+        for m in ways[way]:
+            m(x[r, m.in_features], out[r, m.out_features])
+    failed: dict[str, str] = {}
+    ms = _timed_rounds(list(ways), tuple(str(r) for r in FLOAT32_ROWS), step, failed, FLOAT32_ROUNDS)
+    if failed:
+        log.warning("float32 linears: oneDNN's inner product %s", failed["inner_product"])
+        timing = Float32Timing(None, f"oneDNN's inner product {failed['inner_product']}")
+    else:
+        by_rows = {w: {int(c): t for c, t in cases.items()} for w, cases in ms.items()}
+        rows, why = choose_float32(by_rows)
+        timing = Float32Timing(rows, why, by_rows)
+    _FLOAT32_TIMINGS[key] = timing
+    return timing

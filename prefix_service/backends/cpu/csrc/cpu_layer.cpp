@@ -61,6 +61,25 @@ extern "C" int ps_call_linear(const PsLinear* w, const float* x, int64_t ldx, in
                               int threads) {
   return run_linear(w, x, ldx, rows, y, ldy, threads);
 }
+
+// One weight held by two kernels, a call going to one by its row count: up to `rows` rows to `few`,
+// more to `many` (linear.py's SplitLinear: the native float32 kernel for a decode step's and a short
+// prompt's calls, oneDNN's inner product for long prefills, where it was timed faster). Both compute
+// the same float32 product; only the order of the sums differs between them.
+struct PsSplitLinear {
+  PsLinear few;
+  PsLinear many;
+  int64_t rows;
+};
+
+// A PsLinearFn over a PsSplitLinear (float32 rows: neither side takes bf16 hand-offs)
+extern "C" int ps_split_linear(const void* self, const float* x, int64_t ldx, int M, float* y, int64_t ldy,
+                               int threads) {
+  const PsSplitLinear* s = static_cast<const PsSplitLinear*>(self);
+  const PsLinear& w = M <= s->rows ? s->few : s->many;
+  return w.run(w.self, x, ldx, M, y, ldy, threads);
+}
+
 extern "C" int ps_add_rms_norm(float* x, int64_t ldx, const float* residual, int64_t ldr, const float* w, float eps,
                                void* out, int64_t ldo, int rows, int dim, int out_bf16, int threads);
 extern "C" int ps_silu_mul(const void* gate_up, int64_t ld, void* out, int64_t ldo, int rows, int inter,
