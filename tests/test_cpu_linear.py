@@ -204,10 +204,15 @@ def test_the_float32_kernel_and_its_rows_come_from_the_environment_or_say_what_i
         cpu_linear.float32_native_rows()
     monkeypatch.setenv(cpu_linear.FLOAT32_ROWS_ENV, "96")
     assert cpu_linear.float32_native_rows() == 96
-    monkeypatch.delenv(cpu_linear.FLOAT32_ROWS_ENV)
+    monkeypatch.setenv(cpu_linear.FLOAT32_ROWS_ENV, "0")
     assert cpu_linear.float32_native_rows() == 0
+    monkeypatch.delenv(cpu_linear.FLOAT32_ROWS_ENV)
+    assert cpu_linear.float32_native_rows() == cpu_linear.DEFAULT_NATIVE_ROWS == 128
     monkeypatch.delenv(cpu_linear.FLOAT32_ENV)
-    assert cpu_linear.float32_kernel() == ("measure" if onednn.load()[0] is not None else "native")
+    # by default: the split where the native kernel is built for AVX2 (and oneDNN loads), else the native kernel
+    for isa, want in (("avx2", "inner_product"), ("avx512", "native")):
+        monkeypatch.setattr(native, "isa", lambda isa=isa: isa)
+        assert cpu_linear.float32_kernel() == (want if onednn.load()[0] is not None else "native"), isa
     monkeypatch.setattr(onednn, "load", lambda: (None, "no C++ compiler found (set CXX)"))
     monkeypatch.setenv(cpu_linear.FLOAT32_ENV, "inner_product")
     with pytest.raises(NativeKernelError, match=r"=inner_product: no oneDNN library here: no C\+\+ compiler"):

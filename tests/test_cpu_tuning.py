@@ -379,11 +379,11 @@ def test_the_float32_rule_takes_the_library_only_where_it_wins_at_every_larger_c
 
 @needs_lib
 def test_a_float32_stack_times_its_linears_once_and_runs_what_the_rule_picks(make_engine, monkeypatch, caplog):
-    """By default (where the oneDNN library loads) a float32 model's first layers' linears are timed
-    both ways when the stack is built: the choice follows choose_float32 from those timings, every
-    layer's linears are built for it, the start-up line says so, and a second engine of the same
-    shapes reuses the timings untimed."""
-    monkeypatch.delenv(linear.FLOAT32_ENV, raising=False)
+    """PREFIX_SERVICE_F32_LINEAR=measure: a float32 model's first layers' linears are timed both ways
+    when the stack is built; the choice follows choose_float32 from those timings, every layer's
+    linears are built for it, the start-up line says so, and a second engine of the same shapes
+    reuses the timings untimed."""
+    monkeypatch.setenv(linear.FLOAT32_ENV, "measure")
     monkeypatch.setattr(tuning, "_FLOAT32_TIMINGS", {})
     engine = make_engine(backend="cpu")
     backend = engine._core.backend
@@ -410,7 +410,7 @@ def test_a_float32_engine_on_split_or_library_linears_serves_the_native_engines_
     within float32 tolerance."""
     monkeypatch.setattr(tuning, "choose_float32", lambda ms, margin=0.0: (rows, "chosen by the test"))
     monkeypatch.setattr(tuning, "_FLOAT32_TIMINGS", {})
-    monkeypatch.delenv(linear.FLOAT32_ENV, raising=False)
+    monkeypatch.setenv(linear.FLOAT32_ENV, "measure")
     split = make_engine(backend="cpu")
     monkeypatch.setenv(linear.FLOAT32_ENV, "native")
     alone = make_engine(backend="cpu")
@@ -421,3 +421,24 @@ def test_a_float32_engine_on_split_or_library_linears_serves_the_native_engines_
     assert mixed_generate(split) == want
     ids = [(7 * i + 3) % 500 + 3 for i in range(37)]
     assert (engine_last_logits(split, ids) - engine_last_logits(alone, ids)).abs().max().item() <= 1e-4
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_a_float32_engine_splits_its_linears_by_default_only_on_avx2(make_engine, monkeypatch, isa):
+    """Without PREFIX_SERVICE_F32_LINEAR: where the native kernel is built for AVX2 every layer's linears
+    run it up to 128 rows and oneDNN's inner product above, and the start-up line says so; elsewhere
+    the native kernel alone. Nothing is timed either way."""
+    monkeypatch.delenv(linear.FLOAT32_ENV, raising=False)
+    monkeypatch.delenv(linear.FLOAT32_ROWS_ENV, raising=False)
+    monkeypatch.setattr(native, "isa", lambda: isa)
+    backend = make_engine(backend="cpu")._core.backend
+    assert backend.stack.float32_timing is None
+    for layer in backend.stack.layers:
+        for m in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if isa == "avx2":
+                assert type(m) is linear.SplitLinear and m.native_rows == 128
+            else:
+                assert type(m) is linear.NativeLinear
+    want = "the native kernel up to 128 rows, oneDNN's inner product above" if isa == "avx2" else "the native kernel"
+    assert backend.describe().endswith(f"linears on {want})")

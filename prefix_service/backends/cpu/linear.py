@@ -12,15 +12,15 @@ kernel streams each weight panel from memory once per call with the next one pre
 multiplies it against all the call's rows from registers. float32; the sums run in a fixed order
 per output, so a row's result does not depend on the other rows of the call or the thread count.
 
-Past a few hundred rows (a long prompt's prefill, a template being pinned) oneDNN's own float32
+Past a hundred rows or so (a long prompt's prefill, a template being pinned) oneDNN's own float32
 inner product, which blocks the product for the caches, can be the faster one: on a Zen 3 (AVX2) it
-ran a layer's linears 17-18% faster from 256 rows, while the kernel here led up to 64 rows and the two
-were even at 100 (docs/benchmarks.md). So a float32 weight's calls are split by row count where
-timing on the machine finds a crossover (`float32_kernel()`, "measure": tuning.measure_float32_linears,
-when the decoder stack is built, on the model's own weights): up to it
-the native kernel, above it oneDNN (`SplitLinear`, the weight held by both, its bytes twice);
-where the library wins at no row count timed, the native kernel alone. A row's bits then depend on
-which side of the crossover its call falls (the two sum in different orders, within float32's
+ran the model's linears 6% faster at 128 rows and 12-18% faster from 256, while the kernel here led
+by 1.3-1.7x up to 64 rows (docs/benchmarks.md). So where the kernel is built for AVX2 a float32
+weight is held by both (`SplitLinear`, its bytes twice) and a call of more than 128 rows runs oneDNN's
+(`float32_kernel()`, `float32_native_rows()`); elsewhere (AVX-512: even at 1,000 rows on an Intel
+Xeon) the kernel here alone. `PREFIX_SERVICE_F32_LINEAR=measure` times the crossover on the machine
+instead, when the decoder stack is built (tuning.measure_float32_linears). A row's bits then depend
+on which side of the crossover its call falls (the two sum in different orders, within float32's
 summation error of each other).
 """
 from __future__ import annotations
@@ -218,17 +218,23 @@ class SplitLinear:
 # --- float32 weights: the native kernel, oneDNN's inner product, or both split by row count -------
 
 FLOAT32_ENV = "PREFIX_SERVICE_F32_LINEAR"
-# what FLOAT32_ENV takes: the native kernel alone; oneDNN's inner product (with the native kernel up to
-# FLOAT32_ROWS_ENV rows where set); or the crossover timed when the decoder stack is built
+# what FLOAT32_ENV takes: the native kernel alone; oneDNN's inner product above FLOAT32_ROWS_ENV rows (the
+# native kernel up to them); or the crossover timed when the decoder stack is built
 # (tuning.measure_float32_linears)
 FLOAT32_KERNELS = ("native", "inner_product", "measure")
 FLOAT32_ROWS_ENV = "PREFIX_SERVICE_F32_NATIVE_ROWS"
+# with the inner product: the most rows a call runs on the native kernel by default. On a Zen 3 (AVX2)
+# the native kernel ran the model's linears 1.3x as fast at 64 rows, oneDNN's 1.07x at 128 and
+# 1.14-1.22x from 256 (docs/benchmarks.md); 128 keeps a decode step's calls and a template's usual
+# user segment (100 tokens and the step's decodes) on the native kernel.
+DEFAULT_NATIVE_ROWS = 128
 
 
 def float32_kernel() -> str:
     """How a float32 model's layers multiply here: $PREFIX_SERVICE_F32_LINEAR where set (one of
-    FLOAT32_KERNELS: to compare them on one machine), else "measure" where the oneDNN library builds
-    and loads, else "native"."""
+    FLOAT32_KERNELS: to compare them on one machine, or to time them), else "inner_product" (above
+    float32_native_rows() rows) where the native kernel is built for AVX2 and the oneDNN library
+    loads, else "native"."""
     chosen = os.environ.get(FLOAT32_ENV)
     if chosen:
         if chosen not in FLOAT32_KERNELS:
@@ -236,7 +242,7 @@ def float32_kernel() -> str:
         if chosen != "native" and (reason := onednn.load()[1]) is not None:
             raise NativeKernelError(f"{FLOAT32_ENV}={chosen}: no oneDNN library here: {reason}")
         return chosen
-    return "measure" if _library_loads() else "native"
+    return "inner_product" if native.isa() == "avx2" and _library_loads() else "native"
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,11 +254,11 @@ def _library_loads() -> bool:
 
 
 def float32_native_rows() -> int:
-    """With the inner product chosen by name: the most rows a call runs on the native kernel instead,
-    $PREFIX_SERVICE_F32_NATIVE_ROWS where set, else 0 (oneDNN for every call)."""
+    """With the inner product: the most rows a call runs on the native kernel instead,
+    $PREFIX_SERVICE_F32_NATIVE_ROWS where set (0: oneDNN for every call), else DEFAULT_NATIVE_ROWS."""
     chosen = os.environ.get(FLOAT32_ROWS_ENV)
     if not chosen:
-        return 0
+        return DEFAULT_NATIVE_ROWS
     try:
         rows = int(chosen)
     except ValueError:
