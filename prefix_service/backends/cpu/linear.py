@@ -105,6 +105,18 @@ def _output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
     return out
 
 
+def _through_call(m: CpuLinear, x: torch.Tensor, out: torch.Tensor | None, who: str) -> torch.Tensor:
+    """x [M, in] (rows may be strided) through m's C entry point, as the decoder stack calls it, into
+    `out` or a new [M, out]; `who` names the entry point in an error (with the oneDNN library's own
+    reason where it failed there)."""
+    _check_x(x)
+    if x.shape[1] != m.in_features:
+        raise NativeKernelError(f"x: [M, {m.in_features}] is needed, got {tuple(x.shape)}")
+    out = _output(out, x.shape[0], m.out_features)
+    native.check(native.call_linear(m.call, x, out), who, onednn.last_error)
+    return out
+
+
 class CpuLinear(Protocol):
     """A linear layer y = x W^T (+ b) with W packed once: x [M, in] float32 (rows may be strided) ->
     [M, out] float32. `fn` is the address of its C entry point and `handle` that of its state, the
@@ -166,12 +178,7 @@ class NativeLinear:
             return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return linear(x, self.packed, self.out_features, self.bias, out=out)
-        _check_x(x)  # int8: through the stack's call, whose handle holds K
-        if x.shape[1] != self.in_features:
-            raise NativeKernelError(f"x: [M, {self.in_features}] is needed, got {tuple(x.shape)}")
-        out = _output(out, x.shape[0], self.out_features)
-        native.check(native.call_linear(self.call, x, out), "ps_packed_linear_int8")
-        return out
+        return _through_call(self, x, out, "ps_packed_linear_int8")  # int8: the handle holds K
 
 
 class _SplitArgs(ctypes.Structure):  # csrc/cpu_layer.cpp's PsSplitLinear
@@ -203,12 +210,7 @@ class SplitLinear:
         """x [..., in] -> [..., out]; out (2-D x only): where to write, rows may be strided."""
         if x.dim() != 2:
             return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
-        _check_x(x)
-        if x.shape[1] != self.in_features:
-            raise NativeKernelError(f"x: [M, {self.in_features}] is needed, got {tuple(x.shape)}")
-        out = _output(out, x.shape[0], self.out_features)
-        native.check(native.call_linear(self.call, x, out), "ps_split_linear", onednn.last_error)
-        return out
+        return _through_call(self, x, out, "ps_split_linear")
 
     def __repr__(self) -> str:
         return (f"SplitLinear(in_features={self.in_features}, out_features={self.out_features}, native up to "
@@ -256,16 +258,7 @@ def _library_loads() -> bool:
 def float32_native_rows() -> int:
     """With the inner product: the most rows a call runs on the native kernel instead,
     $PREFIX_SERVICE_F32_NATIVE_ROWS where set (0: oneDNN for every call), else DEFAULT_NATIVE_ROWS."""
-    chosen = os.environ.get(FLOAT32_ROWS_ENV)
-    if not chosen:
-        return DEFAULT_NATIVE_ROWS
-    try:
-        rows = int(chosen)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise NativeKernelError(f"{FLOAT32_ROWS_ENV}={chosen!r}: a count of rows, 0 or more, is needed")
-    return rows
+    return native.env_rows(FLOAT32_ROWS_ENV, DEFAULT_NATIVE_ROWS, NativeKernelError)
 
 
 def float32_choice(native_rows: int | None) -> str:

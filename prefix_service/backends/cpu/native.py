@@ -130,6 +130,21 @@ def call_linear(call: LinearCall, x: torch.Tensor, out: torch.Tensor) -> int:
                                         torch.get_num_threads()))
 
 
+def env_rows(name: str, default: int, error: type[Exception]) -> int:
+    """A count of rows, 0 or more, from the environment variable `name` where set, else `default`;
+    anything else raises `error` naming the variable and its value."""
+    chosen = os.environ.get(name)
+    if not chosen:
+        return default
+    try:
+        rows = int(chosen)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise error(f"{name}={chosen!r}: a count of rows, 0 or more, is needed")
+    return rows
+
+
 def address(fn: Any) -> int:
     """The address of a library's C function, fn its ctypes function (a LinearCall's `run`)."""
     value = ctypes.cast(fn, ctypes.c_void_p).value

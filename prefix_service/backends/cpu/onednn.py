@@ -257,16 +257,7 @@ def brgemm_rows_default() -> int:
     """For an inner-product weight: the most rows a call runs on brgemm instead (a second copy of
     the weight, packed for it; the few-row kernel is then not packed), $PREFIX_SERVICE_BF16_BRGEMM_ROWS
     where set (to compare crossovers on one machine), else 0 (none)."""
-    chosen = os.environ.get(BRGEMM_ROWS_ENV)
-    if not chosen:
-        return 0
-    try:
-        rows = int(chosen)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise OneDnnError(f"{BRGEMM_ROWS_ENV}={chosen!r}: a count of rows, 0 or more, is needed")
-    return rows
+    return native.env_rows(BRGEMM_ROWS_ENV, 0, OneDnnError)
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) -> None:
