@@ -1,6 +1,7 @@
 """Choosing the template attention, and a prompt's own, by timing them on the machine itself
 (onednn.template_attention() and onednn.prompt_attention() "measure", the defaults where the CPU has
-AMX tiles).
+AMX tiles); and, asked for by name (PREFIX_SERVICE_F32_LINEAR=measure), the row count above which a
+float32 model's linears run oneDNN's inner product (measure_float32_linears, at the end).
 
 A bfloat16 model's rows may attend over a pinned template in two ways: the native kernels' float32
 FMAs over a float32 copy, or bf16 matrix products (OneDnnTemplate) on one of the kernels the CPU
