@@ -63,6 +63,11 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # [head_dim]: each k head's
     qk_eps: float = 0.0
 
+    @property
+    def linears(self) -> tuple[CpuLinear, CpuLinear, CpuLinear, CpuLinear]:
+        """The layer's four linear layers, in the order a forward calls them."""
+        return self.qkv, self.o, self.gate_up, self.down
+
     def pointers(self) -> list[int]:
         """The layer's row of the stack's weight table, in ps_decoder_stack's order: norm weights by their
         data, linear layers by their PsLinear (CpuLinear.call)."""
@@ -162,9 +167,9 @@ class DecoderStack:
                 m.weight = None  # type: ignore[assignment]
         # linears that read int8 weights (model.quantization: int8): every float32 one, a bf16 one's
         # few-row calls where the CPU has AVX512-BF16
-        self.int8_linears = sum(m.int8 for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+        self.int8_linears = sum(m.int8 for w in self.layers for m in w.linears)
         if native_rows:
-            held = sum(4 * m.in_features * m.out_features for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+            held = sum(4 * m.in_features * m.out_features for w in self.layers for m in w.linears)
             log.info("float32 linears: %s; every layer's weights packed for both (%.0f MiB more)",
                      float32_choice(native_rows), held / 2 ** 20)
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]

@@ -391,8 +391,8 @@ _FLOAT32_TIMINGS: dict[tuple[tuple[tuple[int, ...], ...], int], Float32Timing] =
 def measure_float32_linears(layers: list[list[torch.Tensor]]) -> Float32Timing:
     """Times the float32 weights `layers` (the first layers' linear weights, [out, in] each, in the
     order a forward calls them) packed for the native kernel and for oneDNN's inner product: at each
-    row count of FLOAT32_ROWS, every weight in turn (each its own, read from memory as a forward reads
-    it when the model is larger than the caches), in rounds that alternate the two ways; returns
+    row count of FLOAT32_ROWS, every weight in turn (each its own, as a forward reads them; a few layers'
+    weights may still fit the caches where a whole model does not), in rounds that alternate the two ways; returns
     choose_float32()'s choice. Once per set of shapes and torch thread count in a process."""
     key = (tuple(tuple(w.shape) for layer in layers for w in layer), torch.get_num_threads())
     if key in _FLOAT32_TIMINGS:
