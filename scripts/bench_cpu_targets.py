@@ -10,7 +10,8 @@ after the other with nothing else running, each writing its JSON into OUT, then 
    submitted together, with a plot;
 3. through the servers (`prefix-service bench`, single and closed loop): our gRPC server against
    vLLM's OpenAI server in its default dtype and, where the engine run found the other one faster
-   here, in that one too;
+   here, in that one too (--vllm-servers leaves one out: on a CPU without bf16 units vLLM's bf16 is
+   emulated, ~10 tok/s here, and its server runs alone would take over an hour);
 4. the open loop through the servers: the most requests/s each system serves with p99 end to end
    under 2 s, at rates set from step 3's closed-loop throughput unless --qps names them;
 5. the ratios of step 1 again (the machine after the rest).
@@ -24,6 +25,7 @@ whose JSON is there already.
     make bench-peers
     python scripts/bench_cpu_targets.py --out bench_out/targets
     python scripts/bench_cpu_targets.py --out bench_out/targets --qps 1.5,2,2.5,3,3.5,4
+    python scripts/bench_cpu_targets.py --out bench_out/targets --resume --vllm-servers float32
     python scripts/bench_cpu_targets.py --out bench_out/targets --summary-only
 """
 from __future__ import annotations
@@ -89,6 +91,25 @@ def vllm_dtypes(engine: dict[str, Any]) -> list[str]:
     return out
 
 
+def planned(data: dict[str, Any], system: str) -> bool:
+    """Whether a bench run was asked to run a system (its JSON's plan); true for JSON that names no plan."""
+    systems = (data.get("plan") or {}).get("systems")
+    return systems is None or system in systems
+
+
+def server_dtypes(engine: dict[str, Any], chosen: str | None) -> list[str]:
+    """vLLM's dtypes to run through the servers: those the engine run judges (vllm_dtypes), or of them the
+    ones --vllm-servers names."""
+    judged = vllm_dtypes(engine)
+    if chosen is None:
+        return judged
+    names = [d.strip() for d in chosen.split(",") if d.strip()]
+    unknown = [d for d in names if d not in VLLM_SERVER]
+    if unknown:
+        raise TargetsError(f"--vllm-servers: unknown dtype(s) {', '.join(unknown)}; choose from {', '.join(VLLM_SERVER)}")
+    return [d for d in judged if d in names]
+
+
 def open_rates(servers: dict[str, Any], systems: list[str]) -> list[float]:
     """Offered rates for the open loop: OPEN_FRACTIONS of each system's closed-loop requests/s at 64
     clients, rounded to 0.5 (at least 0.5), in increasing order."""
@@ -138,23 +159,31 @@ def summarize(out: Path, ours: str | None = None) -> dict[str, Any]:
         peer, server = medians.get(f"vllm-{dtype}"), VLLM_SERVER[dtype]
         if peer is None:
             raise TargetsError(f"the engine run has no vllm-{dtype} system")
+        # a vLLM server left out of the runs (--vllm-servers): its rows have no figure, and say why
+        served = planned(servers, server) and planned(opened, server)
         for n in (16, 64):
             rows.append(compared(f"tok/s, {n} requests together, engine to engine", medians[ours].get(f"tok_s_{n}"),
                                  peer.get(f"tok_s_{n}"), TOK_S_AT_LEAST, dtype))
         for n in (16, 64):
-            a, b = (record(servers, s, "closed_loop", n)["output_tok_s"] for s in ("grpc_prefix", server))
+            a, b = ((record(servers, s, "closed_loop", n)["output_tok_s"] for s in ("grpc_prefix", server)) if served
+                    else (None, None))
             rows.append(compared(f"tok/s, {n} clients, through the servers", a, b, TOK_S_AT_LEAST, dtype))
         rows.append(compared("TTFT, template cached, one request, engine to engine (ms; x sooner)",
                              medians[ours].get("ttft_ms"), peer.get("ttft_ms"), TTFT_AT_LEAST, dtype, sooner=True))
-        a, b = (record(servers, s, "single")["ttft_p50_ms"] for s in ("grpc_prefix", server))
+        a, b = (record(servers, s, "single")["ttft_p50_ms"] for s in ("grpc_prefix", server)) if served else (None, None)
         rows.append(compared("TTFT p50, template cached, single requests, through the servers (ms; x sooner)", a, b,
                              TTFT_AT_LEAST, dtype, sooner=True))
-        a, b = (record(opened, s, "open_loop").get("max_qps_under_slo") for s in ("grpc_prefix", server))
+        a, b = ((record(opened, s, "open_loop").get("max_qps_under_slo") for s in ("grpc_prefix", server)) if served
+                else (None, None))
         open_row = compared("most requests/s with p99 e2e < 2 s, open loop, through the servers", a, b,
                             OPEN_LOOP_AT_LEAST, dtype)
-        if open_row["value"] is None:  # a system under the SLO at no rate tried: ours leads where only vLLM has none
+        if open_row["value"] is None and served:  # under the SLO at no rate tried: ours leads where only vLLM has none
             open_row["met"] = (bool(a) and not b) or None
         rows.append(open_row)
+        if not served:
+            for r in rows[-5:]:
+                if "through the servers" in r["measure"]:
+                    r["note"] = f"{server} not run (--vllm-servers)"
     full = [steps[s]["ratio"]["ttft_p50"] for s in ("ratios-1", "ratios-2")]
     in_dtype = steps["ratios-1"].get("dtype", "bfloat16")  # earlier runs' JSON named none: they ran bf16
     alone = [steps[s]["ratio"]["alone_p50"] for s in ("ratios-1", "ratios-2")]
@@ -183,7 +212,7 @@ def markdown(summary: dict[str, Any]) -> str:
     for r in summary["rows"]:
         value = (", ".join(f"{v:.2f}x" for v in r["values"]) if "values" in r else
                  "-" if r["value"] is None else f"{r['value']:.2f}x")
-        result = {True: "met", False: "missed", None: "no figure"}[r["met"]]
+        result = {True: "met", False: "missed", None: "no figure"}[r["met"]] + (f" ({r['note']})" if "note" in r else "")
         lines.append(f"| {r['measure']} | {r['vllm'] or '-'} | {_num(r['ours'])} | {_num(r['theirs'])} | {value} | "
                      f"{r['target']} | {result} |")
     lines.append("")
@@ -203,7 +232,8 @@ def commands(out: Path, args: argparse.Namespace, step: str) -> list[list[str]]:
         return [[py, str(scripts / "bench_cpu_dtype.py"), "--dtypes", "float32,bfloat16", "--vllm-dtypes",
                  "bfloat16,float32", "--rounds", str(args.rounds), "--singles", "3", "--concurrency", "1,4,16,64",
                  "--json", str(out / FILES[step]), "--plot", str(out / "engine.png")]]
-    systems = ",".join(["grpc_prefix"] + [VLLM_SERVER[d] for d in vllm_dtypes(load(out, "engine"))])
+    chosen = getattr(args, "vllm_servers", None)
+    systems = ",".join(["grpc_prefix"] + [VLLM_SERVER[d] for d in server_dtypes(load(out, "engine"), chosen)])
     if step == "servers":
         return [bench + ["--systems", systems, "--modes", "single,closed_loop", "--concurrency", "1,4,16,64",
                          "--single-requests", "10", "--closed-min-requests", "64", "--closed-turns", "2",
@@ -219,11 +249,21 @@ def main() -> int:
     p.add_argument("--qps", help="the open loop's offered rates (default: from the closed loop's throughput)")
     p.add_argument("--open-duration-s", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=2, help="engine to engine: rounds of every system")
+    p.add_argument("--vllm-servers", metavar="DTYPES",
+                   help="vLLM's dtypes to run through the servers (steps 3 and 4), of those the engine run judges "
+                        "(default: all). Where its bf16 is emulated (no bf16 units) its server runs take an hour or "
+                        "more; `--vllm-servers float32` leaves them out and their rows read 'no figure'")
     p.add_argument("--summary-only", action="store_true", help="only the table, from the JSON already in --out")
     p.add_argument("--resume", action="store_true", help="skip the steps whose JSON is in --out already")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.vllm_servers is not None:  # a wrong name stops the run before its first step, not after the engine's
+        try:
+            server_dtypes({"medians": {}}, args.vllm_servers)
+        except TargetsError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if not args.summary_only:
         from prefix_service.bench.systems.vllm import vllm_python
         python, why = vllm_python()

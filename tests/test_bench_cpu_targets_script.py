@@ -176,3 +176,39 @@ def test_our_ratios_run_and_are_named_in_our_dtype(tmp_path, monkeypatch):
     assert by_measure({"rows": rows}, "TTFT prefix / alone in float32", None)["values"] == [1.3, 1.35]
     rows = targets.summarize(complete(tmp_path / "old"), ours="bfloat16")["rows"]
     assert by_measure({"rows": rows}, "TTFT full / prefix in bfloat16", None)["value"] == 7.9
+
+
+def test_a_vllm_server_left_out_has_no_figure_and_says_why(tmp_path):
+    """--vllm-servers float32: vLLM's bf16 (judged engine to engine) is not run through the servers; its
+    server rows read 'no figure' with the reason, its engine rows are judged, and the float32 server's are."""
+    planned = {"systems": ["grpc_prefix", "vllm_apc_f32"]}
+    out = complete(tmp_path, engine=engine(f32=(110.0, 130.0, 80.0)),
+                   servers=servers({"grpc_prefix": (180.0, 200.0, 60.0), "vllm_apc_f32": (150.0, 160.0, 70.0)})
+                   | {"plan": planned},
+                   open=opened({"grpc_prefix": 3.0, "vllm_apc_f32": 1.5}) | {"plan": planned})
+    summary = targets.summarize(out, ours="bfloat16")
+    assert summary["vllm_dtypes"] == ["bfloat16", "float32"]
+    for measure in ("tok/s, 16 clients", "tok/s, 64 clients", "TTFT p50", "most requests/s"):
+        left_out = by_measure(summary, measure, "bfloat16")
+        assert (left_out["value"], left_out["met"]) == (None, None), left_out
+        assert left_out["note"] == "vllm_apc_bf16 not run (--vllm-servers)"
+        assert by_measure(summary, measure, "float32")["met"] is not None
+    assert by_measure(summary, "tok/s, 16 requests", "bfloat16")["value"] == pytest.approx(2.0)
+    assert by_measure(summary, "most requests/s", "float32")["value"] == pytest.approx(2.0)
+    assert summary["all_met"] is False
+    assert "| no figure (vllm_apc_bf16 not run (--vllm-servers)) |" in targets.markdown(summary)
+    # a system the plan names but whose record is missing is still an error
+    broken = complete(tmp_path / "b", engine=engine(f32=(110.0, 130.0, 80.0)),
+                      servers=servers({"grpc_prefix": (180.0, 200.0, 60.0)}) | {"plan": planned},
+                      open=opened({"grpc_prefix": 3.0, "vllm_apc_f32": 1.5}) | {"plan": planned})
+    with pytest.raises(targets.TargetsError, match="no closed_loop record of vllm_apc_f32"):
+        targets.summarize(broken, ours="bfloat16")
+    args = type("Args", (), {"qps": None, "open_duration_s": 60.0, "rounds": 2, "vllm_servers": "float32"})()
+    [cmd] = targets.commands(out, args, "servers")
+    assert cmd[cmd.index("--systems") + 1] == "grpc_prefix,vllm_apc_f32"
+    assert targets.server_dtypes(targets.load(out, "engine"), None) == ["bfloat16", "float32"]
+    with pytest.raises(targets.TargetsError, match="unknown dtype.*fp8"):
+        targets.server_dtypes(targets.load(out, "engine"), "float32,fp8")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), "--vllm-servers", "fp8"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--vllm-servers: unknown dtype(s) fp8" in proc.stderr, proc.stderr[-2000:]
