@@ -141,6 +141,7 @@ def ours(args: argparse.Namespace, dtype: str, env: dict[str, str], model: str |
     return {"threads": decode["threads"], "backend": described,
             "step_ms": {str(r["batch"]): r["kernels_ms"]["attention"] for r in decode["results"]},
             "decode_step_ms": {str(r["batch"]): r["step_p50_ms"] for r in decode["results"]},
+            "profiled_step_ms": {str(r["batch"]): r["profiled_step_ms"] for r in decode["results"]},
             "prefill_ms": prefill["attention_ms"], "prefill_ttft_ms": prefill["ttft_p50_ms"],
             "prefill_profiled_ttft_ms": prefill["profiled_ttft_ms"]}
 

@@ -46,8 +46,10 @@ def test_our_systems_time_their_attention_and_vllm_is_skipped_without_its_enviro
     (matrix,) = data["runs"]["bfloat16-matrix"]  # its dtype and environment reached the engine
     assert "bf16 KV cache" in matrix["backend"] and "template attention as bf16 matrix products" in matrix["backend"]
     for name, (run_,) in data["runs"].items():
-        for n in ("1", "3"):  # attention is part of the step, and each system's median is its one run
-            assert 0 < run_["step_ms"][n] < run_["decode_step_ms"][n]
+        # attention is part of the steps it was timed in (the profiled ones; the unprofiled steps' p50 is
+        # another pass, which a busy machine can make the shorter), and each system's median is its one run
+        for n in ("1", "3"):
+            assert 0 < run_["step_ms"][n] < run_["profiled_step_ms"][n] and run_["decode_step_ms"][n] > 0
             assert data["medians_ms"][name][n] == run_["step_ms"][n]
         # the segment's prefill on the template: attention is part of the first token of the requests it
         # was timed in (a separate timed request's can be shorter than one slow spell of the machine)

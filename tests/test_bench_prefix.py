@@ -198,7 +198,7 @@ def test_a_timed_section_waits_for_an_idle_cpu():
     try:
         for spinner in spinners:
             assert spinner.stdout is not None and spinner.stdout.readline().strip() == "spinning"
-        modes.wait_idle(max_wait_s=30)
+        modes.wait_idle(max_wait_s=10)  # the spinners stop 1.5 s after they say so; a busy machine waits it all
         assert all(spinner.poll() is not None for spinner in spinners)
     finally:
         for spinner in spinners:

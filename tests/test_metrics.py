@@ -138,10 +138,16 @@ def test_engine_gauges_while_requests_wait(make_server):
     undo = slow_steps(st.engine, 0.05)
     try:
         calls = [c.generation.Generate(greedy_request(" the", "doc", max_tokens=300)) for _ in range(3)]
+        # until one runs and two wait: two may be queued before the engine's next step schedules the first
         deadline = time.monotonic() + 15
-        while st.engine.kv_stats()["waiting"] < 2 and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            stats = st.engine.kv_stats()
+            if stats["running"] == 1 and stats["waiting"] == 2:
+                break
             time.sleep(0.01)
-        assert st.engine.kv_stats()["waiting"] == 2, "the two later requests did not queue behind the first"
+        stats = st.engine.kv_stats()
+        assert (stats["running"], stats["waiting"]) == (1, 2), \
+            f"the two later requests did not queue behind the first: {stats}"
         m = scrape(st.server.metrics_port)
         assert value(m, "prefix_service_queue_length") == 2
         assert value(m, "prefix_service_running_requests") == 1
