@@ -106,7 +106,8 @@ def server_dtypes(engine: dict[str, Any], chosen: str | None) -> list[str]:
     names = [d.strip() for d in chosen.split(",") if d.strip()]
     unknown = [d for d in names if d not in VLLM_SERVER]
     if unknown:
-        raise TargetsError(f"--vllm-servers: unknown dtype(s) {', '.join(unknown)}; choose from {', '.join(VLLM_SERVER)}")
+        raise TargetsError(f"--vllm-servers: unknown dtype(s) {', '.join(unknown)}; "
+                           f"choose from {', '.join(VLLM_SERVER)}")
     return [d for d in judged if d in names]
 
 
@@ -160,30 +161,34 @@ def summarize(out: Path, ours: str | None = None) -> dict[str, Any]:
         if peer is None:
             raise TargetsError(f"the engine run has no vllm-{dtype} system")
         # a vLLM server left out of the runs (--vllm-servers): its rows have no figure, and say why
-        served = planned(servers, server) and planned(opened, server)
+        served, start = planned(servers, server) and planned(opened, server), len(rows)
+
+        def through(data: dict[str, Any], mode: str, key: str, n: int | None = None) -> tuple[Any, Any]:
+            """Our server's figure and this vLLM server's in a mode; none for a server left out."""
+            if not served:
+                return None, None
+            ours_rec, theirs_rec = (record(data, s, mode, n) for s in ("grpc_prefix", server))
+            return ours_rec.get(key), theirs_rec.get(key)
+
         for n in (16, 64):
             rows.append(compared(f"tok/s, {n} requests together, engine to engine", medians[ours].get(f"tok_s_{n}"),
                                  peer.get(f"tok_s_{n}"), TOK_S_AT_LEAST, dtype))
         for n in (16, 64):
-            a, b = ((record(servers, s, "closed_loop", n)["output_tok_s"] for s in ("grpc_prefix", server)) if served
-                    else (None, None))
-            rows.append(compared(f"tok/s, {n} clients, through the servers", a, b, TOK_S_AT_LEAST, dtype))
+            rows.append(compared(f"tok/s, {n} clients, through the servers",
+                                 *through(servers, "closed_loop", "output_tok_s", n), TOK_S_AT_LEAST, dtype))
         rows.append(compared("TTFT, template cached, one request, engine to engine (ms; x sooner)",
                              medians[ours].get("ttft_ms"), peer.get("ttft_ms"), TTFT_AT_LEAST, dtype, sooner=True))
-        a, b = (record(servers, s, "single")["ttft_p50_ms"] for s in ("grpc_prefix", server)) if served else (None, None)
-        rows.append(compared("TTFT p50, template cached, single requests, through the servers (ms; x sooner)", a, b,
-                             TTFT_AT_LEAST, dtype, sooner=True))
-        a, b = ((record(opened, s, "open_loop").get("max_qps_under_slo") for s in ("grpc_prefix", server)) if served
-                else (None, None))
+        rows.append(compared("TTFT p50, template cached, single requests, through the servers (ms; x sooner)",
+                             *through(servers, "single", "ttft_p50_ms"), TTFT_AT_LEAST, dtype, sooner=True))
+        a, b = through(opened, "open_loop", "max_qps_under_slo")
         open_row = compared("most requests/s with p99 e2e < 2 s, open loop, through the servers", a, b,
                             OPEN_LOOP_AT_LEAST, dtype)
         if open_row["value"] is None and served:  # under the SLO at no rate tried: ours leads where only vLLM has none
             open_row["met"] = (bool(a) and not b) or None
         rows.append(open_row)
-        if not served:
-            for r in rows[-5:]:
-                if "through the servers" in r["measure"]:
-                    r["note"] = f"{server} not run (--vllm-servers)"
+        for r in rows[start:] if not served else ():
+            if "through the servers" in r["measure"]:
+                r["note"] = f"{server} not run (--vllm-servers)"
     full = [steps[s]["ratio"]["ttft_p50"] for s in ("ratios-1", "ratios-2")]
     in_dtype = steps["ratios-1"].get("dtype", "bfloat16")  # earlier runs' JSON named none: they ran bf16
     alone = [steps[s]["ratio"]["alone_p50"] for s in ("ratios-1", "ratios-2")]
@@ -212,7 +217,8 @@ def markdown(summary: dict[str, Any]) -> str:
     for r in summary["rows"]:
         value = (", ".join(f"{v:.2f}x" for v in r["values"]) if "values" in r else
                  "-" if r["value"] is None else f"{r['value']:.2f}x")
-        result = {True: "met", False: "missed", None: "no figure"}[r["met"]] + (f" ({r['note']})" if "note" in r else "")
+        result = {True: "met", False: "missed", None: "no figure"}[r["met"]]
+        result += f" ({r['note']})" if "note" in r else ""
         lines.append(f"| {r['measure']} | {r['vllm'] or '-'} | {_num(r['ours'])} | {_num(r['theirs'])} | {value} | "
                      f"{r['target']} | {result} |")
     lines.append("")
