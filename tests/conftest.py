@@ -98,12 +98,3 @@ def make_engine(llama_dir):
         for engine in engines:
             engine.shutdown()
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`) a file's tests run on one worker, so
-    that its module fixtures (a server, a fleet, the real model) start once; the tests that start a
-    local Ray cluster (marked `ray`) run one after another on one worker, whatever their file: two
-    clusters at once on a small machine would each start slower than their fixtures allow."""
-    for item in items:
-        group = "ray" if item.get_closest_marker("ray") is not None else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
