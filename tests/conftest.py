@@ -97,4 +97,3 @@ def make_engine(llama_dir):
     finally:
         for engine in engines:
             engine.shutdown()
-
