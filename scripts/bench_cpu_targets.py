@@ -97,18 +97,21 @@ def planned(data: dict[str, Any], system: str) -> bool:
     return systems is None or system in systems
 
 
-def server_dtypes(engine: dict[str, Any], chosen: str | None) -> list[str]:
+def vllm_server_names(text: str) -> list[str]:
+    """--vllm-servers' value: comma-separated vLLM dtypes, each one of VLLM_SERVER's."""
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    unknown = [d for d in names if d not in VLLM_SERVER]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown dtype(s) {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(VLLM_SERVER)}")
+    return names
+
+
+def server_dtypes(engine: dict[str, Any], chosen: list[str] | None) -> list[str]:
     """vLLM's dtypes to run through the servers: those the engine run judges (vllm_dtypes), or of them the
     ones --vllm-servers names."""
     judged = vllm_dtypes(engine)
-    if chosen is None:
-        return judged
-    names = [d.strip() for d in chosen.split(",") if d.strip()]
-    unknown = [d for d in names if d not in VLLM_SERVER]
-    if unknown:
-        raise TargetsError(f"--vllm-servers: unknown dtype(s) {', '.join(unknown)}; "
-                           f"choose from {', '.join(VLLM_SERVER)}")
-    return [d for d in judged if d in names]
+    return judged if chosen is None else [d for d in judged if d in chosen]
 
 
 def open_rates(servers: dict[str, Any], systems: list[str]) -> list[float]:
@@ -255,7 +258,7 @@ def main() -> int:
     p.add_argument("--qps", help="the open loop's offered rates (default: from the closed loop's throughput)")
     p.add_argument("--open-duration-s", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=2, help="engine to engine: rounds of every system")
-    p.add_argument("--vllm-servers", metavar="DTYPES",
+    p.add_argument("--vllm-servers", metavar="DTYPES", type=vllm_server_names,
                    help="vLLM's dtypes to run through the servers (steps 3 and 4), of those the engine run judges "
                         "(default: all). Where its bf16 is emulated (no bf16 units) its server runs take an hour or "
                         "more; `--vllm-servers float32` leaves them out and their rows read 'no figure'")
@@ -264,12 +267,6 @@ def main() -> int:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.vllm_servers is not None:  # a wrong name stops the run before its first step, not after the engine's
-        try:
-            server_dtypes({"medians": {}}, args.vllm_servers)
-        except TargetsError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
     if not args.summary_only:
         from prefix_service.bench.systems.vllm import vllm_python
         python, why = vllm_python()

@@ -4,6 +4,7 @@ against its threshold, vLLM's faster dtype added where it is float32, the open l
 closed loop, and a missing step or record named."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -203,12 +204,14 @@ def test_a_vllm_server_left_out_has_no_figure_and_says_why(tmp_path):
                       open=opened({"grpc_prefix": 3.0, "vllm_apc_f32": 1.5}) | {"plan": planned})
     with pytest.raises(targets.TargetsError, match="no closed_loop record of vllm_apc_f32"):
         targets.summarize(broken, ours="bfloat16")
-    args = type("Args", (), {"qps": None, "open_duration_s": 60.0, "rounds": 2, "vllm_servers": "float32"})()
+    args = type("Args", (), {"qps": None, "open_duration_s": 60.0, "rounds": 2, "vllm_servers": ["float32"]})()
     [cmd] = targets.commands(out, args, "servers")
     assert cmd[cmd.index("--systems") + 1] == "grpc_prefix,vllm_apc_f32"
     assert targets.server_dtypes(targets.load(out, "engine"), None) == ["bfloat16", "float32"]
-    with pytest.raises(targets.TargetsError, match="unknown dtype.*fp8"):
-        targets.server_dtypes(targets.load(out, "engine"), "float32,fp8")
+    assert targets.vllm_server_names(" float32 , bfloat16") == ["float32", "bfloat16"]
+    for wrong, named in (("float32,fp8", "fp8"), (",", "','")):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"unknown dtype.*{named}"):
+            targets.vllm_server_names(wrong)
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), "--vllm-servers", "fp8"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--vllm-servers: unknown dtype(s) fp8" in proc.stderr, proc.stderr[-2000:]
