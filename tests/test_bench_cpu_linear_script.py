@@ -26,8 +26,9 @@ def onednn_linear_available(dtype):
 
 def run_script(llama_dir, tmp_path, *extra):
     out = tmp_path / "linear.json"
+    reference = [] if "--reference-size" in extra else ["--reference-size", "64"]
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--rows", "1,5",
-                           "--passes", "2", "--threads", "1", "--json", str(out), *extra],
+                           "--passes", "2", "--threads", "1", "--json", str(out), *reference, *extra],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc, json.loads(out.read_text())
@@ -54,6 +55,11 @@ def test_bench_cpu_linear_script(llama_dir, tmp_path):
     assert data["dtype"] == "float32"
     assert all(data["weight_bytes"][way] == 4 * data["parameters"] for way in want)
     assert "blas ms" in proc.stdout and "JSON:" in proc.stdout
+    # the machine's reference GEMM rate in both dtypes, printed as recorded
+    rates = data["reference"]["gflop_s"]
+    assert data["reference"]["size"] == 64 and set(rates) == {"float32", "bfloat16"} and min(rates.values()) > 0
+    assert (f"reference: torch.mm on 64-square matrices, float32 {rates['float32']:.1f} GFLOP/s, "
+            f"bfloat16 {rates['bfloat16']:.1f} GFLOP/s") in proc.stdout
 
 
 @pytest.mark.skipif(cpu_linear.available(torch.bfloat16) is not None,
@@ -85,7 +91,8 @@ def test_bench_cpu_linear_script_in_int8(llama_dir, tmp_path):
     where the CPU has AVX512-BF16, and torch's kernel on bf16 and float32 rows, against the float32
     kernel."""
     from prefix_service.backends.cpu import onednn
-    proc, data = run_script(llama_dir, tmp_path, "--dtype", "int8")
+    proc, data = run_script(llama_dir, tmp_path, "--dtype", "int8", "--reference-size", "0")
+    assert data["reference"] == {"size": 0, "gflop_s": {}} and "reference:" not in proc.stdout
     few = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.bf16_native()
     check_results(data, ["native", "native_int8", *(["inner_product", "inner_product_int8"] if few else []),
                          "int8_bf16", "int8_f32"])
