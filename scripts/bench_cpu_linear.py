@@ -13,8 +13,9 @@ torch's fallback GEMM) and `inner_product` (where torch's oneDNN runs bf16; with
 calls of up to 128 rows run the few-row dot-product kernel, and `inner_product_onednn` is oneDNN's
 inner product for every call) or `emulated` (elsewhere); the ratios are against the float32 kernel.
 
-First, as the machine's reference, torch.mm on two 2048-square matrices in float32 and in bfloat16:
-the rate a long prefill's linears could approach here (--reference-size 0 leaves it out).
+First, as the machine's reference, torch.mm on two square matrices (up to 2048; smaller where a
+product would take over half a second) in float32 and in bfloat16: what the libraries torch links
+reach on a compute-bound product here (--reference-size 0 leaves it out).
 
 One pass runs every linear layer of the model's decoder stack (fused qkv, o, fused gate_up, down)
 once on an input of N rows, with each layer's own weights, as a forward does: the weights stream
@@ -170,22 +171,32 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
     return ways
 
 
-def reference_rates(size: int, passes: int) -> dict[str, float]:
-    """GFLOP/s of torch.mm on two size x size matrices, float32 and bfloat16: a compute-bound product
-    that fits the caches, as fast as the libraries torch links run on this machine (MKL or oneDNN;
-    AMX where the CPU has it, emulated bf16 where it has no bf16 instructions). The linears' rates
-    read against it: a few-row linear is bound by its weights' bytes, a long prefill's by this."""
+def reference_rates(size: int, passes: int, budget_s: float = 0.5) -> dict[str, dict[str, float]]:
+    """GFLOP/s of torch.mm on two n x n matrices, float32 and bfloat16: a compute-bound product that
+    fits the caches, as fast as the libraries torch links run on this machine (MKL or oneDNN; AMX
+    where the CPU has it). The linears' rates read against it: a few-row linear is bound by its
+    weights' bytes, a long prefill's by this. n doubles from 256 up to `size` while the next product
+    would take under budget_s (torch's bf16 without bf16 instructions takes a minute at 2048), and
+    the passes at that n stop after ~4 budgets. Per dtype: the n used and the median rate."""
     gen = torch.Generator().manual_seed(1)
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a, b = (torch.randn(size, size, generator=gen).to(dtype) for _ in range(2))
-        torch.mm(a, b)  # warm
-        times = []
-        for _ in range(passes):
+        n = min(256, size)
+        while True:
+            a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+            torch.mm(a, b)  # warm
+            t = time.perf_counter()
+            torch.mm(a, b)
+            times = [time.perf_counter() - t]
+            if n >= size or 8 * times[0] > budget_s:  # the next, twice the size, would take 8 times as long
+                break
+            n = min(2 * n, size)
+        for _ in range(min(passes, int(4 * budget_s / times[0]) + 1) - 1):
             t = time.perf_counter()
             torch.mm(a, b)
             times.append(time.perf_counter() - t)
-        rates[str(dtype).removeprefix("torch.")] = round(2 * size ** 3 / statistics.median(times) / 1e9, 1)
+        rates[str(dtype).removeprefix("torch.")] = {"size": n,
+                                                     "gflop_s": round(2 * n ** 3 / statistics.median(times) / 1e9, 1)}
     return rates
 
 
@@ -207,8 +218,8 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=9, help="timed passes per way and row count")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--reference-size", type=int, default=2048,
-                   help="torch.mm on two matrices of this size, float32 and bf16, as the machine's reference GEMM "
-                        "rate (0: none)")
+                   help="torch.mm on two square matrices of up to this size, float32 and bf16, as the machine's "
+                        "reference GEMM rate (0: none)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.reference_size < 0:
@@ -236,8 +247,8 @@ def main() -> int:
     with torch.inference_mode():
         reference = reference_rates(args.reference_size, args.passes) if args.reference_size else {}
     if reference:
-        print(f"reference: torch.mm on {args.reference_size}-square matrices, "
-              + ", ".join(f"{dt} {rate:.1f} GFLOP/s" for dt, rate in reference.items()))
+        print("reference: torch.mm on n-square matrices, "
+              + ", ".join(f"{dt} {r['gflop_s']:.1f} GFLOP/s (n = {r['size']})" for dt, r in reference.items()))
     print(f"{name}: {num_layers} layers x {len(shapes)} linears, {params / 1e6:.1f} M parameters, {args.dtype}, "
           f"{torch.get_num_threads()} threads, ISA {', '.join(info.get('isa', [])) or '?'}; ms a pass "
           f"(GFLOP/s, GB/s of weights)")
@@ -282,7 +293,7 @@ def main() -> int:
                        "bf16_native": onednn.bf16_native(),
                        "brgemm_vnni": onednn.brgemm_vnni(), "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "machine": info,
-                       "reference": {"size": args.reference_size, "gflop_s": reference},
+                       "reference": reference,
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, f, indent=2)
         print(f"JSON: {args.json}")
     return 0

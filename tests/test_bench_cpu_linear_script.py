@@ -55,11 +55,12 @@ def test_bench_cpu_linear_script(llama_dir, tmp_path):
     assert data["dtype"] == "float32"
     assert all(data["weight_bytes"][way] == 4 * data["parameters"] for way in want)
     assert "blas ms" in proc.stdout and "JSON:" in proc.stdout
-    # the machine's reference GEMM rate in both dtypes, printed as recorded
-    rates = data["reference"]["gflop_s"]
-    assert data["reference"]["size"] == 64 and set(rates) == {"float32", "bfloat16"} and min(rates.values()) > 0
-    assert (f"reference: torch.mm on 64-square matrices, float32 {rates['float32']:.1f} GFLOP/s, "
-            f"bfloat16 {rates['bfloat16']:.1f} GFLOP/s") in proc.stdout
+    # the machine's reference GEMM rate in both dtypes (64 at most: fast enough for one product each),
+    # printed as recorded
+    ref = data["reference"]
+    assert set(ref) == {"float32", "bfloat16"} and all(r["size"] == 64 and r["gflop_s"] > 0 for r in ref.values())
+    assert (f"reference: torch.mm on n-square matrices, float32 {ref['float32']['gflop_s']:.1f} GFLOP/s (n = 64), "
+            f"bfloat16 {ref['bfloat16']['gflop_s']:.1f} GFLOP/s (n = 64)") in proc.stdout
 
 
 @pytest.mark.skipif(cpu_linear.available(torch.bfloat16) is not None,
@@ -92,7 +93,7 @@ def test_bench_cpu_linear_script_in_int8(llama_dir, tmp_path):
     kernel."""
     from prefix_service.backends.cpu import onednn
     proc, data = run_script(llama_dir, tmp_path, "--dtype", "int8", "--reference-size", "0")
-    assert data["reference"] == {"size": 0, "gflop_s": {}} and "reference:" not in proc.stdout
+    assert data["reference"] == {} and "reference:" not in proc.stdout
     few = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.bf16_native()
     check_results(data, ["native", "native_int8", *(["inner_product", "inner_product_int8"] if few else []),
                          "int8_bf16", "int8_f32"])
