@@ -102,8 +102,8 @@ def vllm_server_names(text: str) -> list[str]:
     names = [d.strip() for d in text.split(",") if d.strip()]
     unknown = [d for d in names if d not in VLLM_SERVER]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown dtype(s) {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(VLLM_SERVER)}")
+        what = f"unknown dtype(s) {', '.join(unknown)}" if unknown else f"no dtype in {text!r}"
+        raise argparse.ArgumentTypeError(f"{what}; choose from {', '.join(VLLM_SERVER)}")
     return names
 
 
