@@ -163,35 +163,33 @@ def summarize(out: Path, ours: str | None = None) -> dict[str, Any]:
         peer, server = medians.get(f"vllm-{dtype}"), VLLM_SERVER[dtype]
         if peer is None:
             raise TargetsError(f"the engine run has no vllm-{dtype} system")
-        # a vLLM server left out of the runs (--vllm-servers): its rows have no figure, and say why
-        served, start = planned(servers, server) and planned(opened, server), len(rows)
+        served = planned(servers, server) and planned(opened, server)
 
-        def through(data: dict[str, Any], mode: str, key: str, n: int | None = None) -> tuple[Any, Any]:
-            """Our server's figure and this vLLM server's in a mode; none for a server left out."""
+        def via_servers(measure: str, data: dict[str, Any], mode: str, key: str, at_least: float,
+                        n: int | None = None, sooner: bool = False) -> dict[str, Any]:
+            """A row judging our server's figure against this vLLM server's in a mode; for a server left out
+            of the runs (--vllm-servers), no figure, and a note saying why."""
             if not served:
-                return None, None
-            ours_rec, theirs_rec = (record(data, s, mode, n) for s in ("grpc_prefix", server))
-            return ours_rec.get(key), theirs_rec.get(key)
+                return compared(measure, None, None, at_least, dtype, sooner) | {
+                    "note": f"{server} not run (--vllm-servers)"}
+            ours_fig, theirs_fig = (record(data, s, mode, n).get(key) for s in ("grpc_prefix", server))
+            return compared(measure, ours_fig, theirs_fig, at_least, dtype, sooner)
 
         for n in (16, 64):
             rows.append(compared(f"tok/s, {n} requests together, engine to engine", medians[ours].get(f"tok_s_{n}"),
                                  peer.get(f"tok_s_{n}"), TOK_S_AT_LEAST, dtype))
         for n in (16, 64):
-            rows.append(compared(f"tok/s, {n} clients, through the servers",
-                                 *through(servers, "closed_loop", "output_tok_s", n), TOK_S_AT_LEAST, dtype))
+            rows.append(via_servers(f"tok/s, {n} clients, through the servers", servers, "closed_loop",
+                                    "output_tok_s", TOK_S_AT_LEAST, n))
         rows.append(compared("TTFT, template cached, one request, engine to engine (ms; x sooner)",
                              medians[ours].get("ttft_ms"), peer.get("ttft_ms"), TTFT_AT_LEAST, dtype, sooner=True))
-        rows.append(compared("TTFT p50, template cached, single requests, through the servers (ms; x sooner)",
-                             *through(servers, "single", "ttft_p50_ms"), TTFT_AT_LEAST, dtype, sooner=True))
-        a, b = through(opened, "open_loop", "max_qps_under_slo")
-        open_row = compared("most requests/s with p99 e2e < 2 s, open loop, through the servers", a, b,
-                            OPEN_LOOP_AT_LEAST, dtype)
+        rows.append(via_servers("TTFT p50, template cached, single requests, through the servers (ms; x sooner)",
+                                servers, "single", "ttft_p50_ms", TTFT_AT_LEAST, sooner=True))
+        open_row = via_servers("most requests/s with p99 e2e < 2 s, open loop, through the servers", opened,
+                               "open_loop", "max_qps_under_slo", OPEN_LOOP_AT_LEAST)
         if open_row["value"] is None and served:  # under the SLO at no rate tried: ours leads where only vLLM has none
-            open_row["met"] = (bool(a) and not b) or None
+            open_row["met"] = (bool(open_row["ours"]) and not open_row["theirs"]) or None
         rows.append(open_row)
-        for r in rows[start:] if not served else ():
-            if "through the servers" in r["measure"]:
-                r["note"] = f"{server} not run (--vllm-servers)"
     full = [steps[s]["ratio"]["ttft_p50"] for s in ("ratios-1", "ratios-2")]
     in_dtype = steps["ratios-1"].get("dtype", "bfloat16")  # earlier runs' JSON named none: they ran bf16
     alone = [steps[s]["ratio"]["alone_p50"] for s in ("ratios-1", "ratios-2")]
