@@ -178,6 +178,11 @@ def reference_rates(size: int, passes: int, budget_s: float = 0.5) -> dict[str, 
     weights' bytes, a long prefill's by this. n doubles from 256 up to `size` while the next product
     would take under budget_s (torch's bf16 without bf16 instructions takes a minute at 2048), and
     the passes at that n stop after ~4 budgets. Per dtype: the n used and the median rate."""
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        return time.perf_counter() - t
+
     gen = torch.Generator().manual_seed(1)
     rates = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -185,16 +190,11 @@ def reference_rates(size: int, passes: int, budget_s: float = 0.5) -> dict[str, 
         while True:
             a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
             torch.mm(a, b)  # warm
-            t = time.perf_counter()
-            torch.mm(a, b)
-            times = [time.perf_counter() - t]
-            if n >= size or 8 * times[0] > budget_s:  # the next, twice the size, would take 8 times as long
+            first = timed(a, b)
+            if n >= size or 8 * first > budget_s:  # the next, twice the size, would take 8 times as long
                 break
             n = min(2 * n, size)
-        for _ in range(min(passes, int(4 * budget_s / times[0]) + 1) - 1):
-            t = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - t)
+        times = [first] + [timed(a, b) for _ in range(min(passes, int(4 * budget_s / first) + 1) - 1)]
         rates[str(dtype).removeprefix("torch.")] = {"size": n,
                                                      "gflop_s": round(2 * n ** 3 / statistics.median(times) / 1e9, 1)}
     return rates
