@@ -3,7 +3,9 @@
 float32 (the default): `F.linear` (the BLAS torch links, MKL in the x86 wheels, as the torch
 backend runs them), the same layers with their weights reordered once for oneDNN's inner product
 (torch.ops.mkldnn), and packed for the native kernel the cpu backend runs
-(prefix_service/backends/cpu/linear.py); the ratios are against `F.linear`.
+(prefix_service/backends/cpu/linear.py), on float32 panels and, with the weights rounded to bf16 values (a
+bf16 checkpoint's, served in float32), on the bf16 panels it holds them in then (`native_bf16_panels`: the
+same products from half the bytes); the ratios are against `F.linear`.
 
 bfloat16 (`--dtype bfloat16`): the native float32 kernel on float32 weights (what `model.dtype:
 auto` serves on a CPU), then on bf16 weights `F.linear` and oneDNN's prepacked inner product on
@@ -128,7 +130,9 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
         if native_reason:
             skip("native", native_reason)
         else:
-            ways["native"] = (each(lambda w: cpu_linear.NativeLinear(w, None)), f32)
+            ways["native"] = (each(lambda w: cpu_linear.NativeLinear(w, None, panels="float32")), f32)
+            # the weights rounded to bf16 values (a bf16 checkpoint's), held in bf16 for the same kernel
+            ways["native_bf16_panels"] = (each(lambda w: cpu_linear.NativeLinear(w.to(bf16).float(), None)), f32)
         return ways
     # bfloat16 and int8: against the float32 kernel, what auto serves
     if native_reason:
@@ -238,7 +242,7 @@ def main() -> int:
     from prefix_service.backends.cpu import onednn
     # (int8: 1; inner_product_int8 reads its int8 blocks in calls of up to 128 rows, its bf16 copy above)
     per_param = {way: 1 if "int8" in way else 2 if dt == torch.bfloat16 or way.startswith(("brgemm", "inner_product"))
-                 else 4 for way, (_, dt) in ways.items()}
+                 or way == "native_bf16_panels" else 4 for way, (_, dt) in ways.items()}
     weight_bytes = {way: params * per_param[way] for way in names}
     info = machine()
 

@@ -67,6 +67,17 @@ def dequantized_checkpoint(src, dst):
     return dst
 
 
+def bf16_checkpoint(src, dst):
+    """A copy of the model directory with its floating tensors saved in bfloat16 (as SmolLM2's are)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in load_file(str(f)).items()}
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return dst
+
+
 def cpu_simd() -> str:
     """The vector instructions the CPU reports that the native CPU kernels can use: "avx512"
     (AVX-512 Foundation), "avx2" (AVX2 with FMA) or "" (neither)."""

@@ -50,10 +50,12 @@ def check_results(data, want):
 def test_bench_cpu_linear_script(llama_dir, tmp_path):
     want = ["blas"] + [way for way, check in (("onednn", onednn_linear_available), ("native", cpu_linear.available))
                        if check(torch.float32) is None]
+    want += ["native_bf16_panels"] if "native" in want else []
     proc, data = run_script(llama_dir, tmp_path)
     check_results(data, want)
     assert data["dtype"] == "float32"
-    assert all(data["weight_bytes"][way] == 4 * data["parameters"] for way in want)
+    assert all(data["weight_bytes"][way] == (2 if way == "native_bf16_panels" else 4) * data["parameters"]
+               for way in want)
     assert "blas ms" in proc.stdout and "JSON:" in proc.stdout
     # the machine's reference GEMM rate in both dtypes (64 at most: fast enough for one product each),
     # printed as recorded

@@ -132,6 +132,88 @@ def test_bad_input_is_refused():
         layer(x, out=torch.empty(4, 19))
 
 
+# --- float32 weights of bf16 values, held in bf16 (a bf16 checkpoint served in float32) --------------
+
+def bf16_values(w):
+    return w.to(torch.bfloat16).float()
+
+
+def test_pack_weight_bf16_layout():
+    """Rows k and k + 1 of a panel side by side per column; zeros past N and past an odd K."""
+    w = bf16_values(torch.randn(20, 5))
+    p = cpu_linear.pack_weight_bf16(w)
+    assert p.shape == (2, 3, 16, 2) and p.dtype == torch.bfloat16 and p.is_contiguous()
+    for k in range(5):
+        assert torch.equal(p[0, k // 2, :, k % 2].float(), w[:16, k])
+        assert torch.equal(p[1, k // 2, :4, k % 2].float(), w[16:, k])
+    assert not p[1, :, 4:].float().any() and not p[:, 2, :, 1].float().any()
+
+
+def test_bf16_valued_is_exact():
+    w = bf16_values(torch.randn(30, 7))
+    assert cpu_linear.bf16_valued(w) and cpu_linear.bf16_valued(w.t())  # strided too
+    w[3, 4] = 1 + 2 ** -10  # one value between two bf16 ones
+    assert not cpu_linear.bf16_valued(w)
+    assert not cpu_linear.bf16_valued(torch.randn(4, 4).to(torch.bfloat16))  # only float32 weights are held so
+
+
+@needs_native
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 100, 301])
+@pytest.mark.parametrize("n,k", [(1, 7), (17, 33), (50, 8), (64, 576), (200, 96), (1000, 65)])
+def test_bf16_panels_give_the_float32_panels_bits(m, n, k):
+    """The same products in the same order from half the bytes: every bit equal to the float32 panels',
+    odd K (a pair's lone row), row and panel tails, both ways of sharing the work, with and without a bias."""
+    x, w, b = case(m, n, k, bias=(m + n) % 2 == 1, seed=m * 1000 + n + 1)
+    w = bf16_values(w)
+    held = cpu_linear.NativeLinear(w, b)
+    plain = cpu_linear.NativeLinear(w, b, panels="float32")
+    assert held.bf16_panels and held.packed is None and not plain.bf16_panels
+    assert held.weight_bytes == 2 * -(-n // 16) * 16 * (k + k % 2) and plain.weight_bytes == 4 * -(-n // 16) * 16 * k
+    got = held(x)
+    assert torch.equal(got, plain(x))
+    close(got, reference(x, w, b))
+
+
+@needs_native
+def test_bf16_panels_strided_rows_out_and_threads():
+    x, w, b = case(150, 900, 81, seed=8)
+    w = bf16_values(w)
+    held, plain = cpu_linear.NativeLinear(w, b), cpu_linear.NativeLinear(w, b, panels="float32")
+    wide = torch.randn(150, 100)
+    wide[:, 5:86] = x
+    out = torch.full((150, 910), 7.0)
+    held(wide[:, 5:86], out=out[:, :900])
+    assert torch.equal(out[:, :900], plain(x)) and (out[:, 900:] == 7.0).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = held(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, out[:, :900]) and torch.equal(held(x[37:38]), one[37:38])
+    assert held(x.view(10, 15, 81)).shape == (10, 15, 900) and held(x[:0]).shape == (0, 900)
+    with pytest.raises(NativeKernelError, match=r"x: \[M, 81\] is needed"):
+        held(torch.randn(3, 9))
+    with pytest.raises(NativeKernelError, match="float32 CPU tensor"):
+        held(x.double())
+
+
+@needs_native
+def test_a_weight_with_other_values_keeps_float32_panels(monkeypatch):
+    """bf16 panels only where they lose nothing; PREFIX_SERVICE_F32_PANELS=float32 keeps float32 ones for
+    every weight; a wrong value says what is expected."""
+    x, w, b = case(5, 40, 24, seed=2)
+    assert not cpu_linear.NativeLinear(w, b).bf16_panels  # randn: not bf16 values
+    close(cpu_linear.NativeLinear(w, b)(x), reference(x, w, b))
+    monkeypatch.setenv(cpu_linear.F32_PANELS_ENV, "float32")
+    assert not cpu_linear.NativeLinear(bf16_values(w), b).bf16_panels
+    monkeypatch.setenv(cpu_linear.F32_PANELS_ENV, "auto")
+    assert cpu_linear.NativeLinear(bf16_values(w), b).bf16_panels
+    monkeypatch.setenv(cpu_linear.F32_PANELS_ENV, "bf16")
+    with pytest.raises(NativeKernelError, match=r"PREFIX_SERVICE_F32_PANELS='bf16': one of auto, float32 is needed"):
+        cpu_linear.NativeLinear(bf16_values(w), b)
+
+
 # --- float32 weights split by row count between the native kernel and oneDNN (SplitLinear) ---------
 
 ONEDNN_REASON = REASON or onednn.load()[1]
@@ -164,6 +246,20 @@ def test_a_split_linear_runs_each_call_on_the_kernel_of_its_row_count(bias):
         split(torch.randn(3, 9))
     with pytest.raises(NativeKernelError, match="1 or more is needed"):
         cpu_linear.SplitLinear(w, b, 0)
+
+
+@needs_onednn
+def test_a_split_linear_holds_a_weight_of_bf16_values_in_bf16_for_its_few_rows():
+    """Its native side on bf16 panels (the float32 panels' bits), oneDNN's on the float32 weight."""
+    x, w, b = case(40, 70, 1536, seed=9)
+    w = bf16_values(w)
+    split = cpu_linear.make_linear(w, b, native_rows=6)
+    assert isinstance(split, cpu_linear.SplitLinear) and split.few.bf16_panels
+    plain, many = cpu_linear.NativeLinear(w, b, panels="float32"), onednn.OneDnnLinear(w, b)
+    for m in (1, 6):
+        assert torch.equal(split(x[:m]), plain(x[:m])), m
+    for m in (7, 40):
+        assert torch.equal(split(x[:m]), many(x[:m])), m
 
 
 @needs_onednn

@@ -1,10 +1,11 @@
 """Our engine against Hugging Face transformers on the same token ids: greedy ids identical over
 48 new tokens, last-position logits within float32 tolerance (max abs diff <= 1e-4), on the torch
-backend (the oracle) and on the one `auto` picks here."""
+backend (the oracle) and on the one `auto` picks here; a bf16 checkpoint in float32 with its weights held
+in bf16 for the cpu backend's linear kernel, bit for bit the float32-held weights' logits."""
 import pytest
 import torch
 
-from helpers import engine_last_logits, hf_greedy, run_ids
+from helpers import bf16_checkpoint, engine_last_logits, hf_greedy, run_ids
 
 LOGITS_ATOL = 1e-4  # float32 on CPU; observed differences are ~1e-6
 
@@ -38,3 +39,33 @@ def test_bfloat16_close_to_transformers(model_dirs, make_engine):
     engine = make_engine(model_dirs["llama"], dtype="bfloat16")
     logits = engine_last_logits(engine, ids)
     assert (logits - ref_logits).abs().max() <= 0.05 * ref_logits.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a q/k/v bias
+def test_a_bf16_checkpoint_in_float32_matches_transformers_from_bf16_held_weights(arch, model_dirs, make_engine,
+                                                                                 monkeypatch, tmp_path):
+    """Served in float32, a bf16 checkpoint's weights are bf16 values: the cpu backend holds every
+    linear's in bf16 (half the bytes to stream), and gives the same logits, bit for bit, as with them held
+    in float32 (PREFIX_SERVICE_F32_PANELS=float32), on and off a template; both match transformers in float32."""
+    model = bf16_checkpoint(model_dirs[arch], tmp_path / arch)
+    ids = [(7 * i + 3) % 500 + 3 for i in range(37)]
+    ref_ids, ref_logits = hf_greedy(model, ids, 48)
+    held = make_engine(model, block_size=8)
+    backend = held._core.backend
+    if backend.name != "cpu":
+        pytest.skip(f"the cpu backend does not serve here ({backend.name} does)")
+    layers = backend.stack.num_layers
+    assert backend.stack.bf16_panel_linears == 4 * layers and backend.head.bf16_panels
+    assert "held in bf16" in backend.describe()
+    monkeypatch.setenv("PREFIX_SERVICE_F32_PANELS", "float32")
+    plain = make_engine(model, block_size=8)
+    assert plain._core.backend.stack.bf16_panel_linears == 0 and not plain._core.backend.head.bf16_panels
+    assert run_ids(held, ids, max_tokens=48) == ref_ids == run_ids(plain, ids, max_tokens=48)
+    logits = engine_last_logits(held, ids)
+    assert torch.equal(logits, engine_last_logits(plain, ids))
+    assert torch.allclose(logits, ref_logits, atol=LOGITS_ATOL, rtol=0), (logits - ref_logits).abs().max()
+    for engine in (held, plain):
+        engine.add_template("doc", token_ids=ids[:24])
+    on_template = engine_last_logits(held, ids[24:], prefix="doc")
+    assert torch.equal(on_template, engine_last_logits(plain, ids[24:], prefix="doc"))
+    assert torch.allclose(on_template, ref_logits, atol=LOGITS_ATOL, rtol=0)

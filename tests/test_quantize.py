@@ -206,8 +206,8 @@ def test_the_float32_kernel_over_int8_weights(n, k):
     independent of the thread count; a NaN stays in its row."""
     x, q, scale, b = int8_case(100, n, k, seed=n + 7 * k)
     layer = linear.NativeLinear(dequantize(q, scale, torch.float32), b, int8=(q, scale))
-    assert layer.packed is None and layer.q_packed.dtype == torch.int8
-    assert layer.q_packed.shape == (-(-n // linear.PANEL), k, linear.PANEL)
+    assert layer.packed is None and layer.held.dtype == torch.int8
+    assert layer.held.shape == (-(-n // linear.PANEL), k, linear.PANEL)
     for m in (1, 2, 5, 6, 7, 13, 16, 17, 64, 100):
         assert_float32_int8(layer(x[:m]), x[:m], q, scale, b)
     wide = torch.randn(9, k + 5)

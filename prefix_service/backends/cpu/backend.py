@@ -101,6 +101,8 @@ class CpuBackend(Backend):
             return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears)"
         timed = f"; timed: {f.why}" if (f := self.stack.float32_timing) is not None else ""
         linears = linear.float32_choice(self.stack.float32_native_rows)
+        if self.stack.bf16_panel_linears:
+            linears += ", float32 weights of bf16 values held in bf16 for the native kernel"
         return f"cpu (native kernels, decoder stack, linears on {linears}{timed})"
 
     def named_linears(self) -> dict[str, linear.CpuLinear]:

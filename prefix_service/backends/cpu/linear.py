@@ -11,6 +11,10 @@ There both leave the FLOP units waiting on the weights (docs/benchmarks.md). The
 kernel streams each weight panel from memory once per call with the next one prefetched, and
 multiplies it against all the call's rows from registers. float32; the sums run in a fixed order
 per output, so a row's result does not depend on the other rows of the call or the thread count.
+A float32 weight whose every value is a bf16 one (a bf16 checkpoint served in float32, as
+`model.dtype: auto` serves one on a CPU without bf16 units) is held in bf16 instead and widened
+exactly in registers: the same bits from half the bytes, which is what a decode step's few rows wait
+on (`PREFIX_SERVICE_F32_PANELS=float32` keeps float32 panels; `float32_panels()`).
 
 Past a hundred rows or so (a long prompt's prefill, a template being pinned) oneDNN's own float32
 inner product, which blocks the product for the caches, can be the faster one: on a Zen 3 (AVX2) it
@@ -60,6 +64,24 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
     return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def bf16_valued(weight: torch.Tensor) -> bool:
+    """Whether every value of a float32 weight is a bf16 one (the low 16 bits of each zero: a bf16
+    checkpoint served in float32): held in bf16 it loses nothing."""
+    if weight.dtype != torch.float32:
+        return False
+    return not bool(weight.detach().contiguous().view(torch.int32).bitwise_and(0xFFFF).any())
+
+
+def pack_weight_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight of bf16 values (bf16_valued) -> its panels in bf16 with each two rows k, k + 1
+    side by side per column, [ceil(N/16), ceil(K/2), 16, 2] (a zero row past an odd K): one 64-byte
+    line of the kernel's holds a panel's two rows."""
+    p = pack_weight(weight)
+    if p.shape[1] % 2:
+        p = torch.cat([p, p.new_zeros(p.shape[0], 1, PANEL)], dim=1)
+    return p.view(p.shape[0], -1, 2, PANEL).transpose(2, 3).to(torch.bfloat16).contiguous()
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -142,21 +164,32 @@ class _PackedInt8Args(ctypes.Structure):  # csrc/cpu_linear.cpp's PsPackedLinear
 
 
 class NativeLinear:
-    """y = x @ W.T + b in the native float32 kernel, W held only in its layout (pack_weight). int8:
-    the weight's (q, scale) where it was quantized (W is q diag(scale)): then only q is held, packed
-    the same way, a quarter of the bytes, and every call multiplies it (`packed` is None)."""
+    """y = x @ W.T + b in the native float32 kernel, W held only in its layout (pack_weight). Where
+    every value of W is a bf16 one and `panels` (default: float32_panels()) is "auto", W is held in
+    bf16 instead (pack_weight_bf16, `bf16_panels`), half the bytes, and the kernel widens it exactly:
+    the same bits. int8: the weight's (q, scale) where it was quantized (W is q diag(scale)): then only
+    q is held, packed the same way, a quarter of the bytes. Either way every call reads what is held
+    (`packed`, the float32 panels, is None)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, panels: str | None = None) -> None:
         lib = native.require()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         bias_ptr = self.bias.data_ptr() if self.bias is not None else None
         self.int8 = int8 is not None
         self.packed: torch.Tensor | None = None
+        self.bf16_panels = False
         self._args: ctypes.Structure
-        if int8 is None:
-            self.packed = pack_weight(weight)
+        self._entry = "ps_packed_linear"
+        if int8 is None and (panels or float32_panels()) == "auto" and bf16_valued(weight):
+            self.bf16_panels = True
+            self.held = pack_weight_bf16(weight)
+            self._args = _PackedArgs(self.held.data_ptr(), self.out_features, self.in_features, bias_ptr)
+            self._entry = "ps_packed_linear_bf16w"
+            self.fn = native.address(lib.ps_packed_linear_bf16w)
+        elif int8 is None:
+            self.packed = self.held = pack_weight(weight)
             _check_weight(self.packed, self.out_features, self.in_features, self.bias)
             self._args = _PackedArgs(self.packed.data_ptr(), self.out_features, self.in_features, bias_ptr)
             self.fn = native.address(lib.ps_packed_linear)
@@ -164,10 +197,11 @@ class NativeLinear:
             if problem := int8_problem(int8, tuple(weight.shape)):
                 raise NativeKernelError(problem)
             q, scale = int8
-            self.q_packed = pack_weight(q, torch.int8)
+            self.held = pack_weight(q, torch.int8)
             self.scale = scale.detach().contiguous()
-            self._args = _PackedInt8Args(self.q_packed.data_ptr(), self.scale.data_ptr(), self.out_features,
+            self._args = _PackedInt8Args(self.held.data_ptr(), self.scale.data_ptr(), self.out_features,
                                          self.in_features, bias_ptr)
+            self._entry = "ps_packed_linear_int8"
             self.fn = native.address(lib.ps_packed_linear_int8)
         self.handle = ctypes.addressof(self._args)
         self.call = native.LinearCall(self.fn, self.handle)
@@ -178,7 +212,12 @@ class NativeLinear:
             return self(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return linear(x, self.packed, self.out_features, self.bias, out=out)
-        return _through_call(self, x, out, "ps_packed_linear_int8")  # int8: the handle holds K
+        return _through_call(self, x, out, self._entry)  # bf16 panels or int8: the handle holds K
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of weight each call reads (its panels)."""
+        return self.held.numel() * self.held.element_size()
 
 
 class _SplitArgs(ctypes.Structure):  # csrc/cpu_layer.cpp's PsSplitLinear
@@ -230,6 +269,21 @@ FLOAT32_ROWS_ENV = "PREFIX_SERVICE_F32_NATIVE_ROWS"
 # 1.14-1.22x from 256 (docs/benchmarks.md); 128 keeps a decode step's calls and a template's usual
 # user segment (100 tokens and the step's decodes) on the native kernel.
 DEFAULT_NATIVE_ROWS = 128
+
+
+F32_PANELS_ENV = "PREFIX_SERVICE_F32_PANELS"
+# what F32_PANELS_ENV takes: the native kernel's float32 weights held in bf16 where every value of the
+# weight is a bf16 one (the same products, half the bytes to stream), or in float32 whatever they hold
+F32_PANELS = ("auto", "float32")
+
+
+def float32_panels() -> str:
+    """How the native kernel holds a float32 weight: $PREFIX_SERVICE_F32_PANELS where set (one of
+    F32_PANELS: "float32" to compare the two on one machine), else "auto" (bf16 where lossless)."""
+    chosen = os.environ.get(F32_PANELS_ENV) or "auto"
+    if chosen not in F32_PANELS:
+        raise NativeKernelError(f"{F32_PANELS_ENV}={chosen!r}: one of {', '.join(F32_PANELS)} is needed")
+    return chosen
 
 
 def float32_kernel() -> str:

@@ -54,6 +54,7 @@ SIGNATURES = {
     "ps_decode_scratch_floats": ([_i32, _i32, _i32], _i64),
     "ps_packed_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_packed_linear_int8": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
+    "ps_packed_linear_bf16w": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_call_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_split_linear": ([_ptr, _ptr, _i64, _i32, _ptr, _i64, _i32], _i32),
     "ps_add_rms_norm": ([_ptr, _i64, _ptr, _i64, _ptr, _f32, _ptr, _i64, _i32, _i32, _i32, _i32], _i32),

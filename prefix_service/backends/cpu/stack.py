@@ -23,7 +23,7 @@ import torch
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
-from prefix_service.backends.cpu.linear import (CpuLinear, available, float32_choice, float32_kernel,
+from prefix_service.backends.cpu.linear import (CpuLinear, NativeLinear, available, float32_choice, float32_kernel,
                                                  float32_native_rows, make_linear)
 from prefix_service.backends.cpu.plan import StackPlan
 from prefix_service.backends.cpu.tuning import (TIMED_LAYERS, Float32Timing, PromptTiming, TemplateTiming,
@@ -168,8 +168,15 @@ class DecoderStack:
         # linears that read int8 weights (model.quantization: int8): every float32 one, a bf16 one's
         # few-row calls where the CPU has AVX512-BF16
         self.int8_linears = sum(m.int8 for w in self.layers for m in w.linears)
+        # float32 linears whose native kernel holds the weight in bf16 (every value a bf16 one: a bf16
+        # checkpoint served in float32), the same products from half the bytes
+        natives = [getattr(m, "few", m) for w in self.layers for m in w.linears]
+        self.bf16_panel_linears = sum(getattr(m, "bf16_panels", False) for m in natives)
+        if self.bf16_panel_linears:
+            log.info("float32 linears: %d of %d weights held in bf16 for the native kernel (every value a bf16 "
+                     "one: the same products, half the bytes)", self.bf16_panel_linears, len(natives))
         if native_rows:
-            held = sum(4 * m.in_features * m.out_features for w in self.layers for m in w.linears)
+            held = sum(m.weight_bytes for m in natives if isinstance(m, NativeLinear))
             log.info("float32 linears: %s; every layer's weights packed for both (%.0f MiB more)",
                      float32_choice(native_rows), held / 2 ** 20)
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]

@@ -15,7 +15,10 @@
 // memory; so while a group is computed, the next group's panels are prefetched into L2, a few
 // lines per step spread evenly over the group's row tiles. With int8 weights (model.quantization:
 // int8) the panels hold int8 values, a quarter of the bytes, each panel row widened to floats in
-// registers, and the sums are scaled per column before the bias (ps_linear_int8). Built into the
+// registers, and the sums are scaled per column before the bias (ps_linear_int8). A float32 weight
+// whose values are all bf16 ones (a bf16 checkpoint served in float32) can be held in bf16 panels,
+// half the bytes, widened exactly in registers: the same products in the same order, so the same bits
+// (ps_linear_bf16w). Built into the
 // native library by prefix_service/backends/cpu/native.py; without AVX-512 or AVX2 ps_linear returns 1.
 #include <cstdint>
 #include <type_traits>
@@ -35,8 +38,12 @@ constexpr int64_t CHUNK_BYTES = 1 << 20;  // x rows per chunk: at most this much
 // A row of a panel (16 columns at one k) as floats: float32 weights as they are, int8 ones widened
 inline vf wload(const float* p) { return ps::vload(p); }
 inline vf wload(const int8_t* p) { return ps::vload_i8(p); }
+// bf16 weights (uint16 bits) are packed in pairs of rows, [ceil(K/2)][16][2]: one 64-byte line holds a
+// panel's rows k and k + 1, each widened by one integer operation (ps::vload_bf16_even/odd)
+template <typename T>
+constexpr int kStep = std::is_same<T, uint16_t>::value ? 2 : 1;
 
-// One register tile: R rows of x against NP panels of T (float or int8) weights. ps: weights
+// One register tile: R rows of x against NP panels of T (float, int8 or bf16) weights. ps: weights
 // between panels. `last`: the valid columns of the tile's last panel. float32: the sums start at
 // the bias; int8 (scale set): y = sums scale + bias. Prefetches pf_lines 64-byte lines from pf on,
 // spread over K steps.
@@ -53,16 +60,41 @@ inline void tile(const float* x, int64_t ldx, int K, const T* w, int64_t ps, flo
     for (int r = 0; r < R; ++r) acc[r][j] = b;
   }
   int pf_acc = 0;
-  for (int k = 0; k < K; ++k) {
-    vf wv[NP];
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) wv[j] = wload(w + j * ps + (int64_t)k * NR);
-    for (pf_acc += pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+  // the products in k order per output, whatever T: float32 over bf16 panels sums as over float32 ones
+  const auto step = [&](int k, const vf* wv) {
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const vf a = ps::vset1(x[r * ldx + k]);
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) acc[r][j] = ps::vfmadd(a, wv[j], acc[r][j]);
+    }
+  };
+  if constexpr (kStep<T> == 2) {
+    const int pairs = K / 2;
+    for (int i = 0; i < pairs; ++i) {
+      const T* row = w + (int64_t)i * 2 * NR;
+      vf wv[NP];
+      for (pf_acc += 2 * pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) wv[j] = ps::vload_bf16_even(row + j * ps);
+      step(2 * i, wv);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) wv[j] = ps::vload_bf16_odd(row + j * ps);
+      step(2 * i + 1, wv);
+    }
+    if (K % 2 != 0) {  // an odd K's last pair holds one row
+      vf wv[NP];
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) wv[j] = ps::vload_bf16_even(w + (int64_t)(K - 1) * NR + j * ps);
+      step(K - 1, wv);
+    }
+  } else {
+    for (int k = 0; k < K; ++k) {
+      vf wv[NP];
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) wv[j] = wload(w + j * ps + (int64_t)k * NR);
+      for (pf_acc += pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+      step(k, wv);
     }
   }
   if constexpr (kScaled) {
@@ -159,7 +191,7 @@ void run(const float* x, int64_t ldx, int M, int K, const T* wp, int N, const fl
          float* y, int64_t ldy, int threads) {
   if (M <= 0 || N <= 0) return;
   const int P = (N + NR - 1) / NR;
-  const int64_t ps = (int64_t)K * NR;
+  const int64_t ps = (int64_t)(K + kStep<T> - 1) / kStep<T> * kStep<T> * NR;  // T per panel
   const int tail = N - (P - 1) * NR;
   const int team = threads > 0 ? threads : 1;
   // panels per thread when there are enough to share (the weights read once), else rows per thread
@@ -209,6 +241,20 @@ extern "C" int ps_linear_int8(const float* x, int64_t ldx, int M, int K, const i
 #endif
 }
 
+// The same over a weight held in bf16 (uint16 bits), packed as for ps_linear: each panel row widened to
+// floats exactly, so where W's values are bf16 ones (a bf16 checkpoint served in float32) y has the
+// bits ps_linear gives over the float32 panels, from half their bytes.
+extern "C" int ps_linear_bf16w(const float* x, int64_t ldx, int M, int K, const uint16_t* wp, int N, const float* bias,
+                               float* y, int64_t ldy, int threads) {
+#if !defined(PS_SIMD)
+  (void)x; (void)ldx; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)ldy; (void)threads;
+  return 1;
+#else
+  run(x, ldx, M, K, wp, N, bias, nullptr, y, ldy, threads);
+  return 0;
+#endif
+}
+
 // ps_linear behind the decoder stack's linear interface (cpu_layer.cpp, PsLinear): `self` points to
 // {const float* panels, int64_t n, int64_t k, const float* bias}, a weight packed for ps_linear.
 struct PsPackedLinear {
@@ -221,6 +267,14 @@ extern "C" int ps_packed_linear(const void* self, const float* x, int64_t ldx, i
                                 int threads) {
   const PsPackedLinear* w = static_cast<const PsPackedLinear*>(self);
   return ps_linear(x, ldx, M, (int)w->k, w->panels, (int)w->n, w->bias, y, ldy, threads);
+}
+
+// ps_linear_bf16w behind the same interface: `self` as for ps_packed_linear, its panels bf16.
+extern "C" int ps_packed_linear_bf16w(const void* self, const float* x, int64_t ldx, int M, float* y, int64_t ldy,
+                                      int threads) {
+  const PsPackedLinear* w = static_cast<const PsPackedLinear*>(self);
+  return ps_linear_bf16w(x, ldx, M, (int)w->k, reinterpret_cast<const uint16_t*>(w->panels), (int)w->n, w->bias, y,
+                         ldy, threads);
 }
 
 // ps_linear_int8 behind the same interface: `self` points to {const int8_t* q, const float* scale,

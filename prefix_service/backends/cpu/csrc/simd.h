@@ -37,6 +37,15 @@ inline vf vload_first(const float* p, int n) { return {_mm512_maskz_loadu_ps(fir
 inline vf vload_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+// 16 pairs of bf16 values (uint16 bits; a pair: its first value in the low half of a 32-bit lane), the
+// first or the second value of each widened to float32 (exactly): one load and one integer operation
+// for 16 floats
+inline vf vload_bf16_even(const uint16_t* p) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(p), 16))};
+}
+inline vf vload_bf16_odd(const uint16_t* p) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(int(0xffff0000u))))};
+}
 inline void vstore_first(float* p, vf a, int n) { _mm512_mask_storeu_ps(p, first_mask(n), a.v); }
 inline vf vadd(vf a, vf b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline vf vsub(vf a, vf b) { return {_mm512_sub_ps(a.v, b.v)}; }
@@ -145,6 +154,19 @@ inline vf vload_i8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
   };
   return {eight(p), eight(p + 8)};
+}
+inline vf vload_bf16_even(const uint16_t* p) {
+  const auto eight = [](const uint16_t* q) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), 16));
+  };
+  return {eight(p), eight(p + 16)};
+}
+inline vf vload_bf16_odd(const uint16_t* p) {
+  const auto eight = [](const uint16_t* q) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                                                _mm256_set1_epi32(int(0xffff0000u))));
+  };
+  return {eight(p), eight(p + 16)};
 }
 inline void vstore(float* p, vf a) {
   _mm256_storeu_ps(p, a.lo);
