@@ -23,7 +23,7 @@ import torch
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.attention import HEAD_SIZES, KV_DTYPES
-from prefix_service.backends.cpu.linear import (CpuLinear, NativeLinear, available, float32_choice, float32_kernel,
+from prefix_service.backends.cpu.linear import (CpuLinear, available, float32_choice, float32_kernel,
                                                  float32_native_rows, make_linear)
 from prefix_service.backends.cpu.plan import StackPlan
 from prefix_service.backends.cpu.tuning import (TIMED_LAYERS, Float32Timing, PromptTiming, TemplateTiming,
@@ -176,7 +176,7 @@ class DecoderStack:
             log.info("float32 linears: %d of %d weights held in bf16 for the native kernel (every value a bf16 "
                      "one: the same products, half the bytes)", self.bf16_panel_linears, len(natives))
         if native_rows:
-            held = sum(m.weight_bytes for m in natives if isinstance(m, NativeLinear))
+            held = sum(4 * m.in_features * m.out_features for w in self.layers for m in w.linears)  # oneDNN's copy
             log.info("float32 linears: %s; every layer's weights packed for both (%.0f MiB more)",
                      float32_choice(native_rows), held / 2 ** 20)
         self.weights = _pointers([w.pointers() for w in self.layers])  # [layers, 8]
