@@ -241,20 +241,6 @@ extern "C" int ps_linear_int8(const float* x, int64_t ldx, int M, int K, const i
 #endif
 }
 
-// The same over a weight held in bf16 (uint16 bits), packed as for ps_linear: each panel row widened to
-// floats exactly, so where W's values are bf16 ones (a bf16 checkpoint served in float32) y has the
-// bits ps_linear gives over the float32 panels, from half their bytes.
-extern "C" int ps_linear_bf16w(const float* x, int64_t ldx, int M, int K, const uint16_t* wp, int N, const float* bias,
-                               float* y, int64_t ldy, int threads) {
-#if !defined(PS_SIMD)
-  (void)x; (void)ldx; (void)M; (void)K; (void)wp; (void)N; (void)bias; (void)y; (void)ldy; (void)threads;
-  return 1;
-#else
-  run(x, ldx, M, K, wp, N, bias, nullptr, y, ldy, threads);
-  return 0;
-#endif
-}
-
 // ps_linear behind the decoder stack's linear interface (cpu_layer.cpp, PsLinear): `self` points to
 // {const float* panels, int64_t n, int64_t k, const float* bias}, a weight packed for ps_linear.
 struct PsPackedLinear {
@@ -269,12 +255,20 @@ extern "C" int ps_packed_linear(const void* self, const float* x, int64_t ldx, i
   return ps_linear(x, ldx, M, (int)w->k, w->panels, (int)w->n, w->bias, y, ldy, threads);
 }
 
-// ps_linear_bf16w behind the same interface: `self` as for ps_packed_linear, its panels bf16.
+// A weight held in bf16 behind the same interface: `self` as for ps_packed_linear, its panels the
+// weight's bf16 bits in pairs of rows ([ceil(N/16)][ceil(K/2)][16][2], linear.pack_weight_bf16), each
+// row widened to floats exactly: where W's values are bf16 ones (a bf16 checkpoint served in float32)
+// y has the bits ps_linear gives over the float32 panels, from half their bytes.
 extern "C" int ps_packed_linear_bf16w(const void* self, const float* x, int64_t ldx, int M, float* y, int64_t ldy,
                                       int threads) {
   const PsPackedLinear* w = static_cast<const PsPackedLinear*>(self);
-  return ps_linear_bf16w(x, ldx, M, (int)w->k, reinterpret_cast<const uint16_t*>(w->panels), (int)w->n, w->bias, y,
-                         ldy, threads);
+#if !defined(PS_SIMD)
+  (void)w; (void)x; (void)ldx; (void)M; (void)y; (void)ldy; (void)threads;
+  return 1;
+#else
+  run(x, ldx, M, (int)w->k, reinterpret_cast<const uint16_t*>(w->panels), (int)w->n, w->bias, nullptr, y, ldy, threads);
+  return 0;
+#endif
 }
 
 // ps_linear_int8 behind the same interface: `self` points to {const int8_t* q, const float* scale,
