@@ -18,7 +18,7 @@
 // registers, and the sums are scaled per column before the bias (ps_linear_int8). A float32 weight
 // whose values are all bf16 ones (a bf16 checkpoint served in float32) can be held in bf16 panels,
 // half the bytes, widened exactly in registers: the same products in the same order, so the same bits
-// (ps_linear_bf16w). Built into the
+// (ps_packed_linear_bf16w). Built into the
 // native library by prefix_service/backends/cpu/native.py; without AVX-512 or AVX2 ps_linear returns 1.
 #include <cstdint>
 #include <type_traits>
