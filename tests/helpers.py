@@ -54,28 +54,28 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float3
     return out[0, len(ids):].tolist(), logits
 
 
+def _rewritten_checkpoint(src, dst, rewrite):
+    """A copy of the model directory with each safetensors file's tensors passed through rewrite."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    for f in sorted(dst.glob("*.safetensors")):
+        save_file(rewrite(load_file(str(f))), str(f), metadata={"format": "pt"})
+    return dst
+
+
 def dequantized_checkpoint(src, dst):
     """A copy of the model directory whose decoder linears hold q diag(scale) in float32
     (model/quantize.py's dequantized_checkpoint_tensors): what an engine with model.quantization int8
     runs, as transformers reads it."""
-    import shutil
-    from safetensors.torch import load_file, save_file
     from prefix_service.model.quantize import dequantized_checkpoint_tensors
-    shutil.copytree(src, dst)
-    for f in sorted(dst.glob("*.safetensors")):
-        save_file(dequantized_checkpoint_tensors(load_file(str(f))), str(f), metadata={"format": "pt"})
-    return dst
+    return _rewritten_checkpoint(src, dst, dequantized_checkpoint_tensors)
 
 
 def bf16_checkpoint(src, dst):
     """A copy of the model directory with its floating tensors saved in bfloat16 (as SmolLM2's are)."""
-    import shutil
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(src, dst)
-    for f in sorted(dst.glob("*.safetensors")):
-        tensors = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in load_file(str(f)).items()}
-        save_file(tensors, str(f), metadata={"format": "pt"})
-    return dst
+    return _rewritten_checkpoint(src, dst, lambda tensors: {
+        name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()})
 
 
 def cpu_simd() -> str:

@@ -181,18 +181,14 @@ class NativeLinear:
         self.packed: torch.Tensor | None = None
         self.bf16_panels = False
         self._args: ctypes.Structure
-        self._entry = "ps_packed_linear"
-        if int8 is None and (panels or float32_panels()) == "auto" and bf16_valued(weight):
-            self.bf16_panels = True
-            self.held = pack_weight_bf16(weight)
+        if int8 is None:
+            self.bf16_panels = (panels or float32_panels()) == "auto" and bf16_valued(weight)
+            self._entry = "ps_packed_linear_bf16w" if self.bf16_panels else "ps_packed_linear"
+            self.held = pack_weight_bf16(weight) if self.bf16_panels else pack_weight(weight)
+            if not self.bf16_panels:
+                self.packed = self.held
+                _check_weight(self.packed, self.out_features, self.in_features, self.bias)
             self._args = _PackedArgs(self.held.data_ptr(), self.out_features, self.in_features, bias_ptr)
-            self._entry = "ps_packed_linear_bf16w"
-            self.fn = native.address(lib.ps_packed_linear_bf16w)
-        elif int8 is None:
-            self.packed = self.held = pack_weight(weight)
-            _check_weight(self.packed, self.out_features, self.in_features, self.bias)
-            self._args = _PackedArgs(self.packed.data_ptr(), self.out_features, self.in_features, bias_ptr)
-            self.fn = native.address(lib.ps_packed_linear)
         else:
             if problem := int8_problem(int8, tuple(weight.shape)):
                 raise NativeKernelError(problem)
@@ -202,7 +198,7 @@ class NativeLinear:
             self._args = _PackedInt8Args(self.held.data_ptr(), self.scale.data_ptr(), self.out_features,
                                          self.in_features, bias_ptr)
             self._entry = "ps_packed_linear_int8"
-            self.fn = native.address(lib.ps_packed_linear_int8)
+        self.fn = native.address(getattr(lib, self._entry))
         self.handle = ctypes.addressof(self._args)
         self.call = native.LinearCall(self.fn, self.handle)
 
