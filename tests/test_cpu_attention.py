@@ -335,6 +335,46 @@ def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
 
 
 @needs_native
+@pytest.mark.parametrize("r", [256, 272, 1040, 2400])
+def test_decode_over_a_long_template_merges_its_ranges_of_keys(r):
+    """A template of 256 keys or more is attended in ranges of keys, each range's softmax state made
+    on its own and the states merged in order (256 keys: one range; 272: 256 + 16; 1,040: five of
+    256 and one of 16; 2,400: eight of 320 or less). The ranges' scores peak in different places, so
+    a range dropped or merged without its rescaling shows against float64; and since the ranges
+    depend on the template alone, a sequence decoded alone, in a batch, or on 1 or 3 threads gives
+    the same bits."""
+    bs, hq, hkv, d = 16, 9, 3, 32
+    g = torch.Generator().manual_seed(r)
+    kt, vt = torch.randn(r, hkv, d, generator=g), torch.randn(r, hkv, d, generator=g)
+    kt += torch.linspace(-2.0, 2.0, r)[:, None, None] * torch.randn(1, hkv, d, generator=g)  # the peak moves
+    packed = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), r)
+    which = [True, True, False, True, True, True, True, True, False, True]
+    lens = [r + 1 + 9 * i if on else 3 + 5 * i for i, on in enumerate(which)]
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=r + 1)
+    q = q * 2.0
+    templates = [packed if on else None for on in which]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode_attention(q, kc, vc, tables, ctx, 0.3, templates=templates)
+        torch.set_num_threads(3)
+        three = decode_attention(q, kc, vc, tables, ctx, 0.3, templates=templates)
+    finally:
+        torch.set_num_threads(threads)
+    got = decode_attention(q, kc, vc, tables, ctx, 0.3, templates=templates)
+    assert torch.equal(got, one) and torch.equal(got, three)
+    for i, (on, n) in enumerate(zip(which, lens)):
+        k, v = kc[rows[i]].flatten(0, 1)[:n], vc[rows[i]].flatten(0, 1)[:n]
+        if on:
+            k, v = torch.cat([kt, k[r:]]), torch.cat([vt, v[r:]])
+        # scores spread wider than the other tests' (up to ~20): float32's error grows with them
+        assert (got[i:i + 1].double() - reference(q[i:i + 1], k, v, 0.3)).abs().max().item() < 1e-5, i
+        alone = decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], ctx[i:i + 1], 0.3,
+                                 templates=[templates[i]] if on else None)
+        assert torch.equal(alone, got[i:i + 1]), i
+
+
+@needs_native
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_decode_does_not_depend_on_the_thread_count(kv):
     """Decodes on a template and without one, as one batch: the same bits on 1, 2 and 3 threads,

@@ -223,6 +223,25 @@ inline void attend_template(Tile& t, int d_len, const float* kt_h, const float* 
   }
 }
 
+// Row r of a tile takes the softmax state of n >= 1 ranges of keys, each D + 2 floats (unnormalised
+// output, maximum, sum) one after another from st, merged in order: one range's is taken as it is.
+inline void merge_states(Tile& t, int r, const float* st, int n, int d_len) {
+  const int64_t state_floats = d_len + 2;
+  float* o = t.o + r * MAX_D;
+  std::memcpy(o, st, sizeof(float) * d_len);
+  float m = st[d_len], l = st[d_len + 1];
+  for (int i = 1; i < n; ++i) {
+    const float* s = st + i * state_floats;
+    const float m_new = std::fmax(m, s[d_len]);
+    const float a = std::exp(m - m_new), b = std::exp(s[d_len] - m_new);
+    for (int d = 0; d < d_len; ++d) o[d] = o[d] * a + s[d] * b;
+    l = l * a + s[d_len + 1] * b;
+    m = m_new;
+  }
+  t.m[r] = m;
+  t.l[r] = l;
+}
+
 // Row r's normalised output into dst.
 inline void store_row(const Tile& t, int r, float* dst, int d_len) {
   const float inv = 1.0f / t.l[r];
@@ -517,10 +536,30 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
 #endif
 }
 
+namespace {
+// A decode's packed template is attended in ranges of template_split(r_len) keys, each range's
+// softmax state made on its own (pass A) and the states merged in order (pass B): at most
+// kMaxSplits ranges, each a multiple of 64 keys and at least kSplitMin. The ranges depend on the
+// template's length alone, never on the batch or the thread count, so neither changes a row's bits.
+// They share out even one sequence's reading of its template: by KV head alone, SmolLM2's 3 would be
+// 3 tasks on 2 threads, one thread reading two thirds.
+constexpr int kMaxSplits = 8;
+constexpr int kSplitMin = 256;
+inline int template_split(int r_len) {
+  const int per = (r_len + kMaxSplits - 1) / kMaxSplits;
+  const int keys = (per + 63) / 64 * 64;  // whole chunks of 64 keys
+  return keys < kSplitMin ? kSplitMin : keys;
+}
+inline int template_splits(int r_len) {
+  return r_len <= 0 ? 0 : (r_len + template_split(r_len) - 1) / template_split(r_len);
+}
+}  // namespace
+
 // The floats of scratch ps_decode_attention needs for n_seq sequences of hq query heads: each
-// query row's softmax state after its template (unnormalised output, running maximum, sum).
+// query row's softmax state after each range of its template's keys (unnormalised output, running
+// maximum, sum).
 extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
-  return ((int64_t)n_seq * hq * (d_len + 2) + KP - 1) / KP * KP;
+  return ((int64_t)n_seq * hq * kMaxSplits * (d_len + 2) + KP - 1) / KP * KP;
 }
 
 // Decode attention: n_seq sequences, one new token each, over their paged cache
@@ -530,15 +569,16 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // skip_blocks[n] blocks come instead from a packed template (the layout of segment A above).
 //
 // Two passes in one parallel region. A: the sequences that read the same packed template attend
-// to it together: per KV head, the query heads of all of them are the rows of tiles that walk the
-// template's keys 64 at a time, each chunk serving every tile while it is in cache, so the
-// template is read from memory once per (KV head, block of tiles) instead of once per sequence;
-// each row's softmax state is kept in `scratch` (ps_decode_scratch_floats; null: the call
+// to it together: per KV head and range of the template's keys (template_split), the query heads of
+// all of them are the rows of tiles that walk the range's keys 64 at a time, each chunk serving
+// every tile while it is in cache, so the template is read from memory once per (KV head, block of
+// tiles) instead of once per sequence, and even one sequence's reading is shared out; each row's
+// softmax state after each range is kept in `scratch` (ps_decode_scratch_floats; null: the call
 // allocates it). B: each sequence's rest of context, through its block table, per (sequence, tile
 // of query heads) over all its KV heads (per KV head too when there are fewer than two sequences a
-// thread), from that state: a task first asks for every cache row it reads (prefetch), then gathers
-// the keys 64 at a time into panels in a per-thread buffer. A row's arithmetic is the same
-// whatever rows share its tile or task.
+// thread), from its ranges' states merged in order: a task first asks for every cache row it reads
+// (prefetch), then gathers the keys 64 at a time into panels in a per-thread buffer. A row's
+// arithmetic is the same whatever rows share its tile or task.
 // template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
 // on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
 // with the same rows per task; its state goes where the native pass puts its own. kt_ptrs[n] then
@@ -569,20 +609,28 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   const ps::KvStore kc{k_cache, kv_bf16 != 0}, vc{v_cache, kv_bf16 != 0};
   if (slots != nullptr && !slots_fit(slots, n_seq, (int64_t)num_blocks * block_size)) return 4;
 
-  // the sequences with a template, grouped by it (members[group_start[i] .. group_start[i + 1]))
-  int* members = static_cast<int*>(std::malloc(sizeof(int) * 2 * ((size_t)n_seq + 1)));
+  // the sequences with a template, grouped by it (members[group_start[i] .. group_start[i + 1])),
+  // and the ranges of keys each sequence's template is attended in (1 where template_fn does it whole)
+  int* members = static_cast<int*>(std::malloc(sizeof(int) * 3 * ((size_t)n_seq + 1)));
   if (members == nullptr) return 3;
   int* group_start = members + n_seq;
-  int n_groups = 0, n_members = 0;
+  int* splits = group_start + n_seq + 1;
+  int n_groups = 0, n_members = 0, split_units = 0;  // split_units: (group, KV head, range) tasks before blocks
   if (kt_ptrs != nullptr)
     for (int n = 0; n < n_seq; ++n) {
       if (kt_ptrs[n] == 0) continue;
       bool seen = false;  // a member of an earlier group
       for (int i = 0; i < n_members && !seen; ++i) seen = kt_ptrs[members[i]] == kt_ptrs[n];
       if (seen) continue;
+      const bool matrix = template_fn != 0 && th_ptrs != nullptr && th_ptrs[n] != 0;
+      const int ranges = matrix ? 1 : template_splits(skip_blocks[n] * block_size);
+      split_units += hkv * ranges;
       group_start[n_groups++] = n_members;
       for (int m = n; m < n_seq; ++m)
-        if (kt_ptrs[m] == kt_ptrs[n] && skip_blocks[m] == skip_blocks[n]) members[n_members++] = m;
+        if (kt_ptrs[m] == kt_ptrs[n] && skip_blocks[m] == skip_blocks[n]) {
+          members[n_members++] = m;
+          splits[m] = ranges;
+        }
     }
   group_start[n_groups] = n_members;
   float* owned = nullptr;
@@ -595,7 +643,8 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
     }
     state = owned;
   }
-  // pass A's tasks: (group, KV head, block of up to TB tiles), at least two per thread where the rows allow
+  // pass A's tasks: (group, KV head, range of keys, block of up to TB tiles), at least two per thread
+  // where the rows allow; a group with fewer ranges than kMaxSplits skips the tasks of the others
   constexpr int TB = 8;
   const int threads = omp_get_max_threads();
   int blocks_per_head = 0;  // the same for every group: the largest group's tiles decide
@@ -607,7 +656,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   }
   if (n_groups > 0) {
     blocks_per_head = (max_tiles + TB - 1) / TB;
-    const int want = (2 * threads + n_groups * hkv - 1) / (n_groups * hkv);
+    const int want = (2 * threads + split_units - 1) / split_units;
     if (blocks_per_head < want) blocks_per_head = want < max_tiles ? want : max_tiles;
   }
   int status = 0;
@@ -627,12 +676,14 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         status = 3;
       }
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t task = 0; task < (int64_t)n_groups * hkv * blocks_per_head; ++task) {
+      for (int64_t task = 0; task < (int64_t)n_groups * hkv * kMaxSplits * blocks_per_head; ++task) {
         if (block == nullptr || (template_fn != 0 && rows_q == nullptr)) continue;
-        const int gi = (int)(task / ((int64_t)hkv * blocks_per_head));
-        const int h = (int)((task / blocks_per_head) % hkv);
+        const int gi = (int)(task / ((int64_t)hkv * kMaxSplits * blocks_per_head));
+        const int h = (int)((task / ((int64_t)kMaxSplits * blocks_per_head)) % hkv);
+        const int sp = (int)((task / blocks_per_head) % kMaxSplits);  // the range of keys
         const int b = (int)(task % blocks_per_head);
         const int* seqs = members + group_start[gi];
+        if (sp >= splits[seqs[0]]) continue;
         const int rows = (group_start[gi + 1] - group_start[gi]) * g;
         const int n_tiles = (rows + MR - 1) / MR;
         const int t0 = (int)((int64_t)n_tiles * b / blocks_per_head), t1 = (int)((int64_t)n_tiles * (b + 1) / blocks_per_head);
@@ -642,7 +693,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
             return q + seqs[(r0 + i) / g] * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len;
           };
           const auto dst = [&](int i) {
-            return state + ((int64_t)seqs[(r0 + i) / g] * hq + h * g + (r0 + i) % g) * state_floats;
+            return state + ((int64_t)seqs[(r0 + i) / g] * hq + h * g + (r0 + i) % g) * kMaxSplits * state_floats;
           };
           if (template_rows(template_fn, reinterpret_cast<const void*>(th_ptrs[seqs[0]]), h, nr, d_len, scale, rows_q,
                             query, dst) != 0) {
@@ -662,8 +713,10 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         const int r_panels = (r_len + KP - 1) / KP;
         const float* kt_h = reinterpret_cast<const float*>(kt_ptrs[n0]) + (int64_t)h * r_panels * panel_floats;
         const float* vt_h = reinterpret_cast<const float*>(vt_ptrs[n0]) + (int64_t)h * r_len * d_len;
-        for (int c0 = 0; c0 < r_len; c0 += KC) {
-          const int nk = r_len - c0 < KC ? r_len - c0 : KC;
+        const int k0 = sp * template_split(r_len);  // the range's keys: [k0, k1), whole panels from k0
+        const int k1 = k0 + template_split(r_len) < r_len ? k0 + template_split(r_len) : r_len;
+        for (int c0 = k0; c0 < k1; c0 += KC) {
+          const int nk = k1 - c0 < KC ? k1 - c0 : KC;
           for (int r = 0; r < MR; ++r) valid[r] = nk;
           for (int ti = t0; ti < t1; ++ti)
             chunk(block[ti - t0], d_len, kt_h + (int64_t)(c0 / KP) * panel_floats, nk, vt_h + (int64_t)c0 * d_len,
@@ -673,7 +726,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           for (int r = 0; r < MR && ti * MR + r < rows; ++r) {
             const int row = ti * MR + r;
             const Tile& t = block[ti - t0];
-            float* st = state + ((int64_t)seqs[row / g] * hq + h * g + row % g) * state_floats;
+            float* st = state + (((int64_t)seqs[row / g] * hq + h * g + row % g) * kMaxSplits + sp) * state_floats;
             std::memcpy(st, t.o + r * MAX_D, sizeof(float) * d_len);
             st[d_len] = t.m[r];
             st[d_len + 1] = t.l[r];
@@ -718,12 +771,9 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         for (int r = 0; r < MR; ++r) {
           const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
           start_row(t, r, q + n * q_stride + (int64_t)(h * g + gg) * d_len, d_len, scale);
-          if (templated) {  // from its state after the template (pass A)
-            const float* st = state + ((int64_t)n * hq + h * g + gg) * state_floats;
-            std::memcpy(t.o + r * MAX_D, st, sizeof(float) * d_len);
-            t.m[r] = st[d_len];
-            t.l[r] = st[d_len + 1];
-          }
+          if (templated)  // from its state after the template: pass A's, its ranges merged in order
+            merge_states(t, r, state + ((int64_t)n * hq + h * g + gg) * kMaxSplits * state_floats, splits[n],
+                         d_len);
         }
         const float* key_rows[KC];
         int64_t row_at[KC];  // the chunk's rows of head h in the cache
