@@ -335,11 +335,11 @@ def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
 
 
 @needs_native
-@pytest.mark.parametrize("r", [256, 272, 1040, 2400])
+@pytest.mark.parametrize("r", [512, 528, 1040, 4400])
 def test_decode_over_a_long_template_merges_its_ranges_of_keys(r):
-    """A template of 256 keys or more is attended in ranges of keys, each range's softmax state made
-    on its own and the states merged in order (256 keys: one range; 272: 256 + 16; 1,040: five of
-    256 and one of 16; 2,400: eight of 320 or less). The ranges' scores peak in different places, so
+    """A template of more than 512 keys is attended in ranges of keys, each range's softmax state made
+    on its own and the states merged in order (512 keys: one range; 528: 512 + 16; 1,040: 512, 512
+    and 16; 4,400: eight of 576 or less). The ranges' scores peak in different places, so
     a range dropped or merged without its rescaling shows against float64; and since the ranges
     depend on the template alone, a sequence decoded alone, in a batch, or on 1 or 3 threads gives
     the same bits."""

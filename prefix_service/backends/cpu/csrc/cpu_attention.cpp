@@ -544,7 +544,7 @@ namespace {
 // They share out even one sequence's reading of its template: by KV head alone, SmolLM2's 3 would be
 // 3 tasks on 2 threads, one thread reading two thirds.
 constexpr int kMaxSplits = 8;
-constexpr int kSplitMin = 256;
+constexpr int kSplitMin = 512;
 inline int template_split(int r_len) {
   const int per = (r_len + kMaxSplits - 1) / kMaxSplits;
   const int keys = (per + 63) / 64 * 64;  // whole chunks of 64 keys
