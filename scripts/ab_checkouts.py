@@ -1,5 +1,6 @@
 """Two checkouts of this repository on this machine, A/B: each runs its own scripts/profile_decode.py
-(decode step time at --batches sequences) and scripts/profile_prefill.py (TTFT of 100 tokens on the
+(decode step time at --batches sequences, and on the cpu backend the native kernels' share of the
+profiled step: attention, linear, elementwise) and scripts/profile_prefill.py (TTFT of 100 tokens on the
 900-token template and of the 1,000 tokens alone), taking turns, --rounds times (the before checkout
 first in even rounds). The table and JSON give each checkout's median over the rounds of each run's
 p50, and the after / before ratio of each round's pair (median, min, max): on a shared machine the
@@ -60,10 +61,19 @@ def run_scripts(tree: Path, args: argparse.Namespace, out: Path) -> dict[str, fl
     for cmd in (decode, prefill):
         print("$", " ".join(shlex.quote(c) for c in cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=tree, stdout=subprocess.DEVNULL if args.quiet else None)
+    return measures_from(json.loads(decode_json.read_text()), json.loads(prefill_json.read_text()))
+
+
+def measures_from(decode: dict[str, Any], prefill: dict[str, Any]) -> dict[str, float]:
+    """The measures of one run of each script's JSON: each batch's step p50, and where the decode
+    profile timed the native kernels, each kind's ms in the profiled step (attention, linear, ...);
+    each prefill path's TTFT p50."""
     measures: dict[str, float] = {}
-    for r in json.loads(decode_json.read_text())["results"]:
+    for r in decode["results"]:
         measures[f"decode_step_p50_ms/{r['batch']}"] = r["step_p50_ms"]
-    for r in json.loads(prefill_json.read_text())["results"]:
+        for kind, ms in (r.get("kernels_ms") or {}).items():
+            measures[f"decode_{kind}_ms/{r['batch']}"] = ms
+    for r in prefill["results"]:
         if r["path"] in PREFILL_PATHS:
             measures[f"prefill_ttft_p50_ms/{r['path']}"] = r["ttft_p50_ms"]
     return measures

@@ -28,6 +28,19 @@ def test_summary_pairs_each_round_and_keeps_common_measures():
     assert table.splitlines()[0].startswith("| measure | before (abc) | after (def) |")
 
 
+def test_measures_from_the_scripts_json():
+    """Each batch's step, the kernels' share where the profile timed them (a checkout from before the
+    timers gives steps only), and the two prefill paths; other paths are left out."""
+    ab = load_script("ab_checkouts")
+    decode = {"results": [{"batch": 1, "step_p50_ms": 16.5, "kernels_ms": {"attention": 3.8, "linear": 11.0}},
+                          {"batch": 64, "step_p50_ms": 170.0}]}
+    prefill = {"results": [{"path": p, "ttft_p50_ms": t} for p, t in
+                           (("prefix", 170.0), ("no_prefix", 1700.0), ("full", 9.0))]}
+    assert ab.measures_from(decode, prefill) == {
+        "decode_step_p50_ms/1": 16.5, "decode_attention_ms/1": 3.8, "decode_linear_ms/1": 11.0,
+        "decode_step_p50_ms/64": 170.0, "prefill_ttft_p50_ms/prefix": 170.0, "prefill_ttft_p50_ms/no_prefix": 1700.0}
+
+
 def test_checkout_extracts_a_commit_once(tmp_path):
     ab = load_script("ab_checkouts")
     try:
