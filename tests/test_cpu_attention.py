@@ -335,6 +335,25 @@ def test_decode_groups_sequences_on_a_template_without_changing_a_row(hq, hkv):
 
 
 @needs_native
+def test_decode_groups_by_template_and_length_read():
+    """Two sequences read the same packed copy to different lengths (the second its first 32 keys: a
+    view from the same address): each is its own group, and each equals attention in float64."""
+    bs, hq, hkv, d = 16, 4, 1, 16
+    g = torch.Generator().manual_seed(5)
+    kt, vt = torch.randn(4 * bs, hkv, d, generator=g), torch.randn(4 * bs, hkv, d, generator=g)
+    pk, pv = cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt)
+    short = (pk[:, :2], pv[:, :2 * bs], 2 * bs)
+    assert short[0].data_ptr() == pk.data_ptr() and short[1].data_ptr() == pv.data_ptr()
+    lens = [4 * bs + 3, 4 * bs + 3, 4 * bs + 5]
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=6)
+    got = decode_attention(q, kc, vc, tables, ctx, 0.3, templates=[(pk, pv, 4 * bs), short, (pk, pv, 4 * bs)])
+    for i, r in enumerate((4 * bs, 2 * bs, 4 * bs)):
+        k, v = kc[rows[i]].flatten(0, 1)[:lens[i]], vc[rows[i]].flatten(0, 1)[:lens[i]]
+        k, v = torch.cat([kt[:r], k[r:]]), torch.cat([vt[:r], v[r:]])
+        assert (got[i:i + 1].double() - reference(q[i:i + 1], k, v, 0.3)).abs().max().item() < 2e-6, i
+
+
+@needs_native
 @pytest.mark.parametrize("r", [512, 528, 1040, 4400])
 def test_decode_over_a_long_template_merges_its_ranges_of_keys(r):
     """A template of more than 512 keys is attended in ranges of keys, each range's softmax state made

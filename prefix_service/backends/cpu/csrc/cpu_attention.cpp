@@ -619,8 +619,9 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   if (kt_ptrs != nullptr)
     for (int n = 0; n < n_seq; ++n) {
       if (kt_ptrs[n] == 0) continue;
-      bool seen = false;  // a member of an earlier group
-      for (int i = 0; i < n_members && !seen; ++i) seen = kt_ptrs[members[i]] == kt_ptrs[n];
+      bool seen = false;  // a member of an earlier group: the same template, read as far
+      for (int i = 0; i < n_members && !seen; ++i)
+        seen = kt_ptrs[members[i]] == kt_ptrs[n] && skip_blocks[members[i]] == skip_blocks[n];
       if (seen) continue;
       const bool matrix = template_fn != 0 && th_ptrs != nullptr && th_ptrs[n] != 0;
       const int ranges = matrix ? 1 : template_splits(skip_blocks[n] * block_size);
