@@ -173,10 +173,10 @@ struct Tile {
   float m[MR], l[MR], alpha[MR];
 };
 
-// One chunk of nk <= KC keys for the tile's first `rows` rows: K panels at kp, V rows at v (stride
-// v_stride); row r sees the first valid[r] of them.
-inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, int64_t v_stride, const int* valid,
-                  int rows = MR) {
+// The softmax half of a chunk of nk <= KC keys (K panels at kp) for the tile's first `rows` rows: each
+// row's probabilities into t.s, its maximum and sum moved on, and in t.alpha what its output is to be
+// scaled by before the chunk's P V is added; row r sees the first valid[r] keys.
+inline void chunk_scores(Tile& t, int d_len, const float* kp, int nk, const int* valid, int rows) {
   qk_any(rows, (nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
   const vf neg_inf = ps::vset1(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < rows; ++r) {
@@ -201,8 +201,17 @@ inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, i
     t.l[r] = t.l[r] * t.alpha[r] + ps::vreduce_add(sum);
     t.m[r] = m_new;
   }
+}
+
+// One chunk of nk <= KC keys for the tile's first `rows` rows: K panels at kp, V rows at v (stride
+// v_stride); row r sees the first valid[r] of them.
+inline void chunk(Tile& t, int d_len, const float* kp, int nk, const float* v, int64_t v_stride, const int* valid,
+                  int rows = MR) {
+  chunk_scores(t, d_len, kp, nk, valid, rows);
   pv_any(rows, t.s, nk, v, v_stride, t.o, d_len, t.alpha);
 }
+
+constexpr float kOnes[MR] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};  // a scale that leaves a row's output as it is
 
 // Row r of a tile starts: its scaled query from src, an empty output and softmax state.
 inline void start_row(Tile& t, int r, const float* src, int d_len, float scale) {
@@ -577,7 +586,8 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // allocates it). B: each sequence's rest of context, through its block table, per (sequence, tile
 // of query heads) over all its KV heads (per KV head too when there are fewer than two sequences a
 // thread), from its ranges' states merged in order: a task first asks for every cache row it reads
-// (prefetch), then gathers the keys 64 at a time into panels in a per-thread buffer. A row's
+// (prefetch), then gathers the keys 64 at a time into panels in a per-thread buffer, and reads a
+// float32 cache's values where they lie (a bf16 cache's widened into the buffer). A row's
 // arithmetic is the same whatever rows share its tile or task.
 // template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
 // on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
@@ -787,11 +797,24 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           }
           for (int j = 0; j < nk; ++j) {
             key_rows[j] = kc.row(row_at[j], d_len, widened + (int64_t)j * d_len);
-            vc.read(row_at[j], d_len, vbuf + (int64_t)j * d_len);
+            if (kv_bf16) vc.read(row_at[j], d_len, vbuf + (int64_t)j * d_len);
           }
           gather_panels(kbuf, key_rows, nk, d_len);
           for (int r = 0; r < MR; ++r) valid[r] = nk;
-          chunk(t, d_len, kbuf, nk, vbuf, d_len, valid, heads);
+          if (kv_bf16) {
+            chunk(t, d_len, kbuf, nk, vbuf, d_len, valid, heads);
+            continue;
+          }
+          // a float32 cache's values read where they lie, a block's run of slots at a time (slot_stride
+          // apart): the same products in the same order as over a copy, the output scaled by 1 after the first
+          chunk_scores(t, d_len, kbuf, nk, valid, heads);
+          for (int j0 = 0; j0 < nk;) {
+            const int left = block_size - (c0 + j0) % block_size;
+            const int run = left < nk - j0 ? left : nk - j0;
+            pv_any(heads, t.s + j0, run, static_cast<const float*>(v_cache) + row_at[j0], slot_stride, t.o, d_len,
+                   j0 == 0 ? t.alpha : kOnes);
+            j0 += run;
+          }
         }
         for (int r = 0; r < MR && g0 + r < g; ++r)
           store_row(t, r, out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len, d_len);
