@@ -745,11 +745,12 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       }
       delete[] block;  // (the loop's end is a barrier: every state is written before B reads it)
     }
-    // a chunk's keys as panels, its values as rows, and (bf16 cache) its keys widened to float32
-    float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len * (kv_bf16 ? 2 : 1)));
-    float* vbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len));
+    // a chunk's keys as panels and, from a bf16 cache, its keys and values widened to float32 (a float32
+    // cache's values are read in place)
+    float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len * (kv_bf16 ? 3 : 1)));
     float* widened = kbuf + KC * d_len;  // used only with a bf16 cache
-    if (kbuf == nullptr || vbuf == nullptr) {
+    float* vbuf = kv_bf16 && kbuf != nullptr ? kbuf + 2 * KC * d_len : nullptr;
+    if (kbuf == nullptr) {
 #pragma omp atomic write
       status = 3;
     }
@@ -760,7 +761,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
     const int head_groups = hkv / heads_per_task;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < (int64_t)n_seq * head_groups * tiles; ++task) {  // B: the rest of each context
-      if (kbuf == nullptr || vbuf == nullptr || status != 0) continue;
+      if (kbuf == nullptr || status != 0) continue;
       const int n = (int)(task / ((int64_t)head_groups * tiles));
       const int h0 = (int)((task / tiles) % head_groups) * heads_per_task;
       const int g0 = (int)(task % tiles) * MR;
@@ -821,7 +822,6 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       }
     }
     std::free(kbuf);
-    std::free(vbuf);
   }
   std::free(owned);
   std::free(members);
