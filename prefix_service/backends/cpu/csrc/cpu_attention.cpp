@@ -560,7 +560,8 @@ inline int template_split(int r_len) {
   return keys < kSplitMin ? kSplitMin : keys;
 }
 inline int template_splits(int r_len) {
-  return r_len <= 0 ? 0 : (r_len + template_split(r_len) - 1) / template_split(r_len);
+  const int span = template_split(r_len);
+  return r_len <= 0 ? 0 : (r_len + span - 1) / span;
 }
 }  // namespace
 
@@ -654,6 +655,8 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
     }
     state = owned;
   }
+  // query head `head` of sequence n: its kMaxSplits states, one per range of its template's keys
+  const auto row_states = [&](int n, int head) { return state + ((int64_t)n * hq + head) * kMaxSplits * state_floats; };
   // pass A's tasks: (group, KV head, range of keys, block of up to TB tiles), at least two per thread
   // where the rows allow; a group with fewer ranges than kMaxSplits skips the tasks of the others
   constexpr int TB = 8;
@@ -704,7 +707,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
             return q + seqs[(r0 + i) / g] * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len;
           };
           const auto dst = [&](int i) {
-            return state + ((int64_t)seqs[(r0 + i) / g] * hq + h * g + (r0 + i) % g) * kMaxSplits * state_floats;
+            return row_states(seqs[(r0 + i) / g], h * g + (r0 + i) % g);
           };
           if (template_rows(template_fn, reinterpret_cast<const void*>(th_ptrs[seqs[0]]), h, nr, d_len, scale, rows_q,
                             query, dst) != 0) {
@@ -724,8 +727,8 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         const int r_panels = (r_len + KP - 1) / KP;
         const float* kt_h = reinterpret_cast<const float*>(kt_ptrs[n0]) + (int64_t)h * r_panels * panel_floats;
         const float* vt_h = reinterpret_cast<const float*>(vt_ptrs[n0]) + (int64_t)h * r_len * d_len;
-        const int k0 = sp * template_split(r_len);  // the range's keys: [k0, k1), whole panels from k0
-        const int k1 = k0 + template_split(r_len) < r_len ? k0 + template_split(r_len) : r_len;
+        const int span = template_split(r_len);
+        const int k0 = sp * span, k1 = k0 + span < r_len ? k0 + span : r_len;  // the range's keys, whole panels from k0
         for (int c0 = k0; c0 < k1; c0 += KC) {
           const int nk = k1 - c0 < KC ? k1 - c0 : KC;
           for (int r = 0; r < MR; ++r) valid[r] = nk;
@@ -737,7 +740,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           for (int r = 0; r < MR && ti * MR + r < rows; ++r) {
             const int row = ti * MR + r;
             const Tile& t = block[ti - t0];
-            float* st = state + (((int64_t)seqs[row / g] * hq + h * g + row % g) * kMaxSplits + sp) * state_floats;
+            float* st = row_states(seqs[row / g], h * g + row % g) + sp * state_floats;
             std::memcpy(st, t.o + r * MAX_D, sizeof(float) * d_len);
             st[d_len] = t.m[r];
             st[d_len + 1] = t.l[r];
@@ -784,8 +787,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
           start_row(t, r, q + n * q_stride + (int64_t)(h * g + gg) * d_len, d_len, scale);
           if (templated)  // from its state after the template: pass A's, its ranges merged in order
-            merge_states(t, r, state + ((int64_t)n * hq + h * g + gg) * kMaxSplits * state_floats, splits[n],
-                         d_len);
+            merge_states(t, r, row_states(n, h * g + gg), splits[n], d_len);
         }
         const float* key_rows[KC];
         int64_t row_at[KC];  // the chunk's rows of head h in the cache
