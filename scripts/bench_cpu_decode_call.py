@@ -10,17 +10,30 @@ copy; `none`: no template). The table gives ms a step (30 calls, minimum and med
 repeats) and the own rows' bytes over the step's minimum (with a template, its part's time counts
 too).
 
+`--against REV` times the kernel of revision REV (its native sources from git, built here) and the
+working tree's in one process, in turns (`--rounds`, the order reversed every other round): each
+one's median of its rounds' minima, the median of the rounds' ratios (working tree / REV) with
+their range, and whether the two gave the same bits. REV's `ps_decode_attention` must take the
+working tree's arguments. On a shared machine whose speed drifts, this is the kernel A/B to trust:
+what drifts slowly moves both sides of a round alike.
+
     python scripts/bench_cpu_decode_call.py --seqs 16,64 --json bench_out/cpu_decode_call.json
     python scripts/bench_cpu_decode_call.py --seqs 64 --template none --hot
+    python scripts/bench_cpu_decode_call.py --seqs 1,4,16,64 --kv float32 --against HEAD~1 --rounds 15
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,8 +47,9 @@ from prefix_service.backends.cpu import attention as cpu_attention  # noqa: E402
 from prefix_service.backends.cpu import native, onednn  # noqa: E402
 
 
-def step_ms(n: int, args: argparse.Namespace) -> tuple[float, float]:
-    """(minimum, median) ms of one step of n decodes over `args.layers` layers."""
+def make_step(n: int, args: argparse.Namespace) -> Callable[[ctypes.CDLL | None], torch.Tensor]:
+    """One step of n decodes over `args.layers` layers, run on a given native library (None: the
+    working tree's); it returns the last layer's output."""
     bs, hq, hkv, d = 16, args.query_heads, args.kv_heads, args.head_size
     dtype = torch.bfloat16 if args.kv == "bfloat16" else torch.float32
     r_blocks = -(-args.template_tokens // bs) if args.template != "none" else 0
@@ -61,15 +75,96 @@ def step_ms(n: int, args: argparse.Namespace) -> tuple[float, float]:
     ctx = torch.full((n,), r_blocks * bs + args.own_tokens, dtype=torch.int32)
     q = torch.randn(n, hq, d, generator=g)
     out = torch.empty(n, hq, d)
-    times = []
-    for rep in range(args.repeats + 1):
-        t = time.perf_counter()
+
+    def step(lib: ctypes.CDLL | None) -> torch.Tensor:
         for i in range(args.layers):
             kc, vc, templates, matrices = layers[i % len(layers)]
-            decode_attention(q, kc, vc, tables, ctx, d ** -0.5, out=out, templates=templates, matrix=matrices)
-        if rep:  # the first pass is untimed
-            times.append((time.perf_counter() - t) * 1e3)
+            decode_attention(q, kc, vc, tables, ctx, d ** -0.5, out=out, templates=templates, matrix=matrices,
+                             lib=lib)
+        return out
+    return step
+
+
+def timed_ms(step: Callable[[ctypes.CDLL | None], torch.Tensor], lib: ctypes.CDLL | None, repeats: int) -> list[float]:
+    """ms of `repeats` steps on lib, after one untimed."""
+    step(lib)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step(lib)
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
+def step_ms(n: int, args: argparse.Namespace) -> tuple[float, float]:
+    """(minimum, median) ms of one step of n decodes over `args.layers` layers."""
+    times = timed_ms(make_step(n, args), None, args.repeats)
     return min(times), statistics.median(times)
+
+
+def library_at(rev: str, folder: Path) -> ctypes.CDLL:
+    """The native library as revision `rev` has it: its sources of the library (native.SOURCES) and
+    headers from git into `folder`, built with the same flags, loaded for ps_decode_attention."""
+    csrc = native.CSRC.resolve().relative_to(Path(ROOT).resolve()).as_posix()
+    for path in (*native.SOURCES, *native.HEADERS):
+        (folder / path.name).write_bytes(subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{csrc}/{path.name}"],
+                                                        check=True, capture_output=True).stdout)
+    cxx = native.compiler()
+    if cxx is None:
+        raise native.NativeBuildError("no C++ compiler found (set CXX)")
+    built = native.compile_library(cxx, "prefix_service_native", tuple(folder / p.name for p in native.SOURCES),
+                                   key_parts=tuple((folder / h.name).read_bytes() for h in native.HEADERS))
+    lib = ctypes.CDLL(str(built))
+    lib.ps_decode_attention.argtypes, lib.ps_decode_attention.restype = native.SIGNATURES["ps_decode_attention"]
+    return lib
+
+
+def against(n: int, args: argparse.Namespace, theirs: ctypes.CDLL) -> dict:
+    """The working tree's kernel and REV's (theirs) on the same step, in turns: per side the median of
+    its rounds' minima (ms), the rounds' ratios ours / theirs (median, min, max), and whether they agree
+    to the bit."""
+    step = make_step(n, args)
+    ours_ms, theirs_ms = [], []
+    for r in range(args.rounds):
+        sides = [(None, ours_ms), (theirs, theirs_ms)]
+        for lib, into in sides if r % 2 == 0 else sides[::-1]:
+            into.append(min(timed_ms(step, lib, args.repeats)))
+    same = torch.equal(step(None).clone(), step(theirs))
+    ratios = [a / b for a, b in zip(ours_ms, theirs_ms)]
+    return {"seqs": n, "theirs_ms": round(statistics.median(theirs_ms), 3),
+            "ours_ms": round(statistics.median(ours_ms), 3),
+            "ratio": {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+                      "max": round(max(ratios), 3)}, "same_bits": same}
+
+
+def measure(seqs: list[int], args: argparse.Namespace) -> list[dict]:
+    """The working tree's kernel alone: a row per sequence count."""
+    elem = 2 if args.kv == "bfloat16" else 4
+    print(f"{'seqs':>5} {'min ms':>8} {'p50 ms':>8} {'own MB':>8} {'GB/s':>6}")
+    results = []
+    for n in seqs:
+        best, median = step_ms(n, args)
+        mb = n * args.own_tokens * args.kv_heads * args.head_size * 2 * elem * args.layers / 1e6
+        results.append({"seqs": n, "min_ms": round(best, 3), "p50_ms": round(median, 3), "own_mb": round(mb, 1),
+                        "own_gb_s": round(mb / best, 2)})
+        print(f"{n:5d} {best:8.2f} {median:8.2f} {mb:8.1f} {mb / best:6.1f}", flush=True)
+    return results
+
+
+def compare(seqs: list[int], args: argparse.Namespace, theirs: ctypes.CDLL) -> list[dict]:
+    """REV's kernel (theirs) against the working tree's: a row per sequence count."""
+    rev = args.against[:12]
+    print(f"{rev}'s kernel and the working tree's in turns, {args.rounds} rounds, a round's minimum of "
+          f"{args.repeats} steps")
+    print(f"{'seqs':>5} {rev + ' ms':>15} {'this ms':>8} {'this/' + rev + ' (range)':>30} {'same bits':>9}")
+    results = []
+    for n in seqs:
+        r = against(n, args, theirs)
+        results.append(r)
+        ratio = f"{r['ratio']['median']:.3f} ({r['ratio']['min']:.2f}-{r['ratio']['max']:.2f})"
+        print(f"{n:5d} {r['theirs_ms']:15.2f} {r['ours_ms']:8.2f} {ratio:>30} {'yes' if r['same_bits'] else 'NO':>9}",
+              flush=True)
+    return results
 
 
 def main() -> int:
@@ -85,9 +180,14 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--hot", action="store_true", help="one layer's cache for every layer: the rows stay in cache")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed steps (default 10; with --against 3 a round per side)")
+    p.add_argument("--against", metavar="REV", help="time REV's kernel and the working tree's in turns")
+    p.add_argument("--rounds", type=int, default=10, help="with --against: rounds of the two in turns")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    if args.repeats is None:
+        args.repeats = 3 if args.against else 10
     if native.load()[0] is None:
         print(f"no native library here: {native.load()[1]}", file=sys.stderr)
         return 1
@@ -97,18 +197,24 @@ def main() -> int:
         print(f"no oneDNN library here for --template matrix: {onednn.load()[1]}", file=sys.stderr)
         return 1
     from prefix_service import cpuinfo
-    elem = 2 if args.kv == "bfloat16" else 4
     print(f"{', '.join(cpuinfo.isa()) or 'no listed ISA'}, {torch.get_num_threads()} threads: {args.layers} layers, "
           f"template {args.template}, {args.own_tokens} own tokens a sequence, {args.kv} cache"
           f"{', in cache (--hot)' if args.hot else ''}")
-    print(f"{'seqs':>5} {'min ms':>8} {'p50 ms':>8} {'own MB':>8} {'GB/s':>6}")
-    results = []
-    for n in (int(s) for s in args.seqs.split(",")):
-        best, median = step_ms(n, args)
-        mb = n * args.own_tokens * args.kv_heads * args.head_size * 2 * elem * args.layers / 1e6
-        results.append({"seqs": n, "min_ms": round(best, 3), "p50_ms": round(median, 3), "own_mb": round(mb, 1),
-                        "own_gb_s": round(mb / best, 2)})
-        print(f"{n:5d} {best:8.2f} {median:8.2f} {mb:8.1f} {mb / best:6.1f}", flush=True)
+    seqs = [int(s) for s in args.seqs.split(",")]
+    if args.against:
+        try:
+            args.against_commit = subprocess.run(["git", "-C", ROOT, "rev-parse", args.against], check=True,
+                                                 capture_output=True, text=True).stdout.strip()
+            with tempfile.TemporaryDirectory() as folder:
+                theirs = library_at(args.against, Path(folder))
+        except (subprocess.CalledProcessError, native.NativeBuildError) as exc:
+            detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+            detail = detail.decode() if isinstance(detail, bytes) else detail
+            print(f"no library of {args.against}: {detail.strip()}", file=sys.stderr)
+            return 1
+        results = compare(seqs, args, theirs)
+    else:
+        results = measure(seqs, args)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

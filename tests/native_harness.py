@@ -10,6 +10,8 @@ serving path's wrappers do.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from prefix_service.backends.cpu import native, onednn
@@ -116,7 +118,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      templates: list[tuple[torch.Tensor, torch.Tensor, int] | None] | None = None,
                      new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                     matrix: list[onednn.OneDnnTemplate | None] | None = None) -> torch.Tensor:
+                     matrix: list[onednn.OneDnnTemplate | None] | None = None,
+                     lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """Attention of N decoding sequences' new tokens over their paged cache.
 
     q: [N, Hq, D] (rows may be strided); k_cache, v_cache: [blocks, block_size, Hkv, D] (float32 or
@@ -125,8 +128,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     included; templates: per sequence None or (K panels, V rows, R) of attention.pack_keys/pack_values, R a
     multiple of the block size: its first R / block_size blocks are read from there; matrix: per
     sequence None or the same template packed as onednn.OneDnnTemplate, whose matrix-product attention
-    (ps_onednn_template_attend) then runs the template's part. Returns out."""
-    lib = native.require()
+    (ps_onednn_template_attend) then runs the template's part; lib: the native library to call (default:
+    native.require()'s). Returns out."""
+    lib = lib or native.require()
     n, hq, d = q.shape
     kv_bf16 = _check_cache(k_cache, v_cache, d)
     blocks, bs, hkv, _ = k_cache.shape
