@@ -136,20 +136,22 @@ inline void qk_any(int rows, int np, const float* qs, int d_len, const float* kp
   }
 }
 
+// The head's columns in passes over the value rows, each pass as many panels of 16 columns as the
+// registers hold beside the rows' accumulators: AVX-512 4; AVX2 (2 registers a panel and row, 12 of its
+// 16 for them) 4 for 1 row, 2 for 2-3, 1 for more. Fewer passes read each value row in fewer pieces,
+// which matters when the rows come from memory. A column's sums are the same whatever the pass.
 template <int R>
 inline void pv_columns(const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len,
                        const float* alpha) {
-  if constexpr (ps::REG_PANELS >= 4) {
-    for (int c0 = 0; c0 < d_len; c0 += 4 * KP) {  // the head's columns, 64 at a time
-      switch ((d_len - c0) >= 4 * KP ? 4 : (d_len - c0) / KP) {
-        case 1: pv_tile<1, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-        case 2: pv_tile<2, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-        case 3: pv_tile<3, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-        default: pv_tile<4, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
-      }
+  constexpr int per_pass = ps::REG_PANELS >= 4 || R == 1 ? 4 : R <= 3 ? 2 : 1;
+  for (int c0 = 0; c0 < d_len; c0 += per_pass * KP) {
+    const int left = (d_len - c0) / KP;
+    switch (left < per_pass ? left : per_pass) {
+      case 1: pv_tile<1, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      case 2: if constexpr (per_pass >= 2) pv_tile<2, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      case 3: if constexpr (per_pass >= 3) pv_tile<3, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
+      default: if constexpr (per_pass >= 4) pv_tile<4, R>(p, nk, v + c0, v_stride, o + c0, alpha); break;
     }
-  } else {  // 16 columns at a time
-    for (int c0 = 0; c0 < d_len; c0 += KP) pv_tile<1, R>(p, nk, v + c0, v_stride, o + c0, alpha);
   }
 }
 
