@@ -472,7 +472,9 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
         if (buf == nullptr) continue;
         const int h = (int)(task / a_blocks), r0 = (int)(task % a_blocks) * ab;
         const int nr = rows - r0 < ab ? rows - r0 : ab;
-        const auto query = [&](int i) { return q + ((r0 + i) / g) * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len; };
+        const auto query = [&](int i) {
+          return q + ((r0 + i) / g) * q_stride + (int64_t)(h * g + (r0 + i) % g) * d_len;
+        };
         const auto dst = [&](int i) { return state + ((int64_t)h * rows + r0 + i) * state_floats; };
         if (template_rows(template_fn, t_handle, h, nr, d_len, scale, buf, query, dst) != 0) {
 #pragma omp atomic write
@@ -702,7 +704,8 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         if (sp >= splits[seqs[0]]) continue;
         const int rows = (group_start[gi + 1] - group_start[gi]) * g;
         const int n_tiles = (rows + MR - 1) / MR;
-        const int t0 = (int)((int64_t)n_tiles * b / blocks_per_head), t1 = (int)((int64_t)n_tiles * (b + 1) / blocks_per_head);
+        const int t0 = (int)((int64_t)n_tiles * b / blocks_per_head);
+        const int t1 = (int)((int64_t)n_tiles * (b + 1) / blocks_per_head);
         if (template_fn != 0 && th_ptrs != nullptr && th_ptrs[seqs[0]] != 0) {  // the template as matrix products
           const int r0 = t0 * MR, nr = (t1 * MR < rows ? t1 * MR : rows) - r0;
           const auto query = [&](int i) {
@@ -733,6 +736,13 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         const int k0 = sp * span, k1 = k0 + span < r_len ? k0 + span : r_len;  // the range's keys, whole panels from k0
         for (int c0 = k0; c0 < k1; c0 += KC) {
           const int nk = k1 - c0 < KC ? k1 - c0 : KC;
+          if (ps::REG_PANELS < 4 && rows - t0 * MR > 3) {
+            // AVX2 takes a tile of 4-6 rows' values in 16-column passes (pv_columns), each a 64-byte piece of
+            // every value row: the chunk's rows are asked for (into L2) first, while its scores are computed
+            const char* vp = reinterpret_cast<const char*>(vt_h + (int64_t)c0 * d_len);
+            const int64_t bytes = (int64_t)nk * d_len * (int64_t)sizeof(float);
+            for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(vp + at, 0, 2);
+          }
           for (int r = 0; r < MR; ++r) valid[r] = nk;
           for (int ti = t0; ti < t1; ++ti)
             chunk(block[ti - t0], d_len, kt_h + (int64_t)(c0 / KP) * panel_floats, nk, vt_h + (int64_t)c0 * d_len,
