@@ -26,6 +26,7 @@
 #include <new>
 
 #include <omp.h>
+#include <type_traits>
 
 #include "bf16.h"
 #include "simd.h"
@@ -140,6 +141,51 @@ inline void qk_any(int rows, int np, const float* qs, int d_len, const float* kp
 // registers hold beside the rows' accumulators: AVX-512 4; AVX2 (2 registers a panel and row, 12 of its
 // 16 for them) 4 for 1 row, 2 for 2-3, 1 for more. Fewer passes read each value row in fewer pieces,
 // which matters when the rows come from memory. A column's sums are the same whatever the pass.
+// S[r][j] = Qs[r] . K_j for the first R rows and nk keys, key j's D floats at rows[j], read where they
+// lie (no panels): each score one sum over D in the lanes of a vector, then across them, so a score's
+// bits are the same whatever keys share its pass.
+template <int R>
+inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk, float* s) {
+  constexpr int J = R <= 3 ? 2 : 1;  // keys at a time: AVX2 holds 2 x 3 rows' accumulators in 12 registers
+  const auto keys = [&](auto per, int j) {
+    constexpr int n = decltype(per)::value;
+    vf acc[n][R];
+#pragma GCC unroll 2
+    for (int k = 0; k < n; ++k)
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) acc[k][r] = ps::vzero();
+    for (int d = 0; d < d_len; d += KP) {
+      vf kv[n];
+#pragma GCC unroll 2
+      for (int k = 0; k < n; ++k) kv[k] = ps::vload(rows[j + k] + d);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const vf qv = ps::vload(qs + r * MAX_D + d);
+#pragma GCC unroll 2
+        for (int k = 0; k < n; ++k) acc[k][r] = ps::vfmadd(qv, kv[k], acc[k][r]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int k = 0; k < n; ++k)
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) s[r * KC + j + k] = ps::vreduce_add(acc[k][r]);
+  };
+  int j = 0;
+  for (; j + J <= nk; j += J) keys(std::integral_constant<int, J>{}, j);
+  for (; j < nk; ++j) keys(std::integral_constant<int, 1>{}, j);
+}
+
+inline void qk_rows_any(int rows, const float* qs, int d_len, const float* const* keys, int nk, float* s) {
+  switch (rows) {
+    case 1: qk_rows<1>(qs, d_len, keys, nk, s); break;
+    case 2: qk_rows<2>(qs, d_len, keys, nk, s); break;
+    case 3: qk_rows<3>(qs, d_len, keys, nk, s); break;
+    case 4: qk_rows<4>(qs, d_len, keys, nk, s); break;
+    case 5: qk_rows<5>(qs, d_len, keys, nk, s); break;
+    default: qk_rows<MR>(qs, d_len, keys, nk, s); break;
+  }
+}
+
 template <int R>
 inline void pv_columns(const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len,
                        const float* alpha) {
@@ -178,8 +224,20 @@ struct Tile {
 // The softmax half of a chunk of nk <= KC keys (K panels at kp) for the tile's first `rows` rows: each
 // row's probabilities into t.s, its maximum and sum moved on, and in t.alpha what its output is to be
 // scaled by before the chunk's P V is added; row r sees the first valid[r] keys.
+inline void softmax_chunk(Tile& t, const int* valid, int rows);
 inline void chunk_scores(Tile& t, int d_len, const float* kp, int nk, const int* valid, int rows) {
   qk_any(rows, (nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
+  softmax_chunk(t, valid, rows);
+}
+
+// chunk_scores with the chunk's keys as rows (key j's D floats at keys[j]) instead of panels.
+inline void chunk_scores_rows(Tile& t, int d_len, const float* const* keys, int nk, const int* valid, int rows) {
+  qk_rows_any(rows, t.qs, d_len, keys, nk, t.s);
+  softmax_chunk(t, valid, rows);
+}
+
+// The softmax half of chunk_scores, on the scores in t.s.
+inline void softmax_chunk(Tile& t, const int* valid, int rows) {
   const vf neg_inf = ps::vset1(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < rows; ++r) {
     float* s = t.s + r * KC;
@@ -591,9 +649,9 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // allocates it). B: each sequence's rest of context, through its block table, per (sequence, tile
 // of query heads) over all its KV heads (per KV head too when there are fewer than two sequences a
 // thread), from its ranges' states merged in order: a task first asks for every cache row it reads
-// (prefetch), then gathers the keys 64 at a time into panels in a per-thread buffer, and reads a
-// float32 cache's values where they lie (a bf16 cache's widened into the buffer). A row's
-// arithmetic is the same whatever rows share its tile or task.
+// (prefetch), then takes the keys 64 at a time, each score a dot product over the key's row where it
+// lies (qk_rows: no panels to gather), and the values likewise (a bf16 cache's keys and values widened
+// into a per-thread buffer first). A row's arithmetic is the same whatever rows share its tile or task.
 // template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
 // on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
 // with the same rows per task; its state goes where the native pass puts its own. kt_ptrs[n] then
@@ -760,12 +818,10 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       }
       delete[] block;  // (the loop's end is a barrier: every state is written before B reads it)
     }
-    // a chunk's keys as panels and, from a bf16 cache, its keys and values widened to float32 (a float32
-    // cache's values are read in place)
-    float* kbuf = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * KC * d_len * (kv_bf16 ? 3 : 1)));
-    float* widened = kbuf + KC * d_len;  // used only with a bf16 cache
-    float* vbuf = kv_bf16 && kbuf != nullptr ? kbuf + 2 * KC * d_len : nullptr;
-    if (kbuf == nullptr) {
+    // a bf16 cache's keys and values of a chunk, widened to float32 (a float32 cache's are read in place)
+    float* widened = kv_bf16 ? static_cast<float*>(std::aligned_alloc(64, sizeof(float) * 2 * KC * d_len)) : nullptr;
+    float* vbuf = widened != nullptr ? widened + KC * d_len : nullptr;
+    if (kv_bf16 && widened == nullptr) {
 #pragma omp atomic write
       status = 3;
     }
@@ -776,7 +832,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
     const int head_groups = hkv / heads_per_task;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < (int64_t)n_seq * head_groups * tiles; ++task) {  // B: the rest of each context
-      if (kbuf == nullptr || status != 0) continue;
+      if (status != 0) continue;
       const int n = (int)(task / ((int64_t)head_groups * tiles));
       const int h0 = (int)((task / tiles) % head_groups) * heads_per_task;
       const int g0 = (int)(task % tiles) * MR;
@@ -814,15 +870,14 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
             key_rows[j] = kc.row(row_at[j], d_len, widened + (int64_t)j * d_len);
             if (kv_bf16) vc.read(row_at[j], d_len, vbuf + (int64_t)j * d_len);
           }
-          gather_panels(kbuf, key_rows, nk, d_len);
           for (int r = 0; r < MR; ++r) valid[r] = nk;
+          chunk_scores_rows(t, d_len, key_rows, nk, valid, heads);
           if (kv_bf16) {
-            chunk(t, d_len, kbuf, nk, vbuf, d_len, valid, heads);
+            pv_any(heads, t.s, nk, vbuf, d_len, t.o, d_len, t.alpha);
             continue;
           }
           // a float32 cache's values read where they lie, a block's run of slots at a time (slot_stride
           // apart): the same products in the same order as over a copy, the output scaled by 1 after the first
-          chunk_scores(t, d_len, kbuf, nk, valid, heads);
           for (int j0 = 0; j0 < nk;) {
             const int left = block_size - (c0 + j0) % block_size;
             const int run = left < nk - j0 ? left : nk - j0;
@@ -835,7 +890,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
           store_row(t, r, out + n * out_stride + (int64_t)(h * g + g0 + r) * d_len, d_len);
       }
     }
-    std::free(kbuf);
+    std::free(widened);
   }
   std::free(owned);
   std::free(members);
