@@ -53,6 +53,7 @@ using ps::vf;
 constexpr int KC = 64;        // keys per chunk (4 panels)
 constexpr int MR = 6;         // query rows per tile
 constexpr int MAX_D = 256;    // largest head size handled
+constexpr int kKeysAhead = 8; // how far ahead the per-sequence pass asks for its key rows (qk_rows)
 
 using ps::exp_ps;  // scores minus their row maximum: x <= 0
 
@@ -137,13 +138,11 @@ inline void qk_any(int rows, int np, const float* qs, int d_len, const float* kp
   }
 }
 
-// The head's columns in passes over the value rows, each pass as many panels of 16 columns as the
-// registers hold beside the rows' accumulators: AVX-512 4; AVX2 (2 registers a panel and row, 12 of its
-// 16 for them) 4 for 1 row, 2 for 2-3, 1 for more. Fewer passes read each value row in fewer pieces,
-// which matters when the rows come from memory. A column's sums are the same whatever the pass.
 // S[r][j] = Qs[r] . K_j for the first R rows and nk keys, key j's D floats at rows[j], read where they
 // lie (no panels): each score one sum over D in the lanes of a vector, then across them, so a score's
-// bits are the same whatever keys share its pass.
+// bits are the same whatever keys share its pass. Each row kKeysAhead keys on is asked for (into L1) as
+// a key is taken: rows scattered over a cache then come from memory at a steady pace, where asking for
+// a whole chunk's at once left most of them still to wait for when they were read.
 template <int R>
 inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk, float* s) {
   constexpr int J = R <= 3 ? 2 : 1;  // keys at a time: AVX2 holds 2 x 3 rows' accumulators in 12 registers
@@ -171,7 +170,14 @@ inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk
       for (int r = 0; r < R; ++r) s[r * KC + j + k] = ps::vreduce_add(acc[k][r]);
   };
   int j = 0;
-  for (; j + J <= nk; j += J) keys(std::integral_constant<int, J>{}, j);
+  for (; j + J <= nk; j += J) {
+    for (int k = 0; k < J; ++k)
+      if (j + k + kKeysAhead < nk) {
+        const char* p = reinterpret_cast<const char*>(rows[j + k + kKeysAhead]);
+        for (int b = 0; b < d_len * 4; b += 64) __builtin_prefetch(p + b, 0, 3);
+      }
+    keys(std::integral_constant<int, J>{}, j);
+  }
   for (; j < nk; ++j) keys(std::integral_constant<int, 1>{}, j);
 }
 
@@ -186,6 +192,10 @@ inline void qk_rows_any(int rows, const float* qs, int d_len, const float* const
   }
 }
 
+// The head's columns in passes over the value rows, each pass as many panels of 16 columns as the
+// registers hold beside the rows' accumulators: AVX-512 4; AVX2 (2 registers a panel and row, 12 of its
+// 16 for them) 4 for 1 row, 2 for 2-3, 1 for more. Fewer passes read each value row in fewer pieces,
+// which matters when the rows come from memory. A column's sums are the same whatever the pass.
 template <int R>
 inline void pv_columns(const float* p, int nk, const float* v, int64_t v_stride, float* o, int d_len,
                        const float* alpha) {
@@ -861,9 +871,12 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         int64_t row_at[KC];  // the chunk's rows of head h in the cache
         for (int c0 = first; c0 < ctx; c0 += KC) {
           const int nk = ctx - c0 < KC ? ctx - c0 : KC;
-          for (int j = 0; j < nk; ++j) {  // the chunk's rows, into L1 before the first is read
+          // the chunk's rows into L1: its values (read after its scores) and a bf16 cache's keys (widened
+          // next) at once; a float32 cache's keys, read in place by the scores, the first kKeysAhead now and
+          // each later one kKeysAhead keys before it is read (qk_rows)
+          for (int j = 0; j < nk; ++j) {
             row_at[j] = slot(c0 + j) + (int64_t)h * d_len;
-            kc.prefetch(row_at[j], d_len, true);
+            if (kv_bf16 || j < kKeysAhead) kc.prefetch(row_at[j], d_len, true);
             vc.prefetch(row_at[j], d_len, true);
           }
           for (int j = 0; j < nk; ++j) {
