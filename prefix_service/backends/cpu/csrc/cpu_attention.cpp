@@ -871,15 +871,20 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
         int64_t row_at[KC];  // the chunk's rows of head h in the cache
         for (int c0 = first; c0 < ctx; c0 += KC) {
           const int nk = ctx - c0 < KC ? ctx - c0 : KC;
-          // the chunk's rows into L1: its values (read after its scores) and a bf16 cache's keys (widened
-          // next) at once; a float32 cache's keys, read in place by the scores, the first kKeysAhead now and
-          // each later one kKeysAhead keys before it is read (qk_rows)
+          // the chunk's rows into L1, each kKeysAhead keys before it is read: the first kKeysAhead now, the
+          // others as the keys before them are read (a float32 cache's keys by the scores, in qk_rows; a bf16
+          // cache's keys and values as they are widened, just below); a float32 cache's values, read after
+          // the scores, all now
           for (int j = 0; j < nk; ++j) {
             row_at[j] = slot(c0 + j) + (int64_t)h * d_len;
-            if (kv_bf16 || j < kKeysAhead) kc.prefetch(row_at[j], d_len, true);
-            vc.prefetch(row_at[j], d_len, true);
+            if (j < kKeysAhead) kc.prefetch(row_at[j], d_len, true);
+            if (!kv_bf16 || j < kKeysAhead) vc.prefetch(row_at[j], d_len, true);
           }
           for (int j = 0; j < nk; ++j) {
+            if (kv_bf16 && j + kKeysAhead < nk) {
+              kc.prefetch(row_at[j + kKeysAhead], d_len, true);
+              vc.prefetch(row_at[j + kKeysAhead], d_len, true);
+            }
             key_rows[j] = kc.row(row_at[j], d_len, widened + (int64_t)j * d_len);
             if (kv_bf16) vc.read(row_at[j], d_len, vbuf + (int64_t)j * d_len);
           }
