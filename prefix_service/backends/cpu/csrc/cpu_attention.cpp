@@ -15,7 +15,8 @@
 // Work is split over (KV head, block of 6 query rows), the query heads of one KV head taken
 // together so each K/V read serves all of them; all in one OpenMP parallel region (the runtime
 // torch itself uses, so the same threads). Scores are made 64 keys at a time in registers
-// (6 rows x 4 panels; AVX2: a panel at a time), exponentiated with a polynomial exp, and P V accumulated into each
+// (6 rows x 4 panels; AVX2: a panel at a time; a decode's own tokens as dot products over their cache
+// rows, qk_rows), exponentiated with a polynomial exp, and P V accumulated into each
 // row's output, rescaled when its running maximum moves. Built at first use by
 // prefix_service/backends/cpu/native.py into the native library; without AVX-512 or AVX2 its entry points return 1.
 #include <cmath>
@@ -24,9 +25,9 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 
 #include <omp.h>
-#include <type_traits>
 
 #include "bf16.h"
 #include "simd.h"
@@ -231,22 +232,9 @@ struct Tile {
   float m[MR], l[MR], alpha[MR];
 };
 
-// The softmax half of a chunk of nk <= KC keys (K panels at kp) for the tile's first `rows` rows: each
-// row's probabilities into t.s, its maximum and sum moved on, and in t.alpha what its output is to be
-// scaled by before the chunk's P V is added; row r sees the first valid[r] keys.
-inline void softmax_chunk(Tile& t, const int* valid, int rows);
-inline void chunk_scores(Tile& t, int d_len, const float* kp, int nk, const int* valid, int rows) {
-  qk_any(rows, (nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
-  softmax_chunk(t, valid, rows);
-}
-
-// chunk_scores with the chunk's keys as rows (key j's D floats at keys[j]) instead of panels.
-inline void chunk_scores_rows(Tile& t, int d_len, const float* const* keys, int nk, const int* valid, int rows) {
-  qk_rows_any(rows, t.qs, d_len, keys, nk, t.s);
-  softmax_chunk(t, valid, rows);
-}
-
-// The softmax half of chunk_scores, on the scores in t.s.
+// The softmax half of a chunk of nk <= KC keys, on their scores in t.s, for the tile's first `rows`
+// rows: each row's probabilities into t.s, its maximum and sum moved on, and in t.alpha what its output
+// is to be scaled by before the chunk's P V is added; row r sees the first valid[r] keys.
 inline void softmax_chunk(Tile& t, const int* valid, int rows) {
   const vf neg_inf = ps::vset1(-std::numeric_limits<float>::infinity());
   for (int r = 0; r < rows; ++r) {
@@ -271,6 +259,18 @@ inline void softmax_chunk(Tile& t, const int* valid, int rows) {
     t.l[r] = t.l[r] * t.alpha[r] + ps::vreduce_add(sum);
     t.m[r] = m_new;
   }
+}
+
+// A chunk's scores from its keys as panels (K panels at kp), then their softmax.
+inline void chunk_scores(Tile& t, int d_len, const float* kp, int nk, const int* valid, int rows) {
+  qk_any(rows, (nk + KP - 1) / KP, t.qs, d_len, kp, t.s);
+  softmax_chunk(t, valid, rows);
+}
+
+// chunk_scores with the chunk's keys as rows (key j's D floats at keys[j]) instead of panels.
+inline void chunk_scores_rows(Tile& t, int d_len, const float* const* keys, int nk, const int* valid, int rows) {
+  qk_rows_any(rows, t.qs, d_len, keys, nk, t.s);
+  softmax_chunk(t, valid, rows);
 }
 
 // One chunk of nk <= KC keys for the tile's first `rows` rows: K panels at kp, V rows at v (stride
