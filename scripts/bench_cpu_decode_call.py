@@ -201,6 +201,8 @@ def main() -> int:
           f"template {args.template}, {args.own_tokens} own tokens a sequence, {args.kv} cache"
           f"{', in cache (--hot)' if args.hot else ''}")
     seqs = [int(s) for s in args.seqs.split(",")]
+    from prefix_service.bench.main import git_commit, machine_info
+    machine = machine_info()
     if args.against:
         try:
             args.against_commit = subprocess.run(["git", "-C", ROOT, "rev-parse", args.against], check=True,
@@ -216,10 +218,11 @@ def main() -> int:
     else:
         results = measure(seqs, args)
     if args.json:
+        machine["load_average_end"] = list(os.getloadavg())
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"isa": cpuinfo.isa(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-                       "torch": torch.__version__, "args": vars(args),
+                       "torch": torch.__version__, "machine": machine, "git_commit": git_commit(), "args": vars(args),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results}, f, indent=1)
         print(f"JSON: {args.json}")
     return 0

@@ -31,6 +31,11 @@ def test_bench_cpu_decode_call_script(tmp_path, template, hot):
     # the own rows: sequences x tokens x KV heads x head size x (K, V) x 2 bytes x layers
     assert [r["own_mb"] for r in data["results"]] == [round(n * 9 * 2 * 32 * 2 * 2 * 3 / 1e6, 1) for n in (2, 5)]
     assert (data["args"]["template"], data["args"]["hot"]) == (template, hot)
+    # the machine it ran on, named as every benchmark's JSON names it, with its load before and after
+    machine = data["machine"]
+    assert machine["isa"] == data["isa"] and machine["cpu_count"] >= 1
+    assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
+    assert "git_commit" in data
     assert f"template {template}" in proc.stdout and "JSON:" in proc.stdout
 
 
