@@ -143,9 +143,10 @@ inline void qk_any(int rows, int np, const float* qs, int d_len, const float* kp
 // lie (no panels): each score one sum over D in the lanes of a vector, then across them, so a score's
 // bits are the same whatever keys share its pass. Each row kKeysAhead keys on is asked for (into L1) as
 // a key is taken: rows scattered over a cache then come from memory at a steady pace, where asking for
-// a whole chunk's at once left most of them still to wait for when they were read.
+// a whole chunk's at once left most of them still to wait for when they were read. Not `paced`: the rows
+// are in L1 already (a bf16 cache's, widened into a buffer) and nothing is asked for.
 template <int R>
-inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk, float* s) {
+inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk, float* s, bool paced) {
   constexpr int J = R <= 3 ? 2 : 1;  // keys at a time: AVX2 holds 2 x 3 rows' accumulators in 12 registers
   const auto keys = [&](auto per, int j) {
     constexpr int n = decltype(per)::value;
@@ -173,7 +174,7 @@ inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk
   int j = 0;
   for (; j + J <= nk; j += J) {
     for (int k = 0; k < J; ++k)
-      if (j + k + kKeysAhead < nk) {
+      if (paced && j + k + kKeysAhead < nk) {
         const char* p = reinterpret_cast<const char*>(rows[j + k + kKeysAhead]);
         for (int b = 0; b < d_len * 4; b += 64) __builtin_prefetch(p + b, 0, 3);
       }
@@ -182,14 +183,15 @@ inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk
   for (; j < nk; ++j) keys(std::integral_constant<int, 1>{}, j);
 }
 
-inline void qk_rows_any(int rows, const float* qs, int d_len, const float* const* keys, int nk, float* s) {
+inline void qk_rows_any(int rows, const float* qs, int d_len, const float* const* keys, int nk, float* s,
+                        bool paced) {
   switch (rows) {
-    case 1: qk_rows<1>(qs, d_len, keys, nk, s); break;
-    case 2: qk_rows<2>(qs, d_len, keys, nk, s); break;
-    case 3: qk_rows<3>(qs, d_len, keys, nk, s); break;
-    case 4: qk_rows<4>(qs, d_len, keys, nk, s); break;
-    case 5: qk_rows<5>(qs, d_len, keys, nk, s); break;
-    default: qk_rows<MR>(qs, d_len, keys, nk, s); break;
+    case 1: qk_rows<1>(qs, d_len, keys, nk, s, paced); break;
+    case 2: qk_rows<2>(qs, d_len, keys, nk, s, paced); break;
+    case 3: qk_rows<3>(qs, d_len, keys, nk, s, paced); break;
+    case 4: qk_rows<4>(qs, d_len, keys, nk, s, paced); break;
+    case 5: qk_rows<5>(qs, d_len, keys, nk, s, paced); break;
+    default: qk_rows<MR>(qs, d_len, keys, nk, s, paced); break;
   }
 }
 
@@ -268,8 +270,9 @@ inline void chunk_scores(Tile& t, int d_len, const float* kp, int nk, const int*
 }
 
 // chunk_scores with the chunk's keys as rows (key j's D floats at keys[j]) instead of panels.
-inline void chunk_scores_rows(Tile& t, int d_len, const float* const* keys, int nk, const int* valid, int rows) {
-  qk_rows_any(rows, t.qs, d_len, keys, nk, t.s);
+inline void chunk_scores_rows(Tile& t, int d_len, const float* const* keys, int nk, const int* valid, int rows,
+                              bool paced) {
+  qk_rows_any(rows, t.qs, d_len, keys, nk, t.s, paced);
   softmax_chunk(t, valid, rows);
 }
 
@@ -889,7 +892,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
             if (kv_bf16) vc.read(row_at[j], d_len, vbuf + (int64_t)j * d_len);
           }
           for (int r = 0; r < MR; ++r) valid[r] = nk;
-          chunk_scores_rows(t, d_len, key_rows, nk, valid, heads);
+          chunk_scores_rows(t, d_len, key_rows, nk, valid, heads, !kv_bf16);
           if (kv_bf16) {
             pv_any(heads, t.s, nk, vbuf, d_len, t.o, d_len, t.alpha);
             continue;
