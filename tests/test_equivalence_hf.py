@@ -45,7 +45,7 @@ def test_bfloat16_close_to_transformers(model_dirs, make_engine):
 def test_a_bf16_checkpoint_in_float32_matches_transformers_from_bf16_held_weights(arch, model_dirs, make_engine,
                                                                                  monkeypatch, tmp_path):
     """Served in float32, a bf16 checkpoint's weights are bf16 values: the cpu backend holds every
-    linear's in bf16 (half the bytes to stream), and gives the same logits, bit for bit, as with them held
+    linear's and the embedding table in bf16 (half the bytes), and gives the same logits, bit for bit, as with them held
     in float32 (PREFIX_SERVICE_F32_PANELS=float32), on and off a template; both match transformers in float32."""
     model = bf16_checkpoint(model_dirs[arch], tmp_path / arch)
     ids = [(7 * i + 3) % 500 + 3 for i in range(37)]
@@ -56,10 +56,12 @@ def test_a_bf16_checkpoint_in_float32_matches_transformers_from_bf16_held_weight
         pytest.skip(f"the cpu backend does not serve here ({backend.name} does)")
     layers = backend.stack.num_layers
     assert backend.stack.bf16_panel_linears == 4 * layers and backend.head.bf16_panels
+    assert backend.embed.dtype == torch.bfloat16  # the embedding table too, its rows widened as looked up
     assert "held in bf16" in backend.describe()
     monkeypatch.setenv("PREFIX_SERVICE_F32_PANELS", "float32")
     plain = make_engine(model, block_size=8)
     assert plain._core.backend.stack.bf16_panel_linears == 0 and not plain._core.backend.head.bf16_panels
+    assert plain._core.backend.embed.dtype == torch.float32
     assert run_ids(held, ids, max_tokens=48) == ref_ids == run_ids(plain, ids, max_tokens=48)
     logits = engine_last_logits(held, ids)
     assert torch.equal(logits, engine_last_logits(plain, ids))

@@ -57,6 +57,10 @@ class CpuBackend(Backend):
         # [vocab, hidden]; a float32 head on the native kernel (make_linear's default), not timed as the
         # layers are: its calls take a row per sampled sequence (more only for a prompt's logprobs)
         self.head = linear.make_linear(head.weight)
+        if linear.float32_panels() == "auto" and linear.bf16_valued(self.embed):
+            # a bf16 checkpoint served in float32: the table held in bf16 (half its bytes), each looked-up
+            # row widened exactly (forward), as the linears hold such weights (linear.NativeLinear)
+            self.embed = self.embed.to(torch.bfloat16)
         if model.lm_head is not None:
             model.lm_head.weight = None  # type: ignore[assignment]  # released; nn.Module takes None
         self.pack_templates = cache.pack_prefix_kv
