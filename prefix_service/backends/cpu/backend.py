@@ -57,7 +57,7 @@ class CpuBackend(Backend):
         # [vocab, hidden]; a float32 head on the native kernel (make_linear's default), not timed as the
         # layers are: its calls take a row per sampled sequence (more only for a prompt's logprobs)
         self.head = linear.make_linear(head.weight)
-        if linear.float32_panels() == "auto" and linear.bf16_valued(self.embed):
+        if linear.held_in_bf16(self.embed):
             # a bf16 checkpoint served in float32: the table held in bf16 (half its bytes), each looked-up
             # row widened exactly (forward), as the linears hold such weights (linear.NativeLinear)
             self.embed = self.embed.to(torch.bfloat16)

@@ -182,7 +182,7 @@ class NativeLinear:
         self.bf16_panels = False
         self._args: ctypes.Structure
         if int8 is None:
-            self.bf16_panels = (panels or float32_panels()) == "auto" and bf16_valued(weight)
+            self.bf16_panels = held_in_bf16(weight, panels)
             self._entry = "ps_packed_linear_bf16w" if self.bf16_panels else "ps_packed_linear"
             self.held = pack_weight_bf16(weight) if self.bf16_panels else pack_weight(weight)
             if not self.bf16_panels:
@@ -280,6 +280,12 @@ def float32_panels() -> str:
     if chosen not in F32_PANELS:
         raise NativeKernelError(f"{F32_PANELS_ENV}={chosen!r}: one of {', '.join(F32_PANELS)} is needed")
     return chosen
+
+
+def held_in_bf16(weight: torch.Tensor, panels: str | None = None) -> bool:
+    """Whether a float32 weight (or table) is held in bf16: every value of it a bf16 one (bf16_valued)
+    and `panels` (default: float32_panels()) "auto"."""
+    return (panels or float32_panels()) == "auto" and bf16_valued(weight)
 
 
 def float32_kernel() -> str:
