@@ -20,6 +20,7 @@ from prefix_service.errors import ConfigError, InvalidRequest
 from prefix_service.sampling_params import StructuredOutput
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = DTYPES  # cache.kv_cache_dtype; auto: the model's dtype
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 QUANTIZATIONS = ("none", "int8")  # model.quantization (model/quantize.py)
@@ -122,6 +123,10 @@ class CacheConfig:
     # leaves after the weights and a profiled forward (backends/kv_cache.py), on a CPU 1 GiB
     kv_cache_memory: int | str = "auto"
     gpu_memory_utilization: float = 0.9  # the share of the GPU's memory the engine may use, with kv_cache_memory auto
+    # what the KV cache holds; auto: the model's dtype. bfloat16 under a float32 model halves the cache's
+    # bytes (twice the blocks in kv_cache_memory, half the reads of a decode's attention); where a backend
+    # cannot hold other than the model's dtype, the engine refuses it at start
+    kv_cache_dtype: str = "auto"
     num_blocks: int | None = None  # overrides kv_cache_memory when set
     prefix_budget_blocks: int | None = None  # max blocks pinned by templates; default: half the cache
     enable_prefix: bool = True  # False: requests on a template prefill it like any prompt
@@ -132,6 +137,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _check_int("cache.block_size", self.block_size, 1, 4096)
+        _check_choice("cache.kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_cache_memory != "auto":
             _check_int("cache.kv_cache_memory", self.kv_cache_memory, 1)
         if (isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float))

@@ -74,12 +74,13 @@ def make_engine(llama_dir):
                 max_num_batched_tokens: int = 2048, max_queue: int = 1024, enable_prefix: bool = True,
                 dtype: str = "float32", max_model_len: int | None = None, backend: str = "auto",
                 pack_prefix_kv: bool = True, snapshot_dir: str | None = None, cuda_fused_layers: bool = True,
-                quantization: str = "none", **scheduler: Any) -> Engine:
+                quantization: str = "none", kv_cache_dtype: str = "auto", **scheduler: Any) -> Engine:
         cfg = EngineConfig(
             ModelConfig(path=str(model_dir or llama_dir), dtype=dtype, device="cpu", max_model_len=max_model_len,
                         backend=backend, cuda_fused_layers=cuda_fused_layers, quantization=quantization),
             CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_budget_blocks=prefix_budget_blocks,
-                        enable_prefix=enable_prefix, pack_prefix_kv=pack_prefix_kv, snapshot_dir=snapshot_dir),
+                        enable_prefix=enable_prefix, pack_prefix_kv=pack_prefix_kv, snapshot_dir=snapshot_dir,
+                        kv_cache_dtype=kv_cache_dtype),
             SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_queue=max_queue, **scheduler),
         )

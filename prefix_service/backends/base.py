@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Collection, Sequence
 
 import torch
 
-from prefix_service.backends.kv_cache import KVCache
+from prefix_service.backends.kv_cache import KVCache, kv_dtype
 from prefix_service.config import CacheConfig, EngineConfig
+from prefix_service.errors import ConfigError
 from prefix_service.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
@@ -99,8 +100,27 @@ class Backend(abc.ABC):
         self.arch = model.arch
         self.device, self.dtype = param.device, param.dtype
         self.block_size = cache.block_size
-        self.kv_cache = KVCache(self.arch, cache, self.dtype, self.device)
+        self.kv_dtype = self.cache_dtype(cache, self.dtype)
+        self.kv_cache = KVCache(self.arch, cache, self.kv_dtype, self.device)
         self.kv_layers = self.kv_cache.layers()  # per layer (k, v): the same tensors for the engine's life
+
+    @classmethod
+    def cache_dtype(cls, cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype this backend's KV cache holds for cache.kv_cache_dtype under a model of
+        `model_dtype`; ConfigError where this backend cannot hold it."""
+        dtype = kv_dtype(cache.kv_cache_dtype, model_dtype)
+        if (why := cls.kv_dtype_unsupported(model_dtype, dtype)) is not None:
+            raise ConfigError(f"cache.kv_cache_dtype: {cache.kv_cache_dtype}: {why}")
+        return dtype
+
+    @classmethod
+    def kv_dtype_unsupported(cls, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+        """None when this backend can hold a KV cache of `kv_dtype` under a model of `model_dtype`, else
+        why not. Default: only the model's dtype."""
+        if kv_dtype == model_dtype:
+            return None
+        return (f"the {cls.name} backend holds the KV cache in the model's dtype "
+                f"({str(model_dtype).removeprefix('torch.')}); use auto")
 
     @property
     def num_blocks(self) -> int:

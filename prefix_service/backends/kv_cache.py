@@ -16,6 +16,11 @@ def block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
+def kv_dtype(choice: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What the KV cache holds for cache.kv_cache_dtype `choice`: auto is the model's dtype."""
+    return model_dtype if choice == "auto" else getattr(torch, choice)
+
+
 HOST_KV_CACHE_MEMORY = 1 << 30  # kv_cache_memory "auto" in host memory
 GRAPH_RESERVE = 512 << 20  # left free on a GPU for the CUDA graphs' memory pool and the allocator's slack
 
@@ -46,7 +51,8 @@ def auto_kv_cache_memory(model: LlamaForCausalLM, config: EngineConfig, device: 
     free, total = torch.cuda.mem_get_info(device)
     outside = total - free - torch.cuda.memory_reserved(device)
     budget = int(config.cache.gpu_memory_utilization * total) - outside - peak - GRAPH_RESERVE
-    need = 2 * block_bytes(arch, config.cache.block_size, next(model.parameters()).dtype)
+    need = 2 * block_bytes(arch, config.cache.block_size, kv_dtype(config.cache.kv_cache_dtype,
+                                                                  next(model.parameters()).dtype))
     if budget < need:
         gib = 1 << 30
         raise ConfigError(

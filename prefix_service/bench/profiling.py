@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from prefix_service.bench.main import REPO
-from prefix_service.config import QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, load_config
+from prefix_service.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, load_config
 from prefix_service.backends.base import Backend
 from prefix_service.engine.core import EngineCore
 
@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="model.dtype (default: the config's)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="model.device (default: the config's)")
     p.add_argument("--kv-cache-memory", help="cache.kv_cache_memory, e.g. 16GiB (default: the config's)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="cache.kv_cache_dtype (default: the config's)")
     p.add_argument("--cuda-graph-max-batch", type=int, help="model.cuda_graph_max_batch (0: eager; default: the config's)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, help="model.quantization (default: the config's)")
     p.add_argument("--cuda-fused-layers", type=int, choices=(0, 1),
@@ -49,6 +50,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         from prefix_service.config import parse_size_or_auto
         size = parse_size_or_auto(args.kv_cache_memory, "--kv-cache-memory")
         cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_memory=size, num_blocks=None))
+    if getattr(args, "kv_cache_dtype", None):
+        cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, kv_cache_dtype=args.kv_cache_dtype))
     for field in ("dtype", "device", "cuda_graph_max_batch", "quantization"):
         if getattr(args, field, None) is not None:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{field: getattr(args, field)}))

@@ -74,7 +74,8 @@ def run(plan: Plan, config_path: str, *, model_path: str | None = None, progress
              "layers": arch.num_layers, "hidden_size": arch.hidden_size, "vocab_size": arch.vocab_size,
              "dtype": engine_config.model.dtype, "device": engine_config.model.device,
              "block_size": engine_config.cache.block_size,
-             "kv_cache_memory": engine_config.cache.kv_cache_memory, "kv_blocks": kv_blocks,
+             "kv_cache_memory": engine_config.cache.kv_cache_memory, "kv_cache_dtype": engine_config.cache.kv_cache_dtype,
+             "kv_blocks": kv_blocks,
              "max_num_batched_tokens": engine_config.scheduler.max_num_batched_tokens,
              "max_num_seqs": engine_config.scheduler.max_num_seqs}
     return {"model": model, "workloads": {n: w.describe() for n, w in workloads.items()},

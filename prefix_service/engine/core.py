@@ -95,6 +95,7 @@ class EngineCore:
         # first of what the engine loads: on a CPU it also sets malloc up for the rest (hostmem.py)
         if backend is None:
             backend = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
+            backend.cache_dtype(config.cache, self.dtype)  # a cache it cannot hold: refused before the weights load
         elif self.device.type == "cpu":
             hostmem.keep_freed_memory()
         self.tokenizer = load_tokenizer(mc.path)
@@ -137,9 +138,10 @@ class EngineCore:
         self.structured = StructuredOutputs(self.tokenizer, sc.grammar_compile_fuel, sc.grammar_step_fuel)
         self.snapshots: TemplateSnapshots | None = None  # set by the Engine when cache.snapshot_dir is
         self.backend.prepare(config, self.max_model_len)
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, backend %s",
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d, backend %s",
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
-                 self.block_size, self.max_model_len, self.backend.describe())
+                 self.block_size, str(self.backend.kv_dtype).replace("torch.", ""), self.max_model_len,
+                 self.backend.describe())
 
     def _eos_ids(self) -> set[int]:
         ids = set()

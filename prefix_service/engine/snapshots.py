@@ -43,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 from safetensors.torch import save_file
 
+from prefix_service.backends.kv_cache import kv_dtype
 from prefix_service.config import EngineConfig, validate_template_name
 from prefix_service.errors import ModelLoadError
 from prefix_service.fsutil import fsync_dir
@@ -138,14 +139,18 @@ def snapshot_key(config: EngineConfig, device: torch.device, dtype: torch.dtype)
     runs on (EngineCore's: resolve_device, choose_dtype). Reads config.json and samples of the
     weight files (model_fingerprint), never loads the weights. A dummy model's fingerprint also
     names the device type: its random weights come from that device's generator; a quantized
-    model's names its model.quantization."""
+    model's names its model.quantization. The key's dtype is the cache's (cache.kv_cache_dtype); a
+    cache held in other than the model's dtype also names the model's in the fingerprint."""
     mc = config.model
     fingerprint = model_fingerprint(mc.path, mc.load_format, mc.seed)
     if mc.load_format == "dummy":
         fingerprint = hashlib.sha256(f"{fingerprint}:{device.type}".encode()).hexdigest()[:16]
     if mc.quantization != "none":  # other weights, other K/V
         fingerprint = hashlib.sha256(f"{fingerprint}:quantization={mc.quantization}".encode()).hexdigest()[:16]
-    return SnapshotKey(fingerprint, str(dtype).removeprefix("torch."), config.cache.block_size)
+    cache_dtype = kv_dtype(config.cache.kv_cache_dtype, dtype)
+    if cache_dtype != dtype:  # K/V computed in the model's dtype, held in another: not a cache of either alone
+        fingerprint = hashlib.sha256(f"{fingerprint}:model_dtype={dtype}".encode()).hexdigest()[:16]
+    return SnapshotKey(fingerprint, str(cache_dtype).removeprefix("torch."), config.cache.block_size)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,14 @@ class CpuBackend(Backend):
         """None when this backend can serve the model here, else why not."""
         return stack_unsupported(arch, dtype)
 
+    @classmethod
+    def kv_dtype_unsupported(cls, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+        """Its kernels read and write a float32 or bf16 cache under either model dtype (the arithmetic is
+        float32; a bf16 cache's new K and V are rounded before anything reads them)."""
+        if kv_dtype in (torch.float32, torch.bfloat16):
+            return None
+        return f"the cpu backend's KV cache holds float32 or bfloat16, not {str(kv_dtype).removeprefix('torch.')}"
+
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
         """Takes the model's weights into the kernels' layouts; the model is not usable afterwards
         (its linear weights are released as they are packed)."""
@@ -100,14 +108,18 @@ class CpuBackend(Backend):
                 matrix += f", a prompt's own attention on the native kernels{timed}"
             if self.stack.int8_linears:
                 matrix += f", int8 weights in {self.stack.int8_linears} linears' few-row calls"
-            return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
+            return f"cpu (native kernels, decoder stack, {how}, {self.kv_cache_words()}{matrix})"
+        kv = f", {self.kv_cache_words()}" if self.kv_dtype != self.dtype else ""
         if self.stack.int8_linears:
-            return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears)"
+            return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears{kv})"
         timed = f"; timed: {f.why}" if (f := self.stack.float32_timing) is not None else ""
         linears = linear.float32_choice(self.stack.float32_native_rows)
         if self.stack.bf16_panel_linears:
             linears += ", float32 weights of bf16 values held in bf16 for the native kernel"
-        return f"cpu (native kernels, decoder stack, linears on {linears}{timed})"
+        return f"cpu (native kernels, decoder stack, linears on {linears}{timed}{kv})"
+
+    def kv_cache_words(self) -> str:
+        return "bf16 KV cache" if self.kv_dtype == torch.bfloat16 else "float32 KV cache"
 
     def named_linears(self) -> dict[str, linear.CpuLinear]:
         """The first layer's linears and the output head, by name (every layer's are of the same shapes)."""

@@ -118,6 +118,8 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_layers[layer]  # [num_blocks, block_size, Hkv, D]
         meta = self.meta
+        if k_cache.dtype != k.dtype:  # the new K/V as the cache holds them, for this step's queries too
+            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
         store_kv(k, v, k_cache, v_cache, meta.slots)
         nd = meta.num_decodes
         if not meta.prefill_new:
@@ -142,8 +144,8 @@ class PagedAttention:
         k_parts, v_parts, start = [], [], 0
         for blocks, q_len, ctx in zip(meta.prefill_blocks, meta.prefill_new, meta.prefill_context):
             if ctx:  # the cached context, gathered from its blocks, in front of the new tokens
-                k_parts.append(k_cache.index_select(0, blocks).flatten(0, 1)[:ctx])
-                v_parts.append(v_cache.index_select(0, blocks).flatten(0, 1)[:ctx])
+                k_parts.append(k_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(k.dtype))
+                v_parts.append(v_cache.index_select(0, blocks).flatten(0, 1)[:ctx].to(v.dtype))
             k_parts.append(k[start:start + q_len])
             v_parts.append(v[start:start + q_len])
             start += q_len
@@ -152,9 +154,9 @@ class PagedAttention:
 
 
 def store_kv(k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
-    """Write each row's K/V into its flat cache slot (every new token has one: no -1)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+    """Write each row's K/V into its flat cache slot (every new token has one: no -1), in the cache's dtype."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def attend_contiguous(q, k_all, v_all, q_lens: list[int], ctx_lens: list[int], scale: float,

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
 class TorchBackend(Backend):
     name = "torch"
 
+    @classmethod
+    def kv_dtype_unsupported(cls, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+        """Any: the new K/V are rounded to the cache's dtype as they are made and the cache's rows
+        widened (or narrowed) to the model's as they are read (attention.py)."""
+        return None
+
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
         super().__init__(model, cache)
         self.model = model

@@ -73,8 +73,9 @@ def attend_paged(q, k_cache, v_cache, block_tables, lens, max_len: int, scale: f
                 pad[:, None, None, :], float("-inf"))
     idx, mask = cache["idx"], cache["mask"]
     nb = idx.shape[0] // n
-    k = k_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len].transpose(1, 2)  # [N, Hkv, L, D]
-    v = v_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len].transpose(1, 2)
+    # [N, Hkv, L, D], in q's dtype (a cache of another dtype: cache.kv_cache_dtype)
+    k = k_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len].transpose(1, 2).to(q.dtype)
+    v = v_cache.index_select(0, idx).view(n, nb * bs, hkv, d)[:, :max_len].transpose(1, 2).to(q.dtype)
     out, lse = attend(q.view(n, hkv, hq // hkv, d), k, v, mask, scale)
     return out.reshape(n, hq, d), lse.reshape(n, hq)
 
@@ -92,6 +93,7 @@ def attend_shared(q, k_cache, v_cache, group: PrefixGroup, scale: float):
     else:
         k = k_cache.index_select(0, group.block_ids).flatten(0, 1)
         v = v_cache.index_select(0, group.block_ids).flatten(0, 1)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     qg = q.view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d)
     out, lse = attend(qg, k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, scale)  # [1, Hkv, n*G, D]
     out = out.reshape(hkv, n, g, d).transpose(0, 1).reshape(n, hq, d)
