@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"machine": machine_info(), "model": str(cfg.model.path),
                        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git_commit": git_commit(),
                        "threads": torch.get_num_threads(), "backend": core.backend.name,
+                       "dtype": str(core.dtype).removeprefix("torch."),
+                       "kv_cache_dtype": str(core.backend.kv_dtype).removeprefix("torch."),
                        "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens, "steps": args.steps,
                        "results": results}, fh, indent=2)
         print(f"JSON: {args.json}")

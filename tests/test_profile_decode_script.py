@@ -19,13 +19,13 @@ def script():
     return load_script("profile_decode")
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
-def test_profile_decode_script(script, llama_dir, tmp_path, capsys, backend):
+@pytest.mark.parametrize("backend, kv", [("auto", "auto"), ("torch", "auto"), ("auto", "bfloat16")])
+def test_profile_decode_script(script, llama_dir, tmp_path, capsys, backend, kv):
     out = tmp_path / "decode.json"
     with torch_threads(1):  # what --threads sets, process-wide; restored after
         assert script.main(["--model", str(llama_dir), "--prefix-tokens", "40", "--prompt-tokens", "6",
                             "--batches", "1,5", "--steps", "3", "--threads", "1", "--backend", backend,
-                            "--json", str(out)]) == 0
+                            "--kv-cache-dtype", kv, "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     from prefix_service.backends.cpu import native
@@ -37,6 +37,7 @@ def test_profile_decode_script(script, llama_dir, tmp_path, capsys, backend):
         assert r["kernels_ms"]["linear"] > 0 and r["kernels_ms"]["attention"] > 0
         assert r["other_ms"] == pytest.approx(r["profiled_step_ms"] - sum(r["kernels_ms"].values()), abs=0.01)
     assert data["steps"] == 3 and data["prefix_tokens"] == 40 and data["git_commit"]
+    assert (data["dtype"], data["kv_cache_dtype"]) == ("float32", "float32" if kv == "auto" else kv)
     assert "step p50 ms" in printed and "JSON:" in printed
 
 
