@@ -104,9 +104,12 @@ def test_a_backend_that_cannot_hold_the_dtype_refuses_it_before_loading(llama_di
         CudaBackend.cache_dtype(CacheConfig(kv_cache_dtype="float32"), torch.bfloat16)
     assert CudaBackend.cache_dtype(CacheConfig(), torch.bfloat16) == torch.bfloat16
     assert CudaBackend.cache_dtype(CacheConfig(kv_cache_dtype="bfloat16"), torch.bfloat16) == torch.bfloat16
-    with pytest.raises(ConfigError, match=r"cache\.kv_cache_dtype: float16: the cpu backend's KV cache holds float32 "
-                                          r"or bfloat16, not float16"):
+    with pytest.raises(ConfigError, match=r"cache\.kv_cache_dtype: float16: the cpu backend's KV cache holds the "
+                                          r"model's dtype, or bfloat16 under a float32 model; not float16 under float32"):
         CpuBackend.cache_dtype(CacheConfig(kv_cache_dtype="float16"), torch.float32)
+    with pytest.raises(ConfigError, match=r"not float32 under bfloat16"):
+        CpuBackend.cache_dtype(CacheConfig(kv_cache_dtype="float32"), torch.bfloat16)
+    assert CpuBackend.cache_dtype(CacheConfig(kv_cache_dtype="bfloat16"), torch.float32) == torch.bfloat16
     assert TorchBackend.cache_dtype(CacheConfig(kv_cache_dtype="float16"), torch.float32) == torch.float16
     if REASON is None:  # the engine refuses it before it reads the weights
         from prefix_service.engine import core

@@ -48,11 +48,12 @@ class CpuBackend(Backend):
 
     @classmethod
     def kv_dtype_unsupported(cls, model_dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
-        """Its kernels read and write a float32 or bf16 cache under either model dtype (the arithmetic is
-        float32; a bf16 cache's new K and V are rounded before anything reads them)."""
-        if kv_dtype in (torch.float32, torch.bfloat16):
+        """The model's dtype, or bf16 under a float32 model: the kernels read a bf16 cache with float32
+        arithmetic and round its new K and V before anything reads them, as for a bf16 model."""
+        if kv_dtype == model_dtype or (model_dtype, kv_dtype) == (torch.float32, torch.bfloat16):
             return None
-        return f"the cpu backend's KV cache holds float32 or bfloat16, not {str(kv_dtype).removeprefix('torch.')}"
+        return (f"the cpu backend's KV cache holds the model's dtype, or bfloat16 under a float32 model; not "
+                f"{str(kv_dtype).removeprefix('torch.')} under {str(model_dtype).removeprefix('torch.')}")
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
         """Takes the model's weights into the kernels' layouts; the model is not usable afterwards
