@@ -95,7 +95,8 @@ class EngineCore:
         # first of what the engine loads: on a CPU it also sets malloc up for the rest (hostmem.py)
         if backend is None:
             backend = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
-            backend.cache_dtype(config.cache, self.dtype)  # a cache it cannot hold: refused before the weights load
+            if isinstance(backend, type):  # a cache it cannot hold: refused before the weights load
+                backend.cache_dtype(config.cache, self.dtype)
         elif self.device.type == "cpu":
             hostmem.keep_freed_memory()
         self.tokenizer = load_tokenizer(mc.path)
