@@ -109,8 +109,8 @@ class CpuBackend(Backend):
                 matrix += f", a prompt's own attention on the native kernels{timed}"
             if self.stack.int8_linears:
                 matrix += f", int8 weights in {self.stack.int8_linears} linears' few-row calls"
-            return f"cpu (native kernels, decoder stack, {how}, {self.kv_cache_words()}{matrix})"
-        kv = f", {self.kv_cache_words()}" if self.kv_dtype != self.dtype else ""
+            return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
+        kv = ", bf16 KV cache" if self.kv_dtype != self.dtype else ""  # the one other pairing: kv_dtype_unsupported
         if self.stack.int8_linears:
             return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears{kv})"
         timed = f"; timed: {f.why}" if (f := self.stack.float32_timing) is not None else ""
@@ -118,9 +118,6 @@ class CpuBackend(Backend):
         if self.stack.bf16_panel_linears:
             linears += ", float32 weights of bf16 values held in bf16 for the native kernel"
         return f"cpu (native kernels, decoder stack, linears on {linears}{timed}{kv})"
-
-    def kv_cache_words(self) -> str:
-        return "bf16 KV cache" if self.kv_dtype == torch.bfloat16 else "float32 KV cache"
 
     def named_linears(self) -> dict[str, linear.CpuLinear]:
         """The first layer's linears and the output head, by name (every layer's are of the same shapes)."""

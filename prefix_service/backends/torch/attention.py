@@ -118,9 +118,11 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         k_cache, v_cache = self.kv_layers[layer]  # [num_blocks, block_size, Hkv, D]
         meta = self.meta
-        if k_cache.dtype != k.dtype:  # the new K/V as the cache holds them, for this step's queries too
-            k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
-        store_kv(k, v, k_cache, v_cache, meta.slots)
+        # the new K/V in the cache's dtype (no copy where it is the model's), stored, and read so by this
+        # step's queries too: a key is the same number from the step's rows as from the cache
+        held_k, held_v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        store_kv(held_k, held_v, k_cache, v_cache, meta.slots)
+        k, v = held_k.to(q.dtype), held_v.to(q.dtype)
         nd = meta.num_decodes
         if not meta.prefill_new:
             return self._decode(q, k_cache, v_cache, scale)
@@ -154,9 +156,9 @@ class PagedAttention:
 
 
 def store_kv(k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
-    """Write each row's K/V into its flat cache slot (every new token has one: no -1), in the cache's dtype."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+    """Write each row's K/V into its flat cache slot (every new token has one: no -1)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
 def attend_contiguous(q, k_all, v_all, q_lens: list[int], ctx_lens: list[int], scale: float,
