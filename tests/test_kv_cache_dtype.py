@@ -81,6 +81,21 @@ def test_cpu_backend_generates_the_torch_backends_tokens_on_a_bf16_cache(make_en
     assert (engine_last_logits(cpu, ids) - engine_last_logits(ref, ids)).abs().max().item() <= 1e-3
 
 
+@pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels here: {REASON}")
+def test_a_float32_model_keeps_float32_attention_where_bf16_products_are_asked_for(make_engine, monkeypatch):
+    """The bf16 matrix products a bf16 model's template attention may take (rounding q and P to bf16)
+    are never a float32 model's, though its cache holds bf16: asked for by name here, as the CPUs with
+    AVX512-BF16 choose them by default, the template and its plain prompt still agree to 1e-4."""
+    monkeypatch.setenv("PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION", "matrix")
+    engine = make_engine(backend="cpu", kv_cache_dtype="bfloat16")
+    stack = engine._run(lambda core: core.backend.stack)
+    assert not stack.template_matrix and not stack.prompt_dot
+    full = ids_of(26, salt=4)
+    engine.add_template("p", token_ids=full[:17])
+    with_prefix = engine_last_logits(engine, full[17:], prefix="p")
+    assert (with_prefix - engine_last_logits(engine, full)).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_bf16_cache_moves_the_logits_by_its_rounding_only(make_engine, backend):
     f32 = make_engine(backend=backend)

@@ -108,15 +108,18 @@ class DecoderStack:
                                             f"{self.hkv}, {self.head_dim}] tensors alike are needed, got {c.dtype} "
                                             f"{tuple(c.shape)}")
         self.kv_bf16 = int(kv_dtype == torch.bfloat16)
+        # the bf16 products below round q (and P) to bf16: a bf16 model's arithmetic, not a float32
+        # model's over a bf16 cache (cache.kv_cache_dtype), which keeps float32 arithmetic throughout
+        bf16_model = self.kv_bf16 and model.embed_tokens.weight.dtype == torch.bfloat16
         # a bf16 model's rows over a template: matrix products where chosen (the templates then
         # carry their handles), else the native kernels; "measure": chosen below, once the layers are packed
-        template_attention = onednn.template_attention(self.head_dim) if self.kv_bf16 else "native"
+        template_attention = onednn.template_attention(self.head_dim) if bf16_model else "native"
         self.template_matrix = template_attention == "matrix"
         self.template_fn = onednn.template_attend_fn() if self.template_matrix else 0
         self.template_timing: TemplateTiming | None = None  # what timing each way found, where it was timed
         self.template_products: int | None = None  # the matrix products' kernel cap (None: the environment's)
         # a bf16 prompt with nothing before it: its own keys on the dot products where chosen
-        prompt_attention = onednn.prompt_attention(self.head_dim) if self.kv_bf16 else "native"
+        prompt_attention = onednn.prompt_attention(self.head_dim) if bf16_model else "native"
         self.prompt_dot = prompt_attention == "dot"
         self.causal_fn = onednn.causal_attend_fn() if self.prompt_dot else 0
         self.prompt_timing: PromptTiming | None = None  # what timing both ways found, where it was timed
