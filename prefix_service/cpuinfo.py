@@ -5,19 +5,73 @@ bf16 matrix units: AMX-BF16 (tiles, Intel Sapphire Rapids on) and AVX512-BF16 (d
 Cooper Lake on, AMD Zen 4 on). Where a CPU has either, bfloat16 matrix products run several times
 faster than float32 ones and stream half the weight bytes; elsewhere bf16 is converted to float32 on
 the way and gains nothing.
+
+`PREFIX_SERVICE_CPU_MARCH` names a compiler target (`-march`) to use in place of the host's flags:
+the native kernels are compiled for it (backends/cpu/native.py) and these functions answer with the
+instruction sets the compiler enables for it. It is for a host whose hypervisor hides an
+instruction set that its CPU executes (the guest's /proc/cpuinfo then understates it), and for a
+fleet that builds for the instruction sets its machines share (x86-64-v3: AVX2 + FMA). A target
+the CPU cannot run stops the process with SIGILL at the first instruction it lacks.
 """
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import subprocess
 
 # the instruction sets we name, strongest first: (flag in /proc/cpuinfo, name)
 ISA_FLAGS = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 BF16_UNITS = ("AMX-BF16", "AVX512-BF16")
 
 
-@functools.lru_cache(maxsize=1)
+MARCH_ENV = "PREFIX_SERVICE_CPU_MARCH"
+# the compiler's macro for each instruction set we read, and its flag in /proc/cpuinfo
+TARGET_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw",
+                 "__AVX512VL__": "avx512vl", "__AVX512BF16__": "avx512_bf16", "__AMX_TILE__": "amx_tile",
+                 "__AMX_BF16__": "amx_bf16"}
+
+
+def target() -> str | None:
+    """$PREFIX_SERVICE_CPU_MARCH where it names a target other than `native`, else None."""
+    march = os.environ.get(MARCH_ENV, "").strip()
+    return march if march and march != "native" else None
+
+
+def compiler() -> str | None:
+    """The system C++ compiler: $CXX, else c++, g++ or clang++ (the first on PATH), or None."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def target_flags(march: str) -> frozenset[str]:
+    """The /proc/cpuinfo flags (of TARGET_MACROS) the C++ compiler enables for -march=`march`;
+    ValueError where there is no compiler or it does not know the target."""
+    cxx = compiler()
+    if cxx is None:
+        raise ValueError(f"{MARCH_ENV}={march}: no C++ compiler found to read the target's instruction sets (set CXX)")
+    proc = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        raise ValueError(f"{MARCH_ENV}={march}: the compiler does not know this target: "
+                         f"{(proc.stderr.strip().splitlines() or [''])[0][:300]}")
+    defined = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
+    return frozenset(flag for macro, flag in TARGET_MACROS.items() if macro in defined)
+
+
 def cpu_flags() -> frozenset[str]:
-    """The first processor's flags (empty where /proc/cpuinfo cannot be read: not Linux)."""
+    """The first processor's flags (empty where /proc/cpuinfo cannot be read: not Linux), or those
+    of $PREFIX_SERVICE_CPU_MARCH's target (target_flags) where it names one."""
+    march = target()
+    return target_flags(march) if march else host_flags()
+
+
+@functools.lru_cache(maxsize=1)
+def host_flags() -> frozenset[str]:
+    """The first processor's flags as the kernel reports them (empty where /proc/cpuinfo cannot be read)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:

@@ -6,7 +6,9 @@ Here each is compiled with the runtime's own flags and -march set to a target in
 AVX2: the entry points return 1), x86-64-v3 (AVX2 + FMA), x86-64-v4 (AVX-512 without bf16) and
 sapphirerapids (AVX512-BF16 and AMX). The disassembly shows that each build uses its instruction set
 (zmm registers, bf16 dot products), so a branch that a macro left out would fail too. Only the
-baseline build is loaded and called: the others may not run on this CPU."""
+baseline build is loaded and called: the others may not run on this CPU. $PREFIX_SERVICE_CPU_MARCH,
+which builds for a named target and reads its instruction sets in place of the CPU's, is checked
+here too."""
 import ctypes
 import shutil
 import subprocess
@@ -14,7 +16,9 @@ import subprocess
 import pytest
 import torch
 
+from prefix_service import cpuinfo
 from prefix_service.backends.cpu import native, onednn
+from prefix_service.model.loader import choose_dtype
 
 CXX = native.compiler()
 needs_cxx = pytest.mark.skipif(CXX is None, reason="no C++ compiler found (set CXX)")
@@ -95,3 +99,49 @@ def test_onednn_attention_builds_with_and_without_bf16_dot_products(march, dots,
     text = code(obj)
     assert "zmm" in text
     assert ("vdpbf16ps" in text) == dots
+
+
+@needs_cxx
+@pytest.mark.parametrize("march, names", [("x86-64-v3", ["AVX2"]), ("x86-64-v4", ["AVX-512", "AVX2"]),
+                                          ("cooperlake", ["AVX512-BF16", "AVX-512", "AVX2"]),
+                                          ("sapphirerapids", ["AMX-BF16", "AVX512-BF16", "AVX-512", "AVX2"])])
+def test_a_named_target_stands_for_the_cpu(march, names, llama_dir, monkeypatch):
+    """$PREFIX_SERVICE_CPU_MARCH: the instruction sets are the target's, as the compiler enables them,
+    whatever this CPU reports, and model.dtype: auto follows them."""
+    if not known(march):
+        pytest.skip(f"{CXX} does not know -march={march}")
+    monkeypatch.setenv(cpuinfo.MARCH_ENV, march)
+    assert cpuinfo.isa() == names
+    dtype, why = choose_dtype("auto", llama_dir, torch.device("cpu"))
+    assert dtype == (torch.bfloat16 if "AVX512-BF16" in names else torch.float32), why
+    assert native.for_target(native.FLAGS) == flags_for(native.FLAGS, march)
+
+
+def test_native_or_unset_keeps_the_host(monkeypatch):
+    for value in ("", "native", " "):
+        monkeypatch.setenv(cpuinfo.MARCH_ENV, value)
+        assert cpuinfo.target() is None
+        assert cpuinfo.cpu_flags() == cpuinfo.host_flags()
+        assert native.for_target(native.FLAGS) == native.FLAGS
+    monkeypatch.delenv(cpuinfo.MARCH_ENV)
+    assert cpuinfo.cpu_flags() == cpuinfo.host_flags()
+
+
+@needs_cxx
+def test_an_unknown_target_is_refused_with_its_name(monkeypatch):
+    monkeypatch.setenv(cpuinfo.MARCH_ENV, "not-a-cpu")
+    with pytest.raises(ValueError, match="PREFIX_SERVICE_CPU_MARCH=not-a-cpu: the compiler does not know"):
+        cpuinfo.isa()
+
+
+@needs_cxx
+@needs_objdump
+def test_the_native_library_is_built_for_the_named_target(tmp_path, monkeypatch):
+    """native.build under $PREFIX_SERVICE_CPU_MARCH=x86-64-v3 compiles AVX2 code (no zmm) into its own
+    key, whatever this CPU is."""
+    assert CXX is not None
+    monkeypatch.setenv("PREFIX_SERVICE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(cpuinfo.MARCH_ENV, "x86-64-v3")
+    built = native.build(CXX)
+    text = code(built)
+    assert "vfmadd" in text and "zmm" not in text

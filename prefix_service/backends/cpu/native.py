@@ -3,9 +3,9 @@
 One shared library holds the cpu backend's kernels: prefill and decode attention (attention.py),
 linear layers (linear.py), a layer's element-wise work (elementwise.py), the decoder stack
 that runs them all for a forward (stack.py), and the sampler's passes over the logits
-(sampling.py). It is compiled with the system C++ compiler (`CXX`,
-else `c++`/`g++`/`clang++`), `-march=native`, into `$PREFIX_SERVICE_CACHE_DIR` (default
-`~/.cache/prefix_service`), keyed by the sources, the compiler and the CPU; a few seconds, once
+(sampling.py). It is compiled with the system C++ compiler (`CXX`, else `c++`/`g++`/`clang++`),
+`-march=native` (or `$PREFIX_SERVICE_CPU_MARCH`'s target: cpuinfo.py), into `$PREFIX_SERVICE_CACHE_DIR`
+(default `~/.cache/prefix_service`), keyed by the sources, the compiler and the CPU; a few seconds, once
 per machine. The kernels run on torch's OpenMP runtime (the same libgomp, the same threads).
 The kernels are written once against a 16-float vector (csrc/simd.h) that the build maps onto
 AVX-512 or onto AVX2 with FMA, whichever the CPU has (`isa()`). `load()` says why the library
@@ -25,13 +25,14 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from prefix_service import cpuinfo
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -160,10 +161,7 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    return cpuinfo.compiler()
 
 
 def _cpu_signature() -> str:
@@ -176,6 +174,23 @@ def _cpu_signature() -> str:
         return platform.processor()
 
 
+def for_target(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """`flags` with -march=native replaced by -march=$PREFIX_SERVICE_CPU_MARCH where that names a
+    target (cpuinfo.target(): a CPU whose hypervisor hides an instruction set the host executes, or
+    the instruction sets a fleet shares). A target this CPU cannot run stops the process with SIGILL
+    at the first instruction it lacks, so the build logs which target it uses."""
+    march = cpuinfo.target()
+    if march is None:
+        return flags
+    _warn_target(march)
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_target(march: str) -> None:
+    log.warning("native kernels: compiled for -march=%s (%s), not for this CPU", march, cpuinfo.MARCH_ENV)
+
+
 def compile_library(cxx: str, stem: str, sources: tuple[Path, ...], flags: tuple[str, ...] = FLAGS,
                     link: tuple[str, ...] = (), key_parts: tuple[bytes, ...] = (),
                     error: type[Exception] = NativeBuildError) -> Path:
@@ -183,6 +198,7 @@ def compile_library(cxx: str, stem: str, sources: tuple[Path, ...], flags: tuple
     references) into cache_dir()/`stem`-KEY.so, or find it there; its path. KEY covers the sources,
     `key_parts` (what else the build depends on), the compiler, the flags and the CPU. A failed build
     raises `error` with the compiler's message and leaves nothing behind."""
+    flags = for_target(flags)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     parts = [p.read_bytes() for p in sources] + list(key_parts)
     parts += [version.encode(), " ".join((*flags, *link)).encode(), _cpu_signature().encode()]
