@@ -6,12 +6,14 @@ Cooper Lake on, AMD Zen 4 on). Where a CPU has either, bfloat16 matrix products 
 faster than float32 ones and stream half the weight bytes; elsewhere bf16 is converted to float32 on
 the way and gains nothing.
 
-`PREFIX_SERVICE_CPU_MARCH` names a compiler target (`-march`) to use in place of the host's flags:
-the native kernels are compiled for it (backends/cpu/native.py) and these functions answer with the
-instruction sets the compiler enables for it. It is for a host whose hypervisor hides an
-instruction set that its CPU executes (the guest's /proc/cpuinfo then understates it), and for a
-fleet that builds for the instruction sets its machines share (x86-64-v3: AVX2 + FMA). A target
-the CPU cannot run stops the process with SIGILL at the first instruction it lacks.
+`PREFIX_SERVICE_CPU_MARCH` names a compiler target (`-march`) for the native kernels in place of
+this CPU (backends/cpu/native.py): kernel_flags() then answers with the instruction sets the
+compiler enables for it, which the kernels compute with. It serves a fleet that builds for the
+instruction sets its machines share (x86-64-v3: AVX2 + FMA), and a guest whose hypervisor hides an
+instruction set its host's CPU executes. The dtype choice keeps the flags the CPU reports
+(cpu_flags), since bf16's gain is in the linear layers, which oneDNN multiplies on the instruction
+sets the CPU reports to it. A target the CPU cannot run stops the process with SIGILL at the first
+instruction it lacks.
 """
 from __future__ import annotations
 
@@ -62,16 +64,9 @@ def target_flags(march: str) -> frozenset[str]:
     return frozenset(flag for macro, flag in TARGET_MACROS.items() if macro in defined)
 
 
-def cpu_flags() -> frozenset[str]:
-    """The first processor's flags (empty where /proc/cpuinfo cannot be read: not Linux), or those
-    of $PREFIX_SERVICE_CPU_MARCH's target (target_flags) where it names one."""
-    march = target()
-    return target_flags(march) if march else host_flags()
-
-
 @functools.lru_cache(maxsize=1)
-def host_flags() -> frozenset[str]:
-    """The first processor's flags as the kernel reports them (empty where /proc/cpuinfo cannot be read)."""
+def cpu_flags() -> frozenset[str]:
+    """The first processor's flags (empty where /proc/cpuinfo cannot be read: not Linux)."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
@@ -80,6 +75,13 @@ def host_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def kernel_flags() -> frozenset[str]:
+    """The flags the native kernels are built for: $PREFIX_SERVICE_CPU_MARCH's target's (target_flags)
+    where it names one, else this CPU's."""
+    march = target()
+    return target_flags(march) if march else cpu_flags()
 
 
 def isa(flags: frozenset[str] | None = None) -> list[str]:

@@ -296,7 +296,8 @@ def main() -> None:
     table = {name: {k: statistics.median(run[k] for run in rs) if all(k in run for run in rs) else None
                     for k in keys} for name, rs in runs.items()}
     info["load_average_end"] = list(os.getloadavg())
-    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds")
+    march = f", kernels built for -march={info['cpu_march']}" if info.get("cpu_march") else ""
+    print(f"{info['cpu']} ({', '.join(info['isa'])}{march}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds")
     print("| system | " + " | ".join(keys) + " |")
     print("| --- | " + " | ".join("---" for _ in keys) + " |")
     for name, row in table.items():

@@ -56,7 +56,7 @@ def main() -> int:
         args.thread_counts = str(args.threads)
     os.environ[onednn.TEMPLATE_ATTENTION_ENV] = "measure"
     from prefix_service import cpuinfo
-    if "avx512_bf16" in cpuinfo.cpu_flags():  # the dot products a prompt's own attention may run on
+    if "avx512_bf16" in cpuinfo.kernel_flags():  # the dot products a prompt's own attention may run on
         os.environ[onednn.PROMPT_ATTENTION_ENV] = "measure"
     machine = machine_info()
     results = []

@@ -80,9 +80,9 @@ def bf16_checkpoint(src, dst):
 
 def cpu_simd() -> str:
     """The vector instructions the CPU reports that the native CPU kernels can use: "avx512"
-    (AVX-512 Foundation), "avx2" (AVX2 with FMA) or "" (neither)."""
-    from prefix_service.cpuinfo import cpu_flags
-    flags = cpu_flags()
+    (AVX-512 Foundation), "avx2" (AVX2 with FMA) or "" (neither), as the library is built for them."""
+    from prefix_service.cpuinfo import kernel_flags
+    flags = kernel_flags()
     return "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else ""
 
 

@@ -96,7 +96,7 @@ def test_bench_cpu_linear_script_in_int8(llama_dir, tmp_path):
     from prefix_service.backends.cpu import onednn
     proc, data = run_script(llama_dir, tmp_path, "--dtype", "int8", "--reference-size", "0")
     assert data["reference"] == {} and "reference:" not in proc.stdout
-    few = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.bf16_native()
+    few = "avx512_bf16" in cpuinfo.kernel_flags() and onednn.bf16_native()
     check_results(data, ["native", "native_int8", *(["inner_product", "inner_product_int8"] if few else []),
                          "int8_bf16", "int8_f32"])
     assert data["weight_bytes"]["int8_bf16"] == data["weight_bytes"]["native_int8"] == data["parameters"]

@@ -206,7 +206,7 @@ def test_prefill_over_a_template_as_matrix_products_is_within_bf16_rounding(r, c
 
 
 # the prompt's own attention on the dot products (ps_onednn_causal_attend) needs AVX512-BF16
-DOT_REASON = REASON or (None if "avx512_bf16" in cpuinfo.cpu_flags() and onednn.load()[0] is not None
+DOT_REASON = REASON or (None if "avx512_bf16" in cpuinfo.kernel_flags() and onednn.load()[0] is not None
                         else "this CPU has no AVX512-BF16 dot products (or no oneDNN library)")
 needs_dot = pytest.mark.skipif(DOT_REASON is not None,
                                reason=f"the prompt's dot products cannot run here: {DOT_REASON}")
@@ -525,7 +525,7 @@ def test_an_engine_on_amx_names_its_default_linears_and_the_tiles(make_engine, m
             in described and "dot products up to" not in described), described
     monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
     described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
-    few_rows = "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
+    few_rows = "avx512_bf16" in cpuinfo.kernel_flags() and onednn.few_rows_default()
     assert (f"oneDNN bf16 linears (AMX; AVX512-BF16 dot products up to {DOT_ROWS} rows)" if few_rows
             else "oneDNN bf16 linears (AMX)") in described, described
 
@@ -542,7 +542,7 @@ def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     # where the CPU has AVX512-BF16 (the test env's default)
     amx = onednn.brgemm_vnni()
     inner = onednn.bf16_native() and not amx
-    few_rows = inner and "avx512_bf16" in cpuinfo.cpu_flags() and onednn.few_rows_default()
+    few_rows = inner and "avx512_bf16" in cpuinfo.kernel_flags() and onednn.few_rows_default()
     assert ("oneDNN bf16 linears, each shape timed on brgemm and the inner product (AMX; " in described) == amx
     assert ("oneDNN bf16 linears" in described) == (inner or amx)
     assert (f"AVX512-BF16 dot products up to {DOT_ROWS} rows" in described) == few_rows

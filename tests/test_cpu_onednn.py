@@ -283,7 +283,7 @@ def test_every_kernel_agrees_with_the_others(kernel):
 
 
 DOT_ROWS = 128  # the most rows a call runs on the few-row kernel (onednn_linear.cpp, kDotRows)
-FEW_ROWS = onednn.load()[0] is not None and onednn.bf16_native() and "avx512_bf16" in cpuinfo.cpu_flags()
+FEW_ROWS = onednn.load()[0] is not None and onednn.bf16_native() and "avx512_bf16" in cpuinfo.kernel_flags()
 needs_few_rows = pytest.mark.skipif(not FEW_ROWS, reason="the few-row kernel needs AVX512-BF16 and torch's bf16 "
                                     "inner product; this CPU or torch has not both")
 
@@ -568,7 +568,7 @@ def pack_with(products, k, v, monkeypatch):
     products = "dot" if key_rows else products
     monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, products)
     d = k.shape[-1]
-    if products == "dot" and "avx512_bf16" not in cpuinfo.cpu_flags():
+    if products == "dot" and "avx512_bf16" not in cpuinfo.kernel_flags():
         with pytest.raises(onednn.OneDnnError, match="TEMPLATE_PRODUCTS=dot: this CPU has no AVX512-BF16"):
             onednn.OneDnnTemplate(k, v)
         return None
@@ -648,10 +648,9 @@ def test_template_attention_follows_scores_that_move_far_between_chunks(shape, p
 @needs_lib
 def test_the_template_products_run_on_the_cpus_bf16_units():
     """AMX: oneDNN's brgemm micro-kernel; AVX512-BF16 without AMX: the library's dot products; else
-    torch's fallback GEMM (the flags as the kernel reports them)."""
-    flags = cpuinfo.cpu_flags()
-    want = ("AMX brgemm" if "amx_bf16" in flags else "AVX512-BF16 dot products" if "avx512_bf16" in flags
-            else "fallback GEMM")
+    torch's fallback GEMM (AMX as the CPU reports it to oneDNN, the dot products as the library is built)."""
+    want = ("AMX brgemm" if "amx_bf16" in cpuinfo.cpu_flags() else "AVX512-BF16 dot products"
+            if "avx512_bf16" in cpuinfo.kernel_flags() else "fallback GEMM")
     assert onednn.template_kernel(64) == want
     # the tiles and the dot products take head sizes that are a multiple of 16; others run the fallback GEMM
     assert onednn.template_kernel(18) == "fallback GEMM"
@@ -717,7 +716,7 @@ def test_the_prompt_attention_is_chosen_by_the_environment(monkeypatch):
     else refused with the values it takes."""
     for name in (onednn.PROMPT_ATTENTION_ENV, onednn.TEMPLATE_ATTENTION_ENV, onednn.TEMPLATE_PRODUCTS_ENV):
         monkeypatch.delenv(name, raising=False)
-    has_dot = "avx512_bf16" in cpuinfo.cpu_flags()
+    has_dot = "avx512_bf16" in cpuinfo.kernel_flags()
     default_dot = has_dot and not onednn.brgemm_vnni()
     assert onednn.prompt_attention(64) == ("dot" if default_dot else "measure" if has_dot else "native")
     assert onednn.prompt_attention(72) == "native"  # the dot products take multiples of 16
@@ -750,7 +749,7 @@ def test_the_template_products_are_limited_by_the_environment(monkeypatch):
     AVX512-BF16, and then the matrix-product template attention by default on AMX too; anything else
     is refused with the values it takes."""
     monkeypatch.delenv(onednn.TEMPLATE_ATTENTION_ENV, raising=False)
-    has_dot = "avx512_bf16" in cpuinfo.cpu_flags()
+    has_dot = "avx512_bf16" in cpuinfo.kernel_flags()
     auto = onednn.template_kernel(64)
     monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "auto")
     assert onednn.template_kernel(64) == auto

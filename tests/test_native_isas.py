@@ -7,8 +7,7 @@ AVX2: the entry points return 1), x86-64-v3 (AVX2 + FMA), x86-64-v4 (AVX-512 wit
 sapphirerapids (AVX512-BF16 and AMX). The disassembly shows that each build uses its instruction set
 (zmm registers, bf16 dot products), so a branch that a macro left out would fail too. Only the
 baseline build is loaded and called: the others may not run on this CPU. $PREFIX_SERVICE_CPU_MARCH,
-which builds for a named target and reads its instruction sets in place of the CPU's, is checked
-here too."""
+which builds the kernels for a named target, is checked here too."""
 import ctypes
 import shutil
 import subprocess
@@ -106,14 +105,17 @@ def test_onednn_attention_builds_with_and_without_bf16_dot_products(march, dots,
                                           ("cooperlake", ["AVX512-BF16", "AVX-512", "AVX2"]),
                                           ("sapphirerapids", ["AMX-BF16", "AVX512-BF16", "AVX-512", "AVX2"])])
 def test_a_named_target_stands_for_the_cpu(march, names, llama_dir, monkeypatch):
-    """$PREFIX_SERVICE_CPU_MARCH: the instruction sets are the target's, as the compiler enables them,
-    whatever this CPU reports, and model.dtype: auto follows them."""
+    """$PREFIX_SERVICE_CPU_MARCH: the kernels' instruction sets are the target's, as the compiler enables
+    them, whatever this CPU reports; model.dtype: auto still follows what the CPU reports (to oneDNN)."""
     if not known(march):
         pytest.skip(f"{CXX} does not know -march={march}")
+    host = choose_dtype("auto", llama_dir, torch.device("cpu"))
     monkeypatch.setenv(cpuinfo.MARCH_ENV, march)
-    assert cpuinfo.isa() == names
-    dtype, why = choose_dtype("auto", llama_dir, torch.device("cpu"))
-    assert dtype == (torch.bfloat16 if "AVX512-BF16" in names else torch.float32), why
+    assert cpuinfo.target() == march
+    assert cpuinfo.isa(cpuinfo.kernel_flags()) == names
+    assert choose_dtype("auto", llama_dir, torch.device("cpu")) == host
+    assert choose_dtype("auto", llama_dir, torch.device("cpu"), cpu_flags=cpuinfo.kernel_flags())[0] == (
+        torch.bfloat16 if "AVX512-BF16" in names else torch.float32)
     assert native.for_target(native.FLAGS) == flags_for(native.FLAGS, march)
 
 
@@ -121,17 +123,17 @@ def test_native_or_unset_keeps_the_host(monkeypatch):
     for value in ("", "native", " "):
         monkeypatch.setenv(cpuinfo.MARCH_ENV, value)
         assert cpuinfo.target() is None
-        assert cpuinfo.cpu_flags() == cpuinfo.host_flags()
+        assert cpuinfo.kernel_flags() == cpuinfo.cpu_flags()
         assert native.for_target(native.FLAGS) == native.FLAGS
     monkeypatch.delenv(cpuinfo.MARCH_ENV)
-    assert cpuinfo.cpu_flags() == cpuinfo.host_flags()
+    assert cpuinfo.kernel_flags() == cpuinfo.cpu_flags()
 
 
 @needs_cxx
 def test_an_unknown_target_is_refused_with_its_name(monkeypatch):
     monkeypatch.setenv(cpuinfo.MARCH_ENV, "not-a-cpu")
     with pytest.raises(ValueError, match="PREFIX_SERVICE_CPU_MARCH=not-a-cpu: the compiler does not know"):
-        cpuinfo.isa()
+        cpuinfo.kernel_flags()
 
 
 @needs_cxx

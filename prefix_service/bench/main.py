@@ -147,7 +147,9 @@ def machine_info() -> dict:
     import torch
     import transformers
     from prefix_service import cpuinfo
-    return {"cpu": cpu, "isa": cpuinfo.isa(), "cpu_march": cpuinfo.target(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu, "isa": cpuinfo.isa(), "cpu_march": cpuinfo.target(),
+            "kernel_isa": cpuinfo.isa(cpuinfo.kernel_flags()), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "grpcio": grpc.__version__,
