@@ -176,7 +176,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown systems {unknown}; known: {', '.join([*OURS, *VLLM])}")
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import child_result, git_commit, machine_info
+    from prefix_service.bench.main import child_result, git_commit, isa_label, machine_info
     from prefix_service.bench.systems.vllm import server_env, vllm_python
     from prefix_service.prepare_model import prepare_default_model
 
@@ -208,7 +208,7 @@ def main() -> None:
     table = {s: {**{str(n): statistics.median(run["step_ms"][str(n)] for run in rs) for n in args.batches},
                  "prefill": statistics.median(run["prefill_ms"] for run in rs)} for s, rs in runs.items()}
     info["load_average_end"] = list(os.getloadavg())
-    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs; {shape['layers']} layers, "
+    print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs; {shape['layers']} layers, "
           f"{shape['hq']} query heads, {shape['hkv']} KV heads of {shape['head_dim']}; template "
           f"{args.prefix_tokens} tokens, segment {args.prompt_tokens}; attention ms (every layer), medians of "
           f"{args.rounds} rounds")

@@ -272,7 +272,7 @@ def main() -> None:
         workload_ids(ids_file, args.rounds, 2 + args.singles + sum(args.concurrency))
         systems += [(f"vllm-{d}", "vllm", d, {}) for d in vllm_dtypes]
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import child_result, git_commit, machine_info
+    from prefix_service.bench.main import child_result, git_commit, isa_label, machine_info
     info = machine_info()
     runs: dict[str, list[dict]] = {name: [] for name, *_ in systems}
     for r in range(args.rounds):
@@ -296,8 +296,7 @@ def main() -> None:
     table = {name: {k: statistics.median(run[k] for run in rs) if all(k in run for run in rs) else None
                     for k in keys} for name, rs in runs.items()}
     info["load_average_end"] = list(os.getloadavg())
-    march = f", kernels built for -march={info['cpu_march']}" if info.get("cpu_march") else ""
-    print(f"{info['cpu']} ({', '.join(info['isa'])}{march}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds")
+    print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds")
     print("| system | " + " | ".join(keys) + " |")
     print("| --- | " + " | ".join("---" for _ in keys) + " |")
     for name, row in table.items():
@@ -319,7 +318,7 @@ def main() -> None:
                   + " | ".join(cell(v["tok_s_ratio"][c]) for c in args.concurrency)
                   + f" | {met(v['ttft_target_met'])} | {met(v['tok_s_target_met'])} |")
     if args.plot:
-        title = f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds"
+        title = f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs, medians of {args.rounds} rounds"
         if plot(Path(args.plot), table, args.concurrency, title):
             print(f"plot: {args.plot}")
         else:

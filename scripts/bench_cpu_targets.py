@@ -211,10 +211,10 @@ def _num(x: float | None, digits: int = 1) -> str:
 
 def markdown(summary: dict[str, Any]) -> str:
     """The table of summarize()'s rows."""
+    from prefix_service.bench.main import isa_label
     m = summary.get("machine") or {}
-    march = f" (kernels built for -march={m['cpu_march']})" if m.get("cpu_march") else ""
-    lines = [f"Machine: {m.get('cpu', '?')}, {m.get('cpu_count', '?')} CPUs, ISA {', '.join(m.get('isa') or []) or '?'}"
-             f"{march}; tree {str(summary.get('git_commit') or '?')[:7]}; ours: {summary['ours']} (auto's choice here)", "",
+    lines = [f"Machine: {m.get('cpu', '?')}, {m.get('cpu_count', '?')} CPUs, ISA {isa_label(m)}; "
+             f"tree {str(summary.get('git_commit') or '?')[:7]}; ours: {summary['ours']} (auto's choice here)", "",
              "| measure | vLLM dtype | ours | vLLM | ratio | target | result |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in summary["rows"]:
         value = (", ".join(f"{v:.2f}x" for v in r["values"]) if "values" in r else

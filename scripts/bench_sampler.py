@@ -129,7 +129,7 @@ def main() -> None:
         child(args)
         return
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import child_result, machine_info
+    from prefix_service.bench.main import child_result, isa_label, machine_info
     systems = ([("base", args.baseline)] if args.baseline else []) + [("ours", str(REPO))]
     runs: dict[str, list[dict]] = {name: [] for name, _ in systems}
     with tempfile.TemporaryDirectory() as tmp:  # the logits every child reads, removed at the end
@@ -142,7 +142,7 @@ def main() -> None:
                 runs[name].append(child_result(cmd, {**os.environ, "PYTHONPATH": repo}, f"{name} (round {r})"))
     info = machine_info()
     table = {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
-    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs, {args.logits} logits, "
+    print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs, {args.logits} logits, "
           f"ms a call, medians of {args.rounds} rounds")
     print("| option | rows | " + " | ".join(name for name, _ in systems) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in systems) + " |")

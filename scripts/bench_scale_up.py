@@ -178,7 +178,7 @@ def main() -> None:
         print("RESULT " + json.dumps(child(args, args.system, texts)), flush=True)
         return
 
-    from prefix_service.bench.main import child_result, git_commit, machine_info
+    from prefix_service.bench.main import child_result, git_commit, isa_label, machine_info
     from prefix_service.bench.report import write_json
     work = Path(tempfile.mkdtemp(prefix="bench-scale-up-"))
     texts_file = work / "texts.json"
@@ -208,7 +208,7 @@ def main() -> None:
         all(set(run["second"]["kv_sources"]) <= {"prefill"} for run in runs["prefill"])
     failures = sum(len(run["failures"]) for s in SYSTEMS for run in runs[s])
     speedup = table["prefill"]["templates_s"] / max(table["peers"]["templates_s"], 1e-9)
-    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs; {args.templates} templates of "
+    print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs; {args.templates} templates of "
           f"{args.template_tokens} tokens, medians of {args.rounds} rounds")
     print("| system | new replica: engine s | its templates s | start to holding its share s | templates in its "
           "share | load start to it ready s | first replica's templates s |")

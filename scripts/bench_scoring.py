@@ -135,7 +135,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import child_result, machine_info
+    from prefix_service.bench.main import child_result, isa_label, machine_info
     ids_file = Path(tempfile.mkdtemp()) / "ids.json"
     ids_file.write_text(json.dumps(workload(args.rounds, args.calls)))
     systems = [("score", sys.executable, "score", args.dtype, None), ("requests", sys.executable, "requests",
@@ -158,7 +158,7 @@ def main() -> None:
                        "max_score_diff": max(abs(a - b) for x, y in zip(scores, ref) for a, b in zip(x, y))}
     base = table["score"]["ms_per_call"]
     info["load_average_end"] = list(os.getloadavg())
-    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs; {len(LABELS)} labels, medians of "
+    print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs; {len(LABELS)} labels, medians of "
           f"{args.rounds} rounds x {args.calls} calls")
     print("| system | ms per call | x score's time | max |score - score's| |")
     print("| --- | --- | --- | --- |")

@@ -136,7 +136,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    from prefix_service.bench.main import child_result, git_commit, machine_info
+    from prefix_service.bench.main import child_result, git_commit, isa_label, machine_info
     from prefix_service.bench.report import write_json
     work = Path(tempfile.mkdtemp(prefix="bench-snapshots-"))
     ids = workload(args.model, args.templates, args.template_tokens)
@@ -181,7 +181,7 @@ def main() -> None:
         all(set(run["kv_sources"]) == {"prefill"} for s in ("off", "prefill") for run in runs[s])
     same_tokens = len({tuple(run["first_tokens"]) for s in runs for run in runs[s]}) == 1
     speedup = table["prefill"]["templates_ms"] / table["restore"]["templates_ms"]
-    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs; {args.templates} templates of "
+    print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs; {args.templates} templates of "
           f"{args.template_tokens} tokens ({kv_bytes / 2**20:.0f} MiB of K/V), medians of {args.rounds} rounds")
     print("| system | model load s | templates s | start to serving s | first request TTFT ms | snapshot writes "
           "done after s |")

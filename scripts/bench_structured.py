@@ -330,7 +330,8 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def print_table(table: dict, info: dict, args: argparse.Namespace) -> None:
-    print(f"{info['cpu']} ({', '.join(info['isa'])}), {info['cpu_count']} CPUs; {args.concurrency} concurrent "
+    from prefix_service.bench.main import isa_label
+    print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs; {args.concurrency} concurrent "
           f"requests, medians of {args.rounds} rounds x {args.pairs} pairs")
     print("| system | TPOT constrained ms | TPOT unconstrained ms | overhead | decode tok/s constrained | "
           "unconstrained | tokens/request | valid records | mask ms/step (share of step) |")

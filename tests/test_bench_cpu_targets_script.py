@@ -87,6 +87,9 @@ def test_every_ratio_comes_from_its_figures_and_is_judged(tmp_path):
     assert summary["all_met"] is True and all(r["met"] is True for r in summary["rows"])
     table = targets.markdown(summary)
     assert "every target met" in table and "Test CPU" in table and "AVX512-BF16" in table and "abc1234" in table
+    assert "-march" not in table
+    summary["machine"] = {**summary["machine"], "cpu_march": "cooperlake"}  # kernels built for a named target
+    assert "ISA AVX512-BF16, kernels built for -march=cooperlake; tree abc1234" in targets.markdown(summary)
 
 
 def test_a_target_below_its_threshold_is_missed(tmp_path):

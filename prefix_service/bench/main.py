@@ -156,6 +156,13 @@ def machine_info() -> dict:
             "load_average_start": list(os.getloadavg())}
 
 
+def isa_label(machine: dict) -> str:
+    """machine_info()'s instruction sets for a table's or plot's heading: "AVX-512, AVX2", and the
+    target the native kernels were built for where $PREFIX_SERVICE_CPU_MARCH named one."""
+    label = ", ".join(machine.get("isa") or []) or "?"
+    return label + (f", kernels built for -march={machine['cpu_march']}" if machine.get("cpu_march") else "")
+
+
 def child_result(cmd: list[str], env: dict[str, str] | None, what: str, timeout_s: float | None = None) -> dict:
     """Run one measuring child process (a script's system in one round) and return the JSON it
     printed on its line starting with "RESULT "; exits with the child's error output if it failed.
@@ -216,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Path(args.markdown).write_text(report.markdown(out), encoding="utf-8")
     plot = args.plot or str(Path(args.json).with_suffix(".png"))
     m = out["machine"]
-    isa = f" ({', '.join(m['isa'])})" if m.get("isa") else ""
+    isa = f" ({isa_label(m)})" if m.get("isa") else ""
     title = f"{Path(out['model']['path']).name}, {m['cpu'] or 'CPU'}{isa}, {m['cpu_count']} CPU cores"
     plotted = report.plot_open_loop(plot, result["records"], plan.slo_ms, title)
     by_concurrency = str(Path(plot).with_name(Path(plot).stem + "-concurrency.png"))
