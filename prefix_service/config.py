@@ -92,6 +92,10 @@ class ModelConfig:
     # int8: each decoder layer's linear weights as int8 with a scale per output row (model/quantize.py),
     # which the cpu backend's kernels read (float32: every call; bf16: a decode step's); none: the checkpoint's
     quantization: str = "none"
+    # true: no row's output depends on the other rows of its step, so a request's tokens and logprobs are
+    # the same whatever runs beside it (one kernel per layer for every call size; the cpu backend only:
+    # float32 anywhere, bfloat16 with AMX or AVX512-BF16); false: each call's kernel chosen for speed
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("model.load_format", self.load_format, LOAD_FORMATS)
@@ -110,6 +114,8 @@ class ModelConfig:
         _check_int("model.cuda_graph_max_batch", self.cuda_graph_max_batch, 0)
         if not isinstance(self.cuda_fused_layers, bool):
             raise ConfigError(f"model.cuda_fused_layers: expected true or false, got {self.cuda_fused_layers!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"model.batch_invariant: expected true or false, got {self.batch_invariant!r}")
         if self.served_name is not None and (not isinstance(self.served_name, str) or not self.served_name.strip()
                                              or not self.served_name.isprintable()):
             raise ConfigError(f"model.served_name: expected a model id like SmolLM2-135M-Instruct, "

@@ -64,7 +64,7 @@ def llama_dir(model_dirs) -> Path:
 @pytest.fixture
 def make_engine(llama_dir):
     """make_engine(block_size=4, num_blocks=64, max_num_batched_tokens=..., model_dir=..., backend=...,
-    **other SchedulerConfig fields) -> Engine
+    batch_invariant=..., **other SchedulerConfig fields) -> Engine
     on the CPU (backend auto: the cpu backend where its native kernels run the model, else torch).
     After the test: check_integrity() must hold, then the engine is shut down."""
     engines: list[Engine] = []
@@ -74,10 +74,12 @@ def make_engine(llama_dir):
                 max_num_batched_tokens: int = 2048, max_queue: int = 1024, enable_prefix: bool = True,
                 dtype: str = "float32", max_model_len: int | None = None, backend: str = "auto",
                 pack_prefix_kv: bool = True, snapshot_dir: str | None = None, cuda_fused_layers: bool = True,
-                quantization: str = "none", kv_cache_dtype: str = "auto", **scheduler: Any) -> Engine:
+                quantization: str = "none", kv_cache_dtype: str = "auto", batch_invariant: bool = False,
+                **scheduler: Any) -> Engine:
         cfg = EngineConfig(
             ModelConfig(path=str(model_dir or llama_dir), dtype=dtype, device="cpu", max_model_len=max_model_len,
-                        backend=backend, cuda_fused_layers=cuda_fused_layers, quantization=quantization),
+                        backend=backend, cuda_fused_layers=cuda_fused_layers, quantization=quantization,
+                        batch_invariant=batch_invariant),
             CacheConfig(block_size=block_size, num_blocks=num_blocks, prefix_budget_blocks=prefix_budget_blocks,
                         enable_prefix=enable_prefix, pack_prefix_kv=pack_prefix_kv, snapshot_dir=snapshot_dir,
                         kv_cache_dtype=kv_cache_dtype),

@@ -95,7 +95,9 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     sampler_ops: ClassVar[SamplerOps] = TORCH_SAMPLER_OPS  # what the sampler runs on this backend's logits
 
-    def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, batch_invariant: bool = False) -> None:
+        """batch_invariant (model.batch_invariant): ConfigError where batch_invariance_unsupported says why
+        not; a backend that supports it takes it in its own constructor."""
         param = model.embed_tokens.weight
         self.arch = model.arch
         self.device, self.dtype = param.device, param.dtype
@@ -103,6 +105,9 @@ class Backend(abc.ABC):
         self.kv_dtype = self.cache_dtype(cache, self.dtype)
         self.kv_cache = KVCache(self.arch, cache, self.kv_dtype, self.device)
         self.kv_layers = self.kv_cache.layers()  # per layer (k, v): the same tensors for the engine's life
+        if batch_invariant and (why := self.batch_invariance_unsupported(self.dtype)) is not None:
+            raise ConfigError(f"model.batch_invariant: {why}")
+        self.batch_invariant = batch_invariant
 
     @classmethod
     def cache_dtype(cls, cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -121,6 +126,15 @@ class Backend(abc.ABC):
             return None
         return (f"the {cls.name} backend holds the KV cache in the model's dtype "
                 f"({str(model_dtype).removeprefix('torch.')}); use auto")
+
+    @classmethod
+    def batch_invariance_unsupported(cls, model_dtype: torch.dtype) -> str | None:
+        """None when this backend can run a model of `model_dtype` batch-invariant (model.batch_invariant:
+        no row's output depends on the other rows of its step; its constructor then takes
+        batch_invariant=True), else why not. Default: not, as torch's matrix products choose their kernels
+        by the call's shape."""
+        return (f"the {cls.name} backend runs torch's matrix products, whose kernels (and so the order of a row's "
+                f"sums) change with a call's rows")
 
     @property
     def num_blocks(self) -> int:

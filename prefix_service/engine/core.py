@@ -15,13 +15,13 @@ from typing import Any, Callable
 import torch
 
 from prefix_service.backends import hostmem, select_backend
-from prefix_service.backends.base import BackendFactory
+from prefix_service.backends.base import Backend, BackendFactory
 from prefix_service.backends.kv_cache import auto_kv_cache_memory
 from prefix_service.config import EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
-from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, PrefixServiceError, PromptTooLong,
-                                   QueueFull)
+from prefix_service.errors import (CacheExhausted, ConfigError, EngineStopped, InvalidRequest, PrefixServiceError,
+                                   PromptTooLong, QueueFull)
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
 from prefix_service.model.quantize import quantize_model, release_int8
 from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, TemplateInfo
@@ -97,8 +97,14 @@ class EngineCore:
             backend = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
             if isinstance(backend, type):  # a cache it cannot hold: refused before the weights load
                 backend.cache_dtype(config.cache, self.dtype)
-        elif self.device.type == "cpu":
-            hostmem.keep_freed_memory()
+                if mc.batch_invariant and (refused := backend.batch_invariance_unsupported(self.dtype)) is not None:
+                    raise ConfigError(f"model.batch_invariant: {refused}")
+        else:
+            if mc.batch_invariant and not (isinstance(backend, type) and issubclass(backend, Backend)):
+                raise ConfigError("model.batch_invariant: the engine was handed a backend factory, not a backend "
+                                  "class (a factory fixes the backend's choices itself)")
+            if self.device.type == "cpu":
+                hostmem.keep_freed_memory()
         self.tokenizer = load_tokenizer(mc.path)
         if mc.load_format == "dummy":
             model = dummy_model(mc.path, self.dtype, self.device, max_positions=max_len, seed=mc.seed)
@@ -113,7 +119,10 @@ class EngineCore:
             cache = dataclasses.replace(cache, kv_cache_memory=auto_kv_cache_memory(model, config, self.device))
             log.info("KV cache: %.1f GiB (cache.kv_cache_memory auto: %.0f%% of the GPU's memory after the model)",
                      int(cache.kv_cache_memory) / (1 << 30), 100 * cache.gpu_memory_utilization)
-        self.backend = backend(model, cache)  # owns the model from here on
+        if mc.batch_invariant and isinstance(backend, type) and issubclass(backend, Backend):  # (checked above)
+            self.backend = backend(model, cache, batch_invariant=True)  # owns the model from here on
+        else:
+            self.backend = backend(model, cache)
         release_int8(model)  # int8 weights: the backend has packed what it reads of them
         if mc.quantization != "none" and not self.backend.int8_linears:
             log.warning("model.quantization %s: no linear of this backend reads the int8 weights (%s); they run as "

@@ -55,17 +55,28 @@ class CpuBackend(Backend):
         return (f"the cpu backend's KV cache holds the model's dtype, or bfloat16 under a float32 model; not "
                 f"{str(kv_dtype).removeprefix('torch.')} under {str(model_dtype).removeprefix('torch.')}")
 
-    def __init__(self, model: LlamaForCausalLM, cache: CacheConfig) -> None:
+    @classmethod
+    def batch_invariance_unsupported(cls, model_dtype: torch.dtype) -> str | None:
+        """float32: none (the native kernels' rows never depend on each other); bfloat16: where one kernel
+        serves every call size (onednn.invariant_kernel)."""
+        if model_dtype != torch.bfloat16:
+            return None
+        from prefix_service.backends.cpu import onednn
+        kernel, why = onednn.invariant_kernel()
+        return None if kernel is not None else f"{why}; use model.dtype: float32"
+
+    def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, batch_invariant: bool = False) -> None:
         """Takes the model's weights into the kernels' layouts; the model is not usable afterwards
-        (its linear weights are released as they are packed)."""
-        super().__init__(model, cache)
-        self.stack = DecoderStack(model, self.kv_layers)
+        (its linear weights are released as they are packed). batch_invariant: every kernel's output
+        for a row independent of the other rows of its step (DecoderStack's), the head's too."""
+        super().__init__(model, cache, batch_invariant)
+        self.stack = DecoderStack(model, self.kv_layers, batch_invariant)
         self.embed = model.embed_tokens.weight.detach()  # [vocab, hidden], the model's dtype
         self.norm_weight, self.norm_eps = model.norm.weight.detach().float().contiguous(), model.norm.eps
         head = model.lm_head if model.lm_head is not None else model.embed_tokens  # tied: the embedding
         # [vocab, hidden]; a float32 head on the native kernel (make_linear's default), not timed as the
         # layers are: its calls take a row per sampled sequence (more only for a prompt's logprobs)
-        self.head = linear.make_linear(head.weight)
+        self.head = linear.make_linear(head.weight, invariant=batch_invariant)
         if linear.held_in_bf16(self.embed):
             # a bf16 checkpoint served in float32: the table held in bf16 (half its bytes), each looked-up
             # row widened exactly (forward), as the linears hold such weights (linear.NativeLinear)
@@ -95,7 +106,8 @@ class CpuBackend(Backend):
             elif (rows := getattr(self.head, "brgemm_rows", 0)) and kernel == "inner_product":
                 notes.append(f"brgemm up to {rows} rows")
             if few_rows := getattr(self.head, "few_rows", 0):
-                notes.append(f"AVX512-BF16 dot products up to {few_rows} rows")
+                notes.append("AVX512-BF16 dot products " + ("for every call" if few_rows == onednn.FEW_ROWS_EVERY_CALL
+                                                            else f"up to {few_rows} rows"))
             how += f" ({'; '.join(notes)})" if notes else ""
             timed = f"; timed each way: {t.why}" if (t := self.stack.template_timing) is not None else ""
             kernel = onednn.template_kernel(self.stack.head_dim, self.stack.template_products)
@@ -109,12 +121,16 @@ class CpuBackend(Backend):
                 matrix += f", a prompt's own attention on the native kernels{timed}"
             if self.stack.int8_linears:
                 matrix += f", int8 weights in {self.stack.int8_linears} linears' few-row calls"
+            if self.batch_invariant:
+                how = f"batch invariant: {onednn.invariant_kernel()[1]}"  # the other notes hold for a row count
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         kv = ", bf16 KV cache" if self.kv_dtype != self.dtype else ""  # the one other pairing: kv_dtype_unsupported
         if self.stack.int8_linears:
             return f"cpu (native kernels, decoder stack, int8 weights in {self.stack.int8_linears} linears{kv})"
         timed = f"; timed: {f.why}" if (f := self.stack.float32_timing) is not None else ""
         linears = linear.float32_choice(self.stack.float32_native_rows)
+        if self.batch_invariant:
+            linears += " (batch invariant)"
         if self.stack.bf16_panel_linears:
             linears += ", float32 weights of bf16 values held in bf16 for the native kernel"
         return f"cpu (native kernels, decoder stack, linears on {linears}{timed}{kv})"

@@ -327,18 +327,22 @@ def float32_choice(native_rows: int | None) -> str:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                int8: tuple[torch.Tensor, torch.Tensor] | None = None, native_rows: int | None = None) -> CpuLinear:
+                int8: tuple[torch.Tensor, torch.Tensor] | None = None, native_rows: int | None = None,
+                invariant: bool = False) -> CpuLinear:
     """W [out, in] packed for the kernel of its dtype: float32 -> the native kernel (native_rows None),
     oneDNN's float32 inner product (0), or both, calls of up to native_rows rows on the native kernel
     (SplitLinear); bfloat16 -> oneDNN (onednn.default_kernel()). int8: the weight's (q, scale) where it
     was quantized (model/quantize.py; W is q diag(scale) in its dtype): a bf16 weight's few-row calls
-    then read q (OneDnnLinear), a float32 weight's every call (NativeLinear, whatever native_rows says)."""
+    then read q (OneDnnLinear), a float32 weight's every call (NativeLinear, whatever native_rows says).
+    invariant: one kernel for every call size, so that an output row does not depend on the call's
+    other rows (model.batch_invariant): float32 -> the native kernel, whatever native_rows says;
+    bfloat16 -> onednn.invariant_kernel()'s."""
     if weight.dtype == torch.float32:
-        if int8 is not None or native_rows is None:
+        if int8 is not None or native_rows is None or invariant:
             return NativeLinear(weight, bias, int8=int8)
         if native_rows == 0:
             return onednn.OneDnnLinear(weight, bias)
         return SplitLinear(weight, bias, native_rows)
     if weight.dtype == torch.bfloat16:
-        return onednn.OneDnnLinear(weight, bias, int8=int8)
+        return onednn.OneDnnLinear(weight, bias, int8=int8, invariant=invariant)
     raise NativeKernelError(f"no CPU linear kernel for {weight.dtype} weights (float32 and bfloat16 are served)")

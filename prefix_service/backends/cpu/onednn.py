@@ -74,6 +74,7 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 SIGNATURES = {
     "ps_onednn_pack": ([_ptr, _i32, _i64, _i64, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32], _ptr),
     "ps_onednn_few_rows": ([_ptr], _i32),
+    "ps_onednn_few_rows_built": ([], _i32),
     "ps_onednn_brgemm_rows": ([_ptr], _i32),
     "ps_onednn_brgemm_calls": ([], _i64),
     "ps_onednn_int8": ([_ptr], _i32),
@@ -195,6 +196,7 @@ BRGEMM_ROWS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_ROWS"
 COLUMNS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_COLUMNS"
 DEFAULT_BRGEMM_COLUMNS = 32
 FEW_ROWS_ENV = "PREFIX_SERVICE_BF16_FEW_ROWS"
+FEW_ROWS_EVERY_CALL = 2 ** 31 - 1  # OneDnnLinear.few_rows where every call runs the few-row kernel
 
 
 def few_rows_default() -> bool:
@@ -253,6 +255,23 @@ def default_kernel() -> str:
     return "inner_product" if bf16_native() else "emulated"
 
 
+def invariant_kernel() -> tuple[str | None, str]:
+    """The one kernel a bfloat16 weight runs for every call size where each output row must not
+    depend on the call's other rows (model.batch_invariant), and why: "brgemm" where the default
+    kernel is brgemm or timed against it (AMX), "dot" (the few-row kernel's AVX512-BF16 dot products)
+    where it is the inner product and the library has them, else None: the inner products of torch's
+    oneDNN (native or emulated) choose their blocking, and so the order of a row's sums, by the call's
+    rows."""
+    kernel = default_kernel()
+    if kernel in ("brgemm", "measure"):
+        return "brgemm", "oneDNN's brgemm micro-kernel for every call"
+    lib = load()[0]
+    if kernel == "inner_product" and lib is not None and lib.ps_onednn_few_rows_built():
+        return "dot", "the AVX512-BF16 dot-product kernel for every call"
+    return None, (f"bf16 linears run oneDNN's {'emulated ' if kernel == 'emulated' else ''}inner product here "
+                  f"(no AMX, no AVX512-BF16 dot products), whose sums depend on a call's rows")
+
+
 def brgemm_rows_default() -> int:
     """For an inner-product weight: the most rows a call runs on brgemm instead (a second copy of
     the weight, packed for it; the few-row kernel is then not packed), $PREFIX_SERVICE_BF16_BRGEMM_ROWS
@@ -282,7 +301,10 @@ class OneDnnLinear:
     then holds the most rows a call runs through it (0: none). brgemm_rows: for an inner-product
     weight, the most rows a call runs on brgemm instead (default: brgemm_rows_default(); the few-row
     kernel is then not packed). kernel "measure" times the shape (time_linear, once per shape
-    and thread count) and sets both; `timing` then holds what it found (else None).
+    and thread count) and sets both; `timing` then holds what it found (else None). invariant: one
+    kernel for every call size, so that an output row does not depend on the call's other rows
+    (a bfloat16 weight only: invariant_kernel()'s, whatever `kernel` and `few_rows` say; OneDnnError
+    where there is none).
 
     `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call, and for a
     bf16 weight `call.run_bf16` (ps_onednn_linear_bf16) the call with bf16 hand-offs (`rows_bf16`);
@@ -290,7 +312,8 @@ class OneDnnLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
                  columns: int | None = None, few_rows: bool | None = None,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, brgemm_rows: int | None = None) -> None:
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None, brgemm_rows: int | None = None,
+                 invariant: bool = False) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
             raise OneDnnError(f"weight: a float32 or bfloat16 CPU tensor [N, K] is needed, got {weight.dtype} "
                               f"{tuple(weight.shape)} on {weight.device}")
@@ -306,6 +329,17 @@ class OneDnnLinear:
             raise OneDnnError(f"kernel: one of {', '.join(KERNEL_CHOICES)} is needed, got {kernel!r}")
         if brgemm_rows is not None and brgemm_rows < 0:
             raise OneDnnError(f"brgemm_rows: 0 or more is needed, got {brgemm_rows}")
+        self.invariant = invariant
+        every_call = False  # the few-row kernel for every call
+        if invariant:
+            if self.dtype == torch.float32:
+                raise OneDnnError("invariant: oneDNN's float32 inner product depends on a call's rows; the native "
+                                  "kernel (linear.NativeLinear) does not")
+            one, why = invariant_kernel()
+            if one is None:
+                raise OneDnnError(f"invariant: {why}")
+            kernel, few_rows, brgemm_rows, every_call = ("brgemm", False, 0, False) if one == "brgemm" else \
+                ("inner_product", True, 0, True)
         # float32: oneDNN's float32 inner product, whatever `kernel` says
         self.kernel = "float32" if self.dtype == torch.float32 else kernel or default_kernel()
         self.timing: LinearTiming | None = None
@@ -331,13 +365,16 @@ class OneDnnLinear:
         handle = lib.ps_onednn_pack(w.data_ptr(), int(self.dtype == torch.bfloat16), self.out_features,
                                     self.in_features, None if b is None else b.data_ptr(),
                                     KERNELS.get(self.kernel, 0), self.columns,
-                                    int(few_rows_default() if few_rows is None else few_rows),
+                                    2 if every_call else int(few_rows_default() if few_rows is None else few_rows),
                                     None if q is None else q.data_ptr(), None if scale is None else scale.data_ptr(),
                                     brgemm_rows)
         if not handle:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
         self.few_rows = int(lib.ps_onednn_few_rows(handle))
+        if every_call and self.few_rows != FEW_ROWS_EVERY_CALL:
+            lib.ps_onednn_free(handle)
+            raise OneDnnError("invariant: the library packed no few-row kernel for this weight")
         self.brgemm_rows = int(lib.ps_onednn_brgemm_rows(handle))
         self.int8 = bool(lib.ps_onednn_int8(handle))  # whether the few-row calls read int8 weights
         self.fn = native.address(lib.ps_onednn_linear)
@@ -388,7 +425,8 @@ class OneDnnLinear:
         if self.timing is not None:
             mode += ", timed"
         if self.few_rows:
-            mode += f", {'int8 ' if self.int8 else ''}dot products up to {self.few_rows} rows"
+            rows = "every call" if self.few_rows == FEW_ROWS_EVERY_CALL else f"up to {self.few_rows} rows"
+            mode += f", {'int8 ' if self.int8 else ''}dot products {rows}"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"
 
 

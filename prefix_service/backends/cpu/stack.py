@@ -85,9 +85,12 @@ class DecoderStack:
     caches `kv_layers` (per layer (k_cache, v_cache), contiguous [blocks, block_size, Hkv, D] of the
     model's dtype, float32 or bfloat16). The layers' linear weights are released from the model as
     they are packed (so a large model is not held twice): the model cannot run its own forward
-    afterwards."""
+    afterwards. batch_invariant: every linear layer runs one kernel whatever a call's rows
+    (linear.make_linear's invariant) and a bf16 prompt's own keys the native kernels, so that no row's
+    output depends on the other rows of its step (model.batch_invariant)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+                 batch_invariant: bool = False) -> None:
         why = unsupported(model.arch, model.embed_tokens.weight.dtype)
         if why is not None:
             raise NativeKernelError(f"the native decoder stack cannot run this model: {why}")
@@ -119,7 +122,8 @@ class DecoderStack:
         self.template_timing: TemplateTiming | None = None  # what timing each way found, where it was timed
         self.template_products: int | None = None  # the matrix products' kernel cap (None: the environment's)
         # a bf16 prompt with nothing before it: its own keys on the dot products where chosen
-        prompt_attention = onednn.prompt_attention(self.head_dim) if bf16_model else "native"
+        # (not under batch invariance: which of a prompt's rows take them depends on how its prefill was chunked)
+        prompt_attention = onednn.prompt_attention(self.head_dim) if bf16_model and not batch_invariant else "native"
         self.prompt_dot = prompt_attention == "dot"
         self.causal_fn = onednn.causal_attend_fn() if self.prompt_dot else 0
         self.prompt_timing: PromptTiming | None = None  # what timing both ways found, where it was timed
@@ -135,7 +139,7 @@ class DecoderStack:
         self.float32_timing: Float32Timing | None = None
         native_rows: int | None = None
         first = layers[0].self_attn.qkv_proj
-        if first.weight.dtype == torch.float32 and int8_weight(first) is None:
+        if first.weight.dtype == torch.float32 and int8_weight(first) is None and not batch_invariant:
             kernel = float32_kernel()
             if kernel == "inner_product":
                 native_rows = float32_native_rows()
@@ -149,6 +153,9 @@ class DecoderStack:
                          self.float32_timing.summary())
         self.float32_native_rows = native_rows
 
+        def packed(m: torch.nn.Linear, bias: torch.Tensor | None = None) -> CpuLinear:
+            return make_linear(m.weight, bias, int8_weight(m), native_rows, batch_invariant)
+
         self.layers: list[LayerWeights] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -157,11 +164,9 @@ class DecoderStack:
             q_norm, k_norm = attn.q_norm, attn.k_norm
             self.layers.append(LayerWeights(
                 vector(layer.input_layernorm.weight), layer.input_layernorm.eps,
-                make_linear(attn.qkv_proj.weight, attn.qkv_proj.bias, int8_weight(attn.qkv_proj), native_rows),
+                packed(attn.qkv_proj, attn.qkv_proj.bias),
                 vector(layer.post_attention_layernorm.weight), layer.post_attention_layernorm.eps,
-                make_linear(attn.o_proj.weight, int8=int8_weight(attn.o_proj), native_rows=native_rows),
-                make_linear(mlp.gate_up_proj.weight, int8=int8_weight(mlp.gate_up_proj), native_rows=native_rows),
-                make_linear(mlp.down_proj.weight, int8=int8_weight(mlp.down_proj), native_rows=native_rows),
+                packed(attn.o_proj), packed(mlp.gate_up_proj), packed(mlp.down_proj),
                 vector(q_norm.weight) if q_norm is not None else None,
                 vector(k_norm.weight) if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0))
             # packed above: released (the q/k/v bias is kept as it is); nn.Module takes None for a

@@ -58,6 +58,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -111,6 +112,8 @@ struct Packed {
   // j kDotNB .. in block j, pairs of rows of K side by side (zero past N and K; kp: K rounded up to
   // even), and bias_f32 as for brgemm; undefined without
   at::Tensor dot;
+  // the most rows a call runs on `dot` (or `dot8`): kDotRows, or every call (ps_onednn_pack's few_rows 2)
+  int dot_rows = 0;
   // int8 weights (ps_onednn_pack's q): W = q diag(scale) with q int8, in place of `dot` in the same
   // layout, [ceil(N / kDotNB)][kp / 2][kDotNB][2] int8, and scale [ceil(N / kDotNB) kDotNB] float32
   // (zero past N); undefined without
@@ -429,7 +432,7 @@ void run_dot(const Packed&, const Rows&) {}
 // io's rows with a bf16 weight or float32 one (f32: float32 rows only, nothing rounded)
 void run(const Packed& p, const Rows& io) {
   const int m = io.m;
-  if (ps_onednn::kDotBf16 && m <= kDotRows && (p.dot.defined() || p.dot8.defined())) {
+  if (ps_onednn::kDotBf16 && m <= p.dot_rows && (p.dot.defined() || p.dot8.defined())) {
     run_dot(p, io);
     return;
   }
@@ -519,8 +522,10 @@ extern "C" int ps_onednn_threads_used(int64_t items) {
 // weight: [n][k] row-major, float32 (weight_bf16 = 0) or bfloat16 bits (weight_bf16 = 1), copied;
 // bias: n float32 values or null; kernel, for a bf16 weight (see the top): 0 native inner product,
 // 1 emulated, 2 brgemm; columns: brgemm's output columns per block (16, 32, 48 or 64: what oneDNN packs for AMX;
-// 0: 32), ignored by the others; few_rows: nonzero to pack a native weight for the few-row kernel
-// as well where the CPU has AVX512-BF16 (ps_onednn_few_rows says whether it was). q, scale (both or
+// 0: 32), ignored by the others; few_rows: 1 to pack a native weight for the few-row kernel as well
+// where the CPU has AVX512-BF16, for calls of up to kDotRows rows, 2 to run every call on it (one
+// kernel whatever a call's rows, so a row's output does not depend on the others: batch invariance;
+// the inner product's copy is then not made), 0 for none (ps_onednn_few_rows says what was). q, scale (both or
 // neither): the weight's int8 form, q [n][k] int8 (|q| <= 127) and scale [n] float32, W[i][j] =
 // q[i][j] scale[i] (model/quantize.py; `weight` is then the caller's copy of q diag(scale)): where
 // the few-row kernel is packed it reads q instead of a bf16 copy, so its calls of up to kDotRows
@@ -549,6 +554,11 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
   if (brgemm_rows < 0 || (brgemm_rows > 0 && (!weight_bf16 || kernel != 0))) {
     last_error = "ps_onednn_pack: brgemm_rows " + std::to_string(brgemm_rows) +
                  " (brgemm for calls of few rows) needs a bf16 weight on the native inner product (kernel 0)";
+    return nullptr;
+  }
+  if (few_rows < 0 || few_rows > 2) {
+    last_error = "ps_onednn_pack: few_rows " + std::to_string(few_rows) + " is none of 0 (none), 1 (calls of up to " +
+                 std::to_string(kDotRows) + " rows), 2 (every call)";
     return nullptr;
   }
   if (columns != 0 && (columns < 16 || columns > 64 || columns % 16 != 0)) {
@@ -581,7 +591,11 @@ extern "C" void* ps_onednn_pack(const void* weight, int weight_bf16, int64_t n, 
       pack_blocks(*p, w);
       return p.release();
     }
-    if (dot) pack_dot(*p, w, q, scale);
+    if (dot) {
+      pack_dot(*p, w, q, scale);
+      p->dot_rows = few_rows == 2 ? std::numeric_limits<int>::max() : kDotRows;
+      if (few_rows == 2) return p.release();  // no call reaches the inner product
+    }
     if (brgemm_rows > 0) {
       p->nb = columns != 0 ? columns : kDefaultNB;
       pack_blocks(*p, w);
@@ -620,11 +634,14 @@ extern "C" int ps_onednn_linear_bf16(const void* handle, const void* x, int x_bf
 }
 
 // The most rows a call of this handle runs through the few-row kernel: kDotRows where it was
-// packed for it, else 0.
+// packed for it, INT_MAX where every call runs it (few_rows 2), else 0.
 extern "C" int ps_onednn_few_rows(const void* handle) {
   const auto* p = static_cast<const Packed*>(handle);
-  return p != nullptr && (p->dot.defined() || p->dot8.defined()) ? kDotRows : 0;
+  return p != nullptr && (p->dot.defined() || p->dot8.defined()) ? p->dot_rows : 0;
 }
+
+// 1 where this build has the few-row kernel (AVX512-BF16 dot products), else 0
+extern "C" int ps_onednn_few_rows_built() { return ps_onednn::kDotBf16 ? 1 : 0; }
 
 // How many calls have run on brgemm in this process (either way: a brgemm weight, or few rows beside
 // the inner product).
