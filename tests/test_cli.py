@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -152,16 +153,20 @@ def test_prepare_model_is_dispatched(monkeypatch):
     assert seen == [["--quiet", "--force"]]
 
 
-def _ray_processes() -> dict[int, str]:
-    """Live processes of Ray's (its workers are titled ray::..., then GCS and raylet): pid -> command."""
+def _ray_processes(tag: str) -> dict[int, str]:
+    """Live processes of Ray's (its workers are titled ray::..., then GCS and raylet) whose environment
+    holds `tag` (RAY_TEST_TAG=...: inherited from the server that started their cluster, so another
+    test's cluster, running beside this one, is not counted): pid -> command."""
     pids = {}
     for entry in Path("/proc").iterdir():
         try:
             cmdline = (entry / "cmdline").read_bytes()
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except (OSError, IndexError):
             continue
-        if state != "Z" and (cmdline.startswith(b"ray::") or b"/raylet" in cmdline or b"/gcs_server" in cmdline):
+        if (state != "Z" and (cmdline.startswith(b"ray::") or b"/raylet" in cmdline or b"/gcs_server" in cmdline)
+                and tag.encode() in environ):
             pids[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:160]
     return pids
 
@@ -179,8 +184,8 @@ def test_serve_ray_stopped_while_its_fleet_starts_exits_0_and_leaves_no_ray_proc
         "server": {"address": "127.0.0.1:0", "http_address": "", "admin_token_env": TOKEN_ENV},
         "ray": {"num_replicas": 1, "app_name": "cli-sigterm"},
     }))
-    before = _ray_processes()
-    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    tag = f"RAY_TEST_TAG={uuid.uuid4().hex}"  # marks this server's cluster (_ray_processes)
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV} | dict([tag.split("=", 1)])
     proc = subprocess.Popen([sys.executable, "-m", "prefix_service", "serve", "--config", str(cfg_file)],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
@@ -200,7 +205,7 @@ def test_serve_ray_stopped_while_its_fleet_starts_exits_0_and_leaves_no_ray_proc
             proc.kill()
             proc.wait()
     def left() -> dict[int, str]:
-        return {pid: cmd for pid, cmd in _ray_processes().items() if pid not in before}
+        return _ray_processes(tag)
 
     deadline = time.monotonic() + 10
     while left() and time.monotonic() < deadline:

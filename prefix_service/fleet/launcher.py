@@ -141,14 +141,18 @@ def init_ray(address: str | None, **options: Any) -> bool:
     again (after tearing down what the try left) where Ray's own start-up window ran out, up to
     RAY_LOCAL_START_ATTEMPTS times in all. Joining a cluster is not retried: its failure is the
     cluster's to report. options: more of ray.init's arguments, or other values for the fleet's.
-    Returns whether it joined a running cluster (False: it started a local one)."""
+    Returns whether it joined a running cluster (False: it started a local one).
+
+    A local start asks Ray for a new instance ("local"): given no address, ray.init joins the cluster
+    last started on this machine (Ray records it in /tmp/ray/ray_current_cluster) where one runs, and
+    the fleet, taking it for its own, would shut down that cluster's Ray Serve and Ray at its stop."""
     local = address is None and not os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
     kwargs |= options
     attempt = 1
     while True:
         try:
-            ray.init(address=address, **kwargs)
+            ray.init(address="local" if local else address, **kwargs)
             return not local
         except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
             timed_out = any(t in str(e) for t in RAY_START_TIMEOUT_TEXTS)
