@@ -96,8 +96,8 @@ class Backend(abc.ABC):
     sampler_ops: ClassVar[SamplerOps] = TORCH_SAMPLER_OPS  # what the sampler runs on this backend's logits
 
     def __init__(self, model: LlamaForCausalLM, cache: CacheConfig, batch_invariant: bool = False) -> None:
-        """batch_invariant (model.batch_invariant): ConfigError where batch_invariance_unsupported says why
-        not; a backend that supports it takes it in its own constructor."""
+        """batch_invariant (model.batch_invariant): ConfigError where this backend cannot
+        (require_batch_invariance); a backend that supports it takes it in its own constructor."""
         param = model.embed_tokens.weight
         self.arch = model.arch
         self.device, self.dtype = param.device, param.dtype
@@ -105,8 +105,8 @@ class Backend(abc.ABC):
         self.kv_dtype = self.cache_dtype(cache, self.dtype)
         self.kv_cache = KVCache(self.arch, cache, self.kv_dtype, self.device)
         self.kv_layers = self.kv_cache.layers()  # per layer (k, v): the same tensors for the engine's life
-        if batch_invariant and (why := self.batch_invariance_unsupported(self.dtype)) is not None:
-            raise ConfigError(f"model.batch_invariant: {why}")
+        if batch_invariant:
+            self.require_batch_invariance(self.dtype)
         self.batch_invariant = batch_invariant
 
     @classmethod
@@ -135,6 +135,13 @@ class Backend(abc.ABC):
         by the call's shape."""
         return (f"the {cls.name} backend runs torch's matrix products, whose kernels (and so the order of a row's "
                 f"sums) change with a call's rows")
+
+    @classmethod
+    def require_batch_invariance(cls, model_dtype: torch.dtype) -> None:
+        """ConfigError naming model.batch_invariant and why, where batch_invariance_unsupported says
+        this backend cannot run a model of `model_dtype` batch-invariant."""
+        if (why := cls.batch_invariance_unsupported(model_dtype)) is not None:
+            raise ConfigError(f"model.batch_invariant: {why}")
 
     @property
     def num_blocks(self) -> int:

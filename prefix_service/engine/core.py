@@ -97,8 +97,8 @@ class EngineCore:
             backend = select_backend(mc.backend, self.device, self.dtype, self.arch)  # says which, and why
             if isinstance(backend, type):  # a cache it cannot hold: refused before the weights load
                 backend.cache_dtype(config.cache, self.dtype)
-                if mc.batch_invariant and (refused := backend.batch_invariance_unsupported(self.dtype)) is not None:
-                    raise ConfigError(f"model.batch_invariant: {refused}")
+                if mc.batch_invariant:
+                    backend.require_batch_invariance(self.dtype)
         else:
             if mc.batch_invariant and not (isinstance(backend, type) and issubclass(backend, Backend)):
                 raise ConfigError("model.batch_invariant: the engine was handed a backend factory, not a backend "

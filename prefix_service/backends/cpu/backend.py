@@ -93,22 +93,7 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         if self.dtype == torch.bfloat16:
             from prefix_service.backends.cpu import onednn
-            kernel = onednn.default_kernel()
-            brgemm = "AMX" if onednn.brgemm_vnni() else "unpacked, torch's fallback GEMM"
-            if kernel == "brgemm" and (columns := onednn.brgemm_columns()) != onednn.DEFAULT_BRGEMM_COLUMNS:
-                brgemm += f", {columns}-column blocks"
-            how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
-                   "emulated": "oneDNN linears, bf16 emulated in float32",
-                   "measure": "oneDNN bf16 linears, each shape timed on brgemm and the inner product"}[kernel]
-            notes = ["AMX"] if kernel in ("inner_product", "measure") and onednn.brgemm_vnni() else []
-            if kernel == "measure":
-                notes.append(self.linear_choices())
-            elif (rows := getattr(self.head, "brgemm_rows", 0)) and kernel == "inner_product":
-                notes.append(f"brgemm up to {rows} rows")
-            if few_rows := getattr(self.head, "few_rows", 0):
-                notes.append("AVX512-BF16 dot products " + ("for every call" if few_rows == onednn.FEW_ROWS_EVERY_CALL
-                                                            else f"up to {few_rows} rows"))
-            how += f" ({'; '.join(notes)})" if notes else ""
+            how = self.bf16_linears()
             timed = f"; timed each way: {t.why}" if (t := self.stack.template_timing) is not None else ""
             kernel = onednn.template_kernel(self.stack.head_dim, self.stack.template_products)
             matrix = (f", template attention as bf16 matrix products ({kernel}{timed})"
@@ -121,8 +106,6 @@ class CpuBackend(Backend):
                 matrix += f", a prompt's own attention on the native kernels{timed}"
             if self.stack.int8_linears:
                 matrix += f", int8 weights in {self.stack.int8_linears} linears' few-row calls"
-            if self.batch_invariant:
-                how = f"batch invariant: {onednn.invariant_kernel()[1]}"  # the other notes hold for a row count
             return f"cpu (native kernels, decoder stack, {how}, bf16 KV cache{matrix})"
         kv = ", bf16 KV cache" if self.kv_dtype != self.dtype else ""  # the one other pairing: kv_dtype_unsupported
         if self.stack.int8_linears:
@@ -134,6 +117,27 @@ class CpuBackend(Backend):
         if self.stack.bf16_panel_linears:
             linears += ", float32 weights of bf16 values held in bf16 for the native kernel"
         return f"cpu (native kernels, decoder stack, linears on {linears}{timed}{kv})"
+
+    def bf16_linears(self) -> str:
+        """What a bf16 model's linear layers run, in words (describe)."""
+        from prefix_service.backends.cpu import onednn
+        if self.batch_invariant:  # one kernel for every call size
+            return f"batch invariant: {onednn.invariant_kernel()[1]}"
+        kernel = onednn.default_kernel()
+        brgemm = "AMX" if onednn.brgemm_vnni() else "unpacked, torch's fallback GEMM"
+        if kernel == "brgemm" and (columns := onednn.brgemm_columns()) != onednn.DEFAULT_BRGEMM_COLUMNS:
+            brgemm += f", {columns}-column blocks"
+        how = {"brgemm": f"oneDNN brgemm bf16 linears ({brgemm})", "inner_product": "oneDNN bf16 linears",
+               "emulated": "oneDNN linears, bf16 emulated in float32",
+               "measure": "oneDNN bf16 linears, each shape timed on brgemm and the inner product"}[kernel]
+        notes = ["AMX"] if kernel in ("inner_product", "measure") and onednn.brgemm_vnni() else []
+        if kernel == "measure":
+            notes.append(self.linear_choices())
+        elif (rows := getattr(self.head, "brgemm_rows", 0)) and kernel == "inner_product":
+            notes.append(f"brgemm up to {rows} rows")
+        if few_rows := getattr(self.head, "few_rows", 0):
+            notes.append(f"AVX512-BF16 dot products up to {few_rows} rows")
+        return how + (f" ({'; '.join(notes)})" if notes else "")
 
     def named_linears(self) -> dict[str, linear.CpuLinear]:
         """The first layer's linears and the output head, by name (every layer's are of the same shapes)."""
