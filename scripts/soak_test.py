@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -105,11 +106,8 @@ class Soak:
                   "prefix_service_kv_blocks_used": "kv_used", "prefix_service_kv_blocks_pinned": "kv_pinned",
                   "prefix_service_running_requests": "running", "prefix_service_queue_length": "waiting",
                   "prefix_service_ready": "ready"}
-        out = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in wanted:
-                out[wanted[name]] = float(value)
+        out = {wanted[sample.name]: sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name in wanted}
         if out.get("ready") == 1:
             missing = set(wanted.values()) - set(out)
             if missing:
@@ -194,7 +192,8 @@ class Soak:
                         break
                     events.append(json.loads(payload))
                     if stream_events is not None and len(events) >= stream_events:
-                        conn.sock.close() if conn.sock else None  # gone without reading the rest
+                        if conn.sock:
+                            conn.sock.close()  # gone without reading the rest
                         return 200, events
             return 200, events
         finally:
@@ -265,7 +264,7 @@ class Soak:
                                                    "candidates": LABELS})
             if status != 200:
                 raise Failure(f"/v1/scores: {status} {out}")
-            logprobs = [c["logprob"] for c in out["data"]] if "data" in out else [c["logprob"] for c in out["candidates"]]
+            logprobs = [c["logprob"] for c in out["data"]]
         if len(logprobs) != len(LABELS) or not all(lp <= 0 for lp in logprobs):
             raise Failure(f"scores {logprobs}")
 

@@ -204,13 +204,10 @@ def test_serve_ray_stopped_while_its_fleet_starts_exits_0_and_leaves_no_ray_proc
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    def left() -> dict[int, str]:
-        return _ray_processes(tag)
-
     deadline = time.monotonic() + 10
-    while left() and time.monotonic() < deadline:
+    while _ray_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not left(), left()
+    assert not (left := _ray_processes(tag)), left
 
 
 def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
