@@ -2,9 +2,11 @@
 dtype choice (`model.dtype: auto`) and every benchmark record read it here.
 
 bf16 matrix units: AMX-BF16 (tiles, Intel Sapphire Rapids on) and AVX512-BF16 (dot products, Intel
-Cooper Lake on, AMD Zen 4 on). Where a CPU has either, bfloat16 matrix products run several times
-faster than float32 ones and stream half the weight bytes; elsewhere bf16 is converted to float32 on
-the way and gains nothing.
+Cooper Lake on, AMD Zen 4 on). AMX's tiles multiply bf16 several times faster than float32, and a
+Zen 4 or 5 core runs a bf16 dot product at twice its float32 FMA rate; elsewhere bf16 is converted to
+float32 on the way and gains nothing. An Intel core's AVX512-BF16 dot product runs at half its
+float32 FMA rate (measured on a Xeon whose hypervisor hides AMX), so without AMX its bf16 is slower
+than float32: bf16_is_faster() says where `model.dtype: auto` picks bf16.
 
 `PREFIX_SERVICE_CPU_MARCH` names a compiler target (`-march`) for the native kernels in place of
 this CPU (backends/cpu/native.py): kernel_flags() then answers with the instruction sets the
@@ -65,6 +67,20 @@ def target_flags(march: str) -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_vendor() -> str:
+    """The first processor's vendor_id, e.g. GenuineIntel, AuthenticAMD ("" where /proc/cpuinfo cannot
+    be read or names none)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The first processor's flags (empty where /proc/cpuinfo cannot be read: not Linux)."""
     try:
@@ -93,3 +109,17 @@ def isa(flags: frozenset[str] | None = None) -> list[str]:
 def bf16_units(flags: frozenset[str] | None = None) -> list[str]:
     """The bf16 matrix or dot-product units this CPU has (AMX-BF16, AVX512-BF16), or []."""
     return [name for name in isa(flags) if name in BF16_UNITS]
+
+
+INTEL = "GenuineIntel"
+
+
+def bf16_is_faster(flags: frozenset[str] | None = None, vendor: str | None = None) -> bool:
+    """Whether bf16 outruns float32 on this CPU (`model.dtype: auto`): with AMX-BF16, or with
+    AVX512-BF16 on a CPU not made by Intel (AMD Zen 4 and 5: docs/benchmarks.md, "The cpu backend in
+    bfloat16"). Intel's AVX512-BF16 without AMX (Cooper Lake, or a later Xeon whose kernel or
+    hypervisor does not let a process use AMX) runs bf16 dot products at half its float32 FMA rate,
+    and the cpu backend's decode steps took 1.2-1.6x float32's there."""
+    units = bf16_units(flags)
+    vendor = cpu_vendor() if vendor is None else vendor
+    return "AMX-BF16" in units or ("AVX512-BF16" in units and vendor != INTEL)

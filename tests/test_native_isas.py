@@ -114,8 +114,10 @@ def test_a_named_target_stands_for_the_cpu(march, names, llama_dir, monkeypatch)
     assert cpuinfo.target() == march
     assert cpuinfo.isa(cpuinfo.kernel_flags()) == names
     assert choose_dtype("auto", llama_dir, torch.device("cpu")) == host
-    assert choose_dtype("auto", llama_dir, torch.device("cpu"), cpu_flags=cpuinfo.kernel_flags())[0] == (
-        torch.bfloat16 if "AVX512-BF16" in names else torch.float32)
+    for vendor in ("GenuineIntel", "AuthenticAMD"):  # Intel's bf16 dot products without AMX lose to float32
+        faster = "AMX-BF16" in names or ("AVX512-BF16" in names and vendor != "GenuineIntel")
+        assert choose_dtype("auto", llama_dir, torch.device("cpu"), cpu_flags=cpuinfo.kernel_flags(),
+                            cpu_vendor=vendor)[0] == (torch.bfloat16 if faster else torch.float32)
     assert native.for_target(native.FLAGS) == flags_for(native.FLAGS, march)
 
 

@@ -38,7 +38,7 @@ def test_profile_decode_script(script, llama_dir, tmp_path, capsys, backend, kv)
         assert r["other_ms"] == pytest.approx(r["profiled_step_ms"] - sum(r["kernels_ms"].values()), abs=0.01)
     assert data["steps"] == 3 and data["prefix_tokens"] == 40 and data["git_commit"]
     from prefix_service import cpuinfo
-    model = "bfloat16" if cpuinfo.bf16_units() else "float32"  # what the script's model.dtype: auto picks
+    model = "bfloat16" if cpuinfo.bf16_is_faster() else "float32"  # what the script's model.dtype: auto picks
     assert (data["dtype"], data["kv_cache_dtype"]) == (model, model if kv == "auto" else kv)
     assert "step p50 ms" in printed and "JSON:" in printed
 

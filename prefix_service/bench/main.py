@@ -147,7 +147,7 @@ def machine_info() -> dict:
     import torch
     import transformers
     from prefix_service import cpuinfo
-    return {"cpu": cpu, "isa": cpuinfo.isa(), "cpu_march": cpuinfo.target(),
+    return {"cpu": cpu, "cpu_vendor": cpuinfo.cpu_vendor(), "isa": cpuinfo.isa(), "cpu_march": cpuinfo.target(),
             "kernel_isa": cpuinfo.isa(cpuinfo.kernel_flags()), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -72,21 +72,25 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
 
 
 def choose_dtype(name: str, model_dir: str | os.PathLike, device: torch.device,
-                 cpu_flags: frozenset[str] | None = None) -> tuple[torch.dtype, str]:
+                 cpu_flags: frozenset[str] | None = None, cpu_vendor: str | None = None) -> tuple[torch.dtype, str]:
     """model.dtype -> (the dtype, why). 'auto': on a GPU the checkpoint's dtype (bf16 when it is
-    float32); on a CPU with bf16 matrix or dot-product units (AMX-BF16, AVX512-BF16: cpuinfo.py)
-    bfloat16, which the cpu backend's oneDNN linears multiply on them with half the weight bytes
-    to stream (docs/benchmarks.md: on a 2-vCPU AVX512-BF16 EPYC a first token 1.6x sooner and
-    1.4x the tokens per second of float32 at 16 and 64 requests); elsewhere float32, since without
-    those units bf16 is only converted to float32 on the way."""
+    float32); on a CPU where bf16 outruns float32 (cpuinfo.bf16_is_faster: AMX-BF16, or AVX512-BF16
+    on an AMD Zen 4 or 5) bfloat16, which the cpu backend's oneDNN linears multiply on those units
+    with half the weight bytes to stream (docs/benchmarks.md: on a 2-vCPU AVX512-BF16 EPYC a first
+    token 1.6x sooner and 1.4x the tokens per second of float32 at 16 and 64 requests); elsewhere
+    float32: without bf16 units bf16 is only converted to float32 on the way, and an Intel core's
+    AVX512-BF16 dot products without AMX run at half its float32 FMA rate."""
     if name != "auto":
         return _DTYPES[name], "asked for (model.dtype)"
     if device.type == "cpu":
         units = cpuinfo.bf16_units(cpu_flags)
-        if units:
+        if cpuinfo.bf16_is_faster(cpu_flags, cpu_vendor):
             return torch.bfloat16, (f"auto, on a CPU: bfloat16 (this CPU has bf16 matrix units: {', '.join(units)}; "
                                     f"model.dtype: float32 for float32 arithmetic)")
         have = ", ".join(cpuinfo.isa(cpu_flags)) or "no AVX"
+        if units:  # Intel's AVX512-BF16 without AMX
+            return torch.float32, (f"auto, on a CPU: float32 (this Intel CPU has {have} but no AMX: its bf16 dot "
+                                   f"products run at half its float32 rate; model.dtype: bfloat16 to ask for bf16)")
         return torch.float32, f"auto, on a CPU: float32 (this CPU has no bf16 matrix units; it has {have})"
     dtype = checkpoint_dtype(model_dir)
     if dtype == torch.float32:
