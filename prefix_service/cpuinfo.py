@@ -114,6 +114,14 @@ def bf16_units(flags: frozenset[str] | None = None) -> list[str]:
 INTEL = "GenuineIntel"
 
 
+def bf16_dots_are_fast(vendor: str | None = None) -> bool:
+    """Whether this CPU's AVX512-BF16 dot products (where it has them) outrun its float32 FMAs: on
+    AMD's Zen 4 and 5, not on Intel's cores, where `vdpbf16ps` runs at half the FMA rate (88 against
+    178 GFLOP/s on one core of an Emerald Rapids Xeon) and the library's dot-product attention took
+    1.2-1.6x the native kernels' float32 FMAs (docs/benchmarks.md). `vendor`: cpu_vendor()'s."""
+    return (cpu_vendor() if vendor is None else vendor) != INTEL
+
+
 def bf16_is_faster(flags: frozenset[str] | None = None, vendor: str | None = None) -> bool:
     """Whether bf16 outruns float32 on this CPU (`model.dtype: auto`): with AMX-BF16, or with
     AVX512-BF16 on a CPU not made by Intel (AMD Zen 4 and 5: docs/benchmarks.md, "The cpu backend in
@@ -121,5 +129,4 @@ def bf16_is_faster(flags: frozenset[str] | None = None, vendor: str | None = Non
     hypervisor does not let a process use AMX) runs bf16 dot products at half its float32 FMA rate,
     and the cpu backend's decode steps took 1.2-1.6x float32's there."""
     units = bf16_units(flags)
-    vendor = cpu_vendor() if vendor is None else vendor
-    return "AMX-BF16" in units or ("AVX512-BF16" in units and vendor != INTEL)
+    return "AMX-BF16" in units or ("AVX512-BF16" in units and bf16_dots_are_fast(vendor))

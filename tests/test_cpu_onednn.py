@@ -688,7 +688,8 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.delenv(onednn.TEMPLATE_ATTENTION_ENV, raising=False)
     kernel = onednn.template_kernel(64)
     # the default, by the machine: the dot products without AMX, timed where AMX's tiles multiply
-    want = ("matrix" if kernel == "AVX512-BF16 dot products" and not onednn.brgemm_vnni()
+    fast = cpuinfo.bf16_dots_are_fast()  # AMD's, not Intel's: half the FMA rate there
+    want = ("matrix" if kernel == "AVX512-BF16 dot products" and not onednn.brgemm_vnni() and fast
             else "measure" if kernel == "AMX brgemm" else "native")
     assert onednn.template_attention(64) == want
     assert onednn.template_attention(72) == "native"  # the dot products take multiples of 16
@@ -708,6 +709,19 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
         onednn.template_attention(64)
 
 
+def test_the_dot_product_attention_is_the_default_only_where_the_dots_outrun_float32(monkeypatch):
+    """Without AMX, where the template's products would run on the AVX512-BF16 dot products: they are the
+    default for the template's and a prompt's attention on AMD's cores, not on Intel's (half the FMA rate
+    there: the native kernels' float32 FMAs instead)."""
+    for name in (onednn.PROMPT_ATTENTION_ENV, onednn.TEMPLATE_ATTENTION_ENV, onednn.TEMPLATE_PRODUCTS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(onednn, "template_kernel", lambda head_size, products=None: onednn.TEMPLATE_KERNELS[1])
+    monkeypatch.setattr(onednn, "brgemm_vnni", lambda: False)
+    for vendor, template, prompt in (("AuthenticAMD", "matrix", "dot"), ("GenuineIntel", "native", "native")):
+        monkeypatch.setattr(cpuinfo, "cpu_vendor", lambda v=vendor: v)
+        assert (onednn.template_attention(64), onednn.prompt_attention(64)) == (template, prompt), vendor
+
+
 @needs_lib
 def test_the_prompt_attention_is_chosen_by_the_environment(monkeypatch):
     """PREFIX_SERVICE_BF16_PROMPT_ATTENTION: by default the dot products where the template's
@@ -717,8 +731,9 @@ def test_the_prompt_attention_is_chosen_by_the_environment(monkeypatch):
     for name in (onednn.PROMPT_ATTENTION_ENV, onednn.TEMPLATE_ATTENTION_ENV, onednn.TEMPLATE_PRODUCTS_ENV):
         monkeypatch.delenv(name, raising=False)
     has_dot = "avx512_bf16" in cpuinfo.kernel_flags()
-    default_dot = has_dot and not onednn.brgemm_vnni()
-    assert onednn.prompt_attention(64) == ("dot" if default_dot else "measure" if has_dot else "native")
+    default_dot = has_dot and not onednn.brgemm_vnni() and cpuinfo.bf16_dots_are_fast()
+    assert onednn.prompt_attention(64) == ("dot" if default_dot else "measure" if has_dot and onednn.brgemm_vnni()
+                                           else "native")
     assert onednn.prompt_attention(72) == "native"  # the dot products take multiples of 16
     monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "native")
     assert onednn.prompt_attention(64) == "native"

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from prefix_service import cpuinfo
 from prefix_service.backends.cpu import native
 from prefix_service.model.quantize import int8_problem
 
@@ -611,11 +612,14 @@ def template_kernel_rule(head_size: int, amx: bool, dot: bool) -> str:
 
 def _dot_by_default(head_size: int) -> bool:
     """Whether the attention's bf16 products run on the AVX512-BF16 dot products by default here: where
-    they multiply the template's products (template_kernel) and the CPU has no AMX, or
-    $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot asks for them there (on AMX the native kernels by
-    default, whatever would multiply)."""
+    they multiply the template's products (template_kernel) and the CPU has no AMX and runs them
+    faster than float32 FMAs (cpuinfo.bf16_dots_are_fast: AMD's Zen 4 and 5, not Intel's cores), or
+    $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot asks for them (on AMX the native kernels by default,
+    whatever would multiply)."""
     dot = template_kernel(head_size) == TEMPLATE_KERNELS[1]
-    return dot and (os.environ.get(TEMPLATE_PRODUCTS_ENV) == "dot" or not brgemm_vnni())
+    if os.environ.get(TEMPLATE_PRODUCTS_ENV) == "dot":
+        return dot
+    return dot and not brgemm_vnni() and cpuinfo.bf16_dots_are_fast()
 
 
 def template_attention(head_size: int) -> str:
@@ -625,8 +629,9 @@ def template_attention(head_size: int) -> str:
     or the fallback GEMM), or "measure": the decoder stack times both on the model when it is built
     and keeps the faster (tuning.py). The environment variable PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION
     chooses ("brgemm", its older name, means "matrix"). By default: "matrix" where its products are
-    the AVX512-BF16 dot products on a CPU without AMX, which take 10-25% off the attention of a
-    prefill or a batched decode on a template there (docs/benchmarks.md); "measure" where they are
+    the AVX512-BF16 dot products on an AMD CPU (no AMX), which take 10-25% off the attention of a
+    prefill or a batched decode on a template there (docs/benchmarks.md; on an Intel core they took
+    1.2-1.4x the native kernels' time, so "native" there); "measure" where they are
     AMX's tiles, whose key-row walk has no figure yet (the walk it replaced made the first token of
     a 100-token prompt on a template 3x slower at 16 threads there, docs/benchmarks.md, "Run 8");
     "native" elsewhere: the fallback GEMM is 2-3x slower than the native kernels. With
@@ -662,7 +667,7 @@ def prompt_attention(head_size: int) -> str:
     through causal_attend_fn(); q and P rounded to bf16 as for a template), or "measure": the
     decoder stack times both on the model when it is built and keeps the faster (tuning.py). The
     environment variable PREFIX_SERVICE_BF16_PROMPT_ATTENTION chooses; by default "dot" where the
-    template's products run on them by default (AVX512-BF16 without AMX), "measure" where the CPU has
+    template's products run on them by default (AMD's AVX512-BF16, no AMX), "measure" where the CPU has
     them beside AMX (not timed there yet), else "native"."""
     chosen = os.environ.get(PROMPT_ATTENTION_ENV)
     if not chosen:
