@@ -108,3 +108,17 @@ def test_refuses_runs_without_bounds():
         proc = subprocess.run([sys.executable, str(SCRIPT), "--metrics", "127.0.0.1:1", *extra], capture_output=True,
                               text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(SCRIPT.parent.parent)})
         assert proc.returncode == 2 and "must be positive" in proc.stderr
+
+
+def test_memory_growth_is_measured_from_the_second_quarters_median_not_one_trough():
+    """Under load the resident set swings as allocators take and return memory: a trough sampled just after
+    the first quarter is not a baseline (a 64-worker soak failed on one, 70.6 MiB under an end that sat in
+    the plateau); a steady climb through the run still counts in full."""
+    soak = load_script("soak_test")
+    mib = 2 ** 20
+    plateau = [{"t": t, "rss": (2080 + (9 if t % 20 else 0)) * mib} for t in range(0, 100, 5)]
+    plateau[5]["rss"] = 2015 * mib  # t = 25: the first sample of the second quarter, a trough
+    assert soak.rss_growth_mib(plateau, 2086 * mib, 100) < 10
+    climb = [{"t": t, "rss": (2000 + 2 * t) * mib} for t in range(0, 100, 5)]
+    assert soak.rss_growth_mib(climb, 2200 * mib, 100) == 2200 - 2070  # the second quarter's median: t = 35
+    assert soak.rss_growth_mib(climb[:2], 2100 * mib, 100) == 2100 - 2005  # a short run: the samples there are
