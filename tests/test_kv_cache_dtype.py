@@ -60,6 +60,7 @@ def test_prefix_and_no_prefix_agree_on_a_bf16_cache(make_engine, backend):
     engine = make_engine(backend=backend, kv_cache_dtype="bfloat16")
     assert cache_dtypes(engine) == {torch.bfloat16}
     assert engine.info.backend == backend
+    assert (engine.info.dtype, engine.info.kv_cache_dtype) == ("float32", "bfloat16")  # as reported (metrics)
     for prefix_len in (3, 8, 17):
         full = ids_of(prefix_len + 9, salt=prefix_len)
         expected = run_ids(engine, full)

@@ -6,6 +6,7 @@ import json
 import logging
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, collect, greedy_request, make_config,
                              slow_steps, started_servers)
 
+from prefix_service import cpuinfo
 from prefix_service.config import TemplateSpec
 from prefix_service.proto import prefix_service_pb2 as pb
 
@@ -113,6 +115,15 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
     assert value(m, "prefix_service_template_from_snapshot", template="doc") == 0  # a first start: prefilled
     # requests accepted on the template: the bad-sampling one was refused before
     assert value(m, "prefix_service_template_requests_served_total", template="doc") == 3
+
+    # what the engine computes with, one series of labels
+    info = st.engine.info
+    [(labels, one)] = [(dict(k[1]), v) for k, v in m.items() if k[0] == "prefix_service_engine_info"]
+    assert one == 1 and labels == {
+        "model": Path(info.model_path).name, "device": "cpu", "dtype": info.dtype, "kv_cache_dtype": info.kv_cache_dtype,
+        "block_size": str(info.block_size), "backend": info.backend, "quantization": "none",
+        "batch_invariant": "false", "cpu_isa": ",".join(cpuinfo.isa()), "cpu_march": cpuinfo.target() or ""}
+    assert info.kv_cache_dtype == info.dtype == str(st.engine._core.backend.kv_layers[0][0].dtype).removeprefix("torch.")
 
     # one JSON log line per request, without the prompt
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]

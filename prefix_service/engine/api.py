@@ -63,6 +63,8 @@ class EngineInfo:
     backend: str  # torch, cpu or cuda
     backend_description: str  # with its kernel choices, e.g. "cuda (prefill flash_attn, decode triton_paged)"
     quantization: str = "none"  # model.quantization: none or int8
+    kv_cache_dtype: str = ""  # what the KV cache holds (cache.kv_cache_dtype resolved), e.g. float32, bfloat16
+    batch_invariant: bool = False  # model.batch_invariant
 
 
 # What a CUDA error looks like once the device's context is broken (an illegal address, a
@@ -109,7 +111,8 @@ class Engine:
         core = self._core
         self.info = EngineInfo(config.model.path, str(core.device), str(core.dtype).replace("torch.", ""),
                                core.arch, core.max_model_len, core.allocator.num_blocks, core.block_size,
-                               core.backend.name, core.backend.describe(), config.model.quantization)
+                               core.backend.name, core.backend.describe(), config.model.quantization,
+                               str(core.backend.kv_dtype).replace("torch.", ""), config.model.batch_invariant)
         self._config = config
         self._snapshots: TemplateSnapshots | None = None
         self._codec: SnapshotStore | None = None  # the snapshot format of this engine's KV (made when needed)

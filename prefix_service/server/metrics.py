@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -22,14 +23,16 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import grpc
 from prometheus_client import (CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector,
                                ProcessCollector, start_http_server)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
+from prefix_service import cpuinfo
 from prefix_service.config import split_address
 from prefix_service.errors import EngineStopped
+from prefix_service.engine.api import EngineInfo
 from prefix_service.engine.sequence import RequestOutput
 from prefix_service.heap import pauses
 
@@ -238,6 +241,21 @@ class _GcPauseCollector(Collector):
         yield longest
 
 
+def engine_info(info: EngineInfo) -> InfoMetricFamily:
+    """prefix_service_engine_info: what the engine computes with, as labels (value 1), so that the
+    machines of a fleet can be told apart where `model.dtype: auto` or the CPU chose differently."""
+    cpu = info.device.startswith("cpu")
+    return InfoMetricFamily("prefix_service_engine", "What the engine runs: model, device, dtypes, backend and the "
+                            "CPU's instruction sets", value={
+                                "model": os.path.basename(os.path.normpath(info.model_path)),
+                                "device": info.device, "dtype": info.dtype, "kv_cache_dtype": info.kv_cache_dtype,
+                                "block_size": str(info.block_size), "backend": info.backend,
+                                "quantization": info.quantization,
+                                "batch_invariant": "true" if info.batch_invariant else "false",
+                                "cpu_isa": ",".join(cpuinfo.isa()) if cpu else "",
+                                "cpu_march": (cpuinfo.target() or "") if cpu else ""})
+
+
 class _EngineCollector(Collector):
     """Engine state, read at scrape time (two commands between engine steps)."""
 
@@ -251,6 +269,9 @@ class _EngineCollector(Collector):
         engine = runtime.engine
         if engine is None:
             return
+        info = getattr(engine, "info", None)  # a one-process engine's (a fleet's replicas report their own)
+        if isinstance(info, EngineInfo):
+            yield engine_info(info)
         try:
             stats = engine.kv_stats()
             templates = engine.list_templates()
