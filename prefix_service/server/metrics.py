@@ -269,7 +269,7 @@ class _EngineCollector(Collector):
         engine = runtime.engine
         if engine is None:
             return
-        info = getattr(engine, "info", None)  # a one-process engine's (a fleet's replicas report their own)
+        info = getattr(engine, "info", None)  # a one-process engine's (a fleet head has none of its own)
         if isinstance(info, EngineInfo):
             yield engine_info(info)
         try:
