@@ -28,7 +28,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
 
-from prefix_service import Engine  # noqa: E402
+from prefix_service import Engine, cpuinfo  # noqa: E402
 from prefix_service.config import TemplateSpec, RayConfig  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest, ScoreRequest  # noqa: E402
 from prefix_service.fleet.launcher import REPLICA_DEPLOYMENT  # noqa: E402
@@ -144,6 +144,14 @@ def test_metrics_count_the_whole_fleet(fleet):
     assert samples["prefix_service_templates"] == len(TEMPLATES)
     held = sum(info.num_blocks for rep in reports(server).values() for info, _ in rep["held"])
     assert samples["prefix_service_kv_blocks_pinned"] == held > 0
+    # what each replica's engine computes with, one series each, from the replicas' own reports
+    infos = {dict(labels)["replica"]: dict(labels) for (name, labels), value in scrape(server).items()
+             if name == "prefix_service_engine_info" and value == 1}
+    assert set(infos) == set(reports(server)) and len(infos) == 2
+    for labels in infos.values():
+        assert (labels["device"], labels["dtype"], labels["block_size"], labels["batch_invariant"]) == \
+            ("cpu", "float32", "4", "false")
+        assert labels["cpu_isa"] == ",".join(cpuinfo.isa())  # the replicas' machine: this one here
 
 
 def test_greedy_outputs_equal_one_process(fleet, reference):

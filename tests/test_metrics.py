@@ -120,9 +120,10 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
     info = st.engine.info
     [(labels, one)] = [(dict(k[1]), v) for k, v in m.items() if k[0] == "prefix_service_engine_info"]
     assert one == 1 and labels == {
-        "model": Path(info.model_path).name, "device": "cpu", "dtype": info.dtype, "kv_cache_dtype": info.kv_cache_dtype,
-        "block_size": str(info.block_size), "backend": info.backend, "quantization": "none",
-        "batch_invariant": "false", "cpu_isa": ",".join(cpuinfo.isa()), "cpu_march": cpuinfo.target() or ""}
+        "replica": "", "model": Path(info.model_path).name, "device": "cpu", "dtype": info.dtype,
+        "kv_cache_dtype": info.kv_cache_dtype, "block_size": str(info.block_size), "backend": info.backend,
+        "quantization": "none", "batch_invariant": "false", "cpu_isa": ",".join(cpuinfo.isa()),
+        "cpu_march": cpuinfo.target() or ""}
     assert info.kv_cache_dtype == info.dtype == str(st.engine._core.backend.kv_layers[0][0].dtype).removeprefix("torch.")
 
     # one JSON log line per request, without the prompt

@@ -18,6 +18,7 @@ from typing import Any, AsyncGenerator, Callable, TypeVar
 
 import torch
 
+from prefix_service import cpuinfo
 from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig, ServiceConfig
 from prefix_service.engine.core import EngineCore
@@ -65,6 +66,8 @@ class EngineInfo:
     quantization: str = "none"  # model.quantization: none or int8
     kv_cache_dtype: str = ""  # what the KV cache holds (cache.kv_cache_dtype resolved), e.g. float32, bfloat16
     batch_invariant: bool = False  # model.batch_invariant
+    cpu_isa: str = ""  # a CPU engine's instruction sets, e.g. "AVX-512,AVX2" (cpuinfo.isa; "" on a GPU)
+    cpu_march: str = ""  # the target its native kernels were built for, where $PREFIX_SERVICE_CPU_MARCH named one
 
 
 # What a CUDA error looks like once the device's context is broken (an illegal address, a
@@ -112,7 +115,9 @@ class Engine:
         self.info = EngineInfo(config.model.path, str(core.device), str(core.dtype).replace("torch.", ""),
                                core.arch, core.max_model_len, core.allocator.num_blocks, core.block_size,
                                core.backend.name, core.backend.describe(), config.model.quantization,
-                               str(core.backend.kv_dtype).replace("torch.", ""), config.model.batch_invariant)
+                               str(core.backend.kv_dtype).replace("torch.", ""), config.model.batch_invariant,
+                               ",".join(cpuinfo.isa()) if core.device.type == "cpu" else "",
+                               (cpuinfo.target() or "") if core.device.type == "cpu" else "")
         self._config = config
         self._snapshots: TemplateSnapshots | None = None
         self._codec: SnapshotStore | None = None  # the snapshot format of this engine's KV (made when needed)

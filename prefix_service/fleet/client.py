@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import Any, AsyncGenerator, Sequence
 
+from prefix_service.engine.api import EngineInfo
 from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import EngineStopped, TemplateNotFound
@@ -246,6 +247,12 @@ class FleetEngine:
         reports: dict[str, dict[str, Any]] = call_sync(self.controller.reports.remote(), CALL_TIMEOUT_S,
                                                        "the fleet controller")
         return reports
+
+    def replica_engines(self) -> dict[str, EngineInfo]:
+        """replica id -> what its engine runs (its last report's EngineInfo), for the replicas that have
+        reported one."""
+        return {replica: report["engine"] for replica, report in self.replica_reports().items()
+                if isinstance(report.get("engine"), EngineInfo)}
 
     def check_integrity(self) -> None:
         call_sync(self.controller.fan_out.remote("check_integrity"), CALL_TIMEOUT_S, "the fleet controller")

@@ -84,7 +84,8 @@ class EngineReplica:
         return out
 
     def report(self) -> dict[str, Any]:
-        return {"held": self.registry.list(), "stats": self.stats(), "node": self.node, "startup": self.startup}
+        return {"held": self.registry.list(), "stats": self.stats(), "node": self.node, "startup": self.startup,
+                "engine": self.engine.info}
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()

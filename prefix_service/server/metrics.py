@@ -29,7 +29,6 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from prometheus_client.registry import Collector
 
-from prefix_service import cpuinfo
 from prefix_service.config import split_address
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.api import EngineInfo
@@ -241,19 +240,20 @@ class _GcPauseCollector(Collector):
         yield longest
 
 
-def engine_info(info: EngineInfo) -> InfoMetricFamily:
-    """prefix_service_engine_info: what the engine computes with, as labels (value 1), so that the
-    machines of a fleet can be told apart where `model.dtype: auto` or the CPU chose differently."""
-    cpu = info.device.startswith("cpu")
-    return InfoMetricFamily("prefix_service_engine", "What the engine runs: model, device, dtypes, backend and the "
-                            "CPU's instruction sets", value={
-                                "model": os.path.basename(os.path.normpath(info.model_path)),
-                                "device": info.device, "dtype": info.dtype, "kv_cache_dtype": info.kv_cache_dtype,
-                                "block_size": str(info.block_size), "backend": info.backend,
-                                "quantization": info.quantization,
-                                "batch_invariant": "true" if info.batch_invariant else "false",
-                                "cpu_isa": ",".join(cpuinfo.isa()) if cpu else "",
-                                "cpu_march": (cpuinfo.target() or "") if cpu else ""})
+def engine_info(infos: dict[str, EngineInfo]) -> InfoMetricFamily:
+    """prefix_service_engine_info: what each engine computes with, as labels (value 1), so that the
+    machines of a fleet can be told apart where `model.dtype: auto` or the CPU chose differently.
+    infos: replica id ("" for a one-process server's engine) -> its EngineInfo."""
+    family = InfoMetricFamily("prefix_service_engine", "What each engine runs: model, device, dtypes, backend and "
+                              "its CPU's instruction sets (replica: a fleet replica's id, empty in one process)",
+                              labels=["replica"])
+    for replica, info in sorted(infos.items()):
+        family.add_metric([replica], {
+            "model": os.path.basename(os.path.normpath(info.model_path)), "device": info.device, "dtype": info.dtype,
+            "kv_cache_dtype": info.kv_cache_dtype, "block_size": str(info.block_size), "backend": info.backend,
+            "quantization": info.quantization, "batch_invariant": "true" if info.batch_invariant else "false",
+            "cpu_isa": info.cpu_isa, "cpu_march": info.cpu_march})
+    return family
 
 
 class _EngineCollector(Collector):
@@ -269,9 +269,10 @@ class _EngineCollector(Collector):
         engine = runtime.engine
         if engine is None:
             return
-        info = getattr(engine, "info", None)  # a one-process engine's (a fleet head has none of its own)
-        if isinstance(info, EngineInfo):
-            yield engine_info(info)
+        info = getattr(engine, "info", None)  # a one-process engine's; a fleet's client reports its replicas'
+        infos = {"": info} if isinstance(info, EngineInfo) else getattr(engine, "replica_engines", dict)()
+        if infos:
+            yield engine_info(infos)
         try:
             stats = engine.kv_stats()
             templates = engine.list_templates()
