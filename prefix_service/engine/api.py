@@ -552,6 +552,10 @@ class Engine:
         the templates' packed copies."""
         return self._run(lambda core: core.kv_stats())
 
+    def engine_infos(self) -> dict[str, EngineInfo]:
+        """{"": info}: this one engine (EngineClient's, which a fleet answers per replica)."""
+        return {"": self.info}
+
     def reset_kv_peak(self) -> None:
         """Start kv_stats()["peak_used"] over from the blocks in use now (a benchmark's window)."""
         self._run(lambda core: core.reset_kv_peak())

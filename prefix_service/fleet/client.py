@@ -248,7 +248,7 @@ class FleetEngine:
                                                        "the fleet controller")
         return reports
 
-    def replica_engines(self) -> dict[str, EngineInfo]:
+    def engine_infos(self) -> dict[str, EngineInfo]:
         """replica id -> what its engine runs (its last report's EngineInfo), for the replicas that have
         reported one."""
         return {replica: report["engine"] for replica, report in self.replica_reports().items()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Protocol
 if TYPE_CHECKING:
     import concurrent.futures
 
+    from prefix_service.engine.api import EngineInfo
     from prefix_service.engine.template_pins import TemplateInfo, TemplateView
     from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
     from prefix_service.server.store import TemplateSource
@@ -85,6 +86,12 @@ class EngineClient(Protocol):
         preemptions, packed_template_bytes.
 
         Fleet: the replicas' counters summed, as of their last reports (at most a poll old)."""
+        ...
+
+    def engine_infos(self) -> dict[str, EngineInfo]:
+        """What each engine behind this client runs, by replica id ("" for a one-process engine).
+
+        Fleet: each replica's, from its last report (those that have reported)."""
         ...
 
     def check_integrity(self) -> None:

@@ -269,15 +269,14 @@ class _EngineCollector(Collector):
         engine = runtime.engine
         if engine is None:
             return
-        info = getattr(engine, "info", None)  # a one-process engine's; a fleet's client reports its replicas'
-        infos = {"": info} if isinstance(info, EngineInfo) else getattr(engine, "replica_engines", dict)()
-        if infos:
-            yield engine_info(infos)
         try:
             stats = engine.kv_stats()
             templates = engine.list_templates()
+            infos = engine.engine_infos()
         except EngineStopped:
             return
+        if infos:
+            yield engine_info(infos)
         for key, name, doc in (("num_blocks", "total", "KV cache blocks in all"),
                                ("used", "used", "KV blocks holding KV (pinned templates included)"),
                                ("free", "free", "KV blocks free"),
