@@ -249,8 +249,14 @@ inline void softmax_chunk(Tile& t, const int* valid, int rows) {
     }
     vf mx = neg_inf;
     for (int j = 0; j < KC; j += KP) mx = ps::vmax_first(mx, ps::vload(s + j), n - j);
-    const float m_new = std::fmax(t.m[r], ps::vreduce_max(mx));
-    t.alpha[r] = std::exp(t.m[r] - m_new);  // 0 on the first chunk (m = -inf)
+    // Past a row's first chunks its maximum seldom moves: where no score exceeds it, the maximum stays
+    // and the scale is 1 (what the reduction and exp(0) would give) without reducing across lanes
+    float m_new = t.m[r];
+    t.alpha[r] = 1.0f;
+    if (ps::vgt_bits(mx, t.m[r]) != 0) {
+      m_new = std::fmax(t.m[r], ps::vreduce_max(mx));
+      t.alpha[r] = std::exp(t.m[r] - m_new);  // 0 on the first chunk (m = -inf)
+    }
     const vf mb = ps::vset1(m_new);
     vf sum = ps::vzero();
     for (int j = 0; j < KC; j += KP) {
