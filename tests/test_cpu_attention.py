@@ -425,6 +425,69 @@ def test_decode_does_not_depend_on_the_thread_count(kv):
 
 
 @needs_native
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_decode_asks_for_its_rows_either_way_with_the_same_bits(kv):
+    """How the pass over each sequence's own rows asks for them ahead of reading them (native.decode_prefetch:
+    a task's rows at once into L2, or each key's and value's row a few keys ahead) changes no bit: a batch
+    with and without a template, own contexts of one to three chunks of 64 keys over shuffled blocks,
+    on enough sequences that a task covers all KV heads of one, and on one sequence (a task per KV head)."""
+    bs, hq, hkv, d = 16, 9, 3, 64
+    g = torch.Generator().manual_seed(21)
+    kt, vt = torch.randn(3 * bs, hkv, d, generator=g), torch.randn(3 * bs, hkv, d, generator=g)
+    packed = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 3 * bs)
+    which = [True, False, True, True, False, True]
+    lens = [3 * bs + 1 + 37 * i if on else 5 + 41 * i for i, on in enumerate(which)]
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=22)
+    if kv == "bfloat16":
+        kc, vc = kc.bfloat16(), vc.bfloat16()
+    templates = [packed if on else None for on in which]
+    lib = native.require()
+    chosen = lib.ps_decode_prefetch(-1)
+    assert chosen == native.DECODE_PREFETCHES[native.decode_prefetch()]
+    outs = {}
+    try:
+        for way, mode in native.DECODE_PREFETCHES.items():
+            assert lib.ps_decode_prefetch(mode) in native.DECODE_PREFETCHES.values()
+            assert lib.ps_decode_prefetch(-1) == mode
+            outs[way] = (decode_attention(q, kc, vc, tables, ctx, 0.2, templates=templates),
+                         decode_attention(q[:1], kc, vc, tables[:1], ctx[:1], 0.2, templates=templates[:1]))
+    finally:
+        lib.ps_decode_prefetch(chosen)
+    assert lib.ps_decode_prefetch(-1) == chosen
+    (batch, one), (batch_paced, one_paced) = outs["task"], outs["paced"]
+    assert torch.equal(batch, batch_paced) and torch.equal(one, one_paced)
+    for i, (on, n) in enumerate(zip(which, lens)):
+        k, v = kc[rows[i]].flatten(0, 1)[:n].float(), vc[rows[i]].flatten(0, 1)[:n].float()
+        if on:
+            k, v = torch.cat([kt, k[3 * bs:]]), torch.cat([vt, v[3 * bs:]])
+        assert (batch[i:i + 1].double() - reference(q[i:i + 1], k, v, 0.2)).abs().max().item() < 2e-6, i
+
+
+def test_decode_prefetch_follows_the_cpu_maker_unless_the_environment_names_a_way(monkeypatch):
+    """Paced on Intel, whose cores stall on a task's hundreds of prefetches at once; the task's rows at
+    once elsewhere (faster on a Zen 3); $PREFIX_SERVICE_DECODE_PREFETCH overrides, and a value it does
+    not know is refused with the variable named. The library, where it loads, runs the chosen way, and
+    a way it does not know leaves its own as it is."""
+    monkeypatch.delenv(native.DECODE_PREFETCH_ENV, raising=False)
+    assert native.decode_prefetch("GenuineIntel") == "paced"
+    assert native.decode_prefetch("AuthenticAMD") == "task"
+    assert native.decode_prefetch("") == "task"
+    monkeypatch.setenv(native.DECODE_PREFETCH_ENV, "task")
+    assert native.decode_prefetch("GenuineIntel") == "task"
+    monkeypatch.setenv(native.DECODE_PREFETCH_ENV, "paced")
+    assert native.decode_prefetch("AuthenticAMD") == "paced"
+    monkeypatch.setenv(native.DECODE_PREFETCH_ENV, "eager")
+    with pytest.raises(NativeKernelError, match="PREFIX_SERVICE_DECODE_PREFETCH='eager': one of task, paced"):
+        native.decode_prefetch()
+    monkeypatch.delenv(native.DECODE_PREFETCH_ENV)
+    lib = native.load()[0]
+    if lib is not None:
+        mode = lib.ps_decode_prefetch(-1)
+        assert mode == native.DECODE_PREFETCHES[native.decode_prefetch()]
+        assert lib.ps_decode_prefetch(7) == mode and lib.ps_decode_prefetch(-1) == mode
+
+
+@needs_native
 def test_decode_bad_input_is_refused():
     q, kc, vc, tables, ctx, _ = paged_case([5, 9], 4, 4, 2, 16)
     with pytest.raises(NativeKernelError, match="contiguous float32"):

@@ -71,6 +71,7 @@ SIGNATURES = {
     "ps_stack_scratch_floats": ([_i32, _i32, _i32, _i32, _i32, _i32, _i32, _i32], _i64),
     "ps_copy_blocks": ([_ptr, _i32, _i32, _i64, _ptr, _i32], _i32),
     "ps_timers": ([_i32, _ptr], None),
+    "ps_decode_prefetch": ([_i32], _i32),
 }
 
 
@@ -224,6 +225,28 @@ def build(cxx: str, sources: tuple[Path, ...] = SOURCES) -> Path:
     return compile_library(cxx, "prefix_service_native", sources, key_parts=tuple(h.read_bytes() for h in HEADERS))
 
 
+DECODE_PREFETCH_ENV = "PREFIX_SERVICE_DECODE_PREFETCH"
+# how a decode's pass over each sequence's own cache rows asks for them ahead of reading them
+# (csrc/cpu_attention.cpp, ps_decode_prefetch): "task", every row of a task into L2 as it starts; "paced",
+# each key's and value's row into L1 a few keys before it is read. Neither changes a bit of the output.
+DECODE_PREFETCHES = {"task": 0, "paced": 1}
+
+
+def decode_prefetch(vendor: str | None = None) -> str:
+    """The way of DECODE_PREFETCHES the library's decode attention asks for its rows here:
+    $PREFIX_SERVICE_DECODE_PREFETCH where set; else "paced" on an Intel CPU, where a task's hundreds of
+    prefetches at once stall the core (each that misses holds a line fill buffer) and paced took
+    0.85-0.93x the pass's time on a Xeon, and "task" elsewhere, which was the faster on a Zen 3
+    (docs/benchmarks.md). `vendor`: cpuinfo.cpu_vendor()'s."""
+    chosen = os.environ.get(DECODE_PREFETCH_ENV)
+    if chosen:
+        if chosen not in DECODE_PREFETCHES:
+            raise NativeKernelError(f"{DECODE_PREFETCH_ENV}={chosen!r}: one of {', '.join(DECODE_PREFETCHES)} "
+                                    "is needed")
+        return chosen
+    return "paced" if (cpuinfo.cpu_vendor() if vendor is None else vendor) == cpuinfo.INTEL else "task"
+
+
 def require() -> ctypes.CDLL:
     """The library, or NativeKernelError with the reason it cannot be used here."""
     lib, reason = load()
@@ -244,7 +267,9 @@ def unavailable(dtype: torch.dtype) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def load() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library, None) where it builds with AVX-512 or AVX2 + FMA, else (None, the reason)."""
+    """(the library, None) where it builds with AVX-512 or AVX2 + FMA, else (None, the reason). The
+    library's decode attention then asks for its rows the way decode_prefetch() says (NativeKernelError
+    for a $PREFIX_SERVICE_DECODE_PREFETCH it does not know)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the native kernels are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
     cxx = compiler()
@@ -259,6 +284,7 @@ def load() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes, fn.restype = args, res
     if lib.ps_isa() not in (256, 512):
         return None, "this CPU has neither AVX-512 nor AVX2 with FMA"
+    lib.ps_decode_prefetch(DECODE_PREFETCHES[decode_prefetch()])
     return lib, None
 
 

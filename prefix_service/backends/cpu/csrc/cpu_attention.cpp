@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 #include <limits>
 #include <new>
 #include <type_traits>
@@ -144,9 +145,11 @@ inline void qk_any(int rows, int np, const float* qs, int d_len, const float* kp
 // bits are the same whatever keys share its pass. Each row kKeysAhead keys on is asked for (into L1) as
 // a key is taken: rows scattered over a cache then come from memory at a steady pace, where asking for
 // a whole chunk's at once left most of them still to wait for when they were read. Not `paced`: the rows
-// are in L1 already (a bf16 cache's, widened into a buffer) and nothing is asked for.
+// are in L1 already (a bf16 cache's, widened into a buffer) and nothing is asked for. `values` (not null,
+// with `paced`): key j's value row, asked for with its key's.
 template <int R>
-inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk, float* s, bool paced) {
+inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk, float* s, bool paced,
+                    const float* const* values) {
   constexpr int J = R <= 3 ? 2 : 1;  // keys at a time: AVX2 holds 2 x 3 rows' accumulators in 12 registers
   const auto keys = [&](auto per, int j) {
     constexpr int n = decltype(per)::value;
@@ -177,6 +180,10 @@ inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk
       if (paced && j + k + kKeysAhead < nk) {
         const char* p = reinterpret_cast<const char*>(rows[j + k + kKeysAhead]);
         for (int b = 0; b < d_len * 4; b += 64) __builtin_prefetch(p + b, 0, 3);
+        if (values != nullptr) {
+          const char* pv = reinterpret_cast<const char*>(values[j + k + kKeysAhead]);
+          for (int b = 0; b < d_len * 4; b += 64) __builtin_prefetch(pv + b, 0, 3);
+        }
       }
     keys(std::integral_constant<int, J>{}, j);
   }
@@ -184,14 +191,14 @@ inline void qk_rows(const float* qs, int d_len, const float* const* rows, int nk
 }
 
 inline void qk_rows_any(int rows, const float* qs, int d_len, const float* const* keys, int nk, float* s,
-                        bool paced) {
+                        bool paced, const float* const* values) {
   switch (rows) {
-    case 1: qk_rows<1>(qs, d_len, keys, nk, s, paced); break;
-    case 2: qk_rows<2>(qs, d_len, keys, nk, s, paced); break;
-    case 3: qk_rows<3>(qs, d_len, keys, nk, s, paced); break;
-    case 4: qk_rows<4>(qs, d_len, keys, nk, s, paced); break;
-    case 5: qk_rows<5>(qs, d_len, keys, nk, s, paced); break;
-    default: qk_rows<MR>(qs, d_len, keys, nk, s, paced); break;
+    case 1: qk_rows<1>(qs, d_len, keys, nk, s, paced, values); break;
+    case 2: qk_rows<2>(qs, d_len, keys, nk, s, paced, values); break;
+    case 3: qk_rows<3>(qs, d_len, keys, nk, s, paced, values); break;
+    case 4: qk_rows<4>(qs, d_len, keys, nk, s, paced, values); break;
+    case 5: qk_rows<5>(qs, d_len, keys, nk, s, paced, values); break;
+    default: qk_rows<MR>(qs, d_len, keys, nk, s, paced, values); break;
   }
 }
 
@@ -275,10 +282,11 @@ inline void chunk_scores(Tile& t, int d_len, const float* kp, int nk, const int*
   softmax_chunk(t, valid, rows);
 }
 
-// chunk_scores with the chunk's keys as rows (key j's D floats at keys[j]) instead of panels.
+// chunk_scores with the chunk's keys as rows (key j's D floats at keys[j]) instead of panels; `values`
+// (not null, with `paced`): the value rows, asked for as their keys are.
 inline void chunk_scores_rows(Tile& t, int d_len, const float* const* keys, int nk, const int* valid, int rows,
-                              bool paced) {
-  qk_rows_any(rows, t.qs, d_len, keys, nk, t.s, paced);
+                              bool paced, const float* const* values = nullptr) {
+  qk_rows_any(rows, t.qs, d_len, keys, nk, t.s, paced, values);
   softmax_chunk(t, valid, rows);
 }
 
@@ -626,6 +634,26 @@ extern "C" int ps_prefill_attention(const float* q, int64_t q_stride, float* out
 #endif
 }
 
+// How a decode's second pass (each sequence's own rows, scattered over the cache) asks for the rows it
+// reads, ahead of reading them (ps_decode_prefetch). Asking never changes what is computed:
+//   kPrefetchTask: every row of a task into L2 as the task starts; then, per chunk of 64 keys, each key
+//     row into L1 kKeysAhead keys before its scores read it, and a float32 cache's value rows into L1
+//     all at the chunk's start;
+//   kPrefetchPaced: no task-wide asking; a float32 cache's value rows go into L1 with their keys,
+//     kKeysAhead keys ahead (a bf16 cache's keys and values are paced as they are widened, either way).
+// On a Zen 3 the task-wide asking made the pass faster (docs/benchmarks.md); on an Intel Xeon its
+// hundreds of prefetches at once stalled the core (each one that misses holds one of its few fill
+// buffers) and the paced way took 0.85-0.93x the time. native.py chooses by the CPU's maker.
+constexpr int kPrefetchTask = 0, kPrefetchPaced = 1;
+std::atomic<int> decode_prefetch{kPrefetchTask};
+
+// Sets how ps_decode_attention asks for its rows (kPrefetchTask or kPrefetchPaced) and returns the
+// way before; any other mode (-1: to ask) leaves it as it is and returns it.
+extern "C" int ps_decode_prefetch(int mode) {
+  if (mode == kPrefetchTask || mode == kPrefetchPaced) return decode_prefetch.exchange(mode);
+  return decode_prefetch.load();
+}
+
 namespace {
 // A decode's packed template is attended in ranges of template_split(r_len) keys, each range's
 // softmax state made on its own (pass A) and the states merged in order (pass B): at most
@@ -667,10 +695,11 @@ extern "C" int64_t ps_decode_scratch_floats(int n_seq, int hq, int d_len) {
 // softmax state after each range is kept in `scratch` (ps_decode_scratch_floats; null: the call
 // allocates it). B: each sequence's rest of context, through its block table, per (sequence, tile
 // of query heads) over all its KV heads (per KV head too when there are fewer than two sequences a
-// thread), from its ranges' states merged in order: a task first asks for every cache row it reads
-// (prefetch), then takes the keys 64 at a time, each score a dot product over the key's row where it
-// lies (qk_rows: no panels to gather), and the values likewise (a bf16 cache's keys and values widened
-// into a per-thread buffer first). A row's arithmetic is the same whatever rows share its tile or task.
+// thread), from its ranges' states merged in order: a task asks for the cache rows it reads ahead of
+// reading them (ps_decode_prefetch's way), takes the keys 64 at a time, each score a dot product over
+// the key's row where it lies (qk_rows: no panels to gather), and the values likewise (a bf16 cache's
+// keys and values widened into a per-thread buffer first). A row's arithmetic is the same whatever
+// rows share its tile or task.
 // template_fn (not 0) with th_ptrs[n] (not 0): pass A of the group of sequence n calls template_fn
 // on the handle th_ptrs[n] instead (a PsTemplateAttendFn: the template's part as matrix products),
 // with the same rows per task; its state goes where the native pass puts its own. kt_ptrs[n] then
@@ -700,6 +729,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
   const int64_t state_floats = d_len + 2;  // a row's output, then its maximum and sum
   const ps::KvStore kc{k_cache, kv_bf16 != 0}, vc{v_cache, kv_bf16 != 0};
   if (slots != nullptr && !slots_fit(slots, n_seq, (int64_t)num_blocks * block_size)) return 4;
+  const bool paced = decode_prefetch.load(std::memory_order_relaxed) == kPrefetchPaced;
 
   // the sequences with a template, grouped by it (members[group_start[i] .. group_start[i + 1])),
   // and the ranges of keys each sequence's template is attended in (1 where template_fn does it whole)
@@ -863,12 +893,14 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
       const auto slot = [&](int tok) {  // the first element of token tok's slot in the cache
         return (int64_t)table[tok / block_size] * block_floats + (int64_t)(tok % block_size) * slot_stride;
       };
-      // every row the task reads, asked for at once (into L2), so that the misses overlap each other and
-      // the arithmetic: read one after another, the scattered blocks' rows cost 2-3x their bytes' time
-      for (int tok = first; tok < ctx; ++tok) {
-        kc.prefetch(slot(tok) + (int64_t)h0 * d_len, (int64_t)heads_per_task * d_len, false);
-        vc.prefetch(slot(tok) + (int64_t)h0 * d_len, (int64_t)heads_per_task * d_len, false);
-      }
+      // kPrefetchTask: every row the task reads, asked for at once (into L2), so that the misses overlap
+      // each other and the arithmetic: read one after another, the scattered blocks' rows cost 2-3x their
+      // bytes' time
+      if (!paced)
+        for (int tok = first; tok < ctx; ++tok) {
+          kc.prefetch(slot(tok) + (int64_t)h0 * d_len, (int64_t)heads_per_task * d_len, false);
+          vc.prefetch(slot(tok) + (int64_t)h0 * d_len, (int64_t)heads_per_task * d_len, false);
+        }
       for (int h = h0; h < h0 + heads_per_task; ++h) {
         for (int r = 0; r < MR; ++r) {
           const int gg = g0 + r < g ? g0 + r : g - 1;  // a padding row repeats the last head
@@ -877,17 +909,20 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
             merge_states(t, r, row_states(n, h * g + gg), splits[n], d_len);
         }
         const float* key_rows[KC];
+        const float* value_rows[KC];  // a float32 cache's, kPrefetchPaced: asked for with their keys
         int64_t row_at[KC];  // the chunk's rows of head h in the cache
         for (int c0 = first; c0 < ctx; c0 += KC) {
           const int nk = ctx - c0 < KC ? ctx - c0 : KC;
           // the chunk's rows into L1, each kKeysAhead keys before it is read: the first kKeysAhead now, the
           // others as the keys before them are read (a float32 cache's keys by the scores, in qk_rows; a bf16
           // cache's keys and values as they are widened, just below); a float32 cache's values, read after
-          // the scores, all now
+          // the scores, all now (kPrefetchTask) or with their keys (kPrefetchPaced)
+          const bool pace_values = paced && !kv_bf16;
           for (int j = 0; j < nk; ++j) {
             row_at[j] = slot(c0 + j) + (int64_t)h * d_len;
+            if (pace_values) value_rows[j] = static_cast<const float*>(v_cache) + row_at[j];
             if (j < kKeysAhead) kc.prefetch(row_at[j], d_len, true);
-            if (!kv_bf16 || j < kKeysAhead) vc.prefetch(row_at[j], d_len, true);
+            if ((!kv_bf16 && !paced) || j < kKeysAhead) vc.prefetch(row_at[j], d_len, true);
           }
           for (int j = 0; j < nk; ++j) {
             if (kv_bf16 && j + kKeysAhead < nk) {
@@ -898,7 +933,7 @@ extern "C" int ps_decode_attention(const float* q, int64_t q_stride, float* out,
             if (kv_bf16) vc.read(row_at[j], d_len, vbuf + (int64_t)j * d_len);
           }
           for (int r = 0; r < MR; ++r) valid[r] = nk;
-          chunk_scores_rows(t, d_len, key_rows, nk, valid, heads, !kv_bf16);
+          chunk_scores_rows(t, d_len, key_rows, nk, valid, heads, !kv_bf16, pace_values ? value_rows : nullptr);
           if (kv_bf16) {
             pv_any(heads, t.s, nk, vbuf, d_len, t.o, d_len, t.alpha);
             continue;
