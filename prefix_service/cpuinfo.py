@@ -24,6 +24,8 @@ import os
 import shutil
 import subprocess
 
+from prefix_service.errors import ConfigError
+
 # the instruction sets we name, strongest first: (flag in /proc/cpuinfo, name)
 ISA_FLAGS = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
 BF16_UNITS = ("AMX-BF16", "AVX512-BF16")
@@ -53,14 +55,14 @@ def compiler() -> str | None:
 @functools.lru_cache(maxsize=None)
 def target_flags(march: str) -> frozenset[str]:
     """The /proc/cpuinfo flags (of TARGET_MACROS) the C++ compiler enables for -march=`march`;
-    ValueError where there is no compiler or it does not know the target."""
+    ConfigError (a ValueError) where there is no compiler or it does not know the target."""
     cxx = compiler()
     if cxx is None:
-        raise ValueError(f"{MARCH_ENV}={march}: no C++ compiler found to read the target's instruction sets (set CXX)")
+        raise ConfigError(f"{MARCH_ENV}={march}: no C++ compiler found to read the target's instruction sets (set CXX)")
     proc = subprocess.run([cxx, f"-march={march}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
-        raise ValueError(f"{MARCH_ENV}={march}: the compiler does not know this target: "
+        raise ConfigError(f"{MARCH_ENV}={march}: the compiler does not know this target: "
                          f"{(proc.stderr.strip().splitlines() or [''])[0][:300]}")
     defined = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
     return frozenset(flag for macro, flag in TARGET_MACROS.items() if macro in defined)

@@ -210,6 +210,31 @@ def test_serve_ray_stopped_while_its_fleet_starts_exits_0_and_leaves_no_ray_proc
     assert not (left := _ray_processes(tag)), left
 
 
+@pytest.mark.parametrize("setting", ["PREFIX_SERVICE_DECODE_PREFETCH=eager", "PREFIX_SERVICE_F32_PANELS=bf16"])
+def test_serve_refuses_a_kernel_setting_it_does_not_know_in_one_line(model_dir, tmp_path, setting):
+    """An environment variable that chooses how the cpu backend's kernels compute, set to a value it
+    does not take, stops `serve` before it listens: exit 1 and an `error:` line naming the variable and
+    what it takes, as for a bad config file, not a traceback. The native library reads the first at
+    load, the float32 linears the second as they are packed."""
+    from prefix_service.backends.cpu import native
+    if native.load()[1] is not None:
+        pytest.skip(f"no native CPU kernels here to read the setting: {native.load()[1]}")
+    name, value = setting.split("=")
+    cfg_file = tmp_path / "svc.yaml"
+    cfg_file.write_text(yaml.safe_dump({
+        "model": {"path": str(model_dir), "device": "cpu", "backend": "cpu", "dtype": "float32"},
+        "cache": {"block_size": 4, "num_blocks": 64},
+        "server": {"address": "127.0.0.1:0", "http_address": "127.0.0.1:0"},
+    }))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREFIX_SERVICE_") or k == "PREFIX_SERVICE_CACHE_DIR"}
+    proc = subprocess.run([sys.executable, "-m", "prefix_service", "serve", "--config", str(cfg_file)],
+                          capture_output=True, text=True, env={**env, name: value}, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "SERVING on" not in proc.stderr, proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1].startswith(f"error: {name}='{value}': one of "), proc.stderr
+
+
 def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
     (tmp_path / "doc.txt").write_text(DOCUMENT)
     cfg_file = tmp_path / "svc.yaml"

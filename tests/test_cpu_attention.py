@@ -477,7 +477,7 @@ def test_decode_prefetch_follows_the_cpu_maker_unless_the_environment_names_a_wa
     monkeypatch.setenv(native.DECODE_PREFETCH_ENV, "paced")
     assert native.decode_prefetch("AuthenticAMD") == "paced"
     monkeypatch.setenv(native.DECODE_PREFETCH_ENV, "eager")
-    with pytest.raises(NativeKernelError, match="PREFIX_SERVICE_DECODE_PREFETCH='eager': one of task, paced"):
+    with pytest.raises(native.NativeSettingError, match="PREFIX_SERVICE_DECODE_PREFETCH='eager': one of task, paced"):
         native.decode_prefetch()
     monkeypatch.delenv(native.DECODE_PREFETCH_ENV)
     lib = native.load()[0]

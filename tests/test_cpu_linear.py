@@ -210,7 +210,8 @@ def test_a_weight_with_other_values_keeps_float32_panels(monkeypatch):
     monkeypatch.setenv(cpu_linear.F32_PANELS_ENV, "auto")
     assert cpu_linear.NativeLinear(bf16_values(w), b).bf16_panels
     monkeypatch.setenv(cpu_linear.F32_PANELS_ENV, "bf16")
-    with pytest.raises(NativeKernelError, match=r"PREFIX_SERVICE_F32_PANELS='bf16': one of auto, float32 is needed"):
+    with pytest.raises(native.NativeSettingError,
+                       match=r"PREFIX_SERVICE_F32_PANELS='bf16': one of auto, float32 is needed"):
         cpu_linear.NativeLinear(bf16_values(w), b)
 
 
@@ -296,7 +297,7 @@ def test_the_float32_kernel_and_its_rows_come_from_the_environment_or_say_what_i
     monkeypatch.setenv(cpu_linear.FLOAT32_ENV, "native")
     assert cpu_linear.float32_kernel() == "native"
     monkeypatch.setenv(cpu_linear.FLOAT32_ROWS_ENV, "-2")
-    with pytest.raises(NativeKernelError, match=r"PREFIX_SERVICE_F32_NATIVE_ROWS='-2': a count of rows"):
+    with pytest.raises(native.NativeSettingError, match=r"PREFIX_SERVICE_F32_NATIVE_ROWS='-2': a count of rows"):
         cpu_linear.float32_native_rows()
     monkeypatch.setenv(cpu_linear.FLOAT32_ROWS_ENV, "96")
     assert cpu_linear.float32_native_rows() == 96

@@ -213,7 +213,7 @@ def test_brgemm_for_few_rows_beside_the_inner_product(rows, monkeypatch):
     assert onednn.OneDnnLinear(wb, b, kernel="inner_product").brgemm_rows == rows
     assert onednn.OneDnnLinear(wb, b, kernel="brgemm").brgemm_rows == 0  # brgemm for every call already
     monkeypatch.setenv(onednn.BRGEMM_ROWS_ENV, "many")
-    with pytest.raises(onednn.OneDnnError, match="BRGEMM_ROWS='many': a count of rows, 0 or more"):
+    with pytest.raises(onednn.OneDnnSettingError, match="BRGEMM_ROWS='many': a count of rows, 0 or more"):
         onednn.OneDnnLinear(wb, b, kernel="inner_product")
     with pytest.raises(onednn.OneDnnError, match="brgemm_rows: 0 or more is needed, got -1"):
         onednn.OneDnnLinear(wb, b, kernel="inner_product", brgemm_rows=-1)
@@ -305,7 +305,7 @@ def test_the_few_row_kernel_is_packed_where_the_cpu_has_avx512_bf16(monkeypatch)
     assert onednn.OneDnnLinear(w, None, kernel="brgemm", few_rows=True).few_rows == 0
     assert onednn.OneDnnLinear(w.float(), None, few_rows=True).few_rows == 0
     monkeypatch.setenv(onednn.FEW_ROWS_ENV, "yes")
-    with pytest.raises(onednn.OneDnnError, match="PREFIX_SERVICE_BF16_FEW_ROWS='yes': 1 or 0 is needed"):
+    with pytest.raises(onednn.OneDnnSettingError, match="PREFIX_SERVICE_BF16_FEW_ROWS='yes': 1 or 0 is needed"):
         onednn.OneDnnLinear(w, None, kernel="inner_product" if onednn.bf16_native() else "emulated")
 
 
@@ -705,7 +705,8 @@ def test_the_template_attention_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "brgemm")  # the older name of matrix
     assert onednn.template_attention(64) == "matrix"
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "amx")
-    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_ATTENTION='amx': one of native, matrix, measure is needed"):
+    with pytest.raises(onednn.OneDnnSettingError,
+                       match="TEMPLATE_ATTENTION='amx': one of native, matrix, measure is needed"):
         onednn.template_attention(64)
 
 
@@ -747,7 +748,8 @@ def test_the_prompt_attention_is_chosen_by_the_environment(monkeypatch):
         with pytest.raises(onednn.OneDnnError, match="not available here for head size 72"):
             onednn.prompt_attention(72)
     monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "matrix")
-    with pytest.raises(onednn.OneDnnError, match="PROMPT_ATTENTION='matrix': one of native, dot, measure is needed"):
+    with pytest.raises(onednn.OneDnnSettingError,
+                       match="PROMPT_ATTENTION='matrix': one of native, dot, measure is needed"):
         onednn.prompt_attention(64)
     monkeypatch.delenv(onednn.PROMPT_ATTENTION_ENV)
     if has_dot:  # on AMX: timed against the native kernels, or asked for with the template's products
@@ -782,5 +784,6 @@ def test_the_template_products_are_limited_by_the_environment(monkeypatch):
         with pytest.raises(onednn.OneDnnError, match="TEMPLATE_PRODUCTS=dot: this CPU has no AVX512-BF16"):
             onednn.template_kernel(64)
     monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "amx")
-    with pytest.raises(onednn.OneDnnError, match="TEMPLATE_PRODUCTS='amx': one of auto, dot, fallback is needed"):
+    with pytest.raises(onednn.OneDnnSettingError,
+                       match="TEMPLATE_PRODUCTS='amx': one of auto, dot, fallback is needed"):
         onednn.template_kernel(64)

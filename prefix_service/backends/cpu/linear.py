@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 
 from prefix_service.backends.cpu import native, onednn
-from prefix_service.backends.cpu.native import NativeKernelError
+from prefix_service.backends.cpu.native import NativeKernelError, NativeSettingError
 from prefix_service.model.quantize import int8_problem
 
 log = logging.getLogger("prefix_service.engine")
@@ -278,7 +278,7 @@ def float32_panels() -> str:
     F32_PANELS: "float32" to compare the two on one machine), else "auto" (bf16 where lossless)."""
     chosen = os.environ.get(F32_PANELS_ENV) or "auto"
     if chosen not in F32_PANELS:
-        raise NativeKernelError(f"{F32_PANELS_ENV}={chosen!r}: one of {', '.join(F32_PANELS)} is needed")
+        raise NativeSettingError(f"{F32_PANELS_ENV}={chosen!r}: one of {', '.join(F32_PANELS)} is needed")
     return chosen
 
 
@@ -296,9 +296,9 @@ def float32_kernel() -> str:
     chosen = os.environ.get(FLOAT32_ENV)
     if chosen:
         if chosen not in FLOAT32_KERNELS:
-            raise NativeKernelError(f"{FLOAT32_ENV}={chosen!r}: one of {', '.join(FLOAT32_KERNELS)} is needed")
+            raise NativeSettingError(f"{FLOAT32_ENV}={chosen!r}: one of {', '.join(FLOAT32_KERNELS)} is needed")
         if chosen != "native" and (reason := onednn.load()[1]) is not None:
-            raise NativeKernelError(f"{FLOAT32_ENV}={chosen}: no oneDNN library here: {reason}")
+            raise NativeSettingError(f"{FLOAT32_ENV}={chosen}: no oneDNN library here: {reason}")
         return chosen
     return "inner_product" if native.isa() == "avx2" and _library_loads() else "native"
 
@@ -314,7 +314,7 @@ def _library_loads() -> bool:
 def float32_native_rows() -> int:
     """With the inner product: the most rows a call runs on the native kernel instead,
     $PREFIX_SERVICE_F32_NATIVE_ROWS where set (0: oneDNN for every call), else DEFAULT_NATIVE_ROWS."""
-    return native.env_rows(FLOAT32_ROWS_ENV, DEFAULT_NATIVE_ROWS, NativeKernelError)
+    return native.env_rows(FLOAT32_ROWS_ENV, DEFAULT_NATIVE_ROWS, NativeSettingError)
 
 
 def float32_choice(native_rows: int | None) -> str:

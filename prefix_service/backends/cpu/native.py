@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from prefix_service import cpuinfo
+from prefix_service.errors import ConfigError
 
 log = logging.getLogger("prefix_service.engine")
 
@@ -83,6 +84,12 @@ class NativeBuildError(RuntimeError):
 class NativeKernelError(RuntimeError):
     """A native kernel refused its operands or failed (its status, `check`), or the library cannot be
     used here (`require`)."""
+
+
+class NativeSettingError(ConfigError, NativeKernelError):
+    """A PREFIX_SERVICE_* environment variable that chooses how the native kernels compute holds a value
+    it does not take, or asks for what this machine lacks: a config error (the CLI reports it in a line,
+    as a config file's), and a NativeKernelError."""
 
 
 # what each nonzero status of the library's entry points means (csrc/*.cpp); the decoder stack
@@ -241,7 +248,7 @@ def decode_prefetch(vendor: str | None = None) -> str:
     chosen = os.environ.get(DECODE_PREFETCH_ENV)
     if chosen:
         if chosen not in DECODE_PREFETCHES:
-            raise NativeKernelError(f"{DECODE_PREFETCH_ENV}={chosen!r}: one of {', '.join(DECODE_PREFETCHES)} "
+            raise NativeSettingError(f"{DECODE_PREFETCH_ENV}={chosen!r}: one of {', '.join(DECODE_PREFETCHES)} "
                                     "is needed")
         return chosen
     return "paced" if (cpuinfo.cpu_vendor() if vendor is None else vendor) == cpuinfo.INTEL else "task"

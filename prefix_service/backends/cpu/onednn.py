@@ -55,6 +55,7 @@ import torch
 
 from prefix_service import cpuinfo
 from prefix_service.backends.cpu import native
+from prefix_service.errors import ConfigError
 from prefix_service.model.quantize import int8_problem
 
 log = logging.getLogger("prefix_service.engine")
@@ -108,6 +109,11 @@ class OneDnnBuildError(RuntimeError):
 
 class OneDnnError(RuntimeError):
     pass
+
+
+class OneDnnSettingError(ConfigError, OneDnnError):
+    """A PREFIX_SERVICE_BF16_* environment variable holds a value it does not take, or asks for what this
+    machine lacks: a config error (the CLI reports it in a line, as a config file's), and a OneDnnError."""
 
 
 def _torch_flags() -> tuple[list[str], list[str]]:
@@ -209,7 +215,7 @@ def few_rows_default() -> bool:
     if not chosen:
         return True
     if chosen not in ("0", "1"):
-        raise OneDnnError(f"{FEW_ROWS_ENV}={chosen!r}: 1 or 0 is needed")
+        raise OneDnnSettingError(f"{FEW_ROWS_ENV}={chosen!r}: 1 or 0 is needed")
     return chosen == "1"
 
 
@@ -225,12 +231,12 @@ def brgemm_columns() -> int:
         columns = int(chosen)
     except ValueError:
         columns = 0
-    return _check_columns(columns, f"{COLUMNS_ENV}={chosen!r}")
+    return _check_columns(columns, f"{COLUMNS_ENV}={chosen!r}", OneDnnSettingError)
 
 
-def _check_columns(columns: int, what: str) -> int:
+def _check_columns(columns: int, what: str, error: type[OneDnnError] = OneDnnError) -> int:
     if columns < 16 or columns > 64 or columns % 16:
-        raise OneDnnError(f"{what}: 16, 32, 48 or 64 is needed (whole AMX tiles, at most four)")
+        raise error(f"{what}: 16, 32, 48 or 64 is needed (whole AMX tiles, at most four)")
     return columns
 
 
@@ -247,9 +253,10 @@ def default_kernel() -> str:
     chosen = os.environ.get(KERNEL_ENV)
     if chosen:
         if chosen not in KERNEL_CHOICES:
-            raise OneDnnError(f"{KERNEL_ENV}={chosen!r}: one of {', '.join(KERNEL_CHOICES)} is needed")
+            raise OneDnnSettingError(f"{KERNEL_ENV}={chosen!r}: one of {', '.join(KERNEL_CHOICES)} is needed")
         if chosen in ("inner_product", "measure") and not bf16_native():
-            raise OneDnnError(f"{KERNEL_ENV}={chosen}: torch's oneDNN refuses bf16 inner products on this CPU")
+            raise OneDnnSettingError(f"{KERNEL_ENV}={chosen}: torch's oneDNN refuses bf16 inner products on this "
+                                     "CPU")
         return chosen
     if brgemm_vnni():  # nothing to time brgemm against where torch refuses the bf16 inner product
         return "measure" if bf16_native() else "brgemm"
@@ -277,7 +284,7 @@ def brgemm_rows_default() -> int:
     """For an inner-product weight: the most rows a call runs on brgemm instead (a second copy of
     the weight, packed for it; the few-row kernel is then not packed), $PREFIX_SERVICE_BF16_BRGEMM_ROWS
     where set (to compare crossovers on one machine), else 0 (none)."""
-    return native.env_rows(BRGEMM_ROWS_ENV, 0, OneDnnError)
+    return native.env_rows(BRGEMM_ROWS_ENV, 0, OneDnnSettingError)
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) -> None:
@@ -579,10 +586,11 @@ def template_products() -> int:
     Read when a template is packed."""
     chosen = os.environ.get(TEMPLATE_PRODUCTS_ENV) or "auto"
     if chosen not in TEMPLATE_PRODUCTS:
-        raise OneDnnError(f"{TEMPLATE_PRODUCTS_ENV}={chosen!r}: one of {', '.join(TEMPLATE_PRODUCTS)} is needed")
+        raise OneDnnSettingError(f"{TEMPLATE_PRODUCTS_ENV}={chosen!r}: one of {', '.join(TEMPLATE_PRODUCTS)} "
+                                 "is needed")
     if chosen == "dot" and not _has_dot(16):
-        raise OneDnnError(f"{TEMPLATE_PRODUCTS_ENV}=dot: this CPU has no AVX512-BF16 dot products for the "
-                          "library to use")
+        raise OneDnnSettingError(f"{TEMPLATE_PRODUCTS_ENV}=dot: this CPU has no AVX512-BF16 dot products for the "
+                                 "library to use")
     return TEMPLATE_PRODUCTS[chosen]
 
 
@@ -644,7 +652,8 @@ def template_attention(head_size: int) -> str:
         return "measure" if template_kernel(head_size) == TEMPLATE_KERNELS[2] else "native"
     chosen = TEMPLATE_ATTENTION_ALIASES.get(chosen, chosen)
     if chosen not in TEMPLATE_ATTENTIONS:
-        raise OneDnnError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} is needed")
+        raise OneDnnSettingError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} "
+                                 "is needed")
     return chosen
 
 
@@ -675,10 +684,11 @@ def prompt_attention(head_size: int) -> str:
             return "dot"
         return "measure" if brgemm_vnni() and _has_dot(head_size) else "native"
     if chosen not in PROMPT_ATTENTIONS:
-        raise OneDnnError(f"{PROMPT_ATTENTION_ENV}={chosen!r}: one of {', '.join(PROMPT_ATTENTIONS)} is needed")
+        raise OneDnnSettingError(f"{PROMPT_ATTENTION_ENV}={chosen!r}: one of {', '.join(PROMPT_ATTENTIONS)} "
+                                 "is needed")
     if chosen in ("dot", "measure") and not _has_dot(head_size):
-        raise OneDnnError(f"{PROMPT_ATTENTION_ENV}={chosen}: the AVX512-BF16 dot products are not available here "
-                          f"for head size {head_size}")
+        raise OneDnnSettingError(f"{PROMPT_ATTENTION_ENV}={chosen}: the AVX512-BF16 dot products are not available "
+                                 f"here for head size {head_size}")
     return chosen
 
 
