@@ -468,6 +468,8 @@ def test_decode_prefetch_follows_the_cpu_maker_unless_the_environment_names_a_wa
     once elsewhere (faster on a Zen 3); $PREFIX_SERVICE_DECODE_PREFETCH overrides, and a value it does
     not know is refused with the variable named. The library, where it loads, runs the chosen way, and
     a way it does not know leaves its own as it is."""
+    lib = native.load()[0]
+    expected = native.decode_prefetch()  # the way the library took at load, from the same environment
     monkeypatch.delenv(native.DECODE_PREFETCH_ENV, raising=False)
     assert native.decode_prefetch("GenuineIntel") == "paced"
     assert native.decode_prefetch("AuthenticAMD") == "task"
@@ -477,13 +479,12 @@ def test_decode_prefetch_follows_the_cpu_maker_unless_the_environment_names_a_wa
     monkeypatch.setenv(native.DECODE_PREFETCH_ENV, "paced")
     assert native.decode_prefetch("AuthenticAMD") == "paced"
     monkeypatch.setenv(native.DECODE_PREFETCH_ENV, "eager")
-    with pytest.raises(native.NativeSettingError, match="PREFIX_SERVICE_DECODE_PREFETCH='eager': one of task, paced"):
+    with pytest.raises(native.NativeSettingError,
+                       match="PREFIX_SERVICE_DECODE_PREFETCH='eager': one of task, paced"):
         native.decode_prefetch()
-    monkeypatch.delenv(native.DECODE_PREFETCH_ENV)
-    lib = native.load()[0]
     if lib is not None:
         mode = lib.ps_decode_prefetch(-1)
-        assert mode == native.DECODE_PREFETCHES[native.decode_prefetch()]
+        assert mode == native.DECODE_PREFETCHES[expected]
         assert lib.ps_decode_prefetch(7) == mode and lib.ps_decode_prefetch(-1) == mode
 
 
