@@ -63,7 +63,7 @@ def target_flags(march: str) -> frozenset[str]:
                           text=True, check=False)
     if proc.returncode != 0:
         raise ConfigError(f"{MARCH_ENV}={march}: the compiler does not know this target: "
-                         f"{(proc.stderr.strip().splitlines() or [''])[0][:300]}")
+                          f"{(proc.stderr.strip().splitlines() or [''])[0][:300]}")
     defined = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define ")}
     return frozenset(flag for macro, flag in TARGET_MACROS.items() if macro in defined)
 

@@ -19,10 +19,10 @@ It starts once the server is ready (prefix_service_ready: its templates pinned).
 open files, KV blocks in use, requests running and waiting. When the load ends it waits for the
 engine to go idle and checks: no unexpected status, every probe reproduced (a probe that changed is
 a failure unless --allow-drift: only a batch-invariant server promises it, model.batch_invariant),
-the KV blocks in use back
-to where they were before the load (the pinned templates'), open files back within a few, and
-resident memory grown by at most --max-rss-growth-mib after the first quarter of the run (caches
-warm by then): the idle figure after the load against the median of the second quarter's samples. Prints a table, writes JSON with --json and exits 1 when a check fails.
+the KV blocks in use back to where they were before the load (the pinned templates'), open files
+back within a few, and resident memory grown by at most --max-rss-growth-mib after the first quarter
+of the run (caches warm by then): the idle figure after the load against the median of the second
+quarter's samples. Prints a table, writes JSON with --json and exits 1 when a check fails.
 
     prefix-service serve --config CONFIG      # with server.metrics_address set, e.g. 127.0.0.1:9090
     python scripts/soak_test.py --grpc 127.0.0.1:50051 --http 127.0.0.1:8000 --metrics 127.0.0.1:9090 \\

@@ -124,7 +124,8 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
         "kv_cache_dtype": info.kv_cache_dtype, "block_size": str(info.block_size), "backend": info.backend,
         "quantization": "none", "batch_invariant": "false", "cpu_isa": ",".join(cpuinfo.isa()),
         "cpu_march": cpuinfo.target() or ""}
-    assert info.kv_cache_dtype == info.dtype == str(st.engine._core.backend.kv_layers[0][0].dtype).removeprefix("torch.")
+    cache_dtype = str(st.engine._core.backend.kv_layers[0][0].dtype).removeprefix("torch.")
+    assert info.kv_cache_dtype == info.dtype == cache_dtype
 
     # one JSON log line per request, without the prompt
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
