@@ -68,31 +68,30 @@ def target_flags(march: str) -> frozenset[str]:
     return frozenset(flag for macro, flag in TARGET_MACROS.items() if macro in defined)
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_vendor() -> str:
-    """The first processor's vendor_id, e.g. GenuineIntel, AuthenticAMD ("" where /proc/cpuinfo cannot
-    be read or names none)."""
+@functools.lru_cache(maxsize=None)
+def first_field(name: str) -> str | None:
+    """The value of the first processor's `name` line in /proc/cpuinfo ("model name", "vendor_id",
+    "flags"), stripped; None where the file cannot be read (not Linux) or has no such line."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("vendor_id"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return ""
+    return None
+
+
+def cpu_vendor() -> str:
+    """The first processor's vendor_id, e.g. GenuineIntel, AuthenticAMD ("" where /proc/cpuinfo cannot
+    be read or names none)."""
+    return first_field("vendor_id") or ""
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The first processor's flags (empty where /proc/cpuinfo cannot be read: not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset((first_field("flags") or "").split())
 
 
 def kernel_flags() -> frozenset[str]:

@@ -137,16 +137,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 
 
 def machine_info() -> dict:
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
     import grpc
     import torch
     import transformers
     from prefix_service import cpuinfo
+    cpu = cpuinfo.first_field("model name") or platform.processor() or ""
     return {"cpu": cpu, "cpu_vendor": cpuinfo.cpu_vendor(), "isa": cpuinfo.isa(), "cpu_march": cpuinfo.target(),
             "kernel_isa": cpuinfo.isa(cpuinfo.kernel_flags()), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
