@@ -136,10 +136,31 @@ def scrape(server) -> dict[tuple[str, frozenset], float]:
     return {(s.name, frozenset(s.labels.items())): s.value for fam in families for s in fam.samples}
 
 
+class CallCounter:
+    """Stands in for the controller's handle and records which of its methods are called."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.called: list[str] = []
+
+    def __getattr__(self, name: str):
+        self.called.append(name)
+        return getattr(self.handle, name)
+
+
 def test_metrics_count_the_whole_fleet(fleet):
-    """The front end's /metrics: KV blocks summed over the replicas' reports, every template."""
+    """The front end's /metrics: KV blocks summed over the replicas' reports, every template, all
+    read from the controller in one call."""
     server, _ = fleet
-    samples = {name: value for (name, labels), value in scrape(server).items() if not labels}
+    engine = server.engine
+    counter = CallCounter(engine.controller)
+    engine.controller = counter
+    try:
+        scraped = scrape(server)
+    finally:
+        engine.controller = counter.handle
+    assert [name for name in counter.called if name != "routes"] == ["status"]  # routes: the background refresh
+    samples = {name: value for (name, labels), value in scraped.items() if not labels}
     assert samples["prefix_service_kv_blocks_total"] == 2 * 1024  # two replicas of 1024 blocks
     assert samples["prefix_service_templates"] == len(TEMPLATES)
     held = sum(info.num_blocks for rep in reports(server).values() for info, _ in rep["held"])

@@ -101,6 +101,10 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
     assert value(m, "prefix_service_completion_tokens_total", template="doc") == 15
 
     stats = st.engine.kv_stats()
+    # what the scrape read in one command: the same as the three reads one by one, on the idle engine
+    status = st.engine.status()
+    assert (status.kv_stats, status.templates, status.infos) == \
+        (stats, st.engine.list_templates(), st.engine.engine_infos())
     assert value(m, "prefix_service_ready") == 1
     assert value(m, "prefix_service_kv_blocks_total") == stats["num_blocks"] == 256
     assert value(m, "prefix_service_kv_blocks_used") == value(m, "prefix_service_kv_blocks_pinned") == \

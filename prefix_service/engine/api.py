@@ -70,6 +70,14 @@ class EngineInfo:
     cpu_march: str = ""  # the target its native kernels were built for, where $PREFIX_SERVICE_CPU_MARCH named one
 
 
+@dataclass(frozen=True)
+class EngineStatus:
+    """What a metrics scrape reads, taken at once: kv_stats(), list_templates() and engine_infos()."""
+    kv_stats: dict[str, int]
+    templates: list[TemplateInfo]
+    infos: dict[str, EngineInfo]
+
+
 # What a CUDA error looks like once the device's context is broken (an illegal address, a
 # device-side assert, a failed launch): the same context fails every later call. Out-of-memory is
 # not one of them (torch.OutOfMemoryError, a request that can fail alone).
@@ -555,6 +563,11 @@ class Engine:
     def engine_infos(self) -> dict[str, EngineInfo]:
         """{"": info}: this one engine (EngineClient's, which a fleet answers per replica)."""
         return {"": self.info}
+
+    def status(self) -> EngineStatus:
+        """kv_stats(), list_templates() and engine_infos() in one command between engine steps."""
+        stats, templates = self._run(lambda core: (core.kv_stats(), core.templates.list()))
+        return EngineStatus(stats, templates, self.engine_infos())
 
     def reset_kv_peak(self) -> None:
         """Start kv_stats()["peak_used"] over from the blocks in use now (a benchmark's window)."""

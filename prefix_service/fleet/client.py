@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any, AsyncGenerator, Sequence
 
-from prefix_service.engine.api import EngineInfo
+from prefix_service.engine.api import EngineInfo, EngineStatus
 from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import EngineStopped, TemplateNotFound
@@ -233,12 +233,7 @@ class FleetEngine:
 
     def kv_stats(self) -> dict[str, int]:
         """The replicas' KV counters (as of their last poll), summed."""
-        total: dict[str, int] = {}
-        for report in self.replica_reports().values():
-            for key, value in report.get("stats", {}).items():
-                if isinstance(value, int) and not isinstance(value, bool):
-                    total[key] = total.get(key, 0) + value
-        return total
+        return _summed_stats(self.replica_reports())
 
     def replica_reports(self) -> dict[str, dict[str, Any]]:
         """replica id -> its last report: ready, held [(TemplateInfo, origin)], stats (KV counters,
@@ -251,8 +246,12 @@ class FleetEngine:
     def engine_infos(self) -> dict[str, EngineInfo]:
         """replica id -> what its engine runs (its last report's EngineInfo), for the replicas that have
         reported one."""
-        return {replica: report["engine"] for replica, report in self.replica_reports().items()
-                if isinstance(report.get("engine"), EngineInfo)}
+        return _engine_infos(self.replica_reports())
+
+    def status(self) -> EngineStatus:
+        """The three reads above from one call to the controller (the replicas' last reports)."""
+        listing, reports = call_sync(self.controller.status.remote(), CALL_TIMEOUT_S, "the fleet controller")
+        return EngineStatus(_summed_stats(reports), [info for info, _, _ in listing], _engine_infos(reports))
 
     def check_integrity(self) -> None:
         call_sync(self.controller.fan_out.remote("check_integrity"), CALL_TIMEOUT_S, "the fleet controller")
@@ -270,6 +269,21 @@ class FleetEngine:
             self._refresher.cancel()
         for stream in list(self._active):
             stream.cancel()
+
+
+def _summed_stats(reports: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """The replicas' integer KV counters, summed."""
+    total: dict[str, int] = {}
+    for report in reports.values():
+        for key, value in report.get("stats", {}).items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    return total
+
+
+def _engine_infos(reports: dict[str, dict[str, Any]]) -> dict[str, EngineInfo]:
+    return {replica: report["engine"] for replica, report in reports.items()
+            if isinstance(report.get("engine"), EngineInfo)}
 
 
 def _abandon(first: asyncio.Future[Any], stream: Any) -> None:

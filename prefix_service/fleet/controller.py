@@ -359,6 +359,10 @@ class FleetController:
         """replica -> its last report (held templates, stats), for every member."""
         return {r: {"ready": m.ready, **m.report} for r, m in self.members.items()}
 
+    async def status(self) -> tuple[list[tuple[TemplateInfo, str, tuple[str, ...]]], dict[str, dict[str, Any]]]:
+        """listing() and reports() in one call (a metrics scrape's)."""
+        return await self.listing(), await self.reports()
+
     async def fan_out(self, method: str) -> dict[str, Any]:
         """Run a no-argument replica command on every serving member: replica -> its answer."""
         serving = sorted(r for r, m in self.members.items() if m.ready)

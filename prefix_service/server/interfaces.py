@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Protocol
 if TYPE_CHECKING:
     import concurrent.futures
 
-    from prefix_service.engine.api import EngineInfo
+    from prefix_service.engine.api import EngineInfo, EngineStatus
     from prefix_service.engine.template_pins import TemplateInfo, TemplateView
     from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
     from prefix_service.server.store import TemplateSource
@@ -92,6 +92,12 @@ class EngineClient(Protocol):
         """What each engine behind this client runs, by replica id ("" for a one-process engine).
 
         Fleet: each replica's, from its last report (those that have reported)."""
+        ...
+
+    def status(self) -> EngineStatus:
+        """kv_stats(), list_templates() and engine_infos() read together (what a metrics scrape reads).
+
+        Fleet: from one call to the controller."""
         ...
 
     def check_integrity(self) -> None:

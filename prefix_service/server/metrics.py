@@ -257,7 +257,7 @@ def engine_info(infos: dict[str, EngineInfo]) -> InfoMetricFamily:
 
 
 class _EngineCollector(Collector):
-    """Engine state, read at scrape time (two commands between engine steps)."""
+    """Engine state, read at scrape time (one command between engine steps; a fleet: one controller call)."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -270,11 +270,10 @@ class _EngineCollector(Collector):
         if engine is None:
             return
         try:
-            stats = engine.kv_stats()
-            templates = engine.list_templates()
-            infos = engine.engine_infos()
+            status = engine.status()
         except EngineStopped:
             return
+        stats, templates, infos = status.kv_stats, status.templates, status.infos
         if infos:
             yield engine_info(infos)
         for key, name, doc in (("num_blocks", "total", "KV cache blocks in all"),
