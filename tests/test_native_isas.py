@@ -17,6 +17,7 @@ import torch
 
 from prefix_service import cpuinfo
 from prefix_service.backends.cpu import native, onednn
+from prefix_service.errors import ConfigError
 from prefix_service.model.loader import choose_dtype
 
 CXX = native.compiler()
@@ -136,6 +137,9 @@ def test_an_unknown_target_is_refused_with_its_name(monkeypatch):
     monkeypatch.setenv(cpuinfo.MARCH_ENV, "not-a-cpu")
     with pytest.raises(ValueError, match="PREFIX_SERVICE_CPU_MARCH=not-a-cpu: the compiler does not know"):
         cpuinfo.kernel_flags()
+    # before any build: a config error, not a failed build that backend auto would leave out
+    with pytest.raises(ConfigError, match="PREFIX_SERVICE_CPU_MARCH=not-a-cpu: the compiler does not know"):
+        native.for_target(native.FLAGS)
 
 
 @needs_cxx

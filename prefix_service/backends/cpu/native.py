@@ -186,10 +186,13 @@ def for_target(flags: tuple[str, ...]) -> tuple[str, ...]:
     """`flags` with -march=native replaced by -march=$PREFIX_SERVICE_CPU_MARCH where that names a
     target (cpuinfo.target(): a CPU whose hypervisor hides an instruction set the host executes, or
     the instruction sets a fleet shares). A target this CPU cannot run stops the process with SIGILL
-    at the first instruction it lacks, so the build logs which target it uses."""
+    at the first instruction it lacks, so the build logs which target it uses. A target the compiler
+    does not know is a ConfigError (cpuinfo.target_flags), not a failed build a backend chosen by
+    `auto` would leave out."""
     march = cpuinfo.target()
     if march is None:
         return flags
+    cpuinfo.target_flags(march)
     _warn_target(march)
     return tuple(f"-march={march}" if f == "-march=native" else f for f in flags)
 

@@ -141,8 +141,9 @@ class DecoderStack:
         first = layers[0].self_attn.qkv_proj
         if first.weight.dtype == torch.float32 and int8_weight(first) is None and not batch_invariant:
             kernel = float32_kernel()
+            rows = float32_native_rows()  # checked on every machine, a value it refuses not left unnoticed
             if kernel == "inner_product":
-                native_rows = float32_native_rows()
+                native_rows = rows
             elif kernel == "measure":
                 start = time.perf_counter()
                 self.float32_timing = measure_float32_linears(
