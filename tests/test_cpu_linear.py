@@ -158,11 +158,12 @@ def test_bf16_valued_is_exact():
 
 
 @needs_native
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 100, 301])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 24, 33, 100, 301])
 @pytest.mark.parametrize("n,k", [(1, 7), (17, 33), (50, 8), (64, 576), (200, 96), (1000, 65)])
 def test_bf16_panels_give_the_float32_panels_bits(m, n, k):
     """The same products in the same order from half the bytes: every bit equal to the float32 panels',
-    odd K (a pair's lone row), row and panel tails, both ways of sharing the work, with and without a bias."""
+    odd K (a pair's lone row), row and panel tails, both ways of sharing the work, with and without a bias;
+    from 24 rows on the AVX-512 kernel's tiles of 12 rows, with 1-11 rows left over (33: 6 and 3)."""
     x, w, b = case(m, n, k, bias=(m + n) % 2 == 1, seed=m * 1000 + n + 1)
     w = bf16_values(w)
     held = cpu_linear.NativeLinear(w, b)

@@ -4,7 +4,9 @@
 // N), so one vector load gives a row of a panel and a panel streams through memory in order.
 // Output tiles are 6 rows x up to 4 panels (AVX-512: 24 accumulators in registers; AVX2, with half
 // the register space: 6 rows x 1 panel); a tile reads K broadcasts of each of its 6 x rows and K
-// rows of its panels, and writes its outputs once.
+// rows of its panels, and writes its outputs once. Over bf16 panels (below) on AVX-512, a call of 24
+// rows or more takes tiles of 12 rows x 2 panels instead: each panel row widened (an integer operation
+// on the ports the FMAs use) then serves 12 rows, not 6.
 //
 // Threads split the panels (or, with fewer panels than threads can share, the rows). Each takes
 // its panels in groups of 4: a group's panels stay in L2 while every row tile of a chunk of rows
@@ -56,13 +58,13 @@ inline void tile(const float* x, int64_t ldx, int K, const T* w, int64_t ps, flo
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) {
     const vf b = bias && !kScaled ? ps::vload_first(bias + j * NR, j == NP - 1 ? last : NR) : ps::vzero();
-#pragma GCC unroll 6
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) acc[r][j] = b;
   }
   int pf_acc = 0;
   // the products in k order per output, whatever T: float32 over bf16 panels sums as over float32 ones
   const auto step = [&](int k, const vf* wv) {
-#pragma GCC unroll 6
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const vf a = ps::vset1(x[r * ldx + k]);
 #pragma GCC unroll 4
@@ -102,11 +104,11 @@ inline void tile(const float* x, int64_t ldx, int K, const T* w, int64_t ps, flo
     for (int j = 0; j < NP; ++j) {
       const int n = j == NP - 1 ? last : NR;
       const vf sc = ps::vload_first(scale + j * NR, n), b = bias ? ps::vload_first(bias + j * NR, n) : ps::vzero();
-#pragma GCC unroll 6
+#pragma GCC unroll 12
       for (int r = 0; r < R; ++r) acc[r][j] = ps::vfmadd(acc[r][j], sc, b);
     }
   }
-#pragma GCC unroll 6
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) ps::vstore_first(y + r * ldy + j * NR, acc[r][j], j == NP - 1 ? last : NR);
@@ -137,9 +139,45 @@ inline void tile_np(int np, const float* x, int64_t ldx, int K, const T* w, int6
   }
 }
 
+// Rows of a tile for weights of T: 12 for bf16 panels where the registers hold 12 rows x 2 panels
+// (AVX-512), so each widened panel row serves 12 rows' products; else MR.
+template <typename T>
+constexpr int kTileRows = std::is_same<T, uint16_t>::value && ps::REG_PANELS >= 4 ? 2 * MR : MR;
+constexpr int kWideRows = 24;
+
+// 12 rows against np <= NG bf16 panels: tiles of 12 rows x 2 panels (x 1 for an odd last one), the
+// prefetching shared between them.
+inline void tile_wide(int np, const float* x, int64_t ldx, int K, const uint16_t* w, int64_t ps, float* y,
+                      int64_t ldy, const float* bias, int last, const char* pf, int pf_lines) {
+  const int tiles = (np + 1) / 2;
+  const int per = (pf_lines + tiles - 1) / tiles;
+  for (int j = 0, done = 0; j < np; j += 2) {
+    const int lines = pf_lines - done < per ? pf_lines - done : per;
+    const char* tpf = lines > 0 ? pf + (int64_t)done * 64 : nullptr;
+    const float* b = bias ? bias + j * NR : nullptr;
+    if (np - j >= 2) {
+      tile<2 * MR, 2>(x, ldx, K, w + j * ps, ps, y + j * NR, ldy, b, nullptr, j + 2 == np ? last : NR, tpf, lines);
+    } else {
+      tile<2 * MR, 1>(x, ldx, K, w + j * ps, ps, y + j * NR, ldy, b, nullptr, last, tpf, lines);
+    }
+    done += lines;
+  }
+}
+
 template <typename T>
 inline void tile_any(int rows, int np, const float* x, int64_t ldx, int K, const T* w, int64_t ps, float* y,
                      int64_t ldy, const float* bias, const float* scale, int last, const char* pf, int pf_lines) {
+  if constexpr (kTileRows<T> > MR) {
+    if (rows == kTileRows<T>) {
+      tile_wide(np, x, ldx, K, w, ps, y, ldy, bias, last, pf, pf_lines);
+      return;
+    }
+    if (rows > MR) {  // 7-11 rows: 6, then the rest
+      tile_np<MR>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines);
+      tile_any(rows - MR, np, x + MR * ldx, ldx, K, w, ps, y + MR * ldy, ldy, bias, scale, last, nullptr, 0);
+      return;
+    }
+  }
   switch (rows) {
     case 1: tile_np<1>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
     case 2: tile_np<2>(np, x, ldx, K, w, ps, y, ldy, bias, scale, last, pf, pf_lines); break;
@@ -154,13 +192,13 @@ inline void tile_any(int rows, int np, const float* x, int64_t ldx, int K, const
 // of panels (~1 MiB), and per chunk the panels group by group, each next group prefetched.
 template <typename T>
 void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const T* wp, int64_t ps, int p0, int p1,
-               int P, int tail, const float* bias, const float* scale, float* y, int64_t ldy) {
+               int P, int tail, const float* bias, const float* scale, float* y, int64_t ldy, int TR) {
   const int64_t x_bytes = (int64_t)(m1 - m0) * K * (int64_t)sizeof(float);
   const int chunks = (int)((x_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES);
-  const int chunk_tiles = ((m1 - m0 + MR - 1) / MR + chunks - 1) / chunks;  // equal chunks
-  for (int c0 = m0; c0 < m1; c0 += chunk_tiles * MR) {
-    const int c1 = m1 < c0 + chunk_tiles * MR ? m1 : c0 + chunk_tiles * MR;
-    const int tiles = (c1 - c0 + MR - 1) / MR;
+  const int chunk_tiles = ((m1 - m0 + TR - 1) / TR + chunks - 1) / chunks;  // equal chunks
+  for (int c0 = m0; c0 < m1; c0 += chunk_tiles * TR) {
+    const int c1 = m1 < c0 + chunk_tiles * TR ? m1 : c0 + chunk_tiles * TR;
+    const int tiles = (c1 - c0 + TR - 1) / TR;
     // groups of as equal a size as NG allows (18 panels: 4 4 4 3 3, not 4 4 4 4 2)
     const int groups = (p1 - p0 + NG - 1) / NG;
     const auto group_size = [&](int i) { return i >= groups ? 0 : (p1 - p0) / groups + (i < (p1 - p0) % groups); };
@@ -173,8 +211,8 @@ void run_block(const float* x, int64_t ldx, int m0, int m1, int K, const T* wp, 
       const int64_t lines = ((int64_t)next_np * ps * (int64_t)sizeof(T) + 63) / 64, per = (lines + tiles - 1) / tiles;
       const char* next_panels = reinterpret_cast<const char*>(wp + next * ps);
       for (int t = 0; t < tiles; ++t) {
-        const int r0 = c0 + t * MR;
-        const int rows = c1 - r0 < MR ? c1 - r0 : MR;
+        const int r0 = c0 + t * TR;
+        const int rows = c1 - r0 < TR ? c1 - r0 : TR;
         const int64_t first = t * per < lines ? t * per : lines;
         const int pf_lines = (int)(lines - first < per ? lines - first : per);
         tile_any(rows, np, x + r0 * ldx, ldx, K, wp + g * ps, ps, y + r0 * ldy + (int64_t)g * NR, ldy,
@@ -194,18 +232,20 @@ void run(const float* x, int64_t ldx, int M, int K, const T* wp, int N, const fl
   const int64_t ps = (int64_t)(K + kStep<T> - 1) / kStep<T> * kStep<T> * NR;  // T per panel
   const int tail = N - (P - 1) * NR;
   const int team = threads > 0 ? threads : 1;
+  // wide tiles from kWideRows rows on: below, the rows they leave to narrow tiles cost what they save
+  const int TR = M >= kWideRows ? kTileRows<T> : MR;
   // panels per thread when there are enough to share (the weights read once), else rows per thread
   const bool by_rows = P < 2 * team && M >= 2 * MR * team;
 #pragma omp parallel num_threads(team)
   {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     if (by_rows) {
-      const int tiles = (M + MR - 1) / MR;
-      const int m0 = (int)((int64_t)tiles * t / nt) * MR, m1 = (int)((int64_t)tiles * (t + 1) / nt) * MR;
-      if (m0 < M) run_block(x, ldx, m0, m1 < M ? m1 : M, K, wp, ps, 0, P, P, tail, bias, scale, y, ldy);
+      const int tiles = (M + TR - 1) / TR;
+      const int m0 = (int)((int64_t)tiles * t / nt) * TR, m1 = (int)((int64_t)tiles * (t + 1) / nt) * TR;
+      if (m0 < M) run_block(x, ldx, m0, m1 < M ? m1 : M, K, wp, ps, 0, P, P, tail, bias, scale, y, ldy, TR);
     } else {
       const int p0 = (int)((int64_t)P * t / nt), p1 = (int)((int64_t)P * (t + 1) / nt);
-      if (p0 < p1) run_block(x, ldx, 0, M, K, wp, ps, p0, p1, P, tail, bias, scale, y, ldy);
+      if (p0 < p1) run_block(x, ldx, 0, M, K, wp, ps, p0, p1, P, tail, bias, scale, y, ldy, TR);
     }
   }
 }
