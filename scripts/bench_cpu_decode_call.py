@@ -42,6 +42,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from native_harness import decode_attention  # noqa: E402
+from native_revision import library_at  # noqa: E402
 
 from prefix_service.backends.cpu import attention as cpu_attention  # noqa: E402
 from prefix_service.backends.cpu import native, onednn  # noqa: E402
@@ -100,23 +101,6 @@ def step_ms(n: int, args: argparse.Namespace) -> tuple[float, float]:
     """(minimum, median) ms of one step of n decodes over `args.layers` layers."""
     times = timed_ms(make_step(n, args), None, args.repeats)
     return min(times), statistics.median(times)
-
-
-def library_at(rev: str, folder: Path) -> ctypes.CDLL:
-    """The native library as revision `rev` has it: its sources of the library (native.SOURCES) and
-    headers from git into `folder`, built with the same flags, loaded for ps_decode_attention."""
-    csrc = native.CSRC.resolve().relative_to(Path(ROOT).resolve()).as_posix()
-    for path in (*native.SOURCES, *native.HEADERS):
-        (folder / path.name).write_bytes(subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{csrc}/{path.name}"],
-                                                        check=True, capture_output=True).stdout)
-    cxx = native.compiler()
-    if cxx is None:
-        raise native.NativeBuildError("no C++ compiler found (set CXX)")
-    built = native.compile_library(cxx, "prefix_service_native", tuple(folder / p.name for p in native.SOURCES),
-                                   key_parts=tuple((folder / h.name).read_bytes() for h in native.HEADERS))
-    lib = ctypes.CDLL(str(built))
-    lib.ps_decode_attention.argtypes, lib.ps_decode_attention.restype = native.SIGNATURES["ps_decode_attention"]
-    return lib
 
 
 def against(n: int, args: argparse.Namespace, theirs: ctypes.CDLL) -> dict:

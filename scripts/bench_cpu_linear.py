@@ -27,6 +27,16 @@ long prefill.
 
     python scripts/bench_cpu_linear.py --json bench_out/cpu_linear.json
     python scripts/bench_cpu_linear.py --dtype bfloat16 --rows 1,16,64,256 --json bench_out/cpu_linear_bf16.json
+    python scripts/bench_cpu_linear.py --against HEAD~1 --rows 16,64,256 --rounds 5
+
+`--against REV`: the native float32 kernel of revision REV (its sources from git, built here:
+scripts/native_revision.py) and the working tree's in one process, in turns (`--rounds`, the order
+reversed every other round), on the same packed weights and rows: over float32 panels and over the
+bf16 panels of the same weights rounded to bf16 values. Each side's median of its rounds' minima (of
+`--passes` passes), the median and range of the rounds' ratios (working tree / REV), and whether the
+two gave the same bits (the script exits 1 where they did not). On a shared machine whose speed
+drifts this is the kernel A/B to trust; two builds of the same code can still differ by a few percent
+through their layout, which the panels a change leaves alone show.
 
 int8 (`--dtype int8`): int8 weights (model.quantization: int8, one scale per output row) against
 the float32 kernel: the float32 kernel over them (`native_int8`, what a float32 model serves with
@@ -204,6 +214,66 @@ def reference_rates(size: int, passes: int, budget_s: float = 0.5) -> dict[str, 
     return rates
 
 
+def compare_native(rev: str, theirs: Any, shapes: list[tuple[int, int]], weights: list[list[torch.Tensor]],
+                   rows_list: list[int], rounds: int, passes: int) -> list[dict]:
+    """REV's native library (theirs) against the working tree's, in turns: a row per panel layout and
+    row count."""
+    import ctypes
+
+    from prefix_service.backends.cpu import native
+    threads = torch.get_num_threads()
+    results = []
+    libs = {"this": native.require(), rev: theirs}
+    print(f"{rev}'s native kernel and the working tree's in turns, {rounds} rounds, a round's minimum of "
+          f"{passes} passes (ms a pass over every layer)")
+    print(f"{'panels':>8} {'rows':>6} {rev + ' ms':>15} {'this ms':>9} {'this/' + rev + ' (range)':>26} "
+          f"{'same bits':>9}")
+    for panels in ("float32", "bf16"):
+        held = [[cpu_linear.NativeLinear(w if panels == "float32" else w.to(torch.bfloat16).float(), None,
+                                         panels="float32" if panels == "float32" else "auto") for w in layer]
+                for layer in weights]
+        entry = held[0][0]._entry
+        assert all(m._entry == entry for layer in held for m in layer), "every weight on one kind of panels"
+        for rows in rows_list:
+            gen = torch.Generator().manual_seed(rows)
+            xs = {i: torch.randn(rows, i, generator=gen) for _, i in shapes}
+            ys = {o: torch.empty(rows, o) for o, _ in shapes}
+
+            def run(lib: ctypes.CDLL) -> float:
+                fn = getattr(lib, entry)
+                t = time.perf_counter()
+                for layer in held:
+                    for m, (o, i) in zip(layer, shapes):
+                        fn(m.handle, xs[i].data_ptr(), i, rows, ys[o].data_ptr(), o, threads)
+                return time.perf_counter() - t
+
+            for lib in libs.values():  # warm
+                run(lib)
+            mins: dict[str, list[float]] = {side: [] for side in libs}
+            for r in range(rounds):
+                order = list(libs) if r % 2 == 0 else list(libs)[::-1]
+                for side in order:
+                    mins[side].append(min(run(libs[side]) for _ in range(passes)) * 1e3)
+            same = True
+            for layer in held:  # every layer's output from both, for the bits
+                for m, (o, i) in zip(layer, shapes):
+                    ys_both = [torch.empty(rows, o) for _ in libs]
+                    for lib, y in zip(libs.values(), ys_both):
+                        native.check(getattr(lib, entry)(m.handle, xs[i].data_ptr(), i, rows, y.data_ptr(), o,
+                                                         threads), entry)
+                    same = same and torch.equal(*ys_both)
+            ratios = [a / b for a, b in zip(mins["this"], mins[rev])]
+            r = {"panels": panels, "rows": rows, "theirs_ms": round(statistics.median(mins[rev]), 3),
+                 "ours_ms": round(statistics.median(mins["this"]), 3),
+                 "ratio": {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3),
+                           "max": round(max(ratios), 3)}, "same_bits": same}
+            results.append(r)
+            ratio = f"{r['ratio']['median']:.3f} ({r['ratio']['min']:.2f}-{r['ratio']['max']:.2f})"
+            print(f"{panels:>8} {rows:>6} {r['theirs_ms']:>15.2f} {r['ours_ms']:>9.2f} {ratio:>26} "
+                  f"{'yes' if same else 'NO':>9}", flush=True)
+    return results
+
+
 def machine() -> dict:
     from prefix_service.bench.main import machine_info
     try:
@@ -224,15 +294,58 @@ def main() -> int:
     p.add_argument("--reference-size", type=int, default=2048,
                    help="torch.mm on two square matrices of up to this size, float32 and bf16, as the machine's "
                         "reference GEMM rate (0: none)")
+    p.add_argument("--against", metavar="REV", help="time REV's native float32 kernel and the working tree's in "
+                   "turns, over float32 and bf16 panels (--dtype float32)")
+    p.add_argument("--rounds", type=int, default=5, help="with --against: rounds of the two in turns")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     if args.reference_size < 0:
         p.error("--reference-size must be >= 0")
+    if args.against and args.dtype != "float32":
+        p.error("--against times the native float32 kernel: --dtype float32")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes, num_layers, name = layer_shapes(args.model)
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=gen) / i ** 0.5 for o, i in shapes] for _ in range(num_layers)]
+    if args.against:
+        import subprocess
+        import tempfile
+        from pathlib import Path
+
+        from native_revision import ROOT, library_at
+
+        from prefix_service.backends.cpu import native
+        if (reason := native.load()[1]) is not None:
+            print(f"no native library here: {reason}", file=sys.stderr)
+            return 1
+        try:
+            commit = subprocess.run(["git", "-C", ROOT, "rev-parse", args.against], check=True, capture_output=True,
+                                    text=True).stdout.strip()
+            with tempfile.TemporaryDirectory() as folder:
+                theirs = library_at(args.against, Path(folder))
+        except (subprocess.CalledProcessError, native.NativeBuildError) as exc:
+            detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+            detail = detail.decode() if isinstance(detail, bytes) else detail
+            print(f"no library of {args.against}: {detail.strip()}", file=sys.stderr)
+            return 1
+        info = machine()
+        print(f"{name}: {num_layers} layers x {len(shapes)} linears, {torch.get_num_threads()} threads, "
+              f"ISA {', '.join(info.get('isa', [])) or '?'}")
+        results = compare_native(args.against, theirs, shapes, weights, [int(r) for r in args.rows.split(",")],
+                                 args.rounds, args.passes)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"model": name, "layers": num_layers, "against": args.against, "against_commit": commit,
+                           "rounds": args.rounds,
+                           "passes": args.passes, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                           "machine": info, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "results": results},
+                          f, indent=2)
+            print(f"JSON: {args.json}")
+        return 0 if all(r["same_bits"] for r in results) else 1
     params = sum(w.numel() for layer in weights for w in layer)
     ways = build_ways(weights, args.dtype)
     names = list(ways)
