@@ -28,11 +28,8 @@ import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -42,7 +39,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from native_harness import decode_attention  # noqa: E402
-from native_revision import library_at  # noqa: E402
+from native_revision import RevisionUnavailable, library_of  # noqa: E402
 
 from prefix_service.backends.cpu import attention as cpu_attention  # noqa: E402
 from prefix_service.backends.cpu import native, onednn  # noqa: E402
@@ -189,14 +186,9 @@ def main() -> int:
     machine = machine_info()
     if args.against:
         try:
-            args.against_commit = subprocess.run(["git", "-C", ROOT, "rev-parse", args.against], check=True,
-                                                 capture_output=True, text=True).stdout.strip()
-            with tempfile.TemporaryDirectory() as folder:
-                theirs = library_at(args.against, Path(folder))
-        except (subprocess.CalledProcessError, native.NativeBuildError) as exc:
-            detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
-            detail = detail.decode() if isinstance(detail, bytes) else detail
-            print(f"no library of {args.against}: {detail.strip()}", file=sys.stderr)
+            args.against_commit, theirs = library_of(args.against)
+        except RevisionUnavailable as exc:
+            print(exc, file=sys.stderr)
             return 1
         results = compare(seqs, args, theirs)
     else:

@@ -311,25 +311,16 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     weights = [[torch.randn(o, i, generator=gen) / i ** 0.5 for o, i in shapes] for _ in range(num_layers)]
     if args.against:
-        import subprocess
-        import tempfile
-        from pathlib import Path
-
-        from native_revision import ROOT, library_at
+        from native_revision import RevisionUnavailable, library_of
 
         from prefix_service.backends.cpu import native
         if (reason := native.load()[1]) is not None:
             print(f"no native library here: {reason}", file=sys.stderr)
             return 1
         try:
-            commit = subprocess.run(["git", "-C", ROOT, "rev-parse", args.against], check=True, capture_output=True,
-                                    text=True).stdout.strip()
-            with tempfile.TemporaryDirectory() as folder:
-                theirs = library_at(args.against, Path(folder))
-        except (subprocess.CalledProcessError, native.NativeBuildError) as exc:
-            detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
-            detail = detail.decode() if isinstance(detail, bytes) else detail
-            print(f"no library of {args.against}: {detail.strip()}", file=sys.stderr)
+            commit, theirs = library_of(args.against)
+        except RevisionUnavailable as exc:
+            print(exc, file=sys.stderr)
             return 1
         info = machine()
         print(f"{name}: {num_layers} layers x {len(shapes)} linears, {torch.get_num_threads()} threads, "

@@ -7,12 +7,31 @@ import ctypes
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from prefix_service.backends.cpu import native  # noqa: E402
+
+
+class RevisionUnavailable(Exception):
+    """REV names no commit here, or its library does not build: the message says which and why."""
+
+
+def library_of(rev: str) -> tuple[str, ctypes.CDLL]:
+    """(the commit `rev` names, its library built and loaded: library_at), or RevisionUnavailable
+    ("no library of REV: why")."""
+    try:
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", rev], check=True, capture_output=True,
+                                text=True).stdout.strip()
+        with tempfile.TemporaryDirectory() as folder:
+            return commit, library_at(rev, Path(folder))
+    except (subprocess.CalledProcessError, native.NativeBuildError) as exc:
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        detail = detail.decode() if isinstance(detail, bytes) else detail
+        raise RevisionUnavailable(f"no library of {rev}: {detail.strip()}") from exc
 
 
 def library_at(rev: str, folder: Path) -> ctypes.CDLL:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -159,3 +160,24 @@ def assert_same_tokenizer(got, want) -> None:
         for prompt in (True, False):
             assert got.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == \
                 want.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def head_commit_or_skip() -> str:
+    """The commit HEAD names in this repository; the test is skipped where there is no git or checkout."""
+    import pytest
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        pytest.skip("no git here")
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    return head.stdout.strip()
+
+
+def native_sources_unchanged() -> bool:
+    """Whether the working tree's native sources are HEAD's (a kernel A/B against HEAD then agrees to the bit)."""
+    return subprocess.run(["git", "-C", str(REPO), "diff", "--quiet", "HEAD", "--",
+                           "prefix_service/backends/cpu/csrc"]).returncode == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import head_commit_or_skip, native_sources_unchanged
 from prefix_service.backends.cpu import native, onednn
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_decode_call.py"
@@ -39,21 +40,12 @@ def test_bench_cpu_decode_call_script(tmp_path, template, hot):
     assert f"template {template}" in proc.stdout and "JSON:" in proc.stdout
 
 
-def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(SCRIPT.parent.parent), *args], capture_output=True, text=True)
-
-
 @pytest.mark.skipif(native.load()[1] is not None, reason=f"no native library here: {native.load()[1]}")
 def test_bench_cpu_decode_call_against_a_revision(tmp_path):
     """--against REV: REV's kernel (built from its sources in git) and the working tree's in turns, a
     row per sequence count with both sides' times, the rounds' ratios and whether the bits agree; HEAD's
     kernel is the working tree's wherever the native sources are unchanged, so its bits are the same."""
-    try:
-        head = _git("rev-parse", "HEAD")
-    except OSError:
-        pytest.skip("no git here")
-    if head.returncode != 0:
-        pytest.skip("not a git checkout")
+    head = head_commit_or_skip()
     out = tmp_path / "against.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--seqs", "1,3", "--own-tokens", "9", "--template-tokens",
                            "20", "--layers", "2", "--query-heads", "4", "--kv-heads", "2", "--head-size", "32",
@@ -61,12 +53,12 @@ def test_bench_cpu_decode_call_against_a_revision(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert data["args"]["against_commit"] == head.stdout.strip() and data["args"]["repeats"] == 3
+    assert data["args"]["against_commit"] == head and data["args"]["repeats"] == 3
     assert [r["seqs"] for r in data["results"]] == [1, 3]
     for r in data["results"]:
         assert r["theirs_ms"] > 0 and r["ours_ms"] > 0
         assert 0 < r["ratio"]["min"] <= r["ratio"]["median"] <= r["ratio"]["max"]
-    if _git("diff", "--quiet", "HEAD", "--", "prefix_service/backends/cpu/csrc").returncode == 0:
+    if native_sources_unchanged():
         assert all(r["same_bits"] for r in data["results"])
     assert "HEAD's kernel and the working tree's in turns, 3 rounds" in proc.stdout
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import head_commit_or_skip, native_sources_unchanged
 from prefix_service import cpuinfo
 from prefix_service.backends.cpu import linear as cpu_linear
 
@@ -139,10 +140,6 @@ def test_bench_cpu_linear_call_script(tmp_path):
     assert data["isa"] and "JSON:" in proc.stdout
 
 
-def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(SCRIPT.parent.parent), *args], capture_output=True, text=True)
-
-
 @pytest.mark.skipif(cpu_linear.available(torch.float32) is not None,
                     reason=f"no native kernel here: {cpu_linear.available(torch.float32)}")
 def test_bench_cpu_linear_against_a_revision(llama_dir, tmp_path):
@@ -150,26 +147,22 @@ def test_bench_cpu_linear_against_a_revision(llama_dir, tmp_path):
     over float32 and bf16 panels, a row per panels and row count with both sides' times, the rounds'
     ratios and whether the bits agree; HEAD's kernel is the working tree's wherever the native sources
     are unchanged, so its bits are the same."""
-    try:
-        head = _git("rev-parse", "HEAD")
-    except OSError:
-        pytest.skip("no git here")
-    if head.returncode != 0:
-        pytest.skip("not a git checkout")
+    head = head_commit_or_skip()
     out = tmp_path / "against.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(llama_dir), "--rows", "1,30", "--passes", "1",
                            "--against", "HEAD", "--rounds", "3", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
-    unchanged = _git("diff", "--quiet", "HEAD", "--", "prefix_service/backends/cpu/csrc").returncode == 0
-    assert proc.returncode == (0 if unchanged else proc.returncode), proc.stderr
+    assert out.exists(), proc.stderr
     data = json.loads(out.read_text())
-    assert data["against_commit"] == head.stdout.strip() and data["rounds"] == 3
+    # exit 1 exactly where some output's bits differ
+    assert proc.returncode == (0 if all(r["same_bits"] for r in data["results"]) else 1), proc.stderr
+    assert data["against_commit"] == head and data["rounds"] == 3
     assert [(r["panels"], r["rows"]) for r in data["results"]] == [("float32", 1), ("float32", 30), ("bf16", 1),
                                                                     ("bf16", 30)]
     for r in data["results"]:
         assert r["theirs_ms"] > 0 and r["ours_ms"] > 0
         assert 0 < r["ratio"]["min"] <= r["ratio"]["median"] <= r["ratio"]["max"]
-    if unchanged:
+    if native_sources_unchanged():
         assert all(r["same_bits"] for r in data["results"])
     assert "HEAD's native kernel and the working tree's in turns, 3 rounds" in proc.stdout
 
