@@ -224,8 +224,18 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(f"| {r['measure']} | {r['vllm'] or '-'} | {_num(r['ours'])} | {_num(r['theirs'])} | {value} | "
                      f"{r['target']} | {result} |")
     lines.append("")
-    lines.append("every target met" if summary["all_met"] else "not every target met")
+    lines.append(verdict(summary["rows"]))
     return "\n".join(lines) + "\n"
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The table's last line: every target met, or how many were met, missed, and left without a figure."""
+    met = sum(r["met"] is True for r in rows)
+    if met == len(rows):
+        return "every target met"
+    missed, none = sum(r["met"] is False for r in rows), sum(r["met"] is None for r in rows)
+    return (f"not every target met: {met} of {len(rows)} met, {missed} missed, {none} without a figure"
+            + (" (every target with a figure met)" if missed == 0 else ""))
 
 
 def commands(out: Path, args: argparse.Namespace, step: str) -> list[list[str]]:

@@ -103,6 +103,9 @@ def test_a_target_below_its_threshold_is_missed(tmp_path):
     assert by_measure(summary, "TTFT prefix / alone", None)["met"] is False  # 1.5 in one run
     assert summary["all_met"] is False
     assert "not every target met" in targets.markdown(summary) and "| missed |" in targets.markdown(summary)
+    missed = sum(r["met"] is False for r in summary["rows"])
+    assert f"{len(summary['rows']) - missed} of {len(summary['rows'])} met, {missed} missed, 0 without a figure\n" \
+        in targets.markdown(summary)
 
 
 def test_vllms_faster_float32_is_judged_too(tmp_path):
@@ -201,6 +204,18 @@ def test_a_vllm_server_left_out_has_no_figure_and_says_why(tmp_path):
     assert by_measure(summary, "most requests/s", "float32")["value"] == pytest.approx(2.0)
     assert summary["all_met"] is False
     assert "| no figure (vllm_apc_bf16 not run (--vllm-servers)) |" in targets.markdown(summary)
+    # the verdict counts them apart from the missed ones
+    rows = len(summary["rows"])
+    none = sum(r["met"] is None for r in summary["rows"])
+    missed = sum(r["met"] is False for r in summary["rows"])
+    assert none == 4
+    assert f"not every target met: {rows - 4 - missed} of {rows} met, {missed} missed, 4 without a figure" \
+        in targets.markdown(summary)
+    # with nothing missed, the line says every target with a figure was met
+    for r in summary["rows"]:
+        r["met"] = True if r["met"] is False else r["met"]
+    assert targets.markdown(summary).endswith(f"not every target met: {rows - 4} of {rows} met, 0 missed, 4 without a "
+                                              f"figure (every target with a figure met)\n")
     # a system the plan names but whose record is missing is still an error
     broken = complete(tmp_path / "b", engine=engine(f32=(110.0, 130.0, 80.0)),
                       servers=servers({"grpc_prefix": (180.0, 200.0, 60.0)}) | {"plan": planned},
