@@ -141,7 +141,7 @@ class DecoderStack:
         first = layers[0].self_attn.qkv_proj
         if first.weight.dtype == torch.float32 and int8_weight(first) is None and not batch_invariant:
             kernel = float32_kernel()
-            rows = float32_native_rows()  # checked on every machine, a value it refuses not left unnoticed
+            rows = float32_native_rows()  # read everywhere: a value it refuses stops the start even unsplit
             if kernel == "inner_product":
                 native_rows = rows
             elif kernel == "measure":
