@@ -275,6 +275,19 @@ def paged_case(lens, bs, hq, hkv, d, seed=0):
     return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), rows
 
 
+def template_batch(r, which, lens, bs, hq, hkv, d, seed, case_seed, kv="float32"):
+    """paged_case (its seed case_seed) with a random template of r keys (its seed `seed`), packed, before
+    every sequence i where which[i]; the cache in `kv`. Returns paged_case's tuple, each sequence's
+    template (None where it has none) and the template's keys and values as they were made."""
+    g = torch.Generator().manual_seed(seed)
+    kt, vt = torch.randn(r, hkv, d, generator=g), torch.randn(r, hkv, d, generator=g)
+    packed = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), r)
+    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=case_seed)
+    if kv == "bfloat16":
+        kc, vc = kc.bfloat16(), vc.bfloat16()
+    return q, kc, vc, tables, ctx, rows, [packed if on else None for on in which], (kt, vt)
+
+
 @needs_native
 @pytest.mark.parametrize("bs,hq,hkv,d", [(16, 9, 3, 64), (4, 8, 1, 16), (5, 16, 2, 128), (16, 4, 4, 32)])
 def test_decode_matches_float64_attention(bs, hq, hkv, d):
@@ -400,15 +413,9 @@ def test_decode_does_not_depend_on_the_thread_count(kv):
     though the thread count decides how the rest of each context is split into tasks (per KV head
     for few sequences a thread, all of a sequence's heads together for more)."""
     bs, hq, hkv, d = 4, 9, 3, 32
-    g = torch.Generator().manual_seed(3)
-    kt, vt = torch.randn(2 * bs, hkv, d, generator=g), torch.randn(2 * bs, hkv, d, generator=g)
-    packed = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 2 * bs)
     which = [True, False, True, True, False, True, True]
     lens = [2 * bs + 3 + 5 * i if on else 4 + 3 * i for i, on in enumerate(which)]
-    q, kc, vc, tables, ctx, _ = paged_case(lens, bs, hq, hkv, d, seed=4)
-    if kv == "bfloat16":
-        kc, vc = kc.bfloat16(), vc.bfloat16()
-    templates = [packed if on else None for on in which]
+    q, kc, vc, tables, ctx, _, templates, _ = template_batch(2 * bs, which, lens, bs, hq, hkv, d, 3, 4, kv)
     threads = torch.get_num_threads()
     outs = []
     try:
@@ -432,15 +439,10 @@ def test_decode_asks_for_its_rows_either_way_with_the_same_bits(kv):
     with and without a template, own contexts of one to three chunks of 64 keys over shuffled blocks,
     on enough sequences that a task covers all KV heads of one, and on one sequence (a task per KV head)."""
     bs, hq, hkv, d = 16, 9, 3, 64
-    g = torch.Generator().manual_seed(21)
-    kt, vt = torch.randn(3 * bs, hkv, d, generator=g), torch.randn(3 * bs, hkv, d, generator=g)
-    packed = (cpu_attention.pack_keys(kt), cpu_attention.pack_values(vt), 3 * bs)
     which = [True, False, True, True, False, True]
     lens = [3 * bs + 1 + 37 * i if on else 5 + 41 * i for i, on in enumerate(which)]
-    q, kc, vc, tables, ctx, rows = paged_case(lens, bs, hq, hkv, d, seed=22)
-    if kv == "bfloat16":
-        kc, vc = kc.bfloat16(), vc.bfloat16()
-    templates = [packed if on else None for on in which]
+    q, kc, vc, tables, ctx, rows, templates, (kt, vt) = template_batch(3 * bs, which, lens, bs, hq, hkv, d, 21, 22,
+                                                                       kv)
     lib = native.require()
     chosen = lib.ps_decode_prefetch(-1)
     assert chosen == native.DECODE_PREFETCHES[native.decode_prefetch()]
