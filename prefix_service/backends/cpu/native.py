@@ -278,7 +278,7 @@ def unavailable(dtype: torch.dtype) -> str | None:
 @functools.lru_cache(maxsize=None)
 def load() -> tuple[ctypes.CDLL | None, str | None]:
     """(the library, None) where it builds with AVX-512 or AVX2 + FMA, else (None, the reason). The
-    library's decode attention then asks for its rows the way decode_prefetch() says (NativeKernelError
+    library's decode attention then asks for its rows the way decode_prefetch() says (NativeSettingError
     for a $PREFIX_SERVICE_DECODE_PREFETCH it does not know)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"the native kernels are built for x86-64 Linux, not {platform.system()} {platform.machine()}"
