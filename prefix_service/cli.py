@@ -5,9 +5,10 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 from typing import Sequence
+
+from prefix_service import envs
 
 ADDRESS_ENV = "PREFIX_SERVICE_ADDRESS"
 TOKEN_ENV = "PREFIX_SERVICE_ADMIN_TOKEN"
@@ -45,7 +46,7 @@ environment:
 
 
 def _default_address() -> str:
-    return os.environ.get(ADDRESS_ENV) or "127.0.0.1:50051"
+    return envs.value(ADDRESS_ENV) or "127.0.0.1:50051"
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
@@ -56,12 +57,12 @@ def _add_address(p: argparse.ArgumentParser) -> None:
 def _add_tls(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true", help="connect with TLS, checking the server's certificate "
                    "against the system's trusted roots (implied by --tls-ca)")
-    p.add_argument("--tls-ca", metavar="PEM", default=os.environ.get(TLS_CA_ENV) or None,
+    p.add_argument("--tls-ca", metavar="PEM", default=envs.value(TLS_CA_ENV),
                    help=f"connect with TLS, trusting this CA (or self-signed) certificate (default: ${TLS_CA_ENV})")
 
 
 def _add_token(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token", default=os.environ.get(TOKEN_ENV),
+    p.add_argument("--token", default=envs.value(TOKEN_ENV),
                    help=f"admin token, sent as 'authorization: Bearer <token>' (default: ${TOKEN_ENV})")
 
 
@@ -179,6 +180,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        envs.check()  # a mistyped kernel setting stops here, not after the model has loaded
+        if chosen := envs.set_values():
+            logging.getLogger("prefix_service.envs").info(
+                "kernel settings from the environment: %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
         config = load_config(args.config)
         if args.address:
             config = dataclasses.replace(config, server=dataclasses.replace(config.server, address=args.address))

@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 
+from prefix_service import envs
 from prefix_service.errors import ConfigError
 
 # the instruction sets we name, strongest first: (flag in /proc/cpuinfo, name)
@@ -40,7 +41,7 @@ TARGET_MACROS = {"__AVX2__": "avx2", "__FMA__": "fma", "__AVX512F__": "avx512f",
 
 def target() -> str | None:
     """$PREFIX_SERVICE_CPU_MARCH where it names a target other than `native`, else None."""
-    march = os.environ.get(MARCH_ENV, "").strip()
+    march = envs.value(MARCH_ENV)
     return march if march and march != "native" else None
 
 

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from prefix_service import envs
 from prefix_service.errors import PrefixServiceError
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -104,7 +105,7 @@ def _repo_root() -> Path | None:
 
 def default_cache_dir() -> Path:
     """The folder that holds prepared models (the parent of default_model_dir())."""
-    env = os.environ.get(CACHE_ENV)
+    env = envs.value(CACHE_ENV)
     if env:
         return Path(env).expanduser()
     root = _repo_root()

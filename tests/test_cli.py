@@ -214,11 +214,14 @@ def test_serve_ray_stopped_while_its_fleet_starts_exits_0_and_leaves_no_ray_proc
     ("PREFIX_SERVICE_DECODE_PREFETCH=eager", "cpu", "PREFIX_SERVICE_DECODE_PREFETCH='eager': one of "),
     ("PREFIX_SERVICE_F32_PANELS=bf16", "cpu", "PREFIX_SERVICE_F32_PANELS='bf16': one of "),
     ("PREFIX_SERVICE_F32_NATIVE_ROWS=-2", "cpu", "PREFIX_SERVICE_F32_NATIVE_ROWS='-2': a count of rows"),
-    ("PREFIX_SERVICE_CPU_MARCH=not-a-cpu", "auto", "PREFIX_SERVICE_CPU_MARCH=not-a-cpu: the compiler does not know")])
+    ("PREFIX_SERVICE_CPU_MARCH=not-a-cpu", "auto", "PREFIX_SERVICE_CPU_MARCH=not-a-cpu: the compiler does not know"),
+    ("PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=amx", "cpu", "PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS='amx': one of ")])
 def test_serve_refuses_a_kernel_setting_it_does_not_know_in_one_line(model_dir, tmp_path, setting, backend, says):
     """An environment variable that chooses how the cpu backend's kernels compute, set to a value it
     does not take, stops `serve` before it listens: exit 1 and an `error:` line naming the variable and
-    what it takes, as for a bad config file, not a traceback. The native library reads the first at
+    what it takes, as for a bad config file, not a traceback. Every declared variable's value is checked
+    before the config is read (prefix_service/envs.py), the last one's too, which a float32 model never
+    reads: it used to serve. Each is checked again where it is read: the native library reads the first at
     load, the float32 linears the next two as they are packed: the rows on every machine, including
     those whose float32 linears are not split by rows. A target the compiler does not know stops it
     under `model.backend: auto` too, rather than leaving the native kernels out for the torch backend."""

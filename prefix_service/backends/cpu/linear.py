@@ -32,11 +32,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from typing import Protocol
 
 import torch
 
+from prefix_service import envs
 from prefix_service.backends.cpu import native, onednn
 from prefix_service.backends.cpu.native import NativeKernelError, NativeSettingError
 from prefix_service.model.quantize import int8_problem
@@ -258,7 +258,7 @@ FLOAT32_ENV = "PREFIX_SERVICE_F32_LINEAR"
 # what FLOAT32_ENV takes: the native kernel alone; oneDNN's inner product above FLOAT32_ROWS_ENV rows (the
 # native kernel up to them); or the crossover timed when the decoder stack is built
 # (tuning.measure_float32_linears)
-FLOAT32_KERNELS = ("native", "inner_product", "measure")
+FLOAT32_KERNELS = envs.BY_NAME[FLOAT32_ENV].choices
 FLOAT32_ROWS_ENV = "PREFIX_SERVICE_F32_NATIVE_ROWS"
 # with the inner product: the most rows a call runs on the native kernel by default. On a Zen 3 (AVX2)
 # the native kernel ran the model's linears 1.3x as fast at 64 rows, oneDNN's 1.07x at 128 and
@@ -270,16 +270,13 @@ DEFAULT_NATIVE_ROWS = 128
 F32_PANELS_ENV = "PREFIX_SERVICE_F32_PANELS"
 # what F32_PANELS_ENV takes: the native kernel's float32 weights held in bf16 where every value of the
 # weight is a bf16 one (the same products, half the bytes to stream), or in float32 whatever they hold
-F32_PANELS = ("auto", "float32")
+F32_PANELS = envs.BY_NAME[F32_PANELS_ENV].choices
 
 
 def float32_panels() -> str:
     """How the native kernel holds a float32 weight: $PREFIX_SERVICE_F32_PANELS where set (one of
     F32_PANELS: "float32" to compare the two on one machine), else "auto" (bf16 where lossless)."""
-    chosen = os.environ.get(F32_PANELS_ENV) or "auto"
-    if chosen not in F32_PANELS:
-        raise NativeSettingError(f"{F32_PANELS_ENV}={chosen!r}: one of {', '.join(F32_PANELS)} is needed")
-    return chosen
+    return envs.choice(F32_PANELS_ENV, NativeSettingError) or "auto"
 
 
 def held_in_bf16(weight: torch.Tensor, panels: str | None = None) -> bool:
@@ -293,10 +290,8 @@ def float32_kernel() -> str:
     FLOAT32_KERNELS: to compare them on one machine, or to time them), else "inner_product" (above
     float32_native_rows() rows) where the native kernel is built for AVX2 and the oneDNN library
     loads, else "native"."""
-    chosen = os.environ.get(FLOAT32_ENV)
-    if chosen:
-        if chosen not in FLOAT32_KERNELS:
-            raise NativeSettingError(f"{FLOAT32_ENV}={chosen!r}: one of {', '.join(FLOAT32_KERNELS)} is needed")
+    chosen = envs.choice(FLOAT32_ENV, NativeSettingError)
+    if chosen is not None:
         if chosen != "native" and (reason := onednn.load()[1]) is not None:
             raise NativeSettingError(f"{FLOAT32_ENV}={chosen}: no oneDNN library here: {reason}")
         return chosen
@@ -314,7 +309,7 @@ def _library_loads() -> bool:
 def float32_native_rows() -> int:
     """With the inner product: the most rows a call runs on the native kernel instead,
     $PREFIX_SERVICE_F32_NATIVE_ROWS where set (0: oneDNN for every call), else DEFAULT_NATIVE_ROWS."""
-    return native.env_rows(FLOAT32_ROWS_ENV, DEFAULT_NATIVE_ROWS, NativeSettingError)
+    return envs.count(FLOAT32_ROWS_ENV, DEFAULT_NATIVE_ROWS, NativeSettingError)
 
 
 def float32_choice(native_rows: int | None) -> str:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from prefix_service import cpuinfo
+from prefix_service import cpuinfo, envs
 from prefix_service.errors import ConfigError
 
 log = logging.getLogger("prefix_service.engine")
@@ -140,21 +140,6 @@ def call_linear(call: LinearCall, x: torch.Tensor, out: torch.Tensor) -> int:
                                         torch.get_num_threads()))
 
 
-def env_rows(name: str, default: int, error: type[Exception]) -> int:
-    """A count of rows, 0 or more, from the environment variable `name` where set, else `default`;
-    anything else raises `error` naming the variable and its value."""
-    chosen = os.environ.get(name)
-    if not chosen:
-        return default
-    try:
-        rows = int(chosen)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise error(f"{name}={chosen!r}: a count of rows, 0 or more, is needed")
-    return rows
-
-
 def address(fn: Any) -> int:
     """The address of a library's C function, fn its ctypes function (a LinearCall's `run`)."""
     value = ctypes.cast(fn, ctypes.c_void_p).value
@@ -163,9 +148,12 @@ def address(fn: Any) -> int:
     return value
 
 
+CACHE_DIR_ENV = "PREFIX_SERVICE_CACHE_DIR"
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("PREFIX_SERVICE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "prefix_service"
+    root = envs.value(CACHE_DIR_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "prefix_service"
 
 
 def compiler() -> str | None:
@@ -248,11 +236,8 @@ def decode_prefetch(vendor: str | None = None) -> str:
     prefetches at once stall the core (each that misses holds a line fill buffer) and paced took
     0.85-0.93x the pass's time on a Xeon, and "task" elsewhere, which was the faster on a Zen 3
     (docs/benchmarks.md). `vendor`: cpuinfo.cpu_vendor()'s."""
-    chosen = os.environ.get(DECODE_PREFETCH_ENV)
-    if chosen:
-        if chosen not in DECODE_PREFETCHES:
-            raise NativeSettingError(f"{DECODE_PREFETCH_ENV}={chosen!r}: one of {', '.join(DECODE_PREFETCHES)} "
-                                    "is needed")
+    chosen = envs.choice(DECODE_PREFETCH_ENV, NativeSettingError)
+    if chosen is not None:
         return chosen
     return "paced" if (cpuinfo.cpu_vendor() if vendor is None else vendor) == cpuinfo.INTEL else "task"
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import platform
 import statistics
 import time
@@ -53,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from prefix_service import cpuinfo
+from prefix_service import cpuinfo, envs
 from prefix_service.backends.cpu import native
 from prefix_service.errors import ConfigError
 from prefix_service.model.quantize import int8_problem
@@ -198,7 +197,7 @@ KERNEL_ENV = "PREFIX_SERVICE_BF16_LINEAR"
 # what KERNEL_ENV takes: a kernel, or "measure" (each weight shape's calls timed on brgemm and the
 # inner product, then brgemm, the inner product, or brgemm up to a row count and the inner product
 # above: time_linear)
-KERNEL_CHOICES = (*KERNELS, "measure")
+KERNEL_CHOICES = envs.BY_NAME[KERNEL_ENV].choices
 BRGEMM_ROWS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_ROWS"
 COLUMNS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_COLUMNS"
 DEFAULT_BRGEMM_COLUMNS = 32
@@ -211,12 +210,7 @@ def few_rows_default() -> bool:
     products for calls of up to 128 rows, a decode step's or a short prompt's; the weight's bytes once more):
     $PREFIX_SERVICE_BF16_FEW_ROWS (1 or 0) where set, else yes. Where the CPU lacks AVX512-BF16
     nothing is packed either way."""
-    chosen = os.environ.get(FEW_ROWS_ENV)
-    if not chosen:
-        return True
-    if chosen not in ("0", "1"):
-        raise OneDnnSettingError(f"{FEW_ROWS_ENV}={chosen!r}: 1 or 0 is needed")
-    return chosen == "1"
+    return envs.choice(FEW_ROWS_ENV, OneDnnSettingError) != "0"
 
 
 def brgemm_columns() -> int:
@@ -224,14 +218,8 @@ def brgemm_columns() -> int:
     where set (16, 32, 48 or 64: one to four whole AMX tiles, the widest block oneDNN packs for them;
     to compare block widths on one machine, as a wider block runs fewer micro-kernel calls per
     product), else 32."""
-    chosen = os.environ.get(COLUMNS_ENV)
-    if not chosen:
-        return DEFAULT_BRGEMM_COLUMNS
-    try:
-        columns = int(chosen)
-    except ValueError:
-        columns = 0
-    return _check_columns(columns, f"{COLUMNS_ENV}={chosen!r}", OneDnnSettingError)
+    chosen = envs.choice(COLUMNS_ENV, OneDnnSettingError)
+    return DEFAULT_BRGEMM_COLUMNS if chosen is None else int(chosen)
 
 
 def _check_columns(columns: int, what: str, error: type[OneDnnError] = OneDnnError) -> int:
@@ -250,10 +238,8 @@ def default_kernel() -> str:
     rows 1.6-2x as fast as brgemm (docs/benchmarks.md, "Run 8"): the crossover is the machine's.
     Elsewhere oneDNN's bf16 inner product where torch supports it, else emulated (brgemm alone on AMX
     without it, which no CPU has: tests simulate AMX on CPUs without bf16 units)."""
-    chosen = os.environ.get(KERNEL_ENV)
-    if chosen:
-        if chosen not in KERNEL_CHOICES:
-            raise OneDnnSettingError(f"{KERNEL_ENV}={chosen!r}: one of {', '.join(KERNEL_CHOICES)} is needed")
+    chosen = envs.choice(KERNEL_ENV, OneDnnSettingError)
+    if chosen is not None:
         if chosen in ("inner_product", "measure") and not bf16_native():
             raise OneDnnSettingError(f"{KERNEL_ENV}={chosen}: torch's oneDNN refuses bf16 inner products on this "
                                      "CPU")
@@ -284,7 +270,7 @@ def brgemm_rows_default() -> int:
     """For an inner-product weight: the most rows a call runs on brgemm instead (a second copy of
     the weight, packed for it; the few-row kernel is then not packed), $PREFIX_SERVICE_BF16_BRGEMM_ROWS
     where set (to compare crossovers on one machine), else 0 (none)."""
-    return native.env_rows(BRGEMM_ROWS_ENV, 0, OneDnnSettingError)
+    return envs.count(BRGEMM_ROWS_ENV, 0, OneDnnSettingError)
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) -> None:
@@ -561,8 +547,8 @@ class OneDnnTemplate:
 
 
 TEMPLATE_ATTENTION_ENV = "PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION"
-TEMPLATE_ATTENTIONS = ("native", "matrix", "measure")
-TEMPLATE_ATTENTION_ALIASES = {"brgemm": "matrix"}  # the value's older name, still taken
+TEMPLATE_ATTENTIONS = envs.BY_NAME[TEMPLATE_ATTENTION_ENV].choices
+TEMPLATE_ATTENTION_ALIASES = dict(envs.BY_NAME[TEMPLATE_ATTENTION_ENV].aliases)  # a value's older name, still taken
 # what ps_onednn_template_kernel numbers: the products of the matrix-product template attention
 TEMPLATE_KERNELS = {0: "fallback GEMM", 1: "AVX512-BF16 dot products", 2: "AMX brgemm"}
 
@@ -584,10 +570,7 @@ def template_products() -> int:
     dot products, not AMX tiles, to compare the two on a CPU that has both; "fallback": torch's
     fallback GEMM, on any CPU), else "auto" (AMX tiles, else the dot products, else the fallback).
     Read when a template is packed."""
-    chosen = os.environ.get(TEMPLATE_PRODUCTS_ENV) or "auto"
-    if chosen not in TEMPLATE_PRODUCTS:
-        raise OneDnnSettingError(f"{TEMPLATE_PRODUCTS_ENV}={chosen!r}: one of {', '.join(TEMPLATE_PRODUCTS)} "
-                                 "is needed")
+    chosen = envs.choice(TEMPLATE_PRODUCTS_ENV, OneDnnSettingError) or "auto"
     if chosen == "dot" and not _has_dot(16):
         raise OneDnnSettingError(f"{TEMPLATE_PRODUCTS_ENV}=dot: this CPU has no AVX512-BF16 dot products for the "
                                  "library to use")
@@ -625,7 +608,7 @@ def _dot_by_default(head_size: int) -> bool:
     $PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot asks for them (on AMX the native kernels by default,
     whatever would multiply)."""
     dot = template_kernel(head_size) == TEMPLATE_KERNELS[1]
-    if os.environ.get(TEMPLATE_PRODUCTS_ENV) == "dot":
+    if envs.choice(TEMPLATE_PRODUCTS_ENV, OneDnnSettingError) == "dot":
         return dot
     return dot and not brgemm_vnni() and cpuinfo.bf16_dots_are_fast()
 
@@ -645,15 +628,11 @@ def template_attention(head_size: int) -> str:
     "native" elsewhere: the fallback GEMM is 2-3x slower than the native kernels. With
     PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot (template_products()) the default is "matrix" on AMX
     too, on the dot products: to measure them against the native kernels there."""
-    chosen = os.environ.get(TEMPLATE_ATTENTION_ENV)
-    if not chosen:
+    chosen = envs.choice(TEMPLATE_ATTENTION_ENV, OneDnnSettingError)
+    if chosen is None:
         if _dot_by_default(head_size):
             return "matrix"
         return "measure" if template_kernel(head_size) == TEMPLATE_KERNELS[2] else "native"
-    chosen = TEMPLATE_ATTENTION_ALIASES.get(chosen, chosen)
-    if chosen not in TEMPLATE_ATTENTIONS:
-        raise OneDnnSettingError(f"{TEMPLATE_ATTENTION_ENV}={chosen!r}: one of {', '.join(TEMPLATE_ATTENTIONS)} "
-                                 "is needed")
     return chosen
 
 
@@ -665,7 +644,7 @@ def template_attend_calls() -> int:
 
 
 PROMPT_ATTENTION_ENV = "PREFIX_SERVICE_BF16_PROMPT_ATTENTION"
-PROMPT_ATTENTIONS = ("native", "dot", "measure")
+PROMPT_ATTENTIONS = envs.BY_NAME[PROMPT_ATTENTION_ENV].choices
 
 
 def prompt_attention(head_size: int) -> str:
@@ -678,14 +657,11 @@ def prompt_attention(head_size: int) -> str:
     environment variable PREFIX_SERVICE_BF16_PROMPT_ATTENTION chooses; by default "dot" where the
     template's products run on them by default (AMD's AVX512-BF16, no AMX), "measure" where the CPU has
     them beside AMX (not timed there yet), else "native"."""
-    chosen = os.environ.get(PROMPT_ATTENTION_ENV)
-    if not chosen:
+    chosen = envs.choice(PROMPT_ATTENTION_ENV, OneDnnSettingError)
+    if chosen is None:
         if _dot_by_default(head_size):
             return "dot"
         return "measure" if brgemm_vnni() and _has_dot(head_size) else "native"
-    if chosen not in PROMPT_ATTENTIONS:
-        raise OneDnnSettingError(f"{PROMPT_ATTENTION_ENV}={chosen!r}: one of {', '.join(PROMPT_ATTENTIONS)} "
-                                 "is needed")
     if chosen in ("dot", "measure") and not _has_dot(head_size):
         raise OneDnnSettingError(f"{PROMPT_ATTENTION_ENV}={chosen}: the AVX512-BF16 dot products are not available "
                                  f"here for head size {head_size}")

