@@ -86,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, metavar="N", help="override ray.num_replicas (implies --ray)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
+    p = sub.add_parser("env", help="what this machine would serve a config with: CPU, dtype, backend, kernels",
+                       description="Report the CPU and its instruction sets, the software, the dtype and backend "
+                                   "the config's model gets here and why, each kernel choice of the cpu backend "
+                                   "(building its libraries if they are not built yet) and the PREFIX_SERVICE_* "
+                                   "variables set; no weights are loaded. Exits 1 when a probe fails.")
+    p.add_argument("--config", metavar="FILE", help="YAML service config (default: none, the machine's part only)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
     p = sub.add_parser("generate", help="stream a completion to stdout (usage to stderr)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="examples:\n  prefix-service generate --template table_qa --max-tokens 32 'Q: ...\\nA:'\n"
@@ -149,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "env":
+        from prefix_service.env_report import main as env_main
+        return env_main(args.config, args.json)
     if args.command == "snapshot":  # offline: files and a config, no server
         from prefix_service.snapshot_cli import main as snapshot_main
         return snapshot_main(args)

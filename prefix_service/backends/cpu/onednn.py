@@ -222,9 +222,9 @@ def brgemm_columns() -> int:
     return DEFAULT_BRGEMM_COLUMNS if chosen is None else int(chosen)
 
 
-def _check_columns(columns: int, what: str, error: type[OneDnnError] = OneDnnError) -> int:
+def _check_columns(columns: int, what: str) -> int:
     if columns < 16 or columns > 64 or columns % 16:
-        raise error(f"{what}: 16, 32, 48 or 64 is needed (whole AMX tiles, at most four)")
+        raise OneDnnError(f"{what}: 16, 32, 48 or 64 is needed (whole AMX tiles, at most four)")
     return columns
 
 

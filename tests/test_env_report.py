@@ -1,0 +1,89 @@
+"""`prefix-service env` (prefix_service/env_report.py): the dtype and backend it reports are the ones an
+engine gets from the same config; a failing probe is reported in its place, the others still run,
+and the command exits 1; a secret's value never shows."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from prefix_service import env_report, envs
+from prefix_service.backends import select_backend
+from prefix_service.cli import main
+from prefix_service.engine.core import resolve_device
+from prefix_service.errors import ConfigError
+from prefix_service.model.loader import choose_dtype, read_arch
+
+
+@pytest.fixture(autouse=True)
+def _no_settings(monkeypatch):
+    for var in envs.VARIABLES:
+        monkeypatch.delenv(var.name, raising=False)
+
+
+def config_file(tmp_path, model_dir, **model) -> str:
+    path = tmp_path / "svc.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": str(model_dir), "device": "cpu", **model},
+                                    "cache": {"block_size": 4, "num_blocks": 64}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_the_report_names_what_an_engine_gets(tmp_path, model_dir, capsys, dtype):
+    path = config_file(tmp_path, model_dir, dtype=dtype)
+    assert main(["env", "--config", path, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    device = resolve_device("cpu")
+    chosen, why = choose_dtype(dtype, model_dir, device)
+    model = report["model"]
+    assert (model["dtype"], model["dtype_why"]) == (str(chosen).removeprefix("torch."), why)
+    backend = select_backend("auto", device, chosen, read_arch(model_dir)).name
+    assert model["backend"].split(" ")[0] == backend, model["backend"]
+    assert report["machine"]["isa"] == __import__("prefix_service").cpuinfo.isa()
+    assert report["environment"] == {"set": {}, "check": "every value is taken"}
+    if backend == "cpu" and chosen == torch.float32:
+        assert report["cpu_kernels"]["float32_panels"] == "auto"
+        assert "bf16_linears" not in report["cpu_kernels"]
+
+
+def test_a_setting_not_taken_is_reported_where_it_is_read_and_fails_the_command(tmp_path, model_dir, capsys,
+                                                                                  monkeypatch):
+    from prefix_service.backends.cpu import native
+    if native.load()[0] is None:
+        pytest.skip(f"no native CPU kernels here to read the setting: {native.load()[1]}")
+    monkeypatch.setenv("PREFIX_SERVICE_F32_PANELS", "bf16")
+    monkeypatch.setenv("PREFIX_SERVICE_ADMIN_TOKEN", "tok-s3cret")
+    assert main(["env", "--config", config_file(tmp_path, model_dir, dtype="float32")]) == 1
+    out = capsys.readouterr().out
+    says = "error: PREFIX_SERVICE_F32_PANELS='bf16': one of auto, float32 is needed"
+    for key in ("float32_panels", "check"):  # the kernels' probe, and the environment's check
+        assert any(line.split()[:1] == [key] and line.endswith(says) for line in out.splitlines()), (key, out)
+    assert "dtype_why" in out and "decode_prefetch" in out  # the other probes ran
+    assert "tok-s3cret" not in out and "PREFIX_SERVICE_ADMIN_TOKEN=(set)" in out
+
+
+def test_a_model_path_without_a_model_is_an_error_in_its_place(tmp_path, capsys):
+    assert main(["env", "--config", config_file(tmp_path, tmp_path / "none"), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert "holds no config.json" in report["model"]["error"]
+    assert report["machine"]["cores_usable"] >= 1 and "cpu_kernels" in report
+    assert env_report.failed(report) == [f"model.error: {report['model']['error']}"]
+
+
+@pytest.mark.parametrize("backend", ["auto", "cpu", "torch"])
+def test_a_model_the_cpu_backend_cannot_run(tmp_path, model_dir, capsys, backend):
+    """float16 on a CPU: auto stands the torch backend in and says why, cpu asked for is the config
+    error serve would stop with (reported in its place, exit 1), torch is taken as asked."""
+    path = config_file(tmp_path, model_dir, dtype="float16", backend=backend)
+    code = main(["env", "--config", path, "--json"])
+    said = json.loads(capsys.readouterr().out)["model"]["backend"]
+    arch, device = read_arch(model_dir), torch.device("cpu")
+    try:
+        picked = select_backend(backend, device, torch.float16, arch).name
+    except ConfigError as e:
+        assert (code, said) == (1, f"{env_report.ERROR}{e}")
+    else:
+        assert code == 0 and said.split(" ")[0] == picked
+        assert ("cannot run here" in said) == (backend == "auto"), said
