@@ -7,12 +7,14 @@ does (`--hot`: one layer's cache 30 times, so the rows stay in cache and what sh
 arithmetic). The template's part runs as the engine runs it here (`--template matrix`: the
 matrix-product template attention of a bf16 model; `native`: the float32 kernels over a packed
 copy; `none`: no template). The table gives ms a step (30 calls, minimum and median of the
-repeats) and the own rows' bytes over the step's minimum (with a template, its part's time counts
-too).
+repeats) in the kernel, as the library's own attention timer measures it (csrc/timers.h: the calls
+alone, as the decoder stack makes them), the median with the harness's Python around the calls
+(which builds each call's arguments: at 64 sequences several ms a step), and the own rows' bytes
+over the kernel's minimum (with a template, its part's time counts too).
 
 `--against REV` times the kernel of revision REV (its native sources from git, built here) and the
-working tree's in one process, in turns (`--rounds`, the order reversed every other round): each
-one's median of its rounds' minima, the median of the rounds' ratios (working tree / REV) with
+working tree's in one process, in turns (`--rounds`, the order reversed every other round), each by
+its own library's timer: each one's median of its rounds' minima, the median of the rounds' ratios (working tree / REV) with
 their range, and whether the two gave the same bits. REV's `ps_decode_attention` must take the
 working tree's arguments. On a shared machine whose speed drifts, this is the kernel A/B to trust:
 what drifts slowly moves both sides of a round alike.
@@ -83,21 +85,29 @@ def make_step(n: int, args: argparse.Namespace) -> Callable[[ctypes.CDLL | None]
     return step
 
 
-def timed_ms(step: Callable[[ctypes.CDLL | None], torch.Tensor], lib: ctypes.CDLL | None, repeats: int) -> list[float]:
-    """ms of `repeats` steps on lib, after one untimed."""
+def timed_ms(step: Callable[[ctypes.CDLL | None], torch.Tensor], lib: ctypes.CDLL | None,
+             repeats: int) -> tuple[list[float], list[float]]:
+    """ms of `repeats` steps on lib, after one untimed: (in the kernel, by the library's attention
+    timer; the whole step, the harness's Python included)."""
+    timers = (lib or native.require()).ps_timers
+    totals = (ctypes.c_int64 * 3)()
     step(lib)
-    times = []
+    kernel, wall = [], []
     for _ in range(repeats):
+        timers(1, None)  # the totals from zero, the timers on
         t = time.perf_counter()
         step(lib)
-        times.append((time.perf_counter() - t) * 1e3)
-    return times
+        wall.append((time.perf_counter() - t) * 1e3)
+        timers(0, totals)
+        kernel.append(totals[1] / 1e6)  # attention (timers.h: kAttention)
+    return kernel, wall
 
 
-def step_ms(n: int, args: argparse.Namespace) -> tuple[float, float]:
-    """(minimum, median) ms of one step of n decodes over `args.layers` layers."""
-    times = timed_ms(make_step(n, args), None, args.repeats)
-    return min(times), statistics.median(times)
+def step_ms(n: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """(minimum, median) ms in the kernel of one step of n decodes over `args.layers` layers, and the
+    median of the whole step, the harness included."""
+    kernel, wall = timed_ms(make_step(n, args), None, args.repeats)
+    return min(kernel), statistics.median(kernel), statistics.median(wall)
 
 
 def against(n: int, args: argparse.Namespace, theirs: ctypes.CDLL) -> dict:
@@ -109,7 +119,7 @@ def against(n: int, args: argparse.Namespace, theirs: ctypes.CDLL) -> dict:
     for r in range(args.rounds):
         sides = [(None, ours_ms), (theirs, theirs_ms)]
         for lib, into in sides if r % 2 == 0 else sides[::-1]:
-            into.append(min(timed_ms(step, lib, args.repeats)))
+            into.append(min(timed_ms(step, lib, args.repeats)[0]))
     same = torch.equal(step(None).clone(), step(theirs))
     ratios = [a / b for a, b in zip(ours_ms, theirs_ms)]
     return {"seqs": n, "theirs_ms": round(statistics.median(theirs_ms), 3),
@@ -121,14 +131,14 @@ def against(n: int, args: argparse.Namespace, theirs: ctypes.CDLL) -> dict:
 def measure(seqs: list[int], args: argparse.Namespace) -> list[dict]:
     """The working tree's kernel alone: a row per sequence count."""
     elem = 2 if args.kv == "bfloat16" else 4
-    print(f"{'seqs':>5} {'min ms':>8} {'p50 ms':>8} {'own MB':>8} {'GB/s':>6}")
+    print(f"{'seqs':>5} {'min ms':>8} {'p50 ms':>8} {'with harness':>12} {'own MB':>8} {'GB/s':>6}")
     results = []
     for n in seqs:
-        best, median = step_ms(n, args)
+        best, median, wall = step_ms(n, args)
         mb = n * args.own_tokens * args.kv_heads * args.head_size * 2 * elem * args.layers / 1e6
-        results.append({"seqs": n, "min_ms": round(best, 3), "p50_ms": round(median, 3), "own_mb": round(mb, 1),
-                        "own_gb_s": round(mb / best, 2)})
-        print(f"{n:5d} {best:8.2f} {median:8.2f} {mb:8.1f} {mb / best:6.1f}", flush=True)
+        results.append({"seqs": n, "min_ms": round(best, 3), "p50_ms": round(median, 3),
+                        "p50_with_harness_ms": round(wall, 3), "own_mb": round(mb, 1), "own_gb_s": round(mb / best, 2)})
+        print(f"{n:5d} {best:8.2f} {median:8.2f} {wall:12.2f} {mb:8.1f} {mb / best:6.1f}", flush=True)
     return results
 
 
