@@ -88,7 +88,7 @@ def collect(config_path: str | None) -> Report:
         except (PrefixServiceError, OSError) as e:
             report["model"] = {"config": config_path, "error": str(e)}
     report["cpu_kernels"] = backends.cpu_kernel_choices(dtype, None if arch is None else arch.head_dim, _probe)
-    settings = envs.set_values(("kernels", "cuda", "client", "tools"))
+    settings = envs.set_values(("kernels", "cuda", "build", "client", "tools"))
     settings |= {v.name: "(set)" for v in envs.VARIABLES if v.secret and envs.value(v.name) is not None}
     report["environment"] = {"set": settings, "check": _probe(_check_all)}
     return report

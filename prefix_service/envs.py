@@ -21,7 +21,9 @@ from prefix_service.errors import ConfigError
 @dataclass(frozen=True)
 class Variable:
     name: str
-    scope: str  # who reads it: "kernels" (a server's cpu backend), "cuda", "client", "server", "tools", "tests"
+    # who reads it: "kernels" (a server's cpu backend: what it computes with), "cuda", "build" (where the kernels'
+    # libraries are kept), "client", "server", "tools", "tests"
+    scope: str
     default: str  # what applies where it is unset or empty
     meaning: str
     choices: tuple[str, ...] = ()  # the values it takes (empty: see `takes`)
@@ -46,7 +48,7 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("PREFIX_SERVICE_CPU_MARCH", "kernels", "native (this CPU)",
              "the compiler target (-march) the native kernels are built for, e.g. cooperlake to run the "
              "AVX512-BF16 code on a CPU that has it but hides it", takes="a target the C++ compiler knows"),
-    Variable("PREFIX_SERVICE_CACHE_DIR", "kernels", "~/.cache/prefix_service",
+    Variable("PREFIX_SERVICE_CACHE_DIR", "build", "~/.cache/prefix_service",
              "where the native kernel libraries are built and kept, one file per source, flags and CPU",
              takes="a folder"),
     Variable("PREFIX_SERVICE_F32_LINEAR", "kernels",
@@ -82,7 +84,7 @@ VARIABLES: tuple[Variable, ...] = (
              "how a bfloat16 model's prompt of 128 tokens or more attends over its own keys",
              choices=("native", "dot", "measure")),
     # the cuda backend's extension (cuda_ops/build.py)
-    Variable("PREFIX_SERVICE_CUDA_OPS_CACHE", "cuda", "~/.cache/prefix_service/cuda_ops",
+    Variable("PREFIX_SERVICE_CUDA_OPS_CACHE", "build", "~/.cache/prefix_service/cuda_ops",
              "where the CUDA extension is built and kept", takes="a folder"),
     Variable("PREFIX_SERVICE_DISABLE_CUDA_OPS", "cuda", "the kernels run where they build",
              "1 (anything but 0): never use the CUDA extension's kernels (the torch reference ops run)", takes="1"),

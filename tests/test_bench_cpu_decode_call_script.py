@@ -4,6 +4,7 @@ table prints."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ from helpers import head_commit_or_skip, native_sources_unchanged
 from prefix_service.backends.cpu import native, onednn
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_decode_call.py"
+# the caller's kernel settings left out (PREFIX_SERVICE_CACHE_DIR kept: where the library is built), one set
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFIX_SERVICE_") or k == "PREFIX_SERVICE_CACHE_DIR"},
+       "PREFIX_SERVICE_DECODE_PREFETCH": "task"}
 WAYS = ["native", "none"] + (["matrix"] if onednn.load()[0] is not None else [])
 
 
@@ -25,7 +29,7 @@ def test_bench_cpu_decode_call_script(tmp_path, template, hot):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--seqs", "2,5", "--own-tokens", "9", "--template-tokens",
                            "20", "--layers", "3", "--query-heads", "4", "--kv-heads", "2", "--head-size", "32",
                            "--repeats", "2", "--template", template, "--json", str(out)] + (["--hot"] if hot else []),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert [r["seqs"] for r in data["results"]] == [2, 5]
@@ -39,6 +43,8 @@ def test_bench_cpu_decode_call_script(tmp_path, template, hot):
     machine = data["machine"]
     assert machine["isa"] == data["isa"] and machine["cpu_count"] >= 1
     assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
+    # and the kernel settings it ran under: the one set for this run, none of the caller's
+    assert machine["kernel_settings"] == {"PREFIX_SERVICE_DECODE_PREFETCH": "task"}
     assert "git_commit" in data
     assert f"template {template}" in proc.stdout and "JSON:" in proc.stdout
 

@@ -140,9 +140,11 @@ def machine_info() -> dict:
     import grpc
     import torch
     import transformers
-    from prefix_service import cpuinfo
+    from prefix_service import cpuinfo, envs
     cpu = cpuinfo.first_field("model name") or platform.processor() or ""
+    # the kernel settings a run was made under (PREFIX_SERVICE_*: envs.py), {} where it used the machine's own choices
     return {"cpu": cpu, "cpu_vendor": cpuinfo.cpu_vendor(), "isa": cpuinfo.isa(), "cpu_march": cpuinfo.target(),
+            "kernel_settings": envs.set_values(("kernels", "cuda")),
             "kernel_isa": cpuinfo.isa(cpuinfo.kernel_flags()), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
