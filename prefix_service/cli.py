@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from prefix_service import envs
 
@@ -25,6 +25,10 @@ examples:
   prefix-service generate --template table_qa --max-tokens 48 $'Q: Which flight to Newark was cancelled?\\nA:'
   # chat: the prompt becomes a user message rendered with the model's chat template
   prefix-service generate --chat 'What is the capital of France?'
+
+  # what a running server computes with; what this machine would serve a config with
+  prefix-service info
+  prefix-service env --config configs/default.yaml
 
   # manage templates at run time (persisted across restarts)
   prefix-service template add faq --file docs/faq.md
@@ -114,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_address(p)
     _add_tls(p)
 
+    p = sub.add_parser("info", help="what a running server computes with: model, context, dtype, backend",
+                       description="Ask a running server (GetServerInfo) for its model, the longest request it "
+                                   "takes, and each engine's dtype, KV cache, backend and instruction sets (one "
+                                   "per replica in a fleet).")
+    p.add_argument("--json", action="store_true", help="the answer as JSON")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="deadline (default 10)")
+    _add_address(p)
+    _add_tls(p)
+
     p = sub.add_parser("template", aliases=["prefix"],
                        help="add, list or remove templates (admin API of a running server; alias: prefix)")
     psub = p.add_subparsers(dest="template_command", required=True, metavar="ACTION")
@@ -167,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "info":
+            return _info(args)
         return _template(args)
     except grpc.RpcError as e:
         code = e.code()
@@ -254,6 +269,28 @@ def _generate(args: argparse.Namespace) -> int:
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         print(f"[{reason}] prompt {u.prompt_tokens} tokens ({u.prefix_tokens} reused from the template), "
               f"{u.completion_tokens} completion tokens, ttft {u.ttft_ms:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from prefix_service.client import PrefixServiceClient
+
+    with PrefixServiceClient(args.address, tls=args.tls, tls_ca_file=args.tls_ca) as client:
+        info = client.server_info(timeout=args.timeout)
+    if args.json:  # every field, defaults too, under its proto name
+
+        def fields(msg: Any) -> dict[str, Any]:
+            return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+        print(json.dumps({**fields(info), "engines": [fields(e) for e in info.engines]}, indent=2))
+        return 0
+    print(f"prefix_service {info.version} at {args.address}: model {info.model}, max_model_len {info.max_model_len}")
+    for e in info.engines:
+        where = f"replica {e.replica}" if e.replica else "engine"
+        isa = f", {e.cpu_isa}" + (f" (kernels built for -march={e.cpu_march})" if e.cpu_march else "") \
+            if e.cpu_isa else ""
+        print(f"{where}: {e.dtype} on {e.device}{isa}; KV cache {e.kv_cache_dtype}, {e.num_blocks} blocks of "
+              f"{e.block_size}; quantization {e.quantization}{', batch-invariant' if e.batch_invariant else ''}")
+        print(f"  backend {e.backend_description}")
     return 0
 
 

@@ -74,6 +74,10 @@ class PrefixServiceClient:
                                                timeout=timeout)
         return list(resp.templates)
 
+    def server_info(self, timeout: float | None = None) -> pb.ServerInfo:
+        """What the server computes with: the model, its context length, each engine's dtype and backend."""
+        return self._generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+
     def close(self) -> None:
         self._channel.close()
 

@@ -114,6 +114,27 @@ def test_prefix_add_list_remove(server, capsys, tmp_path):
     assert main(["template", "add", "x", "--file", str(tmp_path / "missing.txt"), "--address", server.address]) == 2
 
 
+def test_info_shows_what_the_server_computes_with(server, capsys):
+    (engine,) = server.engine.engine_infos().values()
+    assert main(["info", "--address", server.address]) == 0
+    out = capsys.readouterr().out
+    assert f"at {server.address}: model {server.server.served_name}, max_model_len {engine.max_model_len}" in out
+    assert f"engine: {engine.dtype} on {engine.device}" in out
+    assert f"KV cache {engine.kv_cache_dtype}, {engine.num_blocks} blocks of {engine.block_size}" in out
+    assert f"backend {engine.backend_description}" in out
+    assert main(["info", "--address", server.address, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"] == server.server.served_name and data["max_model_len"] == engine.max_model_len
+    assert [(e["replica"], e["dtype"], e["num_blocks"], e["batch_invariant"]) for e in data["engines"]] == [
+        ("", engine.dtype, engine.num_blocks, engine.batch_invariant)]
+
+
+def test_info_without_a_server_says_how_to_start_one(capsys):
+    assert main(["info", "--address", "127.0.0.1:1", "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: UNAVAILABLE") and "prefix-service serve --config FILE" in err
+
+
 def test_template_commands_send_the_token(model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(TOKEN_ENV, "cli-secret")
     st = ServerThread(make_config(model_dir, state_file=tmp_path / "s.json")).start()

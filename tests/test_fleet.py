@@ -175,6 +175,22 @@ def test_metrics_count_the_whole_fleet(fleet):
         assert labels["cpu_isa"] == ",".join(cpuinfo.isa())  # the replicas' machine: this one here
 
 
+def test_server_info_describes_every_replica(fleet):
+    """GetServerInfo through the front end: one engine per replica, named by its id, each as its own
+    report describes it; the context is the replicas' least, as /v1/models through Ray Serve gives it."""
+    server, clients = fleet
+    info = clients.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=60)
+    replicas = reports(server)
+    assert [e.replica for e in info.engines] == sorted(replicas) and len(info.engines) == 2
+    for e in info.engines:
+        assert (e.device, e.dtype, e.block_size, e.num_blocks, e.cpu_isa) == (
+            "cpu", "float32", 4, 1024, ",".join(cpuinfo.isa()))
+    assert info.max_model_len == min(e.max_model_len for e in info.engines) > 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.server.http_port}/v1/models", timeout=30) as resp:
+        base = json.loads(resp.read())["data"][0]
+    assert (base["id"], base["max_model_len"]) == (info.model, info.max_model_len)
+
+
 def test_greedy_outputs_equal_one_process(fleet, reference):
     server, clients = fleet
     for name in TEMPLATES:

@@ -70,6 +70,8 @@ def test_models_lists_the_model_and_every_template(server):
     ids = [m.id for m in models]
     assert ids[0] == server.config.engine.model.path.rstrip("/").rsplit("/", 1)[-1]
     assert sorted(ids[1:]) == ["doc", "sys"]
+    (info,) = server.engine.engine_infos().values()
+    assert models[0].max_model_len == info.max_model_len > 0  # as vLLM's /v1/models gives it
     doc = next(m for m in models if m.id == "doc")
     assert doc.parent == ids[0] and doc.metadata["kind"] == "prefix_template"
     assert doc.metadata["template_tokens"] == server.engine.get_template("doc").num_tokens

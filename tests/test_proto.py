@@ -54,7 +54,7 @@ def test_no_runtime_version_check_above_the_protobuf_floor():
 def test_contract_names():
     services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
     assert pb.DESCRIPTOR.package == "prefix_service.v1"
-    assert services == {"Generation": ["Generate", "Score"],
+    assert services == {"Generation": ["Generate", "Score", "GetServerInfo"],
                         "PrefixAdmin": ["AddPrefixTemplate", "RemovePrefixTemplate", "ListPrefixTemplates"]}
     gen = pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name["Generate"]
     from google.protobuf import descriptor_pb2
@@ -79,6 +79,11 @@ def test_contract_names():
         "CandidateScore": ["candidate", "logprob", "token_ids", "token_logprobs"],
         "ScoreResponse": ["candidates", "usage", "request_id"],
         "TokenLogprob": ["token_id", "logprob", "token", "top"],
+        "GetServerInfoRequest": [],
+        "ServerInfo": ["version", "model", "max_model_len", "engines"],
+        "EngineDescription": ["replica", "model", "dtype", "kv_cache_dtype", "device", "backend",
+                              "backend_description", "max_model_len", "block_size", "num_blocks", "quantization",
+                              "batch_invariant", "cpu_isa", "cpu_march"],
     }
     for name, names in expected.items():
         assert fields[name][:len(names)] == names, name

@@ -264,6 +264,9 @@ def test_health_serving_only_after_warmup(model_dir):
         gen = stub.Check(health_pb2.HealthCheckRequest(service="prefix_service.v1.Generation"), timeout=5).status
         with pytest.raises(grpc.RpcError) as info:
             collect(c.generation.Generate(greedy_request(" the", max_tokens=2), timeout=5))
+        with pytest.raises(grpc.RpcError) as server_info:
+            c.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+        assert server_info.value.code() == grpc.StatusCode.UNAVAILABLE, server_info.value
         seen.append((src.name, overall, gen, info.value.code(), "warming up" in info.value.details()))
         c.close()
 
@@ -279,6 +282,38 @@ def test_health_serving_only_after_warmup(model_dir):
         st.check_clean()
     finally:
         st.stop()
+
+
+def test_server_info_names_what_the_engine_computes_with(server, clients):
+    """GetServerInfo: the served model's id, its context, and the one engine's description, each field
+    as the engine itself reports it (EngineInfo)."""
+    info = clients.generation.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    (expected,) = server.engine.engine_infos().values()
+    assert info.model == server.server.served_name and info.version
+    assert info.max_model_len == expected.max_model_len > 0
+    (engine,) = info.engines
+    assert engine.replica == ""
+    assert engine.model == server.config.engine.model.path.rstrip("/").rsplit("/", 1)[-1]
+    assert (engine.dtype, engine.kv_cache_dtype, engine.device, engine.backend, engine.backend_description) == (
+        expected.dtype, expected.kv_cache_dtype, expected.device, expected.backend, expected.backend_description)
+    assert (engine.max_model_len, engine.block_size, engine.num_blocks, engine.quantization) == (
+        expected.max_model_len, expected.block_size, expected.num_blocks, expected.quantization)
+    assert (engine.batch_invariant, engine.cpu_isa, engine.cpu_march) == (
+        expected.batch_invariant, expected.cpu_isa, expected.cpu_march)
+
+
+def test_server_info_of_a_fleet_lists_its_replicas_in_order_with_their_least_context(server):
+    """The conversion a fleet's answer goes through: a replica per engine, in replica order, and the
+    request limit the one with the least context sets."""
+    import dataclasses
+
+    from prefix_service.server.convert import server_info_to_proto
+    (one,) = server.engine.engine_infos().values()
+    infos = {"r2": dataclasses.replace(one, max_model_len=100), "r1": dataclasses.replace(one, max_model_len=300)}
+    info = server_info_to_proto("base", infos)
+    assert [(e.replica, e.max_model_len) for e in info.engines] == [("r1", 300), ("r2", 100)]
+    assert (info.model, info.max_model_len) == ("base", 100)
+    assert server_info_to_proto("base", {}).max_model_len == 0  # no engine yet
 
 
 def test_reflection_lists_the_services(server, clients):

@@ -247,3 +247,51 @@ class ListPrefixTemplatesResponse(_message.Message):
     TEMPLATES_FIELD_NUMBER: _ClassVar[int]
     templates: _containers.RepeatedCompositeFieldContainer[PrefixTemplate]
     def __init__(self, templates: _Optional[_Iterable[_Union[PrefixTemplate, _Mapping]]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineDescription(_message.Message):
+    __slots__ = ("replica", "model", "dtype", "kv_cache_dtype", "device", "backend", "backend_description", "max_model_len", "block_size", "num_blocks", "quantization", "batch_invariant", "cpu_isa", "cpu_march")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
+    CPU_ISA_FIELD_NUMBER: _ClassVar[int]
+    CPU_MARCH_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    device: str
+    backend: str
+    backend_description: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    quantization: str
+    batch_invariant: bool
+    cpu_isa: str
+    cpu_march: str
+    def __init__(self, replica: _Optional[str] = ..., model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., device: _Optional[str] = ..., backend: _Optional[str] = ..., backend_description: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., quantization: _Optional[str] = ..., batch_invariant: bool = ..., cpu_isa: _Optional[str] = ..., cpu_march: _Optional[str] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "model", "max_model_len", "engines")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    model: str
+    max_model_len: int
+    engines: _containers.RepeatedCompositeFieldContainer[EngineDescription]
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineDescription, _Mapping]]] = ...) -> None: ...

@@ -25,6 +25,11 @@ class GenerationStub(object):
                 request_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreResponse.FromString,
                 )
+        self.GetServerInfo = channel.unary_unary(
+                '/prefix_service.v1.Generation/GetServerInfo',
+                request_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.ServerInfo.FromString,
+                )
 
 
 class GenerationServicer(object):
@@ -53,6 +58,15 @@ class GenerationServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """What the server computes with: the model's name and context length, and per engine (one for a
+        server in one process, one per replica in a fleet) its dtype, KV cache, backend and instruction
+        sets. Errors: UNAVAILABLE while the server is loading or warming up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -65,6 +79,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreRequest.FromString,
                     response_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.ScoreResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=prefix__service_dot_proto_dot_prefix__service__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=prefix__service_dot_proto_dot_prefix__service__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -108,6 +127,23 @@ class Generation(object):
         return grpc.experimental.unary_unary(request, target, '/prefix_service.v1.Generation/Score',
             prefix__service_dot_proto_dot_prefix__service__pb2.ScoreRequest.SerializeToString,
             prefix__service_dot_proto_dot_prefix__service__pb2.ScoreResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/prefix_service.v1.Generation/GetServerInfo',
+            prefix__service_dot_proto_dot_prefix__service__pb2.GetServerInfoRequest.SerializeToString,
+            prefix__service_dot_proto_dot_prefix__service__pb2.ServerInfo.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

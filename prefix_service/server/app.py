@@ -67,7 +67,6 @@ class PrefixServer:
         self._grpc: grpc.aio.Server | None = None
         self._admin_grpc: grpc.aio.Server | None = None  # only with server.admin_address
         self._health = health.aio.HealthServicer()
-        self._generation = GenerationServicer(self.runtime, self.metrics)
         self._stopped = asyncio.Event()
         self._stopping = threading.Event()
         self.port: int | None = None  # generation (and admin without server.admin_address)
@@ -76,6 +75,7 @@ class PrefixServer:
         self.http_port: int | None = None  # the OpenAI-compatible HTTP API; None when off
         model = config.engine.model
         self.served_name = model.served_name or Path(model.path).name  # the base model's id over HTTP
+        self._generation = GenerationServicer(self.runtime, self.metrics, self.served_name)
         self.context = ServerContext(config, self.runtime, self.metrics, self.served_name, self._stopping)
         self._exit: Callable[[int], Any] = os._exit  # after a device error; tests record it instead
         self._loop: asyncio.AbstractEventLoop | None = None

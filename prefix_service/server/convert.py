@@ -4,9 +4,12 @@ seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none,
 unset structured_output means the template's default output (or free text)."""
 from __future__ import annotations
 
+import functools
+import os
 from typing import Callable, Iterable, Sequence
 
 from prefix_service.errors import InvalidRequest
+from prefix_service.engine.api import EngineInfo
 from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import SamplingParams, StructuredOutput
@@ -106,6 +109,30 @@ def score_to_proto(out: ScoreOutput, candidates: Sequence[str]) -> pb.ScoreRespo
         candidates=[pb.CandidateScore(candidate=text, logprob=c.logprob, token_ids=c.token_ids,
                                       token_logprobs=c.token_logprobs) for text, c in zip(candidates, out.candidates)],
         usage=pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.cached_tokens), request_id=out.request_id)
+
+
+@functools.lru_cache(maxsize=1)
+def package_version() -> str:
+    """prefix_service's installed version ("unknown" where it runs from sources not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("prefix_service")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def server_info_to_proto(served_name: str, infos: dict[str, EngineInfo]) -> pb.ServerInfo:
+    """GetServerInfo's answer: the served model's id, the engines' least context, and each engine
+    (infos: replica id, "" for a server in one process, -> its EngineInfo), in replica order."""
+    engines = [pb.EngineDescription(
+        replica=replica, model=os.path.basename(os.path.normpath(info.model_path)), dtype=info.dtype,
+        kv_cache_dtype=info.kv_cache_dtype, device=info.device, backend=info.backend,
+        backend_description=info.backend_description, max_model_len=info.max_model_len,
+        block_size=info.block_size, num_blocks=info.num_blocks, quantization=info.quantization,
+        batch_invariant=info.batch_invariant, cpu_isa=info.cpu_isa, cpu_march=info.cpu_march)
+        for replica, info in sorted(infos.items())]
+    return pb.ServerInfo(version=package_version(), model=served_name, engines=engines,
+                         max_model_len=min((e.max_model_len for e in engines), default=0))
 
 
 def template_to_proto(info: TemplateInfo, origin: str, replicas: Sequence[str] = ()) -> pb.PrefixTemplate:

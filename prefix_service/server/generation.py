@@ -5,6 +5,7 @@ stream, which aborts the request and frees its KV blocks, whether it was waiting
 Every call ends in its RequestTrace (metrics and the request's log line)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import AsyncIterator
@@ -13,7 +14,7 @@ import grpc
 
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.proto import prefix_service_pb2_grpc as pb_grpc
-from prefix_service.server.convert import output_to_proto, score_to_proto, spec_from_proto
+from prefix_service.server.convert import output_to_proto, score_to_proto, server_info_to_proto, spec_from_proto
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
 from prefix_service.server.requests import ScoreSpec, TokenTexts, prepare, request_id_for, score
 from prefix_service.server.runtime import Runtime
@@ -24,9 +25,10 @@ log = logging.getLogger("prefix_service.server")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, runtime: Runtime, metrics: ServiceMetrics) -> None:
+    def __init__(self, runtime: Runtime, metrics: ServiceMetrics, served_name: str = "") -> None:
         self.runtime = runtime
         self.metrics = metrics
+        self.served_name = served_name  # the base model's id, as the HTTP API names it
         self.token_texts = TokenTexts()  # for log-probabilities
 
     async def Generate(self, request: pb.GenerateRequest,
@@ -82,6 +84,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 trace.end(context.time_remaining())
             except Exception:  # noqa: BLE001 - bookkeeping must never change the call's outcome
                 log.exception("recording score request %s failed", trace.request_id or "(no id)")
+
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ServerInfo:
+        try:
+            check_decoded(request)
+            engine, _ = self.runtime.require_ready()
+            infos = await asyncio.get_running_loop().run_in_executor(self.runtime.executor, engine.engine_infos)
+        except Exception as e:  # not ready (UNAVAILABLE), or the engine stopped
+            code, message = status_for(e)
+            await context.abort(code, message)
+        return server_info_to_proto(self.served_name, infos)
 
     async def drain_aborts(self) -> None:
         """Wait for the aborts of calls that ended early (before the engine shuts down)."""

@@ -527,13 +527,17 @@ class OpenAIApi:
     async def models(self, request: Request) -> JSONResponse:
         try:
             self.auth.check(request.headers.items())
-            _, registry = self.runtime.require_ready()
-            templates = await asyncio.get_running_loop().run_in_executor(self.runtime.executor, registry.list)
+            engine, registry = self.runtime.require_ready()
+            loop = asyncio.get_running_loop()
+            templates = await loop.run_in_executor(self.runtime.executor, registry.list)
+            infos = await loop.run_in_executor(self.runtime.executor, engine.engine_infos)
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
             return self.error(e)
         created = int(time.time())
+        # max_model_len as vLLM gives it: the longest prompt plus output a request can have (the engines' least)
         data = [{"id": self.served_name, "object": "model", "created": created, "owned_by": "prefix_service",
-                 "root": self.served_name, "parent": None}]
+                 "root": self.served_name, "parent": None,
+                 "max_model_len": min((i.max_model_len for i in infos.values()), default=None)}]
         for info, origin in templates:
             data.append({"id": info.name, "object": "model", "created": created, "owned_by": "prefix_service",
                          "root": self.served_name, "parent": self.served_name,

@@ -50,6 +50,9 @@ def add_generation(servicer: Any, server: grpc.aio.Server) -> None:
         "Score": grpc.unary_unary_rpc_method_handler(
             servicer.Score, request_deserializer=_decoder(pb.ScoreRequest),
             response_serializer=pb.ScoreResponse.SerializeToString),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo, request_deserializer=_decoder(pb.GetServerInfoRequest),
+            response_serializer=pb.ServerInfo.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers),))
 
