@@ -30,8 +30,14 @@ def _probe(fn: Callable[[], Any]) -> Any:
 
 
 def _versions() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
-    out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+    try:
+        ours = version("prefix_service")
+    except PackageNotFoundError:  # run from sources not installed
+        ours = None
+    out: dict[str, Any] = {"prefix_service": ours, "python": platform.python_version(), "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda}
     for name in ("transformers", "grpc", "llguidance"):
         try:
@@ -51,8 +57,8 @@ def _machine() -> dict[str, Any]:
 
 
 def _model(config_path: str) -> tuple[dict[str, Any], Any, Any]:
-    """The config's model part: (its report, the resolved device, dtype and arch for the kernels' part,
-    or None where they could not be resolved)."""
+    """The config's model part: (its report, the dtype and the architecture the kernels' part is for;
+    None for both where the model directory holds no model)."""
     from prefix_service.config import load_config
     from prefix_service.engine.core import resolve_device
     from prefix_service.model.loader import checkpoint_dtype, choose_dtype, read_arch
