@@ -205,6 +205,28 @@ def test_a_holder_that_cannot_export_leaves_the_joiner_to_prefill(llama_dir, cap
     assert "could not export its K/V" in caplog.text and "out of object store memory" in caplog.text
 
 
+def test_a_report_taken_before_the_one_held_does_not_replace_it(llama_dir):
+    """A replica's poll that took its report while the replica was still pinning can reach the
+    controller after the ready() that carried a later report: the controller keeps the later one (the
+    replica numbers its reports as it takes them), and takes the next poll's newer one."""
+    async def main():
+        c = controller_for(llama_dir, 1, 1)
+        r = FakeReplica(c, "r")
+        assigned = await c.join("r")
+        mine = [src.name for src in assigned]
+        assert set(mine) == set(TEMPLATES)
+        early = {"seq": 1, **r.report()}  # taken before any pin
+        for src in assigned:
+            r.pin(src)
+        await c.ready("r", {n: r.token_ids(n) for n in r.held}, {"seq": 2, **r.report()})
+        await c.poll("r", early)  # arrives late
+        assert {info.name for info, _ in (await c.reports())["r"]["held"]} == set(TEMPLATES)
+        r.unpin(mine[0])
+        await c.poll("r", {"seq": 3, **r.report()})
+        assert {info.name for info, _ in (await c.reports())["r"]["held"]} == set(TEMPLATES) - {mine[0]}
+    run(main())
+
+
 def test_a_replica_that_stops_polling_leaves_and_its_templates_move(llama_dir):
     async def main():
         c = controller_for(llama_dir, 2, 1)

@@ -70,10 +70,17 @@ class Command:
 class Member:
     ready: bool = False  # its constructor returned: it serves
     last_seen: float = field(default_factory=time.monotonic)
-    report: dict[str, Any] = field(default_factory=dict)  # its last poll's: held templates, stats
+    report: dict[str, Any] = field(default_factory=dict)  # its newest: held templates, stats (see take_report)
     queue: list[Command] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+
+    def take_report(self, report: dict[str, Any]) -> None:
+        """Keep `report` unless the one held was taken after it (a replica numbers its reports, `seq`, as
+        it takes them): a poll's report taken while the replica was still pinning its templates can
+        arrive after the ready() that carried a later one, and would stand for a poll's wait."""
+        if report.get("seq", 0) >= self.report.get("seq", 0):
+            self.report = report
 
 
 class FleetController:
@@ -146,7 +153,7 @@ class FleetController:
         member = self.members.setdefault(replica, Member())
         member.ready = True
         member.last_seen = time.monotonic()
-        member.report = report
+        member.take_report(report)
         for name, ids in held.items():
             if name in self.locations:
                 self.locations[name].add(replica)
@@ -167,7 +174,7 @@ class FleetController:
                 if name in self.locations:
                     self.locations[name].add(replica)
         member.last_seen = time.monotonic()
-        member.report = report
+        member.take_report(report)
         if not member.queue:
             member.wake.clear()
             try:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -60,6 +62,10 @@ class EngineReplica:
         self.engine.peer_kv = self._kv_from_peer  # a template it pins comes from a holder if one serves
         self.registry = TemplateRegistry(self.engine, None, config.server.max_template_bytes)
         self.requests: collections.Counter[str] = collections.Counter()  # requests taken, by template ("" for none)
+        # each report numbered as it is taken (one at a time), so that the controller keeps the newest: a poll's
+        # report taken while the constructor pinned can reach it after the ready() that carried a later one
+        self._report_seq = itertools.count(1)
+        self._report_lock = threading.Lock()
         assigned: list[TemplateSource] = await controller.join.remote(self.id)
         self._poller = asyncio.create_task(self._poll_forever())
         configured = [s for s in assigned if s.origin == "config"]
@@ -84,8 +90,9 @@ class EngineReplica:
         return out
 
     def report(self) -> dict[str, Any]:
-        return {"held": self.registry.list(), "stats": self.stats(), "node": self.node, "startup": self.startup,
-                "engine": self.engine.info}
+        with self._report_lock:
+            return {"seq": next(self._report_seq), "held": self.registry.list(), "stats": self.stats(),
+                    "node": self.node, "startup": self.startup, "engine": self.engine.info}
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()
