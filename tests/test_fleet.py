@@ -119,8 +119,13 @@ def test_startup_places_each_template_on_its_rendezvous_holder(fleet):
     for name, t in templates.items():
         assert list(t.replicas) == holders(name, members, 1), name
         assert t.origin == "config" and t.num_tokens > 0
-    held = {r: {info.name for info, _ in rep["held"]} for r, rep in reports(server).items()}
-    assert set().union(*held.values()) == set(TEMPLATES) and not set.intersection(*held.values())
+    def held() -> dict[str, set[str]]:
+        return {r: {info.name for info, _ in rep["held"]} for r, rep in reports(server).items()}
+
+    # the replicas' reports come with their polls, a second apart at most (docs/scale-out.md)
+    wait_until(lambda: set().union(*held().values()) == set(TEMPLATES), timeout=10,
+               what="every template in its holder's report")
+    assert not set.intersection(*held().values())
     # each holder wrote its templates' snapshots to the shared folder
     wait_until(lambda: snapshots(server) == set(TEMPLATES), what="a snapshot of every template in the shared folder")
 
@@ -163,8 +168,14 @@ def test_metrics_count_the_whole_fleet(fleet):
     samples = {name: value for (name, labels), value in scraped.items() if not labels}
     assert samples["prefix_service_kv_blocks_total"] == 2 * 1024  # two replicas of 1024 blocks
     assert samples["prefix_service_templates"] == len(TEMPLATES)
-    held = sum(info.num_blocks for rep in reports(server).values() for info, _ in rep["held"])
-    assert samples["prefix_service_kv_blocks_pinned"] == held > 0
+    def pinned() -> tuple[float, int]:  # a scrape's, and the reports' (each at most a poll old)
+        scraped_now = {name: value for (name, labels), value in scrape(server).items() if not labels}
+        return scraped_now["prefix_service_kv_blocks_pinned"], sum(
+            info.num_blocks for rep in reports(server).values() for info, _ in rep["held"])
+
+    assert samples["prefix_service_kv_blocks_pinned"] > 0
+    wait_until(lambda: (lambda p: p[0] == p[1] > 0)(pinned()), timeout=10,
+               what="the scraped pinned blocks equal to the reports'")
     # what each replica's engine computes with, one series each, from the replicas' own reports
     infos = {dict(labels)["replica"]: dict(labels) for (name, labels), value in scrape(server).items()
              if name == "prefix_service_engine_info" and value == 1}
