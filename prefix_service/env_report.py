@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from prefix_service import backends, cpuinfo, envs
 from prefix_service.errors import PrefixServiceError
+from prefix_service.versions import dist_version
 
 Report = dict[str, dict[str, Any]]
 ERROR = "error: "
@@ -30,14 +31,8 @@ def _probe(fn: Callable[[], Any]) -> Any:
 
 
 def _versions() -> dict[str, Any]:
-    from importlib.metadata import PackageNotFoundError, version
-
     import torch
-    try:
-        ours = version("prefix_service")
-    except PackageNotFoundError:  # run from sources not installed
-        ours = None
-    out: dict[str, Any] = {"prefix_service": ours, "python": platform.python_version(), "torch": torch.__version__,
+    out: dict[str, Any] = {"prefix_service": dist_version("prefix_service"), "python": platform.python_version(), "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda}
     for name in ("transformers", "grpc", "llguidance"):
         try:

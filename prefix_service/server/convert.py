@@ -4,7 +4,6 @@ seed means random, repetition_penalty 0 means 1.0, an unset logprobs means none,
 unset structured_output means the template's default output (or free text)."""
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable, Iterable, Sequence
 
@@ -15,6 +14,7 @@ from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import SamplingParams, StructuredOutput
 from prefix_service.engine.sequence import FinishReason, RequestOutput, ScoreOutput
 from prefix_service.server.requests import RequestSpec
+from prefix_service.versions import package_version
 
 _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -109,16 +109,6 @@ def score_to_proto(out: ScoreOutput, candidates: Sequence[str]) -> pb.ScoreRespo
         candidates=[pb.CandidateScore(candidate=text, logprob=c.logprob, token_ids=c.token_ids,
                                       token_logprobs=c.token_logprobs) for text, c in zip(candidates, out.candidates)],
         usage=pb.Usage(prompt_tokens=out.prompt_tokens, prefix_tokens=out.cached_tokens), request_id=out.request_id)
-
-
-@functools.lru_cache(maxsize=1)
-def package_version() -> str:
-    """prefix_service's installed version ("unknown" where it runs from sources not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("prefix_service")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def server_info_to_proto(served_name: str, infos: dict[str, EngineInfo]) -> pb.ServerInfo:
