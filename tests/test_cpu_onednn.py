@@ -158,9 +158,9 @@ def test_amx_defaults_to_timing_the_kernels_and_the_environment_still_chooses(mo
     monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
     monkeypatch.setattr(onednn, "brgemm_vnni", lambda: True)
     bf16_native = onednn.bf16_native
-    for native in (True, False):
-        monkeypatch.setattr(onednn, "bf16_native", lambda n=native: n)
-        assert onednn.default_kernel() == ("measure" if native else "brgemm")
+    for has_units in (True, False):
+        monkeypatch.setattr(onednn, "bf16_native", lambda n=has_units: n)
+        assert onednn.default_kernel() == ("measure" if has_units else "brgemm")
     monkeypatch.setattr(onednn, "bf16_native", bf16_native)
     monkeypatch.setenv(onednn.KERNEL_ENV, "emulated")
     assert onednn.default_kernel() == "emulated"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from prefix_service.bench import report
-from prefix_service.bench.plan import FULL, MODES, QUICK, ClosedSpec, Plan, with_overrides
+from prefix_service.bench.plan import FULL, MODES, QUICK, Plan, with_overrides
 from prefix_service.bench.systems import KNOWN_SYSTEMS, SYSTEMS
 from prefix_service.bench.workloads import WORKLOADS
 
