@@ -12,6 +12,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+# a temperature below this is greedy (vLLM's bound): logits over a smaller one overflow float32, or
+# the temperature itself rounds to 0 there, and the draw could only pick the argmax anyway
+GREEDY_TEMPERATURE = 1e-5
 MAX_N = 64  # samples per request
 
 
@@ -65,7 +68,7 @@ class StructuredOutput:
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int | None = None  # None: the configured default
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_TEMPERATURE): greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0 or -1: no limit
     seed: int | None = None  # None: drawn from the engine's generator
@@ -85,7 +88,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def adjusts_logits(self) -> bool:
@@ -106,7 +109,7 @@ class SamplingParams:
                 bad(f"max_tokens {self.max_tokens} exceeds the configured cap {max_tokens_cap}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
                 or self.temperature < 0 or self.temperature > 100:
-            bad(f"temperature must be in [0, 100] (0 = greedy), got {self.temperature!r}")
+            bad(f"temperature must be in [0, 100] (0 or below {GREEDY_TEMPERATURE:g} = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) \
                 or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -40,6 +40,23 @@ def test_top_k_1_and_tiny_top_p_are_greedy(make_engine):
         assert engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=params)])[0].token_ids == expected
 
 
+def test_a_temperature_too_small_for_float32_is_greedy_and_fails_nothing_beside_it(make_engine):
+    """Below 1e-5 a temperature is greedy (vLLM's bound): 1e-46 rounds to 0 in float32 and 1e-40
+    overflows the logits over it, which failed the step, and with it every request in flight, or drew
+    garbage under top-k/top-p. A request beside them in the batch is untouched."""
+    engine = make_engine()
+    expected = run_ids(engine, PROMPT, max_tokens=12)
+    other = GenerateRequest(prompt_token_ids=[5, 6, 7, 8],
+                            sampling=SamplingParams(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True))
+    other_alone = engine.generate([other])[0].token_ids
+    for temperature in (1e-46, 1e-40, 1e-30, 9e-6):
+        for extra in ({}, {"top_p": 0.5}, {"top_k": 5}):
+            tiny = SamplingParams(max_tokens=12, temperature=temperature, seed=3, ignore_eos=True, **extra)
+            outs = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=tiny), other])
+            assert outs[0].token_ids == expected, (temperature, extra)
+            assert outs[1].token_ids == other_alone, (temperature, extra)
+
+
 def test_top_k_restricts_to_k_most_likely(make_engine):
     from helpers import engine_last_logits
     engine = make_engine()
