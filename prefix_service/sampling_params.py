@@ -31,6 +31,20 @@ class StructuredOutput:
 
     KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "text")
 
+    def __post_init__(self) -> None:
+        """Whatever the API it comes from, a constraint is one the state file can hold and read back
+        (to_dict, from_dict): a choice of non-empty strings, a non-empty spec for a kind that has one.
+        InvalidRequest naming param."""
+        where = self.param
+        if self.kind not in self.KINDS:
+            raise InvalidRequest(f"{where}: the kind {self.kind!r} is none of {', '.join(self.KINDS)}", param=where)
+        if self.kind == "choice":
+            if not self.choices or not all(isinstance(c, str) and c for c in self.choices):
+                raise InvalidRequest(f"{where}: expected a list of non-empty strings, got "
+                                     f"{str(list(self.choices))[:80]!r}", param=where)
+        elif self.kind in ("json_schema", "regex", "grammar") and (not isinstance(self.spec, str) or not self.spec):
+            raise InvalidRequest(f"{where}: expected a non-empty string, got {str(self.spec)[:80]!r}", param=where)
+
     @classmethod
     def from_dict(cls, d: Any, param: str = "structured_output") -> StructuredOutput:
         """From its written form (YAML, the state file): one key of json_schema (a mapping, or JSON

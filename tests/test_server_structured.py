@@ -59,6 +59,8 @@ def test_each_kind_constrains_the_output(make_server):
     (pb.StructuredOutput(json_schema="{not json"), "sampling.structured_output.json_schema"),
     (pb.StructuredOutput(grammar="start: ("), "sampling.structured_output.grammar"),
     (pb.StructuredOutput(choice=pb.Choices()), "sampling.structured_output.choice"),
+    (pb.StructuredOutput(choice=pb.Choices(choices=["", " yes"])), "sampling.structured_output.choice"),
+    (pb.StructuredOutput(regex=""), "sampling.structured_output.regex"),
     (pb.StructuredOutput(json_object=False), "sampling.structured_output.json_object"),
 ])
 def test_a_bad_constraint_is_invalid_argument_naming_it(make_server, structured, field):
@@ -93,12 +95,18 @@ def test_a_template_default_output_from_yaml_and_the_admin_api(make_server, tmp_
     saved = json.loads(state.read_text())["templates"]
     assert saved == [{"name": "record", "content": DOCUMENT, "structured_output": {"json_schema": json.dumps(SCHEMA)}}]
 
-    with pytest.raises(grpc.RpcError) as info:
-        c.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(
-            name="broken", content=DOCUMENT, structured_output=pb.StructuredOutput(regex="([a-")))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert info.value.details().startswith("structured_output.regex")
-    assert "broken" not in {t.name for t in c.admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest()).templates}
+    # refused before anything is pinned or written: the regex does not compile; the empty ones (an
+    # empty choice, an empty regex) the state file could not read back, which stopped the next start
+    for broken, field in ((pb.StructuredOutput(regex="([a-"), "regex"),
+                          (pb.StructuredOutput(choice=pb.Choices(choices=["", " yes"])), "choice"),
+                          (pb.StructuredOutput(regex=""), "regex")):
+        with pytest.raises(grpc.RpcError) as info:
+            c.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(name="broken", content=DOCUMENT,
+                                                                  structured_output=broken))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith(f"structured_output.{field}")
+        assert "broken" not in {t.name for t in c.admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest()).templates}
+    assert json.loads(state.read_text())["templates"] == saved
     st.check_clean()
     st.stop()
 

@@ -66,14 +66,26 @@ def test_each_sample_keeps_the_constraint(make_engine):
 @pytest.mark.parametrize("spec,match", [
     (StructuredOutput("regex", "([a-"), "regex"), (StructuredOutput("json_schema", "{not json"), "json_schema"),
     (StructuredOutput("json_schema", json.dumps({"type": "objekt"})), "json_schema"),
-    (StructuredOutput("grammar", "start: ("), "grammar"), (StructuredOutput("choice"), "choice"),
-    (StructuredOutput("yaml", "x"), "unknown kind")])
+    (StructuredOutput("grammar", "start: ("), "grammar")])
 def test_a_bad_constraint_is_refused_naming_it(make_engine, spec, match):
     engine = make_engine()
     with pytest.raises(InvalidRequest, match=match) as e:
         generate(engine, spec)
     assert e.value.param == "structured_output"
     assert engine.kv_stats()["waiting"] == 0
+
+
+@pytest.mark.parametrize("kind,fields,match", [
+    ("choice", {}, "non-empty strings"), ("choice", {"choices": ("", " yes")}, "non-empty strings"),
+    ("regex", {"spec": ""}, "non-empty string"), ("grammar", {}, "non-empty string"),
+    ("json_schema", {}, "non-empty string"), ("yaml", {"spec": "x"}, "none of")])
+def test_a_constraint_the_state_file_could_not_read_back_is_refused_when_made(kind, fields, match):
+    """Every API builds a StructuredOutput, and a template's is written to the state file, which
+    refuses these at the next start: so none is made (an empty choice or regex was served, and its
+    template then kept the server from starting)."""
+    with pytest.raises(InvalidRequest, match=match) as e:
+        StructuredOutput(kind, param="structured_outputs.choice", **fields)
+    assert e.value.param == "structured_outputs.choice"
 
 
 def test_a_template_default_output_applies_unless_a_request_names_its_own(make_engine):
