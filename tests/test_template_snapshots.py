@@ -7,6 +7,7 @@ written turns saving off and serving goes on."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -88,6 +89,28 @@ def test_removing_a_template_removes_its_snapshot(make_engine, tmp_path):
     engine.remove_template("doc")
     engine.flush_snapshots()
     assert [p.name.split(".")[0] for p in folder.iterdir()] == ["other"]
+
+
+def test_a_template_added_again_while_its_removal_waits_is_saved_again(make_engine, tmp_path):
+    """Remove a template and add it again while the writer is busy (a large save before): the add
+    waits for the removal, so it does not pin from the file about to go, and its new snapshot is
+    written. (It pinned from the old file, which the removal then deleted: listed as from a
+    snapshot, with none on disk.)"""
+    folder = tmp_path / "snapshots"
+    engine = make_engine(snapshot_dir=str(folder), backend="torch")
+    engine.add_template("doc", token_ids=TEMPLATE)
+    engine.flush_snapshots()
+    busy = threading.Event()
+    engine._snapshots._writer.submit(busy.wait, 30)  # the writer busy, as with a large save
+    engine.remove_template("doc")
+    threading.Timer(0.5, busy.set).start()
+    engine.add_template("doc", token_ids=TEMPLATE)
+    engine.flush_snapshots()
+    assert kv_source(engine) == "prefill"
+    assert [p.name.split(".")[0] for p in folder.iterdir()] == ["doc"]
+    restarted = make_engine(snapshot_dir=str(folder), backend="torch")
+    restarted.add_template("doc", token_ids=TEMPLATE)
+    assert kv_source(restarted) == "snapshot"
 
 
 def test_a_folder_that_cannot_be_written_turns_saving_off(make_engine, tmp_path, caplog):
