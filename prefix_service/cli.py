@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from prefix_service import envs
 
@@ -108,11 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true",
                    help="send PROMPT as a user message through the model's chat template")
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before PROMPT")
-    p.add_argument("--max-tokens", type=int, default=0, metavar="N", help="default: the server's configured default")
+    p.add_argument("--max-tokens", type=_integer(0, 2**32 - 1), default=0, metavar="N",
+                   help="default: the server's configured default")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=0.0, metavar="P", help="0 (default) means 1.0")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 (default) means no limit")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--top-k", type=_integer(-1, 2**31 - 1), default=0, metavar="K",
+                   help="0 (default) or -1 means no limit")
+    p.add_argument("--seed", type=_integer(0, 2**64 - 1), default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline for the whole call")
     _add_address(p)
@@ -195,6 +197,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _integer(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (what the request's field holds), else the usual
+    `error: argument ...` and exit 2 rather than a traceback when the request is built."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}], got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -81,6 +81,19 @@ def test_generate_errors_exit_1(server, capsys):
     assert "error: INVALID_ARGUMENT" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,value", [("--max-tokens", "-1"), ("--max-tokens", str(2**32)), ("--seed", "-1"),
+                                        ("--seed", str(2**64)), ("--top-k", "99999999999"), ("--top-k", "-2"),
+                                        ("--max-tokens", "ten")])
+def test_generate_numbers_a_request_cannot_hold_are_usage_errors(flag, value, capsys):
+    """Refused by the parser (exit 2, one line naming the flag) before any request is built: the
+    request's fields could not hold them, which was a traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--address", "127.0.0.1:1", flag, value, "x"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected an integer" in err and "Traceback" not in err
+
+
 def test_generate_without_a_server_says_so(capsys):
     import socket
     with socket.socket() as s:
