@@ -18,6 +18,7 @@ machine.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -26,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,12 +74,20 @@ def make_logits(kind: str, rows: int, path: Path) -> None:
 
 def child(args: argparse.Namespace) -> None:
     """One checkout: ms a call per (option, rows), printed as one JSON line."""
+    import numpy as np
     import torch
     sys.path.insert(0, str(Path(args.repo).resolve()))
     from prefix_service.backends import hostmem
     from prefix_service.engine import sampler
     from prefix_service.engine.sequence import Sequence
     hostmem.keep_freed_memory()  # malloc as an engine on a CPU sets it: no page faults for a step's temporaries
+
+    def generator(seed: int) -> Any:
+        """A row's generator as this checkout's sampler draws from it: numpy's PCG64, or torch's
+        before the sampler took every bit of a 64-bit seed."""
+        if "torch.rand(" in inspect.getsource(sampler.draw):
+            return torch.Generator().manual_seed(seed)
+        return np.random.Generator(np.random.PCG64(seed))
     from prefix_service.sampling_params import SamplingParams
     try:  # the cpu backend's passes over its logits (Backend.sampler_ops), as its engine samples; older checkouts: none
         from prefix_service.backends.cpu.backend import CpuBackend
@@ -95,12 +105,12 @@ def child(args: argparse.Namespace) -> None:
                 if params.adjusts_logits:  # a real sequence: the penalties read its tokens
                     prompt, generated = (torch.randint(0, logits.shape[1], (k,), generator=ids).tolist()
                                          for k in HISTORY)
-                    seq = Sequence(f"r{i}", prompt, params, HISTORY[1] + 1, None, torch.Generator().manual_seed(i))
+                    seq = Sequence(f"r{i}", prompt, params, HISTORY[1] + 1, None, generator(i))
                     seq.token_ids += generated
                     seqs.append(seq)
                 else:
                     seqs.append(SimpleNamespace(sampling=params, matcher=None,
-                                                generator=torch.Generator().manual_seed(i)))
+                                                generator=generator(i)))
             rows = logits[:n]
             sampler.sample(rows, seqs, (), *ops)
             times = []

@@ -148,6 +148,17 @@ def test_chat_on_a_system_prompt_template_equals_grpc(server, grpc_clients):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+def test_a_negative_seed_is_its_64_bits_unsigned(server):
+    api = client(server)
+
+    def text(seed):
+        return api.completions.create(model="doc", prompt=" the", temperature=1.0, seed=seed, max_tokens=8,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert text(-5) == text(2**64 - 5) != text(5)
+    assert_error(raw(server, "POST", "/v1/completions", {"prompt": "x", "seed": -2**63 - 1}), 400, "invalid_value",
+                 "seed")
+
+
 def test_a_stream_ends_with_done(server):
     status, text = raw(server, "POST", "/v1/chat/completions",
                        {"model": "sys", "messages": [{"role": "user", "content": "order"}], "max_tokens": 3,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,7 +32,7 @@ def ops(request):
 
 
 def seqs_for(params: list[SamplingParams], seed: int = 0) -> list[SimpleNamespace]:
-    return [SimpleNamespace(sampling=p, matcher=None, generator=torch.Generator().manual_seed(seed + i))
+    return [SimpleNamespace(sampling=p, matcher=None, generator=np.random.Generator(np.random.PCG64(seed + i)))
             for i, p in enumerate(params)]
 
 

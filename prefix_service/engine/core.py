@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from prefix_service.backends import hostmem, select_backend
@@ -237,18 +238,17 @@ class EngineCore:
         self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
         self.scheduler.add(seq)
 
-    def _generator(self, sampling: SamplingParams, offset: int = 0) -> torch.Generator | None:
+    def _generator(self, sampling: SamplingParams, offset: int = 0) -> np.random.Generator | None:
         """A sampling request's own generator: seeded seed + offset (sample `offset` of n), or from the
         engine's seed when the request has none; None for greedy. On the host whatever the device: the
         sampler draws each row's one uniform a step there and hands the step's uniforms to the device
         in one copy (a generator on a GPU launched a kernel per row), and a seed draws the same
-        uniforms on every backend."""
+        uniforms on every backend. PCG64 takes every bit of a 64-bit seed (torch's CPU generator keeps
+        the low 32, so seeds that differed above them drew the same tokens) and gives float64 uniforms."""
         if sampling.greedy:
             return None
-        seed = sampling.seed + offset if sampling.seed is not None else self._seed_rng.getrandbits(63)
-        generator = torch.Generator()
-        generator.manual_seed(seed % 2**63)
-        return generator
+        seed = sampling.seed + offset if sampling.seed is not None else self._seed_rng.getrandbits(64)
+        return np.random.Generator(np.random.PCG64(seed % 2**64))
 
     def _hold_template(self, reused: TemplateHandle | None, named: TemplateHandle | None) -> None:
         """A new request on a template: it holds the template's blocks it reuses, or, when the

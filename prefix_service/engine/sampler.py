@@ -118,6 +118,13 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
 TOP_P_CANDIDATES = (64, 256, 1024, 2048, 8192)
 
 
+def _uniform(seq: Sequence) -> float:
+    """The next uniform in [0, 1) of a sampled sequence's generator (EngineCore._generator)."""
+    if seq.generator is None:
+        raise AssertionError(f"{seq.request_id}: a sampled sequence without a generator")
+    return float(seq.generator.random())
+
+
 def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: SamplerOps = TORCH_SAMPLER_OPS
          ) -> list[int]:
     """A token for each of logits' `rows` (seqs[i] row i's sequence, not greedy): the logits over
@@ -129,7 +136,7 @@ def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: Sampl
     params = [seqs[i].sampling for i in rows]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     # one uniform a row from its own generator, on the host (EngineCore._generator), then one copy
-    uniform = torch.cat([torch.rand(1, generator=seqs[i].generator) for i in rows]).double().to(device)
+    uniform = torch.tensor([_uniform(seqs[i]) for i in rows], dtype=torch.float64).to(device)
     tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
     whole = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
     cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]

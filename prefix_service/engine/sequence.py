@@ -12,6 +12,8 @@ from prefix_service.engine.block_allocator import BlockId
 from prefix_service.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from prefix_service.engine.template_pins import TemplateHandle
 
 
@@ -116,7 +118,7 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, token_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                 template: TemplateHandle | None, generator: torch.Generator | None, prefill_only: bool = False,
+                 template: TemplateHandle | None, generator: np.random.Generator | None, prefill_only: bool = False,
                  *, fork_point: bool = False, score_from: int | None = None,
                  score_targets: tuple[int, ...] = ()) -> None:
         self.request_id = request_id

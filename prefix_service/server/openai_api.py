@@ -252,7 +252,7 @@ class _Sampling(_Body):
             temperature=OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
-            seed=self.seed,
+            seed=_seed(self.seed),
             stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
@@ -265,6 +265,12 @@ class _Sampling(_Body):
             n=1 if self.n is None else self.n,
             structured=self.structured_output(),
         )
+
+
+def _seed(seed: int | None) -> int | None:
+    """OpenAI's seed is any integer, vLLM's a signed 64-bit one; the engine takes [0, 2^64): a
+    negative seed in int64's range is the same 64 bits unsigned (out of range stays, for its 400)."""
+    return seed % 2**64 if seed is not None and -2**63 <= seed < 0 else seed
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
