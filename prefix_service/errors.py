@@ -34,7 +34,12 @@ class CacheExhausted(PromptTooLong):
 
 
 class TemplateNotFound(PrefixServiceError, KeyError):
-    """No prefix template has this name."""
+    """No prefix template has this name. `param` names the request's field that gave it, where the
+    caller knows it (the HTTP API reports it in the error body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "template not found"

@@ -148,6 +148,23 @@ def test_chat_on_a_system_prompt_template_equals_grpc(server, grpc_clients):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+def test_an_assistant_reply_sent_back_whole_continues_the_conversation(server):
+    """A client appends the message it got (with OpenAI's null refusal, tool_calls, audio...) and
+    asks again: the same tokens as the plain role and content; a refusal stands for absent content."""
+    api = client(server)
+    first = [{"role": "user", "content": "refund the order"}]
+    reply = api.chat.completions.create(model="sys", messages=first, **GREEDY).choices[0].message
+    sent = reply.model_dump()
+    assert {"refusal", "tool_calls", "audio", "function_call"} <= set(sent)
+
+    def ids(messages):
+        return api.chat.completions.create(model="sys", messages=messages + [{"role": "user", "content": "why"}],
+                                           **GREEDY, extra_body=IDS).choices[0].model_extra["token_ids"]
+    assert ids(first + [sent]) == ids(first + [{"role": "assistant", "content": reply.content}])
+    refused = {"role": "assistant", "content": None, "refusal": "I cannot help with that", "annotations": []}
+    assert ids(first + [refused]) == ids(first + [{"role": "assistant", "content": "I cannot help with that"}])
+
+
 def test_a_negative_seed_is_its_64_bits_unsigned(server):
     api = client(server)
 
@@ -187,7 +204,9 @@ def test_unknown_model_and_template_are_404(server):
     assert_error(raw(server, "POST", "/v1/completions", {"model": "nope", "prompt": "x"}), 404, "model_not_found",
                  "model")
     assert_error(raw(server, "POST", "/v1/completions", {"prompt": "x", "prefix_name": "nope"}), 404,
-                 "prefix_not_found")
+                 "prefix_not_found", "prefix_name")
+    assert_error(raw(server, "POST", "/v1/scores", {"prompt": "x", "prefix_name": "nope", "candidates": ["a"]}), 404,
+                 "prefix_not_found", "prefix_name")
     with pytest.raises(openai.NotFoundError) as info:
         client(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert info.value.body["code"] == "model_not_found"
@@ -210,13 +229,17 @@ def test_unknown_model_and_template_are_404(server):
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {" 5 ": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"\u0663": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": [10**9]}, None),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": [1, -5]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "model": "doc", "prefix_name": "sys"}, "prefix_name"),
     ({}, "prompt"),
 ])
@@ -228,7 +251,17 @@ def test_bad_completion_values_are_400_naming_the_field(server, body, param):
 @pytest.mark.parametrize("body,param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text"}]}]},
+     "messages.0.content.1.text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "detail": 1}]}]},
+     "messages.0.content.0.detail"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.1.tool_calls"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**9}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -202,7 +202,7 @@ class EngineCore:
         reused = handle if handle is not None and self.config.cache.enable_prefix else None  # its blocks shared
         token_ids = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not token_ids:
-            raise InvalidRequest("the prompt is empty and no prefix template was named")
+            raise InvalidRequest("the prompt is empty and no prefix template was named", param="prompt")
         shared = 0
         if reused is not None:  # the full template blocks the scheduler will share (see Scheduler._attach_template)
             shared = reused.reused_tokens(len(token_ids)) // self.block_size * self.block_size
@@ -261,7 +261,8 @@ class EngineCore:
     def _check_prompt_ids(self, prompt_ids: list[int]) -> None:
         bad = [t for t in prompt_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}")
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.arch.vocab_size}); got {bad[:4]}",
+                                 param="prompt")
 
     def _check_queue(self) -> None:
         max_queue = self.config.scheduler.max_queue
@@ -337,7 +338,7 @@ class EngineCore:
         base = (list(handle.token_ids) if handle else []) + list(prompt_ids)
         if not base:
             raise InvalidRequest("the prompt is empty and no prefix template was named: a candidate's first token "
-                                 "needs something before it")
+                                 "needs something before it", param="prompt")
         longest = len(base) - 1 + max(len(c) for c in candidates)
         shared = reused.num_tokens - 1 if reused is not None else 0
         self._check_fits(longest, "the prompt with its longest candidate", shared // self.block_size * self.block_size)

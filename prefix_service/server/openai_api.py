@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Literal, Union
 
@@ -43,7 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefix_service.engine.sequence import FinishReason, RequestOutput, TokenLogprob
-from prefix_service.errors import InvalidRequest
+from prefix_service.errors import InvalidRequest, TemplateNotFound
 from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from prefix_service.server.auth import BearerAuth
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
@@ -276,7 +277,7 @@ def _seed(seed: int | None) -> int | None:
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     out = []
     for key, value in (bias or {}).items():
-        if not key.strip().lstrip("-").isdigit():
+        if not re.fullmatch(r"-?[0-9]+", key):  # ASCII digits only: int() takes " 5 " and other scripts' digits
             raise InvalidRequest(f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias")
         out.append((int(key), value))
     return tuple(sorted(out))
@@ -315,20 +316,44 @@ class CompletionBody(_Sampling):
         return {"prompt_token_ids": p}
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessageBody(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[TextPart], None] = None
+    # a string, or parts: only text parts ({"type": "text", "text": ...}), checked by check() to name the part
+    content: Union[str, list[dict[str, Any]], None] = None
     name: str | None = None  # accepted, unused
+    # an assistant message's other fields, as OpenAI returns them (a client sends its reply back whole):
+    # accepted empty; a refusal stands for the text of a message without content
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+
+    def check(self, index: int) -> None:
+        """A 400 naming the part of this message (messages.<index>) the server cannot take."""
+        where = f"messages.{index}"
+        for field in ("tool_calls", "function_call", "audio"):
+            if getattr(self, field):
+                raise InvalidRequest(f"{where}.{field}: not supported; send the message without it",
+                                     param=f"{where}.{field}")
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.get("type") != "text":
+                raise InvalidRequest(f"{where}.content.{j}: only text parts are supported, got type "
+                                     f"{_short(part.get('type'))}", param=f"{where}.content.{j}")
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{where}.content.{j}.text: a text part needs its text as a string",
+                                     param=f"{where}.content.{j}.text")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise InvalidRequest(f"unknown field '{where}.content.{j}.{extra[0]}': this server does not support "
+                                     f"it", param=f"{where}.content.{j}.{extra[0]}")
 
     def as_dict(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part["text"] for part in content)
+        if not content and self.refusal:
+            content = self.refusal
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
@@ -350,6 +375,8 @@ class ChatBody(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        for i, message in enumerate(self.messages):
+            message.check(i)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs: only with logprobs: true", param="top_logprobs")
         if self.tools:
@@ -561,6 +588,7 @@ class OpenAIApi:
         """Label scoring: {"model" or "prefix_name", "prompt", "candidates": [...]} -> each candidate's
         log-probability (the sum of its tokens'), its token ids and their log-probabilities."""
         trace = self.metrics.trace("", "http")
+        body: ScoreBody | None = None
         try:
             self.auth.check(request.headers.items())
             body = ScoreBody.model_validate_json(await _read_body(request))
@@ -575,7 +603,8 @@ class OpenAIApi:
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
-            return self.error(e, trace)
+            return self.error(_as_sent(e, body), trace)
+        assert body is not None
         trace.code, trace.http_status = grpc.StatusCode.OK, 200
         _end(trace)
         data = [{"index": i, "object": "candidate_score", "candidate": cand, "logprob": c.logprob,
@@ -589,6 +618,7 @@ class OpenAIApi:
     # --- generation ----------------------------------------------------------------------------
     async def _generate(self, request: Request, body_cls: type[_Sampling]) -> Response:
         trace = self.metrics.trace("", "http")
+        body: _Sampling | None = None
         try:
             self.auth.check(request.headers.items())
             body = body_cls.model_validate_json(await _read_body(request))
@@ -607,7 +637,8 @@ class OpenAIApi:
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - refused before any output
-            return self.error(e, trace)
+            return self.error(_as_sent(e, body), trace)
+        assert body is not None
         token_text = self.token_texts.of(engine.tokenizer) if body.top_logprobs_wanted() is not None else None
         shape = _Shape(body_cls is ChatBody, request_id, body.model or self.served_name, body.return_token_ids,
                        token_text)
@@ -636,7 +667,8 @@ class OpenAIApi:
     def _spec(self, body: _Sampling, template: str | None, request_id: str | None) -> RequestSpec:
         if isinstance(body, ChatBody):
             return RequestSpec(prefix_name=template, messages=[m.as_dict() for m in body.messages],
-                               sampling=body.sampling(body.max_completion_tokens or body.max_tokens),
+                               sampling=body.sampling(body.max_completion_tokens if body.max_completion_tokens
+                                                      is not None else body.max_tokens),
                                request_id=request_id)
         assert isinstance(body, CompletionBody)
         return RequestSpec(prefix_name=template, sampling=body.sampling(body.max_tokens), request_id=request_id,
@@ -737,6 +769,17 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _as_sent(e: Exception, body: _Sampling | ScoreBody | None) -> Exception:
+    """The engine's refusal naming the field as the request gave it: max_completion_tokens where a
+    chat request gave that for max_tokens; an unknown template's prefix_name (or model)."""
+    if isinstance(e, InvalidRequest) and e.param == "max_tokens" and isinstance(body, ChatBody) \
+            and body.max_tokens is None and body.max_completion_tokens is not None:
+        return InvalidRequest(str(e).replace("max_tokens", "max_completion_tokens", 1), param="max_completion_tokens")
+    if type(e) is TemplateNotFound and e.param is None and body is not None:
+        return TemplateNotFound(str(e), param="prefix_name" if body.prefix_name else "model")
+    return e
 
 
 def _validation_error(e: ValidationError) -> InvalidRequest:

@@ -48,10 +48,6 @@ class ModelNotFound(TemplateNotFound):
     """An HTTP request's `model` is neither the served model nor a template; `param` names the
     field (the HTTP API reports it in the error body)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
 
 class RequestTooLarge(InvalidRequest):
     """An HTTP request body over the server's limit."""
