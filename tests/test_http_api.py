@@ -393,6 +393,34 @@ def test_a_closed_connection_aborts_a_whole_response(make_server):
         undo()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_the_first_token_is_not_computed_for_nobody(make_server, caplog, stream):
+    """A client that closes its connection while its prompt waits or is prefilled (here ~19 chunked
+    steps) aborts it then: no first token is computed for it. (The server noticed only at the
+    first token, so an abandoned request was still prefilled.)"""
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    st = make_server(max_num_batched_tokens=16)
+    undo = slow_steps(st.engine, 0.05)
+    try:
+        body = json.dumps({"prompt": list(range(10, 310)), "max_tokens": 4, "stream": stream}).encode()
+        sock = socket.create_connection(("127.0.0.1", st.server.http_port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 10
+        while st.engine.kv_stats()["running"] + st.engine.kv_stats()["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sock.close()
+        while not [r for r in caplog.records if r.name == "prefix_service.requests"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        st.check_clean()
+    finally:
+        undo()
+    line, = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+    assert (line["code"], line["ttft_ms"]) == ("CANCELLED", None), line
+
+
 def test_log_line_and_metrics_name_the_protocol(server, grpc_clients, caplog):
     caplog.set_level(logging.INFO, logger="prefix_service.requests")
     before = scrape(server.server.metrics_port)

@@ -629,16 +629,15 @@ class OpenAIApi:
             request_id = trace.request_id = request_id_for(spec)
             engine, req = await prepare(self.runtime, spec, request_id)
             stream = engine.generate_stream(req, self.runtime.executor)
-            try:
-                first = await anext(stream)  # every refusal happens before this returns
-            except BaseException:
-                await stream.aclose()
-                raise
+            first = await _first_output(request, stream)  # every refusal happens before this returns
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - refused before any output
             return self.error(_as_sent(e, body), trace)
         assert body is not None
+        if first is None:  # the client went away before any output: the request is aborted
+            _end(trace)  # CANCELLED
+            return Response(status_code=499)  # nobody reads it
         token_text = self.token_texts.of(engine.tokenizer) if body.top_logprobs_wanted() is not None else None
         shape = _Shape(body_cls is ChatBody, request_id, body.model or self.served_name, body.return_token_ids,
                        token_text)
@@ -761,6 +760,24 @@ async def _read_body(request: Request) -> bytes:
 class BodyTooLarge(RequestTooLarge):
     def __init__(self, size: int) -> None:
         super().__init__(f"the request body has {size} bytes or more; this server reads at most {MAX_BODY_BYTES}")
+
+
+async def _first_output(request: Request, stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
+    """The stream's first output (raising the request's refusal), or None when the client closed
+    the connection before it: the stream is closed then, which aborts the request, queued or in
+    its prefill, instead of computing it for nobody."""
+    first = asyncio.ensure_future(anext(stream))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([first, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not first.done():
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+        if first.cancelled() or first.exception() is not None:
+            await stream.aclose()
+    return None if first.cancelled() else first.result()
 
 
 async def _disconnected(request: Request) -> None:
