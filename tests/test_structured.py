@@ -57,6 +57,38 @@ def test_free_requests_beside_constrained_ones_are_unchanged(make_engine):
     assert outs[1].text in CHOICES and outs[4].text in CHOICES
 
 
+@pytest.fixture(scope="module")
+def padded_dir(tmp_path_factory, tokenizer_dir):
+    """A model with more logit rows (600) than its tokenizer has tokens (512), as real models pad
+    their vocabulary to a round size (Qwen2.5: 151,936 rows, 151,665 tokens)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prefix_service import synthetic
+    path = tmp_path_factory.mktemp("padded") / "model"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(synthetic.tiny_config("llama", 600), dtype=torch.float32).save_pretrained(path)
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_vocabulary_padded_past_the_tokenizer(make_engine, padded_dir, backend):
+    """The masks cover every logit row, the padding never allowed: the constrained request conforms
+    and the free one beside it is its own. (llguidance's view of the tokenizer was the tokenizer's
+    size, its mask narrower than the logits: the step failed, and every request in it.)"""
+    engine = make_engine(padded_dir, backend=backend)
+    free = GenerateRequest(prompt_token_ids=[5, 17, 99], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    alone = engine.generate([free])[0].token_ids
+    outs = engine.generate([free, GenerateRequest(prompt_token_ids=[41, 77], sampling=SamplingParams(
+        max_tokens=8, temperature=1.0, seed=3, structured=StructuredOutput("choice", choices=CHOICES)))])
+    assert outs[0].token_ids == alone and outs[1].text in CHOICES
+    assert all(t < 512 for t in outs[1].token_ids)
+
+
 def test_each_sample_keeps_the_constraint(make_engine):
     engine = make_engine()
     out = generate(engine, StructuredOutput("choice", choices=CHOICES), n=4, temperature=1.5, seed=7)

@@ -146,7 +146,8 @@ class EngineCore:
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
         sc = config.scheduler
-        self.structured = StructuredOutputs(self.tokenizer, sc.grammar_compile_fuel, sc.grammar_step_fuel)
+        self.structured = StructuredOutputs(self.tokenizer, sc.grammar_compile_fuel, sc.grammar_step_fuel,
+                                            vocab_size=self.arch.vocab_size)
         self.snapshots: TemplateSnapshots | None = None  # set by the Engine when cache.snapshot_dir is
         self.backend.prepare(config, self.max_model_len)
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d, backend %s",

@@ -33,11 +33,15 @@ DEFAULT_STEP_FUEL = 200_000  # for one sequence's mask in one step (about 14k a 
 
 class StructuredOutputs:
     """Compiles constraints for one tokenizer (llguidance's view of it is built on first use).
-    Thread-safe: callers' threads compile, the engine's thread copies the compiled matchers."""
+    Thread-safe: callers' threads compile, the engine's thread copies the compiled matchers.
+    vocab_size: the model's logits per row, which may pass the tokenizer's tokens (a vocabulary
+    padded to a round size, as Qwen2.5's 151,936 rows for 151,665 tokens): the masks cover every
+    row, the padding never allowed (None: the tokenizer's size)."""
 
     def __init__(self, hf_tokenizer: Any, compile_fuel: int = DEFAULT_COMPILE_FUEL,
-                 step_fuel: int = DEFAULT_STEP_FUEL) -> None:
+                 step_fuel: int = DEFAULT_STEP_FUEL, vocab_size: int | None = None) -> None:
         self._hf = hf_tokenizer
+        self._vocab_size = vocab_size
         self._tokenizer: Any = None
         self._limits: Any = None
         self._fuel = (compile_fuel, step_fuel)
@@ -53,7 +57,7 @@ class StructuredOutputs:
                 # verbose_errors off: an error names the problem, not the parser's state
                 self._limits = llguidance.LLParserLimits(initial_lexer_fuel=self._fuel[0],
                                                          step_lexer_fuel=self._fuel[1], verbose_errors=False)
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size)
             return self._tokenizer, self._limits
 
     def compile(self, spec: StructuredOutput) -> Any:
