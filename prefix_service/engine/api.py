@@ -185,7 +185,10 @@ class Engine:
                         return
                     # a bug or a bad input that got this far: fail what is in flight, keep serving
                     log.exception("engine step failed; aborting in-flight requests")
-                    core.abort_all(error=e)
+                    try:
+                        core.abort_all(error=e)
+                    except Exception:  # noqa: BLE001 - the loop must outlive it, or every caller waits forever
+                        log.exception("aborting the requests in flight failed")
         core.abort_all(error=EngineStopped("the engine shut down"))
 
     def _fail(self, error: Exception) -> None:

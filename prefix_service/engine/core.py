@@ -143,6 +143,7 @@ class EngineCore:
         self._samples: dict[str, _Samples] = {}  # requests with n > 1
         self._samples_of: dict[int, _Samples] = {}  # id(fork point) -> its request
         self._warmups = 0  # numbers the warmups' request ids
+        self._undeliverable: list[str] = []  # requests whose sink raised, aborted at the next step
         self._seed_rng = random.Random(mc.seed)
         self.eos_token_ids = self._eos_ids()
         sc = config.scheduler
@@ -193,6 +194,7 @@ class EngineCore:
         QueueFull (when scheduler.max_queue requests wait already). matcher: sampling.structured
         compiled (StructuredOutputs.compile) off this thread; None: compiled here if needed."""
         self._check_new_id(request_id)
+        sink = self._guarded(request_id, sink)
         sampling.validate(max_tokens_cap=self.config.scheduler.max_tokens_cap, vocab_size=self.arch.vocab_size)
         self._check_prompt_ids(prompt_ids)
         cap = self.config.scheduler.max_prompt_tokens
@@ -327,11 +329,31 @@ class EngineCore:
         if request_id in self._tracked or request_id in self._scorings or request_id in self._samples:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
 
+    def _guarded(self, request_id: str, sink: Callable[[Any], None]) -> Callable[[Any], None]:
+        """sink, never raising into the engine: one that raises (its client's event loop closed, a
+        caller's bug) is logged once and its request aborted at the next step; the step and every
+        other request go on. (It failed the step, and the abort of everything in flight that followed
+        called it again, which ended the engine's thread.)"""
+        failed = False
+
+        def guarded(out: Any) -> None:
+            nonlocal failed
+            if failed:
+                return
+            try:
+                sink(out)
+            except Exception:  # noqa: BLE001 - the caller's code, not the engine's
+                failed = True
+                log.exception("request %s: delivering its output failed; aborting it", request_id)
+                self._undeliverable.append(request_id)
+        return guarded
+
     def add_score(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
                   candidates: list[list[int]], sink: ScoreSink) -> None:
         """Validate and queue a Score request (scoring.py): sink gets its ScoreOutput once every
         candidate is scored. Raises as add_request does."""
         self._check_new_id(request_id)
+        sink = self._guarded(request_id, sink)
         check_candidates(candidates, self.arch.vocab_size)
         self._check_prompt_ids(prompt_ids)
         handle = self.templates.get(prefix_name) if prefix_name else None
@@ -445,6 +467,8 @@ class EngineCore:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
+        while self._undeliverable:  # requests whose sink raised (_guarded): nobody can read them
+            self.abort(self._undeliverable.pop())
         out = self.scheduler.schedule()
         for stuck in out.unschedulable:
             # Ended, never retried: with no output yet it fails (CacheExhausted, RESOURCE_EXHAUSTED at
