@@ -15,6 +15,9 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 # a temperature below this is greedy (vLLM's bound): logits over a smaller one overflow float32, or
 # the temperature itself rounds to 0 there, and the draw could only pick the argmax anyway
 GREEDY_TEMPERATURE = 1e-5
+# the least repetition penalty: a logit over a smaller one, then over the temperature, overflows
+# float32 (below ~1e-38 the penalty itself rounds to 0 there), and the draw picks garbage
+MIN_REPETITION_PENALTY = 1e-3
 MAX_N = 64  # samples per request
 
 
@@ -94,7 +97,8 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from each token already generated
     frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # (0, 2]: logits of prompt and generated tokens divided (> 0) or multiplied
+    # [0.001, 2]: logits of prompt and generated tokens divided (> 0) or multiplied
+    repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, [-100, 100]) added to its logit
     min_tokens: int = 0  # EOS and stop token ids are masked, stop strings unchecked, until this many
     n: int = 1  # samples of this prompt, each its own output (RequestOutput.index); the prompt is computed once
@@ -121,11 +125,10 @@ class SamplingParams:
                 bad(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
             if self.max_tokens > max_tokens_cap:
                 bad(f"max_tokens {self.max_tokens} exceeds the configured cap {max_tokens_cap}")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0 or self.temperature > 100:
-            bad(f"temperature must be in [0, 100] (0 or below {GREEDY_TEMPERATURE:g} = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p) \
-                or not 0 < self.top_p <= 1:
+        if not _real(self.temperature) or self.temperature < 0 or self.temperature > 100:
+            bad(f"temperature must be in [0, 100] (0 or below {GREEDY_TEMPERATURE:g} = greedy), "
+                f"got {self.temperature!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be >= 0 (0 or -1 = no limit), got {self.top_k!r}")
@@ -147,8 +150,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _real(value) or not -2 <= value <= 2:
                 bad(f"{name} must be in [-2, 2], got {value!r}")
-        if not _real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
-            bad(f"repetition_penalty must be in (0, 2] (1 = none), got {self.repetition_penalty!r}")
+        if not _real(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            bad(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, 2] (1 = none), "
+                f"got {self.repetition_penalty!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
         for t, b in self.logit_bias:
@@ -165,4 +169,10 @@ class SamplingParams:
 
 
 def _real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite number (not a bool); an int past float's range is not one."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

@@ -161,7 +161,13 @@ def test_min_tokens_masks_stops_until_reached(make_engine):
     (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(logit_bias=((10**6, 1.0),)), "logit_bias"), (dict(logit_bias=((3, 101.0),)), "logit_bias"),
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=9, max_tokens=8), "min_tokens"),
-    (dict(min_tokens=10**6, max_tokens=None), "min_tokens")])
+    (dict(min_tokens=10**6, max_tokens=None), "min_tokens"),
+    # below 1e-3 a penalty's quotient overflows float32 (1e-300 rounds to 0): the draw was garbage
+    (dict(repetition_penalty=1e-300), "repetition_penalty"), (dict(repetition_penalty=9e-4), "repetition_penalty"),
+    # ints past float's range: OverflowError, not the field's refusal
+    (dict(temperature=10**400), "temperature"), (dict(top_p=10**400), "top_p"),
+    (dict(repetition_penalty=10**400), "repetition_penalty"), (dict(presence_penalty=10**400), "presence_penalty"),
+    (dict(logit_bias=((3, 10**400),)), "logit_bias")])
 def test_bad_values_are_refused_naming_the_field(make_engine, kw, field):
     engine = make_engine()
     params = dict(max_tokens=8)
