@@ -118,3 +118,30 @@ def test_one_request_id_is_one_request(make_engine):
                             GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4), request_id="a\x01")])
     assert [o.request_id for o in outs] == ["a", "a/0", "a\x01"]
     assert outs[0].samples[1].token_ids == outs[1].token_ids
+
+
+def test_samples_waiting_with_their_blocks_do_not_hold_a_request_off_forever(make_engine):
+    """Two samples forked on a 9-token prompt wait holding its blocks, beside a 41-token request that
+    needs 11 of the 12 blocks alone: the waiting holds are freed for it, and all finish. (Only
+    running sequences were preempted: the long request preempted itself at the wall, step after
+    step, or was ended as too large for the cache.)"""
+    engine = make_engine(block_size=4, num_blocks=12, max_num_batched_tokens=12)
+    samples = GenerateRequest(prompt_token_ids=PROMPT[:7] + [5, 6],
+                              sampling=SamplingParams(max_tokens=2, n=2, ignore_eos=True))
+    other = GenerateRequest(prompt_token_ids=[(5 * i + 1) % 500 + 3 for i in range(40)],
+                            sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+    done, left, errors = [threading.Event(), threading.Event()], [2, 1], []
+
+    def sink(i):
+        def f(out):
+            if out.error is not None:
+                errors.append(out.error)
+            left[i] -= int(out.finished)
+            if left[i] == 0:
+                done[i].set()
+        return f
+    engine.submit_many([samples, other], [sink(0), sink(1)])
+    finished = [d.wait(30) for d in done]
+    if not all(finished):
+        engine._run(lambda core: core.abort_all())  # the fixture's checks then run
+    assert all(finished) and not errors, (finished, errors, engine.kv_stats())

@@ -159,3 +159,17 @@ def test_unknown_template_and_empty_context_are_refused(make_engine):
         engine.score(ScoreRequest([[1]], prompt_token_ids=PROMPT, prefix_name="nope"))
     with pytest.raises(InvalidRequest, match="needs something before it"):
         engine.score(ScoreRequest([[1]], prompt_token_ids=[]))
+
+
+def test_candidates_that_each_fit_are_scored_on_a_tight_cache(make_engine):
+    """14 candidates of 29 tokens each need 8 of the 16 blocks: forked, each waits its turn holding
+    its share of the prompt's blocks. Those holds are freed for the one that runs (only running
+    sequences were preempted, so one candidate was called too large for the cache)."""
+    engine = make_engine(block_size=4, num_blocks=16, max_num_batched_tokens=16)
+    prompt = [(7 * i + 3) % 500 + 3 for i in range(10)]
+    candidates = [[(k * 13 + j) % 500 + 3 for j in range(20)] for k in range(14)]
+    out = engine.score(ScoreRequest(candidates, prompt_token_ids=prompt))
+    roomy = make_engine(block_size=4, num_blocks=256)
+    expected = roomy.score(ScoreRequest(candidates, prompt_token_ids=prompt))
+    assert [c.token_ids for c in out.candidates] == [c.token_ids for c in expected.candidates]
+    assert [c.logprob for c in out.candidates] == pytest.approx([c.logprob for c in expected.candidates], abs=1e-4)

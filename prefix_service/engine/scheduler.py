@@ -3,8 +3,9 @@
 Each step: running sequences with one uncomputed token (decodes) first, oldest first; then
 running sequences part-way through their prompt (chunked prefill); then waiting requests in
 FCFS order while the budget, `max_num_seqs` and free blocks allow. When a decode needs a block
-and none is free, the newest running sequence is preempted (its own blocks freed, recomputed
-later); pinned template blocks are never touched. The step goes to the backend as plain data
+and none is free, the blocks forked sequences hold while they wait are freed first (newest
+first), then the newest running sequence is preempted (its own blocks freed, recomputed later);
+pinned template blocks are never touched. The step goes to the backend as plain data
 (`StepBatch`, step.py); the backend builds the tensors.
 """
 from __future__ import annotations
@@ -165,6 +166,22 @@ class Scheduler:
         self.waiting.extendleft(reversed(children))
         return copies
 
+    def _release_a_waiting_hold(self, out: SchedulerOutput) -> bool:
+        """Free the blocks of the newest waiting sequence that holds some: a forked sample or
+        candidate waiting its turn (fork), which computes its prompt again when it starts, as a
+        preempted sequence does. Such holds are freed before any running sequence is preempted, and
+        before a sequence is called too large for the cache: only running sequences were preempted,
+        so forks waiting with their blocks could hold a sequence that fits alone off forever.
+        False when no waiting sequence holds a block."""
+        for seq in reversed(self.waiting):
+            if seq.block_table:
+                self._free_blocks(seq)
+                seq.num_preemptions += 1
+                self.num_preemptions += 1
+                out.preempted.append(seq)
+                return True
+        return False
+
     def _free_blocks(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
@@ -198,6 +215,8 @@ class Scheduler:
                 # Preempting it would only recompute it into the same wall, forever.
                 out.unschedulable.append(seq)
                 continue
+            while need > self.allocator.num_free and self._release_a_waiting_hold(out):
+                pass
             while need > self.allocator.num_free:
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids), None)
                 assert victim is not None  # seq itself is one: running, not scheduled yet
@@ -220,6 +239,8 @@ class Scheduler:
                 continue
             want = min(seq.num_uncomputed, budget)
             n = self._fit_chunk(seq, want)
+            while n == 0 and self._release_a_waiting_hold(out):
+                n = self._fit_chunk(seq, want)
             while n == 0:
                 victim = next((s for s in reversed(self.running) if id(s) not in scheduled_ids and s is not seq), None)
                 if victim is None:
@@ -254,6 +275,12 @@ class Scheduler:
             scheduled_ids.add(id(seq))
             budget -= n
 
+        if not out.scheduled and not out.unschedulable and self._release_a_waiting_hold(out):
+            # forked sequences waiting their turn held the blocks the next one needs: try again
+            # without them (each release frees one for good, so this ends)
+            again = self.schedule()
+            again.preempted[:0] = out.preempted
+            return again
         if not out.scheduled and not out.unschedulable:
             # Nothing could run: the oldest sequence does not fit in the cache even alone.
             stuck = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
