@@ -488,6 +488,20 @@ def test_a_taken_http_port_fails_the_start(make_server, model_dir, tmp_path):
         taken.close()
 
 
+def test_a_grpc_port_another_grpc_server_holds_fails_the_start(model_dir, tmp_path):
+    """gRPC servers share ports by default (SO_REUSEPORT): a second one bound the port too, and the
+    calls were split between the two processes. Now the start fails naming the address."""
+    from concurrent import futures
+    other = grpc.server(futures.ThreadPoolExecutor(1))
+    port = other.add_insecure_port("127.0.0.1:0")
+    other.start()
+    try:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            ServerThread(make_config(model_dir, address=f"127.0.0.1:{port}", state_file=tmp_path / "s.json")).start()
+    finally:
+        other.stop(None)
+
+
 def test_tls_from_the_server_settings(make_server, tmp_path):
     import ssl
 

@@ -93,8 +93,10 @@ class PrefixServer:
             await self._health.set(name, status)
 
     def _grpc_server(self, services: list[str]) -> grpc.aio.Server:
-        """A grpc.aio server with health (one servicer shared by every address) and reflection."""
-        server = grpc.aio.server()
+        """A grpc.aio server with health (one servicer shared by every address) and reflection.
+        Without port sharing: gRPC turns SO_REUSEPORT on by default, so a second server started on
+        a port another gRPC server holds bound it too, and the kernel split the calls between them."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         if self.config.server.enable_reflection:
             reflection.enable_server_reflection([*services, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
