@@ -321,7 +321,7 @@ def _template(args: argparse.Namespace) -> int:
                 try:
                     with open(args.file, encoding="utf-8") as f:
                         content = f.read()
-                except OSError as e:
+                except (OSError, UnicodeDecodeError) as e:  # a file that is not UTF-8 text too
                     print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
                     return 2
             t = client.add_template(args.name, content, system_prompt=args.system_prompt)

@@ -111,6 +111,7 @@ class ModelConfig:
             raise ConfigError(f"model.path: expected a Hugging Face model directory, got {self.path!r}")
         if self.max_model_len is not None:
             _check_int("model.max_model_len", self.max_model_len, 1)
+        _check_int("model.seed", self.seed, 0)
         _check_int("model.cuda_graph_max_batch", self.cuda_graph_max_batch, 0)
         if not isinstance(self.cuda_fused_layers, bool):
             raise ConfigError(f"model.cuda_fused_layers: expected true or false, got {self.cuda_fused_layers!r}")
@@ -151,7 +152,7 @@ class CacheConfig:
             raise ConfigError(f"cache.gpu_memory_utilization: expected a fraction in (0, 1], got "
                               f"{self.gpu_memory_utilization!r}")
         if self.num_blocks is not None:
-            _check_int("cache.num_blocks", self.num_blocks, 1)
+            _check_int("cache.num_blocks", self.num_blocks, 2)  # the engine keeps one block unused
         if self.prefix_budget_blocks is not None:
             _check_int("cache.prefix_budget_blocks", self.prefix_budget_blocks, 0)
         if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, str):
@@ -209,13 +210,16 @@ class ServerConfig:
         split_address(self.address)
         if self.http_address == "":
             object.__setattr__(self, "http_address", None)
+        taken = {"address": self.address}  # each listening address, by key: none may repeat another
         for key in ("admin_address", "metrics_address", "http_address"):
             value = getattr(self, key)
             if value is not None:
                 split_address(value, f"server.{key}")
-                if value == self.address and split_address(value)[1] != 0:
-                    raise ConfigError(f"server.{key}: {value!r} is server.address itself; give another port "
+                same = next((k for k, v in taken.items() if v == value), None)
+                if same is not None and split_address(value)[1] != 0:
+                    raise ConfigError(f"server.{key}: {value!r} is server.{same} itself; give another port "
                                       f"(or leave it unset)")
+                taken[key] = value
         for key in ("tls_cert_file", "tls_key_file"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
@@ -305,7 +309,7 @@ class TemplateSpec:
         if self.file is not None:
             try:
                 return Path(self.file).read_text(encoding="utf-8")
-            except OSError as e:
+            except (OSError, UnicodeDecodeError) as e:  # a file that is not UTF-8 text too
                 raise ConfigError(f"prefixes[{self.name}].file: cannot read {self.file}: {e}") from e
         return self.content if self.content is not None else self.system_prompt  # type: ignore[return-value]
 
@@ -413,9 +417,13 @@ def _build(cls: type, section: str, raw: Any, converters: Mapping[str, Any] | No
     for key, conv in (converters or {}).items():
         if key in kwargs and kwargs[key] is not None:
             kwargs[key] = conv(kwargs[key], f"{section}.{key}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{section}.{missing[0]}: required, and missing")
     try:
         return cls(**kwargs)
-    except TypeError as e:  # a required key is missing
+    except TypeError as e:
         raise ConfigError(f"{section}: {e}") from e
 
 
@@ -478,7 +486,7 @@ def load_config(path: str | os.PathLike) -> ServiceConfig:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:  # a file that is not UTF-8 text too
         raise ConfigError(f"cannot read config file {path}: {e}") from e
     try:
         raw = yaml.safe_load(text)

@@ -56,6 +56,9 @@ def test_max_tokens_cap_from_config(make_server):
     code, details = status_of(c.generation.Generate(greedy_request(" the", "doc", max_tokens=7)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the configured cap 6" in details
     assert collect(c.generation.Generate(greedy_request(" the", "doc", max_tokens=6)))[2].usage.completion_tokens == 6
+    # a request that gives none gets scheduler.default_max_tokens (256 here), bounded by the cap too:
+    # the default ran past it
+    assert collect(c.generation.Generate(greedy_request(" the", "doc", max_tokens=0)))[2].usage.completion_tokens == 6
 
 
 def test_queue_full_message_names_the_setting(make_server):

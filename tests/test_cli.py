@@ -325,3 +325,11 @@ def test_serve_subprocess_stops_on_sigterm(model_dir, tmp_path, capsys):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_template_add_from_a_file_that_is_not_utf8_text(tmp_path, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9 menu")
+    assert main(["template", "add", "menu", "--file", str(bad), "--address", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot read {bad}" in err and "Traceback" not in err

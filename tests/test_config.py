@@ -45,10 +45,31 @@ prefixes:
                                                                         r"fraction in \(0, 1\]"),
     ({"model": {"path": "m", "cuda_graph_max_batch": -1}}, "model.cuda_graph_max_batch: expected an integer"),
     ({"model": {"path": "m", "cuda_fused_layers": "yes"}}, "model.cuda_fused_layers: expected true or false"),
+    ({"model": {"path": "m", "seed": "abc"}}, "model.seed: expected an integer"),
+    ({"model": {"path": "m", "seed": [1, 2]}}, "model.seed: expected an integer"),
+    # the engine needs two blocks at least: one block was blamed on cache.kv_cache_memory
+    ({"model": {"path": "m"}, "cache": {"num_blocks": 1}}, r"cache.num_blocks: expected an integer >= 2"),
+    # two listening addresses alike: the start blamed another server
+    ({"model": {"path": "m"}, "server": {"http_address": "127.0.0.1:8181", "metrics_address": "127.0.0.1:8181"}},
+     "server.http_address: .* is server.metrics_address itself"),
+    ({"model": {"dtype": "auto"}}, "model.path: required"),
 ])
 def test_errors_name_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict(raw)
+
+
+def test_files_that_are_not_utf8_text_are_config_errors(tmp_path):
+    """A config or template file in another encoding: one clear error, not a traceback."""
+    from prefix_service.config import TemplateSpec
+    path = tmp_path / "svc.yaml"
+    path.write_bytes(b"model: {path: m}  # caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(path)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"abc\xff\xfe")
+    with pytest.raises(ConfigError, match=r"prefixes\[a\].file: cannot read"):
+        TemplateSpec("a", file=str(prompt)).read_text()
 
 
 def test_kv_cache_memory_auto_and_the_gpu_share():
@@ -78,6 +99,13 @@ def test_model_load_errors(tmp_path, llama_dir):
     import torch
     with pytest.raises(ModelLoadError, match="has no config.json"):
         read_arch(tmp_path)
+    for text, match in (("{bad", "cannot be read as JSON"), ("[1]", "expected a JSON object"),
+                        ('{"architectures": ["LlamaForCausalLM"]}', "the key .* is missing")):
+        broken = tmp_path / "broken"
+        broken.mkdir(exist_ok=True)
+        (broken / "config.json").write_text(text)
+        with pytest.raises(ModelLoadError, match=match):  # a traceback before
+            read_arch(broken)
     bad = tmp_path / "gpt2"
     shutil.copytree(llama_dir, bad)
     cfg = json.loads((bad / "config.json").read_text())

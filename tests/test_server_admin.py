@@ -250,10 +250,11 @@ def test_torn_temp_file_does_not_stop_a_restart(make_server, tmp_path):
     ('{"version": 7, "templates": []}', "version-1"),
     ('{"version": 1, "templates": [{"name": "a"}]}', "templates[0]"),
     ('{"version": 1, "templates": [{"name": "bad name", "content": "x"}]}', "invalid prefix name"),
+    ('{"version": 1, "templates": [{"name": "x", "content": "a\xff"}]}', "utf-8"),  # not UTF-8: was a traceback
 ])
 def test_corrupt_state_file_is_a_clear_error(tmp_path, text, needle):
     path = tmp_path / "state.json"
-    path.write_text(text)
+    path.write_bytes(text.encode("latin-1"))
     with pytest.raises(StateFileError, match="state") as info:
         TemplateStore(path).load()
     assert needle in str(info.value) and str(path) in str(info.value)

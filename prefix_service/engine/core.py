@@ -211,7 +211,8 @@ class EngineCore:
             shared = reused.reused_tokens(len(token_ids)) // self.block_size * self.block_size
         self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
         self._check_queue()  # after validation: a bad request hears why
-        max_tokens = sampling.max_tokens or self.config.scheduler.default_max_tokens
+        sc = self.config.scheduler
+        max_tokens = sampling.max_tokens or min(sc.default_max_tokens, sc.max_tokens_cap)  # the cap bounds it too
         if sampling.min_tokens > max_tokens:
             raise InvalidRequest(f"invalid sampling parameters: min_tokens {sampling.min_tokens} exceeds max_tokens "
                                  f"{max_tokens} (the server's default; set max_tokens)", param="min_tokens")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -30,7 +31,22 @@ def read_arch(model_dir: str | os.PathLike) -> ModelArch:
         raise ModelLoadError(f"model directory {path} does not exist")
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory")
-    cfg = json.loads(cfg_file.read_text())
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{cfg_file}: cannot be read as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_file}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        return _arch_from(cfg, cfg_file)
+    except KeyError as e:
+        raise ModelLoadError(f"{cfg_file}: the key {e} is missing; expected a Hugging Face model config") from None
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{cfg_file}: a value is malformed ({e}); expected a Hugging Face model config") \
+            from None
+
+
+def _arch_from(cfg: dict[str, Any], cfg_file: Path) -> ModelArch:
     archs = cfg.get("architectures") or []
     arch_name = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch_name is None:

@@ -100,7 +100,7 @@ class TemplateStore:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return []
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:  # a file that is not UTF-8 text too
             raise StateFileError(f"cannot read the template state file {self.path}: {e}") from e
         fix = "fix it, or move it away to start without the templates added at run time"
         try:
