@@ -41,6 +41,15 @@ def test_prompt_over_max_length(make_engine):
         engine.add_template("big", token_ids=list(range(3, 40)))
 
 
+def test_a_context_past_the_models_positions_is_a_config_error(make_engine):
+    """model.max_model_len over max_position_embeddings (512 here) stops the start naming both; it
+    started at that length, and 1e8 failed allocating 25 GB of rotary tables."""
+    from prefix_service.errors import ConfigError
+    with pytest.raises(ConfigError, match="model.max_model_len: 513 is over the model's max_position_embeddings 512"):
+        make_engine(max_model_len=513)
+    assert make_engine(max_model_len=512).info.max_model_len == 512
+
+
 def test_prompt_larger_than_cache(make_engine):
     engine = make_engine(block_size=4, num_blocks=8)
     with pytest.raises(PromptTooLong, match="room for 32 tokens"):

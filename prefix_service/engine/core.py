@@ -89,6 +89,11 @@ class EngineCore:
         self.dtype, why = choose_dtype(mc.dtype, mc.path, self.device)
         log.info("model dtype %s: %s", str(self.dtype).replace("torch.", ""), why)
         self.arch = read_arch(mc.path)
+        if mc.max_model_len is not None and mc.max_model_len > self.arch.max_position_embeddings:
+            # past the positions the model was trained on (and its rotary tables were sized for; 1e8
+            # asked for 25 GB of them)
+            raise ConfigError(f"model.max_model_len: {mc.max_model_len} is over the model's "
+                              f"max_position_embeddings {self.arch.max_position_embeddings}; leave it unset for that")
         max_len = mc.max_model_len or self.arch.max_position_embeddings
         if self.arch.sliding_window:
             max_len = min(max_len, self.arch.sliding_window)  # full attention inside the window
