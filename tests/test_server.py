@@ -4,6 +4,8 @@ during warmup, graceful shutdown, and every status code."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import logging
 import shutil
 import threading
 import time
@@ -238,7 +240,10 @@ def test_graceful_shutdown_lets_in_flight_requests_finish(make_server):
     st.check_clean()
 
 
-def test_grace_period_over_cancels_in_flight_requests(make_server):
+def test_grace_period_over_cancels_in_flight_requests(make_server, caplog):
+    """Cut off when the grace period ends: UNAVAILABLE to the client, and in the request log and the
+    metrics too (they said CANCELLED, the client's own doing)."""
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
     st = make_server(grace_period_s=0.3)
     slow_steps(st.engine, 0.01)
     call = Clients(st.address).generation.Generate(greedy_request(" the", "doc", max_tokens=400))
@@ -246,8 +251,11 @@ def test_grace_period_over_cancels_in_flight_requests(make_server):
     t0 = time.monotonic()
     st.stop(grace=None)
     assert time.monotonic() - t0 < 5
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(grpc.RpcError) as info:
         collect(call)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+    assert [line["code"] for line in lines] == ["UNAVAILABLE"]
     st.check_clean()
 
 

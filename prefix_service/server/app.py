@@ -195,12 +195,14 @@ class PrefixServer:
         self._stopping.set()
         grace = self.config.server.grace_period_s if grace is None else grace
         self.runtime.phase = "shutting down"
+        cut_off = asyncio.get_running_loop().call_later(grace, setattr, self.metrics, "cutting_off", True)
         try:
             await self._health.enter_graceful_shutdown()
             servers = [s for s in (self._grpc, self._admin_grpc) if s is not None]
             await asyncio.gather(*(s.stop(grace) for s in servers), self.http_front.stop(grace))
             await self._generation.drain_aborts()
         finally:
+            cut_off.cancel()
             try:
                 engine = self.runtime.engine
                 self.runtime.ready = False

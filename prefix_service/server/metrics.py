@@ -60,6 +60,9 @@ class ServiceMetrics:
 
     def __init__(self, runtime: Runtime, *, requests_only: bool = False) -> None:
         self.runtime = runtime
+        # set once a stopping server's grace period is over: what is cancelled then, the server cut
+        # off (its clients get UNAVAILABLE), and is counted so, not as CANCELLED
+        self.cutting_off = False
         self.registry = CollectorRegistry()
         self._sources: list[Callable[[], str]] = []
         r = self.registry
@@ -193,6 +196,8 @@ class RequestTrace:
             # the margin absorbs clock skew
             code = grpc.StatusCode.DEADLINE_EXCEEDED if time_remaining is not None \
                 and time_remaining < DEADLINE_MARGIN_S else grpc.StatusCode.CANCELLED
+            if code is grpc.StatusCode.CANCELLED and self.metrics.cutting_off:
+                code = grpc.StatusCode.UNAVAILABLE
         m, label = self.metrics, self.label
         m.requests.labels(self.protocol, label, code.name).inc()
         ttft = None if self.first_token is None else self.first_token - self.start
