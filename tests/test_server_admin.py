@@ -272,3 +272,21 @@ def test_state_template_that_no_longer_fits_is_skipped(make_server, tmp_path, ca
 def test_yaml_template_failure_stops_the_start(make_server):
     with pytest.raises(Exception, match="'doc' from the config failed to warm up"):
         make_server(prefix_budget_blocks=5)
+
+
+@pytest.mark.parametrize("content, match", [(None, "cannot read"), (b"", "is empty"), (b"\xff\xfe", "cannot read"),
+                                            (b"x" * 70, "has 70 bytes")])
+def test_a_bad_template_file_stops_the_start_before_the_model_loads(make_server, tmp_path, monkeypatch,
+                                                                   content, match):
+    """Read first, so the mistake is reported in a moment, not after minutes of loading a large model."""
+    from prefix_service.engine.api import Engine
+    from prefix_service.errors import ConfigError
+
+    def not_now(self, *args, **kwargs):
+        raise AssertionError("the model was loaded before the template files were read")
+    monkeypatch.setattr(Engine, "__init__", not_now)
+    prompt = tmp_path / "prompt.txt"
+    if content is not None:
+        prompt.write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"prefixes\[faq\].file: .*{match}"):
+        make_server(prefixes=(TemplateSpec("faq", file=str(prompt)),), max_template_bytes=64)

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from prefix_service.config import ServiceConfig, split_address
+from prefix_service.config import ConfigError, ServiceConfig, split_address
 from prefix_service.engine.api import Engine
 from prefix_service.engine.threads import thread_nice
 from prefix_service.heap import freeze_startup_objects
@@ -118,6 +118,7 @@ class PrefixServer:
         check_admin_exposure(cfg, token)
         warn_cleartext_token(cfg, token)
         tls = load_tls(cfg)
+        check_template_files(self.config)
         path = state_path(self.config)
         store = TemplateStore(path) if path is not None else None
         restored = store.load() if store is not None else []
@@ -217,6 +218,22 @@ class PrefixServer:
                 finally:
                     self._stopped.set()
 
+
+
+def check_template_files(config: ServiceConfig) -> None:
+    """Read the config's template files before anything heavy: a missing, unreadable, empty or
+    oversized file is a ConfigError naming its template now, not after the model has loaded (which
+    on a large model takes minutes)."""
+    for spec in config.prefixes:
+        if spec.file is None:
+            continue
+        text = spec.read_text()  # ConfigError naming prefixes[name].file
+        if not text:
+            raise ConfigError(f"prefixes[{spec.name}].file: {spec.file} is empty")
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > config.server.max_template_bytes:
+            raise ConfigError(f"prefixes[{spec.name}].file: {spec.file} has {size} bytes; templates may have at "
+                              f"most {config.server.max_template_bytes} (server.max_template_bytes)")
 
 
 async def serve(config: ServiceConfig, make_server: Callable[..., PrefixServer] = PrefixServer,
