@@ -32,8 +32,8 @@ def _probe(fn: Callable[[], Any]) -> Any:
 
 def _versions() -> dict[str, Any]:
     import torch
-    out: dict[str, Any] = {"prefix_service": dist_version("prefix_service"), "python": platform.python_version(), "torch": torch.__version__,
-                           "torch_cuda": torch.version.cuda}
+    out: dict[str, Any] = {"prefix_service": dist_version("prefix_service"), "python": platform.python_version(),
+                           "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     for name in ("transformers", "grpc", "llguidance"):
         try:
             out[name] = __import__(name).__version__

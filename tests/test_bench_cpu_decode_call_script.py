@@ -16,7 +16,8 @@ from prefix_service.backends.cpu import native, onednn
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_cpu_decode_call.py"
 # the caller's kernel settings left out (PREFIX_SERVICE_CACHE_DIR kept: where the library is built), one set
-ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFIX_SERVICE_") or k == "PREFIX_SERVICE_CACHE_DIR"},
+ENV = {**{k: v for k, v in os.environ.items()
+          if not k.startswith("PREFIX_SERVICE_") or k == "PREFIX_SERVICE_CACHE_DIR"},
        "PREFIX_SERVICE_DECODE_PREFETCH": "task"}
 WAYS = ["native", "none"] + (["matrix"] if onednn.load()[0] is not None else [])
 

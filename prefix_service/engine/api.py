@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Callable, TypeVar
+from typing import Any, AsyncGenerator, Callable, Iterable, TypeVar
 
 import torch
 
@@ -68,6 +68,12 @@ class EngineInfo:
     batch_invariant: bool = False  # model.batch_invariant
     cpu_isa: str = ""  # a CPU engine's instruction sets, e.g. "AVX-512,AVX2" (cpuinfo.isa; "" on a GPU)
     cpu_march: str = ""  # the target its native kernels were built for, where $PREFIX_SERVICE_CPU_MARCH named one
+
+
+def least_max_model_len(infos: Iterable[EngineInfo]) -> int | None:
+    """The longest request every one of these engines takes (a fleet's replicas may differ): the
+    least max_model_len; None for no engine."""
+    return min((info.max_model_len for info in infos), default=None)
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,16 @@
 are engine/snapshots.py's).
 
 A template the engine pins after a prefill is saved: the engine's thread copies its blocks' K/V
-(Backend.read_blocks, a memory copy) and one writer thread writes the file, so neither a step nor
-a caller waits on the disk. Saves and removals run in order on that thread, so a template removed
+(Backend.read_blocks, a memory copy) and one writer thread writes the file, so neither a step nor a
+caller waits on the disk. Saves and removals run in order on that thread, so a template removed
 right after its pin leaves no file; a template added while the removal of one of its name waits
-there waits for it, so it neither pins from the file being removed nor is left without one. Loads start on the caller's thread (Engine.add_template: the
-header checked, the data read and its checksum verified), and on a CPU the engine's thread then
-reads the data straight into the template's blocks (the file is in the page cache by then): a
-snapshot that does not match (other weights, dtype, block size, layout, token ids) or does not
-read back whole (checksum) is one warning naming the template and the reason, then the template
-is prefilled as if there were none. A save that fails (a read-only or full folder) turns saving
-off with one warning; serving goes on.
+there waits for it, so it neither pins from the file being removed nor is left without one. Loads
+start on the caller's thread (Engine.add_template: the header checked, the data read and its
+checksum verified), and on a CPU the engine's thread then reads the data straight into the
+template's blocks (the file is in the page cache by then): a snapshot that does not match (other
+weights, dtype, block size, layout, token ids) or does not read back whole (checksum) is one warning
+naming the template and the reason, then the template is prefilled as if there were none. A save
+that fails (a read-only or full folder) turns saving off with one warning; serving goes on.
 """
 from __future__ import annotations
 

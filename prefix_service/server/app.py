@@ -41,6 +41,7 @@ from prefix_service.server.metrics import ServiceMetrics
 from prefix_service.server.parts import EngineProvider, HttpFront, LocalEngineProvider, ServerContext, UvicornHttpFront
 from prefix_service.server.runtime import Runtime, rpc_executor
 from prefix_service.server.store import TemplateStore, state_path
+from prefix_service.server.templates import template_bytes
 from prefix_service.server.tls import TlsFiles, load_tls
 from prefix_service.server.wire import ADMIN_SERVICE, GENERATION_SERVICE, add_admin, add_generation
 
@@ -230,7 +231,7 @@ def check_template_files(config: ServiceConfig) -> None:
         text = spec.read_text()  # ConfigError naming prefixes[name].file
         if not text:
             raise ConfigError(f"prefixes[{spec.name}].file: {spec.file} is empty")
-        size = len(text.encode("utf-8", "surrogatepass"))
+        size = template_bytes(text)
         if size > config.server.max_template_bytes:
             raise ConfigError(f"prefixes[{spec.name}].file: {spec.file} has {size} bytes; templates may have at "
                               f"most {config.server.max_template_bytes} (server.max_template_bytes)")

@@ -8,7 +8,7 @@ import os
 from typing import Callable, Iterable, Sequence
 
 from prefix_service.errors import InvalidRequest
-from prefix_service.engine.api import EngineInfo
+from prefix_service.engine.api import EngineInfo, least_max_model_len
 from prefix_service.engine.template_pins import TemplateInfo
 from prefix_service.proto import prefix_service_pb2 as pb
 from prefix_service.sampling_params import SamplingParams, StructuredOutput
@@ -122,7 +122,7 @@ def server_info_to_proto(served_name: str, infos: dict[str, EngineInfo]) -> pb.S
         batch_invariant=info.batch_invariant, cpu_isa=info.cpu_isa, cpu_march=info.cpu_march)
         for replica, info in sorted(infos.items())]
     return pb.ServerInfo(version=package_version(), model=served_name, engines=engines,
-                         max_model_len=min((e.max_model_len for e in engines), default=0))
+                         max_model_len=least_max_model_len(infos.values()) or 0)
 
 
 def template_to_proto(info: TemplateInfo, origin: str, replicas: Sequence[str] = ()) -> pb.PrefixTemplate:

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefix_service.engine.api import least_max_model_len
 from prefix_service.engine.sequence import FinishReason, RequestOutput, TokenLogprob
 from prefix_service.errors import InvalidRequest, TemplateNotFound
 from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
@@ -570,7 +571,7 @@ class OpenAIApi:
         # max_model_len as vLLM gives it: the longest prompt plus output a request can have (the engines' least)
         data = [{"id": self.served_name, "object": "model", "created": created, "owned_by": "prefix_service",
                  "root": self.served_name, "parent": None,
-                 "max_model_len": min((i.max_model_len for i in infos.values()), default=None)}]
+                 "max_model_len": least_max_model_len(infos.values())}]
         for info, origin in templates:
             data.append({"id": info.name, "object": "model", "created": created, "owned_by": "prefix_service",
                          "root": self.served_name, "parent": self.served_name,

@@ -22,6 +22,12 @@ from prefix_service.server.store import TemplateSource, TemplateStore, state_fil
 log = logging.getLogger("prefix_service.server")
 
 
+def template_bytes(text: str) -> int:
+    """A template text's size as server.max_template_bytes counts it: its UTF-8 bytes (a lone
+    surrogate, which JSON can carry, as three)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 class TemplateRegistry:
     def __init__(self, engine: Engine, store: TemplateStore | None, max_template_bytes: int = 1 << 20) -> None:
         self.engine = engine
@@ -43,7 +49,7 @@ class TemplateRegistry:
         if (src.content is None) == (src.system_prompt is None):
             raise InvalidRequest(f"template {src.name!r}: give exactly one of content or system_prompt")
         text = src.content if src.content is not None else src.system_prompt or ""
-        size = len(text.encode("utf-8", "surrogatepass"))
+        size = template_bytes(text)
         if size > self.max_template_bytes:
             raise InvalidRequest(f"template {src.name!r} is {size} bytes; templates may have at most "
                                  f"{self.max_template_bytes} bytes (server.max_template_bytes)")
