@@ -105,7 +105,7 @@ def test_deadline_while_running_frees_blocks(make_server):
     c = Clients(st.address)
     undo = slow_steps(st.engine, 0.01)
     try:
-        call = c.generation.Generate(greedy_request(" the", "doc", max_tokens=400), timeout=0.5)
+        call = c.generation.Generate(greedy_request(" the", "doc", max_tokens=350), timeout=0.5)
         assert next(call).token_ids
         assert st.engine.kv_stats()["used"] > st.engine.kv_stats()["pinned"]
         assert status_of(call)[0] == grpc.StatusCode.DEADLINE_EXCEEDED

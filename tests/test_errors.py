@@ -41,6 +41,25 @@ def test_prompt_over_max_length(make_engine):
         engine.add_template("big", token_ids=list(range(3, 40)))
 
 
+def test_a_max_tokens_given_must_fit_the_context_beside_the_prompt(make_engine):
+    """As vLLM and OpenAI answer: prompt (template included) plus a max_tokens the caller gave over the
+    context is refused up front, naming the room left; unset, the server's default is cut at the context."""
+    engine = make_engine(max_model_len=32, default_max_tokens=64, max_tokens_cap=64)
+    with pytest.raises(PromptTooLong, match="max_tokens 13 and the prompt's 20 tokens need 33 tokens; the model's "
+                                            "context is 32 tokens: ask for at most 12") as caught:
+        run_ids(engine, range(3, 23), max_tokens=13)
+    assert caught.value.param == "max_tokens"
+    assert len(run_ids(engine, range(3, 23), max_tokens=12)) == 12  # exactly fits
+    unset = engine.generate([GenerateRequest(prompt_token_ids=list(range(3, 23)),
+                                             sampling=SamplingParams(max_tokens=None, ignore_eos=True))])[0]
+    assert (len(unset.token_ids), unset.finish_reason) == (12, "length")
+    engine.add_template("p", token_ids=list(range(3, 19)))  # 16 tokens + 4 of the prompt
+    with pytest.raises(PromptTooLong, match=r"the prompt's 20 tokens \(16 of them the template 'p'\) need 33 "
+                                            r"tokens.*at most 12"):
+        run_ids(engine, range(19, 23), prefix="p", max_tokens=13)
+    assert len(run_ids(engine, range(19, 23), prefix="p", max_tokens=12)) == 12
+
+
 def test_a_context_past_the_models_positions_is_a_config_error(make_engine):
     """model.max_model_len over max_position_embeddings (512 here) stops the start naming both; it
     started at that length, and 1e8 failed allocating 25 GB of rotary tables."""

@@ -271,6 +271,29 @@ def test_bad_chat_values_are_400(server, body, param):
     assert_error(raw(server, "POST", "/v1/chat/completions", body), 400, "invalid_value", param)
 
 
+def test_a_max_tokens_past_the_context_is_context_length_exceeded(server, grpc_clients):
+    """As vLLM and OpenAI answer: a max_tokens (or max_completion_tokens) that cannot fit the context beside
+    the prompt and its template is a 400 naming the field and the room left; gRPC's INVALID_ARGUMENT."""
+    ctx = raw(server, "GET", "/v1/models")[1]["data"][0]["max_model_len"]
+    err = assert_error(raw(server, "POST", "/v1/completions", {"model": "doc", "prompt": "x", "max_tokens": ctx}),
+                       400, "context_length_exceeded", "max_tokens")
+    assert f"the model's context is {ctx} tokens: ask for at most" in err["message"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": ctx}
+    err = assert_error(raw(server, "POST", "/v1/chat/completions", chat), 400, "context_length_exceeded",
+                       "max_completion_tokens")
+    assert err["message"].startswith(f"max_completion_tokens {ctx} and the prompt's")
+    assert "leave max_completion_tokens unset" in err["message"]
+    with pytest.raises(grpc.RpcError) as refused:
+        collect(grpc_clients.generation.Generate(greedy_request("x", "doc", max_tokens=ctx)))
+    details = refused.value.details()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ask for at most" in details
+    room = int(details.split("ask for at most ")[1].split(",")[0])  # exactly the room left still runs
+    status, body = raw(server, "POST", "/v1/completions", {"model": "doc", "prompt": "x", "max_tokens": room,
+                                                           "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == room, body
+    server.check_clean()
+
+
 def test_malformed_and_oversized_bodies(server):
     assert_error(raw(server, "POST", "/v1/completions", b"{not json"), 400, "invalid_value")
     assert_error(raw(server, "POST", "/v1/completions", b"[1, 2]"), 400, "invalid_value")
@@ -284,8 +307,9 @@ def test_malformed_and_oversized_bodies(server):
 
 def test_a_prompt_over_the_limit_is_400(make_server):
     st = make_server(max_prompt_tokens=4)
-    assert_error(raw(st, "POST", "/v1/completions", {"model": "doc", "prompt": " the order has a price row"}),
-                 400, "invalid_value")
+    err = assert_error(raw(st, "POST", "/v1/completions", {"model": "doc", "prompt": " the order has a price row"}),
+                       400, "context_length_exceeded", "prompt")
+    assert "scheduler.max_prompt_tokens" in err["message"]
 
 
 def test_queue_full_is_429(make_server):
@@ -358,7 +382,7 @@ def test_a_dropped_stream_frees_its_blocks(make_server):
     st = make_server(metrics_address="127.0.0.1:0")
     undo = slow_steps(st.engine, 0.02)
     try:
-        stream = client(st).completions.create(model="doc", prompt=" the", max_tokens=400, stream=True,
+        stream = client(st).completions.create(model="doc", prompt=" the", max_tokens=350, stream=True,
                                                extra_body={"ignore_eos": True})
         for i, _ in enumerate(stream):
             if i == 2:
@@ -379,7 +403,7 @@ def test_a_closed_connection_aborts_a_whole_response(make_server):
     st = make_server()
     undo = slow_steps(st.engine, 0.02)
     try:
-        body = json.dumps({"model": "doc", "prompt": " the", "max_tokens": 400, "ignore_eos": True}).encode()
+        body = json.dumps({"model": "doc", "prompt": " the", "max_tokens": 350, "ignore_eos": True}).encode()
         sock = socket.create_connection(("127.0.0.1", st.server.http_port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -455,7 +479,7 @@ def test_stop_ends_http_streams_and_frees_blocks(make_server):
     st = make_server(grace_period_s=0.2)
     undo = slow_steps(st.engine, 0.02)
     try:
-        stream = client(st).completions.create(model="doc", prompt=" the", max_tokens=2000, stream=True,
+        stream = client(st).completions.create(model="doc", prompt=" the", max_tokens=350, stream=True,
                                                extra_body={"ignore_eos": True})
         next(iter(stream))
         engine = st.engine
@@ -527,7 +551,7 @@ def test_one_error_table_for_both_protocols():
     from prefix_service.server.status import ChatTemplateMismatch, ModelNotFound, ServerNotReady, classify
     expected = {ModelNotFound("m"): (grpc.StatusCode.NOT_FOUND, 404, "model_not_found"),
                 CacheExhausted("c"): (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "cache_exhausted"),
-                PromptTooLong("p"): (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_value"),
+                PromptTooLong("p"): (grpc.StatusCode.INVALID_ARGUMENT, 400, "context_length_exceeded"),
                 QueueFull("q"): (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "queue_full"),
                 ChatTemplateMismatch("t"): (grpc.StatusCode.FAILED_PRECONDITION, 409, "chat_template_mismatch"),
                 ServerNotReady("s"): (grpc.StatusCode.UNAVAILABLE, 503, "unavailable"),

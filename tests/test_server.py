@@ -193,7 +193,7 @@ def test_chat_template_that_moves_the_system_prompt(model_dir, tmp_path, make_se
 def test_cancelled_stream_frees_its_blocks(server, clients):
     undo = slow_steps(server.engine, 0.01)
     try:
-        call = clients.generation.Generate(greedy_request(" the", "doc", max_tokens=400))
+        call = clients.generation.Generate(greedy_request(" the", "doc", max_tokens=350))
         first = next(call)
         assert first.token_ids
         stats = server.engine.kv_stats()
@@ -207,7 +207,7 @@ def test_cancelled_stream_frees_its_blocks(server, clients):
 def test_deadline_aborts_the_request(server, clients):
     undo = slow_steps(server.engine, 0.01)
     try:
-        call = clients.generation.Generate(greedy_request(" the", "doc", max_tokens=400), timeout=0.5)
+        call = clients.generation.Generate(greedy_request(" the", "doc", max_tokens=350), timeout=0.5)
         with pytest.raises(grpc.RpcError) as info:
             collect(call)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -246,7 +246,7 @@ def test_grace_period_over_cancels_in_flight_requests(make_server, caplog):
     caplog.set_level(logging.INFO, logger="prefix_service.requests")
     st = make_server(grace_period_s=0.3)
     slow_steps(st.engine, 0.01)
-    call = Clients(st.address).generation.Generate(greedy_request(" the", "doc", max_tokens=400))
+    call = Clients(st.address).generation.Generate(greedy_request(" the", "doc", max_tokens=350))
     next(call)
     t0 = time.monotonic()
     st.stop(grace=None)

@@ -193,6 +193,15 @@ class EngineCore:
                 f"{capacity} tokens beside the pinned templates, so it could never run; shorten it, or raise "
                 f"cache.kv_cache_memory (server operator)")
 
+    def _check_max_tokens(self, num_tokens: int, max_tokens: int | None, template: str) -> None:
+        """A max_tokens the caller gave must fit the context beside the prompt (a 400, as vLLM and OpenAI
+        answer); the server's default (max_tokens unset) is cut at the context instead."""
+        if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLong(
+                f"max_tokens {max_tokens} and the prompt's {num_tokens} tokens{template} need "
+                f"{num_tokens + max_tokens} tokens; the model's context is {self.max_model_len} tokens: ask for at most {self.max_model_len - num_tokens}, or leave "
+                f"max_tokens unset to generate up to the context", param="max_tokens")
+
     def add_request(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
                     sampling: SamplingParams, sink: Sink, matcher: Any = None) -> None:
         """Validate and queue. Raises InvalidRequest, PromptTooLong (CacheExhausted), TemplateNotFound or
@@ -205,7 +214,7 @@ class EngineCore:
         cap = self.config.scheduler.max_prompt_tokens
         if cap is not None and len(prompt_ids) > cap:
             raise PromptTooLong(f"the prompt has {len(prompt_ids)} tokens; this server accepts at most {cap} "
-                                f"per request after the prefix template (scheduler.max_prompt_tokens)")
+                                f"per request after the prefix template (scheduler.max_prompt_tokens)", param="prompt")
         handle = self.templates.get(prefix_name) if prefix_name else None
         reused = handle if handle is not None and self.config.cache.enable_prefix else None  # its blocks shared
         token_ids = (list(handle.token_ids) if handle else []) + list(prompt_ids)
@@ -215,6 +224,8 @@ class EngineCore:
         if reused is not None:  # the full template blocks the scheduler will share (see Scheduler._attach_template)
             shared = reused.reused_tokens(len(token_ids)) // self.block_size * self.block_size
         self._check_fits(len(token_ids), "the prompt" + (f" (with prefix {prefix_name!r})" if handle else ""), shared)
+        self._check_max_tokens(len(token_ids), sampling.max_tokens,
+                               f" ({len(handle.token_ids)} of them the template {prefix_name!r})" if handle else "")
         self._check_queue()  # after validation: a bad request hears why
         sc = self.config.scheduler
         max_tokens = sampling.max_tokens or min(sc.default_max_tokens, sc.max_tokens_cap)  # the cap bounds it too

@@ -794,7 +794,7 @@ def _as_sent(e: Exception, body: _Sampling | ScoreBody | None) -> Exception:
     chat request gave that for max_tokens; an unknown template's prefix_name (or model)."""
     if isinstance(e, InvalidRequest) and e.param == "max_tokens" and isinstance(body, ChatBody) \
             and body.max_tokens is None and body.max_completion_tokens is not None:
-        return InvalidRequest(str(e).replace("max_tokens", "max_completion_tokens", 1), param="max_completion_tokens")
+        return type(e)(str(e).replace("max_tokens", "max_completion_tokens"), param="max_completion_tokens")
     if type(e) is TemplateNotFound and e.param is None and body is not None:
         return TemplateNotFound(str(e), param="prefix_name" if body.prefix_name else "model")
     return e

@@ -12,7 +12,7 @@ from typing import NoReturn
 import grpc
 
 from prefix_service.errors import (CacheExhausted, EngineStopped, InvalidRequest, TemplateBudgetExceeded,
-                                   TemplateExists, TemplateNotFound, PrefixServiceError, QueueFull)
+                                   TemplateExists, TemplateNotFound, PrefixServiceError, PromptTooLong, QueueFull)
 
 log = logging.getLogger("prefix_service.server")
 
@@ -68,6 +68,8 @@ _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
     (TemplateNotFound, ErrorKind(grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error", "prefix_not_found")),
     (TemplateExists, ErrorKind(grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error", "prefix_exists")),
     (CacheExhausted, ErrorKind(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error", "cache_exhausted")),
+    (PromptTooLong, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error",
+                              "context_length_exceeded")),
     (RequestTooLarge, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error",
                                 "request_too_large")),
     (InvalidRequest, ErrorKind(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error", "invalid_value")),
