@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from server_fixtures import (DOCUMENT, SYSTEM_PROMPT, Clients, ServerThread, assert_error, collect, greedy_request,
-                             make_config, raw, slow_steps, started_servers)
+                             make_config, raw, slow_steps, started_servers, wait_until)
 from server_fixtures import openai_client as client
 
 from prefix_service.config import TemplateSpec
@@ -484,7 +484,7 @@ def test_stop_ends_http_streams_and_frees_blocks(make_server):
         next(iter(stream))
         engine = st.engine
         st.stop(grace=0.2)
-        with pytest.raises(Exception):  # the connection ends before the stream does
+        with pytest.raises(openai.APIError, match="cut off"):  # the error event ends the stream
             for _ in stream:
                 pass
         engine.shutdown()
@@ -492,6 +492,47 @@ def test_stop_ends_http_streams_and_frees_blocks(make_server):
         assert engine._core.kv_stats()["running"] == 0
     finally:
         undo()
+
+
+def test_requests_still_running_when_the_grace_period_ends_get_an_answer(make_server, caplog):
+    """At the end of the grace period each HTTP request in flight is answered, not dropped: a stream
+    ends with an `unavailable` error event, a whole response (running or still queued) is a 503; the
+    requests are aborted and uvicorn has no task left to cancel."""
+    st = make_server(grace_period_s=0.5, max_num_seqs=2)
+    undo = slow_steps(st.engine, 0.02)
+    conns = [http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60) for _ in range(3)]
+    try:
+        long = {"model": "doc", "prompt": " the", "max_tokens": 350, "ignore_eos": True}
+        conns[0].request("POST", "/v1/completions", json.dumps({**long, "stream": True}),
+                         {"Content-Type": "application/json"})
+        streamed = conns[0].getresponse()
+        assert streamed.status == 200 and streamed.readline().startswith(b"data: {")  # running
+        for conn in conns[1:]:  # one runs beside the stream, one waits for a place
+            conn.request("POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json"})
+        wait_until(lambda: st.engine.kv_stats()["waiting"] == 1, what="a request waiting for a place")
+        engine = st.engine
+        with caplog.at_level(logging.DEBUG):
+            st.stop(grace=0.5)
+        events = [line for line in streamed.read().decode().split("\n\n") if line]
+        assert events[-1].startswith('data: {"error":') and "data: [DONE]" not in events, events[-3:]
+        error = json.loads(events[-1][len("data: "):])["error"]
+        assert (error["code"], error["type"]) == ("unavailable", "server_error") and "cut off" in error["message"]
+        for conn in conns[1:]:
+            answer = conn.getresponse()
+            body = json.loads(answer.read())
+            assert answer.status == 503 and body["error"]["code"] == "unavailable", body
+        assert not [r for r in caplog.records if "Cancel" in r.getMessage() or r.exc_info], \
+            [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        engine.shutdown()
+        engine._core.check_integrity()
+        assert engine._core.kv_stats()["running"] == engine._core.kv_stats()["waiting"] == 0
+        cut = st.server.metrics.registry.get_sample_value(
+            "prefix_service_requests_total", {"code": "UNAVAILABLE", "protocol": "http", "template": "doc"})
+        assert cut == 3
+    finally:
+        undo()
+        for conn in conns:
+            conn.close()
 
 
 def test_http_off_by_empty_address(make_server):

@@ -28,7 +28,7 @@ from prefix_service.engine.template_pins import TemplateInfo, TemplateView
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput, ScoreOutput, ScoreRequest
 from prefix_service.errors import EngineStopped, TemplateNotFound
 from prefix_service.fleet.calls import TemplateNotHeld, call, call_sync, unwrap
-from prefix_service.server.status import ReplicaUnavailable
+from prefix_service.server.status import CUT_OFF, ReplicaUnavailable
 from prefix_service.server.store import TemplateSource
 
 log = logging.getLogger("prefix_service.fleet")
@@ -112,7 +112,7 @@ class FleetEngine:
                 except Exception as e:  # noqa: BLE001 - the replica's error, or its death
                     finished = True
                     if self._stopped:  # shutdown() cancelled it
-                        raise EngineStopped("the server is shutting down; the request was cut off") from None
+                        raise EngineStopped(CUT_OFF) from None
                     raise await self._error(e) from None
                 remaining -= int(out.finished)
                 finished = remaining == 0 or out.error is not None

@@ -2,8 +2,9 @@
 
 The socket is bound here first (a taken port fails the start with a clear error, port 0 gives its
 number back); uvicorn then runs as a task beside gRPC. Signals stay the PrefixServer's: uvicorn
-installs no handlers of its own. Stop: no new connections, in-flight responses get the grace
-period, then their tasks are cancelled (which aborts their requests).
+installs no handlers of its own. Stop: no new connections, in-flight responses get the time it is
+given, then their tasks are cancelled (which aborts their requests); UvicornHttpFront (parts.py)
+has the API answer them before that.
 """
 from __future__ import annotations
 

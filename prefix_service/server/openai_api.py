@@ -45,13 +45,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefix_service.engine.api import least_max_model_len
 from prefix_service.engine.sequence import FinishReason, RequestOutput, TokenLogprob
-from prefix_service.errors import InvalidRequest, TemplateNotFound
+from prefix_service.errors import EngineStopped, InvalidRequest, TemplateNotFound
 from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from prefix_service.server.auth import BearerAuth
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
 from prefix_service.server.requests import RequestSpec, ScoreSpec, TokenTexts, prepare, request_id_for, score
 from prefix_service.server.runtime import Runtime
-from prefix_service.server.status import ModelNotFound, RequestTooLarge, classify
+from prefix_service.server.status import CUT_OFF, ModelNotFound, RequestTooLarge, classify
 
 log = logging.getLogger("prefix_service.server")
 
@@ -518,6 +518,8 @@ class OpenAIApi:
         self.auth = auth
         self.served_name = served_name
         self.token_texts = TokenTexts()  # for log-probabilities
+        self._cut = asyncio.Event()  # set when a stopping server's grace period is over (cut_off)
+        self._streams: set[asyncio.Queue[RequestOutput | Exception]] = set()  # the outputs of streams in flight
         self.app = FastAPI(title="prefix_service", summary="OpenAI-compatible API with operator-named, pinned "
                            "prompt templates", version="1", docs_url=None, redoc_url=None)
         app = self.app
@@ -550,6 +552,14 @@ class OpenAIApi:
         message = f"{detail}: {request.method} {request.url.path}" if status in (404, 405) else str(detail)
         return JSONResponse(error_body(message, "invalid_request_error", code), status_code=status,
                             headers=getattr(exc, "headers", None))
+
+    def cut_off(self) -> None:
+        """The stopping server's grace period is over: every request still in flight is answered now
+        (and aborted) rather than dropped with its connection; a stream ends with an `unavailable`
+        error event, any other response is a 503, as are requests that arrive later."""
+        self._cut.set()
+        for outputs in self._streams:
+            outputs.put_nowait(EngineStopped(CUT_OFF))
 
     # --- routes --------------------------------------------------------------------------------
     async def health(self) -> Response:
@@ -630,7 +640,7 @@ class OpenAIApi:
             request_id = trace.request_id = request_id_for(spec)
             engine, req = await prepare(self.runtime, spec, request_id)
             stream = engine.generate_stream(req, self.runtime.executor)
-            first = await _first_output(request, stream)  # every refusal happens before this returns
+            first = await _first_output(request, stream, self._cut)  # every refusal happens before this returns
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - refused before any output
@@ -691,16 +701,19 @@ class OpenAIApi:
         samples: list[list[RequestOutput]] = [[] for _ in range(n)]
         task = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_disconnected(request))
+        stop = asyncio.ensure_future(self._cut.wait())
         try:
-            await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([task, gone, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not task.done():  # the client went away: cancelling closes the stream, which aborts the request
+            stop.cancel()
+            if not task.done():  # cancelling closes the stream, which aborts the request
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                _end(trace)  # CANCELLED
-        if task.cancelled():
-            return Response(status_code=499)  # nobody reads it
+                if not self._cut.is_set():
+                    _end(trace)  # the client went away: CANCELLED
+        if task.cancelled():  # the client went away, or the server cut the request off
+            return self.error(EngineStopped(CUT_OFF), trace) if self._cut.is_set() else Response(status_code=499)
         try:
             task.result()
         except Exception as e:  # noqa: BLE001 - ended by an error after it started (engine stopped)
@@ -712,29 +725,45 @@ class OpenAIApi:
     async def _stream(self, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None], shape: _Shape,
                       trace: RequestTrace, include_usage: bool, n: int) -> AsyncIterator[bytes]:
         trace.http_status = 200
+        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()  # the engine's, then cut_off's
+        pump = asyncio.ensure_future(_pump(stream, outputs))
+        self._streams.add(outputs)
         try:
-            async with contextlib.aclosing(stream):
-                out, remaining = first, n
-                while True:
-                    trace.output(out)
-                    for chunk in shape.chunks(out):
-                        yield _sse(chunk)
-                    remaining -= int(out.finished)
-                    if not remaining:
-                        break
-                    try:
-                        out = await anext(stream)
-                    except Exception as e:  # noqa: BLE001 - ended by an error mid-stream: say so in the stream
-                        kind, message = classify(e)
-                        trace.code = kind.grpc_code
-                        yield _sse(error_body(message, kind.type, kind.code))
-                        return
+            out, remaining = first, n
+            while True:
+                trace.output(out)
+                for chunk in shape.chunks(out):
+                    yield _sse(chunk)
+                remaining -= int(out.finished)
+                if not remaining:
+                    break
+                got = await outputs.get()
+                if isinstance(got, Exception):  # ended by an error mid-stream (engine stopped, cut off): say so
+                    kind, message = classify(got)
+                    trace.code = kind.grpc_code
+                    yield _sse(error_body(message, kind.type, kind.code))
+                    return
+                out = got
             if include_usage:
                 yield _sse(shape.usage_chunk())
             yield b"data: [DONE]\n\n"
             trace.code = grpc.StatusCode.OK
         finally:  # a client that went away leaves code None: CANCELLED
+            self._streams.discard(outputs)
+            pump.cancel()  # closes the engine's stream, which aborts the request if it is still running
             _end(trace)
+
+
+async def _pump(stream: AsyncGenerator[RequestOutput, None], outputs: asyncio.Queue[RequestOutput | Exception]
+                ) -> None:
+    """The engine's outputs after the first, or the error that ended them, into `outputs`, where the
+    server's cut-off can put its own error in front of what is yet to come."""
+    try:
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                outputs.put_nowait(out)
+    except Exception as e:  # noqa: BLE001 - handed to the response
+        outputs.put_nowait(e)
 
 
 def _end(trace: RequestTrace) -> None:
@@ -763,21 +792,27 @@ class BodyTooLarge(RequestTooLarge):
         super().__init__(f"the request body has {size} bytes or more; this server reads at most {MAX_BODY_BYTES}")
 
 
-async def _first_output(request: Request, stream: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
+async def _first_output(request: Request, stream: AsyncGenerator[RequestOutput, None],
+                        cut: asyncio.Event) -> RequestOutput | None:
     """The stream's first output (raising the request's refusal), or None when the client closed
     the connection before it: the stream is closed then, which aborts the request, queued or in
-    its prefill, instead of computing it for nobody."""
+    its prefill, instead of computing it for nobody. Raises EngineStopped (and aborts the request)
+    when the server cuts off what is in flight first."""
     first = asyncio.ensure_future(anext(stream))
     gone = asyncio.ensure_future(_disconnected(request))
+    stop = asyncio.ensure_future(cut.wait())
     try:
-        await asyncio.wait([first, gone], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([first, gone, stop], return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        stop.cancel()
         if not first.done():
             first.cancel()
             await asyncio.gather(first, return_exceptions=True)
         if first.cancelled() or first.exception() is not None:
             await stream.aclose()
+    if first.cancelled() and cut.is_set():
+        raise EngineStopped(CUT_OFF)
     return None if first.cancelled() else first.result()
 
 

@@ -20,7 +20,7 @@ import asyncio
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
@@ -32,6 +32,10 @@ from prefix_service.server.store import TemplateSource, TemplateStore, snapshot_
 from prefix_service.server.templates import TemplateRegistry
 from prefix_service.server.tls import TlsFiles
 from prefix_service.server.warmup import WarmupHook, warm_up
+
+# After the grace period the HTTP API answers what is still in flight; uvicorn waits this much longer
+# for those answers to go out before it cancels what still runs
+HTTP_CUT_OFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -119,14 +123,22 @@ class UvicornHttpFront:
 
     def __init__(self) -> None:
         self._server: HttpServer | None = None
+        self._api: Any = None  # the OpenAIApi
 
     async def start(self, ctx: ServerContext, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
         from prefix_service.server.openai_api import OpenAIApi  # fastapi loads only when HTTP is on
-        api = OpenAIApi(ctx.runtime, ctx.metrics, ApiKeyAuth(api_key), ctx.served_name)
-        self._server = HttpServer(api.app, address, certfile=tls.cert_file if tls else None,
+        self._api = OpenAIApi(ctx.runtime, ctx.metrics, ApiKeyAuth(api_key), ctx.served_name)
+        self._server = HttpServer(self._api.app, address, certfile=tls.cert_file if tls else None,
                                   keyfile=tls.key_file if tls else None)
-        return await self._server.start(ctx.config.server.grace_period_s)
+        return await self._server.start(ctx.config.server.grace_period_s + HTTP_CUT_OFF_S)
 
     async def stop(self, grace: float) -> None:
+        """In-flight responses get `grace` seconds; then the API answers what is left (an error event
+        ends a stream, a 503 any other response), which uvicorn gets HTTP_CUT_OFF_S more seconds to
+        send before it cancels what still runs (a client that does not read)."""
         if self._server is not None:
-            await self._server.stop(grace)
+            cut = asyncio.get_running_loop().call_later(grace, self._api.cut_off)
+            try:
+                await self._server.stop(grace + HTTP_CUT_OFF_S)
+            finally:
+                cut.cancel()

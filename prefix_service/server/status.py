@@ -61,6 +61,9 @@ class ErrorKind:
     code: str  # OpenAI's error.code: a short, stable identifier
 
 
+CUT_OFF = "the server is shutting down; the request was cut off"  # EngineStopped's, past the grace period
+
+
 # First match wins: subclasses before their bases (CacheExhausted is a PromptTooLong, an InvalidRequest;
 # ModelNotFound is a TemplateNotFound).
 _KINDS: tuple[tuple[type[BaseException], ErrorKind], ...] = (
