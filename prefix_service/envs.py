@@ -156,6 +156,10 @@ def check() -> None:
             _checked(var, raw, ConfigError)
 
 
+# what an engine computes with: a fleet's replicas run with the head's values (fleet/launcher.py)
+ENGINE_SCOPES = ("kernels", "cuda")
+
+
 def set_values(scopes: tuple[str, ...] = ("kernels",)) -> dict[str, str]:
     """The declared variables of `scopes` that are set, with their values (never a secret's)."""
     return {v.name: raw for v in VARIABLES

@@ -145,10 +145,12 @@ class ServerThread:
 
 
 @contextlib.contextmanager
-def running_fleet(config: ServiceConfig, root_certificates: bytes | None = None) -> Iterator[tuple[ServerThread, Clients]]:
+def running_fleet(config: ServiceConfig, root_certificates: bytes | None = None,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[ServerThread, Clients]]:
     """A fleet_server (config.ray) on a local Ray cluster of this process, started here unless one is
     up, and clients for it. Ray Serve is shut down before Ray: its handles left in this process would
-    otherwise start a new cluster to report their metrics to."""
+    otherwise start a new cluster to report their metrics to. env: variables set in this process once
+    Ray has started (its workers do not inherit them, as on another node), until the fleet stops."""
     import ray
     from ray import serve
 
@@ -156,18 +158,27 @@ def running_fleet(config: ServiceConfig, root_certificates: bytes | None = None)
     started_ray = not ray.is_initialized()
     if started_ray:
         init_ray(None, num_cpus=4, log_to_driver=False)
-    server = ServerThread(config, make_server=fleet_server)
-    server.start(wait=False)
-    server.wait_started(timeout=240)
-    clients = Clients(server.address, root_certificates)
+    before = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
     try:
-        yield server, clients
+        server = ServerThread(config, make_server=fleet_server)
+        server.start(wait=False)
+        server.wait_started(timeout=240)
+        clients = Clients(server.address, root_certificates)
+        try:
+            yield server, clients
+        finally:
+            clients.close()
+            server.stop(grace=0)
+            if started_ray:
+                serve.shutdown()
+                ray.shutdown()
     finally:
-        clients.close()
-        server.stop(grace=0)
-        if started_ray:
-            serve.shutdown()
-            ray.shutdown()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "the fleet",

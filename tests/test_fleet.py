@@ -7,8 +7,8 @@ end's shutdown cuts its streams off, a replica killed mid-stream fails only its 
 comes back holding its templates (from the shared snapshots), and one failing its health check is
 replaced.
 
-One fleet serves the whole module (starting one takes ~20 s); the tests run in file order and
-read counters as differences. Deselect with -m "not ray"."""
+One fleet serves the whole module (starting one takes ~20 s; under pytest-xdist each worker that
+runs some of its tests starts its own); the tests run in file order and read counters as differences. Deselect with -m "not ray"."""
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +44,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_torch_thread")]
 TEMPLATES = {f"t{i}": f"{DOCUMENT} and note {i} of the table" for i in range(4)}
 PROMPTS = ["the order", "a row for each price", "shipping value"]
 MAX_TOKENS = 8
+HEAD_SETTINGS = {"PREFIX_SERVICE_F32_NATIVE_ROWS": "128"}  # a kernel setting (its default value) in the head's env
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def fleet(model_dir, tmp_path_factory):
     # a snapshot folder the replicas share (as on a cluster's shared storage)
     shared = dataclasses.replace(config.engine.cache, snapshot_dir=str(state.parent / "snapshots"))
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, cache=shared))
-    with running_fleet(config) as (server, clients):
+    with running_fleet(config, env=HEAD_SETTINGS) as (server, clients):
         yield server, clients
 
 
@@ -202,6 +203,16 @@ def test_server_info_describes_every_replica(fleet):
     assert (base["id"], base["max_model_len"]) == (info.model, info.max_model_len)
 
 
+def test_replicas_run_with_the_heads_kernel_settings(fleet):
+    """The kernel settings in the head's environment reach every replica, through Ray's runtime_env (a
+    replica on another node never sees the head's environment; here they were set after the local
+    Ray cluster had started, so its workers did not inherit them)."""
+    server, _ = fleet
+    replicas = reports(server)
+    assert {r: rep.get("kernel_settings") for r, rep in replicas.items()} == {r: HEAD_SETTINGS for r in replicas}
+    assert len(replicas) == 2
+
+
 def test_greedy_outputs_equal_one_process(fleet, reference):
     server, clients = fleet
     for name in TEMPLATES:
@@ -324,8 +335,9 @@ def test_http_through_ray_serve(fleet, reference):
     status, body = _post(port, "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2})
     assert status == 404 and body["error"]["code"] == "model_not_found"
     after = scrape(server)
-    assert after[ok] - before.get(ok, 0) == 1 and after[grpc_ok] - before[grpc_ok] == 1
-    assert after[ttft] - before[ttft] == 2  # one histogram for both front ends
+    # (the module's earlier tests may have run in another process: a series may start here)
+    assert after[ok] - before.get(ok, 0) == 1 and after[grpc_ok] - before.get(grpc_ok, 0) == 1
+    assert after[ttft] - before.get(ttft, 0) == 2  # one histogram for both front ends
     assert any(name == "prefix_service_requests_total" and ("protocol", "http") in labels and ("code", "NOT_FOUND")
                in labels for name, labels in after)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import ray
 from ray import serve
 
+from prefix_service import envs
 from prefix_service.config import RayConfig, ServiceConfig, split_address
 from prefix_service.errors import EngineStopped
 from prefix_service.fleet import SERVE_ENV
@@ -100,9 +101,12 @@ def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, serv
     # RequestRouterConfig takes the router class or its import path; its pydantic signature says a dict
     # (unused-ignore: a Ray whose signature is right)
     router = RequestRouterConfig(request_router_class=ROUTER_CLASS)  # type: ignore[arg-type, unused-ignore]
+    actor: dict[str, Any] = {"num_cpus": rc.num_cpus_per_replica}
+    if settings := envs.set_values(envs.ENGINE_SCOPES):  # a replica on another node has not the head's environment
+        actor["runtime_env"] = {"env_vars": settings}
     replicas = serve.deployment(name=REPLICA_DEPLOYMENT, max_ongoing_requests=rc.max_ongoing_requests,
                                 logging_config=QUIET,
-                                ray_actor_options={"num_cpus": rc.num_cpus_per_replica},
+                                ray_actor_options=actor,
                                 request_router_config=router,
                                 health_check_period_s=2.0, health_check_timeout_s=30.0,
                                 graceful_shutdown_timeout_s=config.server.grace_period_s,
@@ -247,9 +251,12 @@ class FleetEngineProvider:
         else:
             serve.start(proxy_location="Disabled", logging_config={"enable_access_log": False})
         app = build_app(ctx.config, state_file, http=plan is not None, served_name=ctx.served_name)
-        log.info("deploying %s replicas of %s on Ray Serve (each loads the model and pins its templates; %s)",
+        settings = envs.set_values(envs.ENGINE_SCOPES)
+        log.info("deploying %s replicas of %s on Ray Serve (each loads the model and pins its templates; %s%s)",
                  f"{rc.min_replicas}-{rc.max_replicas}" if rc.autoscaling else rc.num_replicas,
-                 ctx.config.engine.model.path, " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in SERVE_ENV))
+                 ctx.config.engine.model.path, " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in SERVE_ENV),
+                 "; kernel settings from this environment: " + ", ".join(f"{k}={v}" for k, v in settings.items())
+                 if settings else "")
         serve.run(app, name=rc.app_name, route_prefix="/" if plan is not None else None)
         self._deployed = True
         return (serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=rc.app_name),

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import ray
 from ray import serve
 
+from prefix_service import envs
 from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
 from prefix_service.engine.template_pins import TemplateInfo
@@ -55,6 +56,7 @@ class EngineReplica:
         self.node = ray.get_runtime_context().get_node_id()  # the Ray node it runs on, in its reports
         self._controller = controller
         self.startup: dict[str, Any] = {}  # how its start went (in its reports): seconds, K/V sources
+        self.kernel_settings = envs.set_values(envs.ENGINE_SCOPES)  # the head's (build_app), in its reports
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         self.engine = await loop.run_in_executor(None, Engine, config)
@@ -79,8 +81,10 @@ class EngineReplica:
         freeze_startup_objects()  # the replica owns its process (prefix_service/heap.py)
         await controller.ready.remote(self.id, self._token_ids(), report)
         log.info("replica %s ready in %.1f s (engine %.1f s, templates %.1f s): %d of %d assigned templates pinned "
-                 "(K/V: %s)", self.id, done - started, loaded - started, done - loaded, pinned, len(assigned),
-                 ", ".join(f"{n} {k}" for k, n in sorted(sources.items())) or "none")
+                 "(K/V: %s)%s", self.id, done - started, loaded - started, done - loaded, pinned, len(assigned),
+                 ", ".join(f"{n} {k}" for k, n in sorted(sources.items())) or "none",
+                 "; kernel settings: " + ", ".join(f"{k}={v}" for k, v in self.kernel_settings.items())
+                 if self.kernel_settings else "")
 
     def _token_ids(self) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
@@ -92,7 +96,8 @@ class EngineReplica:
     def report(self) -> dict[str, Any]:
         with self._report_lock:
             return {"seq": next(self._report_seq), "held": self.registry.list(), "stats": self.stats(),
-                    "node": self.node, "startup": self.startup, "engine": self.engine.info}
+                    "node": self.node, "startup": self.startup, "engine": self.engine.info,
+                    "kernel_settings": self.kernel_settings}
 
     async def _poll_forever(self) -> None:
         loop = asyncio.get_running_loop()
