@@ -318,6 +318,8 @@ def test_http_through_ray_serve(fleet, reference):
                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == expected_ids(reference, "t1", "the order")
+    status, counted = _post(port, "/tokenize", {"model": "t1", "prompt": "the order"})
+    assert status == 200 and counted["prompt_tokens"] == body["usage"]["prompt_tokens"], counted
     # its request log line, as one process writes it, in the ingress's Ray Serve log (the session's
     # log folder has no public accessor)
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"

@@ -77,6 +77,60 @@ def test_models_lists_the_model_and_every_template(server):
     assert doc.metadata["template_tokens"] == server.engine.get_template("doc").num_tokens
 
 
+def test_one_model_by_its_id(server):
+    """GET /v1/models/{id} (the client's models.retrieve): the object /v1/models lists, or a 404."""
+    listed = {m["id"]: m for m in raw(server, "GET", "/v1/models")[1]["data"]}
+    for model_id, listed_one in listed.items():
+        status, got = raw(server, "GET", f"/v1/models/{model_id}")
+        assert status == 200 and {k: v for k, v in got.items() if k != "created"} == \
+            {k: v for k, v in listed_one.items() if k != "created"}
+    assert client(server).models.retrieve("doc").metadata["template_tokens"] == listed["doc"]["metadata"][
+        "template_tokens"]
+    assert_error(raw(server, "GET", "/v1/models/nope"), 404, "model_not_found", "model")
+
+
+def test_tokenize_counts_the_tokens_a_generation_takes(server):
+    """POST /tokenize gives what a generation on the same template takes: its own ids (count), the
+    template's count, and prompt_tokens equal to the generation's usage; /detokenize gives the text back."""
+    base = raw(server, "GET", "/v1/models")[1]["data"][0]
+    tok = server.engine.tokenizer
+    chat = [{"role": "user", "content": "Which row has the lowest price?"}]
+    cases = [({"model": "doc", "prompt": " the order has a price row"}, "/v1/completions"),
+             ({"prompt": "Hello there, table"}, "/v1/completions"),
+             ({"model": "sys", "messages": chat}, "/v1/chat/completions"),
+             ({"messages": chat}, "/v1/chat/completions")]
+    for body, route in cases:
+        status, got = raw(server, "POST", "/tokenize", body)
+        assert status == 200, got
+        status, done = raw(server, "POST", route, {**body, "max_tokens": 1, "temperature": 0})
+        assert status == 200, done
+        assert got["prompt_tokens"] == got["prefix_tokens"] + got["count"] == done["usage"]["prompt_tokens"], body
+        assert got["count"] == len(got["tokens"]) and got["max_model_len"] == base["max_model_len"]
+        template = body.get("model")
+        assert got["prefix_tokens"] == (server.engine.get_template(template).num_tokens if template else 0)
+        if "prompt" in body:  # on a template the prompt continues it: no special tokens
+            assert got["tokens"] == tok.encode(body["prompt"], add_special_tokens=template is None)
+            assert raw(server, "POST", "/detokenize", {"tokens": got["tokens"]}) == (200, {"prompt": body["prompt"]})
+    same = raw(server, "POST", "/tokenize", {"prefix_name": "doc", "prompt": " the order has a price row"})[1]
+    assert same == raw(server, "POST", "/tokenize", cases[0][0])[1]
+
+
+@pytest.mark.parametrize("route,body,status,code,param", [
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model_not_found", "model"),
+    ("/tokenize", {"prefix_name": "nope", "prompt": "x"}, 404, "prefix_not_found", "prefix_name"),
+    ("/tokenize", {"prompt": "x", "add_generation": 1}, 400, "invalid_value", "add_generation"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "invalid_value",
+     "messages.0.content.0"),
+    ("/tokenize", {"messages": []}, 400, "invalid_value", "messages"),
+    ("/detokenize", {"tokens": [5, -1]}, 400, "invalid_value", "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "invalid_value", "tokens"),
+    ("/detokenize", {"model": "nope", "tokens": [5]}, 404, "model_not_found", "model"),
+    ("/detokenize", {}, 400, "invalid_value", "tokens"),
+])
+def test_tokenize_errors_name_the_field(server, route, body, status, code, param):
+    assert_error(raw(server, "POST", route, body), status, code, param)
+
+
 def test_completion_on_a_template_equals_grpc_token_for_token(server, grpc_clients):
     expected = grpc_ids(grpc_clients, " the order", "doc")
     api = client(server)

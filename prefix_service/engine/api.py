@@ -70,6 +70,18 @@ class EngineInfo:
     cpu_march: str = ""  # the target its native kernels were built for, where $PREFIX_SERVICE_CPU_MARCH named one
 
 
+def prompt_token_ids(tokenizer: Any, req: GenerateRequest) -> list[int]:
+    """The request's own token ids, after its template's: its prompt_token_ids, or its prompt tokenized
+    (on a template the prompt continues it: no special tokens, no second BOS)."""
+    if req.prompt_token_ids is not None:
+        if req.prompt is not None:
+            from prefix_service.errors import InvalidRequest
+            raise InvalidRequest("give prompt or prompt_token_ids, not both")
+        return list(req.prompt_token_ids)
+    ids: list[int] = tokenizer.encode(req.prompt or "", add_special_tokens=not req.prefix_name)
+    return ids
+
+
 def least_max_model_len(infos: Iterable[EngineInfo]) -> int | None:
     """The longest request every one of these engines takes (a fleet's replicas may differ): the
     least max_model_len; None for no engine."""
@@ -389,14 +401,7 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
-        if req.prompt_token_ids is not None:
-            if req.prompt is not None:
-                from prefix_service.errors import InvalidRequest
-                raise InvalidRequest("give prompt or prompt_token_ids, not both")
-            return list(req.prompt_token_ids)
-        # on a template the prompt continues it: no special tokens (no second BOS)
-        ids: list[int] = self.tokenizer.encode(req.prompt or "", add_special_tokens=not req.prefix_name)
-        return ids
+        return prompt_token_ids(self.tokenizer, req)
 
     def submit(self, req: GenerateRequest, sink: Callable[[RequestOutput], None]) -> str:
         """Queue a request; sink receives its outputs from the loop thread. Returns its id.

@@ -43,13 +43,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefix_service.engine.api import least_max_model_len
+from prefix_service.engine.api import least_max_model_len, prompt_token_ids
 from prefix_service.engine.sequence import FinishReason, RequestOutput, TokenLogprob
 from prefix_service.errors import EngineStopped, InvalidRequest, TemplateNotFound
 from prefix_service.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from prefix_service.server.auth import BearerAuth
 from prefix_service.server.metrics import RequestTrace, ServiceMetrics
-from prefix_service.server.requests import RequestSpec, ScoreSpec, TokenTexts, prepare, request_id_for, score
+from prefix_service.server.requests import (RequestSpec, ScoreSpec, TokenTexts, build_request, prepare,
+                                            request_id_for, score)
 from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import CUT_OFF, ModelNotFound, RequestTooLarge, classify
 
@@ -366,6 +367,19 @@ class ScoreBody(_Body):
     user: str | None = None  # accepted, unused
 
 
+class TokenizeBody(_Body):
+    """POST /tokenize: a prompt (text) or chat messages, on a template or not, as a generation takes them."""
+    model: str | None = None
+    prefix_name: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ChatBody(_Sampling):
     messages: list[ChatMessageBody] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -527,6 +541,9 @@ class OpenAIApi:
         app.add_exception_handler(RequestValidationError, self._http_exception)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/scores", self.scores, methods=["POST"])
@@ -570,24 +587,85 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> JSONResponse:
         try:
-            self.auth.check(request.headers.items())
-            engine, registry = self.runtime.require_ready()
-            loop = asyncio.get_running_loop()
-            templates = await loop.run_in_executor(self.runtime.executor, registry.list)
-            infos = await loop.run_in_executor(self.runtime.executor, engine.engine_infos)
+            data = await self._model_list(request)
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
             return self.error(e)
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request, model: str) -> JSONResponse:
+        """GET /v1/models/{model}: the base model or a template, as /v1/models lists it."""
+        try:
+            found = [m for m in await self._model_list(request) if m["id"] == model]
+            if not found:
+                raise ModelNotFound(f"the model {model[:128]!r} does not exist here: use {self.served_name!r} or a "
+                                    f"template's name (GET /v1/models lists them)", param="model")
+        except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
+            return self.error(e)
+        return JSONResponse(found[0])
+
+    async def _model_list(self, request: Request) -> list[dict[str, Any]]:
+        """The base model, then each template, as OpenAI's model objects."""
+        self.auth.check(request.headers.items())
+        engine, registry = self.runtime.require_ready()
+        loop = asyncio.get_running_loop()
+        templates = await loop.run_in_executor(self.runtime.executor, registry.list)
+        infos = await loop.run_in_executor(self.runtime.executor, engine.engine_infos)
         created = int(time.time())
         # max_model_len as vLLM gives it: the longest prompt plus output a request can have (the engines' least)
-        data = [{"id": self.served_name, "object": "model", "created": created, "owned_by": "prefix_service",
-                 "root": self.served_name, "parent": None,
-                 "max_model_len": least_max_model_len(infos.values())}]
+        data: list[dict[str, Any]] = [{"id": self.served_name, "object": "model", "created": created,
+                                       "owned_by": "prefix_service", "root": self.served_name, "parent": None,
+                                       "max_model_len": least_max_model_len(infos.values())}]
         for info, origin in templates:
             data.append({"id": info.name, "object": "model", "created": created, "owned_by": "prefix_service",
                          "root": self.served_name, "parent": self.served_name,
                          "metadata": {"kind": "prefix_template", "base_model": self.served_name,
                                       "template_tokens": info.num_tokens, "origin": origin}})
-        return JSONResponse({"object": "list", "data": data})
+        return data
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """POST /tokenize, as vLLM's: a prompt's (or chat messages') token ids as a generation on the same
+        template would take them. count and tokens are the request's own; prompt_tokens adds the
+        template's (prefix_tokens), as a generation's usage.prompt_tokens counts them."""
+        body: TokenizeBody | None = None
+        try:
+            self.auth.check(request.headers.items())
+            body = TokenizeBody.model_validate_json(await _read_body(request))
+            for i, message in enumerate(body.messages or ()):
+                message.check(i)
+            if body.messages is not None and not body.messages:
+                raise InvalidRequest("messages: an empty list", param="messages")
+            template = self._template(body.model, body.prefix_name)
+            spec = RequestSpec(prefix_name=template, prompt=body.prompt,
+                               messages=[m.as_dict() for m in body.messages] if body.messages else None)
+            engine, _ = self.runtime.require_ready()
+            loop = asyncio.get_running_loop()
+            ids, prefix, infos = await loop.run_in_executor(self.runtime.executor, _tokenized, engine, spec)
+        except ValidationError as e:
+            return self.error(_validation_error(e))
+        except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
+            return self.error(_as_sent(e, body))
+        return JSONResponse({"count": len(ids), "tokens": ids, "prefix_tokens": prefix,
+                             "prompt_tokens": prefix + len(ids), "max_model_len": least_max_model_len(infos.values())})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """POST /detokenize, as vLLM's: token ids -> their text."""
+        try:
+            self.auth.check(request.headers.items())
+            body = DetokenizeBody.model_validate_json(await _read_body(request))
+            self._template(body.model, None)  # an unknown model is a 404, as elsewhere
+            engine, _ = self.runtime.require_ready()
+            size = len(engine.tokenizer)
+            bad = [t for t in body.tokens if not 0 <= t < size]
+            if bad:
+                raise InvalidRequest(f"tokens: {bad[0]} is not a token id of this model's tokenizer (0 to {size - 1})",
+                                     param="tokens")
+            text = await asyncio.get_running_loop().run_in_executor(self.runtime.executor, engine.tokenizer.decode,
+                                                                     body.tokens)
+        except ValidationError as e:
+            return self.error(_validation_error(e))
+        except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
+            return self.error(e)
+        return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, CompletionBody)
@@ -766,6 +844,13 @@ async def _pump(stream: AsyncGenerator[RequestOutput, None], outputs: asyncio.Qu
         outputs.put_nowait(e)
 
 
+def _tokenized(engine: Any, spec: RequestSpec) -> tuple[list[int], int, dict[str, Any]]:
+    """(the request's own token ids, its template's token count, the engines' infos). Blocks."""
+    req = build_request(engine, spec, "tokenize")
+    prefix = len(engine.get_template(spec.prefix_name).token_ids) if spec.prefix_name else 0
+    return prompt_token_ids(engine.tokenizer, req), prefix, engine.engine_infos()
+
+
 def _end(trace: RequestTrace) -> None:
     try:
         trace.end()
@@ -824,7 +909,7 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _as_sent(e: Exception, body: _Sampling | ScoreBody | None) -> Exception:
+def _as_sent(e: Exception, body: _Sampling | ScoreBody | TokenizeBody | None) -> Exception:
     """The engine's refusal naming the field as the request gave it: max_completion_tokens where a
     chat request gave that for max_tokens; an unknown template's prefix_name (or model)."""
     if isinstance(e, InvalidRequest) and e.param == "max_tokens" and isinstance(body, ChatBody) \
