@@ -607,16 +607,24 @@ def test_a_taken_http_port_fails_the_start(make_server, model_dir, tmp_path):
         taken.close()
 
 
-def test_a_grpc_port_another_grpc_server_holds_fails_the_start(model_dir, tmp_path):
+def test_a_grpc_port_another_grpc_server_holds_fails_the_start(model_dir, tmp_path, capfd):
     """gRPC servers share ports by default (SO_REUSEPORT): a second one bound the port too, and the
-    calls were split between the two processes. Now the start fails naming the address."""
+    calls were split between the two processes. Now the start fails naming the address and its
+    setting, in one line of our own (no gRPC core log line before it)."""
     from concurrent import futures
     other = grpc.server(futures.ThreadPoolExecutor(1))
     port = other.add_insecure_port("127.0.0.1:0")
     other.start()
     try:
-        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+        capfd.readouterr()
+        with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port} \(server.address\): Address already in "
+                                          r"use \(is another server"):
             ServerThread(make_config(model_dir, address=f"127.0.0.1:{port}", state_file=tmp_path / "s.json")).start()
+        assert "add_port" not in capfd.readouterr().err
+        admin = make_config(model_dir, address="127.0.0.1:0", admin_address=f"127.0.0.1:{port}",
+                            state_file=tmp_path / "s.json")
+        with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port} \(server.admin_address\)"):
+            ServerThread(admin).start()
     finally:
         other.stop(None)
 

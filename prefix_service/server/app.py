@@ -17,10 +17,12 @@ second signal cuts the grace short.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -104,13 +106,14 @@ class PrefixServer:
         return server
 
     @staticmethod
-    def _bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None) -> int:
+    def _bind(server: grpc.aio.Server, address: str, tls: TlsFiles | None, key: str) -> int:
+        _check_free(address, key)  # gRPC's own refusal comes with a C-core log line and a vague message
         try:
             port: int = (server.add_insecure_port(address) if tls is None
                          else server.add_secure_port(address, tls.grpc_credentials()))
             return port
         except RuntimeError as e:
-            raise OSError(f"cannot listen on {address}: {e} (is another server using the port?)") from None
+            raise OSError(f"cannot listen on {address} ({key}): {e} (is another server using the port?)") from None
 
     async def start(self) -> int:
         """Bind, load, warm up; returns the bound port once health reports SERVING."""
@@ -135,9 +138,9 @@ class PrefixServer:
                 self._admin_grpc = self._grpc_server([ADMIN_SERVICE])
             add_admin(PrefixAdminServicer(self.runtime, AdminAuth(token)), self._admin_grpc or self._grpc)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._bind(self._grpc, cfg.address, tls)
+        self.port = self._bind(self._grpc, cfg.address, tls, "server.address")
         if self._admin_grpc is not None:
-            self.admin_port = self._bind(self._admin_grpc, cfg.admin_bind_address, tls)
+            self.admin_port = self._bind(self._admin_grpc, cfg.admin_bind_address, tls, "server.admin_address")
         elif cfg.enable_admin:
             self.admin_port = self.port
         try:
@@ -219,6 +222,29 @@ class PrefixServer:
                 finally:
                     self._stopped.set()
 
+
+
+def _check_free(address: str, key: str) -> None:
+    """OSError naming `key` when another socket holds the address's port (as gRPC binds it: address
+    reuse for a port in TIME_WAIT, no port sharing). Port 0, or a host that does not resolve: gRPC's
+    bind decides."""
+    host, port = split_address(address, key)
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return
+    for family, kind, proto, _, where in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise OSError(f"cannot listen on {address} ({key}): {e.strerror} (is another server using the "
+                                  f"port?)") from None
+                return  # not a port clash (an address not on this machine, say): gRPC's bind reports it
 
 
 def check_template_files(config: ServiceConfig) -> None:
