@@ -5,6 +5,7 @@ gRPC's token for token; cached_tokens; every error with its status and OpenAI's 
 key; a client that goes away frees its blocks; what the metrics and the log line record."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
@@ -587,6 +588,47 @@ def test_requests_still_running_when_the_grace_period_ends_get_an_answer(make_se
         undo()
         for conn in conns:
             conn.close()
+
+
+def test_a_stream_that_starts_after_the_cut_off_ends_after_its_first_output():
+    """A response whose stream begins once the grace period is over (its first output came just
+    before) sends that output, then the error event, and closes the engine's stream (the abort)."""
+    from prefix_service.engine.sequence import RequestOutput
+    from prefix_service.server.openai_api import OpenAIApi, _Shape
+
+    class Trace:
+        http_status = code = None
+        request_id = "r"
+
+        def output(self, out):
+            pass
+
+        def end(self):
+            pass
+
+    closed = []
+
+    async def engine_stream():
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                yield RequestOutput("r", " first", [5])
+        finally:
+            closed.append(True)
+
+    async def run():
+        api = OpenAIApi.__new__(OpenAIApi)
+        api._cut, api._streams = asyncio.Event(), set()
+        api.cut_off()
+        stream = engine_stream()
+        first = await anext(stream)  # as the request's first output is read before its response starts
+        events = [e async for e in api._stream(first, stream, _Shape(False, "r", "m", False), Trace(), False, 1)]
+        await asyncio.sleep(0.05)  # the cancelled pump closes the engine's stream
+        return events, list(closed)  # (asyncio.run closes what is left open as it ends)
+
+    events, closed_in_time = asyncio.run(run())
+    assert len(events) == 2 and b'"text":" first"' in events[0] and b'"code":"unavailable"' in events[1], events
+    assert closed_in_time == [True]
 
 
 def test_http_off_by_empty_address(make_server):

@@ -805,7 +805,12 @@ class OpenAIApi:
         trace.http_status = 200
         outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()  # the engine's, then cut_off's
         pump = asyncio.ensure_future(_pump(stream, outputs))
+        # then the engine's stream is closed (a no-op once it has ended), which aborts its request if it is still
+        # running: the pump may be cancelled before it ever reads it
+        pump.add_done_callback(lambda _: _close_soon(stream))
         self._streams.add(outputs)
+        if self._cut.is_set():  # a stream that starts after the cut-off ends after its first output
+            outputs.put_nowait(EngineStopped(CUT_OFF))
         try:
             out, remaining = first, n
             while True:
@@ -828,7 +833,7 @@ class OpenAIApi:
             trace.code = grpc.StatusCode.OK
         finally:  # a client that went away leaves code None: CANCELLED
             self._streams.discard(outputs)
-            pump.cancel()  # closes the engine's stream, which aborts the request if it is still running
+            pump.cancel()
             _end(trace)
 
 
@@ -837,11 +842,18 @@ async def _pump(stream: AsyncGenerator[RequestOutput, None], outputs: asyncio.Qu
     """The engine's outputs after the first, or the error that ended them, into `outputs`, where the
     server's cut-off can put its own error in front of what is yet to come."""
     try:
-        async with contextlib.aclosing(stream):
-            async for out in stream:
-                outputs.put_nowait(out)
+        async for out in stream:
+            outputs.put_nowait(out)
     except Exception as e:  # noqa: BLE001 - handed to the response
         outputs.put_nowait(e)
+
+
+def _close_soon(stream: AsyncGenerator[RequestOutput, None]) -> None:
+    _closing.add(task := asyncio.ensure_future(stream.aclose()))
+    task.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Future[None]] = set()  # closes in flight (the loop keeps only weak references to tasks)
 
 
 def _tokenized(engine: Any, spec: RequestSpec) -> tuple[list[int], int, dict[str, Any]]:
