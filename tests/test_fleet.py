@@ -8,7 +8,8 @@ comes back holding its templates (from the shared snapshots), and one failing it
 replaced.
 
 One fleet serves the whole module (starting one takes ~20 s; under pytest-xdist each worker that
-runs some of its tests starts its own); the tests run in file order and read counters as differences. Deselect with -m "not ray"."""
+runs some of its tests starts its own); the tests run in file order and read counters as
+differences. Deselect with -m "not ray"."""
 from __future__ import annotations
 
 import asyncio

@@ -217,6 +217,53 @@ def test_front_end_sends_a_call_to_the_least_loaded_holder_first():
     asyncio.run(main())
 
 
+def test_a_call_its_caller_gave_up_on_while_no_replica_took_it_is_withdrawn():
+    """A caller cancelled (a gRPC deadline, an HTTP client gone) while its call waits in Ray Serve's
+    router for a busy holder: the call is cancelled there, or it would run later for nobody."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    import time
+
+    from prefix_service.engine.sequence import GenerateRequest
+    from prefix_service.fleet.client import FleetEngine
+
+    streams: list = []
+
+    class Waiting:  # no replica takes the call
+        cancelled = False
+
+        async def __anext__(self):
+            await asyncio.Event().wait()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, req, holders=()):
+            streams.append(Waiting())
+            return streams[-1]
+
+    engine = FleetEngine(Handle(), controller=None, tokenizer=None)
+    engine._routes, engine._routes_at = {"": ("a",), "t": ("a",)}, time.monotonic() + 3600
+
+    async def main() -> None:
+        async def consume() -> None:
+            async for _ in engine.generate_stream(GenerateRequest(prompt="x", prefix_name="t")):
+                pass
+
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(consume(), 0.3)  # less than the second after which it looks at fresh routes
+
+    asyncio.run(main())
+    assert len(streams) == 1 and streams[0].cancelled
+
+
 def test_the_services_answers_are_not_logged_as_failed_requests():
     """In a replica, Ray Serve's "Request failed." record of an error the service answers a caller
     with becomes one INFO line without its traceback; any other failure stays as it was."""

@@ -137,36 +137,39 @@ class FleetEngine:
             kwargs = {"holders": self._least_loaded(routes.get(name or "", ()))}
             stream = self._streaming.generate.remote(req, **kwargs)
             first = asyncio.ensure_future(stream.__anext__())
-            while True:
-                done, _ = await asyncio.wait({first}, timeout=1.0)
-                if done:
-                    try:
-                        replica = first.result()  # the replica's id: taken
-                    except Exception as e:  # noqa: BLE001
-                        err = await self._error(e)
-                        if not isinstance(err, TemplateNotHeld) or time.monotonic() > deadline:
-                            raise err from None
-                        log.debug("resending request %s: %s", req.request_id, err)
-                        await asyncio.sleep(RESEND_PAUSE_S)
-                        routes = await self.routes(fresh=True)  # the template moved: resend it
-                        if name not in routes:
-                            raise TemplateNotFound(f"prefix template {name!r} was removed") from None
-                        break
-                    return stream, replica
-                if time.monotonic() > deadline:
-                    _abandon(first, stream)
-                    raise ReplicaUnavailable(f"no replica took the request within {self.accept_timeout_s:.0f} s"
-                                             + (f" (template {name!r} is on: {', '.join(routes[name]) or 'none yet'})"
-                                                if name else ""))
-                if name:  # the holders it waits for may have left: send it to the new ones
-                    fresh = await self.routes(fresh=True)
-                    if name not in fresh:
+            try:
+                while True:
+                    done, _ = await asyncio.wait({first}, timeout=1.0)
+                    if done:
+                        try:
+                            replica = first.result()  # the replica's id: taken
+                        except Exception as e:  # noqa: BLE001
+                            err = await self._error(e)
+                            if not isinstance(err, TemplateNotHeld) or time.monotonic() > deadline:
+                                raise err from None
+                            log.debug("resending request %s: %s", req.request_id, err)
+                            await asyncio.sleep(RESEND_PAUSE_S)
+                            routes = await self.routes(fresh=True)  # the template moved: resend it
+                            if name not in routes:
+                                raise TemplateNotFound(f"prefix template {name!r} was removed") from None
+                            break
+                        return stream, replica
+                    if time.monotonic() > deadline:
                         _abandon(first, stream)
-                        raise TemplateNotFound(f"prefix template {name!r} was removed")
-                    if fresh[name] and not set(fresh[name]) & set(routes[name]):
-                        _abandon(first, stream)
-                        routes = fresh
-                        break
+                        on = f" (template {name!r} is on: {', '.join(routes[name]) or 'none yet'})" if name else ""
+                        raise ReplicaUnavailable(f"no replica took the request within {self.accept_timeout_s:.0f} s{on}")
+                    if name:  # the holders it waits for may have left: send it to the new ones
+                        fresh = await self.routes(fresh=True)
+                        if name not in fresh:
+                            _abandon(first, stream)
+                            raise TemplateNotFound(f"prefix template {name!r} was removed")
+                        if fresh[name] and not set(fresh[name]) & set(routes[name]):
+                            _abandon(first, stream)
+                            routes = fresh
+                            break
+            except BaseException:  # the caller gave up (a deadline, a client gone): withdraw the call from the
+                _abandon(first, stream)  # router, or it runs later for nobody (a no-op where it is withdrawn already)
+                raise
 
     async def _routes_with(self, name: str | None, fresh: bool = False) -> dict[str, tuple[str, ...]]:
         """The routes, fresh ones if they do not know the template; TemplateNotFound if it is not there."""
