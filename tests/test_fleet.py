@@ -382,6 +382,42 @@ def test_admin_add_and_remove_reach_the_holders(fleet, reference):
     server.engine.check_integrity()
 
 
+def test_a_template_serves_everywhere_as_soon_as_its_add_returns(fleet):
+    """Right after AddPrefixTemplate returns, before the replicas' next reports and the front ends'
+    next routes refresh: the listing has its blocks and K/V source as the add answered them, HTTP
+    takes it as a model, and the metrics count its requests under its name; right after its
+    removal a request on it is counted as on an unknown template."""
+    server, clients = fleet
+    engine = server.engine
+    engine._routes_at = time.monotonic() + 3600  # the front end's routes go stale: only a miss refreshes them
+    try:
+        added = clients.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(
+            name="fresh", content="a fresh note on the table of orders and prices"))
+        shown = listing(clients)["fresh"]
+        assert (shown.num_tokens, shown.num_blocks, shown.kv_source) == (added.num_tokens, added.num_blocks,
+                                                                         added.kv_source) and added.num_blocks > 0
+        status, body = _post(server.server.http_port, "/v1/completions",
+                             {"model": "fresh", "prompt": "the order", "max_tokens": 2, "temperature": 0})
+        assert status == 200, body
+        collect(clients.generation.Generate(greedy_request("the order", "fresh", 2)))
+        clients.admin.RemovePrefixTemplate(pb.RemovePrefixTemplateRequest(name="fresh"))
+        engine._routes_at = time.monotonic() + 3600
+        with pytest.raises(grpc.RpcError) as e:
+            collect(clients.generation.Generate(greedy_request("the order", "fresh", 2)))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        engine._routes_at = -1e9
+    counted = scrape(server)
+
+    def requests(protocol: str, template: str, code: str) -> float:
+        return counted.get(("prefix_service_requests_total", frozenset(
+            {"protocol": protocol, "template": template, "code": code}.items())), 0)
+
+    assert requests("grpc", "fresh", "OK") == requests("http", "fresh", "OK") == 1
+    assert requests("grpc", "fresh", "NOT_FOUND") == 0 and requests("grpc", "_unknown", "NOT_FOUND") >= 1
+    server.engine.check_integrity()
+
+
 def test_chat_on_a_system_prompt_template(fleet, reference):
     """The chat path reads the template's ids and definition from the controller; the answer equals
     one process's on the whole rendered conversation (no template)."""

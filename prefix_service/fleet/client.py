@@ -324,3 +324,6 @@ class FleetRegistry:
 
     def known(self, name: str) -> bool:
         return self.engine.known(name)
+
+    async def lookup(self, name: str) -> bool:
+        return self.engine.known(name) or (bool(name) and name in await self.engine.routes(fresh=True))

@@ -110,6 +110,8 @@ class FleetController:
         self._departed: dict[str, None] = {}  # replicas that left by `leave` (in order): never members again
         self.locations: dict[str, set[str]] = {name: set() for name in self.sources}
         self.token_ids: dict[str, tuple[int, ...]] = {}
+        # what the pins of an add answered, until a holder's report has the template (listing())
+        self._pinned: dict[str, list[TemplateInfo]] = {}
         self._busy: set[tuple[str, str]] = set()  # (template, replica) with a pin or unpin in flight
         self._ids = itertools.count(1)
         self._admin = asyncio.Lock()
@@ -354,6 +356,10 @@ class FleetController:
         out = []
         for name, src in self.sources.items():
             found = per.get(name, [])
+            if found:
+                self._pinned.pop(name, None)
+            else:  # added a moment ago: no holder has reported it yet
+                found = self._pinned.get(name, [])
             first = found[0] if found else None
             info = TemplateInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
                                 first.num_blocks if first else 0, sum(i.requests_served for i in found),
@@ -400,10 +406,11 @@ class FleetController:
             self.locations[src.name] = set(targets)
             info, ids = pinned[0]
             self.token_ids[src.name] = tuple(ids)
+            self._pinned[src.name] = [i for i, _ in pinned]
             try:
                 self._save()
             except OSError as e:
-                del self.sources[src.name], self.locations[src.name]
+                del self.sources[src.name], self.locations[src.name], self._pinned[src.name]
                 await asyncio.gather(*(self._unpin(src.name, r, forget=True) for r in targets))
                 raise PersistError(f"template {src.name!r} was not added: cannot write the state file "
                                    f"{state_file_name(self.store)}: {e}") from e
@@ -419,6 +426,7 @@ class FleetController:
                 raise TemplateNotFound(f"no prefix template named {name!r} (known: {', '.join(sorted(self.sources))})")
             where = self.locations.pop(name, set())
             self.token_ids.pop(name, None)
+            self._pinned.pop(name, None)
             freed = await asyncio.gather(*(self._unpin(name, r, forget=True) for r in where))
             if src.origin == "admin":
                 try:

@@ -150,6 +150,11 @@ class TemplateRegistryClient(Protocol):
         old)."""
         ...
 
+    async def lookup(self, name: str) -> bool:
+        """known(name), asked afresh where known() may be behind: a fleet fetches fresh routes when
+        its own do not have the name (a template added a moment ago)."""
+        ...
+
     # last: below it, `list` in the class body would name this method
     def list(self) -> list[tuple[TemplateInfo, str]]:
         """(info, origin) of each template."""

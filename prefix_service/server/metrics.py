@@ -199,6 +199,9 @@ class RequestTrace:
             if code is grpc.StatusCode.CANCELLED and self.metrics.cutting_off:
                 code = grpc.StatusCode.UNAVAILABLE
         m, label = self.metrics, self.label
+        if label == UNKNOWN_TEMPLATE or code == grpc.StatusCode.NOT_FOUND:
+            # asked again: where known() lags (a fleet's routes), the request's own lookup has refreshed it by now
+            label = m.label(self.prefix_name)
         m.requests.labels(self.protocol, label, code.name).inc()
         ttft = None if self.first_token is None else self.first_token - self.start
         if ttft is not None:

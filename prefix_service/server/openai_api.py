@@ -634,7 +634,7 @@ class OpenAIApi:
                 message.check(i)
             if body.messages is not None and not body.messages:
                 raise InvalidRequest("messages: an empty list", param="messages")
-            template = self._template(body.model, body.prefix_name)
+            template = await self._template(body.model, body.prefix_name)
             spec = RequestSpec(prefix_name=template, prompt=body.prompt,
                                messages=[m.as_dict() for m in body.messages] if body.messages else None)
             engine, _ = self.runtime.require_ready()
@@ -652,7 +652,7 @@ class OpenAIApi:
         try:
             self.auth.check(request.headers.items())
             body = DetokenizeBody.model_validate_json(await _read_body(request))
-            self._template(body.model, None)  # an unknown model is a 404, as elsewhere
+            await self._template(body.model, None)  # an unknown model is a 404, as elsewhere
             engine, _ = self.runtime.require_ready()
             size = len(engine.tokenizer)
             bad = [t for t in body.tokens if not 0 <= t < size]
@@ -681,7 +681,7 @@ class OpenAIApi:
         try:
             self.auth.check(request.headers.items())
             body = ScoreBody.model_validate_json(await _read_body(request))
-            template = self._template(body.model, body.prefix_name)
+            template = await self._template(body.model, body.prefix_name)
             trace.set_template(template or "")
             prompt = body.prompt
             spec = ScoreSpec(body.candidates, prefix_name=template, prompt=prompt if isinstance(prompt, str) else None,
@@ -712,7 +712,7 @@ class OpenAIApi:
             self.auth.check(request.headers.items())
             body = body_cls.model_validate_json(await _read_body(request))
             body.refuse_unsupported()
-            template = self._template(body.model, body.prefix_name)
+            template = await self._template(body.model, body.prefix_name)
             trace.set_template(template or "")
             spec = self._spec(body, template, request.headers.get(REQUEST_ID_HEADER))
             request_id = trace.request_id = request_id_for(spec)
@@ -736,12 +736,12 @@ class OpenAIApi:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._whole(request, first, stream, shape, trace, req.sampling.n)
 
-    def _template(self, model: str | None, prefix_name: str | None) -> str | None:
+    async def _template(self, model: str | None, prefix_name: str | None) -> str | None:
         """The template a request names: prefix_name, or `model` when it is a template's name."""
         template = None
         if model is not None and model != self.served_name:
             registry = self.runtime.registry
-            if registry is None or not registry.known(model):
+            if registry is None or not await registry.lookup(model):
                 raise ModelNotFound(f"the model {model[:128]!r} does not exist here: use {self.served_name!r} or a "
                                     f"template's name (GET /v1/models lists them)", param="model")
             template = model

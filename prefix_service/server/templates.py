@@ -101,6 +101,10 @@ class TemplateRegistry:
         lock (the holders of _lock may wait on the engine or an fsync): one dict lookup is atomic."""
         return name in self._origins
 
+    async def lookup(self, name: str) -> bool:
+        """known(name): always current here."""
+        return self.known(name)
+
     # below `def list`, the class body's `list` is that method: builtins.list is the type
     def listing(self) -> builtins.list[tuple[TemplateInfo, str, tuple[str, ...]]]:
         """list() with where each template lives: one process, so no replica ids."""
