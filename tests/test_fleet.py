@@ -663,3 +663,40 @@ def test_a_replica_failing_its_health_check_is_replaced(fleet, reference):
         _, ids, _ = collect(clients.generation.Generate(greedy_request("the order", name, MAX_TOKENS), timeout=30))
         assert ids == expected_ids(reference, name, "the order"), name
     server.engine.check_integrity()
+
+
+def test_stop_drains_http_as_one_process_does(fleet):
+    """Last in the module: it stops the module's fleet. The HTTP ingress drains as one process's HTTP
+    server does: as soon as the stop begins /health and new calls answer 503, and a stream still
+    running when the grace period ends gets the error event that ends it (before, the ingress served
+    on through the grace period and the fleet's shutdown cut its streams off mid-body)."""
+    import http.client
+
+    server, _ = fleet
+    port = server.server.http_port
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    long = {"model": "t0", "prompt": "the order", "max_tokens": 330, "n": 8, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json"})
+        streamed = conn.getresponse()
+        assert streamed.status == 200 and streamed.readline().startswith(b"data: {")
+        server.stop(grace=0.5, wait=False)
+
+        def health() -> int:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        wait_until(lambda: health() == 503, timeout=30, what="/health answering 503 once the stop began")
+        status, body = _post(port, "/v1/completions", {"model": "t0", "prompt": "the order", "max_tokens": 2})
+        assert status == 503 and body["error"]["code"] == "unavailable", body
+        events = [e for e in streamed.read().decode().split("\n\n") if e]
+        assert events[-1].startswith('data: {"error":') and "data: [DONE]" not in events, events[-2:]
+        error = json.loads(events[-1][len("data: "):])["error"]
+        assert error["code"] == "unavailable" and "cut off" in error["message"], error
+    finally:
+        conn.close()
+        server.stop(grace=0.5, wait=True)

@@ -44,6 +44,7 @@ ROUTER_CLASS = "prefix_service.fleet.router:TemplateRouter"
 # no line per call (the controller answers a poll or a route lookup several times a second)
 QUIET = {"enable_access_log": False}
 METRICS_TIMEOUT_S = 5.0  # a scrape's wait for the HTTP ingress's series
+INGRESS_STOP_MARGIN_S = 10.0  # a stop's wait for the HTTP ingress to drain, beyond the grace period and cut-off
 
 
 class HttpIngress:
@@ -63,11 +64,11 @@ class HttpIngress:
         log_to_serve()  # its request log lines, as a single process writes them, to its Ray Serve log
         engine = FleetEngine(replicas, controller, load_tokenizer(config.engine.model.path))
         await engine.start()
-        runtime = Runtime(engine, FleetRegistry(engine), ready=True)
+        self.runtime = Runtime(engine, FleetRegistry(engine), ready=True)
         # the per-request series only: the gRPC front end's endpoint reports the fleet and adds these
-        self.metrics = ServiceMetrics(runtime, requests_only=True)
+        self.metrics = ServiceMetrics(self.runtime, requests_only=True)
         # the key is read here, from the environment of the node this replica runs on
-        self.api = OpenAIApi(runtime, self.metrics, ApiKeyAuth(read_api_key(config.server)), served_name)
+        self.api = OpenAIApi(self.runtime, self.metrics, ApiKeyAuth(read_api_key(config.server)), served_name)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.api.app
@@ -75,6 +76,22 @@ class HttpIngress:
     def metrics_text(self) -> str:
         """The HTTP calls' series (OpenMetrics text), for the front end's /metrics."""
         return self.metrics.text()
+
+    async def begin_stop(self, grace: float) -> None:
+        """The server is stopping (ServeProxyHttpFront.stop), as a single process's HTTP server does:
+        new calls and /health answer 503, those in flight get `grace` seconds, then the API answers
+        what is left (OpenAIApi.cut_off: an error event ends a stream, a 503 any other response),
+        which gets HTTP_CUT_OFF_S more seconds to go out. Returns once nothing is in flight."""
+        from prefix_service.server.parts import HTTP_CUT_OFF_S
+        self.runtime.ready = False
+        self.runtime.phase = "shutting down"
+        loop = asyncio.get_running_loop()
+        for wait_s, then in ((grace, self.api.cut_off), (HTTP_CUT_OFF_S, None)):
+            end = loop.time() + wait_s
+            while self.api.in_flight() and loop.time() < end:
+                await asyncio.sleep(0.05)
+            if then is not None:
+                then()
 
 
 def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str) -> serve.Application:
@@ -182,6 +199,7 @@ class ServeProxyHttpFront:
 
     def __init__(self) -> None:
         self.plan: tuple[str, int, TlsFiles | None] | None = None  # host, port, TLS; None: no HTTP
+        self.ingress: Any = None  # HttpIngress's handle, once deployed (FleetEngineProvider)
 
     async def start(self, ctx: ServerContext, address: str, tls: TlsFiles | None, api_key: str | None) -> int:
         host, port = split_address(address, "server.http_address")
@@ -190,7 +208,17 @@ class ServeProxyHttpFront:
         return port
 
     async def stop(self, grace: float) -> None:
-        """Nothing here: the proxy drains and stops with the fleet (FleetEngineProvider.close)."""
+        """The ingress drains as one process's HTTP server does (HttpIngress.begin_stop); the proxy then
+        stops with the fleet (FleetEngineProvider.close)."""
+        if self.ingress is None:
+            return
+        from prefix_service.fleet.calls import call
+        from prefix_service.server.parts import HTTP_CUT_OFF_S
+        try:
+            await call(self.ingress.begin_stop.remote(grace), grace + HTTP_CUT_OFF_S + INGRESS_STOP_MARGIN_S,
+                       "the HTTP ingress")
+        except Exception as e:  # noqa: BLE001 - the stop goes on: the fleet's shutdown ends what is left
+            log.warning("the HTTP ingress did not drain: %s", e)
 
 
 class FleetEngineProvider:
@@ -219,6 +247,7 @@ class FleetEngineProvider:
         ctx.runtime.phase = "starting the fleet on Ray Serve"
         replicas, controller, ingress = await loop.run_in_executor(
             self._ray_thread, self._deploy, ctx, loop, str(store.path) if store is not None else None)
+        self.http.ingress = ingress  # its stop drains the HTTP calls
         if ingress is not None:  # the HTTP calls, counted in the ingress, join this endpoint's series
             ctx.metrics.add_source(lambda: call_sync(ingress.metrics_text.remote(), METRICS_TIMEOUT_S,
                                                      "the HTTP ingress"))
@@ -266,6 +295,7 @@ class FleetEngineProvider:
 
     async def close(self) -> None:
         """On the thread that started the cluster, after a deployment under way has finished."""
+        self.http.ingress = None
         await asyncio.get_running_loop().run_in_executor(self._ray_thread, self._teardown)
         self._ray_thread.shutdown(wait=False)
 

@@ -34,7 +34,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Literal, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal, Union
 
 import grpc
 from fastapi import FastAPI, Request
@@ -534,6 +534,7 @@ class OpenAIApi:
         self.token_texts = TokenTexts()  # for log-probabilities
         self._cut = asyncio.Event()  # set when a stopping server's grace period is over (cut_off)
         self._streams: set[asyncio.Queue[RequestOutput | Exception]] = set()  # the outputs of streams in flight
+        self._handling = 0  # generation and scoring calls before their response (a stream's then counts in _streams)
         self.app = FastAPI(title="prefix_service", summary="OpenAI-compatible API with operator-named, pinned "
                            "prompt templates", version="1", docs_url=None, redoc_url=None)
         app = self.app
@@ -569,6 +570,10 @@ class OpenAIApi:
         message = f"{detail}: {request.method} {request.url.path}" if status in (404, 405) else str(detail)
         return JSONResponse(error_body(message, "invalid_request_error", code), status_code=status,
                             headers=getattr(exc, "headers", None))
+
+    def in_flight(self) -> int:
+        """Generation and scoring calls not answered yet (streams until their last event)."""
+        return self._handling + len(self._streams)
 
     def cut_off(self) -> None:
         """The stopping server's grace period is over: every request still in flight is answered now
@@ -668,12 +673,22 @@ class OpenAIApi:
         return JSONResponse({"prompt": text})
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionBody)
+        return await self._counted(self._generate(request, CompletionBody))
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatBody)
+        return await self._counted(self._generate(request, ChatBody))
 
     async def scores(self, request: Request) -> Response:
+        return await self._counted(self._score(request))
+
+    async def _counted(self, handling: Awaitable[Response]) -> Response:
+        self._handling += 1
+        try:
+            return await handling
+        finally:
+            self._handling -= 1
+
+    async def _score(self, request: Request) -> Response:
         """Label scoring: {"model" or "prefix_name", "prompt", "candidates": [...]} -> each candidate's
         log-probability (the sum of its tokens'), its token ids and their log-probabilities."""
         trace = self.metrics.trace("", "http")
