@@ -164,6 +164,21 @@ def test_replica_health_check_fails_once_its_engine_stops(llama_dir):
         EngineReplica.check_health(replica)
 
 
+class FakeReplicas:
+    """The replicas' deployment handle as FleetEngine calls it: generate.remote(req, holders=...) is
+    `remote`, which returns the call's stream."""
+
+    def __init__(self, remote) -> None:
+        self.remote = remote
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+
 def test_front_end_sends_a_call_to_the_least_loaded_holder_first():
     """FleetEngine orders a template's holders (every serving replica for no template) by its own
     calls in flight, and the router tries them in that order."""
@@ -186,19 +201,11 @@ def test_front_end_sends_a_call_to_the_least_loaded_holder_first():
         def cancel(self) -> None:
             pass
 
-    class Handle:  # the replicas' deployment handle; the first holder takes the call
-        def options(self, **_):
-            return self
+    def taken_by_the_first(req, holders=()):  # the first holder takes the call
+        sent.append(tuple(holders))
+        return Stream(holders[0])
 
-        @property
-        def generate(self):
-            return self
-
-        def remote(self, req, holders=()):
-            sent.append(tuple(holders))
-            return Stream(holders[0])
-
-    engine = FleetEngine(Handle(), controller=None, tokenizer=None)
+    engine = FleetEngine(FakeReplicas(taken_by_the_first), controller=None, tokenizer=None)
     engine._routes, engine._routes_at = {"": ("a", "b", "c"), "t": ("a", "b")}, time.monotonic() + 3600
 
     async def main() -> None:
@@ -237,19 +244,11 @@ def test_a_call_its_caller_gave_up_on_while_no_replica_took_it_is_withdrawn():
         def cancel(self) -> None:
             self.cancelled = True
 
-    class Handle:
-        def options(self, **_):
-            return self
+    def never_taken(req, holders=()):
+        streams.append(Waiting())
+        return streams[-1]
 
-        @property
-        def generate(self):
-            return self
-
-        def remote(self, req, holders=()):
-            streams.append(Waiting())
-            return streams[-1]
-
-    engine = FleetEngine(Handle(), controller=None, tokenizer=None)
+    engine = FleetEngine(FakeReplicas(never_taken), controller=None, tokenizer=None)
     engine._routes, engine._routes_at = {"": ("a",), "t": ("a",)}, time.monotonic() + 3600
 
     async def main() -> None:
