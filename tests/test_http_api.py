@@ -513,11 +513,11 @@ def test_log_line_and_metrics_name_the_protocol(server, grpc_clients, caplog):
         return after.get(key, 0) - before.get(key, 0)
 
     assert delta("http", "doc", "OK") == 1
-    assert delta("http", "_none", "NOT_FOUND") == 1
+    assert delta("http", "_unknown", "NOT_FOUND") == 1  # as gRPC counts an unknown prefix_name
     assert delta("grpc", "doc", "OK") == 1
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
-    assert [(line["protocol"], line["code"], line.get("http_status")) for line in lines] == \
-        [("http", "OK", 200), ("http", "NOT_FOUND", 404), ("grpc", "OK", None)]
+    assert [(line["protocol"], line["code"], line.get("http_status"), line["template"]) for line in lines] == \
+        [("http", "OK", 200, "doc"), ("http", "NOT_FOUND", 404, "nope"), ("grpc", "OK", None, "doc")]
 
 
 def scrape(port: int) -> dict:

@@ -707,7 +707,7 @@ class OpenAIApi:
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
-            return self.error(_as_sent(e, body), trace)
+            return self.error(_as_sent(_named(e, body, trace), body), trace)
         assert body is not None
         trace.code, trace.http_status = grpc.StatusCode.OK, 200
         _end(trace)
@@ -737,7 +737,7 @@ class OpenAIApi:
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - refused before any output
-            return self.error(_as_sent(e, body), trace)
+            return self.error(_as_sent(_named(e, body, trace), body), trace)
         assert body is not None
         if first is None:  # the client went away before any output: the request is aborted
             _end(trace)  # CANCELLED
@@ -934,6 +934,14 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _named(e: Exception, body: _Sampling | ScoreBody | None, trace: RequestTrace) -> Exception:
+    """e; a template or model not found is recorded under the name the request gave (its log line;
+    the metrics' _unknown), as gRPC records an unknown prefix_name."""
+    if isinstance(e, TemplateNotFound) and body is not None:
+        trace.set_template(body.prefix_name or body.model or "")
+    return e
 
 
 def _as_sent(e: Exception, body: _Sampling | ScoreBody | TokenizeBody | None) -> Exception:
