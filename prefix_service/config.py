@@ -482,6 +482,24 @@ def _structured_output(value: Any, key: str) -> StructuredOutput:
         raise ConfigError(str(e)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a mapping that gives a key twice (PyYAML keeps the last
+    value silently: a second `server:` section would drop the first one's settings)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if isinstance(key, (str, int, float, bool)) and key in seen and key != "<<":
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (lines {seen[key]} and {line}); give it once",
+                    key_node.start_mark)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | os.PathLike) -> ServiceConfig:
     path = Path(path)
     try:
@@ -489,7 +507,7 @@ def load_config(path: str | os.PathLike) -> ServiceConfig:
     except (OSError, UnicodeDecodeError) as e:  # a file that is not UTF-8 text too
         raise ConfigError(f"cannot read config file {path}: {e}") from e
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from e
     cfg = config_from_dict(raw or {}, base_dir=path.resolve().parent)

@@ -87,3 +87,22 @@ def test_default_yaml():
     assert 3000 < len(intent) < 5000 and "Intent:" in intent
     assert len(table) > 4000 and table.count("\n| ") > 25
     assert cfg.server.address == "127.0.0.1:50051" and cfg.server.is_loopback
+
+
+@pytest.mark.parametrize("text,key,lines", [
+    ("model:\n  path: /m\nserver:\n  address: 127.0.0.1:1\nserver:\n  grace_period_s: 4\n", "server", (3, 5)),
+    ("model:\n  path: /m\n  dtype: auto\n  dtype: float32\n", "dtype", (3, 4)),
+    ("model:\n  path: /m\nprefixes:\n  - name: a\n    content: x\n    content: y\n", "content", (5, 6)),
+])
+def test_a_key_given_twice_is_a_config_error_naming_it(tmp_path, text, key, lines):
+    """YAML keeps a repeated key's last value silently (a second `server:` section would drop the
+    first one's settings): the config is refused, naming the key and both lines."""
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"the key '{key}' is given twice \(lines {lines[0]} and {lines[1]}\)"):
+        load_config(path)
+    path.write_text(text.replace(f"{key}:", f"{key}_other:", 1) if key != "server" else text.replace(
+        "server:\n  grace_period_s", "server_unused:\n  grace_period_s"))
+    with pytest.raises(ConfigError) as other:
+        load_config(path)
+    assert "given twice" not in str(other.value)  # given once, the config reads on (to the unknown key)
