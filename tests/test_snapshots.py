@@ -6,6 +6,7 @@ No model is needed: the fingerprint tests write a tiny checkpoint directory of t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import time
@@ -415,6 +416,51 @@ def test_remove(tmp_path):
     store.remove("faq")  # missing is fine
     make_store(tmp_path / "absent").remove("faq")  # so is a missing folder
     assert store.load("bot", TOKENS) is not None
+
+
+def test_a_full_disk_is_an_oserror_though_safetensors_says_otherwise(tmp_path, monkeypatch):
+    """safetensors reports a failed write (ENOSPC, EFBIG) as a SafetensorError: save raises the OSError
+    it is, which turns a server's snapshots off (TemplateSnapshots) instead of failing each template."""
+    from safetensors import SafetensorError
+    store = make_store(tmp_path)
+
+    def disk_full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(snapshots, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        store.save("faq", TOKENS, make_kv())
+
+    def bad(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: some other complaint")
+
+    monkeypatch.setattr(snapshots, "save_file", bad)
+    with pytest.raises(SafetensorError):  # not an I/O failure: the caller's bug, not a full disk
+        store.save("faq", TOKENS, make_kv())
+    assert temp_files(tmp_path) == []
+
+
+def test_stale_temp_files_a_folder_will_not_let_go_of_are_left(tmp_path, monkeypatch, caplog):
+    """A read-only snapshot folder (or one another account owns) holding a stale temp folder: it is
+    left with a warning, and what the folder holds still loads (the start used to fail)."""
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    stale = tmp_path / ".faq.kv.safetensors.tmp-abc123"
+    stale.mkdir()
+    (stale / "faq.kv.safetensors").write_bytes(b"partial")
+    old = time.time() - snapshots.STALE_TEMP_AGE_S - 60
+    for p in (stale / "faq.kv.safetensors", stale):
+        os.utime(p, (old, old))
+
+    def read_only(path, *_, **__):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(snapshots.shutil, "rmtree", read_only)
+    with caplog.at_level(logging.WARNING, logger="prefix_service.engine"):
+        assert store.stale_temp_files_removed() == 0
+    assert stale.exists() and any("cannot remove" in r.getMessage() and "Read-only" in r.getMessage()
+                                  for r in caplog.records)
+    assert store.load("faq", TOKENS) is not None
 
 
 def test_stale_temp_files_removed(tmp_path):

@@ -428,6 +428,17 @@ def _fill(dest: Sequence[torch.Tensor], chunks: Iterator[memoryview], digest: "x
                 i, at = i + 1, 0
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, its I/O failures (a full disk, a file size limit) raised as the
+    OSError they are: safetensors reports them as a SafetensorError."""
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except Exception as e:  # noqa: BLE001 - SafetensorError has no class of its own to import
+        if type(e).__name__ == "SafetensorError" and "I/O error" in str(e):
+            raise OSError(str(e)) from e
+        raise
+
+
 class SnapshotStore:
     """The snapshots of one engine: a folder, and the key every snapshot in it must match. Without
     a folder (None) it encodes and decodes snapshots in memory only (another replica's)."""
@@ -456,7 +467,7 @@ class SnapshotStore:
         path = self.path(name)
         tensors, metadata = self._contents(name, token_ids, kv)
         self.folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        write_atomically(path, lambda tmp: _save_file(tensors, tmp, metadata))
 
     def _contents(self, name: str, token_ids: Sequence[int],
                   kv: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -606,6 +617,9 @@ class SnapshotStore:
                         continue
                     stale.unlink()
             except FileNotFoundError:  # another process removed or renamed it
+                continue
+            except OSError as e:  # a folder this process cannot change (read-only, another account's): loads go on
+                log.warning("cannot remove %s, left by an interrupted snapshot save: %s", stale, e)
                 continue
             log.info("removed %s, left by an interrupted snapshot save", stale)
             removed += 1
