@@ -64,6 +64,29 @@ def test_a_setting_not_taken_is_reported_where_it_is_read_and_fails_the_command(
     assert "tok-s3cret" not in out and "PREFIX_SERVICE_ADMIN_TOKEN=(set)" in out
 
 
+@pytest.mark.parametrize("var,value", [("PREFIX_SERVICE_DECODE_PREFETCH", "bogus"),
+                                       ("PREFIX_SERVICE_CPU_MARCH", "bogus")])
+def test_a_setting_the_native_librarys_load_reads_is_reported_in_its_place(tmp_path, model_dir, var, value):
+    """Read while the native library loads: a fresh process (this one's library is loaded already)
+    prints the whole report with the error in the library's place, and exits 1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from prefix_service.backends.cpu import native
+    if native.load()[0] is None:
+        pytest.skip(f"no native CPU kernels here to read the setting: {native.load()[1]}")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREFIX_SERVICE_") or k == "PREFIX_SERVICE_CACHE_DIR"}
+    run = subprocess.run([sys.executable, "-m", "prefix_service", "env", "--config",
+                          config_file(tmp_path, model_dir, dtype="float32")], capture_output=True, text=True,
+                         env={**env, var: value}, cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    library = [line for line in run.stdout.splitlines() if line.split()[:1] == ["native_library"]]
+    assert library and f"error: {var}={value!r}"[:len(var) + 8] in library[0], run.stdout
+    assert "dtype_why" in run.stdout and "onednn_library" in run.stdout  # the rest of the report
+
+
 def test_a_model_path_without_a_model_is_an_error_in_its_place(tmp_path, capsys):
     assert main(["env", "--config", config_file(tmp_path, tmp_path / "none"), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)

@@ -26,7 +26,10 @@ def kernel_choices(dtype: torch.dtype | None, head_size: int | None,
     out: dict[str, Any] = {"native_library": probe(lambda: native.load()[1] or f"loads ({native.isa()})"),
                            "native_built_for": cpuinfo.target() or "native (this CPU)",
                            "onednn_library": probe(lambda: onednn.load()[1] or "loads")}
-    if native.load()[0] is None:
+    try:
+        if native.load()[0] is None:
+            return out
+    except Exception:  # noqa: BLE001 - a setting the library's load reads: reported above, in native_library
         return out
     out["decode_prefetch"] = probe(native.decode_prefetch)
     if dtype is None or dtype == torch.float32:
