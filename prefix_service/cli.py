@@ -65,8 +65,17 @@ def _add_tls(p: argparse.ArgumentParser) -> None:
                    help=f"connect with TLS, trusting this CA (or self-signed) certificate (default: ${TLS_CA_ENV})")
 
 
+def _token(text: str) -> str:
+    """An argparse type: the admin token as the server reads its own (surrounding whitespace
+    dropped), which must be printable ASCII to travel in a gRPC header."""
+    token = text.strip()
+    if not (token.isascii() and token.isprintable()):
+        raise argparse.ArgumentTypeError("a token is printable ASCII (letters, digits, punctuation)")
+    return token
+
+
 def _add_token(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--token", default=envs.value(TOKEN_ENV),
+    p.add_argument("--token", type=_token, default=envs.value(TOKEN_ENV),
                    help=f"admin token, sent as 'authorization: Bearer <token>' (default: ${TOKEN_ENV})")
 
 
@@ -146,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("--json", action="store_true", help="one JSON object per template")
     rm = psub.add_parser("remove", help="unregister a template (blocks freed when its requests finish)")
     rm.add_argument("name", metavar="NAME")
-    for q in (a, lst, rm):
+    for q, deadline in ((a, 600.0), (lst, 30.0), (rm, 30.0)):  # an add prefills its template first
+        q.add_argument("--timeout", type=float, default=deadline, metavar="SECONDS",
+                       help=f"deadline (default {deadline:g})")
         _add_address(q)
         _add_tls(q)
         _add_token(q)
@@ -194,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except OSError as e:  # e.g. an unreadable --tls-ca file
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except UnicodeEncodeError as e:  # an argument or stdin that is not UTF-8 (its bytes kept as surrogates)
+        byte = e.object[e.start:e.end].encode("utf-8", "surrogateescape")
+        print(f"error: the text given is not UTF-8 (a byte {byte!r} at character {e.start})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
@@ -324,10 +339,10 @@ def _template(args: argparse.Namespace) -> int:
                 except (OSError, UnicodeDecodeError) as e:  # a file that is not UTF-8 text too
                     print(f"error: cannot read {args.file}: {e}", file=sys.stderr)
                     return 2
-            t = client.add_template(args.name, content, system_prompt=args.system_prompt)
+            t = client.add_template(args.name, content, system_prompt=args.system_prompt, timeout=args.timeout)
             print(f"added {t.name}: {t.num_tokens} tokens, {t.num_blocks} blocks pinned")
         elif args.template_command == "list":
-            templates = client.list_templates()
+            templates = client.list_templates(timeout=args.timeout)
             if args.json:
                 for t in templates:
                     print(json.dumps({"name": t.name, "num_tokens": t.num_tokens, "num_blocks": t.num_blocks,
@@ -345,7 +360,7 @@ def _template(args: argparse.Namespace) -> int:
                 for r in rows:
                     print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
         else:
-            resp = client.remove_template(args.name)
+            resp = client.remove_template(args.name, timeout=args.timeout)
             print(f"removed {args.name}" + (" (its blocks are freed when the requests using it finish)"
                                              if resp.deferred else ""))
     return 0

@@ -148,6 +148,34 @@ def test_info_without_a_server_says_how_to_start_one(capsys):
     assert err.startswith("error: UNAVAILABLE") and "prefix-service serve --config FILE" in err
 
 
+def test_text_that_is_not_utf8_is_a_usage_error(capsys):
+    """Arguments (or stdin) holding bytes that are not UTF-8 reach Python as surrogates, which no
+    request can carry: one error line naming the byte, exit 2, as for a template file."""
+    assert main(["generate", "--address", "127.0.0.1:1", "caf\udce9"]) == 2
+    assert "error: the text given is not UTF-8 (a byte b'\\xe9' at character 3)" in capsys.readouterr().err
+    assert main(["template", "add", "t\udce9", "--content", "x", "--address", "127.0.0.1:1"]) == 2
+    assert main(["template", "add", "t", "--content", "caf\udce9", "--address", "127.0.0.1:1"]) == 2
+
+
+def test_template_commands_have_a_deadline(capsys):
+    """A server that takes the connection and never answers (stopped, wedged): the call ends at its
+    deadline, DEADLINE_EXCEEDED, instead of waiting forever."""
+    import socket
+    with socket.socket() as wedged:
+        wedged.bind(("127.0.0.1", 0))
+        wedged.listen()  # connections complete, nobody speaks
+        address = f"127.0.0.1:{wedged.getsockname()[1]}"
+        for command in (["list"], ["remove", "x"], ["add", "x", "--content", "y"]):
+            start = time.monotonic()
+            assert main(["template", *command, "--address", address, "--timeout", "1"]) == 1
+            assert "DEADLINE_EXCEEDED" in capsys.readouterr().err and time.monotonic() - start < 30
+    from prefix_service.cli import build_parser
+    defaults = {c: build_parser().parse_args(["template", c, *(["x"] if c != "list" else []),
+                                              *(["--content", "y"] if c == "add" else [])]).timeout
+                for c in ("add", "list", "remove")}
+    assert defaults == {"add": 600.0, "list": 30.0, "remove": 30.0}
+
+
 def test_template_commands_send_the_token(model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(TOKEN_ENV, "cli-secret")
     st = ServerThread(make_config(model_dir, state_file=tmp_path / "s.json")).start()
@@ -157,6 +185,10 @@ def test_template_commands_send_the_token(model_dir, tmp_path, monkeypatch, caps
         assert main(["prefix", "list", "--address", st.address, "--token", "wrong"]) == 1
         assert "PERMISSION_DENIED" in capsys.readouterr().err
         assert main(["prefix", "list", "--address", st.address, "--token", "cli-secret"]) == 0
+        assert main(["prefix", "list", "--address", st.address, "--token", "cli-secret\n"]) == 0  # as the server reads
+        with pytest.raises(SystemExit) as usage:  # a token no gRPC header can carry: a usage error, not INTERNAL
+            main(["prefix", "list", "--address", st.address, "--token", "cli-sécret"])
+        assert usage.value.code == 2 and "printable ASCII" in capsys.readouterr().err
         # the default token comes from PREFIX_SERVICE_ADMIN_TOKEN, read when the parser is built
         monkeypatch.setenv("PREFIX_SERVICE_ADMIN_TOKEN", "cli-secret")
         assert main(["prefix", "add", "t", "--content", "the weather", "--address", st.address]) == 0  # the old name
