@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         path = prepare_default_model(args.output, force=args.force, progress=not args.quiet)
-    except ModelPrepareError as e:
+    except (ModelPrepareError, OSError) as e:  # OSError: an output folder that cannot be made or written
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -126,8 +127,9 @@ def _verify(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     for path in files:
         result: dict[str, Any] = {"name": path.name.removesuffix(SUFFIX), "file": str(path),
-                                  "num_tokens": None, "size_bytes": path.stat().st_size, "ok": True, "reason": None}
-        try:
+                                  "num_tokens": None, "size_bytes": None, "ok": True, "reason": None}
+        try:  # a dangling link, or a file a running server removes meanwhile, is one unreadable row
+            result["size_bytes"] = path.stat().st_size
             result["num_tokens"] = read_snapshot_file(path).num_tokens
             store.verify(path)
         except SnapshotMismatch as e:
@@ -149,7 +151,8 @@ def _verify(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_OK
     rows = [("NAME", "TOKENS", "SIZE", "STATUS")] + [
-        (r["name"], "-" if r["num_tokens"] is None else str(r["num_tokens"]), f"{r['size_bytes'] / 2**20:.1f} MiB",
+        (r["name"], "-" if r["num_tokens"] is None else str(r["num_tokens"]),
+         "-" if r["size_bytes"] is None else f"{r['size_bytes'] / 2**20:.1f} MiB",
          "ok" if r["ok"] else f"mismatch: {r['reason']}") for r in results]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -174,6 +177,8 @@ def _export(args: argparse.Namespace) -> int:
     dest = Path(args.file)
     if dest.is_dir():
         dest = dest / f"{args.name}{SUFFIX}"
+    elif args.file.endswith(("/", os.sep)):  # a folder by its spelling, as cp reads it: one that is not there
+        raise UsageError(f"{args.file} is not a folder")
     if not dest.parent.is_dir():
         raise UsageError(f"{dest.parent} is not a folder")
     source = store.path(args.name)

@@ -219,6 +219,19 @@ def test_prepare_model_is_dispatched(monkeypatch):
     assert seen == [["--quiet", "--force"]]
 
 
+def test_prepare_model_an_output_it_cannot_make_is_one_error_line(tmp_path, capsys):
+    import prefix_service.prepare_model as pm
+    try:
+        pm.find_gguf()
+    except pm.ModelPrepareError as e:
+        pytest.skip(f"no bundled model to prepare here: {e}")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert pm.main(["--output", str(blocker / "model"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "File exists" in err and "Traceback" not in err
+
+
 def _ray_processes(tag: str) -> dict[int, str]:
     """Live processes of Ray's (its workers are titled ray::..., then GCS and raylet) whose environment
     holds `tag` (RAY_TEST_TAG=...: inherited from the server that started their cluster, so another

@@ -102,12 +102,17 @@ def test_verify_finds_a_corrupted_file(config, folder, capsys):
         f.seek(-1, 1)
         f.write(bytes([byte ^ 0x01]))
     (folder / "junk.kv.safetensors").write_bytes(b"\x00" * 7)
+    (folder / "gone.kv.safetensors").symlink_to(folder / "nowhere")  # or a file removed while verify reads
     rc, out, _ = run(capsys, "verify", "--config", str(config))
     rows = lines(out)
     assert rc == 1
     assert "mismatch: corrupt: checksum mismatch" in rows["doc"]
     assert "mismatch: unreadable" in rows["junk"] and rows["junk"].split()[1] == "-"
+    assert "mismatch: unreadable" in rows["gone"] and rows["gone"].split()[1:3] == ["-", "-"]
     assert rows["faq"].endswith("  ok")
+    gone = {s["name"]: s for s in json.loads(run(capsys, "verify", "--config", str(config), "--json")[1])[
+        "snapshots"]}["gone"]
+    assert (gone["ok"], gone["size_bytes"]) == (False, None) and gone["reason"].startswith("unreadable")
 
 
 def test_export_then_import_pins_from_the_snapshot(config, folder, llama_dir, tmp_path, capsys):
@@ -168,6 +173,8 @@ def test_usage_errors_exit_2(config, folder, llama_dir, tmp_path, capsys):
     assert run(capsys, "import", str(folder / "doc.kv.safetensors"), "--config", str(config),
                "--name", "../x")[0] == 2
     assert run(capsys, "export", "doc", str(tmp_path / "no" / "such" / "f"), "--config", str(config))[0] == 2
+    rc, _, err = run(capsys, "export", "doc", f"{tmp_path / 'newdir'}/", "--config", str(config))
+    assert rc == 2 and "is not a folder" in err and not (tmp_path / "newdir").exists()  # a folder by its slash
     with pytest.raises(SystemExit) as exc:  # argparse: --config is required
         main(["snapshot", "verify"])
     assert exc.value.code == 2
