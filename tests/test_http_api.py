@@ -10,6 +10,7 @@ import http.client
 import json
 import logging
 import socket
+import threading
 import time
 
 import grpc
@@ -588,6 +589,27 @@ def test_requests_still_running_when_the_grace_period_ends_get_an_answer(make_se
         undo()
         for conn in conns:
             conn.close()
+
+
+def test_a_score_still_running_when_the_grace_period_ends_is_a_503(make_server):
+    st = make_server(grace_period_s=0.2)
+    undo = slow_steps(st.engine, 1.0)
+    answers: list = []
+    try:
+        body = {"model": "doc", "prompt": " the order", "candidates": [" yes", " no"]}
+        thread = threading.Thread(target=lambda: answers.append(raw(st, "POST", "/v1/scores", body)))
+        thread.start()
+        wait_until(lambda: st.server.http_front._api.in_flight() == 1, what="the score in flight")
+        engine = st.engine
+        st.stop(grace=0.2)
+        thread.join(30)
+        err = assert_error(answers[0], 503, "unavailable")
+        assert "cut off" in err["message"]
+        engine.shutdown()
+        engine._core.check_integrity()
+        assert engine._core.kv_stats()["running"] == 0
+    finally:
+        undo()
 
 
 def test_a_stream_that_starts_after_the_cut_off_ends_after_its_first_output():

@@ -681,6 +681,22 @@ class OpenAIApi:
     async def scores(self, request: Request) -> Response:
         return await self._counted(self._score(request))
 
+    async def _until_cut_off(self, work: Awaitable[Any]) -> Any:
+        """work's result; EngineStopped, with work cancelled (which aborts its request), if the server cuts
+        off what is in flight first."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._cut.wait())
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled() and self._cut.is_set():
+            raise EngineStopped(CUT_OFF)
+        return task.result()
+
     async def _counted(self, handling: Awaitable[Response]) -> Response:
         self._handling += 1
         try:
@@ -703,7 +719,7 @@ class OpenAIApi:
                              prompt_token_ids=prompt if isinstance(prompt, list) else None,
                              request_id=request.headers.get(REQUEST_ID_HEADER))
             request_id = trace.request_id = request_id_for(spec)
-            out = await score(self.runtime, spec, request_id)
+            out = await self._until_cut_off(score(self.runtime, spec, request_id))
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
