@@ -157,7 +157,10 @@ def test_import_refuses_a_file_of_another_block_size(folder, llama_dir, tmp_path
     rc, out, err = run(capsys, "import", str(folder / "doc.kv.safetensors"), "--config", str(target))
     assert rc == 1 and out == ""
     assert "does not match the config's model (block_size '4', expected '8'); nothing imported" in err
-    assert not target_dir.exists() or list(target_dir.iterdir()) == []  # no file, no temp file
+    assert not target_dir.exists()  # no file, no temp file, not even the folder the import would have made
+    target_dir.mkdir()
+    assert run(capsys, "import", str(folder / "doc.kv.safetensors"), "--config", str(target))[0] == 1
+    assert target_dir.is_dir() and list(target_dir.iterdir()) == []  # a folder that was there stays
 
 
 def test_usage_errors_exit_2(config, folder, llama_dir, tmp_path, capsys):

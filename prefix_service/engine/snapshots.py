@@ -20,6 +20,7 @@ verified and atomically.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import io
@@ -517,8 +518,15 @@ class SnapshotStore:
         folder, fsync, rename), and only if the copy passes verify: else SnapshotMismatch, and
         name's previous snapshot, if any, is left as it was. Creates the folder. Returns the path."""
         path = self.path(name)
+        made = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda tmp: self._copy_verified(source, tmp))
+        try:
+            write_atomically(path, lambda tmp: self._copy_verified(source, tmp))
+        except BaseException:
+            if made:  # a refused import leaves no empty folder behind (rmdir removes only an empty one)
+                with contextlib.suppress(OSError):
+                    self.folder.rmdir()
+            raise
         return path
 
     def export(self, name: str, dest: str | os.PathLike[str]) -> SnapshotFile:
