@@ -199,8 +199,9 @@ class EngineCore:
         if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
             raise PromptTooLong(
                 f"max_tokens {max_tokens} and the prompt's {num_tokens} tokens{template} need "
-                f"{num_tokens + max_tokens} tokens; the model's context is {self.max_model_len} tokens: ask for at most {self.max_model_len - num_tokens}, or leave "
-                f"max_tokens unset to generate up to the context", param="max_tokens")
+                f"{num_tokens + max_tokens} tokens; the model's context is {self.max_model_len} tokens: ask for at "
+                f"most {self.max_model_len - num_tokens}, or leave max_tokens unset to generate up to the context",
+                param="max_tokens")
 
     def add_request(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
                     sampling: SamplingParams, sink: Sink, matcher: Any = None) -> None:

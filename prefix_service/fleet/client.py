@@ -157,7 +157,8 @@ class FleetEngine:
                     if time.monotonic() > deadline:
                         _abandon(first, stream)
                         on = f" (template {name!r} is on: {', '.join(routes[name]) or 'none yet'})" if name else ""
-                        raise ReplicaUnavailable(f"no replica took the request within {self.accept_timeout_s:.0f} s{on}")
+                        raise ReplicaUnavailable(
+                            f"no replica took the request within {self.accept_timeout_s:.0f} s{on}")
                     if name:  # the holders it waits for may have left: send it to the new ones
                         fresh = await self.routes(fresh=True)
                         if name not in fresh:
