@@ -155,21 +155,19 @@ class FleetEngine:
                             break
                         return stream, replica
                     if time.monotonic() > deadline:
-                        _abandon(first, stream)
                         on = f" (template {name!r} is on: {', '.join(routes[name]) or 'none yet'})" if name else ""
                         raise ReplicaUnavailable(
                             f"no replica took the request within {self.accept_timeout_s:.0f} s{on}")
                     if name:  # the holders it waits for may have left: send it to the new ones
                         fresh = await self.routes(fresh=True)
                         if name not in fresh:
-                            _abandon(first, stream)
                             raise TemplateNotFound(f"prefix template {name!r} was removed")
                         if fresh[name] and not set(fresh[name]) & set(routes[name]):
                             _abandon(first, stream)
                             routes = fresh
                             break
-            except BaseException:  # the caller gave up (a deadline, a client gone): withdraw the call from the
-                _abandon(first, stream)  # router, or it runs later for nobody (a no-op where it is withdrawn already)
+            except BaseException:  # given up (no replica in time, the template gone, the caller cancelled):
+                _abandon(first, stream)  # withdraw the call from the router, or it runs later for nobody
                 raise
 
     async def _routes_with(self, name: str | None, fresh: bool = False) -> dict[str, tuple[str, ...]]:

@@ -85,13 +85,15 @@ class HttpIngress:
         from prefix_service.server.parts import HTTP_CUT_OFF_S
         self.runtime.ready = False
         self.runtime.phase = "shutting down"
-        loop = asyncio.get_running_loop()
-        for wait_s, then in ((grace, self.api.cut_off), (HTTP_CUT_OFF_S, None)):
-            end = loop.time() + wait_s
-            while self.api.in_flight() and loop.time() < end:
-                await asyncio.sleep(0.05)
-            if then is not None:
-                then()
+        await self._until_idle(grace)
+        self.api.cut_off()
+        await self._until_idle(HTTP_CUT_OFF_S)
+
+    async def _until_idle(self, seconds: float) -> None:
+        """Until no HTTP call is in flight, at most `seconds`."""
+        end = asyncio.get_running_loop().time() + seconds
+        while self.api.in_flight() and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.05)
 
 
 def build_app(config: ServiceConfig, state_file: str | None, *, http: bool, served_name: str) -> serve.Application:
