@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import greedy, pinned_handle, run_ids
-from prefix_service import GenerateRequest, TemplateNotFound
+from prefix_service import GenerateRequest, TemplateBudgetExceeded, TemplateNotFound
 
 BLOCK = 4
 
@@ -118,3 +118,18 @@ def test_remove_unused_frees_at_once_and_name_can_be_reused(make_engine):
     assert engine.kv_stats()["used"] == 0
     info = engine.add_template("p", token_ids=ids_of(5))
     assert info.num_tokens == 5
+
+
+def test_a_budget_as_large_as_the_cache_leaves_requests_a_block(make_engine, caplog):
+    """cache.prefix_budget_blocks at or past the cache's size: the start warns, and templates may pin all
+    but one block, so a request can still run beside them (pinning every block would starve them all)."""
+    with caplog.at_level("WARNING", logger="prefix_service.engine"):
+        engine = make_engine(block_size=BLOCK, num_blocks=12, prefix_budget_blocks=50)
+    assert "prefix_budget_blocks 50 is not below the KV cache's 12 blocks" in caplog.text
+    with pytest.raises(TemplateBudgetExceeded, match="prefix_budget_blocks"):
+        engine.add_template("all", token_ids=ids_of(12 * BLOCK - 1))  # 12 blocks, short of the context
+    engine.add_template("most", token_ids=ids_of(11 * BLOCK))
+    assert engine.kv_stats()["pinned"] == 11
+    ref = make_engine(block_size=BLOCK)
+    out = engine.generate([GenerateRequest(prompt_token_ids=[7, 8], prefix_name="most", sampling=greedy(2))])
+    assert out[0].token_ids == run_ids(ref, ids_of(11 * BLOCK) + [7, 8], max_tokens=2)

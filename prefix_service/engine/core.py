@@ -18,7 +18,7 @@ import torch
 from prefix_service.backends import hostmem, select_backend
 from prefix_service.backends.base import Backend, BackendFactory
 from prefix_service.backends.kv_cache import auto_kv_cache_memory
-from prefix_service.config import EngineConfig
+from prefix_service.config import CacheConfig, EngineConfig
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.detokenizer import IncrementalDetokenizer
 from prefix_service.errors import (CacheExhausted, ConfigError, EngineStopped, InvalidRequest, PrefixServiceError,
@@ -136,10 +136,7 @@ class EngineCore:
                         self.backend.describe(), str(self.dtype).removeprefix("torch."))
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.backend.num_blocks)
-        budget = config.cache.prefix_budget_blocks
-        if budget is None:
-            budget = self.allocator.num_blocks // 2
-        self.templates = TemplatePins(self.allocator, self.block_size, min(budget, self.allocator.num_blocks),
+        self.templates = TemplatePins(self.allocator, self.block_size, self._prefix_budget(config.cache),
                                       hooks=self.backend)
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.templates, self.block_size)
         self._tracked: dict[str, _Tracked] = {}
@@ -160,6 +157,20 @@ class EngineCore:
                  mc.path, self.device, str(self.dtype).replace("torch.", ""), self.allocator.num_blocks,
                  self.block_size, str(self.backend.kv_dtype).replace("torch.", ""), self.max_model_len,
                  self.backend.describe())
+
+    def _prefix_budget(self, cache: CacheConfig) -> int:
+        """The blocks templates may pin: cache.prefix_budget_blocks (half the cache unset), and never the
+        whole cache, since a request needs a block of its own to run."""
+        total = self.allocator.num_blocks
+        budget = cache.prefix_budget_blocks
+        if budget is None:
+            return total // 2
+        if budget >= total:
+            log.warning("cache.prefix_budget_blocks %d is not below the KV cache's %d blocks (%d tokens): templates "
+                        "may pin at most %d blocks, so that requests keep one; raise cache.kv_cache_memory or "
+                        "lower the budget", budget, total, total * self.block_size, total - 1)
+            return total - 1
+        return budget
 
     def _eos_ids(self) -> set[int]:
         ids = set()
