@@ -423,3 +423,46 @@ def test_threads_stay_bounded(server, clients):
     for _ in range(5):
         collect(clients.generation.Generate(greedy_request(" the", "doc", max_tokens=2)))
     assert threading.active_count() <= before + 8
+
+
+def test_a_signal_during_the_model_load_exits_without_waiting_for_it(model_dir):
+    """SIGTERM while the model loads: serve() stops the server and exits at once (a worker thread
+    cannot be interrupted, and the process would wait for it at its exit); the engine that arrives
+    after the stop is shut down on the load's thread, not left running."""
+    import asyncio
+    import os
+    import signal
+
+    from prefix_service.engine import Engine
+    from prefix_service.server import PrefixServer, serve
+    from prefix_service.server.parts import LocalEngineProvider
+
+    entered, release = threading.Event(), threading.Event()
+    built: list[Engine] = []
+    exits: list[int] = []
+
+    def slow_load(config):  # a load that outlasts the signal
+        entered.set()
+        assert release.wait(30)
+        built.append(Engine(config.engine))
+        return built[-1]
+
+    def make(config):
+        server = PrefixServer(config, engine_provider=LocalEngineProvider(slow_load))
+        server._exit = exits.append
+        return server
+
+    async def main() -> None:
+        task = asyncio.ensure_future(serve(make_config(model_dir, prefixes=TEMPLATES), make))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(task, 10)  # returns while the load still runs
+
+    asyncio.run(main())
+    assert exits == [0]
+    release.set()
+    deadline = time.monotonic() + 30
+    while not (built and not built[0]._thread.is_alive()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert built and not built[0]._thread.is_alive()  # shut down once its load ended

@@ -80,7 +80,8 @@ class PrefixServer:
         self.served_name = model.served_name or Path(model.path).name  # the base model's id over HTTP
         self._generation = GenerationServicer(self.runtime, self.metrics, self.served_name)
         self.context = ServerContext(config, self.runtime, self.metrics, self.served_name, self._stopping)
-        self._exit: Callable[[int], Any] = os._exit  # after a device error; tests record it instead
+        # after a device error, or a signal during the model load; tests record it instead
+        self._exit: Callable[[int], Any] = os._exit
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -292,6 +293,11 @@ async def serve(config: ServiceConfig, make_server: Callable[..., PrefixServer] 
             start.cancel()
             await asyncio.gather(start, return_exceptions=True)
             await server.stop(grace=0)
+            if server.runtime.loading:  # the process would wait for the load's worker thread at its exit
+                log.info("stopped during the model load: exiting now, without waiting for the load to end")
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                server._exit(0)
             return
         waiter.cancel()
         start.result()  # startup errors propagate

@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from prefix_service.config import ServiceConfig
 from prefix_service.engine import Engine
+from prefix_service.errors import EngineStopped
 from prefix_service.server.auth import ApiKeyAuth
 from prefix_service.server.http import HttpServer
 from prefix_service.server.metrics import ServiceMetrics
@@ -103,7 +104,7 @@ class LocalEngineProvider:
         loop = asyncio.get_running_loop()
         runtime, config = ctx.runtime, ctx.config
         runtime.phase = "loading the model"
-        engine = await loop.run_in_executor(runtime.executor, self.engine_factory, with_snapshot_dir(config, store))
+        engine = await loop.run_in_executor(runtime.executor, self._build, ctx, with_snapshot_dir(config, store))
         registry = TemplateRegistry(engine, store, config.server.max_template_bytes)
         runtime.attach(engine, registry)
         configured = [TemplateSource(p.name, content=None if p.system_prompt is not None else p.read_text(),
@@ -113,6 +114,19 @@ class LocalEngineProvider:
         runtime.phase = "warming up its prefix templates"
         return await loop.run_in_executor(runtime.executor, warm_up, registry, configured, restored,
                                           self.warmup_hook)
+
+    def _build(self, ctx: ServerContext, config: ServiceConfig) -> Engine:
+        """engine_factory, on a worker thread that a stop cannot interrupt: runtime.loading says it runs,
+        and an engine that arrives after the server's stop began is shut down here, not left running."""
+        ctx.runtime.loading = True
+        try:
+            engine = self.engine_factory(config)
+        finally:
+            ctx.runtime.loading = False
+        if ctx.stopping.is_set():
+            engine.shutdown()
+            raise EngineStopped("the server stopped while the model loaded")
+        return engine
 
     async def close(self) -> None:
         """Nothing beyond the engine, which the server has shut down."""

@@ -25,6 +25,7 @@ class Runtime:
     registry: TemplateRegistryClient | None = None
     ready: bool = False
     phase: str = "starting"  # what the server is doing while not ready: for error messages
+    loading: bool = False  # a worker thread is loading the model (a stop cannot interrupt it)
     # Blocking calls of the servicers (tokenize + submit, abort, template admin) run here, apart
     # from asyncio's small default pool, so a few long template adds cannot hold up generation.
     executor: concurrent.futures.ThreadPoolExecutor = field(default_factory=rpc_executor)
