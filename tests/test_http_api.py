@@ -288,6 +288,7 @@ def test_unknown_model_and_template_are_404(server):
     ({"prompt": "x", "logit_bias": {" 5 ": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"\u0663": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 60, "05": 60}}, "logit_bias"),  # one token twice: 120 in all
     ({"prompt": "x", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),

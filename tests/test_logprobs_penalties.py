@@ -87,26 +87,28 @@ def test_penalized_greedy_is_the_argmax_of_the_adjusted_logits(make_engine, kw):
 def test_adjust_row_arithmetic():
     """The adjustments on a known row: every term exactly as documented."""
     seq = Sequence("r", [1, 2, 3], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
-                                                  repetition_penalty=2.0, logit_bias=((0, 3.0),)), 8, None, None)
+                                                  repetition_penalty=2.0, logit_bias=((0, 3.0), (3, 1.0))),
+                   8, None, None)
     seq.token_ids += [4, 4, 2]  # generated: 4 twice, 2 once
     row = torch.tensor([[1.0, -1.0, 2.0, 4.0, 6.0, 8.0]])
     adjust_logits(row, [0], [seq], ())
     # token 0: untouched but for its bias; 1..3: prompt, repetition only; 2 also generated once;
-    # 4: generated twice (repetition, then 2 x 0.25 + 0.5); 5: untouched
-    assert row[0].tolist() == [4.0, -2.0, 1.0 - 0.75, 2.0, 3.0 - 1.0, 8.0]
+    # 3: its bias first, then the repetition penalty, as vLLM orders them; 4: generated twice
+    # (repetition, then 2 x 0.25 + 0.5); 5: untouched
+    assert row[0].tolist() == [4.0, -2.0, 1.0 - 0.75, (4.0 + 1.0) / 2, 3.0 - 1.0, 8.0]
 
 
 def _adjusted_alone(row: torch.Tensor, seq: Sequence, eos: tuple[int, ...]) -> torch.Tensor:
     """One row adjusted by itself, term by term over the whole vocabulary: the oracle for the batch."""
     p, row = seq.sampling, row.clone()
+    for token, bias in p.logit_bias:
+        row[token] += bias
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.token_ids)))
         row[seen] = torch.where(row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty)
     counts = torch.bincount(torch.tensor(seq.token_ids[seq.num_prompt_tokens:], dtype=torch.int64),
                             minlength=row.shape[0]).float()
     row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-    for token, bias in p.logit_bias:
-        row[token] += bias
     if seq.num_output_tokens < p.min_tokens:
         for token in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
             row[token] = float("-inf")
@@ -118,8 +120,9 @@ def test_a_batch_is_adjusted_as_each_row_alone():
     bit for bit as it would alone, rows that ask for nothing are untouched."""
     gen = torch.Generator().manual_seed(3)
     vocab = 50
-    options = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.5), {},
-               dict(logit_bias=((7, 2.5), (7, -1.0), (49, 4.0))), dict(min_tokens=9, stop_token_ids=(5,)),
+    options = [dict(repetition_penalty=1.3, logit_bias=tuple((t, 1.5) for t in range(0, 50, 3))),
+               dict(presence_penalty=0.8, frequency_penalty=0.5), {},
+               dict(logit_bias=((7, 2.5), (49, 4.0))), dict(min_tokens=9, stop_token_ids=(5,)),
                dict(min_tokens=9, ignore_eos=True), dict(repetition_penalty=0.7, frequency_penalty=-1.0, min_tokens=1),
                dict(presence_penalty=1.0)]
     seqs = []
@@ -160,6 +163,7 @@ def test_min_tokens_masks_stops_until_reached(make_engine):
     (dict(logprobs=21), "logprobs"), (dict(logprobs=-1), "logprobs"), (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(logit_bias=((10**6, 1.0),)), "logit_bias"), (dict(logit_bias=((3, 101.0),)), "logit_bias"),
+    (dict(logit_bias=((3, 60.0), (3, 60.0))), "logit_bias"),  # together past the range
     (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=9, max_tokens=8), "min_tokens"),
     (dict(min_tokens=10**6, max_tokens=None), "min_tokens"),
     # below 1e-3 a penalty's quotient overflows float32 (1e-300 rounds to 0): the draw was garbage

@@ -65,11 +65,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
 
 def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos: tuple[int, ...]) -> None:
     """The adjustments `rows` ask for (seqs[i] row i's sequence), each over all of those rows at once,
-    in place on logits [N, vocab] (contiguous): repetition penalty over the prompt and the output, as
-    in the CTRL paper and vLLM (a seen token's positive logit divided by it, a negative one
-    multiplied); presence and frequency penalties over the output only, as OpenAI; logit_bias added;
-    until min_tokens, the stop tokens masked. Each touches only the tokens it names, by their flat
-    index row * vocab + token."""
+    in place on logits [N, vocab] (contiguous), in vLLM's order: logit_bias added; repetition penalty
+    over the prompt and the output, as in the CTRL paper and vLLM (a seen token's positive logit
+    divided by it, a negative one multiplied); presence and frequency penalties over the output
+    only, as OpenAI; until min_tokens, the stop tokens masked. Each touches only the tokens it names,
+    by their flat index row * vocab + token."""
     vocab, device = logits.shape[-1], logits.device
     flat = logits.view(-1)
     params = [seqs[i].sampling for i in rows]
@@ -84,6 +84,12 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
         table[list(values)] = torch.tensor(list(values.values()), dtype=torch.float32)
         return table.to(device)[at // vocab]
 
+    biased = [i for i, p in zip(rows, params) if p.logit_bias]
+    if biased:
+        at = flat_ids([torch.tensor([t for t, _ in seqs[i].sampling.logit_bias], dtype=torch.int64) for i in biased],
+                      biased)
+        bias = [b for i in biased for _, b in seqs[i].sampling.logit_bias]
+        flat.index_add_(0, at, torch.tensor(bias, dtype=logits.dtype).to(device))
     repeat = {i: p.repetition_penalty for i, p in zip(rows, params) if p.repetition_penalty != 1.0}
     if repeat:
         # a token seen twice is written twice with the same value, made from the logit before either
@@ -100,12 +106,6 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
         frequency = per_row({i: seqs[i].sampling.frequency_penalty for i in counted}, out)
         presence = per_row({i: seqs[i].sampling.presence_penalty for i in counted}, out)
         flat[out] -= frequency * counts.to(torch.float32) + presence
-    biased = [i for i, p in zip(rows, params) if p.logit_bias]
-    if biased:
-        at = flat_ids([torch.tensor([t for t, _ in seqs[i].sampling.logit_bias], dtype=torch.int64) for i in biased],
-                      biased)
-        bias = [b for i in biased for _, b in seqs[i].sampling.logit_bias]
-        flat.index_add_(0, at, torch.tensor(bias, dtype=logits.dtype).to(device))
     held = [i for i, p in zip(rows, params) if seqs[i].num_output_tokens < p.min_tokens]
     stops = [sorted(set(seqs[i].sampling.stop_token_ids) | (set() if seqs[i].sampling.ignore_eos else set(eos)))
              for i in held]
