@@ -203,3 +203,20 @@ def test_the_first_constrained_step_loads_no_compiler(llama_dir):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["text"] in ("order", "refund")
     assert got["after"] == got["before"] == [], got["after"]
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, seed=5)])
+def test_a_constraint_that_allows_only_a_stop_token_wins_over_min_tokens(make_engine, sampling):
+    """min_tokens masks the stop tokens, and after "q" the regex "qz" allows only "z", here a stop
+    token: the constraint wins (the output must conform), not a draw from a row of -inf (token 0,
+    which the constraint refused, failing the request with a misleading error)."""
+    engine = make_engine()
+    z = engine.tokenizer.convert_tokens_to_ids("z")
+    assert engine.tokenizer.convert_tokens_to_ids("q") != engine.tokenizer.unk_token_id
+    free = GenerateRequest(prompt_token_ids=PROMPT[::-1], sampling=SamplingParams(max_tokens=6, ignore_eos=True))
+    alone = engine.generate(free)[0].token_ids
+    outs = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(
+        max_tokens=8, min_tokens=5, stop_token_ids=(z,), structured=StructuredOutput("regex", "qz"), **sampling)),
+        free])
+    assert (outs[0].text, outs[0].finish_reason) == ("qz", FinishReason.STOP)
+    assert outs[1].token_ids == alone  # the row beside it as alone

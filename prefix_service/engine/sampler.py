@@ -35,10 +35,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     if adjust or constrained:
         logits = logits.clone(memory_format=torch.contiguous_format)
+        # a constrained row still short of min_tokens: the constraint may allow only stop tokens
+        held = [i for i in constrained if seqs[i].num_output_tokens < seqs[i].sampling.min_tokens]
+        before = _rows(logits, held).clone() if held else None
         if adjust:
             adjust_logits(logits, adjust, seqs, tuple(eos_token_ids))
         if constrained:  # every constrained row of the batch in one mask
             mask_rows(logits, constrained, [seqs[i].matcher for i in constrained])
+        if before is not None:
+            _let_the_constraint_win(logits, held, before, seqs)
     tokens = [0] * len(seqs)
     greedy = [i for i, seq in enumerate(seqs) if seq.sampling.greedy]
     drawn = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
@@ -63,13 +68,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     return tokens, out
 
 
-def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos: tuple[int, ...]) -> None:
+def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos: tuple[int, ...], *,
+                  hold_stops: bool = True) -> None:
     """The adjustments `rows` ask for (seqs[i] row i's sequence), each over all of those rows at once,
     in place on logits [N, vocab] (contiguous), in vLLM's order: logit_bias added; repetition penalty
     over the prompt and the output, as in the CTRL paper and vLLM (a seen token's positive logit
     divided by it, a negative one multiplied); presence and frequency penalties over the output
-    only, as OpenAI; until min_tokens, the stop tokens masked. Each touches only the tokens it names,
-    by their flat index row * vocab + token."""
+    only, as OpenAI; until min_tokens, the stop tokens masked (unless hold_stops is false). Each
+    touches only the tokens it names, by their flat index row * vocab + token."""
     vocab, device = logits.shape[-1], logits.device
     flat = logits.view(-1)
     params = [seqs[i].sampling for i in rows]
@@ -106,11 +112,26 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
         frequency = per_row({i: seqs[i].sampling.frequency_penalty for i in counted}, out)
         presence = per_row({i: seqs[i].sampling.presence_penalty for i in counted}, out)
         flat[out] -= frequency * counts.to(torch.float32) + presence
-    held = [i for i, p in zip(rows, params) if seqs[i].num_output_tokens < p.min_tokens]
+    held = [i for i, p in zip(rows, params) if hold_stops and seqs[i].num_output_tokens < p.min_tokens]
     stops = [sorted(set(seqs[i].sampling.stop_token_ids) | (set() if seqs[i].sampling.ignore_eos else set(eos)))
              for i in held]
     if any(stops):
         flat[flat_ids([torch.tensor(t, dtype=torch.int64) for t in stops], held)] = float("-inf")
+
+
+def _let_the_constraint_win(logits: torch.Tensor, held: list[int], before: torch.Tensor, seqs: list[Sequence]
+                            ) -> None:
+    """Rows of `held` (constrained, short of min_tokens; `before`: their logits as the model gave them)
+    where min_tokens' mask left no token the constraint allows: adjusted again without that mask, so
+    the constraint's stop token or end wins over min_tokens (the output must conform), rather than a
+    draw from a row of -inf."""
+    starved = [j for j, top in enumerate(_rows(logits, held).amax(dim=1).tolist()) if top == float("-inf")]
+    if not starved:
+        return
+    rows, again = [held[j] for j in starved], before[starved]
+    adjust_logits(again, list(range(len(rows))), [seqs[i] for i in rows], (), hold_stops=False)
+    mask_rows(again, list(range(len(rows))), [seqs[i].matcher for i in rows])
+    logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)] = again
 
 
 # a top-p row (without top-k) is cut among its this many most likely tokens, the next count where
