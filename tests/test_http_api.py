@@ -502,6 +502,52 @@ def test_a_client_gone_before_the_first_token_is_not_computed_for_nobody(make_se
     assert (line["code"], line["ttft_ms"]) == ("CANCELLED", None), line
 
 
+def _request_lines(caplog) -> list[dict]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+
+
+def test_a_client_gone_from_a_score_aborts_it(make_server, caplog):
+    """A label score whose client closes the connection is aborted and counted CANCELLED, as a
+    generation is (it was computed to the end for nobody and counted OK)."""
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    st = make_server(max_num_batched_tokens=16)
+    undo = slow_steps(st.engine, 0.05)
+    try:
+        body = json.dumps({"prompt": list(range(10, 310)), "candidates": [" the", " a row"]}).encode()
+        sock = socket.create_connection(("127.0.0.1", st.server.http_port))
+        sock.sendall(b"POST /v1/scores HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_until(lambda: st.engine.kv_stats()["running"] + st.engine.kv_stats()["waiting"] >= 1, 10)
+        sock.close()
+        wait_until(lambda: _request_lines(caplog), 10)
+        st.check_clean()
+    finally:
+        undo()
+    line, = _request_lines(caplog)
+    assert (line["code"], line["http_status"]) == ("CANCELLED", 499), line
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/scores", "/tokenize"])
+def test_a_client_gone_in_the_middle_of_its_body_is_cancelled_not_an_error(server, caplog, path):
+    """The connection closes before the body declared by Content-Length has come: nobody is
+    answered, nothing is logged as a server error and the request counts CANCELLED (it was a 500,
+    INTERNAL, with a traceback)."""
+    caplog.set_level(logging.INFO, logger="prefix_service")
+    before = len(_request_lines(caplog))
+    sock = socket.create_connection(("127.0.0.1", server.server.http_port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: 400\r\n\r\n".encode() + b'{"model": "doc", "prompt": "the ta')
+    time.sleep(0.2)
+    sock.close()
+    if path != "/tokenize":  # counted, as every generation and score is
+        wait_until(lambda: len(_request_lines(caplog)) > before, 10)
+        assert (_request_lines(caplog)[-1]["code"], _request_lines(caplog)[-1]["http_status"]) == ("CANCELLED", 499)
+    else:
+        time.sleep(0.5)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    server.check_clean()
+
+
 def test_log_line_and_metrics_name_the_protocol(server, grpc_clients, caplog):
     caplog.set_level(logging.INFO, logger="prefix_service.requests")
     before = scrape(server.server.metrics_port)

@@ -34,7 +34,7 @@ import json
 import logging
 import re
 import time
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal, TypeVar, Union
 
 import grpc
 from fastapi import FastAPI, Request
@@ -42,6 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from prefix_service.engine.api import least_max_model_len, prompt_token_ids
 from prefix_service.engine.sequence import FinishReason, RequestOutput, TokenLogprob
@@ -55,6 +56,7 @@ from prefix_service.server.runtime import Runtime
 from prefix_service.server.status import CUT_OFF, ModelNotFound, RequestTooLarge, classify
 
 log = logging.getLogger("prefix_service.server")
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 4 << 20  # a request body larger than this is refused (413) before it is read whole
 REQUEST_ID_HEADER = "x-request-id"
@@ -551,8 +553,14 @@ class OpenAIApi:
 
     # --- errors --------------------------------------------------------------------------------
     @staticmethod
-    def error(exc: BaseException, trace: RequestTrace | None = None) -> JSONResponse:
-        """exc as OpenAI's error body with its HTTP status (and, with a trace, the request's end)."""
+    def error(exc: BaseException, trace: RequestTrace | None = None) -> Response:
+        """exc as OpenAI's error body with its HTTP status (and, with a trace, the request's end); a
+        client that went away gets a 499 nobody reads, its request counted CANCELLED."""
+        if isinstance(exc, ClientGone):
+            if trace is not None:
+                trace.http_status = 499
+                _end(trace)  # its code left unset: CANCELLED
+            return Response(status_code=499)
         kind, message = classify(exc)
         headers = {"WWW-Authenticate": "Bearer"} if kind.http_status == 401 else None
         if trace is not None:
@@ -590,14 +598,14 @@ class OpenAIApi:
         return JSONResponse(error_body(f"the server is {self.runtime.phase}", "server_error", "unavailable"),
                             status_code=503)
 
-    async def models(self, request: Request) -> JSONResponse:
+    async def models(self, request: Request) -> Response:
         try:
             data = await self._model_list(request)
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
             return self.error(e)
         return JSONResponse({"object": "list", "data": data})
 
-    async def model(self, request: Request, model: str) -> JSONResponse:
+    async def model(self, request: Request, model: str) -> Response:
         """GET /v1/models/{model}: the base model or a template, as /v1/models lists it."""
         try:
             found = [m for m in await self._model_list(request) if m["id"] == model]
@@ -627,7 +635,7 @@ class OpenAIApi:
                                       "template_tokens": info.num_tokens, "origin": origin}})
         return data
 
-    async def tokenize(self, request: Request) -> JSONResponse:
+    async def tokenize(self, request: Request) -> Response:
         """POST /tokenize, as vLLM's: a prompt's (or chat messages') token ids as a generation on the same
         template would take them. count and tokens are the request's own; prompt_tokens adds the
         template's (prefix_tokens), as a generation's usage.prompt_tokens counts them."""
@@ -652,7 +660,7 @@ class OpenAIApi:
         return JSONResponse({"count": len(ids), "tokens": ids, "prefix_tokens": prefix,
                              "prompt_tokens": prefix + len(ids), "max_model_len": least_max_model_len(infos.values())})
 
-    async def detokenize(self, request: Request) -> JSONResponse:
+    async def detokenize(self, request: Request) -> Response:
         """POST /detokenize, as vLLM's: token ids -> their text."""
         try:
             self.auth.check(request.headers.items())
@@ -681,22 +689,6 @@ class OpenAIApi:
     async def scores(self, request: Request) -> Response:
         return await self._counted(self._score(request))
 
-    async def _until_cut_off(self, work: Awaitable[Any]) -> Any:
-        """work's result; EngineStopped, with work cancelled (which aborts its request), if the server cuts
-        off what is in flight first."""
-        task = asyncio.ensure_future(work)
-        stop = asyncio.ensure_future(self._cut.wait())
-        try:
-            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled() and self._cut.is_set():
-            raise EngineStopped(CUT_OFF)
-        return task.result()
-
     async def _counted(self, handling: Awaitable[Response]) -> Response:
         self._handling += 1
         try:
@@ -719,7 +711,7 @@ class OpenAIApi:
                              prompt_token_ids=prompt if isinstance(prompt, list) else None,
                              request_id=request.headers.get(REQUEST_ID_HEADER))
             request_id = trace.request_id = request_id_for(spec)
-            out = await self._until_cut_off(score(self.runtime, spec, request_id))
+            out = await _race(request, self._cut, score(self.runtime, spec, request_id))
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
@@ -752,12 +744,9 @@ class OpenAIApi:
             first = await _first_output(request, stream, self._cut)  # every refusal happens before this returns
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
-        except Exception as e:  # noqa: BLE001 - refused before any output
+        except Exception as e:  # noqa: BLE001 - refused before any output, or the client went away
             return self.error(_as_sent(_named(e, body, trace), body), trace)
         assert body is not None
-        if first is None:  # the client went away before any output: the request is aborted
-            _end(trace)  # CANCELLED
-            return Response(status_code=499)  # nobody reads it
         token_text = self.token_texts.of(engine.tokenizer) if body.top_logprobs_wanted() is not None else None
         shape = _Shape(body_cls is ChatBody, request_id, body.model or self.served_name, body.return_token_ids,
                        token_text)
@@ -808,24 +797,9 @@ class OpenAIApi:
                     remaining -= int(out.finished)
 
         samples: list[list[RequestOutput]] = [[] for _ in range(n)]
-        task = asyncio.ensure_future(collect())
-        gone = asyncio.ensure_future(_disconnected(request))
-        stop = asyncio.ensure_future(self._cut.wait())
-        try:
-            await asyncio.wait([task, gone, stop], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            stop.cancel()
-            if not task.done():  # cancelling closes the stream, which aborts the request
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                if not self._cut.is_set():
-                    _end(trace)  # the client went away: CANCELLED
-        if task.cancelled():  # the client went away, or the server cut the request off
-            return self.error(EngineStopped(CUT_OFF), trace) if self._cut.is_set() else Response(status_code=499)
-        try:
-            task.result()
-        except Exception as e:  # noqa: BLE001 - ended by an error after it started (engine stopped)
+        try:  # cancelling collect() closes the stream, which aborts the request
+            await _race(request, self._cut, collect())
+        except Exception as e:  # noqa: BLE001 - the client went away, the cut-off, or an error after the start
             return self.error(e, trace)
         trace.code, trace.http_status = grpc.StatusCode.OK, 200
         _end(trace)
@@ -907,11 +881,14 @@ async def _read_body(request: Request) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise BodyTooLarge(int(declared))
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise BodyTooLarge(size)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise BodyTooLarge(size)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before the whole body came: nobody to answer
+        raise ClientGone() from None
     return b"".join(chunks)
 
 
@@ -921,27 +898,39 @@ class BodyTooLarge(RequestTooLarge):
 
 
 async def _first_output(request: Request, stream: AsyncGenerator[RequestOutput, None],
-                        cut: asyncio.Event) -> RequestOutput | None:
-    """The stream's first output (raising the request's refusal), or None when the client closed
-    the connection before it: the stream is closed then, which aborts the request, queued or in
-    its prefill, instead of computing it for nobody. Raises EngineStopped (and aborts the request)
-    when the server cuts off what is in flight first."""
-    first = asyncio.ensure_future(anext(stream))
+                        cut: asyncio.Event) -> RequestOutput:
+    """The stream's first output, raising the request's refusal, ClientGone when the client closes
+    the connection before it, or EngineStopped when the server cuts off what is in flight first.
+    Each closes the stream, which aborts the request (queued or in its prefill) instead of computing
+    it for nobody."""
+    try:
+        return await _race(request, cut, anext(stream))
+    except Exception:
+        await stream.aclose()
+        raise
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer: the work for it was cancelled."""
+
+
+async def _race(request: Request, cut: asyncio.Event, work: Awaitable[T]) -> T:
+    """work's result. work is cancelled (which aborts its request) when the client closes the
+    connection first (ClientGone) or the server cuts off what is in flight (EngineStopped)."""
+    task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     stop = asyncio.ensure_future(cut.wait())
     try:
-        await asyncio.wait([first, gone, stop], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, gone, stop], return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         stop.cancel()
-        if not first.done():
-            first.cancel()
-            await asyncio.gather(first, return_exceptions=True)
-        if first.cancelled() or first.exception() is not None:
-            await stream.aclose()
-    if first.cancelled() and cut.is_set():
-        raise EngineStopped(CUT_OFF)
-    return None if first.cancelled() else first.result()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise EngineStopped(CUT_OFF) if cut.is_set() else ClientGone()
+    return task.result()
 
 
 async def _disconnected(request: Request) -> None:
