@@ -145,3 +145,35 @@ def test_samples_waiting_with_their_blocks_do_not_hold_a_request_off_forever(mak
     if not all(finished):
         engine._run(lambda core: core.abort_all())  # the fixture's checks then run
     assert all(finished) and not errors, (finished, errors, engine.kv_stats())
+
+
+def test_samples_waiting_their_turn_do_not_fill_the_request_queue(make_engine):
+    """scheduler.max_queue bounds requests: the samples a request forked wait as part of it, so one
+    n = 6 request does not make the next caller's request "queue full" (it counted each sample),
+    while a request that does wait still counts."""
+    from server_fixtures import slow_steps
+    from prefix_service.errors import QueueFull
+
+    engine = make_engine(max_num_seqs=2, max_queue=1)
+    first = threading.Event()
+    done = {"n": threading.Event(), "next": threading.Event()}
+
+    def sink(name):
+        def take(out):
+            first.set()
+            if out.finished and (name == "next" or out.index == 5):
+                done[name].set()
+        return take
+
+    undo = slow_steps(engine, 0.01)
+    try:
+        engine.submit(request(6, max_tokens=40), sink("n"))
+        assert first.wait(30)  # forked: two samples run, four wait
+        assert engine.kv_stats()["waiting_requests"] == 0 < engine.kv_stats()["waiting"]
+        engine.submit(request(1, max_tokens=2), sink("next"))  # the queue holds no request yet
+        assert engine.kv_stats()["waiting_requests"] == 1
+        with pytest.raises(QueueFull, match="1 requests wait already"):
+            engine.submit(request(1, max_tokens=2), sink("third"))
+    finally:
+        undo()
+    assert done["n"].wait(60) and done["next"].wait(60)

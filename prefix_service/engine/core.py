@@ -298,7 +298,7 @@ class EngineCore:
 
     def _check_queue(self) -> None:
         max_queue = self.config.scheduler.max_queue
-        if len(self.scheduler.waiting) >= max_queue:
+        if self.scheduler.waiting_requests() >= max_queue:
             raise QueueFull(f"the waiting queue is full ({max_queue} requests wait already, scheduler.max_queue); "
                             f"retry later with backoff")
 
@@ -682,6 +682,7 @@ class EngineCore:
                 "peak_used": self.allocator.peak_used,  # most in use at once since reset_kv_peak()
                 "free": self.allocator.num_free, "pinned": self.templates.num_pinned_blocks,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "waiting_requests": self.scheduler.waiting_requests(),
                 "preemptions": self.scheduler.num_preemptions,
                 # host memory the backend holds for pinned templates (packed K/V copies), outside the KV cache
                 "packed_template_bytes": self.backend.packed_template_bytes()}

@@ -83,6 +83,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def waiting_requests(self) -> int:
+        """Requests waiting to run (preempted ones included), each counted once: the samples or
+        candidates forked from a request's fork point wait as part of it, not as requests."""
+        return sum(1 for seq in self.waiting if not seq.forked)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -151,6 +156,7 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         for child in children:
             assert child.token_ids[:reuse + 1] == parent.token_ids and child.block_table == []
+            child.forked = True
             if tail and self.allocator.num_free < 1:
                 continue
             shared = list(parent.block_table[:num_shared])

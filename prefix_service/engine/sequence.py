@@ -130,6 +130,7 @@ class Sequence:
         self.generator = generator
         self.prefill_only = prefill_only  # a template's warmup: prefill, keep the blocks, no sampling
         self.fork_point = fork_point
+        self.forked = False  # a sample or candidate that continues a fork point (Scheduler.fork): part of its request
         self.score_from = score_from
         self.score_targets = score_targets
         self.matcher: Any = None  # a structured output's matcher (engine/structured.py), fed each token

@@ -293,9 +293,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("prefix_service_packed_template_bytes", "Host memory of pinned templates' K/V held "
                                 "a second time, packed for CPU attention (outside the KV cache)",
                                 value=stats["packed_template_bytes"])
-        yield GaugeMetricFamily("prefix_service_queue_length", "Requests waiting to run (preempted ones included)",
-                                value=stats["waiting"])
-        yield GaugeMetricFamily("prefix_service_running_requests", "Requests running", value=stats["running"])
+        yield GaugeMetricFamily("prefix_service_queue_length", "Requests waiting to run (preempted ones included; "
+                                "the samples or candidates a request forked count as part of it)",
+                                value=stats["waiting_requests"])
+        yield GaugeMetricFamily("prefix_service_running_requests", "Sequences running (each sample of n > 1, each "
+                                "candidate of a score)", value=stats["running"])
         yield CounterMetricFamily("prefix_service_preemptions", "Requests preempted for KV blocks (recomputed "
                                   "later)", value=stats["preemptions"])
         yield GaugeMetricFamily("prefix_service_templates", "Templates registered", value=len(templates))
