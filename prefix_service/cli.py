@@ -241,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
         envs.check()  # a mistyped kernel setting stops here, not after the model has loaded
         if chosen := envs.set_values():
             logging.getLogger("prefix_service.envs").info(
-                "kernel settings from the environment: %s", ", ".join(f"{k}={v}" for k, v in chosen.items()))
+                "kernel settings from the environment: %s", envs.listed(chosen))
         config = load_config(args.config)
         if args.address:
             config = dataclasses.replace(config, server=dataclasses.replace(config.server, address=args.address))

@@ -111,7 +111,7 @@ def render(report: Report) -> str:
             if isinstance(value, (list, tuple)):
                 value = ", ".join(map(str, value)) or "-"
             elif isinstance(value, dict):
-                value = ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+                value = envs.listed(value) or "-"
             lines.append(f"  {key:<{width}}  {value}")
     return "\n".join(lines)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from prefix_service.errors import ConfigError
 
@@ -164,6 +165,11 @@ def set_values(scopes: tuple[str, ...] = ("kernels",)) -> dict[str, str]:
     """The declared variables of `scopes` that are set, with their values (never a secret's)."""
     return {v.name: raw for v in VARIABLES
             if v.scope in scopes and not v.secret and (raw := value(v.name)) is not None}
+
+
+def listed(values: dict[str, Any]) -> str:
+    """Settings as the logs and reports write them: `NAME=value, NAME=value` ("" for none)."""
+    return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
 def markdown_table() -> str:

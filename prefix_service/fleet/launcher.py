@@ -286,8 +286,7 @@ class FleetEngineProvider:
         log.info("deploying %s replicas of %s on Ray Serve (each loads the model and pins its templates; %s%s)",
                  f"{rc.min_replicas}-{rc.max_replicas}" if rc.autoscaling else rc.num_replicas,
                  ctx.config.engine.model.path, " ".join(f"{k}={os.environ.get(k, '(unset)')}" for k in SERVE_ENV),
-                 "; kernel settings from this environment: " + ", ".join(f"{k}={v}" for k, v in settings.items())
-                 if settings else "")
+                 "; kernel settings from this environment: " + envs.listed(settings) if settings else "")
         serve.run(app, name=rc.app_name, route_prefix="/" if plan is not None else None)
         self._deployed = True
         return (serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name=rc.app_name),

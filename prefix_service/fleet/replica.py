@@ -83,8 +83,7 @@ class EngineReplica:
         log.info("replica %s ready in %.1f s (engine %.1f s, templates %.1f s): %d of %d assigned templates pinned "
                  "(K/V: %s)%s", self.id, done - started, loaded - started, done - loaded, pinned, len(assigned),
                  ", ".join(f"{n} {k}" for k, n in sorted(sources.items())) or "none",
-                 "; kernel settings: " + ", ".join(f"{k}={v}" for k, v in self.kernel_settings.items())
-                 if self.kernel_settings else "")
+                 "; kernel settings: " + envs.listed(self.kernel_settings) if self.kernel_settings else "")
 
     def _token_ids(self) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}

@@ -162,12 +162,10 @@ def compiler() -> str | None:
 
 def _cpu_signature() -> str:
     """The CPU's model and flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            lines = [ln for ln in fh if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
+    flags = cpuinfo.cpu_flags()
+    if not flags:  # not Linux
         return platform.processor()
+    return f"{cpuinfo.first_field('model name') or ''}: {' '.join(sorted(flags))}"
 
 
 def for_target(flags: tuple[str, ...]) -> tuple[str, ...]:
