@@ -621,8 +621,9 @@ class OpenAIApi:
         self.auth.check(request.headers.items())
         engine, registry = self.runtime.require_ready()
         loop = asyncio.get_running_loop()
-        templates = await loop.run_in_executor(self.runtime.executor, registry.list)
-        infos = await loop.run_in_executor(self.runtime.executor, engine.engine_infos)
+        # side by side: in a fleet each is a call to its controller
+        templates, infos = await asyncio.gather(loop.run_in_executor(self.runtime.executor, registry.list),
+                                                loop.run_in_executor(self.runtime.executor, engine.engine_infos))
         created = int(time.time())
         # max_model_len as vLLM gives it: the longest prompt plus output a request can have (the engines' least)
         data: list[dict[str, Any]] = [{"id": self.served_name, "object": "model", "created": created,
