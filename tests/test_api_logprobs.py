@@ -91,7 +91,7 @@ def test_chat_logprobs_in_openais_shape(server):
     ids = whole.choices[0].model_extra["token_ids"]
     content = whole.choices[0].logprobs.content
     assert [c.token for c in content] == [text_of(server, t) for t in ids]
-    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content if "\ufffd" not in c.token)
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
     assert all(c.logprob <= c.top_logprobs[0].logprob + 1e-6 for c in content)  # greedy: the chosen is the top one
     assert all(c.token == c.top_logprobs[0].token for c in content)
@@ -104,6 +104,23 @@ def test_chat_logprobs_in_openais_shape(server):
     no_top = api.chat.completions.create(model="sys", messages=messages, max_tokens=2, temperature=0, logprobs=True)
     assert all(c.top_logprobs == [] for c in no_top.choices[0].logprobs.content)
     assert api.chat.completions.create(model="sys", messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
+def test_chat_logprobs_bytes_join_into_the_text_where_tokens_split_a_character(server):
+    """A character spread over several tokens (the emoji here, which a constraint makes the model
+    spell): each token's text alone is U+FFFD, and its bytes are its own, as OpenAI gives them, so
+    the bytes of the choice's tokens join into its text (they were U+FFFD's three bytes each)."""
+    whole = client(server).chat.completions.create(
+        model="sys", messages=[{"role": "user", "content": "the order"}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=3, extra_body={"structured_outputs": {"regex": "\U0001F30D!"},
+                                                   "return_token_ids": True})
+    choice = whole.choices[0]
+    content = choice.logprobs.content
+    assert choice.message.content == "\U0001F30D!" and len(content) > 2
+    assert any(c.token == "\ufffd" for c in content)
+    assert b"".join(bytes(c.bytes) for c in content) == "\U0001F30D!".encode()
+    for c in content:  # the alternatives by the same rule
+        assert all(bytes(t.bytes) == t.token.encode() for t in c.top_logprobs if "\ufffd" not in t.token)
 
 
 def test_grpc_logprobs_per_token(server, grpc_clients):

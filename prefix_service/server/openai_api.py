@@ -433,16 +433,19 @@ def _finish(out: RequestOutput) -> str | None:
 
 class _Shape:
     """How one endpoint writes its response, whole and streamed. token_text: a token id's text,
-    when the request asked for log-probabilities (else None)."""
+    when the request asked for log-probabilities (else None); token_bytes: its bytes (chat's
+    logprobs; else its text's UTF-8)."""
 
     def __init__(self, chat: bool, request_id: str, model: str, token_ids: bool,
-                 token_text: Callable[[int], str] | None = None) -> None:
+                 token_text: Callable[[int], str] | None = None,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:
         self.chat = chat
         self.token_ids = token_ids
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         self.created = int(time.time())
         self.token_text = token_text
+        self.token_bytes = token_bytes
         self._offsets: dict[int, int] = {}  # per choice: completions' text_offset of its next token
         self._started: set[int] = set()  # choices whose first chunk went out
         self._lasts: dict[int, RequestOutput] = {}  # per choice: its last output, once finished
@@ -452,10 +455,11 @@ class _Shape:
         text = self.token_text
         if text is None or lps is None:
             return None
-        if self.chat:  # the k most likely alternatives, each with its UTF-8 bytes
+        if self.chat:  # the k most likely alternatives, each with its bytes
             def entry(token: int, logprob: float) -> dict[str, Any]:
                 s = text(token)
-                return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+                raw = self.token_bytes(token) if self.token_bytes is not None else s.encode("utf-8")
+                return {"token": s, "logprob": logprob, "bytes": list(raw)}
             return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
                               for x in lps], "refusal": None}
         tokens = [text(x.token_id) for x in lps]
@@ -748,9 +752,10 @@ class OpenAIApi:
         except Exception as e:  # noqa: BLE001 - refused before any output, or the client went away
             return self.error(_as_sent(_named(e, body, trace), body), trace)
         assert body is not None
-        token_text = self.token_texts.of(engine.tokenizer) if body.top_logprobs_wanted() is not None else None
+        wants = body.top_logprobs_wanted() is not None
         shape = _Shape(body_cls is ChatBody, request_id, body.model or self.served_name, body.return_token_ids,
-                       token_text)
+                       self.token_texts.of(engine.tokenizer) if wants else None,
+                       self.token_texts.bytes_of(engine.tokenizer) if wants else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._stream(first, stream, shape, trace, include_usage, req.sampling.n),

@@ -40,10 +40,12 @@ class RequestSpec:
 
 class TokenTexts:
     """A token id's text as log-probabilities show it: the token decoded alone (as vLLM does),
-    kept once decoded. One per front end, for the engine's tokenizer."""
+    kept once decoded; and its bytes, as OpenAI's chat logprobs give them. One per front end, for
+    the engine's tokenizer."""
 
     def __init__(self) -> None:
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
 
     def of(self, tokenizer: Any) -> Callable[[int], str]:
         texts = self._texts
@@ -54,6 +56,47 @@ class TokenTexts:
                 s = texts[token] = tokenizer.decode([token])
             return s
         return text
+
+    def bytes_of(self, tokenizer: Any) -> Callable[[int], bytes]:
+        """A token's bytes: its text's UTF-8, except where the token holds part of a character (its text
+        alone decodes to U+FFFD), whose own bytes the tokenizer's pieces spell (byte-level BPE's
+        alphabet, or SentencePiece's <0xHH> byte pieces), so that a client joins a choice's bytes into
+        its text."""
+        text, held = self.of(tokenizer), self._bytes
+        raw = _piece_bytes(tokenizer)
+
+        def of_token(token: int) -> bytes:
+            b = held.get(token)
+            if b is None:
+                s = text(token)
+                b = s.encode("utf-8")
+                if "\ufffd" in s and raw is not None:
+                    try:
+                        b = raw(tokenizer.convert_ids_to_tokens(token))
+                    except (KeyError, ValueError, TypeError):  # a piece outside the scheme: its text's
+                        pass
+                held[token] = b
+            return b
+        return of_token
+
+
+def _piece_bytes(tokenizer: Any) -> Callable[[str], bytes] | None:
+    """The bytes a token piece stands for, where the tokenizer spells bytes in its pieces: byte-level
+    BPE (GPT-2's alphabet of 256 characters, one a byte) or SentencePiece's byte fallback (<0xHH>);
+    None for another tokenizer."""
+    rust = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own (the tokenizers library's)
+    decoder = repr(getattr(rust, "decoder", None))
+    if decoder.startswith("ByteLevel"):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+        alphabet = {c: b for b, c in bytes_to_unicode().items()}
+        return lambda piece: bytes(alphabet[c] for c in piece)
+    if "ByteFallback" in decoder:
+        def sentencepiece(piece: str) -> bytes:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return sentencepiece
+    return None
 
 
 def check_request_id(request_id: str) -> str:
