@@ -169,6 +169,18 @@ def test_streamed_completion_equals_the_whole_one(server, grpc_clients):
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens == 8
     assert usage.usage.prompt_tokens_details.cached_tokens == server.engine.get_template("doc").num_tokens
+    for path, body in (("/v1/completions", {"prompt": " the price"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the price"}]})):
+        for include in (True, False):  # OpenAI's: "usage": null on every chunk but the last, when asked
+            status, text = raw(server, "POST", path, {"model": "doc", "stream": True, "max_tokens": 3,
+                                                      "stream_options": {"include_usage": include}, **body})
+            events = [json.loads(line[6:]) for line in text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            assert status == 200 and len(events) > 1
+            if include:
+                assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 3
+            else:
+                assert not any("usage" in e for e in events)
 
 
 def test_prompt_as_token_ids_and_without_a_template(server, grpc_clients):

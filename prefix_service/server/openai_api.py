@@ -826,8 +826,8 @@ class OpenAIApi:
             out, remaining = first, n
             while True:
                 trace.output(out)
-                for chunk in shape.chunks(out):
-                    yield _sse(chunk)
+                for chunk in shape.chunks(out):  # with include_usage, "usage": null on each, as OpenAI's
+                    yield _sse({**chunk, "usage": None} if include_usage else chunk)
                 remaining -= int(out.finished)
                 if not remaining:
                     break
