@@ -151,6 +151,19 @@ def test_a_constraint_over_the_compile_bound_is_refused(make_engine):
     assert re.fullmatch(r"[0-9]{3}", generate(engine, StructuredOutput("regex", "[0-9]{3}")).text)
 
 
+def test_generate_aborts_the_rest_of_its_batch_when_one_request_fails(make_engine):
+    """Engine.generate raises the error that ends one of its requests; the others, whose results
+    would reach nobody, are aborted then rather than left running to their end."""
+    engine = make_engine(grammar_step_fuel=1)
+    bad = GenerateRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(
+        max_tokens=10, structured=StructuredOutput("regex", "[0-9]{3}-[a-z]{2}")))
+    long = GenerateRequest(prompt_token_ids=[5] * 6, sampling=SamplingParams(max_tokens=400, ignore_eos=True))
+    with pytest.raises(InvalidRequest, match="grammar_step_fuel"):
+        engine.generate([bad, long])
+    stats = engine.kv_stats()
+    assert (stats["running"], stats["waiting"], stats["used"]) == (0, 0, 0), stats
+
+
 def test_a_mask_over_the_step_bound_ends_its_request_alone(make_engine):
     """With a step bound too small for any mask, each constrained request ends with an error naming
     its field at its first step; the free requests of the same steps finish as they would alone."""

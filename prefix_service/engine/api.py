@@ -497,12 +497,20 @@ class Engine:
 
     def generate(self, requests: list[GenerateRequest] | GenerateRequest) -> list[GenerateResult]:
         """Run requests to completion, batched together (submit_many: they enter the engine at the
-        same step). Raises the first request's validation error before any runs."""
+        same step). Raises the first request's validation error before any runs; the error that ends
+        one of them (or an interrupt while waiting), once the others still running are aborted, since
+        their results would reach nobody."""
         if isinstance(requests, GenerateRequest):
             requests = [requests]
         collectors = [_Collector(req.sampling.n) for req in requests]
-        self.submit_many(requests, list(collectors))
-        return [col.result() for col in collectors]
+        ids = self.submit_many(requests, list(collectors))
+        try:
+            return [col.result() for col in collectors]
+        except BaseException:
+            for request_id, col in zip(ids, collectors):
+                if not col.done:
+                    self.abort(request_id)
+            raise
 
     async def generate_stream(self, req: GenerateRequest, executor: concurrent.futures.Executor | None = None
                               ) -> AsyncGenerator[RequestOutput, None]:
@@ -619,6 +627,10 @@ class _Collector:
         self._remaining -= int(out.finished)
         if self._remaining == 0 or out.error is not None:
             self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
 
     def result(self) -> GenerateResult:
         self._done.wait()
