@@ -31,7 +31,7 @@ examples:
   prefix-service env --config configs/default.yaml
 
   # manage templates at run time (persisted across restarts)
-  prefix-service template add faq --file docs/faq.md
+  prefix-service template add faq --file faq.md
   prefix-service template add support_bot --system-prompt 'You are a polite support agent.'
   prefix-service template list
   prefix-service template remove faq
