@@ -63,11 +63,15 @@ def test_tls_on_generation_admin_and_metrics(make_server, cert):
     assert admin_port not in (None, st.server.port)
     admin = Clients(f"127.0.0.1:{admin_port}", root_certificates=pem)
     assert add(admin, "faq", "the order price", metadata=(("authorization", "Bearer t0ken"),)).name == "faq"
-    # the admin service is only on its own address
-    assert code_of(add, gen, "x", "the", metadata=(("authorization", "Bearer t0ken"),)) == \
-        grpc.StatusCode.UNIMPLEMENTED
-    assert code_of(admin.generation.Generate(greedy_request(" the", max_tokens=1)).__next__) == \
-        grpc.StatusCode.UNIMPLEMENTED
+    # the admin service is only on its own address, and each address says where the other service is
+    with pytest.raises(grpc.RpcError) as info:
+        add(gen, "x", "the", metadata=(("authorization", "Bearer t0ken"),))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert f"served on server.admin_address (port {admin_port})" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        next(admin.generation.Generate(greedy_request(" the", max_tokens=1)))
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert f"served on server.address (port {st.server.port})" in info.value.details()
 
     # plaintext clients get nowhere
     plain = Clients(st.address)
@@ -81,6 +85,14 @@ def test_tls_on_generation_admin_and_metrics(make_server, cert):
         assert b"prefix_service_requests_total" in resp.read()
     with pytest.raises(Exception):  # noqa: B017 - plaintext HTTP against the TLS endpoint fails
         urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=5).read()
+
+
+def test_an_admin_call_with_the_admin_api_off_says_so(make_server):
+    st = make_server(enable_admin=False)
+    with pytest.raises(grpc.RpcError) as info:
+        add(Clients(st.address), "x", "the")
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "off on this server (server.enable_admin: false)" in info.value.details()
 
 
 def test_client_and_cli_speak_tls(make_server, cert, capsys):

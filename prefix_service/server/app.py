@@ -137,7 +137,15 @@ class PrefixServer:
         if cfg.enable_admin:
             if separate_admin:
                 self._admin_grpc = self._grpc_server([ADMIN_SERVICE])
+                self._admin_grpc.add_generic_rpc_handlers([_ServedElsewhere(GENERATION_SERVICE, lambda: (
+                    f"the Generation service is served on server.address (port {self.port}), not on "
+                    f"server.admin_address"))])
             add_admin(PrefixAdminServicer(self.runtime, AdminAuth(token)), self._admin_grpc or self._grpc)
+        if separate_admin or not cfg.enable_admin:
+            self._grpc.add_generic_rpc_handlers([_ServedElsewhere(ADMIN_SERVICE, lambda: (
+                f"the PrefixAdmin service is served on server.admin_address (port {self.admin_port}), not on "
+                f"server.address" if separate_admin else "the PrefixAdmin service is off on this server "
+                "(server.enable_admin: false)"))])
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.port = self._bind(self._grpc, cfg.address, tls, "server.address")
         if self._admin_grpc is not None:
@@ -223,6 +231,22 @@ class PrefixServer:
                 finally:
                     self._stopped.set()
 
+
+
+class _ServedElsewhere(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """Every method of `service` on a server that does not serve it: UNIMPLEMENTED with `message()`,
+    which says where it is served (gRPC's own answer is a bare "Method not found!")."""
+
+    def __init__(self, service: str, message: Callable[[], str]) -> None:
+        self._prefix, self._message = f"/{service}/", message
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        if not details.method.startswith(self._prefix):
+            return None
+
+        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, self._message())
+        return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 def _check_free(address: str, key: str) -> None:
