@@ -30,3 +30,18 @@ def test_stop_string_across_tokens_is_held_back_and_cut(tokenizer_dir):
             break
     assert hit and emitted == "the quick brown "
     assert "fox" not in emitted
+
+
+def test_two_stop_strings_completed_by_one_token_cut_at_the_earlier(tokenizer_dir):
+    """Both stop strings end on the same character; the text is cut where the first of them begins,
+    whatever their order in the request (nothing past a stop reaches the user)."""
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    ids = tok.encode("the quick brown fox jumps over", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], stop=("n fox", "brown fox"))
+    emitted, hit = "", False
+    for i in ids:
+        delta, hit = detok.add(i)
+        emitted += delta
+        if hit:
+            break
+    assert hit and emitted == "the quick "

@@ -31,11 +31,15 @@ def teacher_forced_logits(engine, ids, out_ids):
 def test_logprobs_are_the_models_log_softmax(make_engine, backend):
     """Each token's logprob and its top alternatives equal a log-softmax of the torch backend's logits
     at that position, under greedy and under temperature sampling (the model's distribution, not the
-    tempered one); on a template as without."""
+    tempered one), and under penalties, a logit_bias that pushes the model's top token away and
+    min_tokens (taken before any of them); on a template as without."""
     oracle = make_engine(backend="torch")
     engine = make_engine(backend=backend)
     engine.add_template("t", token_ids=PROMPT[:5])
-    for kw in (dict(), dict(temperature=2.0, seed=5)):
+    top = generate(engine, max_tokens=1).token_ids[0]
+    adjusted = dict(repetition_penalty=1.7, presence_penalty=1.0, logit_bias=((top, -100.0),), min_tokens=8,
+                    ignore_eos=False)
+    for kw in (dict(), dict(temperature=2.0, seed=5), adjusted):
         out = generate(engine, logprobs=3, **kw)
         assert [lp.token_id for lp in out.logprobs] == out.token_ids
         want = torch.log_softmax(teacher_forced_logits(oracle, PROMPT, out.token_ids), dim=-1)
@@ -48,6 +52,7 @@ def test_logprobs_are_the_models_log_softmax(make_engine, backend):
         assert max(abs(a.logprob - b.logprob) for a, b in zip(on_template.logprobs, out.logprobs)) < 1e-4
     assert generate(engine, logprobs=0).logprobs[0].top == ()
     assert generate(engine).logprobs is None
+    assert {len(lp.top) for lp in generate(engine, logprobs=20).logprobs} == {20}  # the most OpenAI allows
 
 
 def test_logit_bias_moves_the_greedy_choice(make_engine):
@@ -157,6 +162,19 @@ def test_min_tokens_masks_stops_until_reached(make_engine):
     late = generate(engine, max_tokens=6, stop=(stop,), min_tokens=6)
     assert len(late.token_ids) == 6 and late.finish_reason is FinishReason.LENGTH
     assert len(early.token_ids) < 6 and early.finish_reason is FinishReason.STOP
+
+
+def test_a_stop_string_ending_on_the_min_tokens_th_token_does_not_stop(make_engine):
+    """A stop string counts once the output has more than min_tokens tokens, as vLLM's check: one
+    that ends exactly on the min_tokens-th token is passed over, one token sooner it stops."""
+    engine = make_engine()
+    first = generate(engine, max_tokens=6)
+    stop = engine.tokenizer.decode(first.token_ids[:3])  # the output's first three tokens: ends on the third
+    assert stop and stop not in engine.tokenizer.decode(first.token_ids[:2])
+    passed = generate(engine, max_tokens=6, stop=(stop,), min_tokens=3)
+    assert (passed.token_ids, passed.finish_reason) == (first.token_ids, FinishReason.LENGTH)
+    stopped = generate(engine, max_tokens=6, stop=(stop,), min_tokens=2)
+    assert (stopped.token_ids, stopped.text, stopped.finish_reason) == (first.token_ids[:3], "", FinishReason.STOP)
 
 
 @pytest.mark.parametrize("kw,field", [

@@ -346,11 +346,21 @@ def test_unknown_prefix_is_not_found(server, clients):
     (dict(max_tokens=100000), "max_tokens"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[10**6]), "stop_token_ids"),
+    (dict(stop=["x" * 257]), "at most 256 characters"),
 ])
 def test_bad_sampling_is_invalid_argument(server, clients, sampling, needle):
     req = pb.GenerateRequest(prompt=" the", sampling=pb.SamplingParams(**sampling))
     code, details = code_of(clients.generation.Generate(req))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and needle in details
+
+
+def test_an_error_that_quotes_a_long_input_is_cut_short(server, clients):
+    """A refusal quotes what it refuses; the status details stay within 1,000 characters (they travel
+    in a size-limited trailer), the cut marked."""
+    req = pb.GenerateRequest(prompt=" the", sampling=pb.SamplingParams(stop=["x" * 5000]))
+    code, details = code_of(clients.generation.Generate(req))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "stop strings must be" in details
+    assert len(details) == 1000 and details.endswith("...")
 
 
 def test_invalid_requests(server, clients):
