@@ -560,6 +560,51 @@ def test_a_client_gone_in_the_middle_of_its_body_is_cancelled_not_an_error(serve
     server.check_clean()
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "doc", "prompt": " the", "max_tokens": 300, "ignore_eos": True}),
+    ("/v1/scores", {"model": "doc", "prompt": list(range(10, 310)), "candidates": [" the", " a row"]})])
+def test_a_handler_cancelled_by_a_proxy_in_front_counts_its_request_cancelled(make_server, caplog, path, body):
+    """Behind a proxy that cancels the handler when its client goes (Ray Serve's does), the request is
+    aborted and counted CANCELLED with a 499 log line (it was neither counted nor logged)."""
+    from starlette.requests import Request
+
+    from prefix_service.server.auth import ApiKeyAuth
+    from prefix_service.server.openai_api import OpenAIApi
+
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    st = make_server(max_num_batched_tokens=16)
+    api = OpenAIApi(st.server.runtime, st.server.metrics, ApiKeyAuth(None), st.server.served_name)
+    sent: list[bytes] = []
+
+    async def receive():  # the body, then nothing more: the app itself never sees the client go
+        if not sent:
+            sent.append(data := json.dumps(body).encode())
+            return {"type": "http.request", "body": data, "more_body": False}
+        await asyncio.Event().wait()
+
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+             "headers": [(b"content-type", b"application/json")]}
+
+    async def main() -> None:
+        handler = api.completions if path == "/v1/completions" else api.scores
+        task = asyncio.ensure_future(handler(Request(scope, receive)))
+        while st.engine.kv_stats()["running"] + st.engine.kv_stats()["waiting"] < 1:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    undo = slow_steps(st.engine, 0.05)
+    try:
+        asyncio.run(main())
+        wait_until(lambda: _request_lines(caplog), 10)
+        st.check_clean()
+    finally:
+        undo()
+    line, = _request_lines(caplog)
+    assert (line["code"], line["http_status"]) == ("CANCELLED", 499), line
+
+
 def test_log_line_and_metrics_name_the_protocol(server, grpc_clients, caplog):
     caplog.set_level(logging.INFO, logger="prefix_service.requests")
     before = scrape(server.server.metrics_port)

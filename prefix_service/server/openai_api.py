@@ -562,8 +562,7 @@ class OpenAIApi:
         client that went away gets a 499 nobody reads, its request counted CANCELLED."""
         if isinstance(exc, ClientGone):
             if trace is not None:
-                trace.http_status = 499
-                _end(trace)  # its code left unset: CANCELLED
+                _gone(trace)
             return Response(status_code=499)
         kind, message = classify(exc)
         headers = {"WWW-Authenticate": "Bearer"} if kind.http_status == 401 else None
@@ -719,6 +718,9 @@ class OpenAIApi:
             out = await _race(request, self._cut, score(self.runtime, spec, request_id))
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
+        except asyncio.CancelledError:
+            _gone(trace)
+            raise
         except Exception as e:  # noqa: BLE001 - every refusal in OpenAI's shape
             return self.error(_as_sent(_named(e, body, trace), body), trace)
         assert body is not None
@@ -749,6 +751,9 @@ class OpenAIApi:
             first = await _first_output(request, stream, self._cut)  # every refusal happens before this returns
         except ValidationError as e:
             return self.error(_validation_error(e), trace)
+        except asyncio.CancelledError:
+            _gone(trace)
+            raise
         except Exception as e:  # noqa: BLE001 - refused before any output, or the client went away
             return self.error(_as_sent(_named(e, body, trace), body), trace)
         assert body is not None
@@ -805,6 +810,9 @@ class OpenAIApi:
         samples: list[list[RequestOutput]] = [[] for _ in range(n)]
         try:  # cancelling collect() closes the stream, which aborts the request
             await _race(request, self._cut, collect())
+        except asyncio.CancelledError:
+            _gone(trace)
+            raise
         except Exception as e:  # noqa: BLE001 - the client went away, the cut-off, or an error after the start
             return self.error(e, trace)
         trace.code, trace.http_status = grpc.StatusCode.OK, 200
@@ -874,6 +882,13 @@ def _tokenized(engine: Any, spec: RequestSpec) -> tuple[list[int], int, dict[str
     return prompt_token_ids(engine.tokenizer, req), prefix, engine.engine_infos()
 
 
+def _gone(trace: RequestTrace) -> None:
+    """The request's end when its client went away (a closed connection, or the handler cancelled by a
+    proxy in front that saw it go): counted CANCELLED, 499 in its log line."""
+    trace.http_status = 499
+    _end(trace)  # its code left unset: CANCELLED
+
+
 def _end(trace: RequestTrace) -> None:
     try:
         trace.end()
@@ -911,7 +926,7 @@ async def _first_output(request: Request, stream: AsyncGenerator[RequestOutput, 
     it for nobody."""
     try:
         return await _race(request, cut, anext(stream))
-    except Exception:
+    except BaseException:  # a cancelled handler too (a proxy in front cancels it when its client goes)
         await stream.aclose()
         raise
 
