@@ -284,22 +284,8 @@ class _EngineCollector(Collector):
         stats, templates, infos = status.kv_stats, status.templates, status.infos
         if infos:
             yield engine_info(infos)
-        for key, name, doc in (("num_blocks", "total", "KV cache blocks in all"),
-                               ("used", "used", "KV blocks holding KV (pinned templates included)"),
-                               ("free", "free", "KV blocks free"),
-                               ("pinned", "pinned", "KV blocks pinned by templates (removed ones still in use "
-                                                    "included)")):
-            yield GaugeMetricFamily(f"prefix_service_kv_blocks_{name}", doc, value=stats[key])
-        yield GaugeMetricFamily("prefix_service_packed_template_bytes", "Host memory of pinned templates' K/V held "
-                                "a second time, packed for CPU attention (outside the KV cache)",
-                                value=stats["packed_template_bytes"])
-        yield GaugeMetricFamily("prefix_service_queue_length", "Requests waiting to run (preempted ones included; "
-                                "the samples or candidates a request forked count as part of it)",
-                                value=stats["waiting_requests"])
-        yield GaugeMetricFamily("prefix_service_running_requests", "Sequences running (each sample of n > 1, each "
-                                "candidate of a score)", value=stats["running"])
-        yield CounterMetricFamily("prefix_service_preemptions", "Requests preempted for KV blocks (recomputed "
-                                  "later)", value=stats["preemptions"])
+        if stats:  # (a fleet whose replicas have all gone has none until one reports)
+            yield from _kv_gauges(stats)
         yield GaugeMetricFamily("prefix_service_templates", "Templates registered", value=len(templates))
         tokens = GaugeMetricFamily("prefix_service_template_tokens", "Tokens of each template", labels=["template"])
         active = GaugeMetricFamily("prefix_service_template_active_requests", "Unfinished requests on each "
@@ -319,3 +305,23 @@ class _EngineCollector(Collector):
         yield restored
         yield active
         yield served
+
+
+def _kv_gauges(stats: dict[str, int]) -> Iterator[Metric]:
+    """The KV cache's and the scheduler's gauges from kv_stats() (a fleet's: the replicas' summed)."""
+    for key, name, doc in (("num_blocks", "total", "KV cache blocks in all"),
+                           ("used", "used", "KV blocks holding KV (pinned templates included)"),
+                           ("free", "free", "KV blocks free"),
+                           ("pinned", "pinned", "KV blocks pinned by templates (removed ones still in use "
+                                                "included)")):
+        yield GaugeMetricFamily(f"prefix_service_kv_blocks_{name}", doc, value=stats[key])
+    yield GaugeMetricFamily("prefix_service_packed_template_bytes", "Host memory of pinned templates' K/V held "
+                            "a second time, packed for CPU attention (outside the KV cache)",
+                            value=stats["packed_template_bytes"])
+    yield GaugeMetricFamily("prefix_service_queue_length", "Requests waiting to run (preempted ones included; "
+                            "the samples or candidates a request forked count as part of it)",
+                            value=stats["waiting_requests"])
+    yield GaugeMetricFamily("prefix_service_running_requests", "Sequences running (each sample of n > 1, each "
+                            "candidate of a score)", value=stats["running"])
+    yield CounterMetricFamily("prefix_service_preemptions", "Requests preempted for KV blocks (recomputed "
+                              "later)", value=stats["preemptions"])
