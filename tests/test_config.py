@@ -31,6 +31,9 @@ prefixes:
     ({"model": {"path": "m"}, "cache": {"block_size": 0}}, r"cache.block_size: expected an integer in \[1, 4096\]"),
     ({"model": {"path": "m"}, "cache": {"kv_cache_memory": "lots"}}, "cache.kv_cache_memory: expected a size"),
     ({"model": {"path": "m"}, "scheduler": {"max_num_seqs": "8"}}, "scheduler.max_num_seqs: expected an integer"),
+    # no sequence could ever run: every request would wait forever
+    ({"model": {"path": "m"}, "scheduler": {"max_num_seqs": 0}}, r"scheduler.max_num_seqs: expected an integer >= 1, "
+                                                                  r"got 0"),
     ({"model": {"path": "m"}, "prefixes": [{"name": "a", "content": "x", "file": "y"}]}, "exactly one of"),
     ({"model": {"path": "m"}, "prefixes": [{"name": "a b", "content": "x"}]}, "invalid prefix name 'a b'"),
     ({"model": {"path": "m"}, "prefixes": [{"name": "a", "content": "x"}, {"name": "a", "content": "y"}]},

@@ -266,3 +266,74 @@ def test_garbage_collector_pauses_are_exported_by_generation():
         (("generation", str(g)),) for g in range(3)}
     ingress = ServiceMetrics(SimpleNamespace(registry=None, engine=None, ready=True), requests_only=True)
     assert "prefix_service_gc_pause" not in ingress.text()  # the process's, reported by the front end
+
+
+def test_tpot_is_the_time_after_the_first_token_over_the_tokens_after_it(monkeypatch):
+    """TPOT of a finished request: (end - first token) / (completion_tokens - 1), on a clock the test sets."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from prefix_service.engine.sequence import FinishReason, RequestOutput
+    from prefix_service.server import metrics as metrics_module
+    from prefix_service.server.metrics import RequestTrace, ServiceMetrics
+
+    now = [100.0]
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    metrics = ServiceMetrics(SimpleNamespace(registry=None, engine=None, ready=True), requests_only=True)
+    trace = RequestTrace(metrics, "grpc", "doc", "doc", start=100.0)
+    now[0] = 100.5
+    trace.output(RequestOutput("r", "a", [7]))
+    now[0] = 102.5
+    trace.output(RequestOutput("r", "bcde", [8, 9, 10, 11], finished=True, finish_reason=FinishReason.LENGTH,
+                               prompt_tokens=3, completion_tokens=5))
+    trace.code = grpc.StatusCode.OK
+    trace.end()
+    m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+         for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()) for s in fam.samples}
+    assert value(m, "prefix_service_tpot_seconds_count", template="doc") == 1
+    assert value(m, "prefix_service_tpot_seconds_sum", template="doc") == pytest.approx((102.5 - 100.5) / (5 - 1))
+    assert value(m, "prefix_service_ttft_seconds_sum", template="doc") == pytest.approx(0.5)
+    assert value(m, "prefix_service_e2e_latency_seconds_sum", template="doc") == pytest.approx(2.5)
+
+
+def test_template_from_snapshot_counts_kv_from_a_snapshot_or_a_peer():
+    """prefix_service_template_from_snapshot: 1 for a template whose K/V was loaded, from a snapshot
+    file or another replica's copy ("peer"), 0 for one prefilled; read from the engine's status."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from prefix_service.engine.api import EngineStatus
+    from prefix_service.engine.template_pins import TemplateInfo
+    from prefix_service.server.metrics import ServiceMetrics
+
+    stats = {"num_blocks": 64, "used": 6, "free": 58, "pinned": 6, "packed_template_bytes": 0,
+             "waiting_requests": 0, "running": 0, "preemptions": 0}
+    templates = [TemplateInfo(name, 8, 2, 0, 0, {}, kv_source=name)
+                 for name in ("prefill", "snapshot", "peer")]
+    engine = SimpleNamespace(status=lambda: EngineStatus(stats, templates, {}))
+    metrics = ServiceMetrics(SimpleNamespace(registry=None, engine=engine, ready=True))
+    m = {(s.name, tuple(sorted(s.labels.items()))): s.value
+         for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode()) for s in fam.samples}
+    assert value(m, "prefix_service_templates") == 3
+    assert {name: value(m, "prefix_service_template_from_snapshot", template=name)
+            for name in ("prefill", "snapshot", "peer")} == {"prefill": 0, "snapshot": 1, "peer": 1}
+
+
+def test_a_fleet_with_no_replica_reporting_still_answers_a_scrape():
+    """Every replica of a fleet gone (the summed KV counters empty until a replacement reports): the
+    scrape answers without the KV gauges, the request series still there (it was a 500, KeyError)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from prefix_service.engine.api import EngineStatus
+    from prefix_service.server.metrics import ServiceMetrics
+
+    engine = SimpleNamespace(status=lambda: EngineStatus({}, [], {}))
+    metrics = ServiceMetrics(SimpleNamespace(registry=None, engine=engine, ready=True))
+    text = generate_latest(metrics.registry).decode()
+    names = {fam.name for fam in text_string_to_metric_families(text)}
+    assert "prefix_service_requests" in names and "prefix_service_ready" in names
+    assert not any(n.startswith("prefix_service_kv_blocks") for n in names)

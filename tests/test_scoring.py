@@ -131,6 +131,33 @@ def test_a_preempted_candidate_is_recomputed(make_engine):
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
 
 
+def test_a_released_candidate_on_a_template_with_an_empty_prompt_is_rescored(make_engine):
+    """A candidate waiting its turn (max_num_seqs=1) whose forked blocks are released starts again
+    on the template: with an empty prompt the template covers the fork point, but the candidate
+    still computes the template's last token for the logits that score its first token."""
+    calm = make_engine()
+    calm.add_template("t", token_ids=TEMPLATE)
+    want = calm.score(ScoreRequest(CANDIDATES, prompt_token_ids=[], prefix_name="t"))
+    engine = make_engine(max_num_seqs=1)
+    engine.add_template("t", token_ids=TEMPLATE)
+
+    def drive(core):
+        from prefix_service.engine.scheduler import SchedulerOutput
+        got, released = [], []
+        core.add_score("s", [], "t", CANDIDATES, got.append)
+        while not got:
+            core.step()
+            if not released and any(q.forked and q.block_table for q in core.scheduler.waiting):
+                released.append(core.scheduler._release_a_waiting_hold(SchedulerOutput()))
+        return got[0], released
+    got, released = engine._run(drive)
+    assert released == [True]
+    assert got.error is None, got.error
+    assert [c.token_ids for c in got.candidates] == [c.token_ids for c in want.candidates]
+    for a, b in zip(got.candidates, want.candidates, strict=True):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+
+
 def test_abort_frees_every_block(make_engine):
     engine = make_engine()
     engine.add_template("t", token_ids=TEMPLATE)
@@ -151,6 +178,42 @@ def test_bad_candidates_are_refused(make_engine, candidates, match):
     with pytest.raises(InvalidRequest, match=match) as e:
         engine.score(ScoreRequest(candidates, prompt_token_ids=PROMPT))
     assert e.value.param == "candidates"
+
+
+@pytest.mark.parametrize("bad", ["vocab_size", -1])
+def test_candidate_token_ids_outside_the_vocabulary_are_refused(make_engine, bad):
+    """The vocabulary's ids are [0, vocab_size): vocab_size itself and -1 are the caller's error,
+    refused before anything is queued, not an engine failure."""
+    engine = make_engine()
+    vocab_size = engine._core.arch.vocab_size
+    token = vocab_size if bad == "vocab_size" else bad
+    with pytest.raises(InvalidRequest, match=rf"candidates\[1\]: token ids must be in \[0, {vocab_size}\)") as e:
+        engine.score(ScoreRequest([[17], [5, token]], prompt_token_ids=PROMPT))
+    assert e.value.param == "candidates"
+    ok = engine.score(ScoreRequest([[17], [5, vocab_size - 1]], prompt_token_ids=PROMPT))  # the last id is valid
+    assert [c.token_ids for c in ok.candidates] == [(17,), (5, vocab_size - 1)]
+
+
+def test_exactly_max_candidates_are_scored(make_engine):
+    """MAX_CANDIDATES one-token candidates are accepted, each scored by the prompt's last logits;
+    one more is refused."""
+    engine = make_engine(num_blocks=2 * MAX_CANDIDATES, max_num_seqs=MAX_CANDIDATES)
+    candidates = [[t] for t in range(3, 3 + MAX_CANDIDATES)]
+    out = engine.score(ScoreRequest(candidates, prompt_token_ids=PROMPT))
+    assert [c.token_ids for c in out.candidates] == [tuple(c) for c in candidates]
+    want = torch.log_softmax(engine_last_logits(engine, PROMPT), -1)
+    assert [c.logprob for c in out.candidates] == pytest.approx([want[c[0]].item() for c in candidates], abs=1e-4)
+    with pytest.raises(InvalidRequest, match=f"at most {MAX_CANDIDATES} per request"):
+        engine.score(ScoreRequest(candidates + [[3]], prompt_token_ids=PROMPT))
+
+
+def test_a_score_counts_as_one_request_served_on_its_template(make_engine):
+    """A Score request is one request on its template however many candidates it forks."""
+    engine = make_engine()
+    engine.add_template("t", token_ids=TEMPLATE)
+    engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
+    (info,) = [t for t in engine.list_templates() if t.name == "t"]
+    assert (info.requests_served, info.active_requests) == (1, 0)
 
 
 def test_unknown_template_and_empty_context_are_refused(make_engine):

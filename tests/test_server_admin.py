@@ -205,6 +205,29 @@ def test_templates_survive_a_restart(make_server, tmp_path):
     assert names(Clients(st3.address)) == ["doc", "bot"]
 
 
+def test_add_that_cannot_be_persisted_is_rolled_back(make_server, tmp_path, monkeypatch):
+    """A template the state file cannot record is not added: the call fails, the engine unpins it
+    (not listed, its name free), and the same add succeeds once the file can be written."""
+    state = tmp_path / "state.json"
+    st = make_server(state_file=state)
+    c = Clients(st.address)
+    pinned = st.engine.kv_stats()["pinned"]
+
+    def disk_full(self, templates):
+        raise OSError("no space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(TemplateStore, "save", disk_full)
+        code, details = status(add, c, "faq", FAQ)
+    assert code == grpc.StatusCode.INTERNAL
+    assert "'faq' was not added" in details and "no space left on device" in details
+    assert names(c) == ["doc"]
+    assert st.engine.kv_stats()["pinned"] == pinned  # its blocks were unpinned
+    assert add(c, "faq", FAQ).name == "faq"
+    assert names(c) == ["doc", "faq"]
+    assert json.loads(state.read_text())["templates"] == [{"name": "faq", "content": FAQ}]
+
+
 def test_default_state_file_is_next_to_the_config(tmp_path):
     from prefix_service.config import load_config
     from prefix_service.server import state_path
