@@ -261,6 +261,27 @@ def test_a_replica_that_leaves_is_dropped_at_once_and_its_templates_move(llama_d
     run(main())
 
 
+def test_a_template_a_replica_holds_that_the_fleet_no_longer_has_is_unpinned(llama_dir):
+    """A replica reports a template the fleet does not have (removed while a joining replica pinned
+    it, or pinned by a command the controller gave up on): the controller unpins it there, its
+    snapshot too, so its blocks and its name are free again (they stayed held, the name refused
+    by that replica, for good)."""
+    async def main():
+        c = controller_for(llama_dir, 2, None)
+        reps = [FakeReplica(c, f"r{i}") for i in range(2)]
+        await asyncio.gather(*(r.start() for r in reps))
+        reps[1].held["ghost"] = TemplateSource("ghost", content="removed meanwhile", origin="admin")
+        await until(lambda: "ghost" not in reps[1].held, what="the unknown template unpinned")
+        assert reps[1].unpins == [("ghost", True)]
+        assert set(reps[0].held) == set(reps[1].held) == set(TEMPLATES)  # the fleet's own stay
+        await c.add(TemplateSource("ghost", content="added for real", origin="admin"))
+        await asyncio.sleep(0.2)  # rounds of the loop: what the fleet has stays
+        assert all("ghost" in r.held for r in reps) and reps[1].unpins == [("ghost", True)]
+        for r in reps:
+            r.stop()
+    run(main())
+
+
 def test_add_pins_on_every_holder_or_rolls_back(llama_dir, tmp_path):
     async def main():
         state = tmp_path / "state.json"

@@ -113,6 +113,7 @@ class FleetController:
         # what the pins of an add answered, until a holder's report has the template (listing())
         self._pinned: dict[str, list[TemplateInfo]] = {}
         self._busy: set[tuple[str, str]] = set()  # (template, replica) with a pin or unpin in flight
+        self._swept: dict[tuple[str, str], int] = {}  # (template, replica) unpinned by _sweep: the report's seq
         self._ids = itertools.count(1)
         self._admin = asyncio.Lock()
         self._loop_task: asyncio.Task[None] | None = None
@@ -261,6 +262,26 @@ class FleetController:
                         where.discard(replica)  # no new requests go there...
                         # ...once the front ends' cached routes have expired: unpin after that
                         self._spawn(self._unpin(name, replica, after_s=HANDOVER_S))
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Unpin what a member reports holding that the fleet no longer has: a template removed while
+        a joining replica pinned it in its constructor, or pinned by a command whose answer the
+        controller gave up on (the replica dropped at its lease meanwhile). Each (template, replica)
+        once per report that shows it."""
+        for replica, member in self.members.items():
+            seq = member.report.get("seq", 0)
+            for info, _ in member.report.get("held", ()):
+                key = (info.name, replica)
+                if info.name in self.sources:  # (added again since)
+                    self._swept.pop(key, None)
+                    continue
+                if key in self._busy or self._swept.get(key, -1) >= seq:
+                    continue
+                self._swept[key] = seq
+                log.warning("replica %s holds template %r, which the fleet no longer has: unpinning it", replica,
+                            info.name)
+                self._spawn(self._unpin(info.name, replica, forget=True))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         asyncio.get_running_loop().create_task(coro)
