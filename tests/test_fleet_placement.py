@@ -164,6 +164,53 @@ def test_replica_health_check_fails_once_its_engine_stops(llama_dir):
         EngineReplica.check_health(replica)
 
 
+def test_a_replica_polls_on_while_its_engine_is_in_a_long_step(monkeypatch):
+    """The poll is the heartbeat: while a report waits for the engine's step to end (a long
+    prefill), the replica polls on time with its last report, then with the fresh one (it polled
+    only once the step ended, and the controller's lease dropped it)."""
+    pytest.importorskip("ray.serve", reason="the replica module needs ray[serve] (pip install -e '.[ray]')")
+    import threading
+    import time
+    import types
+
+    from prefix_service.fleet import replica as replica_module
+    from prefix_service.fleet.replica import EngineReplica
+
+    monkeypatch.setattr(replica_module, "REPORT_WAIT_S", 0.05)
+    step_over = threading.Event()
+    reports = iter([{"seq": 1}, {"seq": 2}])
+    polls: list[dict] = []
+
+    def report():  # the first waits for the "step"; the second comes at once
+        got = next(reports)
+        if got["seq"] == 1:
+            assert step_over.wait(10)
+        return got
+
+    async def poll(rid, last):
+        polls.append(last)
+        await asyncio.sleep(0.02)  # the controller's long poll, shortened
+        return []
+
+    replica = types.SimpleNamespace(id="r1", report=report,
+                                    _controller=types.SimpleNamespace(poll=types.SimpleNamespace(remote=poll)))
+
+    async def main():
+        task = asyncio.ensure_future(EngineReplica._poll_forever(replica))
+        deadline = time.monotonic() + 5
+        while len(polls) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        step_over.set()
+        assert len(polls) >= 5, polls  # the step lasted 5 s: polls kept coming meanwhile
+        while not polls or polls[-1].get("seq") != 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(main())
+    assert polls[:5] == [{}] * 5  # on time during the step, with the last report (none yet)
+    assert {"seq": 1} in polls and polls[-1] == {"seq": 2}  # then the fresh ones, in order
+
+
 class FakeReplicas:
     """The replicas' deployment handle as FleetEngine calls it: generate.remote(req, holders=...) is
     `remote`, which returns the call's stream."""

@@ -46,6 +46,7 @@ log = logging.getLogger("prefix_service.fleet")
 COMMANDS = ("pin", "unpin", "token_ids", "export_kv", "check_integrity")  # what the controller may ask a replica to run
 KV_FETCH_TIMEOUT_S = 120.0  # asking the controller for a template's K/V and getting it from the holder
 LEAVE_TIMEOUT_S = 2.0  # a stopping replica's goodbye; the controller may be stopping as well
+REPORT_WAIT_S = 1.0  # a poll waits this long for a fresh report, then goes with the last one
 
 
 class EngineReplica:
@@ -99,11 +100,24 @@ class EngineReplica:
                     "kernel_settings": self.kernel_settings}
 
     async def _poll_forever(self) -> None:
+        """Poll the controller with a fresh report, or, while the engine is in a long step (a report
+        waits for the step's end), with the last one: the poll is the heartbeat, and a replica
+        busy with a long prefill is alive (it was dropped at the controller's lease)."""
         loop = asyncio.get_running_loop()
+        taking: asyncio.Future[dict[str, Any]] | None = None
+        last: dict[str, Any] = {}
         while True:
+            if taking is None:
+                taking = loop.run_in_executor(None, self.report)
+            await asyncio.wait([taking], timeout=REPORT_WAIT_S)
+            if taking.done():
+                done, taking = taking, None
+                try:
+                    last = done.result()
+                except Exception as e:  # noqa: BLE001 - the engine stopping: the last report goes
+                    log.warning("replica %s: taking its report failed: %s", self.id, e)
             try:
-                report = await loop.run_in_executor(None, self.report)
-                commands = await self._controller.poll.remote(self.id, report)
+                commands = await self._controller.poll.remote(self.id, last)
             except Exception as e:  # noqa: BLE001 - the controller restarting: poll again
                 log.warning("replica %s: polling the controller failed: %s", self.id, e)
                 await asyncio.sleep(1.0)
