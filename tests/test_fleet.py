@@ -355,7 +355,7 @@ def test_admin_add_and_remove_reach_the_holders(fleet, reference):
     assert added.name == "extra" and added.num_tokens > 0
     members = sorted(reports(server))
     want = holders("extra", members, 1)
-    assert list(listing(clients)["extra"].replicas) == want
+    assert list(listing(clients)["extra"].replicas) == list(added.replicas) == want  # the add's answer names them
     wait_until(lambda: {r for r, rep in reports(server).items() if "extra" in {i.name for i, _ in rep["held"]}}
                == set(want), what="the replicas' reports of 'extra'")
     saved = json.loads(Path(server.config.server.state_file).read_text())

@@ -80,7 +80,9 @@ class PrefixAdminServicer(pb_grpc.PrefixAdminServicer):
         log.info("prefix template %r added (%s): %d tokens, %d blocks, %.0f ms", info.name,
                  "system_prompt" if src.system_prompt is not None else "content", info.num_tokens,
                  info.num_blocks, (time.perf_counter() - t0) * 1000)
-        return template_to_proto(info, "admin")
+        # the replicas holding it (a fleet's; none in one process), as ListPrefixTemplates gives them
+        replicas = next((r for i, _, r in await self._call(registry.listing) if i.name == info.name), ())
+        return template_to_proto(info, "admin", replicas)
 
     @_mapped
     async def RemovePrefixTemplate(self, request: pb.RemovePrefixTemplateRequest,
