@@ -43,6 +43,7 @@ class FakeReplica:
         self.exports: list[str] = []  # templates whose K/V it exported for another replica
         self.unpins: list[tuple[str, bool]] = []  # (template, forget)
         self.fail_export = False
+        self.served: dict[str, int] = {}  # requests served on each template it holds, as its engine counts
 
     def pin(self, src: TemplateSource):
         if src.name in self.refuse:
@@ -68,7 +69,7 @@ class FakeReplica:
         return tuple(range(len(self.held[name].content or "")))
 
     def info(self, name: str) -> TemplateInfo:
-        return TemplateInfo(name, len(self.held[name].content or ""), 1, 0, 0, {})
+        return TemplateInfo(name, len(self.held[name].content or ""), 1, self.served.get(name, 0), 0, {})
 
     def report(self) -> dict:
         return {"held": [(self.info(n), s.origin) for n, s in self.held.items()], "stats": {}}
@@ -279,6 +280,29 @@ def test_a_template_a_replica_holds_that_the_fleet_no_longer_has_is_unpinned(lla
         assert all("ghost" in r.held for r in reps) and reps[1].unpins == [("ghost", True)]
         for r in reps:
             r.stop()
+    run(main())
+
+
+def test_requests_served_on_a_template_never_go_down_when_a_holder_goes(llama_dir):
+    """The fleet's count of requests served on a template is a counter: a holder that dies, or a
+    pin that starts its count over, takes nothing off it (it dropped by what the holder had served,
+    which Prometheus reads as a counter reset)."""
+    async def main():
+        c = controller_for(llama_dir, 2, None)  # every replica holds every template
+        reps = [FakeReplica(c, f"r{i}") for i in range(2)]
+        await asyncio.gather(*(r.start() for r in reps))
+
+        async def served() -> int:
+            return next(info.requests_served for info, _, _ in await c.listing() if info.name == "t0")
+        reps[0].served["t0"], reps[1].served["t0"] = 5, 3
+        await until(lambda: c.served("t0") == 8, what="both holders' counts")
+        reps[1].stop()  # killed: its lease runs out
+        await until(lambda: "r1" not in c.members, what="r1 dropped")
+        assert await served() == 8
+        reps[0].served["t0"] = 2  # pinned there again: its engine counts from 0
+        await until(lambda: c.served("t0") == 10, what="the new pin's count added")
+        assert await served() == 10
+        reps[0].stop()
     run(main())
 
 

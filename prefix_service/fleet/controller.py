@@ -75,12 +75,14 @@ class Member:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     pending: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
 
-    def take_report(self, report: dict[str, Any]) -> None:
+    def take_report(self, report: dict[str, Any]) -> bool:
         """Keep `report` unless the one held was taken after it (a replica numbers its reports, `seq`, as
         it takes them): a poll's report taken while the replica was still pinning its templates can
         arrive after the ready() that carried a later one, and would stand for a poll's wait."""
         if report.get("seq", 0) >= self.report.get("seq", 0):
             self.report = report
+            return True
+        return False
 
 
 class FleetController:
@@ -114,6 +116,10 @@ class FleetController:
         self._pinned: dict[str, list[TemplateInfo]] = {}
         self._busy: set[tuple[str, str]] = set()  # (template, replica) with a pin or unpin in flight
         self._swept: dict[tuple[str, str], int] = {}  # (template, replica) unpinned by _sweep: the report's seq
+        # requests served on each template, fleet-wide, never going down (a counter): the newest count each
+        # holder reported (kept once it goes), and what its earlier pins there had served
+        self._served_last: dict[tuple[str, str], int] = {}
+        self._served_before: dict[str, int] = {}
         self._ids = itertools.count(1)
         self._admin = asyncio.Lock()
         self._loop_task: asyncio.Task[None] | None = None
@@ -156,7 +162,8 @@ class FleetController:
         member = self.members.setdefault(replica, Member())
         member.ready = True
         member.last_seen = time.monotonic()
-        member.take_report(report)
+        if member.take_report(report):
+            self._count_served(replica, report)
         for name, ids in held.items():
             if name in self.locations:
                 self.locations[name].add(replica)
@@ -177,7 +184,8 @@ class FleetController:
                 if name in self.locations:
                     self.locations[name].add(replica)
         member.last_seen = time.monotonic()
-        member.take_report(report)
+        if member.take_report(report):
+            self._count_served(replica, report)
         if not member.queue:
             member.wake.clear()
             try:
@@ -222,6 +230,20 @@ class FleetController:
             raise ReplicaUnavailable(f"replica {replica} did not finish {method} within {timeout_s:.0f} s") from None
         finally:
             member.pending.pop(cmd.id, None)
+
+    def _count_served(self, replica: str, report: dict[str, Any]) -> None:
+        for info, _ in report.get("held", ()):
+            if info.name not in self.sources:  # removed (a report taken before the unpin)
+                continue
+            key = (info.name, replica)
+            last = self._served_last.get(key, 0)
+            if info.requests_served < last:  # pinned there again since: its count starts over
+                self._served_before[info.name] = self._served_before.get(info.name, 0) + last
+            self._served_last[key] = info.requests_served
+
+    def served(self, name: str) -> int:
+        """Requests served on `name` by every replica that has held it since it was added."""
+        return self._served_before.get(name, 0) + sum(n for (t, _), n in self._served_last.items() if t == name)
 
     def _drop(self, replica: str, why: str) -> None:
         member = self.members.pop(replica, None)
@@ -383,7 +405,7 @@ class FleetController:
                 found = self._pinned.get(name, [])
             first = found[0] if found else None
             info = TemplateInfo(name, first.num_tokens if first else len(self.token_ids.get(name, ())),
-                                first.num_blocks if first else 0, sum(i.requests_served for i in found),
+                                first.num_blocks if first else 0, self.served(name),
                                 sum(i.active_requests for i in found), src.definition(), src.structured,
                                 ",".join(sorted({i.kv_source for i in found})))  # each holder's: prefill, snapshot, peer
             out.append((info, src.origin, routes[name]))
@@ -448,6 +470,9 @@ class FleetController:
             where = self.locations.pop(name, set())
             self.token_ids.pop(name, None)
             self._pinned.pop(name, None)
+            self._served_before.pop(name, None)  # a template added again under the name counts from 0
+            for key in [k for k in self._served_last if k[0] == name]:
+                del self._served_last[key]
             freed = await asyncio.gather(*(self._unpin(name, r, forget=True) for r in where))
             if src.origin == "admin":
                 try:
