@@ -18,16 +18,21 @@ def test_streamed_text_equals_full_decode_and_never_splits_a_character(tokenizer
     assert "".join(deltas) + detok.flush() == TEXT
 
 
-def test_stop_string_across_tokens_is_held_back_and_cut(tokenizer_dir):
+def _until_a_stop(tokenizer_dir, stop: tuple[str, ...]) -> tuple[bool, str]:
+    """(whether a stop string was hit, the text emitted) over a fixed sentence, token by token."""
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    ids = tok.encode("the quick brown fox jumps over", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [], stop=("fox jum",))
+    detok = IncrementalDetokenizer(tok, [], stop=stop)
     emitted, hit = "", False
-    for i in ids:
+    for i in tok.encode("the quick brown fox jumps over", add_special_tokens=False):
         delta, hit = detok.add(i)
         emitted += delta
         if hit:
             break
+    return hit, emitted
+
+
+def test_stop_string_across_tokens_is_held_back_and_cut(tokenizer_dir):
+    hit, emitted = _until_a_stop(tokenizer_dir, ("fox jum",))
     assert hit and emitted == "the quick brown "
     assert "fox" not in emitted
 
@@ -35,13 +40,4 @@ def test_stop_string_across_tokens_is_held_back_and_cut(tokenizer_dir):
 def test_two_stop_strings_completed_by_one_token_cut_at_the_earlier(tokenizer_dir):
     """Both stop strings end on the same character; the text is cut where the first of them begins,
     whatever their order in the request (nothing past a stop reaches the user)."""
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    ids = tok.encode("the quick brown fox jumps over", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [], stop=("n fox", "brown fox"))
-    emitted, hit = "", False
-    for i in ids:
-        delta, hit = detok.add(i)
-        emitted += delta
-        if hit:
-            break
-    assert hit and emitted == "the quick "
+    assert _until_a_stop(tokenizer_dir, ("n fox", "brown fox")) == (True, "the quick ")

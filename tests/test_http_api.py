@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+from typing import Callable
 
 import grpc
 import openai
@@ -518,25 +519,34 @@ def _request_lines(caplog) -> list[dict]:
     return [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
 
 
-def test_a_client_gone_from_a_score_aborts_it(make_server, caplog):
-    """A label score whose client closes the connection is aborted and counted CANCELLED, as a
-    generation is (it was computed to the end for nobody and counted OK)."""
-    caplog.set_level(logging.INFO, logger="prefix_service.requests")
-    st = make_server(max_num_batched_tokens=16)
+def _one_request_cancelled(st, caplog, act: Callable[[], None]) -> None:
+    """act(), on an engine whose steps are slowed, leaves one request behind that is aborted: its
+    log line says CANCELLED, 499, and nothing is left running or holding blocks."""
     undo = slow_steps(st.engine, 0.05)
     try:
-        body = json.dumps({"prompt": list(range(10, 310)), "candidates": [" the", " a row"]}).encode()
-        sock = socket.create_connection(("127.0.0.1", st.server.http_port))
-        sock.sendall(b"POST /v1/scores HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        wait_until(lambda: st.engine.kv_stats()["running"] + st.engine.kv_stats()["waiting"] >= 1, 10)
-        sock.close()
+        act()
         wait_until(lambda: _request_lines(caplog), 10)
         st.check_clean()
     finally:
         undo()
     line, = _request_lines(caplog)
     assert (line["code"], line["http_status"]) == ("CANCELLED", 499), line
+
+
+def test_a_client_gone_from_a_score_aborts_it(make_server, caplog):
+    """A label score whose client closes the connection is aborted and counted CANCELLED, as a
+    generation is (it was computed to the end for nobody and counted OK)."""
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    st = make_server(max_num_batched_tokens=16)
+
+    def leave_a_score() -> None:
+        body = json.dumps({"prompt": list(range(10, 310)), "candidates": [" the", " a row"]}).encode()
+        sock = socket.create_connection(("127.0.0.1", st.server.http_port))
+        sock.sendall(b"POST /v1/scores HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        wait_until(lambda: st.engine.kv_stats()["running"] + st.engine.kv_stats()["waiting"] >= 1, 10)
+        sock.close()
+    _one_request_cancelled(st, caplog, leave_a_score)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/scores", "/tokenize"])
@@ -593,16 +603,7 @@ def test_a_handler_cancelled_by_a_proxy_in_front_counts_its_request_cancelled(ma
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-
-    undo = slow_steps(st.engine, 0.05)
-    try:
-        asyncio.run(main())
-        wait_until(lambda: _request_lines(caplog), 10)
-        st.check_clean()
-    finally:
-        undo()
-    line, = _request_lines(caplog)
-    assert (line["code"], line["http_status"]) == ("CANCELLED", 499), line
+    _one_request_cancelled(st, caplog, lambda: asyncio.run(main()))
 
 
 def test_log_line_and_metrics_name_the_protocol(server, grpc_clients, caplog):
