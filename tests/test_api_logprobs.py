@@ -218,6 +218,22 @@ def test_score_over_grpc_and_http_equals_the_engine(server, grpc_clients):
     assert [round(d["logprob"], 4) for d in by_ids["data"]] == [round(d["logprob"], 4) for d in body["data"]]
 
 
+def test_a_score_logs_and_counts_its_prompt_tokens(server, grpc_clients, caplog):
+    """A Score's request log line (gRPC and HTTP) carries its prompt and template tokens, no finish
+    reason and no completion tokens (they were all null)."""
+    import json
+    import logging
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    resp = grpc_clients.generation.Score(pb.ScoreRequest(prefix_name="doc", prompt=" the price of", candidates=LABELS))
+    status, _ = post(server, "/v1/scores", {"model": "doc", "prompt": " the price of", "candidates": LABELS})
+    assert status == 200
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+    assert [(line["protocol"], line["code"]) for line in lines] == [("grpc", "OK"), ("http", "OK")]
+    for line in lines:
+        assert (line["prompt_tokens"], line["cached_tokens"]) == (resp.usage.prompt_tokens, resp.usage.prefix_tokens)
+        assert (line["finish_reason"], line["completion_tokens"]) == (None, 0)
+
+
 def test_score_refusals(server, grpc_clients):
     import grpc
     for body, status, param in [({"model": "doc", "prompt": "x", "candidates": []}, 400, "candidates"),

@@ -78,6 +78,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             except Exception as e:  # refused, or ended by an error
                 await _fail(context, trace, e)
             trace.code = grpc.StatusCode.OK
+            trace.scored(out)
             return score_to_proto(out, request.candidates)
         finally:
             try:

@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from prefix_service.config import split_address
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.api import EngineInfo
-from prefix_service.engine.sequence import RequestOutput
+from prefix_service.engine.sequence import RequestOutput, ScoreOutput
 from prefix_service.heap import pauses
 
 if TYPE_CHECKING:
@@ -183,6 +183,12 @@ class RequestTrace:
         if self.first_token is None and out.token_ids:
             self.first_token = time.perf_counter()
         self.last = out
+
+    def scored(self, out: ScoreOutput) -> None:
+        """A Score request's answer: its prompt's tokens (and those from the template) count as a
+        finished request's, with no finish reason and no completion tokens."""
+        self.last = RequestOutput(out.request_id, "", [], finished=True, prompt_tokens=out.prompt_tokens,
+                                  cached_tokens=out.cached_tokens)
 
     def end(self, time_remaining: float | None = None) -> None:
         """time_remaining: of the call's deadline (None: it has none), to tell a call cancelled by its

@@ -725,6 +725,7 @@ class OpenAIApi:
             return self.error(_as_sent(_named(e, body, trace), body), trace)
         assert body is not None
         trace.code, trace.http_status = grpc.StatusCode.OK, 200
+        trace.scored(out)
         _end(trace)
         data = [{"index": i, "object": "candidate_score", "candidate": cand, "logprob": c.logprob,
                  "token_ids": list(c.token_ids), "token_logprobs": list(c.token_logprobs)}
