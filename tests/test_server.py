@@ -241,21 +241,31 @@ def test_graceful_shutdown_lets_in_flight_requests_finish(make_server):
 
 
 def test_grace_period_over_cancels_in_flight_requests(make_server, caplog):
-    """Cut off when the grace period ends: UNAVAILABLE to the client, and in the request log and the
-    metrics too (they said CANCELLED, the client's own doing)."""
+    """Cut off when the grace period ends: UNAVAILABLE to the client with the service's message (a
+    stream, and a score; gRPC's own cancel said only "Cancelling all calls"), and in the request log
+    and the metrics too (they said CANCELLED, the client's own doing)."""
     caplog.set_level(logging.INFO, logger="prefix_service.requests")
-    st = make_server(grace_period_s=0.3)
-    slow_steps(st.engine, 0.01)
-    call = Clients(st.address).generation.Generate(greedy_request(" the", "doc", max_tokens=350))
+    st = make_server(grace_period_s=0.3, max_num_batched_tokens=8)
+    slow_steps(st.engine, 0.05)  # the score's prompt takes 25 steps, over a second: past the grace period
+    clients = Clients(st.address)
+    call = clients.generation.Generate(greedy_request(" the", "doc", max_tokens=350))
     next(call)
+    scoring = clients.generation.Score.future(pb.ScoreRequest(prompt=" the" * 200, candidates=[" order", " row"]))
+    deadline = time.monotonic() + 10
+    while st.engine.kv_stats()["running"] + st.engine.kv_stats()["waiting"] < 2:  # the score is in too
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     t0 = time.monotonic()
     st.stop(grace=None)
     assert time.monotonic() - t0 < 5
     with pytest.raises(grpc.RpcError) as info:
         collect(call)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "the request was cut off" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        scoring.result()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "the request was cut off" in info.value.details()
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
-    assert [line["code"] for line in lines] == ["UNAVAILABLE"]
+    assert [line["code"] for line in lines] == ["UNAVAILABLE", "UNAVAILABLE"]
     st.check_clean()
 
 

@@ -81,13 +81,13 @@ class HttpIngress:
         """The server is stopping (ServeProxyHttpFront.stop), as a single process's HTTP server does:
         new calls and /health answer 503, those in flight get `grace` seconds, then the API answers
         what is left (OpenAIApi.cut_off: an error event ends a stream, a 503 any other response),
-        which gets HTTP_CUT_OFF_S more seconds to go out. Returns once nothing is in flight."""
-        from prefix_service.server.parts import HTTP_CUT_OFF_S
+        which gets CUT_OFF_S more seconds to go out. Returns once nothing is in flight."""
+        from prefix_service.server.parts import CUT_OFF_S
         self.runtime.ready = False
         self.runtime.phase = "shutting down"
         await self._until_idle(grace)
         self.api.cut_off()
-        await self._until_idle(HTTP_CUT_OFF_S)
+        await self._until_idle(CUT_OFF_S)
 
     async def _until_idle(self, seconds: float) -> None:
         """Until no HTTP call is in flight, at most `seconds`."""
@@ -215,9 +215,9 @@ class ServeProxyHttpFront:
         if self.ingress is None:
             return
         from prefix_service.fleet.calls import call
-        from prefix_service.server.parts import HTTP_CUT_OFF_S
+        from prefix_service.server.parts import CUT_OFF_S
         try:
-            await call(self.ingress.begin_stop.remote(grace), grace + HTTP_CUT_OFF_S + INGRESS_STOP_MARGIN_S,
+            await call(self.ingress.begin_stop.remote(grace), grace + CUT_OFF_S + INGRESS_STOP_MARGIN_S,
                        "the HTTP ingress")
         except Exception as e:  # noqa: BLE001 - the stop goes on: the fleet's shutdown ends what is left
             log.warning("the HTTP ingress did not drain: %s", e)

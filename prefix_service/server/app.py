@@ -40,7 +40,8 @@ from prefix_service.server.auth import AdminAuth, check_admin_exposure, read_api
 from prefix_service.server.generation import GenerationServicer
 from prefix_service.server.interfaces import EngineClient
 from prefix_service.server.metrics import ServiceMetrics
-from prefix_service.server.parts import EngineProvider, HttpFront, LocalEngineProvider, ServerContext, UvicornHttpFront
+from prefix_service.server.parts import (CUT_OFF_S, EngineProvider, HttpFront, LocalEngineProvider, ServerContext,
+                                         UvicornHttpFront)
 from prefix_service.server.runtime import Runtime, rpc_executor
 from prefix_service.server.store import TemplateStore, state_path
 from prefix_service.server.templates import template_bytes
@@ -200,6 +201,11 @@ class PrefixServer:
             # no graceful stop: the engine's CUDA context is broken, and a shutdown could block in it
             self._exit(EXIT_DEVICE_ERROR)
 
+    def _cut_off(self) -> None:
+        """The grace period is over: what is still in flight ends now, counted UNAVAILABLE."""
+        self.metrics.cutting_off = True
+        self._generation.cut_off()
+
     async def stop(self, grace: float | None = None) -> None:
         """Drain (grace seconds, default server.grace_period_s), cancel what is left, stop the
         engine, close the engine provider."""
@@ -209,11 +215,12 @@ class PrefixServer:
         self._stopping.set()
         grace = self.config.server.grace_period_s if grace is None else grace
         self.runtime.phase = "shutting down"
-        cut_off = asyncio.get_running_loop().call_later(grace, setattr, self.metrics, "cutting_off", True)
+        cut_off = asyncio.get_running_loop().call_later(grace, self._cut_off)
         try:
             await self._health.enter_graceful_shutdown()
             servers = [s for s in (self._grpc, self._admin_grpc) if s is not None]
-            await asyncio.gather(*(s.stop(grace) for s in servers), self.http_front.stop(grace))
+            # gRPC's own cancel comes CUT_OFF_S after the service's, which answers in its own words
+            await asyncio.gather(*(s.stop(grace + CUT_OFF_S) for s in servers), self.http_front.stop(grace))
             await self._generation.drain_aborts()
         finally:
             cut_off.cancel()

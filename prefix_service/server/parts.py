@@ -34,9 +34,9 @@ from prefix_service.server.templates import TemplateRegistry
 from prefix_service.server.tls import TlsFiles
 from prefix_service.server.warmup import WarmupHook, warm_up
 
-# After the grace period the HTTP API answers what is still in flight; uvicorn waits this much longer
-# for those answers to go out before it cancels what still runs
-HTTP_CUT_OFF_S = 1.0
+# After the grace period the front ends answer what is still in flight (gRPC and HTTP alike); their
+# servers wait this much longer for those answers to go out before they cancel what still runs
+CUT_OFF_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -144,15 +144,15 @@ class UvicornHttpFront:
         self._api = OpenAIApi(ctx.runtime, ctx.metrics, ApiKeyAuth(api_key), ctx.served_name)
         self._server = HttpServer(self._api.app, address, certfile=tls.cert_file if tls else None,
                                   keyfile=tls.key_file if tls else None)
-        return await self._server.start(ctx.config.server.grace_period_s + HTTP_CUT_OFF_S)
+        return await self._server.start(ctx.config.server.grace_period_s + CUT_OFF_S)
 
     async def stop(self, grace: float) -> None:
         """In-flight responses get `grace` seconds; then the API answers what is left (an error event
-        ends a stream, a 503 any other response), which uvicorn gets HTTP_CUT_OFF_S more seconds to
+        ends a stream, a 503 any other response), which uvicorn gets CUT_OFF_S more seconds to
         send before it cancels what still runs (a client that does not read)."""
         if self._server is not None:
             cut = asyncio.get_running_loop().call_later(grace, self._api.cut_off)
             try:
-                await self._server.stop(grace + HTTP_CUT_OFF_S)
+                await self._server.stop(grace + CUT_OFF_S)
             finally:
                 cut.cancel()
