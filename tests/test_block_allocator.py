@@ -73,3 +73,11 @@ def test_peak_used_is_the_high_water_mark_since_reset():
     with pytest.raises(OutOfBlocks):
         a.allocate(6)
     assert a.peak_used == 5  # a refused allocation takes nothing
+
+
+def test_allocate_contiguous_of_no_blocks_takes_none():
+    a = BlockAllocator(6)
+    assert a.allocate_contiguous(0) is None
+    assert a.allocate_contiguous(-2) is None  # never a slice counted from the end of the free list
+    assert (a.num_free, a.peak_used) == (6, 0)
+    a.check_integrity()

@@ -94,6 +94,14 @@ def test_verify_against_another_block_size(folder, llama_dir, tmp_path, capsys):
     assert report["ok"] is False and all("block_size" in s["reason"] for s in report["snapshots"])
 
 
+def test_verify_json_exits_1_when_a_file_does_not_match(config, folder, capsys):
+    (folder / "junk.kv.safetensors").write_bytes(b"\x00" * 7)
+    rc, out, _ = run(capsys, "verify", "--config", str(config), "--json")
+    report = json.loads(out)
+    assert rc == 1 and report["ok"] is False
+    assert [s["name"] for s in report["snapshots"] if not s["ok"]] == ["junk"]
+
+
 def test_verify_finds_a_corrupted_file(config, folder, capsys):
     path = folder / "doc.kv.safetensors"
     with open(path, "r+b") as f:  # flip a bit of the first tensor's data
@@ -142,6 +150,16 @@ def test_export_then_import_pins_from_the_snapshot(config, folder, llama_dir, tm
         engine.shutdown()
 
 
+def test_export_into_a_folder_names_the_file_after_the_template(config, folder, tmp_path, capsys):
+    out_dir = tmp_path / "moved"
+    out_dir.mkdir()
+    rc, out, err = run(capsys, "export", "faq", str(out_dir), "--config", str(config))
+    assert rc == 0, err
+    assert "exported faq: 5 tokens" in out and str(out_dir / "faq.kv.safetensors") in out
+    assert [p.name for p in out_dir.iterdir()] == ["faq.kv.safetensors"]
+    assert (out_dir / "faq.kv.safetensors").read_bytes() == (folder / "faq.kv.safetensors").read_bytes()
+
+
 def test_export_refuses_a_mismatch_or_a_missing_template(folder, llama_dir, tmp_path, capsys):
     other = write_config(tmp_path / "b.yaml", llama_dir, block_size=8, snapshots=str(folder))
     rc, _, err = run(capsys, "export", "doc", str(tmp_path / "out.kv.safetensors"), "--config", str(other))
@@ -149,6 +167,16 @@ def test_export_refuses_a_mismatch_or_a_missing_template(folder, llama_dir, tmp_
     assert not (tmp_path / "out.kv.safetensors").exists()
     rc, _, err = run(capsys, "export", "bot", str(tmp_path / "out.kv.safetensors"), "--config", str(other))
     assert rc == 1 and "'bot' has no snapshot" in err
+
+
+def test_import_says_when_it_replaces_a_snapshot(folder, llama_dir, tmp_path, capsys):
+    target = write_config(tmp_path / "b" / "b.yaml", llama_dir, snapshots=str(tmp_path / "b" / "snaps"))
+    rc, out, err = run(capsys, "import", str(folder / "doc.kv.safetensors"), "--config", str(target))
+    assert rc == 0, err
+    assert "(11 tokens)" in out and "replacing" not in out
+    rc, out, err = run(capsys, "import", str(folder / "faq.kv.safetensors"), "--config", str(target), "--name", "doc")
+    assert rc == 0, err
+    assert "(5 tokens, replacing the previous one)" in out
 
 
 def test_import_refuses_a_file_of_another_block_size(folder, llama_dir, tmp_path, capsys):

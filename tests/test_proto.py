@@ -93,3 +93,25 @@ def test_contract_names():
     assert (score.input_type.name, score.output_type.name) == ("ScoreRequest", "ScoreResponse")
     assert [v.name for v in pb.FinishReason.DESCRIPTOR.values] == [
         "FINISH_REASON_UNSPECIFIED", "FINISH_REASON_STOP", "FINISH_REASON_LENGTH", "FINISH_REASON_ABORT"]
+
+
+def test_sampling_from_proto_keeps_an_explicit_seed_of_zero():
+    from prefix_service.server.convert import sampling_from_proto
+    assert sampling_from_proto(pb.SamplingParams(seed=0)).seed == 0  # seeded, reproducible
+    assert sampling_from_proto(pb.SamplingParams()).seed is None  # unset: random
+    assert sampling_from_proto(pb.SamplingParams(seed=7)).seed == 7
+
+
+def test_template_to_proto_carries_the_default_output():
+    from prefix_service.engine.template_pins import TemplateInfo
+    from prefix_service.sampling_params import StructuredOutput
+    from prefix_service.server.convert import template_to_proto
+    info = TemplateInfo("bot", 9, 3, 2, 1, {"system_prompt": "be brief"},
+                        structured=StructuredOutput("choice", choices=("yes", "no")), kv_source="snapshot")
+    msg = template_to_proto(info, "admin", ["0", "1"])
+    assert (msg.name, msg.num_tokens, msg.num_blocks, msg.requests_served, msg.active_requests) == ("bot", 9, 3, 2, 1)
+    assert (msg.origin, msg.kind, msg.kv_source) == ("admin", "system_prompt", "snapshot")
+    assert list(msg.replicas) == ["0", "1"]
+    assert msg.HasField("structured_output") and list(msg.structured_output.choice.choices) == ["yes", "no"]
+    plain = template_to_proto(TemplateInfo("doc", 9, 3, 0, 0, {"content": "x"}), "config")
+    assert plain.kind == "content" and not plain.HasField("structured_output")

@@ -129,6 +129,18 @@ def test_read_into_refuses_blocks_that_do_not_fit(tmp_path):
     assert all(torch.equal(caches[k][1:4], t) for k, t in kv.items())
 
 
+def test_read_into_refuses_more_blocks_than_the_snapshot_holds(tmp_path):
+    """Extra block ids are a caller's bug: refused, not left holding whatever the cache had."""
+    store = make_store(tmp_path)
+    kv = make_kv()
+    store.save("faq", TOKENS, kv)
+    caches = host_cache(kv)
+    with store.open("faq", TOKENS) as reader:
+        with pytest.raises(ValueError, match="3 blocks in the snapshot, 4 given"):
+            reader.read_into(caches, [1, 2, 3, 4])
+    assert all((c == 7.0).all() for c in caches.values())
+
+
 def test_read_into_checks_the_bytes_it_reads(tmp_path):
     """A file damaged after check() (another writer copying over it in place) fails read_into's own checksum."""
     store = make_store(tmp_path)
@@ -407,6 +419,18 @@ def test_save_is_atomic_when_the_rename_fails(tmp_path, monkeypatch):
     assert_same(store.load("faq", TOKENS), old)
 
 
+def test_save_and_remove_fsync_the_folder(tmp_path, monkeypatch):
+    """The rename (and the unlink) is durable only once the folder is fsynced: after a power loss the
+    folder must not name the old snapshot, or none."""
+    synced: list[Path] = []
+    monkeypatch.setattr(snapshots, "fsync_dir", lambda folder: synced.append(Path(folder)))
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    assert synced == [tmp_path]
+    store.remove("faq")
+    assert synced == [tmp_path, tmp_path]
+
+
 def test_remove(tmp_path):
     store = make_store(tmp_path)
     store.save("faq", TOKENS, make_kv())
@@ -507,6 +531,14 @@ def test_read_snapshot_file_needs_no_key(tmp_path):
         read_snapshot_file(tmp_path / "junk.kv.safetensors")
     with pytest.raises(FileNotFoundError):
         read_snapshot_file(tmp_path / "absent.kv.safetensors")
+
+
+def test_read_snapshot_file_without_a_token_count_says_none(tmp_path):
+    """A file that records no (or no numeric) num_tokens holds an unknown count, not 0 tokens."""
+    for value in (None, "", "ten"):
+        meta = {"format": "2"} if value is None else {"format": "2", "num_tokens": value}
+        save_file(make_kv(), str(tmp_path / "x.kv.safetensors"), metadata=meta)
+        assert read_snapshot_file(tmp_path / "x.kv.safetensors").num_tokens is None, value
 
 
 @pytest.mark.parametrize("change, reason", [

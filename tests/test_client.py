@@ -1,0 +1,48 @@
+"""The Python client (prefix_service/client.py) against a real server on the tiny model: it sends the
+admin token as `authorization: Bearer <token>`, and a seed of 0 is a seed (a reproducible sample),
+not the absence of one."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from server_fixtures import DOCUMENT, Clients, collect, started_servers
+
+from prefix_service.client import PrefixServiceClient
+from prefix_service.config import TemplateSpec
+from prefix_service.proto import prefix_service_pb2 as pb
+
+
+@pytest.fixture
+def make_server(model_dir, tmp_path, monkeypatch):
+    with started_servers(model_dir, tmp_path, monkeypatch, prefixes=(TemplateSpec("doc", content=DOCUMENT),)) as f:
+        yield f
+
+
+def test_client_sends_the_admin_token(make_server):
+    st = make_server(token="s3cret-token")
+    with PrefixServiceClient(st.address, token="s3cret-token") as client:
+        added = client.add_template("faq", "the answer to every question is in the account page")
+        assert (added.name, added.origin, added.kind) == ("faq", "admin", "content")
+        assert [t.name for t in client.list_templates()] == ["doc", "faq"]
+        assert not client.remove_template("faq").deferred
+        assert [t.name for t in client.list_templates()] == ["doc"]
+    with PrefixServiceClient(st.address) as anonymous, pytest.raises(grpc.RpcError) as info:
+        anonymous.list_templates()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_client_seed_zero_samples_as_seed_zero(make_server):
+    st = make_server()
+    raw = Clients(st.address)
+    try:
+        request = pb.GenerateRequest(prefix_name="doc", prompt=" the", sampling=pb.SamplingParams(
+            max_tokens=16, temperature=1.0, ignore_eos=True, seed=0))
+        _, want, _ = collect(raw.generation.Generate(request))
+    finally:
+        raw.close()
+    with PrefixServiceClient(st.address) as client:
+        for _ in range(2):
+            _, got, last = collect(client.generate(" the", "doc", max_tokens=16, temperature=1.0, seed=0,
+                                                   ignore_eos=True))
+            assert got == want and last.usage.completion_tokens == 16
