@@ -272,6 +272,7 @@ def test_torn_temp_file_does_not_stop_a_restart(make_server, tmp_path):
     ("{not json", "not valid JSON"),
     ('{"version": 7, "templates": []}', "version-1"),
     ('{"version": 1, "templates": [{"name": "a"}]}', "templates[0]"),
+    ('{"version": 1, "templates": [{"name": "a", "content": "x", "system_prompt": "y"}]}', "templates[0]"),  # both
     ('{"version": 1, "templates": [{"name": "bad name", "content": "x"}]}', "invalid prefix name"),
     ('{"version": 1, "templates": [{"name": "x", "content": "a\xff"}]}', "utf-8"),  # not UTF-8: was a traceback
 ])
