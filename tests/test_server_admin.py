@@ -249,6 +249,7 @@ def test_interrupted_write_leaves_the_old_state(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         store.save([TemplateSource("a", content="x"), TemplateSource("b", content="y")])
     monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # the failed write took its temp file away
     assert [t.name for t in store.load()] == ["a"]
     # a crash that left a torn temp file behind: ignored and cleaned up at load
     torn = tmp_path / ".state.json.tmp-abc123"
