@@ -34,16 +34,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
     adjust = [i for i, seq in enumerate(seqs) if seq.sampling.adjusts_logits]
     constrained = [i for i, seq in enumerate(seqs) if seq.matcher is not None]
     if adjust or constrained:
+        model = logits  # the model's, left as they are
         logits = logits.clone(memory_format=torch.contiguous_format)
-        # a constrained row still short of min_tokens: the constraint may allow only stop tokens
-        held = [i for i in constrained if seqs[i].num_output_tokens < seqs[i].sampling.min_tokens]
-        before = _rows(logits, held).clone() if held else None
         if adjust:
             adjust_logits(logits, adjust, seqs, tuple(eos_token_ids))
         if constrained:  # every constrained row of the batch in one mask
             mask_rows(logits, constrained, [seqs[i].matcher for i in constrained])
-        if before is not None:
-            _let_the_constraint_win(logits, held, before, seqs)
+            # a constrained row still short of min_tokens: the constraint may allow only stop tokens
+            held = [i for i in constrained if seqs[i].num_output_tokens < seqs[i].sampling.min_tokens]
+            if held:
+                _let_the_constraint_win(logits, held, model, seqs)
     tokens = [0] * len(seqs)
     greedy = [i for i, seq in enumerate(seqs) if seq.sampling.greedy]
     drawn = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
@@ -119,16 +119,17 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], e
         flat[flat_ids([torch.tensor(t, dtype=torch.int64) for t in stops], held)] = float("-inf")
 
 
-def _let_the_constraint_win(logits: torch.Tensor, held: list[int], before: torch.Tensor, seqs: list[Sequence]
+def _let_the_constraint_win(logits: torch.Tensor, held: list[int], model: torch.Tensor, seqs: list[Sequence]
                             ) -> None:
-    """Rows of `held` (constrained, short of min_tokens; `before`: their logits as the model gave them)
-    where min_tokens' mask left no token the constraint allows: adjusted again without that mask, so
-    the constraint's stop token or end wins over min_tokens (the output must conform), rather than a
-    draw from a row of -inf."""
+    """Rows of `held` (constrained, short of min_tokens) where min_tokens' mask left no token the
+    constraint allows: adjusted again from the model's logits without that mask, so the constraint's
+    stop token or end wins over min_tokens (the output must conform), rather than a draw from a row
+    of -inf."""
     starved = [j for j, top in enumerate(_rows(logits, held).amax(dim=1).tolist()) if top == float("-inf")]
     if not starved:
         return
-    rows, again = [held[j] for j in starved], before[starved]
+    rows = [held[j] for j in starved]
+    again = model[rows]  # a contiguous copy of those rows
     adjust_logits(again, list(range(len(rows))), [seqs[i] for i in rows], (), hold_stops=False)
     mask_rows(again, list(range(len(rows))), [seqs[i].matcher for i in rows])
     logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)] = again
