@@ -155,15 +155,16 @@ class SamplingParams:
                 f"got {self.repetition_penalty!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+        biased: set[int] = set()
         for t, b in self.logit_bias:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
                 bad(f"logit_bias keys must be token ids in [0, {vocab_size}), got {t!r}", "logit_bias")
             if not _real(b) or not -100 <= b <= 100:
                 bad(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}", "logit_bias")
-        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):  # two biases would add up past the range
-            twice = sorted({t for t, _ in self.logit_bias if sum(u == t for u, _ in self.logit_bias) > 1})
-            bad(f"logit_bias gives token {twice[0]} more than one bias (keys such as \"{twice[0]}\" and "
-                f"\"0{twice[0]}\" name the same token); give each token one", "logit_bias")
+            if t in biased:  # two biases would add up past the range
+                bad(f"logit_bias gives token {t} more than one bias (keys such as \"{t}\" and \"0{t}\" name the "
+                    f"same token); give each token one", "logit_bias")
+            biased.add(t)
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
