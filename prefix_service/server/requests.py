@@ -46,6 +46,7 @@ class TokenTexts:
     def __init__(self) -> None:
         self._texts: dict[int, str] = {}
         self._bytes: dict[int, bytes] = {}
+        self._pieces: tuple[Callable[[str], bytes] | None] | None = None  # _piece_bytes, once asked
 
     def of(self, tokenizer: Any) -> Callable[[int], str]:
         texts = self._texts
@@ -63,7 +64,9 @@ class TokenTexts:
         alphabet, or SentencePiece's <0xHH> byte pieces), so that a client joins a choice's bytes into
         its text."""
         text, held = self.of(tokenizer), self._bytes
-        raw = _piece_bytes(tokenizer)
+        if self._pieces is None:
+            self._pieces = (_piece_bytes(tokenizer),)
+        (raw,) = self._pieces
 
         def of_token(token: int) -> bytes:
             b = held.get(token)
