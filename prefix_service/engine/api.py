@@ -21,7 +21,7 @@ import torch
 from prefix_service import cpuinfo
 from prefix_service.backends.base import BackendFactory
 from prefix_service.config import EngineConfig, ServiceConfig
-from prefix_service.engine.core import EngineCore
+from prefix_service.engine.core import EngineCore, is_fatal_device_error
 from prefix_service.engine.threads import compute_executor, lower_thread_priority, thread_nice
 from prefix_service.errors import EngineStopped
 from prefix_service.engine.template_pins import TemplateInfo, TemplateView
@@ -94,23 +94,6 @@ class EngineStatus:
     kv_stats: dict[str, int]
     templates: list[TemplateInfo]
     infos: dict[str, EngineInfo]
-
-
-# What a CUDA error looks like once the device's context is broken (an illegal address, a
-# device-side assert, a failed launch): the same context fails every later call. Out-of-memory is
-# not one of them (torch.OutOfMemoryError, a request that can fail alone).
-_FATAL_DEVICE_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
-                         "CUBLAS_STATUS_EXECUTION_FAILED", "CUDA driver error")
-
-
-def is_fatal_device_error(error: BaseException) -> bool:
-    """Whether `error` leaves the GPU unusable for this process (then it must restart)."""
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
-        return False  # the allocator's or a library's workspace: the context is still good
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises CUDA errors as this
-    if accelerator_error is not None and isinstance(error, accelerator_error):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in _FATAL_DEVICE_MARKERS)
 
 
 class Engine:
@@ -621,10 +604,13 @@ class _Collector:
         self._done = threading.Event()
         self._parts: list[list[RequestOutput]] = [[] for _ in range(n)]
         self._remaining = n
+        self._error: BaseException | None = None  # the first sample's that failed: the request's
 
     def __call__(self, out: RequestOutput) -> None:
         self._parts[out.index].append(out)
         self._remaining -= int(out.finished)
+        if out.error is not None and self._error is None:
+            self._error = out.error
         if self._remaining == 0 or out.error is not None:
             self._done.set()
 
@@ -634,6 +620,8 @@ class _Collector:
 
     def result(self) -> GenerateResult:
         self._done.wait()
+        if self._error is not None:  # whatever the other samples have delivered by now
+            raise self._error
         results = [self._sample(parts) for parts in self._parts]
         if len(results) > 1:
             results[0].samples = results
@@ -642,8 +630,6 @@ class _Collector:
     @staticmethod
     def _sample(parts: list[RequestOutput]) -> GenerateResult:
         last = parts[-1]
-        if last.error is not None:
-            raise last.error
         logprobs = None if last.logprobs is None else [lp for p in parts for lp in p.logprobs or ()]
         assert last.finish_reason is not None  # a finished output has its reason
         return GenerateResult(

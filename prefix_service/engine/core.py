@@ -26,7 +26,7 @@ from prefix_service.errors import (CacheExhausted, ConfigError, EngineStopped, I
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
 from prefix_service.model.quantize import quantize_model, release_int8
 from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, TemplateInfo
-from prefix_service.engine.sampler import sample
+from prefix_service.engine.sampler import sample, uniforms
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
 from prefix_service.engine.structured import StructuredOutputs, start
@@ -38,6 +38,23 @@ from prefix_service.sampling_params import SamplingParams, StructuredOutput
 log = logging.getLogger("prefix_service.engine")
 
 Sink = Callable[[RequestOutput], None]
+
+
+# What a CUDA error looks like once the device's context is broken (an illegal address, a
+# device-side assert, a failed launch): the same context fails every later call. Out-of-memory is
+# not one of them (torch.OutOfMemoryError, a request that can fail alone).
+_FATAL_DEVICE_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
+                         "CUBLAS_STATUS_EXECUTION_FAILED", "CUDA driver error")
+
+
+def is_fatal_device_error(error: BaseException) -> bool:
+    """Whether `error` leaves the GPU unusable for this process (then it must restart)."""
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error):
+        return False  # the allocator's or a library's workspace: the context is still good
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises CUDA errors as this
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _FATAL_DEVICE_MARKERS)
 
 
 @dataclass
@@ -341,6 +358,8 @@ class EngineCore:
                 if group.remaining == 0:
                     del self._samples[group.request_id]
             group.sink(out)
+            if out.error is not None and group.remaining:  # the request fails as a whole: its other samples end
+                self.abort(group.request_id)
         return sink
 
     def _end_unforked(self, group: _Samples, reason: FinishReason, error: BaseException | None) -> None:
@@ -486,8 +505,9 @@ class EngineCore:
         return True
 
     def abort_all(self, error: BaseException | None = None) -> None:
-        for tracked in list(self._tracked.values()):
-            self._finish(tracked, FinishReason.ABORT, error=error)
+        for request_id, tracked in list(self._tracked.items()):
+            if request_id in self._tracked:  # not ended with a sibling sample before its turn (_sample_sink)
+                self._finish(tracked, FinishReason.ABORT, error=error)
         for scoring in list(self._scorings.values()):
             self._end_scoring(scoring, FinishReason.ABORT, error or EngineStopped("the engine stopped"))
         for group in list(self._samples.values()):
@@ -524,7 +544,7 @@ class EngineCore:
         logprobs: list[TokenLogprob | None] = []
         if sample_seqs:
             assert sample_logits is not None
-            tokens, logprobs = sample(sample_logits, sample_seqs, self.eos_token_ids, self.backend.sampler_ops)
+            sample_seqs, tokens, logprobs = self._sample(sample_logits, sample_seqs)
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
             seq = s.seq
@@ -540,7 +560,54 @@ class EngineCore:
                 self._scored(seq)
         now = time.perf_counter()
         for seq, token, logprob in zip(sample_seqs, tokens, logprobs):
-            self._after_token(self._tracked[seq.request_id], token, logprob, now)
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is None:  # ended by this step already: a sample whose sibling failed
+                continue
+            try:
+                self._after_token(tracked, token, logprob, now)
+            except Exception as e:
+                if is_fatal_device_error(e):
+                    raise
+                self._fail_row(seq, e, "handling its new token failed")
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]
+                ) -> tuple[list[Sequence], list[int], list[TokenLogprob | None]]:
+        """sample() over the step's rows -> the rows sampled, their tokens and logprobs. Where the
+        batch fails (a structured output's matcher, a bug one row's parameters reach), each row is
+        sampled alone: a row that fails again ends its own request with the error (INTERNAL at the
+        API) and the others go on. Each row's uniform is drawn before anything can fail, so a row
+        sampled again draws the token it would have drawn in the batch."""
+        ops = self.backend.sampler_ops
+        drawn = uniforms(seqs)
+        try:
+            tokens, logprobs = sample(logits, seqs, self.eos_token_ids, ops, drawn)
+            return seqs, tokens, logprobs
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise
+            log.warning("sampling a step of %d rows failed (%s: %s); sampling each row alone", len(seqs),
+                        type(e).__name__, e)
+        kept: list[Sequence] = []
+        tokens, logprobs = [], []
+        for i, seq in enumerate(seqs):
+            try:
+                token, logprob = sample(logits[i:i + 1], [seq], self.eos_token_ids, ops, drawn[i:i + 1])
+            except Exception as e:
+                if is_fatal_device_error(e):
+                    raise
+                self._fail_row(seq, e, "sampling its next token failed")
+                continue
+            kept.append(seq)
+            tokens.append(token[0])
+            logprobs.append(logprob[0])
+        return kept, tokens, logprobs
+
+    def _fail_row(self, seq: Sequence, error: Exception, what: str) -> None:
+        """One row of a step failed: its request ends with the error; the step and the rest go on."""
+        log.error("request %s: %s; ending it", seq.request_id, what, exc_info=error)
+        tracked = self._tracked.get(seq.request_id)
+        if tracked is not None:
+            self._finish(tracked, FinishReason.ABORT, error=error)
 
     def _score_rows(self, with_logits: list[ScheduledSeq], logits: torch.Tensor | None
                     ) -> tuple[list[Sequence], torch.Tensor | None]:

@@ -24,11 +24,22 @@ from prefix_service.engine.structured import mask_rows
 from prefix_service.sampling_params import SamplingParams
 
 
+def uniforms(seqs: list[Sequence]) -> list[float | None]:
+    """This step's uniform of each row that is drawn (None for a greedy row), from its sequence's
+    generator: one a row a step, taken before anything else of the step's sampling can fail, so that
+    a step sampled again row by row (EngineCore._sample) draws the same tokens."""
+    return [None if seq.sampling.greedy else _uniform(seq) for seq in seqs]
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int] = (),
-           ops: SamplerOps = TORCH_SAMPLER_OPS) -> tuple[list[int], list[TokenLogprob | None]]:
+           ops: SamplerOps = TORCH_SAMPLER_OPS, drawn_uniforms: list[float | None] | None = None
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
     """-> (each row's token, each row's TokenLogprob or None). logits: [N, vocab], row i is seqs[i]'s;
     eos_token_ids: the model's, which min_tokens masks (with the request's stop_token_ids); ops: the
-    backend's passes over its logits (Backend.sampler_ops)."""
+    backend's passes over its logits (Backend.sampler_ops); drawn_uniforms: uniforms(seqs), taken
+    here when not given."""
+    if drawn_uniforms is None:
+        drawn_uniforms = uniforms(seqs)
     want = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
     raw = _rows(logits, want).float() if want else None  # the model's logits of those rows, before any adjustment
     adjust = [i for i, seq in enumerate(seqs) if seq.sampling.adjusts_logits]
@@ -51,7 +62,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
         for i, token in zip(greedy, first_argmax(_rows(logits, greedy)).tolist()):
             tokens[i] = token
     if drawn:
-        for i, token in zip(drawn, draw(logits, drawn, seqs, ops)):
+        for i, token in zip(drawn, draw(logits, drawn, seqs, ops, [drawn_uniforms[i] for i in drawn])):
             tokens[i] = token
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if raw is not None:  # every row's at once: the host reads the device twice, not twice a row
@@ -147,18 +158,21 @@ def _uniform(seq: Sequence) -> float:
     return float(seq.generator.random())
 
 
-def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: SamplerOps = TORCH_SAMPLER_OPS
-         ) -> list[int]:
+def draw(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], ops: SamplerOps = TORCH_SAMPLER_OPS,
+         row_uniforms: list[float | None] | None = None) -> list[int]:
     """A token for each of logits' `rows` (seqs[i] row i's sequence, not greedy): the logits over
     its temperature; where it has a top_k, only its k most likely tokens (ties at the k-th broken
     by index); where it has a top_p, only the most likely tokens until the probability before one
-    reaches top_p (after top_k); then one uniform from the sequence's generator picks a token by
-    the inverse of the kept probabilities' cumulative sum (in float64)."""
+    reaches top_p (after top_k); then the row's uniform (row_uniforms[j] for rows[j], else the next
+    of the sequence's generator) picks a token by the inverse of the kept probabilities' cumulative
+    sum (in float64)."""
     device, vocab = logits.device, logits.shape[-1]
     params = [seqs[i].sampling for i in rows]
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     # one uniform a row from its own generator, on the host (EngineCore._generator), then one copy
-    uniform = torch.tensor([_uniform(seqs[i]) for i in rows], dtype=torch.float64).to(device)
+    if row_uniforms is None:
+        row_uniforms = [_uniform(seqs[i]) for i in rows]
+    uniform = torch.tensor(row_uniforms, dtype=torch.float64).to(device)
     tokens = torch.empty(len(rows), dtype=torch.int64, device=device)
     whole = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab and p.top_p >= 1.0]
     cut = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
