@@ -25,8 +25,8 @@ class BrokenDetokenizer:
     def add(self, token, check_stop=True):
         raise RuntimeError("detokenizer broke")
 
-    def flush(self):
-        return ""
+    def flush(self):  # the request ends with the first error all the same
+        raise RuntimeError("flushing broke")
 
 
 class Outputs:
@@ -115,3 +115,27 @@ def test_one_sample_failing_ends_its_siblings_and_the_request_raises_its_error(m
     # the failed sample's siblings ended with it: nothing of the request runs on
     assert engine._run(lambda core: (sorted(core._tracked), sorted(core._samples))) == ([], [])
     assert engine.kv_stats()["used"] == 0
+
+
+class FlushFails:
+    """The request's own detokenizer, except that its last flush fails."""
+
+    def __init__(self, detok):
+        self.detok = detok
+
+    def add(self, token, check_stop=True):
+        return self.detok.add(token, check_stop=check_stop)
+
+    def flush(self):
+        raise RuntimeError("flushing broke")
+
+
+def test_a_request_whose_last_text_cannot_be_decoded_still_ends_with_the_error(make_engine):
+    engine = make_engine()
+    refs = {k: alone(engine, k) for k in "abc"}
+    outs = run_together(engine, lambda core: setattr(core._tracked["c"], "detok", FlushFails(core._tracked["c"].detok)))
+    for k in "ab":
+        assert outs.tokens(k) == refs[k] and outs.last(k).error is None
+    c = outs.last("c")
+    assert c.finish_reason is FinishReason.ABORT and str(c.error) == "flushing broke"
+    assert outs.tokens("c") == refs["c"]  # streamed up to its end

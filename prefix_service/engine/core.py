@@ -721,7 +721,12 @@ class EngineCore:
                 tracked.on_pinned(error or PrefixServiceError(f"warmup of prefix template {tracked.prefix_name!r} was aborted"))
             return
         if tracked.detok is not None:
-            text += tracked.detok.flush()
+            try:
+                text += tracked.detok.flush()
+            except Exception as e:  # noqa: BLE001 - the request still ends: its caller must not wait forever
+                log.exception("request %s: decoding its last text failed", seq.request_id)
+                if error is None:
+                    reason, error = FinishReason.ABORT, e
         ttft = None if tracked.first_token_time is None else (tracked.first_token_time - tracked.arrival) * 1000
         tracked.sink(RequestOutput(
             seq.request_id, text, token_ids or [], finished=True, finish_reason=reason,
