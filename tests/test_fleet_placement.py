@@ -332,3 +332,184 @@ def test_the_services_answers_are_not_logged_as_failed_requests():
     failed = record(RuntimeError("boom"))
     assert AnsweredNotFailed().filter(failed)
     assert failed.levelno == logging.ERROR and failed.exc_info is not None and failed.getMessage() == "Request failed."
+
+
+def test_a_remote_error_reaches_the_caller_as_itself_and_a_dead_actor_as_unavailable():
+    """calls.unwrap: a replica's or the controller's exception comes back as the service raised it
+    (its own type and message, for its status code; not Ray's wrapper with the remote traceback),
+    and a call to an actor that died is ReplicaUnavailable (UNAVAILABLE, 503: retry), not INTERNAL."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    from ray import exceptions as ray_errors
+
+    from prefix_service.errors import TemplateExists
+    from prefix_service.fleet.calls import unwrap
+    from prefix_service.server.status import ReplicaUnavailable
+
+    cause = TemplateExists("a prefix template named 'x' already exists")
+    wrapped = ray_errors.RayTaskError("add", "Traceback (most recent call last): ...", cause).as_instanceof_cause()
+    assert unwrap(wrapped) is cause
+    gone = unwrap(ray_errors.ActorDiedError(), "the fleet controller")
+    assert isinstance(gone, ReplicaUnavailable) and str(gone).startswith("the fleet controller stopped")
+
+
+def test_a_call_past_its_timeout_is_unavailable_and_withdrawn():
+    """calls.call: a call that does not answer in time ends as ReplicaUnavailable, and the call is
+    cancelled (it would run later for nobody)."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    from prefix_service.fleet.calls import call
+    from prefix_service.server.status import ReplicaUnavailable
+
+    class NeverAnswers:
+        cancelled = False
+
+        def __await__(self):
+            return asyncio.Event().wait().__await__()
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    response = NeverAnswers()
+    with pytest.raises(ReplicaUnavailable, match="the replica did not answer"):
+        asyncio.run(call(response, 0.05, "the replica"))
+    assert response.cancelled
+
+
+def test_a_stream_closed_early_cancels_its_call_and_its_load_count():
+    """A caller that stops reading (a client gone) cancels the call on its replica, which aborts
+    the request there, and the front end's count of its calls in flight (the least-loaded order)
+    goes back down."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    import time
+
+    from prefix_service.engine.sequence import GenerateRequest, RequestOutput
+    from prefix_service.fleet.client import FleetEngine
+
+    streams: list = []
+
+    class Stream:  # the replica's id (it took the call), then outputs that never finish
+        cancelled = False
+
+        def __init__(self) -> None:
+            self.items = iter(["a"] + [RequestOutput("r", "x", [5])] * 10)
+
+        async def __anext__(self):
+            return next(self.items)
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def remote(req, holders=()):
+        streams.append(Stream())
+        return streams[-1]
+
+    engine = FleetEngine(FakeReplicas(remote), controller=None, tokenizer=None)
+    engine._routes, engine._routes_at = {"": ("a",)}, time.monotonic() + 3600
+
+    async def main() -> None:
+        gen = engine.generate_stream(GenerateRequest(prompt="x"))
+        assert (await gen.__anext__()).token_ids == [5]
+        assert engine._inflight == {"a": 1}
+        await gen.aclose()
+
+    asyncio.run(main())
+    assert len(streams) == 1 and streams[0].cancelled
+    assert not engine._inflight
+
+
+def test_a_call_no_replica_takes_ends_unavailable_at_the_accept_timeout():
+    """Every holder busy or gone: the caller gets UNAVAILABLE once accept_timeout_s has passed, not
+    a call that waits forever."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    import time
+
+    from prefix_service.engine.sequence import GenerateRequest
+    from prefix_service.fleet.client import FleetEngine
+    from prefix_service.server.status import ReplicaUnavailable
+
+    class Waiting:
+        async def __anext__(self):
+            await asyncio.Event().wait()
+
+        def cancel(self) -> None:
+            pass
+
+    engine = FleetEngine(FakeReplicas(lambda req, holders=(): Waiting()), controller=None, tokenizer=None)
+    engine._routes, engine._routes_at = {"": ("a",)}, time.monotonic() + 3600
+    engine.accept_timeout_s = 0.2
+
+    async def main() -> None:
+        async for _ in engine.generate_stream(GenerateRequest(prompt="x")):
+            pass
+
+    with pytest.raises(ReplicaUnavailable, match="no replica took the request"):
+        asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class FakeController:
+    """The controller's handle as FleetEngine calls it: routes.remote() answers `answer`."""
+
+    def __init__(self, answer: dict) -> None:
+        self.answer = answer
+        self.calls = 0
+
+    @property
+    def routes(self):
+        async def remote():
+            self.calls += 1
+            return dict(self.answer)
+        return types.SimpleNamespace(remote=remote)
+
+
+def test_the_routes_are_cached_for_their_ttl_then_asked_again():
+    """A front end reads the routes from its cache within ROUTES_TTL_S and from the controller
+    after it: a replica that joined gets calls that name no template, and a template's new holders
+    get its calls, without a resend each."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    from prefix_service.fleet import client
+
+    controller = FakeController({"": ("a",)})
+    engine = client.FleetEngine(FakeReplicas(None), controller, tokenizer=None)
+
+    async def main() -> None:
+        assert await engine.routes(fresh=True) == {"": ("a",)}
+        controller.answer = {"": ("a", "b"), "t": ("b",)}
+        assert await engine.routes() == {"": ("a",)}  # within the TTL: the cache
+        engine._routes_at -= client.ROUTES_TTL_S + 0.01  # as though the TTL had passed
+        assert await engine.routes() == {"": ("a", "b"), "t": ("b",)}
+
+    asyncio.run(main())
+    assert controller.calls == 2
+
+
+def test_a_template_added_after_the_cached_routes_is_found():
+    """FleetRegistry.lookup of a name the cached routes lack asks the controller (an HTTP request
+    naming a template added a moment ago is served, not a 404); one the fleet lacks too is not found."""
+    pytest.importorskip("ray.serve", reason="the fleet client needs ray[serve] (pip install -e '.[ray]')")
+    import time
+
+    from prefix_service.fleet.client import FleetEngine, FleetRegistry
+
+    engine = FleetEngine(FakeReplicas(None), FakeController({"": ("a",), "new": ("a",)}), tokenizer=None)
+    engine._routes, engine._routes_at = {"": ("a",)}, time.monotonic() + 3600
+    registry = FleetRegistry(engine)
+    assert asyncio.run(registry.lookup("new")) is True
+    assert asyncio.run(registry.lookup("nope")) is False
+
+
+def test_the_replicas_deploy_with_the_template_router_and_the_configs_autoscaling(tmp_path):
+    """build_app: the replicas' deployment routes with TemplateRouter (a call goes to a holder of its
+    template) and scales within the `ray:` section's bounds, each delay where the operator set it."""
+    pytest.importorskip("ray.serve", reason="the fleet needs ray[serve] (pip install -e '.[ray]')")
+    import dataclasses
+
+    from prefix_service.fleet.launcher import build_app
+    from server_fixtures import make_config
+
+    ray = RayConfig(min_replicas=1, max_replicas=3, upscale_delay_s=0.5, downscale_delay_s=7.0,
+                    target_ongoing_requests=3)
+    config = dataclasses.replace(make_config(tmp_path), ray=ray)
+    deployment = build_app(config, None, http=False, served_name="x")._bound_deployment._deployment_config
+    assert deployment.request_router_config.request_router_class == "prefix_service.fleet.router:TemplateRouter"
+    auto = deployment.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.upscale_delay_s, auto.downscale_delay_s,
+            auto.target_ongoing_requests) == (1, 3, 0.5, 7.0, 3)
