@@ -18,6 +18,7 @@ from prefix_service.fleet import controller as ctl_module
 from prefix_service.fleet.controller import FleetController
 from prefix_service.fleet.placement import holders
 from prefix_service.sampling_params import StructuredOutput
+from prefix_service.server.status import ReplicaUnavailable
 from prefix_service.server.store import TemplateSource, TemplateStore
 from server_fixtures import make_config
 
@@ -350,4 +351,121 @@ def test_a_restarted_controller_restores_the_state_file_and_learns_token_ids(lla
         with pytest.raises(TemplateNotFound):
             await c.get_template("nope")
         a.stop()
+    run(main())
+
+
+def test_a_template_keeps_its_replication_while_it_moves(llama_dir):
+    """Replication 2 and a third replica joining slowly: an old holder lets a template go only once
+    every new holder holds it, so no template ever has fewer than 2 serving holders."""
+    async def main():
+        c = controller_for(llama_dir, 2, 2)
+        a, b = FakeReplica(c, "a"), FakeReplica(c, "b")
+        await asyncio.gather(a.start(), b.start())
+        short: list[str] = []
+
+        async def watch():
+            while True:
+                short.extend(n for n, where in (await c.routes()).items() if n and len(where) < 2)
+                await asyncio.sleep(0.005)
+
+        watcher = asyncio.ensure_future(watch())
+        template_kv = c.template_kv
+
+        async def slow_template_kv(replica, name):  # the joiner's pins take a while (a prefill each)
+            await asyncio.sleep(0.1)
+            return await template_kv(replica, name)
+
+        c.template_kv = slow_template_kv
+        want = {n: set(holders(n, ["a", "b", "c"], 2)) for n in TEMPLATES}
+        assert sum(want[n] != {"a", "b"} for n in TEMPLATES) >= 2  # the joiner takes some over
+        x = FakeReplica(c, "c")
+        await x.start()
+        await until(lambda: held_by([a, b, x]) == want, what="every template on its 2 new holders")
+        watcher.cancel()
+        assert short == []
+        for r in (a, b, x):
+            r.stop()
+    run(main())
+
+
+def test_a_replica_that_stops_polling_is_dropped_soon_after_its_lease(llama_dir):
+    async def main():
+        c = controller_for(llama_dir, 2, 1)
+        a, b = FakeReplica(c, "a"), FakeReplica(c, "b")
+        await asyncio.gather(a.start(), b.start())
+        b.stop()
+        await until(lambda: "b" not in c.members, timeout=5 * ctl_module.LEASE_S, what="b dropped at its lease")
+        a.stop()
+    run(main())
+
+
+def test_a_command_to_a_replica_that_dies_fails_at_its_lease(llama_dir):
+    """An admin add whose holder dies mid-way fails with UNAVAILABLE once the holder's lease ends
+    (and is rolled back), instead of holding the admin lock until the pin's timeout."""
+    async def main():
+        c = controller_for(llama_dir, 2, None)
+        a, b = FakeReplica(c, "a"), FakeReplica(c, "b")
+        await asyncio.gather(a.start(), b.start())
+        b.stop()
+        with pytest.raises(ReplicaUnavailable, match="replica b left the fleet"):
+            await asyncio.wait_for(c.add(TemplateSource("new", content="x", origin="admin")), 30)
+        assert "new" not in a.held and "new" not in (await c.routes())
+        a.stop()
+    run(main())
+
+
+def test_a_restarted_controller_takes_polling_replicas_back_as_serving(llama_dir):
+    async def main():
+        c = controller_for(llama_dir, 1, None)
+        a = FakeReplica(c, "a")
+        await a.start()
+        restarted = controller_for(llama_dir, 1, None)
+        a.controller = restarted  # its next poll reaches the new controller
+        await until(lambda: "a" in restarted.members, what="a polling the restarted controller")
+        routes = await restarted.routes()
+        assert routes[""] == ("a",) and all(routes[n] == ("a",) for n in TEMPLATES)
+        a.stop()
+    run(main())
+
+
+def test_an_admin_add_does_not_wait_for_the_next_poll(llama_dir, monkeypatch):
+    """A command wakes the replica's poll at once: an add with polls 30 s apart finishes well
+    within them."""
+    monkeypatch.setattr(ctl_module, "POLL_S", 30.0)
+    monkeypatch.setattr(ctl_module, "LEASE_S", 120.0)
+
+    async def main():
+        c = controller_for(llama_dir, 1, None)
+        a = FakeReplica(c, "a")
+        await a.start()
+        await asyncio.sleep(0.1)  # a waits in its poll
+        info, where = await asyncio.wait_for(c.add(TemplateSource("new", content="x", origin="admin")), 10)
+        assert where == ("a",) and "new" in a.held
+        a.stop()
+    run(main())
+
+
+def test_a_moving_template_is_unpinned_only_after_the_handover(llama_dir, monkeypatch):
+    """The old holder unpins HANDOVER_S after the new one serves (front ends' cached routes still
+    name it until then), not at once."""
+    monkeypatch.setattr(ctl_module, "HANDOVER_S", 1.0)
+
+    async def main():
+        c = controller_for(llama_dir, 1, 1)
+        a = FakeReplica(c, "a")
+        await a.start()
+        times: list[float] = []
+        unpin = a.unpin
+
+        def timed_unpin(name, forget=False):
+            times.append(time.monotonic())
+            return unpin(name, forget)
+
+        a.unpin = timed_unpin
+        b = FakeReplica(c, "b")
+        await b.start()
+        serving = time.monotonic()
+        await until(lambda: len(a.held) < len(TEMPLATES), what="a letting b's share go")
+        assert min(times) - serving >= 0.5
+        a.stop(), b.stop()
     run(main())
