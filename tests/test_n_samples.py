@@ -177,3 +177,11 @@ def test_samples_waiting_their_turn_do_not_fill_the_request_queue(make_engine):
     finally:
         undo()
     assert done["n"].wait(60) and done["next"].wait(60)
+
+
+def test_a_finished_request_for_n_samples_frees_its_request_id(make_engine):
+    engine = make_engine()
+    first = engine.generate(GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4, n=2), request_id="x"))[0]
+    assert engine._run(lambda core: dict(core._samples)) == {}
+    again = engine.generate(GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4, n=2), request_id="x"))[0]
+    assert again.token_ids == first.token_ids

@@ -133,3 +133,11 @@ def test_a_budget_as_large_as_the_cache_leaves_requests_a_block(make_engine, cap
     ref = make_engine(block_size=BLOCK)
     out = engine.generate([GenerateRequest(prompt_token_ids=[7, 8], prefix_name="most", sampling=greedy(2))])
     assert out[0].token_ids == run_ids(ref, ids_of(11 * BLOCK) + [7, 8], max_tokens=2)
+
+
+def test_a_pinned_warmup_is_no_longer_tracked(make_engine):
+    """A template's warmup ends with its pin: the engine tracks nothing of it (a shutdown would
+    report its pin as failed)."""
+    engine = make_engine()
+    engine.add_template("t", token_ids=list(range(3, 14)))
+    assert engine._run(lambda core: list(core._tracked)) == []

@@ -1,5 +1,7 @@
 """Sampling and stop conditions: seeds, top-k/top-p, max_tokens, EOS, stop ids and stop strings."""
 
+import time
+
 from helpers import greedy, run_ids
 from prefix_service import FinishReason, GenerateRequest, SamplingParams
 
@@ -107,3 +109,35 @@ def test_stop_string_cuts_text(make_engine):
     cut = full.index(stop)
     out = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(30, stop=(stop, "never-seen")))])[0]
     assert out.text == full[:cut] and out.finish_reason == FinishReason.STOP
+
+
+def test_the_text_is_whole_when_a_stop_string_never_comes(make_engine):
+    """Text held back while it might begin a stop string is given out when the request ends
+    another way (length here): the output's text is the text without the stop strings."""
+    engine = make_engine()
+    full = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(20))])[0]
+    out = engine.generate([GenerateRequest(prompt_token_ids=PROMPT,
+                                           sampling=greedy(20, stop=("never-seen-stop-string",)))])[0]
+    assert out.finish_reason == FinishReason.LENGTH and out.token_ids == full.token_ids
+    assert out.text == full.text and len(full.text) > 5
+
+
+def test_generation_ends_at_the_models_context(make_engine):
+    engine = make_engine(max_model_len=24)
+    out = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=SamplingParams(ignore_eos=True))])[0]
+    assert out.finish_reason == FinishReason.LENGTH
+    assert out.prompt_tokens + out.completion_tokens == 24
+
+
+def test_ttft_is_the_first_tokens_time_not_the_last(make_engine):
+    """ttft_ms is when the first token came: with steps of 50 ms and 16 tokens, well under the
+    request's whole time (it was the last token's time once)."""
+    engine = make_engine()
+    backend = engine._core.backend
+    execute = backend.execute
+    backend.execute = lambda step: time.sleep(0.05) or execute(step)
+    start = time.perf_counter()
+    out = engine.generate([GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(16))])[0]
+    total_ms = (time.perf_counter() - start) * 1000
+    assert out.completion_tokens == 16 and total_ms > 16 * 50
+    assert out.ttft_ms is not None and out.ttft_ms < total_ms / 3, (out.ttft_ms, total_ms)

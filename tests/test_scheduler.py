@@ -1,4 +1,5 @@
 """Scheduler and block accounting on plain CPU data: exact block ids, reference counts, copies."""
+import dataclasses
 import threading
 
 import pytest
@@ -8,6 +9,7 @@ from prefix_service import GenerateRequest
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.config import SchedulerConfig
 from prefix_service.engine.template_pins import TemplatePins
+from prefix_service.errors import CacheExhausted, TemplateBudgetExceeded
 from prefix_service.sampling_params import SamplingParams
 from prefix_service.engine.scheduler import Scheduler
 from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
@@ -23,8 +25,8 @@ def setup(num_blocks=16, budget=2048, max_seqs=8):
                                   alloc, pins, B)
 
 
-def seq(rid, ids, prefix=None):
-    return Sequence(rid, ids, SamplingParams(max_tokens=4), 4, prefix, None)
+def seq(rid, ids, prefix=None, **kw):
+    return Sequence(rid, ids, SamplingParams(max_tokens=4), 4, prefix, None, **kw)
 
 
 def pin(alloc, pins, name, n_tokens):
@@ -212,3 +214,152 @@ def test_missing_weight_is_named(llama_dir, tmp_path):
     save_file(state, str(f))
     with pytest.raises(ModelLoadError, match=r"layers.1.mlp.gate_up_proj.weight is missing parts \['up_proj'\]"):
         load_model(broken, torch.float32, torch.device("cpu"), 64)
+
+
+def test_a_preempted_sequence_goes_back_to_the_front_of_the_queue():
+    """First come, first served survives a preemption: the preempted request runs again before
+    one that arrived after it."""
+    alloc, pins, sched = setup(num_blocks=6)
+    handle = pin(alloc, pins, "p", 4)
+    old, new = seq("old", [1] * 4), seq("new", list(range(4)) + [5, 6, 7, 8], handle)
+    pins.acquire(handle)
+    sched.add(old)
+    sched.add(new)
+    out = sched.schedule()
+    sched.postprocess(out, [x.seq for x in out.scheduled], [9] * len(out.scheduled))
+    late = seq("late", [3] * 4)
+    sched.add(late)
+    hog = alloc.allocate(alloc.num_free)
+    out = sched.schedule()
+    assert out.preempted == [new]
+    assert list(sched.waiting) == [new, late]
+    alloc.free(hog)
+    for s in (old, new, late):
+        sched.finish(s, FinishReason.ABORT)
+    alloc.check_integrity(pins.held_refs())
+
+
+def test_a_chunk_fills_the_room_left_in_its_own_last_block_when_no_block_is_free():
+    """A prefill chunk that fits in the free slots of the blocks its sequence holds runs with no new
+    block: nothing is preempted for it and it is not unschedulable."""
+    alloc, pins, sched = setup(num_blocks=8, budget=2)
+    a = seq("a", [1] * 6)
+    sched.add(a)
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 2)]
+    sched.postprocess(out, [], [])
+    hog = alloc.allocate(alloc.num_free)
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 2)]
+    assert out.preempted == [] and out.unschedulable == []
+    alloc.free(hog)
+    sched.finish(a, FinishReason.ABORT)
+    alloc.check_integrity(pins.held_refs())
+
+
+def forked(max_seqs):
+    """A running request r and a computed parent of 6 tokens whose samples will wait (max_num_seqs)."""
+    alloc, pins, sched = setup(num_blocks=16, max_seqs=2)
+    r, parent = seq("r", [1] * 4), seq("p", [2] * 6, fork_point=True)
+    sched.add(r)
+    sched.add(parent)
+    out = sched.schedule()
+    sched.postprocess(out, [r], [9])
+    sched.config = dataclasses.replace(sched.config, max_num_seqs=max_seqs)
+    return alloc, pins, sched, r, parent
+
+
+def test_forked_samples_wait_at_the_front_of_the_queue():
+    """A request's samples, forked holding their blocks, run before a request that came after it."""
+    alloc, pins, sched, r, parent = forked(max_seqs=2)
+    late = seq("late", [3] * 4)
+    sched.add(late)
+    kids = [seq(f"c{i}", list(parent.token_ids)) for i in range(2)]
+    sched.fork(parent, kids)
+    sched.finish(parent, FinishReason.STOP)
+    assert list(sched.waiting) == kids + [late]
+    for s in (r, late, *kids):
+        sched.finish(s, FinishReason.ABORT)
+    alloc.check_integrity(pins.held_refs())
+
+
+def test_the_newest_waiting_hold_is_released_first_and_counted_as_a_preemption():
+    """No free block for a running decode: the newest waiting sample gives up its blocks (the one
+    next in line keeps them), and the stats count it as a preemption."""
+    alloc, pins, sched, r, parent = forked(max_seqs=1)
+    kids = [seq(f"c{i}", list(parent.token_ids)) for i in range(2)]
+    sched.fork(parent, kids)
+    sched.finish(parent, FinishReason.STOP)
+    assert all(k.block_table for k in kids)
+    hog = alloc.allocate(alloc.num_free)
+    out = sched.schedule()
+    assert out.preempted == [kids[1]] and kids[1].block_table == [] and kids[0].block_table != []
+    assert [x.seq for x in out.scheduled] == [r]
+    assert sched.num_preemptions == 1 and kids[1].num_preemptions == 1
+    alloc.free(hog)
+    for s in (r, *kids):
+        sched.finish(s, FinishReason.ABORT)
+    alloc.check_integrity(pins.held_refs())
+
+
+def test_a_pin_whose_backend_hook_fails_leaves_no_reference_behind():
+    """The backend's on_pin failing (out of memory for a packed copy) raises, registers nothing,
+    and leaves the blocks as the warmup held them."""
+    class Failing:
+        def on_pin(self, handle):
+            raise MemoryError("no room for a packed copy")
+
+        def on_unpin(self, handle):
+            pass
+
+    alloc = BlockAllocator(8)
+    pins = TemplatePins(alloc, B, 8, hooks=Failing())
+    pins.reserve("t", 8)
+    blocks = alloc.allocate(2)
+    with pytest.raises(MemoryError):
+        pins.pin("t", list(range(8)), blocks, {})
+    assert [alloc.ref_count(b) for b in blocks] == [1, 1] and "t" not in pins
+    alloc.free(blocks)
+    assert alloc.num_free == 8
+    alloc.check_integrity(pins.held_refs())
+
+
+def test_warmups_still_running_count_against_the_prefix_budget():
+    alloc = BlockAllocator(32)
+    pins = TemplatePins(alloc, B, 8)
+    pins.reserve("a", 20)  # 5 blocks, its warmup still running
+    with pytest.raises(TemplateBudgetExceeded):
+        pins.reserve("b", 16)  # 4 more: 9 > 8
+    pins.reserve("c", 12)  # 3 more: exactly 8
+
+
+def test_template_groups_are_the_rows_sharing_a_template_and_its_block_count():
+    """The cascade's groups: two or more rows on one template that share as many of its blocks."""
+    def row(rid, template_id, blocks):
+        return ScheduledRow(rid, True, (1,), 9, tuple(range(3)), template_id, blocks, num_logits=1)
+
+    step = StepBatch((row("a", 1, 2), row("b", 1, 2), row("c", 2, 2), row("d", 1, 1), row("e", None, 0)))
+    assert step.template_groups() == [[0, 1]]
+    step = StepBatch((row("a", 1, 2), row("d", 1, 1), row("b", 1, 2)))
+    assert step.template_groups() == [[0, 2]]
+
+
+def test_a_prompt_that_fills_the_cache_exactly_is_refused(make_engine):
+    """A request needs room for its prompt and its first token: 32 tokens in a cache of 32 is
+    refused up front (RESOURCE_EXHAUSTED at the API), 31 runs."""
+    engine = make_engine(block_size=4, num_blocks=8)
+    with pytest.raises(CacheExhausted):
+        engine.generate([GenerateRequest(prompt_token_ids=list(range(3, 35)), sampling=greedy(4))])
+    out = engine.generate([GenerateRequest(prompt_token_ids=list(range(3, 34)), sampling=greedy(4))])[0]
+    assert out.completion_tokens >= 1
+
+
+def test_a_request_larger_than_the_cache_beside_the_pinned_templates_is_refused(make_engine):
+    """The pinned templates' blocks are not the requests': 16 blocks of 4 with 6 pinned leave 40
+    tokens, so a 50-token prompt is refused at once (it waited forever for blocks the pins keep)."""
+    engine = make_engine(block_size=4, num_blocks=16)
+    engine.add_template("t", token_ids=list(range(3, 27)))  # 24 tokens: 6 blocks
+    with pytest.raises(CacheExhausted, match="beside the pinned templates"):
+        engine.submit(GenerateRequest(prompt_token_ids=list(range(100, 150)), sampling=greedy(4)), lambda out: None)
+    out = engine.generate([GenerateRequest(prompt_token_ids=list(range(100, 135)), sampling=greedy(4))])[0]
+    assert out.completion_tokens == 4
