@@ -290,3 +290,31 @@ def test_n_samples_over_grpc(server, grpc_clients):
         mine = [m for m in msgs if m.index == i]
         assert [t for m in mine for t in m.token_ids] == want[i].token_ids
         assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH and mine[-1].usage.completion_tokens == 5
+
+
+def test_grpc_logprobs_name_every_token(server):
+    """Over gRPC each token's text comes with its log-probability, with logprobs 0 (the chosen token
+    only) too, and each alternative has its text."""
+    c = Clients(server.address)
+    try:
+        for k in (0, 2):
+            req = pb.GenerateRequest(prefix_name="doc", prompt=" the price",
+                                     sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=k))
+            got = [lp for msg in c.generation.Generate(req) for lp in msg.logprobs]
+            assert len(got) == 4 and all(len(lp.top) == k for lp in got)
+            assert [lp.token for lp in got] == [text_of(server, lp.token_id) for lp in got]
+            assert all(t.token == text_of(server, t.token_id) for lp in got for t in lp.top)
+    finally:
+        c.close()
+
+
+def test_grpc_score_echoes_its_request_id(server):
+    """A Score's response carries its request id: the one given, else the one made for it."""
+    c = Clients(server.address)
+    try:
+        mine = c.generation.Score(pb.ScoreRequest(prefix_name="doc", prompt=" the", candidates=[" order"],
+                                                  request_id="score-7"))
+        assert mine.request_id == "score-7"
+        assert c.generation.Score(pb.ScoreRequest(prefix_name="doc", prompt=" the", candidates=[" order"])).request_id
+    finally:
+        c.close()

@@ -832,3 +832,147 @@ def test_one_error_table_for_both_protocols():
         kind, message = classify(exc)
         assert (kind.grpc_code, kind.http_status, kind.code) == (code, status, name), exc
     assert "boom" not in classify(RuntimeError("boom"))[1]  # internals stay in the log
+
+
+def test_stop_strings_end_a_completion(server):
+    """`stop`, a string or a list, reaches the engine: the text ends before it, finish_reason stop."""
+    base = {"model": "doc", "prompt": " the", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    full = raw(server, "POST", "/v1/completions", base)[1]["choices"][0]["text"]
+    stop = full[6:9]
+    assert stop.strip()
+    for given in (stop, [stop]):
+        status, body = raw(server, "POST", "/v1/completions", {**base, "stop": given})
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (full[:full.index(stop)], "stop"), given
+
+
+def test_top_k_reaches_the_engine(server):
+    """top_k 1 at temperature 1 draws the greedy tokens, where the same seed without it does not."""
+    base = {"model": "doc", "prompt": " the", "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+
+    def ids(**kw) -> list[int]:
+        status, body = raw(server, "POST", "/v1/completions", {**base, **kw})
+        assert status == 200, body
+        return body["choices"][0]["token_ids"]
+
+    greedy = ids(temperature=0)
+    seed = next(s for s in range(10) if ids(temperature=1.0, seed=s) != greedy)  # a seed that samples off greedy
+    assert ids(temperature=1.0, seed=seed, top_k=1) == greedy
+
+
+def test_ignore_eos_is_passed_through(server):
+    """With the end-of-text token made certain, ignore_eos keeps generating to max_tokens."""
+    eos = server.engine.tokenizer.eos_token_id
+    base = {"model": "doc", "prompt": " the", "max_tokens": 4, "temperature": 0, "logit_bias": {str(eos): 100}}
+    stopped = raw(server, "POST", "/v1/completions", base)[1]
+    assert (stopped["choices"][0]["finish_reason"], stopped["usage"]["completion_tokens"]) == ("stop", 1)
+    kept = raw(server, "POST", "/v1/completions", {**base, "ignore_eos": True})[1]
+    assert (kept["choices"][0]["finish_reason"], kept["usage"]["completion_tokens"]) == ("length", 4)
+
+
+def test_the_x_request_id_header_names_the_request(server, caplog):
+    """A client's x-request-id is the request's id: in the response's id and in its log line."""
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    for path, body, prefix in (("/v1/completions", {"prompt": " the"}, "cmpl-"),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "chatcmpl-")):
+        rid = f"mine-{prefix}42"
+        status, got = raw(server, "POST", path, {"model": "doc", "max_tokens": 2, **body},
+                          headers={"x-request-id": rid})
+        assert status == 200 and got["id"] == prefix + rid, got
+        assert _request_lines(caplog)[-1]["request_id"] == rid
+
+
+def test_max_tokens_and_max_completion_tokens_must_agree(server):
+    """Two different values are a 400 naming max_completion_tokens; the same value is fine."""
+    body = {"model": "sys", "messages": [{"role": "user", "content": "x"}], "ignore_eos": True}
+    assert_error(raw(server, "POST", "/v1/chat/completions", {**body, "max_tokens": 3, "max_completion_tokens": 4}),
+                 400, "invalid_value", "max_completion_tokens")
+    status, got = raw(server, "POST", "/v1/chat/completions", {**body, "max_tokens": 3, "max_completion_tokens": 3})
+    assert status == 200 and got["usage"]["completion_tokens"] == 3, got
+
+
+API_ROUTES = [
+    ("POST", "/v1/completions", {"model": "doc", "prompt": " the", "max_tokens": 1}),
+    ("POST", "/v1/chat/completions", {"model": "doc", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+    ("POST", "/v1/scores", {"model": "doc", "prompt": " the", "candidates": [" order"]}),
+    ("POST", "/tokenize", {"model": "doc", "prompt": " the"}),
+    ("POST", "/detokenize", {"tokens": [5, 6]}),
+    ("GET", "/v1/models", None),
+    ("GET", "/v1/models/doc", None),
+]
+
+
+def test_every_api_route_needs_the_api_key(make_server, monkeypatch):
+    """With an API key set, each route of the API (not /health) is a 401 without it or with a wrong
+    one, with OpenAI's body and `WWW-Authenticate: Bearer`; with the key it answers."""
+    monkeypatch.setenv(API_KEY_ENV, "k3y")
+    st = make_server()
+
+    def answer(method: str, path: str, body: dict | None, headers: dict):
+        conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+        try:
+            conn.request(method, path, body=None if body is None else json.dumps(body),
+                         headers={"Content-Type": "application/json", **headers})
+            resp = conn.getresponse()
+            return resp.status, json.loads(resp.read()), resp.getheader("WWW-Authenticate")
+        finally:
+            conn.close()
+
+    for method, path, body in API_ROUTES:
+        for headers, code in (({}, "missing_api_key"), ({"Authorization": "Bearer nope"}, "invalid_api_key")):
+            status, got, challenge = answer(method, path, body, headers)
+            assert_error((status, got), 401, code)
+            assert challenge == "Bearer", path
+        status, got, _ = answer(method, path, body, {"Authorization": "Bearer k3y"})
+        assert status == 200, (path, got)
+
+
+def test_an_engine_stopped_mid_stream_is_counted_unavailable(make_server, caplog):
+    """A stream ended by an error (its engine stopped under it) ends with an `unavailable` error
+    event, and is counted and logged UNAVAILABLE, not CANCELLED (the client's doing)."""
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    st = make_server(metrics_address="127.0.0.1:0")
+    undo = slow_steps(st.engine, 0.02)
+    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({"model": "doc", "prompt": " the", "max_tokens": 300,
+                                                            "ignore_eos": True, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: {")
+        st.engine.shutdown()
+        events = [e.strip() for e in resp.read().decode().split("\n\n") if e.strip()]
+        assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "unavailable", events[-2:]
+    finally:
+        undo()
+        conn.close()
+    line = wait_until(lambda: _request_lines(caplog), 10)[-1]
+    assert (line["code"], line["http_status"]) == ("UNAVAILABLE", 200), line
+    assert st.server.metrics.registry.get_sample_value(
+        "prefix_service_requests_total", {"protocol": "http", "template": "doc", "code": "UNAVAILABLE"}) == 1
+
+
+def test_an_http_stream_is_cut_off_when_the_grace_period_ends(make_server, monkeypatch):
+    """The cut-off comes at the end of the grace period, not at the end of the HTTP server's own wait
+    after it (made 20 s here, so that the two are far apart)."""
+    monkeypatch.setattr("prefix_service.server.parts.CUT_OFF_S", 20.0)
+    st = make_server(grace_period_s=0.3)
+    undo = slow_steps(st.engine, 0.02)
+    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps({"model": "doc", "prompt": " the", "max_tokens": 350,
+                                                            "ignore_eos": True, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: {")
+        start = time.monotonic()
+        st.stop(grace=0.3, wait=False)
+        events = [e.strip() for e in resp.read().decode().split("\n\n") if e.strip()]
+        elapsed = time.monotonic() - start
+        assert "cut off" in json.loads(events[-1].removeprefix("data: "))["error"]["message"]
+        assert elapsed < 10, elapsed  # 0.3 s and a step; 20 s when the HTTP server's wait decides
+    finally:
+        undo()
+        conn.close()
+        st.stop()

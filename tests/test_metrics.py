@@ -337,3 +337,59 @@ def test_a_fleet_with_no_replica_reporting_still_answers_a_scrape():
     names = {fam.name for fam in text_string_to_metric_families(text)}
     assert "prefix_service_requests" in names and "prefix_service_ready" in names
     assert not any(n.startswith("prefix_service_kv_blocks") for n in names)
+
+
+def test_the_prompt_tokens_counter_counts_the_template_too(make_server):
+    """prefix_service_prompt_tokens counts a finished request's whole prompt, template included (as
+    its usage.prompt_tokens), beside the cached tokens."""
+    st = make_server(metrics_address="127.0.0.1:0")
+    c = Clients(st.address)
+    try:
+        before = scrape(st.server.metrics_port)
+        last = collect(c.generation.Generate(greedy_request(" the order", "doc", max_tokens=2)))[2]
+        after = scrape(st.server.metrics_port)
+    finally:
+        c.close()
+    key = ("prefix_service_prompt_tokens_total", (("template", "doc"),))
+    assert last.usage.prompt_tokens > last.usage.prefix_tokens > 0
+    assert after[key] - before.get(key, 0) == last.usage.prompt_tokens
+
+
+def test_a_call_cancelled_while_the_server_cuts_off_counts_unavailable():
+    """A call that ends CANCELLED while the server cuts its calls off (the grace period over) was the
+    server's doing: it counts UNAVAILABLE; before the cut it counts CANCELLED (the client's doing)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from prefix_service.server.metrics import RequestTrace, ServiceMetrics
+
+    metrics = ServiceMetrics(SimpleNamespace(registry=None, engine=None, ready=True), requests_only=True)
+    RequestTrace(metrics, "http", "", "_none").end()
+    metrics.cutting_off = True
+    RequestTrace(metrics, "http", "", "_none").end()
+    text = generate_latest(metrics.registry).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def count(code: str) -> float:
+        return samples[("prefix_service_requests_total", (("code", code), ("protocol", "http"), ("template", "_none")))]
+
+    assert (count("CANCELLED"), count("UNAVAILABLE")) == (1, 1)
+
+
+def test_the_queue_length_counts_requests_not_the_samples_they_forked(make_server):
+    """A request for n = 6 samples with two running and four waiting is no request in the queue."""
+    st = make_server(metrics_address="127.0.0.1:0", max_num_seqs=2)
+    undo = slow_steps(st.engine, 0.02)
+    c = Clients(st.address)
+    try:
+        call = c.generation.Generate(greedy_request(" the", "doc", max_tokens=100, n=6))
+        next(call)
+        stats = st.engine.kv_stats()
+        assert stats["waiting"] > 0 and stats["waiting_requests"] == 0
+        assert scrape(st.server.metrics_port)[("prefix_service_queue_length", ())] == 0
+        call.cancel()
+    finally:
+        undo()
+        c.close()

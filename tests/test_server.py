@@ -188,6 +188,54 @@ def test_chat_template_that_moves_the_system_prompt(model_dir, tmp_path, make_se
     assert "chat template does not keep the system prompt" in details
 
 
+def test_a_chat_template_that_changes_only_the_last_token_of_the_system_prompt(model_dir, tmp_path, make_server):
+    """The whole template must be a token prefix of the conversation, its last token too: a chat
+    template that ends the system message one way alone and another way before a user's is refused."""
+    import json
+    odd = tmp_path / "odd-model"
+    shutil.copytree(model_dir, odd)
+    cfg_path = odd / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    # a last message without a generation prompt ends with <|endoftext|>, any other with <|im_end|>
+    cfg["chat_template"] = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                            "{% if loop.last and not add_generation_prompt %}{{ '<|endoftext|>' }}"
+                            "{% else %}{{ '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
+                            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    cfg_path.write_text(json.dumps(cfg))
+    (odd / "chat_template.jinja").unlink(missing_ok=True)
+    st = make_server(model=odd, prefixes=(TemplateSpec("sys", system_prompt=SYSTEM_PROMPT),))
+    tok = st.engine.tokenizer
+    template = st.engine.get_template("sys").token_ids
+    conversation = tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
+                                                       {"role": "user", "content": "hi"}], tokenize=False,
+                                                      add_generation_prompt=True), add_special_tokens=False)
+    n = len(template)
+    assert list(conversation[:n - 1]) == list(template[:-1]) and conversation[n - 1] != template[-1]
+    req = pb.GenerateRequest(prefix_name="sys", messages=[pb.ChatMessage(role="user", content="hi")])
+    code, details = code_of(Clients(st.address).generation.Generate(req))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "chat template does not keep the system prompt" in details
+
+
+def test_health_watchers_see_not_serving_as_the_drain_begins(make_server):
+    """A stop turns gRPC health NOT_SERVING at once (load balancers stop sending), while the calls in
+    flight still run to their end: a Watch opened before sees it."""
+    st = make_server(grace_period_s=30)
+    undo = slow_steps(st.engine, 0.01)
+    c = Clients(st.address)
+    try:
+        call = c.generation.Generate(greedy_request(" the", "doc", max_tokens=150))
+        next(call)
+        watch = health_pb2_grpc.HealthStub(c.channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        st.stop(grace=None, wait=False)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert collect(call)[2].usage.completion_tokens == 150  # the drain lets it finish
+    finally:
+        undo()
+        c.close()
+
+
 # --- cancellation, deadlines, shutdown ----------------------------------------------------
 
 def test_cancelled_stream_frees_its_blocks(server, clients):

@@ -127,3 +127,20 @@ def test_yaml_structured_output(tmp_path):
                         ({"yaml": "a"}, "one of json_schema")):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             config_from_dict({**base, "prefixes": [{"name": "intent", "content": "x", "structured_output": bad}]})
+
+
+def test_an_added_template_with_free_text_has_no_default_output(make_server, tmp_path):
+    """`structured_output {text: true}` on an added template means none: the answer and the listing
+    show none, and the state file records the template as one added without it."""
+    state = tmp_path / "free.state.json"
+    c = Clients(make_server(state_file=state).address)
+    try:
+        added = c.admin.AddPrefixTemplate(pb.AddPrefixTemplateRequest(
+            name="free", content=DOCUMENT, structured_output=pb.StructuredOutput(text=True)))
+        assert not added.HasField("structured_output")
+        listed = {t.name: t for t in c.admin.ListPrefixTemplates(pb.ListPrefixTemplatesRequest()).templates}
+        assert not listed["free"].HasField("structured_output")
+    finally:
+        c.close()
+    saved = {t["name"]: t for t in json.loads(state.read_text())["templates"]}
+    assert saved["free"] == {"name": "free", "content": DOCUMENT}
