@@ -393,3 +393,24 @@ def test_the_queue_length_counts_requests_not_the_samples_they_forked(make_serve
     finally:
         undo()
         c.close()
+
+
+def test_the_ready_gauge_says_not_ready_as_the_drain_begins(make_server):
+    """A stop turns prefix_service_ready to 0 at once, with gRPC health (and HTTP /health, which reads
+    the same state), while the calls in flight still run to their end."""
+    st = make_server(metrics_address="127.0.0.1:0", grace_period_s=30)
+    undo = slow_steps(st.engine, 0.01)
+    c = Clients(st.address)
+    try:
+        call = c.generation.Generate(greedy_request(" the", "doc", max_tokens=300))
+        next(call)
+        assert value(scrape(st.server.metrics_port), "prefix_service_ready") == 1
+        st.stop(grace=None, wait=False)
+        deadline = time.monotonic() + 1.0  # the call runs 3 s or more
+        while value(scrape(st.server.metrics_port), "prefix_service_ready") != 0:
+            assert time.monotonic() < deadline, "still ready after the stop began"
+            time.sleep(0.01)
+        assert collect(call)[2].usage.completion_tokens == 300  # the drain lets it finish
+    finally:
+        undo()
+        c.close()

@@ -189,7 +189,7 @@ class PrefixServer:
             self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._end_after_device_error(error)))
 
     async def _end_after_device_error(self, error: BaseException) -> None:
-        self.runtime.ready = False
+        self.runtime.ready = self.runtime.draining = False
         self.runtime.phase = f"stopped after a device error ({error})"
         try:
             await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -215,6 +215,7 @@ class PrefixServer:
         self._stopping.set()
         grace = self.config.server.grace_period_s if grace is None else grace
         self.runtime.phase = "shutting down"
+        self.runtime.draining, self.runtime.ready = self.runtime.ready, False
         cut_off = asyncio.get_running_loop().call_later(grace, self._cut_off)
         try:
             await self._health.enter_graceful_shutdown()
@@ -226,7 +227,7 @@ class PrefixServer:
             cut_off.cancel()
             try:
                 engine = self.runtime.engine
-                self.runtime.ready = False
+                self.runtime.ready = self.runtime.draining = False
                 if engine is not None:
                     await asyncio.get_running_loop().run_in_executor(self.runtime.executor, engine.shutdown)
                 self.runtime.executor.shutdown(wait=False)

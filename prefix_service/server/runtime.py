@@ -24,6 +24,9 @@ class Runtime:
     engine: EngineClient | None = None
     registry: TemplateRegistryClient | None = None
     ready: bool = False
+    # stopping, its calls in flight draining: health and the ready gauge say not ready at once (as
+    # gRPC health's NOT_SERVING), while a call that got through the transports still runs
+    draining: bool = False
     phase: str = "starting"  # what the server is doing while not ready: for error messages
     loading: bool = False  # a worker thread is loading the model (a stop cannot interrupt it)
     # Blocking calls of the servicers (tokenize + submit, abort, template admin) run here, apart
@@ -36,6 +39,6 @@ class Runtime:
         self.engine, self.registry = engine, registry
 
     def require_ready(self) -> tuple[EngineClient, TemplateRegistryClient]:
-        if not self.ready or self.engine is None or self.registry is None:
+        if not (self.ready or self.draining) or self.engine is None or self.registry is None:
             raise ServerNotReady(f"the server is {self.phase}; retry when its health service reports SERVING")
         return self.engine, self.registry
