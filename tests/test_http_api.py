@@ -928,21 +928,31 @@ def test_every_api_route_needs_the_api_key(make_server, monkeypatch):
         assert status == 200, (path, got)
 
 
+def _streaming_completion(st, max_tokens: int):
+    """A streamed completion on "doc", read up to its first chunk: (connection, response)."""
+    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "doc", "prompt": " the", "max_tokens": max_tokens,
+                                                        "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: {")
+    return conn, resp
+
+
+def _rest_of_the_stream(resp) -> list[str]:
+    return [e.strip() for e in resp.read().decode().split("\n\n") if e.strip()]
+
+
 def test_an_engine_stopped_mid_stream_is_counted_unavailable(make_server, caplog):
     """A stream ended by an error (its engine stopped under it) ends with an `unavailable` error
     event, and is counted and logged UNAVAILABLE, not CANCELLED (the client's doing)."""
     caplog.set_level(logging.INFO, logger="prefix_service.requests")
     st = make_server(metrics_address="127.0.0.1:0")
     undo = slow_steps(st.engine, 0.02)
-    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    conn, resp = _streaming_completion(st, 300)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({"model": "doc", "prompt": " the", "max_tokens": 300,
-                                                            "ignore_eos": True, "stream": True}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.readline().startswith(b"data: {")
         st.engine.shutdown()
-        events = [e.strip() for e in resp.read().decode().split("\n\n") if e.strip()]
+        events = _rest_of_the_stream(resp)
         assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == "unavailable", events[-2:]
     finally:
         undo()
@@ -959,16 +969,11 @@ def test_an_http_stream_is_cut_off_when_the_grace_period_ends(make_server, monke
     monkeypatch.setattr("prefix_service.server.parts.CUT_OFF_S", 20.0)
     st = make_server(grace_period_s=0.3)
     undo = slow_steps(st.engine, 0.02)
-    conn = http.client.HTTPConnection("127.0.0.1", st.server.http_port, timeout=60)
+    conn, resp = _streaming_completion(st, 350)
     try:
-        conn.request("POST", "/v1/completions", json.dumps({"model": "doc", "prompt": " the", "max_tokens": 350,
-                                                            "ignore_eos": True, "stream": True}),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.readline().startswith(b"data: {")
         start = time.monotonic()
         st.stop(grace=0.3, wait=False)
-        events = [e.strip() for e in resp.read().decode().split("\n\n") if e.strip()]
+        events = _rest_of_the_stream(resp)
         elapsed = time.monotonic() - start
         assert "cut off" in json.loads(events[-1].removeprefix("data: "))["error"]["message"]
         assert elapsed < 10, elapsed  # 0.3 s and a step; 20 s when the HTTP server's wait decides

@@ -167,20 +167,26 @@ def test_chat_on_content_template_continues_it(server, clients):
     assert collect(clients.generation.Generate(req))[1] == expected.token_ids
 
 
-def test_chat_template_that_moves_the_system_prompt(model_dir, tmp_path, make_server):
-    """FAILED_PRECONDITION when the rendered conversation does not start with the template's ids."""
-    import json
+def with_chat_template(model_dir, tmp_path, chat_template: str):
+    """A copy of the model whose tokenizer has this chat template."""
     odd = tmp_path / "odd-model"
     shutil.copytree(model_dir, odd)
     cfg_path = odd / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    # system messages go last: the template's ids are no prefix of a conversation
-    cfg["chat_template"] = ("{% for m in messages %}{% if m['role'] != 'system' %}{{ m['role'] + ': ' + m['content'] "
-                            "+ '\n' }}{% endif %}{% endfor %}{% for m in messages %}{% if m['role'] == 'system' %}"
-                            "{{ 'rules: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
-                            "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    cfg["chat_template"] = chat_template
     cfg_path.write_text(json.dumps(cfg))
     (odd / "chat_template.jinja").unlink(missing_ok=True)
+    return odd
+
+
+def test_chat_template_that_moves_the_system_prompt(model_dir, tmp_path, make_server):
+    """FAILED_PRECONDITION when the rendered conversation does not start with the template's ids."""
+    # system messages go last: the template's ids are no prefix of a conversation
+    odd = with_chat_template(model_dir, tmp_path, (
+        "{% for m in messages %}{% if m['role'] != 'system' %}{{ m['role'] + ': ' + m['content'] "
+        "+ '\n' }}{% endif %}{% endfor %}{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ 'rules: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"))
     st = make_server(model=odd, prefixes=(TemplateSpec("sys", system_prompt=SYSTEM_PROMPT),))
     req = pb.GenerateRequest(prefix_name="sys", messages=[pb.ChatMessage(role="user", content="hi")])
     code, details = code_of(Clients(st.address).generation.Generate(req))
@@ -191,18 +197,12 @@ def test_chat_template_that_moves_the_system_prompt(model_dir, tmp_path, make_se
 def test_a_chat_template_that_changes_only_the_last_token_of_the_system_prompt(model_dir, tmp_path, make_server):
     """The whole template must be a token prefix of the conversation, its last token too: a chat
     template that ends the system message one way alone and another way before a user's is refused."""
-    import json
-    odd = tmp_path / "odd-model"
-    shutil.copytree(model_dir, odd)
-    cfg_path = odd / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
     # a last message without a generation prompt ends with <|endoftext|>, any other with <|im_end|>
-    cfg["chat_template"] = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
-                            "{% if loop.last and not add_generation_prompt %}{{ '<|endoftext|>' }}"
-                            "{% else %}{{ '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
-                            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-    cfg_path.write_text(json.dumps(cfg))
-    (odd / "chat_template.jinja").unlink(missing_ok=True)
+    odd = with_chat_template(model_dir, tmp_path, (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{% if loop.last and not add_generation_prompt %}{{ '<|endoftext|>' }}"
+        "{% else %}{{ '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"))
     st = make_server(model=odd, prefixes=(TemplateSpec("sys", system_prompt=SYSTEM_PROMPT),))
     tok = st.engine.tokenizer
     template = st.engine.get_template("sys").token_ids
