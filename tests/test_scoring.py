@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import engine_last_logits, greedy
+from server_fixtures import slow_steps
 from prefix_service import GenerateRequest, InvalidRequest, TemplateNotFound, ScoreRequest
 from prefix_service.engine.scoring import MAX_CANDIDATES
 
@@ -162,8 +163,10 @@ def test_abort_frees_every_block(make_engine):
     engine = make_engine()
     engine.add_template("t", token_ids=TEMPLATE)
     got = []
+    undo = slow_steps(engine, 0.5)  # a score takes two steps at least: the abort comes before its end
     engine._run(lambda core: core.add_score("s1", PROMPT, "t", CANDIDATES, got.append))
     assert engine._run(lambda core: core.abort("s1")) is True
+    undo()
     assert len(got) == 1 and got[0].error is not None and got[0].candidates == []
     engine.check_integrity()
     stats = engine.kv_stats()
