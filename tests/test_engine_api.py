@@ -21,10 +21,48 @@ PROMPT = [41, 77, 301, 12, 9, 130]
 LONG_CANDIDATES = [[(k * 13 + j) % 500 + 3 for j in range(24)] for k in range(8)]
 
 
-def _settled(engine) -> dict:
-    stats = engine.kv_stats()
-    return {k: stats[k] for k in ("running", "waiting", "used")}
+SETTLED = {"running": 0, "waiting": 0, "used": 0}
 
+
+def cancelled_and_settled(engine, call, until, landed: threading.Event | None = None) -> dict:
+    """Run call() (a coroutine) as a task until until() holds, cancel it, wait for its abort (and
+    for `landed`, its submission's end) -> the engine's running, waiting and used counts, read while
+    the event loop lives (a server's does: after it closes, a failing sink ends a request anyway)."""
+    async def main():
+        task = asyncio.ensure_future(call())
+        deadline = time.monotonic() + 60
+        while not until():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert not task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await engine.drain_aborts()
+        while landed is not None and not landed.is_set():
+            await asyncio.sleep(0.01)
+        stats = engine.kv_stats()
+        return {k: stats[k] for k in SETTLED}
+
+    return asyncio.run(main())
+
+
+def slow_submission(engine, monkeypatch, method: str) -> tuple[threading.Event, threading.Event]:
+    """engine.<method> (submit, submit_score) waits 0.3 s before it submits, so a cancel lands while
+    the request is being submitted -> (started, landed) events."""
+    submit = getattr(engine, method)
+    started, landed = threading.Event(), threading.Event()
+
+    def slow(req, sink):
+        started.set()
+        time.sleep(0.3)
+        try:
+            return submit(req, sink)
+        finally:
+            landed.set()
+
+    monkeypatch.setattr(engine, method, slow)
+    return started, landed
 
 
 def test_cancelling_a_running_score_aborts_it(make_engine):
@@ -32,21 +70,9 @@ def test_cancelling_a_running_score_aborts_it(make_engine):
     drain_aborts returns, nothing of it runs on or holds a block."""
     engine = make_engine(block_size=4, max_num_batched_tokens=8)  # many steps for the candidates
     undo = slow_steps(engine, 0.1)  # the whole score would take ~3 s
-
-    async def main():
-        task = asyncio.ensure_future(engine.score_async(ScoreRequest(LONG_CANDIDATES, prompt_token_ids=PROMPT)))
-        deadline = time.monotonic() + 60
-        while engine.kv_stats()["running"] == 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert not task.done()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await engine.drain_aborts()
-        return _settled(engine)
-
     try:
-        assert asyncio.run(main()) == {"running": 0, "waiting": 0, "used": 0}
+        assert cancelled_and_settled(engine, lambda: engine.score_async(
+            ScoreRequest(LONG_CANDIDATES, prompt_token_ids=PROMPT)), lambda: engine.kv_stats()["running"]) == SETTLED
     finally:
         undo()
 
@@ -55,35 +81,11 @@ def test_cancelling_a_score_during_submission_aborts_it(make_engine, monkeypatch
     """As test_cancelling_during_submission_aborts_the_request, for score_async: a cancel while the
     score is still being submitted aborts it once it has landed."""
     engine = make_engine(block_size=4, max_num_batched_tokens=8)
-    submit_score = engine.submit_score
-    started = []
-
-    landed = threading.Event()
-
-    def slow_submit(req, sink):
-        started.append(1)
-        time.sleep(0.3)
-        try:
-            return submit_score(req, sink)
-        finally:
-            landed.set()
-    monkeypatch.setattr(engine, "submit_score", slow_submit)
+    started, landed = slow_submission(engine, monkeypatch, "submit_score")
     undo = slow_steps(engine, 0.1)
-
-    async def main():  # checked while the event loop lives (a server's): its sinks still deliver
-        task = asyncio.ensure_future(engine.score_async(ScoreRequest(LONG_CANDIDATES, prompt_token_ids=PROMPT)))
-        while not started:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await engine.drain_aborts()
-        while not landed.is_set():
-            await asyncio.sleep(0.01)
-        return _settled(engine)
-
     try:
-        assert asyncio.run(main()) == {"running": 0, "waiting": 0, "used": 0}
+        assert cancelled_and_settled(engine, lambda: engine.score_async(
+            ScoreRequest(LONG_CANDIDATES, prompt_token_ids=PROMPT)), started.is_set, landed) == SETTLED
     finally:
         undo()
 
@@ -94,40 +96,17 @@ def test_cancelling_during_submission_aborts_the_request_while_the_loop_lives(ma
     (Checked after asyncio.run, a request that was never aborted is ended anyway by its sink failing
     on the closed loop, or has not landed yet.)"""
     engine = make_engine(block_size=4)
-    submit = engine.submit
-    started, landed = [], threading.Event()
-
-    def slow_submit(req, sink):
-        started.append(1)
-        time.sleep(0.3)
-        try:
-            return submit(req, sink)
-        finally:
-            landed.set()
-    monkeypatch.setattr(engine, "submit", slow_submit)
+    started, landed = slow_submission(engine, monkeypatch, "submit")
     undo = slow_steps(engine, 0.05)  # 500 tokens would take 25 s
 
-    async def main():
-        async def first(stream):
-            async for out in stream:
-                return out
-        task = asyncio.ensure_future(first(engine.generate_stream(
-            GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(500)))))
-        while not started:
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await engine.drain_aborts()
-        while not landed.is_set():
-            await asyncio.sleep(0.01)
-        return _settled(engine)
+    async def first_output():
+        async for out in engine.generate_stream(GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(500))):
+            return out
 
     try:
-        assert asyncio.run(main()) == {"running": 0, "waiting": 0, "used": 0}
+        assert cancelled_and_settled(engine, first_output, started.is_set, landed) == SETTLED
     finally:
         undo()
-
 
 
 def test_a_call_queued_as_the_engine_shuts_down_is_answered(llama_dir):
