@@ -1,11 +1,12 @@
-"""One row of a step that fails (its sampling raises, handling its token raises) ends its own request
-with the error; every other request of the step goes on and gives the tokens it gives alone. A
-request for n samples fails as a whole when one sample fails: its other samples end at once."""
+"""One row of a step that fails (its sampling raises, handling its token raises, recording a Score
+request's logits raises) ends its own request with the error; every other request of the step goes
+on and gives the tokens (and scores) it gives alone. A request for n samples fails as a whole when
+one sample fails: its other samples end at once."""
 import threading
 
 import pytest
 
-from prefix_service import GenerateRequest, SamplingParams
+from prefix_service import GenerateRequest, SamplingParams, ScoreRequest
 from prefix_service.engine.sequence import FinishReason
 
 PROMPTS = {"a": [41, 77, 301, 12, 9], "b": [130, 140, 8, 66], "c": [5, 17, 250, 33, 90, 12]}
@@ -40,7 +41,7 @@ class Outputs:
     def sink(self, request_id):
         def put(out):
             self.got[request_id].append(out)
-            self.left -= int(out.finished)
+            self.left -= int(getattr(out, "finished", True))  # a Score request's one output ends it
             if self.left == 0:
                 self.done.set()
         return put
@@ -139,3 +140,59 @@ def test_a_request_whose_last_text_cannot_be_decoded_still_ends_with_the_error(m
     c = outs.last("c")
     assert c.finish_reason is FinishReason.ABORT and str(c.error) == "flushing broke"
     assert outs.tokens("c") == refs["c"]  # streamed up to its end
+
+
+CANDIDATES = [[17], [250, 3], [88, 402, 19, 7]]
+SCORE_PROMPTS = {"s1": [9, 12, 301, 77], "s2": [66, 8, 140]}
+
+
+def fails(message):
+    def broken(*args, **kwargs):
+        raise RuntimeError(message)
+    return broken
+
+
+def output_fails(scoring):
+    """scoring.output, except that its scores cannot be put together (an output with an error still can)."""
+    real = scoring.output
+
+    def output(error=None):
+        if error is None:
+            raise RuntimeError("putting scores together broke")
+        return real(error)
+    return output
+
+
+@pytest.mark.parametrize("broken", ["record", "output"])
+def test_a_score_request_that_fails_ends_alone(make_engine, broken):
+    """Two Score requests and two generations share every step; one Score request's rows cannot be
+    recorded (or its scores put together): it ends with that error, the other scores what it scores
+    alone, the generations give their tokens, and no block is left held."""
+    engine = make_engine()
+    refs = {k: alone(engine, k) for k in "ab"}
+    want = engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=SCORE_PROMPTS["s2"]))
+    outs = Outputs(["a", "b", "s1", "s2"])
+
+    def add(core):
+        for request_id in "ab":
+            core.add_request(request_id, PROMPTS[request_id], None, SamplingParams(**PARAMS[request_id]),
+                             outs.sink(request_id))
+        for request_id, prompt in SCORE_PROMPTS.items():
+            core.add_score(request_id, prompt, None, CANDIDATES, outs.sink(request_id))
+        scoring = core._scorings["s1"]
+        if broken == "record":
+            scoring.record = fails("recording scores broke")
+        else:
+            scoring.output = output_fails(scoring)
+    engine._run(add)
+    outs.wait()
+    for k in "ab":
+        assert outs.tokens(k) == refs[k] and outs.last(k).error is None
+    (s1,), (s2,) = outs.got["s1"], outs.got["s2"]
+    assert s1.candidates == [] and "broke" in str(s1.error)
+    assert s2.error is None
+    for a, b in zip(s2.candidates, want.candidates):
+        assert a.token_ids == b.token_ids and a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    assert engine._run(lambda core: (dict(core._scorings), dict(core._scoring_of), dict(core._tracked))) == ({}, {}, {})
+    assert engine.kv_stats()["used"] == 0
+    assert engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=SCORE_PROMPTS["s2"])).candidates == want.candidates

@@ -548,7 +548,7 @@ class EngineCore:
         self.scheduler.postprocess(out, sample_seqs, tokens)
         for s in out.scheduled:
             seq = s.seq
-            if seq.num_uncomputed or seq.samples:
+            if seq.num_uncomputed or seq.samples or seq.status is SeqStatus.FINISHED:  # finished: failed this step
                 continue
             if seq.prefill_only:
                 self._pin_warmup(self._tracked[seq.request_id])
@@ -624,10 +624,26 @@ class EngineCore:
                 sample_seqs.append(s.seq)
                 rows.append(start)
             else:
-                end = s.seq.num_computed_tokens + s.num_new_tokens
-                self._scoring_of[id(s.seq)].record(s.seq, end, logits[start:start + n])
+                self._record_scores(s, logits[start:start + n])
             start += n
         return sample_seqs, logits[rows] if rows else None
+
+    def _record_scores(self, s: ScheduledSeq, logits: torch.Tensor) -> None:
+        """A scoring row's logits go to its Score request; where that fails, the request ends with the
+        error (INTERNAL at the API) and the step and every other request go on."""
+        scoring = self._scoring_of.get(id(s.seq))
+        if scoring is None:  # its request ended with an earlier row of this step
+            return
+        try:
+            scoring.record(s.seq, s.seq.num_computed_tokens + s.num_new_tokens, logits)
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise
+            self._fail_scoring(scoring, e, "scoring its candidates failed")
+
+    def _fail_scoring(self, scoring: Scoring, error: Exception, what: str) -> None:
+        log.error("score request %s: %s; ending it", scoring.request_id, what, exc_info=error)
+        self._end_scoring(scoring, FinishReason.ABORT, error)
 
     def _fork_scoring(self, parent: Sequence) -> None:
         """A Score request's prompt is computed: its candidates continue it (Scheduler.fork)."""
@@ -640,9 +656,15 @@ class EngineCore:
     def _scored(self, seq: Sequence) -> None:
         scoring = self._scoring_of.pop(id(seq))
         self.scheduler.finish(seq, FinishReason.STOP)
-        if scoring.finished(seq):
-            del self._scorings[scoring.request_id]
-            scoring.sink(scoring.output())
+        if not scoring.finished(seq):
+            return
+        try:
+            output = scoring.output()
+        except Exception as e:
+            self._fail_scoring(scoring, e, "putting its scores together failed")
+            return
+        del self._scorings[scoring.request_id]
+        scoring.sink(output)
 
     def _end_scoring(self, scoring: Scoring, reason: FinishReason, error: BaseException) -> None:
         for seq in list(scoring.members):
