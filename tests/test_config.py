@@ -56,6 +56,12 @@ prefixes:
     ({"model": {"path": "m"}, "server": {"http_address": "127.0.0.1:8181", "metrics_address": "127.0.0.1:8181"}},
      "server.http_address: .* is server.metrics_address itself"),
     ({"model": {"dtype": "auto"}}, "model.path: required"),
+    # a template with no text at all: refused, not pinned as an empty prefix
+    ({"model": {"path": "m"}, "prefixes": [{"name": "a"}]},
+     r"prefixes\[a\]: give exactly one of content, file or system_prompt \(got none\)"),
+    # a control character would break the HTTP API's model list and the metrics' labels
+    ({"model": {"path": "m", "served_name": "smol\nlm"}}, "model.served_name: expected a model id"),
+    ({"model": {"path": "m"}, "cache": {"snapshot_dir": 5}}, "cache.snapshot_dir: expected a folder"),
 ])
 def test_errors_name_the_key(raw, match):
     with pytest.raises(ConfigError, match=match):
@@ -91,6 +97,34 @@ def test_sizes():
     for bad in ("-1GiB", 0, True, "2 parsecs"):
         with pytest.raises(ConfigError):
             parse_size(bad, "k")
+
+
+@pytest.mark.parametrize("text", ["0GiB", "0", "0.4", "0.0001KB"])
+def test_a_size_that_comes_to_zero_bytes_is_refused(text):
+    """A size written as a string that rounds down to no bytes is refused as the integer 0 is (a KV
+    cache or a template limit of 0 bytes is never meant)."""
+    with pytest.raises(ConfigError, match=f"cache.kv_cache_memory: expected a size .*got '{text}'"):
+        config_from_dict({"model": {"path": "m"}, "cache": {"kv_cache_memory": text}})
+
+
+@pytest.mark.parametrize("cache, key, value", [
+    ({"gpu_memory_utilization": 1}, "gpu_memory_utilization", 1),  # the whole GPU: (0, 1] includes 1
+    ({"gpu_memory_utilization": 1.0}, "gpu_memory_utilization", 1.0),
+    ({"prefix_budget_blocks": 0}, "prefix_budget_blocks", 0),  # no block for templates: they are not pinned
+])
+def test_a_cache_value_at_the_edge_of_its_range_is_taken(cache, key, value):
+    cfg = config_from_dict({"model": {"path": "m"}, "cache": cache})
+    assert getattr(cfg.engine.cache, key) == value
+
+
+def test_a_home_relative_path_is_under_the_home_folder_not_the_config_folder(tmp_path, monkeypatch):
+    home, conf = tmp_path / "home", tmp_path / "conf"
+    monkeypatch.setenv("HOME", str(home))
+    cfg = config_from_dict({"model": {"path": "~/models/m"}, "cache": {"snapshot_dir": "~/snaps"},
+                            "server": {"state_file": "~/state.json"}}, base_dir=conf)
+    assert cfg.engine.model.path == str(home / "models" / "m")
+    assert cfg.engine.cache.snapshot_dir == str(home / "snaps")
+    assert cfg.server.state_file == str(home / "state.json")
 
 
 def test_model_load_errors(tmp_path, llama_dir):

@@ -97,6 +97,14 @@ def test_check_names_the_first_bad_value_and_leaves_free_form_ones(monkeypatch):
         envs.check()
 
 
+@pytest.mark.parametrize("raw", ["-1", "lots"])
+def test_check_refuses_a_count_that_is_not_a_whole_number(monkeypatch, raw):
+    """A count has no choices to list: check tests it as count() will, so `serve` stops at once."""
+    monkeypatch.setenv("PREFIX_SERVICE_BF16_BRGEMM_ROWS", raw)
+    with pytest.raises(ConfigError, match=f"^PREFIX_SERVICE_BF16_BRGEMM_ROWS='{raw}': a count of rows, 0 or more"):
+        envs.check()
+
+
 def test_set_values_name_the_kernel_settings_and_never_a_secret(monkeypatch):
     monkeypatch.setenv("PREFIX_SERVICE_F32_PANELS", "float32")
     monkeypatch.setenv("PREFIX_SERVICE_DECODE_PREFETCH", "task")

@@ -59,10 +59,20 @@ def test_bad_server_values(server, needle):
     ("0.0.0.0:50051", "0.0.0.0", 50051, False),
     ("[::]:50051", "::", 50051, False),
     ("my-host.internal:443", "my-host.internal", 443, False),
+    ("[::1]:65535", "::1", 65535, True),  # the highest port
 ])
 def test_address_parsing(address, host, port, loopback):
     cfg = ServerConfig(address=address)
     assert (cfg.host, cfg.port, cfg.is_loopback) == (host, port, loopback)
+
+
+def test_the_highest_port_and_a_grace_period_of_zero_are_taken_and_just_past_them_is_not():
+    cfg = server_cfg(address="0.0.0.0:65535", http_address="127.0.0.1:65534", grace_period_s=0)
+    assert cfg.server.port == 65535 and cfg.server.grace_period_s == 0  # 0: in-flight requests end at once
+    with pytest.raises(ConfigError, match="server.address: expected host:port"):
+        server_cfg(address="0.0.0.0:65536")
+    with pytest.raises(ConfigError, match=r"server.grace_period_s: expected seconds in \[0, 3600\], got 3601"):
+        server_cfg(grace_period_s=3601)
 
 
 def test_state_file_resolves_against_the_config_folder(tmp_path):
