@@ -123,6 +123,28 @@ def test_verify_finds_a_corrupted_file(config, folder, capsys):
     assert (gone["ok"], gone["size_bytes"]) == (False, None) and gone["reason"].startswith("unreadable")
 
 
+def test_verify_reads_only_snapshot_files(config, folder, capsys):
+    """What else a snapshot folder holds (a note, a save in progress's temp folder) is not a snapshot
+    that fails to load."""
+    (folder / "README.txt").write_text("snapshots of the doc and faq templates")
+    (folder / ".doc.kv.safetensors.tmp-live").mkdir()
+    rc, out, err = run(capsys, "verify", "--config", str(config))
+    assert rc == 0, err
+    assert sorted(lines(out)) == ["doc", "faq"]
+
+
+def test_verify_of_a_folder_with_no_snapshots_says_so_and_exits_0(llama_dir, tmp_path, capsys):
+    snaps = tmp_path / "snaps"
+    cfg = write_config(tmp_path / "svc.yaml", llama_dir, snapshots=str(snaps))
+    rc, out, err = run(capsys, "verify", "--config", str(cfg))
+    assert (rc, out) == (0, "")
+    assert f"no snapshots in {snaps} (the folder does not exist yet)" in err
+    snaps.mkdir()
+    rc, out, err = run(capsys, "verify", "--config", str(cfg))
+    assert (rc, out) == (0, "")
+    assert f"no snapshots in {snaps}\n" in err
+
+
 def test_export_then_import_pins_from_the_snapshot(config, folder, llama_dir, tmp_path, capsys):
     out_dir = tmp_path / "moved"
     out_dir.mkdir()
@@ -189,6 +211,16 @@ def test_import_refuses_a_file_of_another_block_size(folder, llama_dir, tmp_path
     target_dir.mkdir()
     assert run(capsys, "import", str(folder / "doc.kv.safetensors"), "--config", str(target))[0] == 1
     assert target_dir.is_dir() and list(target_dir.iterdir()) == []  # a folder that was there stays
+
+
+def test_an_import_whose_folder_cannot_be_written_exits_1(folder, llama_dir, tmp_path, capsys):
+    """A snapshot folder that cannot be made (here, under a regular file) is a file that cannot be
+    written: exit 1, as for a mismatch, not 2 (the command was asked right)."""
+    (tmp_path / "a-file").write_text("not a folder")
+    target = write_config(tmp_path / "b.yaml", llama_dir, snapshots=str(tmp_path / "a-file" / "snaps"))
+    rc, out, err = run(capsys, "import", str(folder / "doc.kv.safetensors"), "--config", str(target))
+    assert (rc, out) == (1, "") and err.startswith("error: ") and "a-file" in err
+    assert (tmp_path / "a-file").read_text() == "not a folder"
 
 
 def test_usage_errors_exit_2(config, folder, llama_dir, tmp_path, capsys):

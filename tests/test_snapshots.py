@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -256,6 +257,26 @@ def test_checks_run_in_order(tmp_path):
         make_store(tmp_path, dtype="bfloat16", block_size=8).load("faq", [1])
 
 
+def test_tensors_that_are_not_contiguous_are_saved_as_the_values_they_show(tmp_path):
+    """K/V handed over as views (a transposed copy, a slice of a larger cache) are saved, and sent to
+    another replica, bit for bit as the values they show."""
+    store = make_store(tmp_path)
+    kv = {k: t.transpose(2, 3).contiguous().transpose(2, 3) for k, t in make_kv().items()}
+    assert not any(t.is_contiguous() for t in kv.values())
+    want = {k: t.contiguous() for k, t in kv.items()}
+    store.save("faq", TOKENS, kv)
+    assert_same(store.load("faq", TOKENS), want)
+    with store.decode(store.encode("faq", TOKENS, kv), TOKENS) as reader:
+        assert_same(reader.read(), want)
+
+
+@pytest.mark.parametrize("fields", [("", "float32", 4), ("f" * 16, "", 4), ("f" * 16, "float32", 4, ""),
+                                    ("f" * 16, "float32", 0)])
+def test_a_snapshot_key_needs_a_fingerprint_a_dtype_a_layout_and_a_block_size(fields):
+    with pytest.raises(ValueError, match="SnapshotKey"):
+        SnapshotKey(*fields)
+
+
 # --- damaged or foreign files ---------------------------------------------------------------
 
 
@@ -321,6 +342,22 @@ def test_damaged_header_that_still_parses_is_refused(tmp_path, old, new):
     path.write_bytes(data[:8] + header.replace(old, new, 1) + data[8 + len(header):])
     with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
         store.load("faq", TOKENS)
+
+
+def test_a_header_whose_shape_does_not_fill_its_data_offsets_is_refused(tmp_path):
+    """Each tensor's data_offsets must span exactly its shape's bytes: a header damaged to a smaller
+    shape (its offsets and the data as they were) is unreadable, not read into a view that fails."""
+    store = make_store(tmp_path)
+    store.save("faq", TOKENS, make_kv())
+    path = store.path("faq")
+    data = path.read_bytes()
+    header = data[8:data_offset(path)]
+    assert b"[3,4,2,8]" in header
+    path.write_bytes(data[:8] + header.replace(b"[3,4,2,8]", b"[3,4,2,4]", 1) + data[8 + len(header):])
+    with pytest.raises(SnapshotMismatch, match=r"^unreadable: tensor \S+: data_offsets .* do not hold \[3, 4, 2, 4\]"):
+        store.load("faq", TOKENS)
+    with pytest.raises(SnapshotMismatch, match="^unreadable: "):
+        store.verify(path)
 
 
 def test_wrong_tensor_dtype_or_shape_is_refused_at_save(tmp_path):
@@ -407,6 +444,34 @@ def test_save_is_atomic_when_the_rename_fails(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert temp_files(tmp_path) == []
     assert_same(store.load("faq", TOKENS), old)
+
+
+def test_save_fsyncs_the_new_file_before_renaming_it_over_the_snapshot(tmp_path, monkeypatch):
+    """The folder's fsync makes the new name durable, not the file's bytes: without the file's own
+    fsync first, a power loss after the rename can leave the name on a file whose data never reached
+    the disk."""
+    events: list[tuple[str, tuple[int, int]]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        fsync(fd)
+
+    def recorded_replace(src, dst):
+        st = os.stat(src)
+        events.append(("replace", (st.st_dev, st.st_ino)))
+        replace(src, dst)
+
+    monkeypatch.setattr(snapshots.os, "fsync", recorded_fsync)
+    monkeypatch.setattr(snapshots.os, "replace", recorded_replace)
+    store = make_store(tmp_path)
+    kv = make_kv()
+    store.save("faq", TOKENS, kv)
+    [renamed] = [file for what, file in events if what == "replace"]
+    assert ("fsync", renamed) in events[:events.index(("replace", renamed))]
+    monkeypatch.undo()
+    assert_same(store.load("faq", TOKENS), kv)
 
 
 def test_save_and_remove_fsync_the_folder(tmp_path, monkeypatch):
@@ -578,6 +643,31 @@ def test_install_refuses_a_mismatch_and_keeps_the_previous_snapshot(tmp_path, da
         target.install(other.path("faq"), "faq")
     assert_same(target.load("faq", TOKENS), old)
     assert temp_files(tmp_path / "b") == []
+
+
+def test_install_and_export_verify_the_copy_they_made_not_only_the_source(tmp_path, monkeypatch):
+    """A copy damaged on its way (a failing disk, a source changed while it is copied) is refused and
+    nothing lands under the name, though the source itself passes verify."""
+    source = make_store(tmp_path / "a")
+    source.save("faq", TOKENS, make_kv())
+    copyfile = shutil.copyfile
+
+    def damaging_copyfile(src, dst, **kwargs):
+        copyfile(src, dst, **kwargs)
+        patch_byte(Path(dst), Path(dst).stat().st_size - 1)  # the last data byte
+        return dst
+
+    monkeypatch.setattr(snapshots.shutil, "copyfile", damaging_copyfile)
+    target = make_store(tmp_path / "b")
+    with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
+        target.install(source.path("faq"), "faq")
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SnapshotMismatch, match="corrupt: checksum mismatch"):
+        source.export("faq", tmp_path / "out" / "faq.kv.safetensors")
+    assert list((tmp_path / "out").iterdir()) == []
+    monkeypatch.undo()
+    assert source.verify(source.path("faq")).num_tokens == len(TOKENS)  # the source was whole all along
 
 
 def test_export_copies_a_verified_snapshot_out(tmp_path):

@@ -6,12 +6,18 @@ reason, then a prefill); removing a template removes its snapshot; a folder that
 written turns saving off and serving goes on."""
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import threading
+import time
 
 import pytest
 
 from prefix_service import GenerateRequest, SamplingParams
+from prefix_service.engine import snapshots
+from prefix_service.engine.snapshots import SnapshotKey, SnapshotStore
+from prefix_service.engine.template_snapshots import TemplateSnapshots
 
 TEMPLATE = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28]  # 4 full blocks of 4, and 2
 PROMPTS = [[40, 41, 42], [50, 51, 52, 53, 54]]
@@ -127,6 +133,66 @@ def test_a_folder_that_cannot_be_written_turns_saving_off(make_engine, tmp_path,
     assert greedy(engine) == greedy(plain)  # serving goes on, as without snapshots
     offs = [r.getMessage() for r in caplog.records if "snapshots are off" in r.getMessage()]
     assert len(offs) == 1  # one warning, then no more tries
+
+
+def test_saves_queued_behind_a_failed_one_are_not_tried(tmp_path, caplog, monkeypatch):
+    """Templates pinned together at a start queue their saves: the first that fails turns saving off
+    for those already waiting too, so a full disk is one try and one warning, not one per template."""
+    store = SnapshotStore(tmp_path / "snapshots", SnapshotKey("f" * 16, "float32", 4))
+    tries: list[str] = []
+
+    def disk_full(name, token_ids, kv):
+        tries.append(name)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "save", disk_full)
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    saver = TemplateSnapshots(store)
+    try:
+        busy = threading.Event()
+        saver._writer.submit(busy.wait, 30)  # the writer busy: the three saves wait behind it
+        for name in ("a", "b", "c"):
+            saver.save(name, [1, 2, 3], {})
+        busy.set()
+        saver.flush()
+    finally:
+        saver.close()
+    assert tries == ["a"] and not saver.saving
+    assert len([r for r in caplog.records if "snapshots are off" in r.getMessage()]) == 1
+
+
+def test_a_snapshot_the_store_cannot_open_is_one_warning_and_none(tmp_path, caplog, monkeypatch):
+    """An OSError from the store (a folder this process may not search) means the snapshot is not
+    used: the template is prefilled, its pin does not fail."""
+    store = SnapshotStore(tmp_path / "snapshots", SnapshotKey("f" * 16, "float32", 4))
+
+    def denied(name, token_ids):
+        raise PermissionError(errno.EACCES, "Permission denied", str(store.path(name)))
+
+    monkeypatch.setattr(store, "open", denied)
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    saver = TemplateSnapshots(store)
+    try:
+        assert saver.open("doc", TEMPLATE) is None
+    finally:
+        saver.close()
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "'doc'" in warning and "Permission denied" in warning and "prefilling" in warning, warning
+
+
+def test_an_engine_start_removes_the_temp_folders_of_interrupted_saves(make_engine, tmp_path, caplog):
+    folder = tmp_path / "snapshots"
+    stale = folder / ".doc.kv.safetensors.tmp-dead"  # a save killed mid-write, long ago
+    stale.mkdir(parents=True)
+    (stale / "doc.kv.safetensors").write_bytes(b"partial")
+    old = time.time() - snapshots.STALE_TEMP_AGE_S - 60
+    for p in (stale / "doc.kv.safetensors", stale):
+        os.utime(p, (old, old))
+    caplog.set_level(logging.WARNING, logger="prefix_service.engine")
+    engine = make_engine(snapshot_dir=str(folder), backend="torch")
+    assert not stale.exists()
+    assert any("removed 1 temp file(s) of interrupted snapshot writes" in r.getMessage() for r in caplog.records)
+    assert engine.add_template("doc", token_ids=TEMPLATE).kv_source == "prefill"
 
 
 def test_a_restarted_server_pins_its_templates_from_snapshots(model_dir, tmp_path, monkeypatch):
