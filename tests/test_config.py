@@ -162,6 +162,73 @@ def test_model_load_errors(tmp_path, llama_dir):
         load_tokenizer(notok)
 
 
+def _model_copy(src, dst, config=None, tensors=None):
+    """A copy of a model directory with its config.json passed through `config` and its safetensors'
+    tensors through `tensors` (each a function of the dict, returning the new one)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config(json.loads((dst / "config.json").read_text()))))
+    if tensors is not None:
+        for f in dst.glob("*.safetensors"):
+            save_file(tensors(load_file(str(f))), str(f), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_model_directory_that_is_not_there_is_named(tmp_path):
+    from prefix_service.errors import ModelLoadError
+    from prefix_service.model.loader import read_arch
+    with pytest.raises(ModelLoadError, match=r"model directory \S*nowhere does not exist"):
+        read_arch(tmp_path / "nowhere")
+
+
+def test_a_config_asking_for_mlp_biases_is_refused_by_name(tmp_path, llama_dir):
+    """The decoder's MLP has no bias: a checkpoint whose config says it has one is refused, not loaded
+    without them."""
+    from prefix_service.errors import ModelLoadError
+    from prefix_service.model.loader import read_arch
+    path = _model_copy(llama_dir, tmp_path / "m", config=lambda cfg: {**cfg, "mlp_bias": True})
+    with pytest.raises(ModelLoadError, match="mlp_bias=true is not supported"):
+        read_arch(path)
+    assert read_arch(_model_copy(llama_dir, tmp_path / "n", config=lambda cfg: {**cfg, "mlp_bias": False}))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_a_config_without_rms_norm_eps_takes_transformers_default(arch, model_dirs, tmp_path):
+    from transformers import AutoConfig
+
+    from prefix_service.model.loader import read_arch
+    path = _model_copy(model_dirs[arch], tmp_path / "m",
+                       config=lambda cfg: {k: v for k, v in cfg.items() if k != "rms_norm_eps"})
+    assert read_arch(path).rms_norm_eps == AutoConfig.from_pretrained(str(path)).rms_norm_eps
+
+
+def test_a_weight_missing_whole_or_of_the_wrong_shape_is_named(tmp_path, llama_dir):
+    """A checkpoint without a weight the model needs, or with one of another shape (here the final
+    norm, and the first layer's o_proj with a column cut off), is refused naming it."""
+    import torch
+
+    from prefix_service.errors import ModelLoadError
+    from prefix_service.model.loader import load_model
+
+    def without_norm(tensors):
+        return {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+
+    def narrow_o_proj(tensors):
+        name = "model.layers.0.self_attn.o_proj.weight"
+        return {**tensors, name: tensors[name][:, :-1].contiguous()}
+    with pytest.raises(ModelLoadError, match=r"missing weights norm\.weight$"):
+        load_model(_model_copy(llama_dir, tmp_path / "a", tensors=without_norm), torch.float32,
+                   torch.device("cpu"), 64)
+    with pytest.raises(ModelLoadError, match=r"weight layers\.0\.self_attn\.o_proj\.weight has shape \(64, 63\), "
+                                             r"expected \(64, 64\)"):
+        load_model(_model_copy(llama_dir, tmp_path / "b", tensors=narrow_o_proj), torch.float32,
+                   torch.device("cpu"), 64)
+
+
 def test_dummy_load_format_runs_without_weight_files(tmp_path, tokenizer_dir, make_engine):
     """load_format: dummy serves a config-only directory with random weights (benchmarks)."""
     from helpers import run_ids

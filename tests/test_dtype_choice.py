@@ -1,6 +1,7 @@
 """model.dtype: auto on a CPU is bfloat16 where bf16 outruns float32 (AMX-BF16, or AVX512-BF16 on
 an AMD CPU) and float32 elsewhere (no bf16 units, or Intel's AVX512-BF16 without AMX), says why at
 start-up naming the CPU's units or instruction sets, and any dtype asked for is kept."""
+import json
 import logging
 import os
 import platform
@@ -60,6 +61,20 @@ def test_a_dtype_asked_for_is_kept_whatever_the_cpu(llama_dir):
 def test_auto_on_a_gpu_is_the_checkpoints_dtype_bf16_for_float32(llama_dir):
     dtype, why = choose_dtype("auto", llama_dir, torch.device("cuda"))
     assert dtype == torch.bfloat16 and "GPU" in why  # the tiny checkpoints are float32
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])  # transformers 5 writes dtype, older ones torch_dtype
+@pytest.mark.parametrize("saved,dtype", [("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                                         ("float32", torch.bfloat16), ("torch.float16", torch.float16)])
+def test_auto_on_a_gpu_keeps_a_half_precision_checkpoints_dtype_under_either_key(llama_dir, tmp_path, key, saved,
+                                                                                 dtype):
+    cfg = {k: v for k, v in json.loads((llama_dir / "config.json").read_text()).items()
+           if k not in ("dtype", "torch_dtype")}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, key: saved}))
+    got, why = choose_dtype("auto", tmp_path, torch.device("cuda"))
+    assert got == dtype
+    assert why == ("auto, on a GPU: bfloat16 for a float32 checkpoint" if saved == "float32"
+                   else "auto, on a GPU: the checkpoint's dtype")
 
 
 def test_isa_names_what_this_cpu_has():

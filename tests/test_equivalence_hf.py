@@ -71,3 +71,58 @@ def test_a_bf16_checkpoint_in_float32_matches_transformers_from_bf16_held_weight
     on_template = engine_last_logits(held, ids[24:], prefix="doc")
     assert torch.equal(on_template, engine_last_logits(plain, ids[24:], prefix="doc"))
     assert torch.allclose(on_template, ref_logits, atol=LOGITS_ATOL, rtol=0)
+
+
+def _rope_in_parameters(path):
+    """The directory's config.json with its rope settings only under rope_parameters, as transformers
+    5 writes them (no top-level rope_theta or rope_scaling)."""
+    import json
+    cfg_file = path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope.update(cfg.get("rope_scaling") or {})
+    rope.setdefault("rope_type", "default")
+    cfg["rope_parameters"] = rope
+    cfg.pop("rope_theta", None)
+    cfg.pop("rope_scaling", None)
+    cfg_file.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 500000.0},
+    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16}},
+], ids=["theta", "linear", "llama3"])
+def test_rope_settings_under_rope_parameters_match_transformers(rope, tokenizer_dir, tmp_path, make_engine):
+    """A config whose rope base or scaling is given only under rope_parameters (transformers 5's
+    format): the engine's positions rotate as transformers' do, so its greedy ids and logits match."""
+    from prefix_service import synthetic
+    model = _rope_in_parameters(synthetic.build_model(tmp_path / "m", "llama", tokenizer_dir, seed=6, **rope))
+    ids = [(7 * i + 3) % 500 + 3 for i in range(37)]
+    ref_ids, ref_logits = hf_greedy(model, ids, 24)
+    engine = make_engine(model, block_size=8, backend="torch")
+    assert run_ids(engine, ids, max_tokens=24) == ref_ids
+    logits = engine_last_logits(engine, ids)
+    assert torch.allclose(logits, ref_logits, atol=LOGITS_ATOL, rtol=0), (logits - ref_logits).abs().max()
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_a_mistral_sliding_window_caps_the_context_and_matches_transformers_inside_it(backend, tokenizer_dir,
+                                                                                     tmp_path, make_engine):
+    """Mistral's config names a sliding_window with no use_sliding_window key: the window applies. The
+    engine attends fully inside it, so its context is capped to the window (a longer prompt is refused,
+    not served with attention the model was not trained for), and inside it matches transformers."""
+    from prefix_service import PromptTooLong, synthetic
+    model = synthetic.build_model(tmp_path / "m", "mistral", tokenizer_dir, seed=7, sliding_window=16)
+    engine = make_engine(model, block_size=8, backend=backend)
+    assert engine.info.max_model_len == 16
+    with pytest.raises(PromptTooLong, match="the model's context is 16 tokens"):
+        run_ids(engine, [(7 * i + 3) % 500 + 3 for i in range(37)], max_tokens=4)
+    ids = [(7 * i + 3) % 500 + 3 for i in range(11)]
+    ref_ids, ref_logits = hf_greedy(model, ids, 5)
+    assert run_ids(engine, ids, max_tokens=5) == ref_ids
+    logits = engine_last_logits(engine, ids)
+    assert torch.allclose(logits, ref_logits, atol=LOGITS_ATOL, rtol=0), (logits - ref_logits).abs().max()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,20 @@ def test_tokenizer_and_chat_template(prepared):
         ["2", "0", "2", "4"]
 
 
+def test_digits_are_split_from_the_whitespace_before_them_as_upstream(prepared):
+    """The upstream pre-tokenizer splits digits off first, so a run of spaces or newlines before a number
+    is the run's own tokens followed by the number's (transformers' GGUF converter alone would split the
+    run's last space off, into a lone token, before the digits)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(prepared["path"]), local_files_only=True)
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+    for space, number in (("  ", "7"), ("\n\n", "2024"), ("\n    ", "12"), ("   ", "42")):
+        assert ids(space + number) == ids(space) + ids(number), (space, number)
+
+
 def test_generates_paris(prepared):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -184,3 +199,89 @@ def test_replace_dir_swaps_existing(tmp_path):
     pm._replace_dir(new, target)
     assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+# ------------------------------------------------------------------ the build's bookkeeping (a stand-in build)
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """A source file standing in for the GGUF, and a build that writes the files a prepared directory
+    holds (the real one takes a minute): prepare_default_model's own steps around it run as they are.
+    Returns the list of folders the build wrote into."""
+    source = tmp_path / "src" / pm.GGUF_FILENAME
+    source.parent.mkdir()
+    source.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setattr(pm, "find_gguf", lambda: source)
+    monkeypatch.setattr(pm, "_check_dependencies", lambda: None)
+    built: list[Path] = []
+
+    def build(gguf_path, out, fingerprint, p):
+        built.append(out)
+        for name in pm._REQUIRED_FILES:
+            (out / name).write_text("{}")
+        return dict(fingerprint)
+    monkeypatch.setattr(pm, "_build", build)
+    return built
+
+
+def test_a_prepared_directory_is_one_whose_marker_matches_and_whose_files_are_all_there(fake_build, tmp_path):
+    out = pm.prepare_default_model(tmp_path / "m", progress=False)
+    fingerprint = pm._source_fingerprint(pm.find_gguf())
+    assert pm._is_prepared(out, fingerprint)
+    # another source file of the same size (its first MiB hashed differently) is another model
+    assert not pm._is_prepared(out, {**fingerprint, "source_sha256_first_mib": "0" * 64})
+    (out / "model.safetensors").unlink()  # a file lost since: rebuilt, not served
+    assert not pm._is_prepared(out, fingerprint)
+    assert pm.prepare_default_model(tmp_path / "m", progress=False) == out and len(fake_build) == 2
+    assert (out / "model.safetensors").is_file()
+
+
+def test_force_rebuilds_a_prepared_directory(fake_build, tmp_path):
+    out = pm.prepare_default_model(tmp_path / "m", progress=False)
+    assert pm.prepare_default_model(tmp_path / "m", progress=False) == out and len(fake_build) == 1
+    assert pm.prepare_default_model(tmp_path / "m", force=True, progress=False) == out and len(fake_build) == 2
+    assert pm.main(["--output", str(tmp_path / "m"), "--force", "--quiet"]) == 0 and len(fake_build) == 3
+
+
+def test_the_prepared_directory_takes_the_umasks_modes(fake_build, tmp_path):
+    """The build's temporary folder is private (mkdtemp's 0700); renamed into place it is readable as
+    any folder made under the umask is."""
+    umask = os.umask(0o022)
+    try:
+        out = pm.prepare_default_model(tmp_path / "m", progress=False)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o644}
+
+
+def test_a_failed_build_leaves_no_folder_behind_and_the_target_as_it_was(fake_build, monkeypatch, tmp_path):
+    out = pm.prepare_default_model(tmp_path / "m", progress=False)
+
+    def broken(gguf_path, tmp, fingerprint, p):
+        (tmp / "config.json").write_text("{}")
+        raise pm.ModelPrepareError("non-finite values in GGUF tensor model.norm.weight")
+    monkeypatch.setattr(pm, "_build", broken)
+    with pytest.raises(pm.ModelPrepareError, match="non-finite values"):
+        pm.prepare_default_model(tmp_path / "m", force=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".m.lock")) == ["m", "src"]
+    assert pm._is_prepared(out, pm._source_fingerprint(pm.find_gguf()))
+
+
+def test_an_output_folder_that_cannot_be_made_is_an_error_message(fake_build, tmp_path, capsys):
+    (tmp_path / "file").write_text("not a folder")
+    assert pm.main(["--output", str(tmp_path / "file" / "m"), "--quiet"]) == 1
+    assert capsys.readouterr().err.startswith("error: ") and not fake_build
+
+
+def test_a_gguf_package_older_than_0_10_is_refused_by_version(monkeypatch):
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the gguf package is not installed")
+    for version, too_old in (("0.9.3", True), ("0.10.0", False), ("0.17.1", False)):
+        monkeypatch.setattr(pm, "dist_version", lambda name, v=version: v)
+        if too_old:
+            with pytest.raises(pm.ModelPrepareError, match=f"gguf {version} is too old.*gguf>=0.10"):
+                pm._check_dependencies()
+        else:
+            pm._check_dependencies()

@@ -89,6 +89,18 @@ def test_quantize_model_replaces_each_decoder_linear(llama_dir):
         quantize_model(broken, "int8")
 
 
+def test_quantize_model_keeps_a_bf16_models_weights_in_bf16(llama_dir):
+    """A bfloat16 model's quantized linears hold q diag(scale) rounded once to bfloat16: the model keeps
+    one dtype, as the backends that run it expect."""
+    from prefix_service.model.loader import load_model
+    model = load_model(llama_dir, torch.bfloat16, torch.device("cpu"), 64)
+    assert quantize_model(model, "int8") == 4 * len(model.layers)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    for _, m in quantized_linears(model):
+        q, scale = int8_weight(m)
+        assert torch.equal(m.weight, dequantize(q, scale, torch.bfloat16))
+
+
 def test_model_quantization_is_checked_and_read_from_yaml(tmp_path, llama_dir):
     with pytest.raises(ConfigError, match="model.quantization: 'int4' is not one of none, int8"):
         ModelConfig(path=str(llama_dir), quantization="int4")

@@ -37,3 +37,22 @@ def test_anything_else_gets_autotokenizers_own_choice(model_dirs, tmp_path, chan
     assert _tokenizer_config_kwargs(path) == {}
     if change == "no tokenizer_class":  # AutoTokenizer itself still loads this one
         assert_same_tokenizer(load_tokenizer(path), AutoTokenizer.from_pretrained(str(path)))
+
+
+def test_a_tokenizer_saved_as_vocab_and_merges_alone_loads(model_dirs, tmp_path):
+    """A checkpoint whose tokenizer is vocab.json and merges.txt (no tokenizer.json) loads, as AutoTokenizer
+    loads it, and splits text into the ids of the same BPE saved as tokenizer.json."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+    path = tmp_path / "model"
+    shutil.copytree(model_dirs["llama"], path)
+    Tokenizer.from_file(str(path / "tokenizer.json")).model.save(str(path))  # vocab.json, merges.txt
+    (path / "tokenizer.json").unlink()
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
+        "add_prefix_space": False}))
+    tok = load_tokenizer(path)
+    assert_same_tokenizer(tok, AutoTokenizer.from_pretrained(str(path)))
+    full = load_tokenizer(model_dirs["llama"])
+    for text in ("the quick brown fox jumps over a lazy dog", "refund order 42 for the account"):
+        assert tok(text)["input_ids"] == full(text)["input_ids"]
