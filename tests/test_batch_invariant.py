@@ -140,3 +140,25 @@ def test_the_torch_backend_is_refused_before_the_weights_load(make_engine, monke
     monkeypatch.setattr(core, "load_model", lambda *a, **k: pytest.fail("the weights loaded"))
     with pytest.raises(ConfigError, match=r"model\.batch_invariant: the torch backend runs torch's matrix products"):
         make_engine(backend="torch", batch_invariant=True)
+
+
+def test_make_linear_and_a_bf16_invariant_engines_head_give_a_row_the_same_bits_in_any_call(make_engine, tmp_path,
+                                                                                          tokenizer_dir):
+    """make_linear's bf16 weight with invariant set, and the output head of an engine with
+    model.batch_invariant (whose calls take a row per sampled sequence, and every prompt row for a
+    prompt's logprobs): each row of a 300-row call has the bits of the same row alone. The model is
+    576 wide, as SmolLM2 is: at that width a 300-row call on the default kernels sums in another order."""
+    from prefix_service import synthetic
+    if native.load()[0] is None or onednn.load()[0] is None:
+        pytest.skip(f"the native and oneDNN libraries are both needed: {native.load()[1] or onednn.load()[1]}")
+    if onednn.invariant_kernel()[0] is None:
+        pytest.skip(f"no bf16 kernel serves every call size here: {onednn.invariant_kernel()[1]}")
+    torch.manual_seed(0)
+    m = linear.make_linear(torch.randn(256, 576).to(torch.bfloat16), invariant=True)
+    x = torch.randn(300, 576)
+    assert torch.equal(m(x), one_by_one(m, x))
+    model = synthetic.build_model(tmp_path / "wide", "llama", tokenizer_dir, seed=5, hidden_size=576,
+                                  num_attention_heads=9, num_key_value_heads=3)
+    head = make_engine(model, backend="cpu", dtype="bfloat16", batch_invariant=True)._core.backend.head
+    x = torch.randn(300, head.in_features)
+    assert torch.equal(head(x), one_by_one(head, x))

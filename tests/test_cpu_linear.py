@@ -132,6 +132,22 @@ def test_bad_input_is_refused():
         layer(x, out=torch.empty(4, 19))
 
 
+@needs_native
+def test_a_bias_or_out_the_kernel_cannot_read_as_dense_float32_is_refused():
+    """The kernel reads the bias as float32 [N] and writes out's rows as dense float32: a bias of another
+    dtype or a strided one, or an out whose columns are strided, is refused rather than misread."""
+    x, w, b = case(4, 20, 8)
+    layer = cpu_linear.NativeLinear(w, b)
+    with pytest.raises(NativeKernelError, match=r"bias: float32 \[20\] is needed, got torch.float64"):
+        cpu_linear.linear(x, layer.packed, 20, bias=b.double())
+    with pytest.raises(NativeKernelError, match=r"bias: float32 \[20\] is needed"):
+        cpu_linear.linear(x, layer.packed, 20, bias=torch.zeros(40)[::2])
+    with pytest.raises(NativeKernelError, match="dense rows"):
+        cpu_linear.linear(x, layer.packed, 20, out=torch.empty(20, 4).t())
+    with pytest.raises(NativeKernelError, match="dense rows"):
+        layer(x, out=torch.empty(20, 4).t())
+
+
 # --- float32 weights of bf16 values, held in bf16 (a bf16 checkpoint served in float32) --------------
 
 def bf16_values(w):
@@ -155,6 +171,20 @@ def test_bf16_valued_is_exact():
     w[3, 4] = 1 + 2 ** -10  # one value between two bf16 ones
     assert not cpu_linear.bf16_valued(w)
     assert not cpu_linear.bf16_valued(torch.randn(4, 4).to(torch.bfloat16))  # only float32 weights are held so
+
+
+@needs_native
+def test_a_value_between_two_bf16_ones_keeps_float32_panels():
+    """A float32 value whose bits past bf16's are only the first one (exactly half way between two bf16
+    values) is not a bf16 one: the weight keeps float32 panels and the kernel gives its exact product."""
+    x, w, b = case(5, 40, 24, seed=3)
+    w = bf16_values(w)
+    w[7, 5] = 1 + 2 ** -8
+    assert not cpu_linear.bf16_valued(w)
+    layer = cpu_linear.NativeLinear(w, b)
+    assert not layer.bf16_panels
+    assert torch.equal(layer(x), cpu_linear.NativeLinear(w, b, panels="float32")(x))
+    close(layer(x), reference(x, w, b))
 
 
 @needs_native

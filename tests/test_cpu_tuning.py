@@ -153,6 +153,22 @@ def test_a_cache_too_small_to_time_in_keeps_the_native_kernels(make_engine, monk
             else "not timed: 60 blocks of 4 tokens and 512 positions leave no room" in timing.why)
 
 
+@needs_bf16
+@needs_units
+def test_a_cache_with_room_for_exactly_the_smallest_template_is_timed(make_engine, monkeypatch):
+    """MIN_TEMPLATE_TOKENS is the shortest template timed: a cache leaving room for exactly that many
+    template tokens beside the test's rows is timed on them; one block fewer is not."""
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    monkeypatch.setattr(tuning, "TIMED_LAYERS", 1)
+    own = -(-tuning.PREFILL_TOKENS // BS) + tuning.DECODE_SEQUENCES
+    blocks = own + tuning.MIN_TEMPLATE_TOKENS // BS
+    timing = stack_of(make_engine(block_size=BS, num_blocks=blocks, dtype="bfloat16", backend="cpu")).template_timing
+    assert timing.template_tokens == tuning.MIN_TEMPLATE_TOKENS and set(timing.ms) == {"native", *KERNELS}
+    timing = stack_of(make_engine(block_size=BS, num_blocks=blocks - 1, dtype="bfloat16",
+                                  backend="cpu")).template_timing
+    assert not timing.ms and timing.why.startswith(f"not timed: {blocks - 1} blocks of {BS} tokens")
+
+
 def swap_pairs(o):
     """o [rows, D] with each pair of dimensions (0 and 1, 2 and 3, ...) swapped."""
     return o.view(o.shape[0], -1, 2).flip(-1).reshape(o.shape)
@@ -308,6 +324,42 @@ def test_the_prompt_rule_keeps_the_dot_products_only_by_the_margin():
     assert tuning.choose_prompt({"native": 20.0, "dot": 25.0})[0] == "native"
 
 
+def test_each_rule_takes_the_faster_way_at_exactly_one_minus_the_margin():
+    """"At most 1 - margin" of the native time: a way that took exactly that (here half, with a margin
+    of one half, exact in binary) is taken by each rule."""
+    assert tuning.choose(ms((40, 12), dot=(20, 6)), margin=0.5)[0] == "dot"
+    assert tuning.choose_prompt({"native": 20.0, "dot": 10.0}, margin=0.5) == ("dot", "50% of the native kernels' time")
+    assert tuning.choose_float32(f32_ms([1, 2], [0.5, 1]), margin=0.5)[0] == 0
+
+
+def test_a_failure_of_the_reference_way_is_raised_and_of_another_way_drops_it():
+    """The timing rounds: the first way is what the others are measured against, so its kernels' error
+    stops the timing; another way's error drops that way, its reason kept."""
+    def step(failing):
+        def run(way, case):
+            if way == failing:
+                raise native.NativeKernelError(f"{way} refused {case}")
+        return run
+    with pytest.raises(native.NativeKernelError, match="native refused prefill"):
+        tuning._timed_rounds(["native", "dot"], ("prefill", "decode"), step("native"), {}, rounds=1)
+    failed: dict[str, str] = {}
+    got = tuning._timed_rounds(["native", "dot"], ("prefill", "decode"), step("dot"), failed, rounds=1)
+    assert set(got) == {"native"} and set(got["native"]) == {"prefill", "decode"}
+    assert failed == {"dot": "failed: dot refused prefill"}
+
+
+@needs_lib
+def test_products_capped_at_the_dot_products_leave_them_to_time_where_the_cpu_has_them(monkeypatch):
+    """PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot (the most the products may use: kernel number 1): the
+    AVX512-BF16 dot products are the one candidate, timed as number 1, where the library has them."""
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "dot")
+    if onednn.template_kernel(16, 1) != "AVX512-BF16 dot products":
+        pytest.skip("no AVX512-BF16 dot products here")
+    assert tuning.candidates(16) == {"AVX512-BF16 dot products": 1}
+    monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, "auto")
+    assert "AVX512-BF16 dot products" in tuning.candidates(16) or onednn.template_kernel(16, 2) == "AMX brgemm"
+
+
 needs_dot = pytest.mark.skipif(not onednn.load()[0] or onednn.template_kernel(16, 1) != "AVX512-BF16 dot products",
                                reason="no AVX512-BF16 dot products here")
 
@@ -357,6 +409,20 @@ def test_a_prompt_timing_that_fails_or_has_no_room_keeps_the_native_kernels(make
                                        "128-token prompt")
 
 
+@needs_bf16
+@needs_dot
+def test_a_prompt_timed_on_a_short_context_fits_its_positions(make_engine, monkeypatch):
+    """A model served with a context shorter than PROMPT_TOKENS (max_model_len 200): the timed prompt
+    is as long as the context allows, in whole blocks, and the engine is built and serves."""
+    monkeypatch.setenv(onednn.PROMPT_ATTENTION_ENV, "measure")
+    monkeypatch.setattr(tuning, "TIMED_LAYERS", 1)
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu", max_model_len=200)
+    stack = stack_of(engine)
+    assert stack.prompt_timing.tokens == stack.cos.shape[0] // BS * BS <= 200
+    assert set(stack.prompt_timing.ms) == {"native", "dot"}
+    assert len(run_ids(engine, ids_of(150), max_tokens=3)) == 3
+
+
 # --- a float32 model's linears: the native kernel, or oneDNN's inner product above a row count ---------
 
 def f32_ms(native_ms, library_ms):
@@ -398,6 +464,26 @@ def test_a_float32_stack_times_its_linears_once_and_runs_what_the_rule_picks(mak
     assert isinstance(backend.head, linear.NativeLinear)  # the head is not timed
     assert f"linears on {linear.float32_choice(timing.native_rows)}; timed: {timing.why}" in backend.describe()
     assert make_engine(backend="cpu")._core.backend.stack.float32_timing is timing
+
+
+@needs_lib
+def test_float32_timings_are_kept_per_thread_count(monkeypatch):
+    """The crossover depends on how many threads share the work: weights of the same shapes are timed
+    again under another torch thread count, and reuse the timing under the same one."""
+    monkeypatch.setattr(tuning, "_FLOAT32_TIMINGS", {})
+    monkeypatch.setattr(tuning, "FLOAT32_ROUNDS", 1)
+    g = torch.Generator().manual_seed(3)
+    layers = [[torch.randn(32, 16, generator=g), torch.randn(16, 32, generator=g)]]
+    threads = torch.get_num_threads()
+    other = 1 if threads > 1 else 2
+    try:
+        first = tuning.measure_float32_linears(layers)
+        torch.set_num_threads(other)
+        second = tuning.measure_float32_linears(layers)
+        assert second is not first and tuning.measure_float32_linears(layers) is second
+    finally:
+        torch.set_num_threads(threads)
+    assert tuning.measure_float32_linears(layers) is first
 
 
 @needs_lib

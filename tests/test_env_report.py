@@ -95,6 +95,20 @@ def test_a_model_path_without_a_model_is_an_error_in_its_place(tmp_path, capsys)
     assert env_report.failed(report) == [f"model.error: {report['model']['error']}"]
 
 
+def test_without_a_model_the_kernel_report_gives_both_dtypes_choices(tmp_path, capsys):
+    """The model's dtype and head size unknown: the cpu kernels' choices for a float32 model and for a
+    bfloat16 one, and none of the attention's (they depend on the head size)."""
+    from prefix_service.backends.cpu import native, onednn
+    if native.load()[0] is None:
+        pytest.skip(f"no native CPU kernels here: {native.load()[1]}")
+    main(["env", "--config", config_file(tmp_path, tmp_path / "none"), "--json"])
+    kernels = json.loads(capsys.readouterr().out)["cpu_kernels"]
+    assert {"float32_linears", "float32_panels"} <= set(kernels)
+    if onednn.load()[0] is not None:
+        assert {"bf16_linears", "onednn_multiplies_bf16", "amx_brgemm"} <= set(kernels)
+    assert not [k for k in kernels if "attention" in k or "template" in k]
+
+
 @pytest.mark.parametrize("backend", ["auto", "cpu", "torch"])
 def test_a_model_the_cpu_backend_cannot_run(tmp_path, model_dir, capsys, backend):
     """float16 on a CPU: auto stands the torch backend in and says why, cpu asked for is the config

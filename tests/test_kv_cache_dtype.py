@@ -83,6 +83,16 @@ def test_cpu_backend_generates_the_torch_backends_tokens_on_a_bf16_cache(make_en
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels here: {REASON}")
+@pytest.mark.parametrize("int8", [False, True])
+def test_the_cpu_backends_start_up_line_names_a_bf16_cache_under_a_float32_model(make_engine, int8):
+    quantization = "int8" if int8 else "none"
+    plain = make_engine(backend="cpu", quantization=quantization).info.backend_description
+    bf16 = make_engine(backend="cpu", quantization=quantization, kv_cache_dtype="bfloat16").info.backend_description
+    assert "bf16 KV cache" not in plain and bf16.endswith(", bf16 KV cache)")
+    assert bf16.replace(", bf16 KV cache)", ")") == plain
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"no native CPU kernels here: {REASON}")
 def test_a_float32_model_keeps_float32_attention_where_bf16_products_are_asked_for(make_engine, monkeypatch):
     """The bf16 matrix products a bf16 model's template attention may take (rounding q and P to bf16)
     are never a float32 model's, though its cache holds bf16: asked for by name here, as the CPUs with
