@@ -1,10 +1,13 @@
 """Every bad input is a dedicated exception with a message that names the problem, and leaves
 the engine intact (the fixture checks integrity afterwards)."""
+import math
+
 import pytest
 
 from helpers import greedy, run_ids
 from prefix_service import (GenerateRequest, InvalidRequest, TemplateBudgetExceeded, TemplateExists,
                             TemplateNotFound, PromptTooLong, SamplingParams)
+from prefix_service.sampling_params import GREEDY_TEMPERATURE
 
 
 def test_unknown_prefix(make_engine):
@@ -112,3 +115,60 @@ def test_bad_request_in_a_batch_runs_nothing(make_engine):
     with pytest.raises(TemplateNotFound):
         engine.generate([good, bad])
     assert engine.kv_stats()["used"] == 0
+
+
+CAP, VOCAB = 64, 512
+BELOW, ABOVE = (lambda x: math.nextafter(x, -math.inf)), (lambda x: math.nextafter(x, math.inf))
+
+
+@pytest.mark.parametrize("field,taken,refused", [
+    ("max_tokens", [1, CAP], [0, CAP + 1, True]),
+    ("temperature", [0.0, 100.0, 100], [BELOW(0.0), ABOVE(100.0), 101, True]),
+    ("top_p", [ABOVE(0.0), 1.0, 1], [0.0, ABOVE(1.0)]),
+    ("top_k", [-1, 0, 1], [-2, True]),
+    ("seed", [0, 2**63, 2**64 - 1], [-1, 2**64, True]),
+    ("logprobs", [0, 20], [-1, 21, True]),
+    ("presence_penalty", [-2.0, 2.0, -2], [BELOW(-2.0), ABOVE(2.0)]),
+    ("frequency_penalty", [-2.0, 2.0, 2], [BELOW(-2.0), ABOVE(2.0)]),
+    ("repetition_penalty", [1e-3, 2.0, 2], [BELOW(1e-3), ABOVE(2.0)]),
+    ("min_tokens", [0, 8], [-1, 9, True]),
+    ("n", [1, 64], [0, 65, True]),
+])
+def test_each_sampling_bound_is_taken_and_one_step_past_it_is_refused_naming_the_field(field, taken, refused):
+    """Every documented bound is inclusive where it says so: the value at the bound is a request,
+    the nearest value past it (the next float, the next integer, or a bool for a number) is an
+    InvalidRequest whose param is the field."""
+    base = dict(max_tokens=8) if field != "max_tokens" else {}
+    for value in taken:
+        SamplingParams(**{**base, field: value}).validate(max_tokens_cap=CAP, vocab_size=VOCAB)
+    for value in refused:
+        with pytest.raises(InvalidRequest, match=f"^invalid sampling parameters: {field} ") as e:
+            SamplingParams(**{**base, field: value}).validate(max_tokens_cap=CAP, vocab_size=VOCAB)
+        assert e.value.param == field, value
+
+
+def test_stop_strings_token_ids_and_logit_bias_are_bounded_at_their_documented_limits():
+    """16 stop strings, a stop string of 256 characters, stop token ids and logit_bias keys below the
+    vocabulary size, 300 logit_bias entries of [-100, 100]: each is taken at its limit and refused
+    one past it, naming the field."""
+    def check(**kw):
+        SamplingParams(max_tokens=8, **kw).validate(max_tokens_cap=CAP, vocab_size=VOCAB)
+
+    check(stop=tuple(str(i) for i in range(16)))
+    check(stop=("x" * 256,), stop_token_ids=(0, VOCAB - 1))
+    check(logit_bias=tuple((t, 100.0 if t % 2 else -100.0) for t in range(300)))
+    check(logit_bias=((VOCAB - 1, 1.0),))
+    for kw, param in [(dict(stop=tuple(str(i) for i in range(17))), "stop"), (dict(stop=("x" * 257,)), "stop"),
+                      (dict(stop_token_ids=(VOCAB,)), "stop_token_ids"), (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+                      (dict(logit_bias=tuple((t, 1.0) for t in range(301))), "logit_bias"),
+                      (dict(logit_bias=((VOCAB, 1.0),)), "logit_bias"),
+                      (dict(logit_bias=((3, -100.5),)), "logit_bias")]:
+        with pytest.raises(InvalidRequest) as e:
+            check(**kw)
+        assert e.value.param == param, kw
+
+
+def test_a_temperature_below_the_greedy_bound_is_greedy_and_the_bound_itself_samples():
+    """Below GREEDY_TEMPERATURE (1e-5) a request is greedy; at it, it samples."""
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=BELOW(GREEDY_TEMPERATURE)).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy

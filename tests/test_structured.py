@@ -233,3 +233,25 @@ def test_a_constraint_that_allows_only_a_stop_token_wins_over_min_tokens(make_en
         free])
     assert (outs[0].text, outs[0].finish_reason) == ("qz", FinishReason.STOP)
     assert outs[1].token_ids == alone  # the row beside it as alone
+
+
+@pytest.mark.parametrize("written,match", [
+    ({"json_object": 1}, r"json_object: expected true, got 1"), ({"text": "yes"}, r"text: expected true, got 'yes'"),
+    ({"json_object": False}, "expected true"), ({"choice": []}, "non-empty strings"), ({"choice": "yes"}, "non-empty"),
+    ({"regex": ""}, "non-empty string"), ({"regex": 3}, "non-empty string"),
+    ({"regex": "a", "choice": ["a"]}, "mapping of one key"), ({"yaml": "x"}, "mapping of one key")])
+def test_a_written_constraint_other_than_its_documented_form_is_refused_naming_the_key(written, match):
+    """The written form (a template's YAML, the state file) is one key: json_object and text take
+    exactly true (not 1 or a string), choice a non-empty list, the others a non-empty string."""
+    with pytest.raises(InvalidRequest, match=match) as e:
+        StructuredOutput.from_dict(written, param="templates[0].output")
+    kind = next(iter(written))
+    assert e.value.param == ("templates[0].output" if len(written) != 1 or kind == "yaml" else
+                             f"templates[0].output.{kind}")
+
+
+@pytest.mark.parametrize("written", [
+    {"json_object": True}, {"text": True}, {"choice": ["yes", "no"]}, {"regex": "[a-z]+"},
+    {"grammar": "start: \"x\""}, {"json_schema": '{"type": "object"}'}])
+def test_a_written_constraint_reads_back_as_it_was_written(written):
+    assert StructuredOutput.from_dict(written).to_dict() == written
