@@ -133,6 +133,8 @@ def test_info_shows_what_the_server_computes_with(server, capsys):
     out = capsys.readouterr().out
     assert f"at {server.address}: model {server.server.served_name}, max_model_len {engine.max_model_len}" in out
     assert f"engine: {engine.dtype} on {engine.device}" in out
+    if engine.cpu_isa:  # the instruction set the CPU kernels use
+        assert f"engine: {engine.dtype} on {engine.device}, {engine.cpu_isa}" in out
     assert f"KV cache {engine.kv_cache_dtype}, {engine.num_blocks} blocks of {engine.block_size}" in out
     assert f"backend {engine.backend_description}" in out
     assert main(["info", "--address", server.address, "--json"]) == 0
@@ -378,3 +380,102 @@ def test_template_add_from_a_file_that_is_not_utf8_text(tmp_path, capsys):
     assert main(["template", "add", "menu", "--file", str(bad), "--address", "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot read {bad}" in err and "Traceback" not in err
+
+
+def test_generate_sends_each_sampling_flag_to_the_server(server, capsys):
+    """--temperature, --top-p, --seed and --stop each reach the request: a seeded sample is the
+    engine's sample for that seed, a top_p of 1e-6 leaves only the argmax however hot, and a stop
+    string cuts the output before it."""
+    def engine_text(**sampling):
+        return server.engine.generate([GenerateRequest(prompt=" the order", prefix_name="doc", sampling=SamplingParams(
+            max_tokens=12, **sampling))])[0]
+
+    def cli(*flags):
+        assert main(["generate", "--address", server.address, "--template", "doc", "--max-tokens", "12", *flags,
+                     " the order"]) == 0, capsys.readouterr().err
+        return capsys.readouterr()
+
+    seeded = engine_text(temperature=1.5, seed=11)
+    assert seeded.text != engine_text(temperature=1.5, seed=12).text  # the seed decides the sample
+    assert cli("--temperature", "1.5", "--seed", "11").out == seeded.text + "\n"
+    greedy_out = engine_text()
+    assert cli("--temperature", "1.5", "--top-p", "1e-6").out == greedy_out.text + "\n"
+    text = greedy_out.text
+    stop = next(piece for piece in (text[i:i + 3] for i in range(1, len(text) - 2))
+                if piece.strip() and text.count(piece) == 1)  # appears once, not at the start
+    out, err = cli("--stop", stop)
+    assert out == text[:text.index(stop)] + "\n" and err.startswith("[stop]")
+
+
+def test_generate_takes_each_integer_flag_at_its_bounds():
+    """The integer flags take the whole range a request holds: --max-tokens 0 (the server's default)
+    to 2^32-1, --top-k -1 (no limit) to 2^31-1, --seed 0 to 2^64-1."""
+    from prefix_service.cli import build_parser
+    parse = build_parser().parse_args
+    low = parse(["generate", "--max-tokens", "0", "--top-k", "-1", "--seed", "0", "x"])
+    high = parse(["generate", "--max-tokens", str(2**32 - 1), "--top-k", str(2**31 - 1), "--seed", str(2**64 - 1), "x"])
+    assert (low.max_tokens, low.top_k, low.seed) == (0, -1, 0)
+    assert (high.max_tokens, high.top_k, high.seed) == (2**32 - 1, 2**31 - 1, 2**64 - 1)
+
+
+@pytest.fixture
+def served_configs(monkeypatch):
+    """`serve` up to the point it would start: the config each run would serve, in order."""
+    import prefix_service.server
+    seen = []
+
+    async def fake_serve(config, *make_server):
+        seen.append((config, make_server))
+    monkeypatch.setattr(prefix_service.server, "serve", fake_serve)
+    return seen
+
+
+def test_serve_flags_override_the_configs_addresses(model_dir, tmp_path, served_configs):
+    """--address and --http-address replace the config's; --http-address '' turns the HTTP API off
+    (an empty string is an override, not the flag's absence; the config holds None for off)."""
+    cfg_file = tmp_path / "svc.yaml"
+    cfg_file.write_text(yaml.safe_dump({"model": {"path": str(model_dir), "device": "cpu"},
+                                        "server": {"address": "127.0.0.1:7001", "http_address": "127.0.0.1:7002"}}))
+    assert main(["serve", "--config", str(cfg_file)]) == 0
+    assert main(["serve", "--config", str(cfg_file), "--address", "127.0.0.1:7101", "--http-address", ""]) == 0
+    assert main(["serve", "--config", str(cfg_file), "--http-address", "127.0.0.1:7102"]) == 0
+    assert [(c.server.address, c.server.http_address, c.ray, extra) for c, extra in served_configs] == [
+        ("127.0.0.1:7001", "127.0.0.1:7002", None, ()), ("127.0.0.1:7101", None, None, ()),
+        ("127.0.0.1:7001", "127.0.0.1:7102", None, ())]
+
+
+def test_serve_replicas_sets_a_fixed_fleet_size_over_the_configs_autoscaling(model_dir, tmp_path, served_configs,
+                                                                             monkeypatch):
+    """--replicas N serves a fleet of exactly N: the config's min_replicas and max_replicas (autoscaling)
+    no longer apply."""
+    import types
+    import prefix_service.fleet
+    launcher = types.ModuleType("prefix_service.fleet.launcher")
+    launcher.fleet_server = object()
+    monkeypatch.setitem(sys.modules, "prefix_service.fleet.launcher", launcher)
+    monkeypatch.setattr(prefix_service.fleet, "use_serve_env", lambda: {})
+    cfg_file = tmp_path / "svc.yaml"
+    cfg_file.write_text(yaml.safe_dump({"model": {"path": str(model_dir), "device": "cpu"},
+                                        "ray": {"min_replicas": 1, "max_replicas": 4}}))
+    assert main(["serve", "--config", str(cfg_file), "--replicas", "3"]) == 0
+    (config, extra), = served_configs
+    assert (config.ray.num_replicas, config.ray.min_replicas, config.ray.max_replicas) == (3, None, None)
+    assert extra == (launcher.fleet_server,)
+
+
+def test_generate_system_without_chat_is_a_usage_error_before_any_call(capsys):
+    """--system only means something with --chat: exit 2 with one line, no request sent (no server
+    is asked, so none needs to be running)."""
+    assert main(["generate", "--address", "127.0.0.1:1", "--system", "be terse", "hello"]) == 2
+    assert capsys.readouterr().err == "error: --system needs --chat\n"
+
+
+def test_the_address_defaults_to_the_environment_variable_for_every_client_command(monkeypatch):
+    """PREFIX_SERVICE_ADDRESS, read when the parser is built, is the default --address of generate,
+    info and the template commands; without it, 127.0.0.1:50051."""
+    from prefix_service.cli import build_parser
+    commands = (["generate", "x"], ["info"], ["template", "list"], ["template", "remove", "t"])
+    monkeypatch.delenv("PREFIX_SERVICE_ADDRESS", raising=False)
+    assert {build_parser().parse_args(c).address for c in commands} == {"127.0.0.1:50051"}
+    monkeypatch.setenv("PREFIX_SERVICE_ADDRESS", "10.1.2.3:6000")
+    assert {build_parser().parse_args(c).address for c in commands} == {"10.1.2.3:6000"}

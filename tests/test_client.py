@@ -46,3 +46,14 @@ def test_client_seed_zero_samples_as_seed_zero(make_server):
             _, got, last = collect(client.generate(" the", "doc", max_tokens=16, temperature=1.0, seed=0,
                                                    ignore_eos=True))
             assert got == want and last.usage.completion_tokens == 16
+
+
+def test_a_client_asked_for_tls_does_not_fall_back_to_plaintext(make_server):
+    """tls=True without a CA file is TLS checked against the system's roots: against a plaintext
+    server the call fails (UNAVAILABLE), it is not sent in clear."""
+    st = make_server()
+    with PrefixServiceClient(st.address) as plain:
+        assert plain.server_info(timeout=30).model
+    with PrefixServiceClient(st.address, tls=True) as client, pytest.raises(grpc.RpcError) as info:
+        client.server_info(timeout=30)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE

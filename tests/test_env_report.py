@@ -124,3 +124,16 @@ def test_a_model_the_cpu_backend_cannot_run(tmp_path, model_dir, capsys, backend
     else:
         assert code == 0 and said.split(" ")[0] == picked
         assert ("cannot run here" in said) == (backend == "auto"), said
+
+
+def test_a_probe_that_raises_a_runtime_error_is_reported_in_its_place_and_fails_the_command(monkeypatch, capsys):
+    """A RuntimeError from a probe (here the environment's check) is that probe's "error: ..." line,
+    not a traceback: the rest of the report still prints and the command exits 1."""
+    def broken_check():
+        raise RuntimeError("the check broke")
+    monkeypatch.setattr(envs, "check", broken_check)
+    assert main(["env", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["environment"]["check"] == f"{env_report.ERROR}the check broke"
+    assert "machine" in report and "cpu_kernels" in report
+    assert env_report.failed(report) == ["environment.check: error: the check broke"]

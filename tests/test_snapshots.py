@@ -811,3 +811,25 @@ def test_dummy_fingerprint(tmp_path):
     assert model_fingerprint(model, "dummy", seed=0) == fp
     (model / "config.json").write_text("{}")
     assert model_fingerprint(model, "dummy", seed=0) != fp
+
+
+def test_fsync_dir_fsyncs_the_folder_itself_and_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """What save and remove rely on: fsync_dir fsyncs a descriptor of the folder (its device and
+    inode), then closes it."""
+    from prefix_service import fsutil
+    synced: list[tuple[int, int]] = []
+    fsync = os.fsync
+
+    def recorded_fsync(fd):
+        st = os.fstat(fd)
+        synced.append((st.st_dev, st.st_ino))
+        fsync(fd)
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"))
+
+    monkeypatch.setattr(fsutil.os, "fsync", recorded_fsync)
+    before = open_fds()
+    fsutil.fsync_dir(tmp_path)
+    assert open_fds() == before
+    assert synced == [(tmp_path.stat().st_dev, tmp_path.stat().st_ino)]
