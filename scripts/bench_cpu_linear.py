@@ -12,8 +12,9 @@ auto` serves on a CPU), then on bf16 weights `F.linear` and oneDNN's prepacked i
 bf16 inputs (torch's operators alone), and the cpu backend's bf16 kernels (onednn.py) as the
 decoder stack calls them, float32 rows in and out: `brgemm` (oneDNN's micro-kernel; AMX, else
 torch's fallback GEMM) and `inner_product` (where torch's oneDNN runs bf16; with AVX512-BF16 its
-calls of up to 128 rows run the few-row dot-product kernel, and `inner_product_onednn` is oneDNN's
-inner product for every call) or `emulated` (elsewhere); the ratios are against the float32 kernel.
+calls of up to 128 rows run the few-row dot-product kernel, `inner_product_onednn` is oneDNN's
+inner product for every call and `inner_product_dot` the dot products for every call) or `emulated`
+(elsewhere); the ratios are against the float32 kernel.
 
 First, as the machine's reference, torch.mm on two square matrices (up to 2048; smaller where a
 product would take over half a second) in float32 and in bfloat16: what the libraries torch links
@@ -182,6 +183,9 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
             # inner_product runs calls of up to few_rows rows on the dot-product kernel; this, oneDNN alone
             ways["inner_product_onednn"] = (
                 each(lambda w: onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False), wb), f32)
+            # and the dot products for every call (model.batch_invariant's kernel here)
+            ways["inner_product_dot"] = (
+                each(lambda w: onednn.OneDnnLinear(w, None, kernel="inner_product", invariant=True), wb), f32)
     return ways
 
 

@@ -77,14 +77,15 @@ def test_bench_cpu_linear_script_in_bfloat16(llama_dir, tmp_path):
     want += ["brgemm", "inner_product" if onednn.bf16_native() else "emulated"]
     few_rows = onednn.bf16_native() and onednn.OneDnnLinear(torch.ones(8, 8).bfloat16(), None,
                                                              kernel="inner_product").few_rows > 0
-    want += ["inner_product_onednn"] if few_rows else []
+    want += ["inner_product_onednn", "inner_product_dot"] if few_rows else []
     proc, data = run_script(llama_dir, tmp_path, "--dtype", "bfloat16")
     check_results(data, want)
     assert data["dtype"] == "bfloat16" and data["brgemm_vnni"] == onednn.brgemm_vnni()
     assert data["weight_bytes"]["native"] == 4 * data["parameters"]
     assert data["weight_bytes"]["blas"] == data["weight_bytes"]["brgemm"] == 2 * data["parameters"]
     if few_rows:
-        assert data["weight_bytes"]["inner_product_onednn"] == 2 * data["parameters"]
+        assert data["weight_bytes"]["inner_product_onednn"] == data["weight_bytes"]["inner_product_dot"] \
+            == 2 * data["parameters"]
     assert "brgemm vs native" in proc.stdout
 
 
