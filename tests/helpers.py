@@ -55,13 +55,18 @@ def hf_greedy(model_dir, ids: list[int], max_new_tokens: int, dtype=torch.float3
     return out[0, len(ids):].tolist(), logits
 
 
-def _rewritten_checkpoint(src, dst, rewrite):
-    """A copy of the model directory with each safetensors file's tensors passed through rewrite."""
+def model_copy(src, dst, tensors=None, config=None):
+    """A copy of the model directory with each safetensors file's tensors passed through `tensors` and
+    its config.json through `config` (each a function of the dict, returning the new one; None: as is)."""
+    import json
     import shutil
     from safetensors.torch import load_file, save_file
     shutil.copytree(src, dst)
-    for f in sorted(dst.glob("*.safetensors")):
-        save_file(rewrite(load_file(str(f))), str(f), metadata={"format": "pt"})
+    if config is not None:
+        (dst / "config.json").write_text(json.dumps(config(json.loads((dst / "config.json").read_text()))))
+    if tensors is not None:
+        for f in sorted(dst.glob("*.safetensors")):
+            save_file(tensors(load_file(str(f))), str(f), metadata={"format": "pt"})
     return dst
 
 
@@ -70,12 +75,12 @@ def dequantized_checkpoint(src, dst):
     (model/quantize.py's dequantized_checkpoint_tensors): what an engine with model.quantization int8
     runs, as transformers reads it."""
     from prefix_service.model.quantize import dequantized_checkpoint_tensors
-    return _rewritten_checkpoint(src, dst, dequantized_checkpoint_tensors)
+    return model_copy(src, dst, dequantized_checkpoint_tensors)
 
 
 def bf16_checkpoint(src, dst):
     """A copy of the model directory with its floating tensors saved in bfloat16 (as SmolLM2's are)."""
-    return _rewritten_checkpoint(src, dst, lambda tensors: {
+    return model_copy(src, dst, lambda tensors: {
         name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()})
 
 

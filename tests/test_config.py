@@ -1,6 +1,7 @@
 """YAML config: every key validated, errors name the key, the value and what is allowed."""
 import pytest
 
+from helpers import model_copy
 from prefix_service.config import ConfigError, config_from_dict, load_config, parse_size
 
 
@@ -162,22 +163,6 @@ def test_model_load_errors(tmp_path, llama_dir):
         load_tokenizer(notok)
 
 
-def _model_copy(src, dst, config=None, tensors=None):
-    """A copy of a model directory with its config.json passed through `config` and its safetensors'
-    tensors through `tensors` (each a function of the dict, returning the new one)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    shutil.copytree(src, dst)
-    if config is not None:
-        (dst / "config.json").write_text(json.dumps(config(json.loads((dst / "config.json").read_text()))))
-    if tensors is not None:
-        for f in dst.glob("*.safetensors"):
-            save_file(tensors(load_file(str(f))), str(f), metadata={"format": "pt"})
-    return dst
-
-
 def test_a_model_directory_that_is_not_there_is_named(tmp_path):
     from prefix_service.errors import ModelLoadError
     from prefix_service.model.loader import read_arch
@@ -190,10 +175,10 @@ def test_a_config_asking_for_mlp_biases_is_refused_by_name(tmp_path, llama_dir):
     without them."""
     from prefix_service.errors import ModelLoadError
     from prefix_service.model.loader import read_arch
-    path = _model_copy(llama_dir, tmp_path / "m", config=lambda cfg: {**cfg, "mlp_bias": True})
+    path = model_copy(llama_dir, tmp_path / "m", config=lambda cfg: {**cfg, "mlp_bias": True})
     with pytest.raises(ModelLoadError, match="mlp_bias=true is not supported"):
         read_arch(path)
-    assert read_arch(_model_copy(llama_dir, tmp_path / "n", config=lambda cfg: {**cfg, "mlp_bias": False}))
+    assert read_arch(model_copy(llama_dir, tmp_path / "n", config=lambda cfg: {**cfg, "mlp_bias": False}))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
@@ -201,7 +186,7 @@ def test_a_config_without_rms_norm_eps_takes_transformers_default(arch, model_di
     from transformers import AutoConfig
 
     from prefix_service.model.loader import read_arch
-    path = _model_copy(model_dirs[arch], tmp_path / "m",
+    path = model_copy(model_dirs[arch], tmp_path / "m",
                        config=lambda cfg: {k: v for k, v in cfg.items() if k != "rms_norm_eps"})
     assert read_arch(path).rms_norm_eps == AutoConfig.from_pretrained(str(path)).rms_norm_eps
 
@@ -221,11 +206,11 @@ def test_a_weight_missing_whole_or_of_the_wrong_shape_is_named(tmp_path, llama_d
         name = "model.layers.0.self_attn.o_proj.weight"
         return {**tensors, name: tensors[name][:, :-1].contiguous()}
     with pytest.raises(ModelLoadError, match=r"missing weights norm\.weight$"):
-        load_model(_model_copy(llama_dir, tmp_path / "a", tensors=without_norm), torch.float32,
+        load_model(model_copy(llama_dir, tmp_path / "a", tensors=without_norm), torch.float32,
                    torch.device("cpu"), 64)
     with pytest.raises(ModelLoadError, match=r"weight layers\.0\.self_attn\.o_proj\.weight has shape \(64, 63\), "
                                              r"expected \(64, 64\)"):
-        load_model(_model_copy(llama_dir, tmp_path / "b", tensors=narrow_o_proj), torch.float32,
+        load_model(model_copy(llama_dir, tmp_path / "b", tensors=narrow_o_proj), torch.float32,
                    torch.device("cpu"), 64)
 
 
