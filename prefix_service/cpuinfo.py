@@ -124,6 +124,29 @@ def bf16_dots_are_fast(vendor: str | None = None) -> bool:
     return (cpu_vendor() if vendor is None else vendor) != INTEL
 
 
+AMD = "AuthenticAMD"
+ZEN4_FAMILY = 25  # AMD's family 25 (0x19): Zen 3 and Zen 4, of which Zen 4 alone has AVX512-BF16
+
+
+def cpu_family() -> int | None:
+    """The first processor's `cpu family` number (25 for AMD's Zen 3 and 4, 26 for Zen 5), or None
+    where /proc/cpuinfo cannot be read or names none."""
+    raw = first_field("cpu family")
+    return int(raw) if raw is not None and raw.isdigit() else None
+
+
+def bf16_dots_lead_every_call(vendor: str | None = None, family: int | None = None) -> bool:
+    """Whether this CPU's AVX512-BF16 dot products (the cpu backend's few-row kernel) outrun oneDNN's
+    bf16 inner product at every call size, so a bf16 linear runs them for every call: on AMD's Zen 4
+    (family 25; a core there runs a 512-bit instruction as two 256-bit halves, so oneDNN's blocking
+    for wide calls gains nothing over them: they led by 7% at 129 rows and 1-2% at 1,000 to 2,048,
+    docs/benchmarks.md), not on Zen 5 (family 26, whole 512-bit units: oneDNN leads from 512 rows) or
+    Intel's cores. `vendor`, `family`: cpu_vendor()'s, cpu_family()'s."""
+    vendor = cpu_vendor() if vendor is None else vendor
+    family = cpu_family() if family is None else family
+    return vendor == AMD and family == ZEN4_FAMILY
+
+
 def bf16_is_faster(flags: frozenset[str] | None = None, vendor: str | None = None) -> bool:
     """Whether bf16 outruns float32 on this CPU (`model.dtype: auto`): with AMX-BF16, or with
     AVX512-BF16 on a CPU not made by Intel (AMD Zen 4 and 5: docs/benchmarks.md, "The cpu backend in

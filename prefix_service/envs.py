@@ -72,9 +72,9 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("PREFIX_SERVICE_BF16_BRGEMM_COLUMNS", "kernels", "32",
              "brgemm's output columns per packed weight block (whole AMX tiles, at most four)",
              choices=("16", "32", "48", "64"), takes="16, 32, 48 or 64"),
-    Variable("PREFIX_SERVICE_BF16_FEW_ROWS", "kernels", "1",
-             "whether a bf16 weight is also packed for the AVX512-BF16 few-row kernel (calls of up to 128 rows)",
-             choices=("1", "0"), takes="1 or 0"),
+    Variable("PREFIX_SERVICE_BF16_FEW_ROWS", "kernels", "all on an AMD Zen 4, else 1",
+             "which calls of a bf16 linear run the AVX512-BF16 few-row kernel: those of up to 128 rows (1), "
+             "none (0), or every call (all)", choices=("1", "0", "all"), takes="1, 0 or all"),
     Variable("PREFIX_SERVICE_BF16_TEMPLATE_ATTENTION", "kernels", "by the CPU (docs/architecture.md, cpu backend)",
              "how a bfloat16 model's rows attend over a pinned template's keys",
              choices=("native", "matrix", "measure"), aliases=(("brgemm", "matrix"),)),

@@ -13,8 +13,8 @@ bf16 inputs (torch's operators alone), and the cpu backend's bf16 kernels (onedn
 decoder stack calls them, float32 rows in and out: `brgemm` (oneDNN's micro-kernel; AMX, else
 torch's fallback GEMM) and `inner_product` (where torch's oneDNN runs bf16; with AVX512-BF16 its
 calls of up to 128 rows run the few-row dot-product kernel, `inner_product_onednn` is oneDNN's
-inner product for every call and `inner_product_dot` the dot products for every call) or `emulated`
-(elsewhere); the ratios are against the float32 kernel.
+inner product for every call and `inner_product_dot` the dot products for every call, a Zen 4's
+default) or `emulated` (elsewhere); the ratios are against the float32 kernel.
 
 First, as the machine's reference, torch.mm on two square matrices (up to 2048; smaller where a
 product would take over half a second) in float32 and in bfloat16: what the libraries torch links
@@ -42,8 +42,9 @@ through their layout, which the panels a change leaves alone show.
 int8 (`--dtype int8`): int8 weights (model.quantization: int8, one scale per output row) against
 the float32 kernel: the float32 kernel over them (`native_int8`, what a float32 model serves with
 them), and where the CPU has AVX512-BF16 the bf16 few-row kernel over bf16 blocks (`inner_product`)
-and over int8 blocks (`inner_product_int8`, what a bf16 model serves; from 129 rows both are oneDNN's
-bf16 inner product); then torch's own weight-only int8 kernel (aten._weight_int8pack_mm) on bf16
+and over int8 blocks (`inner_product_int8`, what a bf16 model serves), each as the CPU's default
+takes it (from 129 rows both are oneDNN's bf16 inner product, but on a Zen 4, where every call runs
+the dot products); then torch's own weight-only int8 kernel (aten._weight_int8pack_mm) on bf16
 and on float32 rows.
 """
 from __future__ import annotations
@@ -177,15 +178,18 @@ def build_ways(weights: list[list[torch.Tensor]], dtype: str) -> dict[str, tuple
     if reason:
         skip("the service's bf16 kernels", reason)
     else:  # float32 rows in and out, as the decoder stack calls them
+        # inner_product: calls of up to 128 rows on the dot-product kernel where the CPU has it (the
+        # default but on a Zen 4, which runs every call on it), oneDNN's inner product above
         for kernel in ("brgemm", "inner_product" if onednn.bf16_native() else "emulated"):
-            ways[kernel] = (each(lambda w, kernel=kernel: onednn.OneDnnLinear(w, None, kernel=kernel), wb), f32)
+            ways[kernel] = (each(lambda w, kernel=kernel: onednn.OneDnnLinear(
+                w, None, kernel=kernel, few_rows=onednn.FEW_ROWS_SOME), wb), f32)
         if onednn.bf16_native() and getattr(ways["inner_product"][0][0][0], "few_rows", 0):
-            # inner_product runs calls of up to few_rows rows on the dot-product kernel; this, oneDNN alone
+            # oneDNN alone
             ways["inner_product_onednn"] = (
                 each(lambda w: onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False), wb), f32)
-            # and the dot products for every call (model.batch_invariant's kernel here)
-            ways["inner_product_dot"] = (
-                each(lambda w: onednn.OneDnnLinear(w, None, kernel="inner_product", invariant=True), wb), f32)
+            # and the dot products for every call (a Zen 4's default, and model.batch_invariant's kernel)
+            ways["inner_product_dot"] = (each(lambda w: onednn.OneDnnLinear(
+                w, None, kernel="inner_product", few_rows=onednn.FEW_ROWS_ALL), wb), f32)
     return ways
 
 

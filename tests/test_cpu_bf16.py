@@ -19,7 +19,7 @@ from native_harness import decode_attention, prefill_attention
 from prefix_service import GenerateRequest, SamplingParams, cpuinfo
 from prefix_service.backends.cpu import attention as cpu_attention
 from prefix_service.backends.cpu import linear, native, onednn
-from test_cpu_onednn import DOT_ROWS
+from test_cpu_onednn import default_dot_rows
 from test_cpu_stack import check_mixed_workload
 
 REASON = native.load()[1] or linear.available(torch.bfloat16)
@@ -526,7 +526,7 @@ def test_an_engine_on_amx_names_its_default_linears_and_the_tiles(make_engine, m
     monkeypatch.setenv(onednn.KERNEL_ENV, "inner_product")
     described = make_engine(dtype="bfloat16", backend="cpu")._core.backend.describe()
     few_rows = "avx512_bf16" in cpuinfo.kernel_flags() and onednn.few_rows_default()
-    assert (f"oneDNN bf16 linears (AMX; AVX512-BF16 dot products up to {DOT_ROWS} rows)" if few_rows
+    assert (f"oneDNN bf16 linears (AMX; AVX512-BF16 dot products {default_dot_rows()})" if few_rows
             else "oneDNN bf16 linears (AMX)") in described, described
 
 
@@ -542,10 +542,10 @@ def test_bf16_engine_reports_itself_and_samples_deterministically(make_engine):
     # where the CPU has AVX512-BF16 (the test env's default)
     amx = onednn.brgemm_vnni()
     inner = onednn.bf16_native() and not amx
-    few_rows = inner and "avx512_bf16" in cpuinfo.kernel_flags() and onednn.few_rows_default()
+    few_rows = inner and "avx512_bf16" in cpuinfo.kernel_flags() and onednn.few_rows_default() > 0
     assert ("oneDNN bf16 linears, each shape timed on brgemm and the inner product (AMX; " in described) == amx
     assert ("oneDNN bf16 linears" in described) == (inner or amx)
-    assert (f"AVX512-BF16 dot products up to {DOT_ROWS} rows" in described) == few_rows
+    assert (f"AVX512-BF16 dot products {default_dot_rows()}" in described) == few_rows
     assert len(core.backend.kv_layers) > 0
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in core.backend.kv_layers)
     engine.add_template("tpl", token_ids=PREFIX)

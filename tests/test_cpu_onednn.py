@@ -288,25 +288,74 @@ needs_few_rows = pytest.mark.skipif(not FEW_ROWS, reason="the few-row kernel nee
                                     "inner product; this CPU or torch has not both")
 
 
+# the few-row kernel's reach where a weight is packed for it: every call on a Zen 4, else DOT_ROWS
+DEFAULT_DOT_ROWS = onednn.FEW_ROWS_EVERY_CALL if cpuinfo.bf16_dots_lead_every_call() else DOT_ROWS
+
+
+def default_dot_rows() -> str:
+    """The calls the few-row kernel takes by default (as $PREFIX_SERVICE_BF16_FEW_ROWS says now), in the
+    start-up line's words."""
+    return "for every call" if onednn.few_rows_default() == onednn.FEW_ROWS_ALL else f"up to {DOT_ROWS} rows"
+
+
 @needs_lib
 def test_the_few_row_kernel_is_packed_where_the_cpu_has_avx512_bf16(monkeypatch):
     w = torch.randn(40, 24).bfloat16()
     monkeypatch.delenv(onednn.FEW_ROWS_ENV, raising=False)
     if onednn.bf16_native():
         layer = onednn.OneDnnLinear(w, None, kernel="inner_product")
-        assert layer.few_rows == (DOT_ROWS if FEW_ROWS else 0)
-        assert (f"dot products up to {DOT_ROWS} rows" in repr(layer)) == FEW_ROWS
+        assert layer.few_rows == (DEFAULT_DOT_ROWS if FEW_ROWS else 0)
+        words = "for every call" if DEFAULT_DOT_ROWS == onednn.FEW_ROWS_EVERY_CALL else f"up to {DOT_ROWS} rows"
+        assert (f"dot products {words}" in repr(layer)) == FEW_ROWS
         assert onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=False).few_rows == 0
-        monkeypatch.setenv(onednn.FEW_ROWS_ENV, "0")
-        assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == 0
-        monkeypatch.setenv(onednn.FEW_ROWS_ENV, "1")
-        assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == (DOT_ROWS if FEW_ROWS else 0)
+        assert onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=True).few_rows == (
+            DOT_ROWS if FEW_ROWS else 0)
+        every = onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=onednn.FEW_ROWS_ALL)
+        assert every.few_rows == (onednn.FEW_ROWS_EVERY_CALL if FEW_ROWS else 0)
+        assert ("dot products for every call" in repr(every)) == FEW_ROWS
+        for value, rows in (("0", 0), ("1", DOT_ROWS), ("all", onednn.FEW_ROWS_EVERY_CALL)):
+            monkeypatch.setenv(onednn.FEW_ROWS_ENV, value)
+            assert onednn.OneDnnLinear(w, None, kernel="inner_product").few_rows == (rows if FEW_ROWS else 0), value
     # the other kernels and a float32 weight never take it
-    assert onednn.OneDnnLinear(w, None, kernel="brgemm", few_rows=True).few_rows == 0
-    assert onednn.OneDnnLinear(w.float(), None, few_rows=True).few_rows == 0
+    for few in (True, onednn.FEW_ROWS_ALL):
+        assert onednn.OneDnnLinear(w, None, kernel="brgemm", few_rows=few).few_rows == 0
+        assert onednn.OneDnnLinear(w.float(), None, few_rows=few).few_rows == 0
+    with pytest.raises(onednn.OneDnnError, match="few_rows: one of \\[0, 1, 2\\] is needed, got 3"):
+        onednn.OneDnnLinear(w, None, few_rows=3)
     monkeypatch.setenv(onednn.FEW_ROWS_ENV, "yes")
-    with pytest.raises(onednn.OneDnnSettingError, match="PREFIX_SERVICE_BF16_FEW_ROWS='yes': 1 or 0 is needed"):
+    with pytest.raises(onednn.OneDnnSettingError, match="PREFIX_SERVICE_BF16_FEW_ROWS='yes': 1, 0 or all is needed"):
         onednn.OneDnnLinear(w, None, kernel="inner_product" if onednn.bf16_native() else "emulated")
+
+
+@pytest.mark.parametrize("vendor,family,every_call", [
+    ("AuthenticAMD", 25, True), ("AuthenticAMD", 26, False), ("AuthenticAMD", 23, False),
+    ("GenuineIntel", 6, False), ("GenuineIntel", 25, False)])
+def test_a_zen_4_runs_every_bf16_call_on_the_few_row_kernel(vendor, family, every_call, monkeypatch):
+    """Unset, the few-row kernel's reach follows the CPU: every call on AMD's family 25 (Zen 4, whose
+    dot products led oneDNN's inner product at every call size timed), calls of up to DOT_ROWS rows
+    elsewhere (Zen 5 and Intel, where oneDNN leads on wide calls); the variable overrides the rule."""
+    assert cpuinfo.bf16_dots_lead_every_call(vendor, family) == every_call
+    monkeypatch.setattr(cpuinfo, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpuinfo, "cpu_family", lambda: family)
+    monkeypatch.delenv(onednn.FEW_ROWS_ENV, raising=False)
+    assert onednn.few_rows_default() == (onednn.FEW_ROWS_ALL if every_call else onednn.FEW_ROWS_SOME)
+    monkeypatch.setenv(onednn.FEW_ROWS_ENV, "1")
+    assert onednn.few_rows_default() == onednn.FEW_ROWS_SOME
+    monkeypatch.setenv(onednn.FEW_ROWS_ENV, "all")
+    assert onednn.few_rows_default() == onednn.FEW_ROWS_ALL
+    if FEW_ROWS:
+        monkeypatch.delenv(onednn.FEW_ROWS_ENV)
+        layer = onednn.OneDnnLinear(torch.randn(40, 24).bfloat16(), None, kernel="inner_product")
+        assert layer.few_rows == (onednn.FEW_ROWS_EVERY_CALL if every_call else DOT_ROWS)
+
+
+def test_cpu_family_reads_proc_cpuinfo(monkeypatch):
+    monkeypatch.setattr(cpuinfo, "first_field", lambda name: {"cpu family": "25"}.get(name))
+    assert cpuinfo.cpu_family() == 25
+    monkeypatch.setattr(cpuinfo, "first_field", lambda name: None)
+    assert cpuinfo.cpu_family() is None
+    monkeypatch.setattr(cpuinfo, "first_field", lambda name: {"cpu family": "?"}.get(name))
+    assert cpuinfo.cpu_family() is None
 
 
 @needs_few_rows

@@ -136,7 +136,7 @@ class CpuBackend(Backend):
         elif (rows := getattr(self.head, "brgemm_rows", 0)) and kernel == "inner_product":
             notes.append(f"brgemm up to {rows} rows")
         if few_rows := getattr(self.head, "few_rows", 0):
-            notes.append(f"AVX512-BF16 dot products up to {few_rows} rows")
+            notes.append(f"AVX512-BF16 dot products {onednn.few_rows_words(few_rows)}")
         return how + (f" ({'; '.join(notes)})" if notes else "")
 
     def named_linears(self) -> dict[str, linear.CpuLinear]:
@@ -147,10 +147,12 @@ class CpuBackend(Backend):
     def linear_choices(self) -> str:
         """What each bf16 linear of a layer, and the output head, runs: "qkv, o: brgemm up to 16 rows,
         the inner product above; gate_up, down: brgemm; head: ...", shapes with the same choice together."""
+        from prefix_service.backends.cpu import onednn
         groups: dict[str, list[str]] = {}
         for name, m in self.named_linears().items():
             kernel, rows, few = getattr(m, "kernel", "float32"), getattr(m, "brgemm_rows", 0), getattr(m, "few_rows", 0)
             what = (f"brgemm up to {rows} rows, the inner product above" if rows
+                    else "AVX512-BF16 dot products for every call" if few == onednn.FEW_ROWS_EVERY_CALL
                     else f"AVX512-BF16 dot products up to {few} rows, the inner product above" if few
                     else kernel.replace("_", " "))
             groups.setdefault(what, []).append(name)

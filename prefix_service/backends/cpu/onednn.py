@@ -23,8 +23,9 @@ beside the inner product, `brgemm_rows`):
                  rounds x to bf16, runs the bf16 inner product (float32 sums, bf16 output) and
                  widens the output into y. Where the CPU has
                  AVX512-BF16 the weight is also packed for the few-row kernel (`few_rows_default()`),
-                 which takes the calls of up to 128 rows (with int8 weights, model.quantization,
-                 reading int8 blocks there: `OneDnnLinear(int8=...)`, ps_onednn_pack's q);
+                 which takes the calls of up to 128 rows, or every call on a Zen 4 (the inner
+                 product's copy is then not made; with int8 weights, model.quantization, it reads
+                 int8 blocks: `OneDnnLinear(int8=...)`, ps_onednn_pack's q);
   brgemm         where timing on AMX (`brgemm_vnni()`) picks it, elsewhere by choice
                  ($PREFIX_SERVICE_BF16_LINEAR=brgemm): the weight in blocks of 32 output columns
                  (`brgemm_columns()`), each packed once; each call rounds x to bf16 and runs
@@ -203,14 +204,28 @@ COLUMNS_ENV = "PREFIX_SERVICE_BF16_BRGEMM_COLUMNS"
 DEFAULT_BRGEMM_COLUMNS = 32
 FEW_ROWS_ENV = "PREFIX_SERVICE_BF16_FEW_ROWS"
 FEW_ROWS_EVERY_CALL = 2 ** 31 - 1  # OneDnnLinear.few_rows where every call runs the few-row kernel
+# how a bf16 inner-product weight takes the few-row kernel, as ps_onednn_pack numbers it: not at all,
+# for calls of up to 128 rows (beside oneDNN's inner product, which takes the rest), or for every call
+FEW_ROWS_NONE, FEW_ROWS_SOME, FEW_ROWS_ALL = 0, 1, 2
+FEW_ROWS_MODES = {"0": FEW_ROWS_NONE, "1": FEW_ROWS_SOME, "all": FEW_ROWS_ALL}  # by FEW_ROWS_ENV's value
 
 
-def few_rows_default() -> bool:
-    """Whether a bf16 inner-product weight is also packed for the few-row kernel (AVX512-BF16 dot
-    products for calls of up to 128 rows, a decode step's or a short prompt's; the weight's bytes once more):
-    $PREFIX_SERVICE_BF16_FEW_ROWS (1 or 0) where set, else yes. Where the CPU lacks AVX512-BF16
-    nothing is packed either way."""
-    return envs.choice(FEW_ROWS_ENV, OneDnnSettingError) != "0"
+def few_rows_default() -> int:
+    """How a bf16 inner-product weight takes the few-row kernel (AVX512-BF16 dot products) by default
+    (FEW_ROWS_MODES): $PREFIX_SERVICE_BF16_FEW_ROWS where set (1, 0 or all), else for every call where
+    the dot products lead oneDNN's inner product at every call size (cpuinfo.bf16_dots_lead_every_call:
+    AMD's Zen 4; the weight is then packed once, for them alone), else for calls of up to 128 rows, a
+    decode step's or a short prompt's (the weight's bytes once more). Where the CPU lacks AVX512-BF16
+    nothing is packed for it either way."""
+    chosen = envs.choice(FEW_ROWS_ENV, OneDnnSettingError)
+    if chosen is not None:
+        return FEW_ROWS_MODES[chosen]
+    return FEW_ROWS_ALL if cpuinfo.bf16_dots_lead_every_call() else FEW_ROWS_SOME
+
+
+def few_rows_words(few_rows: int) -> str:
+    """Which calls an OneDnnLinear.few_rows (non-zero) runs on the few-row kernel, in words."""
+    return "for every call" if few_rows == FEW_ROWS_EVERY_CALL else f"up to {few_rows} rows"
 
 
 def brgemm_columns() -> int:
@@ -290,22 +305,23 @@ def _check_rows(name: str, t: torch.Tensor, cols: int, rows: int | None = None) 
 class OneDnnLinear:
     """y = x @ W.T + b with W packed once for oneDNN. x: [M, K] float32 (rows may be strided).
     kernel: a bfloat16 weight's (KERNELS; default: default_kernel()); columns: the brgemm kernel's
-    block width (default: brgemm_columns()); few_rows: whether an inner-product weight is also packed
-    for the few-row kernel where the CPU has AVX512-BF16 (default: few_rows_default()). `few_rows`
-    then holds the most rows a call runs through it (0: none). brgemm_rows: for an inner-product
-    weight, the most rows a call runs on brgemm instead (default: brgemm_rows_default(); the few-row
-    kernel is then not packed). kernel "measure" times the shape (time_linear, once per shape
-    and thread count) and sets both; `timing` then holds what it found (else None). invariant: one
-    kernel for every call size, so that an output row does not depend on the call's other rows
-    (a bfloat16 weight only: invariant_kernel()'s, whatever `kernel` and `few_rows` say; OneDnnError
-    where there is none).
+    block width (default: brgemm_columns()); few_rows: how an inner-product weight takes the few-row
+    kernel where the CPU has AVX512-BF16 (FEW_ROWS_MODES: False or FEW_ROWS_NONE not at all, True or
+    FEW_ROWS_SOME for calls of up to 128 rows, FEW_ROWS_ALL for every call; default: few_rows_default()).
+    `few_rows` then holds the most rows a call runs through it (0: none; FEW_ROWS_EVERY_CALL: every
+    call). brgemm_rows: for an inner-product weight, the most rows a call runs on brgemm instead
+    (default: brgemm_rows_default(); the few-row kernel is then not packed). kernel "measure" times
+    the shape (time_linear, once per shape and thread count) and sets both; `timing` then holds what
+    it found (else None). invariant: one kernel for every call size, so that an output row does not
+    depend on the call's other rows (a bfloat16 weight only: invariant_kernel()'s, whatever `kernel`
+    and `few_rows` say; OneDnnError where there is none).
 
     `handle` and `fn` (the address of ps_onednn_linear) let native code make the same call, and for a
     bf16 weight `call.run_bf16` (ps_onednn_linear_bf16) the call with bf16 hand-offs (`rows_bf16`);
     the handle lives as long as this object and is freed after it."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
-                 columns: int | None = None, few_rows: bool | None = None,
+                 columns: int | None = None, few_rows: int | None = None,
                  int8: tuple[torch.Tensor, torch.Tensor] | None = None, brgemm_rows: int | None = None,
                  invariant: bool = False) -> None:
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
@@ -321,10 +337,12 @@ class OneDnnLinear:
         self.dtype = weight.dtype
         if kernel is not None and kernel not in KERNEL_CHOICES:
             raise OneDnnError(f"kernel: one of {', '.join(KERNEL_CHOICES)} is needed, got {kernel!r}")
+        if few_rows is not None and few_rows not in FEW_ROWS_MODES.values():
+            raise OneDnnError(f"few_rows: one of {sorted(FEW_ROWS_MODES.values())} is needed, got {few_rows!r}")
         if brgemm_rows is not None and brgemm_rows < 0:
             raise OneDnnError(f"brgemm_rows: 0 or more is needed, got {brgemm_rows}")
         self.invariant = invariant
-        every_call = False  # the few-row kernel for every call
+        every_call = False  # the few-row kernel for every call, asked for by `invariant`
         if invariant:
             if self.dtype == torch.float32:
                 raise OneDnnError("invariant: oneDNN's float32 inner product depends on a call's rows; the native "
@@ -332,8 +350,8 @@ class OneDnnLinear:
             one, why = invariant_kernel()
             if one is None:
                 raise OneDnnError(f"invariant: {why}")
-            kernel, few_rows, brgemm_rows, every_call = ("brgemm", False, 0, False) if one == "brgemm" else \
-                ("inner_product", True, 0, True)
+            kernel, few_rows, brgemm_rows, every_call = ("brgemm", FEW_ROWS_NONE, 0, False) if one == "brgemm" \
+                else ("inner_product", FEW_ROWS_ALL, 0, True)
         # float32: oneDNN's float32 inner product, whatever `kernel` says
         self.kernel = "float32" if self.dtype == torch.float32 else kernel or default_kernel()
         self.timing: LinearTiming | None = None
@@ -342,7 +360,7 @@ class OneDnnLinear:
             return brgemm_columns() if columns is None else _check_columns(columns, f"columns={columns}")
         if self.kernel == "measure":
             self.timing = time_linear(self.out_features, self.in_features, block_width())
-            self.kernel, brgemm_rows, few_rows = self.timing.kernel, self.timing.brgemm_rows, False
+            self.kernel, brgemm_rows, few_rows = self.timing.kernel, self.timing.brgemm_rows, FEW_ROWS_NONE
         self.emulated = self.kernel == "emulated"
         if self.kernel != "inner_product":
             brgemm_rows = 0
@@ -359,7 +377,7 @@ class OneDnnLinear:
         handle = lib.ps_onednn_pack(w.data_ptr(), int(self.dtype == torch.bfloat16), self.out_features,
                                     self.in_features, None if b is None else b.data_ptr(),
                                     KERNELS.get(self.kernel, 0), self.columns,
-                                    2 if every_call else int(few_rows_default() if few_rows is None else few_rows),
+                                    int(few_rows_default() if few_rows is None else few_rows),
                                     None if q is None else q.data_ptr(), None if scale is None else scale.data_ptr(),
                                     brgemm_rows)
         if not handle:
@@ -419,8 +437,7 @@ class OneDnnLinear:
         if self.timing is not None:
             mode += ", timed"
         if self.few_rows:
-            rows = "every call" if self.few_rows == FEW_ROWS_EVERY_CALL else f"up to {self.few_rows} rows"
-            mode += f", {'int8 ' if self.int8 else ''}dot products {rows}"
+            mode += f", {'int8 ' if self.int8 else ''}dot products {few_rows_words(self.few_rows)}"
         return f"OneDnnLinear(in_features={self.in_features}, out_features={self.out_features}, {mode})"
 
 
