@@ -16,6 +16,11 @@ after the other with nothing else running, each writing its JSON into OUT, then 
    under 2 s, at rates set from step 3's closed-loop throughput unless --qps names them;
 5. the ratios of step 1 again (the machine after the rest).
 
+Before each step the script waits for the machine to settle (idle over SETTLE_WINDOW_S, at most
+--settle-s): a server of the step before may still be going away, and a step started in its tail
+measured it (a second ratios run straight after the open loop gave 7.39x where the quiet rerun gave
+8.19x, docs/benchmarks.md).
+
 Ours is the dtype `model.dtype: auto` picks on this CPU (bf16 where it has bf16 units). The table
 (OUT/targets.md, and OUT/targets.json with the machine, its instruction sets and the load) has a
 row per target and vLLM system. It needs vLLM's environment (`make bench-peers`). --summary-only
@@ -53,6 +58,8 @@ PREFIX_OVER_ALONE_AT_MOST = 1.45
 OUTPUT_TOKENS = 30  # the intent workload's, per request
 # the open loop's rates, as fractions of a system's closed-loop requests/s at 64 clients
 OPEN_FRACTIONS = (0.35, 0.5, 0.65, 0.8)
+SETTLE_WINDOW_S = 2.0  # before each step: the CPUs idle over this long (bench.modes.wait_idle)
+SETTLE_MAX_S = 120.0  # the default of --settle-s
 
 # each step's JSON in OUT
 FILES = {"ratios-1": "ratios-1.json", "engine": "engine.json", "servers": "servers.json", "open": "open.json",
@@ -273,10 +280,14 @@ def main() -> int:
                         "more; `--vllm-servers float32` leaves them out and their rows read 'no figure'")
     p.add_argument("--summary-only", action="store_true", help="only the table, from the JSON already in --out")
     p.add_argument("--resume", action="store_true", help="skip the steps whose JSON is in --out already")
+    p.add_argument("--settle-s", type=float, default=SETTLE_MAX_S,
+                   help=f"before each step, wait up to this long for the CPUs to be idle over {SETTLE_WINDOW_S:g} s "
+                        "(0: not at all)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.summary_only:
+        from prefix_service.bench import modes
         from prefix_service.bench.systems.vllm import vllm_python
         python, why = vllm_python()
         if python is None:  # every step but our own ratios needs it: say so before the first one runs
@@ -287,6 +298,9 @@ def main() -> int:
             if args.resume and (out / FILES[step]).exists():
                 print(f"=== {step}: {out / FILES[step]} is there already", flush=True)
                 continue
+            waited = modes.wait_idle(args.settle_s, SETTLE_WINDOW_S)
+            print(f"=== {step}: the machine settled in {waited:.1f} s (load average "
+                  f"{', '.join(f'{x:.2f}' for x in os.getloadavg())})", flush=True)
             for cmd in commands(out, args, step):
                 print(f"=== {step} ({time.strftime('%H:%M:%S')}): {' '.join(cmd)}", flush=True)
                 if subprocess.run(cmd, cwd=REPO, env=env).returncode != 0:

@@ -233,3 +233,32 @@ def test_a_vllm_server_left_out_has_no_figure_and_says_why(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), "--vllm-servers", "fp8"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--vllm-servers: unknown dtype(s) fp8" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_each_step_starts_on_a_settled_machine(tmp_path, monkeypatch):
+    """Before every step the script waits for the CPUs to be idle over SETTLE_WINDOW_S, at most
+    --settle-s, and only then runs the step's command; the table follows from the steps' JSON."""
+    from prefix_service.bench import modes
+    from prefix_service.bench.systems import vllm
+    events: list[tuple] = []
+    monkeypatch.setattr(vllm, "vllm_python", lambda: (sys.executable, ""))
+    monkeypatch.setattr(modes, "wait_idle", lambda max_s, window_s: events.append(("settle", max_s, window_s)) or 0.0)
+    out = tmp_path / "run"
+    data = {"ratios-1": ratios(8.0, 1.3), "ratios-2": ratios(7.9, 1.35), "engine": engine(),
+            "servers": servers({"grpc_prefix": (180.0, 200.0, 60.0), "vllm_apc_bf16": (100.0, 120.0, 120.0)}),
+            "open": opened({"grpc_prefix": 3.0, "vllm_apc_bf16": 1.5})}
+
+    def run(cmd, **kwargs):  # each step "runs": its JSON appears
+        step = next(s for s, f in targets.FILES.items() if str(out / f) in cmd)
+        events.append(("run", step))
+        (out / targets.FILES[step]).write_text(json.dumps(data[step]))
+        return subprocess.CompletedProcess(cmd, 0)
+    monkeypatch.setattr(targets.subprocess, "run", run)
+    monkeypatch.setattr(sys, "argv", ["bench_cpu_targets.py", "--out", str(out), "--settle-s", "33"])
+    assert targets.main() == 0
+    want: list[tuple] = []
+    for step in targets.FILES:
+        want += [("settle", 33.0, targets.SETTLE_WINDOW_S), ("run", step)]
+    assert events == want
+    assert targets.SETTLE_WINDOW_S >= 1.0  # a settled machine, not a gap between two bursts
+    assert (out / "targets.md").exists()

@@ -208,6 +208,16 @@ def test_a_timed_section_waits_for_an_idle_cpu():
                 spinner.stdout.close()
 
 
+def test_wait_idle_waits_out_a_whole_window():
+    """A longer window asks for the CPUs idle over all of it: at least one window passes, however idle
+    the machine (the targets script settles the machine this way between its steps)."""
+    from prefix_service.bench import modes
+    if modes._cpu_jiffies() is None:
+        pytest.skip("no /proc/stat on this platform: wait_idle does not wait")
+    assert modes.wait_idle(max_wait_s=5, window_s=0.6) >= 0.6
+    assert modes.wait_idle(max_wait_s=0, window_s=0.6) == pytest.approx(0.0, abs=0.05)
+
+
 def test_open_loop_runs_the_systems_rate_by_rate_in_turns():
     """Every system at a rate before the next rate, the first one moving along each rate, so that a
     rate's systems share the machine's minutes; a system that falls behind stops there, the others

@@ -35,17 +35,18 @@ def _cpu_jiffies() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def wait_idle(max_wait_s: float = IDLE_MAX_WAIT_S) -> float:
-    """Wait until the machine's CPUs are idle (under IDLE_SHARE busy over IDLE_WINDOW_S), at most
-    max_wait_s (0: not at all); returns the seconds waited. A timed section starts on an idle
-    machine, not in the tail of what ran before it: vLLM's CPU server keeps a core busy for about a
-    second after it answers, which slowed whichever system came next by up to a third."""
+def wait_idle(max_wait_s: float = IDLE_MAX_WAIT_S, window_s: float = IDLE_WINDOW_S) -> float:
+    """Wait until the machine's CPUs are idle (under IDLE_SHARE busy over a window of window_s), at
+    most max_wait_s (0: not at all; a window once begun is waited out); returns the seconds waited. A
+    timed section starts on an idle machine, not in the tail of what ran before it: vLLM's CPU server
+    keeps a core busy for about a second after it answers, which slowed whichever system came next by
+    up to a third. A longer window asks for a machine that has settled, not one between two bursts."""
     start = now()
     last = _cpu_jiffies()
     if last is None:
         return 0.0
     while now() - start < max_wait_s:
-        threading.Event().wait(IDLE_WINDOW_S)
+        threading.Event().wait(window_s)
         cur = _cpu_jiffies()
         if cur is None:
             break
