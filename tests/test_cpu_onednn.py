@@ -349,6 +349,33 @@ def test_a_zen_4_runs_every_bf16_call_on_the_few_row_kernel(vendor, family, ever
         assert layer.few_rows == (onednn.FEW_ROWS_EVERY_CALL if every_call else DOT_ROWS)
 
 
+@needs_lib
+def test_the_env_report_names_the_calls_the_few_row_kernel_takes(monkeypatch):
+    """`prefix-service env`'s bf16_dot_products: what a bf16 weight packed here would run on the few-row
+    kernel, as OneDnnLinear packs it; none where the library has no dot products or another kernel
+    takes every call."""
+    monkeypatch.delenv(onednn.FEW_ROWS_ENV, raising=False)
+    monkeypatch.delenv(onednn.KERNEL_ENV, raising=False)
+    w = torch.randn(40, 24).bfloat16()
+    if not FEW_ROWS:
+        assert onednn.few_rows_choice().startswith("none (")
+        return
+    assert onednn.DOT_ROWS == onednn.OneDnnLinear(w, None, kernel="inner_product", few_rows=True).few_rows
+    for value, want in (("0", "none (PREFIX_SERVICE_BF16_FEW_ROWS=0)"), ("1", f"calls of up to {DOT_ROWS} rows"),
+                        ("all", "every call"), (None, "every call" if cpuinfo.bf16_dots_lead_every_call()
+                                                 else f"calls of up to {DOT_ROWS} rows")):
+        if value is None:
+            monkeypatch.delenv(onednn.FEW_ROWS_ENV)
+        else:
+            monkeypatch.setenv(onednn.FEW_ROWS_ENV, value)
+        assert onednn.few_rows_choice() == want, value
+        rows = onednn.OneDnnLinear(w, None).few_rows
+        assert rows == {"every call": onednn.FEW_ROWS_EVERY_CALL, "calls of up to 128 rows": DOT_ROWS}.get(want, 0)
+    monkeypatch.setenv(onednn.KERNEL_ENV, "brgemm")
+    assert onednn.few_rows_choice() == "none (bf16 linears: brgemm)"
+    assert onednn.OneDnnLinear(w, None).few_rows == 0
+
+
 def test_cpu_family_reads_proc_cpuinfo(monkeypatch):
     monkeypatch.setattr(cpuinfo, "first_field", lambda name: {"cpu family": "25"}.get(name))
     assert cpuinfo.cpu_family() == 25

@@ -105,7 +105,8 @@ def test_without_a_model_the_kernel_report_gives_both_dtypes_choices(tmp_path, c
     kernels = json.loads(capsys.readouterr().out)["cpu_kernels"]
     assert {"float32_linears", "float32_panels"} <= set(kernels)
     if onednn.load()[0] is not None:
-        assert {"bf16_linears", "onednn_multiplies_bf16", "amx_brgemm"} <= set(kernels)
+        assert {"bf16_linears", "bf16_dot_products", "onednn_multiplies_bf16", "amx_brgemm"} <= set(kernels)
+        assert kernels["bf16_dot_products"] == onednn.few_rows_choice()
     assert not [k for k in kernels if "attention" in k or "template" in k]
 
 

@@ -37,6 +37,7 @@ def kernel_choices(dtype: torch.dtype | None, head_size: int | None,
         out["float32_panels"] = probe(linear.float32_panels)
     if (dtype is None or dtype == torch.bfloat16) and onednn.load()[0] is not None:
         out["bf16_linears"] = probe(onednn.default_kernel)
+        out["bf16_dot_products"] = probe(onednn.few_rows_choice)
         out["onednn_multiplies_bf16"] = onednn.bf16_native()
         out["amx_brgemm"] = onednn.brgemm_vnni()
         if head_size is not None:

@@ -223,6 +223,22 @@ def few_rows_default() -> int:
     return FEW_ROWS_ALL if cpuinfo.bf16_dots_lead_every_call() else FEW_ROWS_SOME
 
 
+DOT_ROWS = 128  # the most rows a call runs on the few-row kernel beside the inner product (kDotRows)
+
+
+def few_rows_choice() -> str:
+    """Which calls of a bf16 linear run the few-row kernel by default here, in words (`prefix-service
+    env`): none where the library has no AVX512-BF16 dot products or another kernel takes every call
+    (AMX's timed choice, brgemm, emulated), else as few_rows_default() says."""
+    lib = load()[0]
+    if lib is None or not lib.ps_onednn_few_rows_built():
+        return "none (no AVX512-BF16 dot products here)"
+    if (kernel := default_kernel()) != "inner_product":
+        return f"none (bf16 linears: {kernel})"
+    return {FEW_ROWS_NONE: f"none ({FEW_ROWS_ENV}=0)", FEW_ROWS_SOME: f"calls of up to {DOT_ROWS} rows",
+            FEW_ROWS_ALL: "every call"}[few_rows_default()]
+
+
 def few_rows_words(few_rows: int) -> str:
     """Which calls an OneDnnLinear.few_rows (non-zero) runs on the few-row kernel, in words."""
     return "for every call" if few_rows == FEW_ROWS_EVERY_CALL else f"up to {few_rows} rows"
