@@ -71,12 +71,14 @@ def test_mixed_batch_of_prefixes_and_no_prefix(budget, num_blocks, make_engine):
 
 
 def test_prefix_disabled_gives_same_outputs(make_engine):
-    """enable_prefix: false prefills the template's tokens per request: same output, no reuse."""
+    """enable_prefix: false prefills the template's tokens per request: same output, no reuse; the
+    request still counts as one served on the template, and holds it no longer than it runs."""
     engine = make_engine(block_size=BLOCK, enable_prefix=False)
     full = ids_of(21)
     engine.add_template("p", token_ids=full[:13])
     out = engine.generate([GenerateRequest(prompt_token_ids=full[13:], prefix_name="p", sampling=greedy(16))])[0]
     assert out.cached_tokens == 0
+    assert [(t.requests_served, t.active_requests) for t in engine.list_templates()] == [(1, 0)]
     assert out.token_ids == run_ids(engine, full, max_tokens=16)
 
 

@@ -9,7 +9,7 @@ from prefix_service import GenerateRequest
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.config import SchedulerConfig
 from prefix_service.engine.template_pins import TemplatePins
-from prefix_service.errors import CacheExhausted, TemplateBudgetExceeded
+from prefix_service.errors import CacheExhausted, TemplateBudgetExceeded, TemplateExists
 from prefix_service.sampling_params import SamplingParams
 from prefix_service.engine.scheduler import Scheduler
 from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
@@ -304,21 +304,27 @@ def test_the_newest_waiting_hold_is_released_first_and_counted_as_a_preemption()
 
 def test_a_pin_whose_backend_hook_fails_leaves_no_reference_behind():
     """The backend's on_pin failing (out of memory for a packed copy) raises, registers nothing,
-    and leaves the blocks as the warmup held them."""
+    leaves the blocks as the warmup held them, and tells the backend to drop whatever of the
+    template it made before it failed (on_unpin)."""
     class Failing:
+        def __init__(self):
+            self.unpinned = []
+
         def on_pin(self, handle):
             raise MemoryError("no room for a packed copy")
 
         def on_unpin(self, handle):
-            pass
+            self.unpinned.append(handle.name)
 
     alloc = BlockAllocator(8)
-    pins = TemplatePins(alloc, B, 8, hooks=Failing())
+    hooks = Failing()
+    pins = TemplatePins(alloc, B, 8, hooks=hooks)
     pins.reserve("t", 8)
     blocks = alloc.allocate(2)
     with pytest.raises(MemoryError):
         pins.pin("t", list(range(8)), blocks, {})
     assert [alloc.ref_count(b) for b in blocks] == [1, 1] and "t" not in pins
+    assert hooks.unpinned == ["t"]
     alloc.free(blocks)
     assert alloc.num_free == 8
     alloc.check_integrity(pins.held_refs())
@@ -331,6 +337,68 @@ def test_warmups_still_running_count_against_the_prefix_budget():
     with pytest.raises(TemplateBudgetExceeded):
         pins.reserve("b", 16)  # 4 more: 9 > 8
     pins.reserve("c", 12)  # 3 more: exactly 8
+
+
+def test_a_name_is_taken_from_its_reserve_until_its_warmup_is_cancelled():
+    """A template whose warmup still runs holds its name: a second reserve (or check) of it is
+    refused; cancel (the warmup failed) gives back the name and the budget; a pin needs a reserve."""
+    alloc = BlockAllocator(32)
+    pins = TemplatePins(alloc, B, 8)
+    pins.reserve("a", 16)
+    with pytest.raises(TemplateExists):
+        pins.reserve("a", 4)
+    with pytest.raises(TemplateExists):
+        pins.check("a", 4)
+    pins.cancel("a")
+    one = alloc.allocate(1)
+    with pytest.raises(RuntimeError, match="without reserve"):
+        pins.pin("a", list(range(4)), one, {})
+    assert alloc.ref_count(one[0]) == 1  # no reference taken
+    alloc.free(one)
+    pins.reserve("a", 32)  # the whole budget: the cancelled reserve holds none of it
+    blocks = alloc.allocate(8)
+    pins.pin("a", list(range(32)), blocks, {})
+    alloc.free(blocks)
+    assert [h.name for h in pins.pinned_handles()] == ["a"] and pins.num_pinned_blocks == 8
+    alloc.check_integrity(pins.held_refs())
+
+
+def test_a_template_removed_under_its_one_request_is_freed_when_that_request_ends():
+    """remove() with one request still on the template defers the free (its blocks stay pinned
+    and counted); the request's release frees them and tells the backend (on_unpin) once."""
+    class Hooks:
+        def __init__(self):
+            self.unpinned = []
+
+        def on_pin(self, handle):
+            pass
+
+        def on_unpin(self, handle):
+            self.unpinned.append(handle.name)
+
+    alloc = BlockAllocator(16)
+    hooks = Hooks()
+    pins = TemplatePins(alloc, B, 8, hooks=hooks)
+    handle = pin(alloc, pins, "t", 10)
+    pins.acquire(handle)
+    assert pins.remove("t") is False and "t" not in pins and pins.list() == []
+    assert pins.num_pinned_blocks == 3 and hooks.unpinned == []
+    alloc.check_integrity(pins.held_refs())
+    pins.release(handle)
+    assert pins.num_pinned_blocks == 0 and hooks.unpinned == ["t"] and alloc.num_free == 16
+    alloc.check_integrity(pins.held_refs())
+
+
+def test_templates_are_listed_in_the_order_they_were_pinned():
+    """list(): oldest first; a name removed and added again comes last."""
+    alloc = BlockAllocator(16)
+    pins = TemplatePins(alloc, B, 8)
+    for name in ("a", "b", "c"):
+        pin(alloc, pins, name, 4)
+    assert pins.remove("b") is True
+    pin(alloc, pins, "b", 4)
+    assert [t.name for t in pins.list()] == ["a", "c", "b"]
+    alloc.check_integrity(pins.held_refs())
 
 
 def test_template_groups_are_the_rows_sharing_a_template_and_its_block_count():
