@@ -414,3 +414,158 @@ def test_the_ready_gauge_says_not_ready_as_the_drain_begins(make_server):
     finally:
         undo()
         c.close()
+
+
+def _samples(metrics) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a ServiceMetrics' own registry, read without an endpoint."""
+    from prometheus_client import generate_latest
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _bare_metrics(known=()):
+    """Per-request series only, over a registry that knows the template names in `known`."""
+    from types import SimpleNamespace
+
+    from prefix_service.server.metrics import ServiceMetrics
+    registry = SimpleNamespace(known=lambda name: name in known)
+    return ServiceMetrics(SimpleNamespace(registry=registry, engine=None, ready=True), requests_only=True)
+
+
+def test_a_request_counts_once_and_its_usage_only_when_it_ended_ok():
+    """end() counts a request once however often it is called; a request whose last output is
+    finished but whose call failed (its status not OK) counts no latency and no tokens."""
+    from prefix_service.engine.sequence import FinishReason, RequestOutput
+
+    metrics = _bare_metrics(known=("doc",))
+    finished = RequestOutput("r", "ab", [7, 8], finished=True, finish_reason=FinishReason.ABORT, prompt_tokens=9,
+                             cached_tokens=6, completion_tokens=2)
+    trace = metrics.trace("doc", "grpc")
+    trace.output(finished)
+    trace.code = grpc.StatusCode.INTERNAL
+    trace.end()
+    trace.end()
+    m = _samples(metrics)
+    assert value(m, "prefix_service_requests_total", protocol="grpc", template="doc", code="INTERNAL") == 1
+    assert value(m, "prefix_service_ttft_seconds_count", template="doc") == 1  # it had a first token
+    for name in ("e2e_latency_seconds_count", "tpot_seconds_count", "prompt_tokens_total", "cached_tokens_total",
+                 "completion_tokens_total"):
+        assert value(m, f"prefix_service_{name}", template="doc") == 0, name
+
+
+def test_a_template_unknown_when_the_call_came_counts_under_its_name_if_known_at_the_end():
+    """A fleet's routes may not know a new template when its first request arrives: the label is
+    asked again at the end, so the request counts on the template, not on _unknown."""
+    known: set[str] = set()
+    metrics = _bare_metrics(known=known)
+    trace = metrics.trace("fresh", "grpc")
+    assert trace.label == "_unknown"
+    known.add("fresh")
+    trace.code = grpc.StatusCode.OK
+    trace.end()
+    never = metrics.trace("never", "grpc")
+    never.code = grpc.StatusCode.NOT_FOUND
+    never.end()
+    m = _samples(metrics)
+    assert value(m, "prefix_service_requests_total", protocol="grpc", template="fresh", code="OK") == 1
+    assert value(m, "prefix_service_requests_total", protocol="grpc", template="_unknown", code="OK") == 0
+    assert value(m, "prefix_service_requests_total", protocol="grpc", template="_unknown", code="NOT_FOUND") == 1
+
+
+def test_a_score_request_counts_its_prompt_and_cached_tokens():
+    """A Score request's answer counts as a finished request: its prompt and cached tokens, no
+    completion tokens, and an end-to-end latency."""
+    from prefix_service.engine.sequence import ScoreOutput
+
+    metrics = _bare_metrics(known=("doc",))
+    trace = metrics.trace("doc", "grpc")
+    trace.scored(ScoreOutput("s", [], prompt_tokens=14, cached_tokens=10))
+    trace.code = grpc.StatusCode.OK
+    trace.end()
+    m = _samples(metrics)
+    assert value(m, "prefix_service_prompt_tokens_total", template="doc") == 14
+    assert value(m, "prefix_service_cached_tokens_total", template="doc") == 10
+    assert value(m, "prefix_service_completion_tokens_total", template="doc") == 0
+    assert value(m, "prefix_service_e2e_latency_seconds_count", template="doc") == 1
+
+
+def test_ttft_runs_to_the_first_output_with_a_token(monkeypatch):
+    """An output without tokens (text held back, or nothing printable yet) is no first token."""
+    from types import SimpleNamespace
+
+    from prefix_service.engine.sequence import FinishReason, RequestOutput
+    from prefix_service.server import metrics as metrics_module
+    from prefix_service.server.metrics import RequestTrace
+
+    now = [10.0]
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    metrics = _bare_metrics(known=("doc",))
+    trace = RequestTrace(metrics, "grpc", "doc", "doc", start=10.0)
+    now[0] = 10.25
+    trace.output(RequestOutput("r", "", []))
+    now[0] = 11.0
+    trace.output(RequestOutput("r", "a", [7], finished=True, finish_reason=FinishReason.LENGTH, prompt_tokens=3,
+                               completion_tokens=1))
+    trace.code = grpc.StatusCode.OK
+    trace.end()
+    assert value(_samples(metrics), "prefix_service_ttft_seconds_sum", template="doc") == pytest.approx(1.0)
+
+
+def test_a_request_without_a_template_logs_template_null(caplog):
+    """The log line of a request that names no template has "template": null (its label is _none)."""
+    metrics = _bare_metrics()
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    trace = metrics.trace("", "http")
+    trace.code = grpc.StatusCode.OK
+    trace.end()
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+    assert line["template"] is None and line["code"] == "OK"
+    assert value(_samples(metrics), "prefix_service_requests_total", protocol="http", template="_none", code="OK") == 1
+
+
+def test_merged_created_samples_keep_the_earliest_time():
+    """merge_families: values of one name and labels are summed, but a _created sample (when the
+    series began) keeps the earliest of the processes' times."""
+    from prometheus_client.core import CounterMetricFamily
+
+    from prefix_service.server.metrics import merge_families
+
+    def family(value, created):
+        fam = CounterMetricFamily("prefix_service_requests", "Requests", labels=["code"])
+        fam.add_metric(["OK"], value, created=created)
+        return fam
+
+    [merged] = merge_families([family(2, 200.0), family(3, 100.0), family(1, 300.0)])
+    got = {s.name: s.value for s in merged.samples}
+    assert got == {"prefix_service_requests_total": 6, "prefix_service_requests_created": 100.0}
+
+
+def test_the_engine_info_labels_name_the_model_folder_and_batch_invariance():
+    """prefix_service_engine_info: the model is its folder's name (a path given with a trailing slash
+    too), batch_invariant "true" for a batch-invariant engine; one series per replica."""
+    from prefix_service.engine.api import EngineInfo
+    from prefix_service.server.metrics import engine_info
+
+    def info(path, invariant):
+        return EngineInfo(path, "cpu", "bfloat16", None, 512, 64, 16, "cpu", "cpu", kv_cache_dtype="bfloat16",
+                          batch_invariant=invariant)
+
+    family = engine_info({"r1": info("/models/llama-1b/", True), "r0": info("/models/qwen", False)})
+    labels = [s.labels for s in family.samples]
+    assert [(x["replica"], x["model"], x["batch_invariant"]) for x in labels] == [
+        ("r0", "qwen", "false"), ("r1", "llama-1b", "true")]
+
+
+def test_a_long_template_name_is_cut_in_the_log_line(caplog):
+    """Whatever a client sends as a template name, its log line holds at most the first 128 characters
+    of it (the longest a template's name may be), and it counts under _unknown."""
+    metrics = _bare_metrics(known=("doc",))
+    caplog.set_level(logging.INFO, logger="prefix_service.requests")
+    trace = metrics.trace("x" * 5000, "grpc")
+    trace.code = grpc.StatusCode.NOT_FOUND
+    trace.end()
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "prefix_service.requests"]
+    assert line["template"] == "x" * 128
+    m = _samples(metrics)
+    assert value(m, "prefix_service_requests_total", protocol="grpc", template="_unknown", code="NOT_FOUND") == 1

@@ -276,6 +276,13 @@ def test_torn_temp_file_does_not_stop_a_restart(make_server, tmp_path):
     ('{"version": 1, "templates": [{"name": "a", "content": "x", "system_prompt": "y"}]}', "templates[0]"),  # both
     ('{"version": 1, "templates": [{"name": "bad name", "content": "x"}]}', "invalid prefix name"),
     ('{"version": 1, "templates": [{"name": "x", "content": "a\xff"}]}', "utf-8"),  # not UTF-8: was a traceback
+    ('[{"name": "a", "content": "x"}]', "version-1"),  # a list, not the object holding it
+    ('{"version": 1}', "version-1"),
+    ('{"version": 1, "templates": {"a": {"content": "x"}}}', "version-1"),
+    ('{"version": 1, "templates": [5]}', "templates[0]"),
+    ('{"version": 1, "templates": [{"name": "a", "content": 5}]}', "templates[0]"),
+    ('{"version": 1, "templates": [{"name": "a", "content": "x", "structured_output": {"choice": []}}]}',
+     "structured_output.choice"),
 ])
 def test_corrupt_state_file_is_a_clear_error(tmp_path, text, needle):
     path = tmp_path / "state.json"
@@ -283,6 +290,15 @@ def test_corrupt_state_file_is_a_clear_error(tmp_path, text, needle):
     with pytest.raises(StateFileError, match="state") as info:
         TemplateStore(path).load()
     assert needle in str(info.value) and str(path) in str(info.value)
+
+
+def test_the_first_save_makes_the_state_files_folder(tmp_path):
+    """server.state_file in a folder that does not exist yet: loading finds no templates, and the
+    first save makes the folder and writes the file the next load reads back."""
+    store = TemplateStore(tmp_path / "data" / "svc" / "state.json")
+    assert store.load() == []
+    store.save([TemplateSource("a", content="x"), TemplateSource("b", system_prompt="y")])
+    assert [(t.name, t.definition()) for t in store.load()] == [("a", {"content": "x"}), ("b", {"system_prompt": "y"})]
 
 
 def test_state_template_that_no_longer_fits_is_skipped(make_server, tmp_path, caplog):
