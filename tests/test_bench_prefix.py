@@ -1,7 +1,9 @@
 """scripts/bench_prefix.py end to end on a tiny random model: every system, every mode, a couple of
 requests each, no wait for an idle CPU before them (the vLLM peers skipped, with the reason, as
 where `make bench-peers` never ran); checks the JSON schema of docs/benchmarks.md and that the plots
-are written."""
+are written. Beside it, the parts on their own: the summary measures and percentiles, the targets'
+directions and figures, the tables and the JSON file, the plan's request counts, the runner's turns,
+warm-up and open-loop rates, and the workloads' sizes."""
 import gc
 import json
 
@@ -265,5 +267,327 @@ def test_open_loop_runs_the_systems_rate_by_rate_in_turns():
     assert set(records) == {"a", "b"}
     assert [p["offered_qps"] for p in records["a"]["points"]] == [100.0, 200.0, 400.0]
     assert records["a"]["max_qps_under_slo"] == 400.0
+    # each record is measured at its highest rate under the SLO, or at the first rate where none was
+    assert (records["a"]["measured_at_qps"], records["b"]["measured_at_qps"]) == (400.0, 100.0)
+    assert records["a"]["e2e_p99_ms"] == records["a"]["points"][-1]["e2e_p99_ms"]
     assert [p["under_slo"] for p in records["b"]["points"]] == [False, False]
     assert records["b"]["max_qps_under_slo"] == 0.0
+
+
+def test_percentile_interpolates_between_the_closest_ranks():
+    """numpy's default percentile: the rank (n - 1) x q / 100, interpolated between its neighbours."""
+    from prefix_service.bench.metrics import percentile
+    xs = [40.0, 10.0, 30.0, 20.0]  # unsorted on purpose
+    assert percentile(xs, 0) == 10.0 and percentile(xs, 100) == 40.0 and percentile(xs, 50) == 25.0
+    assert percentile(xs, 99) == pytest.approx(39.7)  # rank 2.97: 30 + 0.97 x (40 - 30)
+    assert percentile(xs, 10) == pytest.approx(13.0)  # rank 0.3
+    assert percentile([], 50) is None and percentile([7.0], 99) == 7.0
+
+
+def test_a_runs_summary_measures_finished_requests_and_counts_the_others_as_failed():
+    """Latencies, tokens and req/s come from the requests that ended without an error; a request cut
+    off (error set) or never ended counts as failed; TTFT is the first arrival that carried tokens,
+    TPOT the time after it per later token, all in ms; a run of no time has no throughput."""
+    from prefix_service.bench.metrics import Timing, summarize
+    a = Timing(start=1.0)
+    a.add_tokens(0, 1.05)  # an empty chunk is not the first token
+    a.add_tokens(2, 1.1)
+    a.add_tokens(3, 1.5)
+    a.end = 1.5
+    assert (a.first, a.output_tokens, a.ok) == (1.1, 5, True)
+    assert (a.ttft_ms, a.e2e_ms, a.tpot_ms) == (pytest.approx(100.0), pytest.approx(500.0), pytest.approx(100.0))
+    b = Timing(start=0.0, first=0.3, end=0.7, output_tokens=1)  # one token: no TPOT
+    assert b.tpot_ms is None and b.ttft_ms == pytest.approx(300.0)
+    cut = Timing(start=0.0, first=0.01, end=0.02, output_tokens=9, error="deadline")
+    lost = Timing(start=0.0, first=0.01, output_tokens=9)
+    record = summarize([a, cut, b, lost], wall_s=2.0)
+    assert (record["num_requests"], record["num_failed"]) == (4, 2)
+    assert (record["output_tok_s"], record["req_s"], record["wall_s"]) == (3.0, 1.0, 2.0)  # 6 tokens, 2 requests
+    assert (record["ttft_p50_ms"], record["e2e_p50_ms"], record["tpot_p50_ms"]) == (200.0, 600.0, 100.0)
+    assert record["e2e_p99_ms"] == pytest.approx(698.0)  # 500 and 700 ms: rank 0.99
+    empty = summarize([], wall_s=0.0)
+    assert (empty["num_requests"], empty["output_tok_s"], empty["req_s"], empty["ttft_p50_ms"]) == (0, None, None, None)
+
+
+def _targets_rec(system, workload, mode, c, **fields):
+    return {"system": system, "workload": workload, "mode": mode, "concurrency": c, **fields}
+
+
+def test_each_target_is_judged_on_its_own_figures_in_its_own_direction():
+    """The prefix's speed-up and lead are met at their thresholds, the slowdowns and TPOT ratio only
+    at or under theirs; each ratio's value is the figures' quotient; a closed-loop target reads the
+    records at its own concurrency; an open loop where neither system meets the SLO is missed, one
+    where only the prefix does is met (with no ratio to show)."""
+    from prefix_service.bench import report
+    rec = _targets_rec
+    records = [
+        rec("engine_prefix", "intent", "single", 1, ttft_p50_ms=10.0, tpot_p50_ms=20.0),
+        rec("engine_no_prefix", "intent", "single", 1, ttft_p50_ms=80.0, tpot_p50_ms=19.0),
+        rec("hf_prompt_cache", "intent", "single", 1, ttft_p50_ms=10.0),
+        rec("grpc_prefix", "intent", "open_loop", None, max_qps_under_slo=0.0),
+        rec("grpc_no_prefix", "intent", "open_loop", None, max_qps_under_slo=0.0),
+        rec("engine_prefix", "no_shared", "single", 1, e2e_p50_ms=110.0),
+        rec("engine_no_prefix", "no_shared", "single", 1, e2e_p50_ms=100.0),
+        rec("engine_prefix", "no_shared", "closed_loop", 4, output_tok_s=100.0),
+        rec("engine_no_prefix", "no_shared", "closed_loop", 4, output_tok_s=110.0),
+        rec("engine_prefix", "intent", "closed_loop", 4, output_tok_s=50.0),
+        rec("hf_generate_batch", "intent", "closed_loop", 4, output_tok_s=300.0),
+        rec("engine_prefix", "intent", "closed_loop", 16, output_tok_s=200.0),
+        rec("hf_generate_batch", "intent", "closed_loop", 16, output_tok_s=100.0),
+    ]
+    got = {t["target"].split(" (")[0]: t for t in report.evaluate_targets(records)}
+
+    def judged(name):
+        return got[name]["value"], got[name]["met"]
+
+    assert judged("intent TTFT speed-up, prefix vs no prefix") == (8.0, True)  # exactly the threshold
+    assert judged("intent TTFT, prefix vs deep-copied HF prompt cache") == (1.0, False)  # a tie is no lead
+    assert judged("max QPS under the SLO, prefix vs no prefix") == (None, False)
+    assert "neither meets the SLO" in got["max QPS under the SLO, prefix vs no prefix"]["detail"]
+    assert judged("decode TPOT, prefix / no prefix") == (pytest.approx(20 / 19, abs=1e-3), False)
+    assert judged("no_shared slowdown with prefix support on: e2e p50 on / off") == (1.1, False)
+    assert judged("no_shared slowdown with prefix support on: tok/s off / on") == (1.1, False)
+    assert "c=4" in [t for t in report.evaluate_targets(records) if "tok/s off / on" in t["target"]][0]["target"]
+    assert judged("closed-loop throughput c=16, engine_prefix / hf_generate_batch") == (2.0, True)
+
+    records[3]["max_qps_under_slo"] = 4.0  # the prefix meets the SLO at 4 QPS, the full prompt never
+    got = {t["target"].split(" (")[0]: t for t in report.evaluate_targets(records)}
+    assert judged("max QPS under the SLO, prefix vs no prefix") == (None, True)
+    records[4]["max_qps_under_slo"] = 1.0  # 4 QPS against 1: under the 5x asked
+    got = {t["target"].split(" (")[0]: t for t in report.evaluate_targets(records)}
+    assert judged("max QPS under the SLO, prefix vs no prefix") == (4.0, False)
+    assert report.ratio(1.0, 0) is None and report.ratio(None, 2.0) is None and report.ratio(3.0, 2.0) == 1.5
+
+
+def test_the_tables_order_the_modes_and_name_each_result(tmp_path):
+    """The records table runs single, closed loop, open loop within a workload; the targets table
+    says MET, MISSED or n/a; the markdown has one section per mode, the max-QPS column only in the
+    open loop's, a missed target in bold."""
+    from prefix_service.bench import report
+    rec = _targets_rec
+    records = [rec("engine_prefix", "intent", "open_loop", None, max_qps_under_slo=2.0,
+                   points=[{"offered_qps": 2.0, "num_requests": 3, "num_failed": 0, "under_slo": True}]),
+               rec("engine_prefix", "intent", "closed_loop", 16, output_tok_s=20.0),
+               rec("engine_prefix", "intent", "closed_loop", 4, output_tok_s=40.0),
+               rec("engine_prefix", "intent", "single", 1, output_tok_s=60.0)]
+    lines = report.records_table(records).splitlines()[2:]
+    assert [line.split()[2:4] for line in lines] == [["single", "1"], ["closed_loop", "4"], ["closed_loop", "16"],
+                                                     ["open_loop", "-"]]
+    targets = [{"target": "a", "value": 2.0, "threshold": "> 1", "met": True, "detail": ""},
+               {"target": "b", "value": 0.5, "threshold": "> 1", "met": False, "detail": ""},
+               {"target": "c", "value": None, "threshold": "> 1", "met": None, "detail": ""}]
+    rows = {line.split()[0]: line.split()[-1] for line in report.targets_table(targets).splitlines()[2:]}
+    assert rows == {"a": "MET", "b": "MISSED", "c": "n/a"}
+    md = report.markdown({"records": records, "targets": targets})
+    sections = {s.split("\n", 1)[0]: s for s in md.split("#### ")[1:]}
+    assert list(sections) == ["single", "closed_loop", "open_loop", "open loop, every rate", "targets"]
+    assert "max qps" in sections["open_loop"] and "max qps" not in sections["closed_loop"]
+    assert sections["closed_loop"].index("| 4 |") < sections["closed_loop"].index("| 16 |")
+    assert "| **missed** |" in sections["targets"] and "| met |" in sections["targets"]
+
+
+def test_the_json_report_has_no_infinities_or_nans(tmp_path):
+    """A figure that is not finite, at any depth, is written as null: the file stays strict JSON."""
+    from prefix_service.bench import report
+    path = tmp_path / "new" / "r.json"
+    report.write_json(path, {"a": float("inf"), "b": [float("nan"), 1.5], "c": {"d": [{"e": float("-inf")}]}})
+
+    def refuse(name):
+        raise ValueError(name)
+    assert json.loads(path.read_text(), parse_constant=refuse) == {"a": None, "b": [None, 1.5],
+                                                                   "c": {"d": [{"e": None}]}}
+
+
+def test_the_progress_estimate_counts_the_open_loops_first_rates():
+    """expected_requests: the warm-up, then each open-loop system at the plan's first min_points
+    rates, each rate at least open_min_requests (the runner adds the rates it goes on to)."""
+    from prefix_service.bench.plan import FULL, with_overrides
+    plan = with_overrides(FULL, workloads=("intent",), systems=("grpc_prefix", "engine_prefix"), modes=("open_loop",),
+                          qps=(0.1, 1.0, 8.0), open_duration_s=10.0, open_min_requests=4, min_points=2)
+    assert (plan.open_requests(0.1), plan.open_requests(1.0), plan.open_requests(8.0)) == (4, 10, 80)
+    assert plan.expected_requests() == 2 * 1 + (4 + 10)  # two systems' warm-up, one of them in the open loop
+
+
+def test_closed_loop_turns_of_unequal_size_send_every_request():
+    """Requests that do not split evenly into the turns: the turns round up (4, 4, 2 of 10) and every
+    request is sent once per system; fewer requests than turns is refused."""
+    from prefix_service.bench.metrics import Timing
+    from prefix_service.bench.plan import FULL, ClosedSpec, with_overrides
+    from prefix_service.bench.runner import Runner
+    from prefix_service.bench.systems import System, now
+
+    sent: dict[str, list[int]] = {"a": [], "b": []}
+
+    class Fake(System):
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, workload, req, timeout_s=None):
+            sent[self.name].append(req.index)
+            t = Timing(start=now())
+            t.add_tokens(1, now())
+            t.end = now()
+            return t
+
+    class Workload:
+        name = "no_shared"
+
+        def request(self, index):
+            return type("Req", (), {"index": index})()
+
+    def runner(spec):
+        plan = with_overrides(FULL, closed=(spec,), systems=("a", "b"), idle_wait_s=0.0)
+        return Runner(plan, [Fake("a"), Fake("b")], {"no_shared": Workload()}, tick=lambda: None,
+                      status=lambda s: None)
+
+    run = runner(ClosedSpec("no_shared", (2,), ("a", "b"), min_rounds=5, turns=3))
+    run.closed_loop()
+    assert len(sent["a"]) == 10 and sorted(sent["a"]) == sorted(sent["b"]) == sorted(set(sent["a"]))
+    assert {r["system"]: (r["num_requests"], r["turns"]) for r in run.records} == {"a": (10, 3), "b": (10, 3)}
+    with pytest.raises(ValueError, match="a request per turn"):
+        runner(ClosedSpec("no_shared", (1,), ("a", "b"), turns=4)).closed_loop()  # 2 requests in 4 turns
+
+
+def test_an_open_loop_goes_on_while_p99_stays_within_the_stop_factor_of_the_first_rate():
+    """Over the SLO, a system goes on to the next rate only while no request missed its deadline and
+    its p99 is within open_stop_factor x the p99 at the first rate."""
+    from prefix_service.bench.plan import FULL, with_overrides
+    from prefix_service.bench.runner import Runner
+    runner = Runner(with_overrides(FULL, open_stop_factor=2.5), [], {}, tick=lambda: None, status=lambda s: None)
+
+    def point(p99, under=False):
+        return {"e2e_p99_ms": p99, "under_slo": under}
+    assert runner._keeps_up([point(100.0, True), point(10_000.0, True)])
+    assert runner._keeps_up([point(100.0), point(250.0)])
+    assert runner._keeps_up([point(100.0), point(200.0), point(250.0)])
+    assert not runner._keeps_up([point(100.0), point(300.0)])
+    assert not runner._keeps_up([point(100.0), point(200.0), point(300.0)])  # the first rate's, not the last's
+    assert not runner._keeps_up([point(100.0), point(None)])
+
+
+def test_warm_up_requests_are_not_the_timed_ones_and_the_batch_baseline_gets_the_engines_cache():
+    """The warm-up draws negative request indices, never one a timed section sends; generate_batch
+    gets as many token slots as our engine's KV cache holds (blocks x block size)."""
+    from types import SimpleNamespace
+
+    from prefix_service.bench.plan import FULL, with_overrides
+    from prefix_service.bench.runner import Runner, _engine_capacity_tokens
+    from prefix_service.bench.systems import System
+
+    seen = []
+
+    class Fake(System):
+        name = "a"
+
+        def run(self, workload, req, timeout_s=None):
+            seen.append(req.index)
+
+    class Workload:
+        name = "intent"
+
+        def request(self, index):
+            return type("Req", (), {"index": index})()
+
+    Runner(with_overrides(FULL, warmup_requests=3), [Fake()], {"intent": Workload()}, tick=lambda: None,
+           status=lambda s: None).prepare()
+    assert len(seen) == 3 and len(set(seen)) == 3 and max(seen) < 0
+    cfg = SimpleNamespace(cache=SimpleNamespace(block_size=4, num_blocks=None))
+    assert _engine_capacity_tokens({"e": SimpleNamespace(kv_num_blocks=10), "h": Fake()}, cfg) == 40
+    assert _engine_capacity_tokens({"h": Fake()}, cfg) == 2048 * 4
+
+
+def test_an_open_loop_rate_counts_a_missed_deadline_as_an_infinite_latency():
+    """A rate is under the SLO when p99 is below it (not at it); more than 1% of its requests missing
+    their deadline leaves no p99 and is never under the SLO; arrivals come at least min_requests."""
+    from prefix_service.bench.metrics import Timing
+    from prefix_service.bench.modes import RunResult, open_loop_summary, poisson_arrivals
+
+    def timed(ms, error=None):
+        return Timing(start=0.0, first=ms / 2000, end=ms / 1000, output_tokens=2, error=error)
+    at_slo = open_loop_summary(RunResult([timed(500.0)] * 10, 10.0, None), 1.0, slo_ms=500.0)
+    assert (at_slo["e2e_p99_ms"], at_slo["under_slo"], at_slo["offered_qps"]) == (500.0, False, 1.0)
+    assert open_loop_summary(RunResult([timed(500.0)] * 10, 10.0, None), 1.0, slo_ms=501.0)["under_slo"]
+    missed = [timed(100.0)] * 98 + [timed(30_000.0, error="deadline")] * 2  # 2% missed
+    point = open_loop_summary(RunResult(missed, 10.0, None), 1.0, slo_ms=500.0)
+    assert (point["e2e_p99_ms"], point["under_slo"], point["num_failed"]) == (None, False, 2)
+    arrivals = poisson_arrivals(0.1, 1.0, seed=0, min_requests=5)
+    assert len(arrivals) >= 5 and arrivals == sorted(arrivals) and arrivals[0] > 0
+
+
+def test_a_template_is_cut_at_a_line_end_within_the_budget():
+    """cut_to_tokens keeps the most whole lines within max_tokens (a line that reaches it exactly
+    stays), whole words and a newline when even the first line is longer, and refuses a budget
+    too small for one word."""
+    from prefix_service.bench.workloads import cut_to_tokens
+
+    def words(text):
+        return len(text.split())
+    text = "a b\nc d\ne f\n"
+    assert cut_to_tokens(text, None, words) == text and cut_to_tokens(text, 6, words) == text
+    assert cut_to_tokens(text, 4, words) == "a b\nc d\n" and cut_to_tokens(text, 5, words) == "a b\nc d\n"
+    assert cut_to_tokens("a b c d e\nf\n", 3, words) == "a b c\n"
+    with pytest.raises(ValueError, match="too small"):
+        cut_to_tokens(text, 0, words)
+
+
+def test_workloads_build_prompts_of_the_asked_sizes(llama_dir):
+    """intent: the whole template ending in one newline, or cut within max_prefix_tokens, and a user
+    segment of exactly prompt_tokens ids; ratio_0_32: prefix : whole prompt at the ratio, the prefix
+    within max_prefix_tokens; no_shared: no prefix and total_tokens ids; doc_qa: a question on the
+    board. Each request's text, sent after the template, gives the template's ids and its own."""
+    from dataclasses import replace
+
+    from prefix_service.bench import corpus
+    from prefix_service.bench.workloads import PROMPTS_DIR, Sizes, build_workload
+    from prefix_service.model.loader import load_tokenizer
+    tok = load_tokenizer(llama_dir)
+
+    def count(text):
+        return len(tok.encode(text, add_special_tokens=False))
+    sizes = Sizes(prompt_tokens=30, total_tokens=200, output_tokens=4)
+    intent = build_workload("intent", tok, sizes)
+    assert intent.prefix_text == (PROMPTS_DIR / "intent_classifier.txt").read_text().rstrip() + "\n"
+    for i in range(3):
+        req = intent.request(i)
+        assert len(req.prompt_ids) == 30 and req.prompt_text.endswith('"\nIntent:')
+        assert tok.encode(intent.full_text(req), add_special_tokens=True) == intent.full_ids(req)
+    assert intent.describe(sample=3)["prompt_tokens_min"] == intent.describe(sample=3)["prompt_tokens_max"] == 30
+    cut = build_workload("intent", tok, replace(sizes, max_prefix_tokens=60))
+    assert count(cut.prefix_text) <= 60 and intent.prefix_text.startswith(cut.prefix_text.rstrip("\n"))
+
+    ratio = build_workload("ratio_0_32", tok, sizes)
+    prefix, prompt = len(ratio.prefix_ids), len(ratio.request(0).prompt_ids)
+    assert prefix <= round(0.32 * 200) and prefix / (prefix + prompt) == pytest.approx(0.32, abs=0.01)
+    capped = build_workload("ratio_0_32", tok, replace(sizes, max_prefix_tokens=40))
+    assert 0 < count(capped.prefix_text) <= 40
+
+    alone = build_workload("no_shared", tok, sizes)
+    assert (alone.prefix_name, alone.prefix_ids) == (None, ()) and len(alone.request(0).prompt_ids) == 200
+    board = (PROMPTS_DIR / "lisbon_departures.md").read_text()
+    qa = build_workload("doc_qa", tok, sizes)
+    question = qa.request(0).prompt_text
+    assert qa.prefix_text == board.rstrip() + "\n" and question.startswith("\nQ: ") and question.endswith("\nA:")
+    assert any(dest in question for dest in corpus.destinations(board))
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload("chat", tok, sizes)
+
+
+def test_questions_cover_every_form_and_destination_of_the_board():
+    """The board's destination column without its heading, each once; the first forms x destinations
+    questions are all different; a customer-sentence stream depends on its seed alone."""
+    import itertools
+
+    from prefix_service.bench import corpus
+    board = ("# Board\n\n| Flight | Airline | Destination | Gate |\n|---|---|---|---|\n| A1 | X | Rome | 1 |\n"
+             "| A2 | Y | Porto | 2 |\n| A3 | Z | Rome | 3 |\n| A4 | W | Oslo | 4 |\n| A5 | V | Nice | 5 |\n")
+    dests = corpus.destinations(board)
+    assert dests == ("Rome", "Porto", "Oslo", "Nice")
+    assert corpus.destinations("no table here") == corpus.FALLBACK_DESTINATIONS
+    n = len(corpus.QUESTION_FORMS) * len(dests)
+    assert len({corpus.question(i, dests) for i in range(n)}) == n
+    assert all(any(d in corpus.question(i, dests) for i in range(n)) for d in dests)
+    def stream(seed):
+        return list(itertools.islice(corpus.sentences(seed), 50))
+    first = stream("x")
+    assert first == stream("x") != stream("y")
+    assert sorted(first[:len(corpus.CUSTOMER_SENTENCES)]) == sorted(corpus.CUSTOMER_SENTENCES)
