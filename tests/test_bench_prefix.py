@@ -591,3 +591,22 @@ def test_questions_cover_every_form_and_destination_of_the_board():
     first = stream("x")
     assert first == stream("x") != stream("y")
     assert sorted(first[:len(corpus.CUSTOMER_SENTENCES)]) == sorted(corpus.CUSTOMER_SENTENCES)
+
+
+def test_an_open_loop_p99_that_reaches_a_missed_request_is_no_figure():
+    """One missed deadline in 100 or 60 requests: the p99 rank falls between the slowest finished
+    request and the missed one, so the rate has no p99 (not a figure interpolated towards the stand-in
+    latency of a missed request) and is not under the SLO; in 101 requests the rank lands on a finished
+    one and that is the p99."""
+    from prefix_service.bench.metrics import Timing
+    from prefix_service.bench.modes import RunResult, open_loop_summary
+
+    def rate(finished, missed=1):
+        timings = [Timing(start=0.0, first=0.05, end=0.1, output_tokens=2) for _ in range(finished)]
+        timings += [Timing(start=0.0, first=0.05, output_tokens=1, error="deadline") for _ in range(missed)]
+        return open_loop_summary(RunResult(timings, 10.0, None), 4.0, slo_ms=2000.0)
+    for finished in (99, 59):
+        point = rate(finished)
+        assert (point["e2e_p99_ms"], point["under_slo"]) == (None, False), finished
+    point = rate(100)
+    assert (point["e2e_p99_ms"], point["under_slo"], point["num_failed"]) == (100.0, True, 1)

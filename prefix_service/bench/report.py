@@ -157,9 +157,9 @@ def write_json(path: str | Path, report: dict) -> None:
 
 
 def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: str) -> bool:
-    """p99 latency vs offered QPS, one panel per workload, one line per system. A rate where more
-    than 1% of requests missed their deadline is drawn as an open marker at the top. False when
-    there is no open-loop record."""
+    """p99 latency vs offered QPS, one panel per workload, one line per system. A rate with no p99
+    (1% or more of its requests missed their deadline: modes.open_loop_summary) is drawn as an x at
+    the top. False when there is no open-loop record."""
     rows = [r for r in records if r["mode"] == "open_loop" and r.get("points")]
     if not rows:
         return False
@@ -186,7 +186,7 @@ def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: 
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_xticks(sorted({p["offered_qps"] for r in rows for p in r["points"]}))
         ax.set_xlabel("offered load (requests/s, Poisson arrivals)")
-        ax.set_ylabel("p99 end-to-end latency (ms)\nx: over 1% missed the deadline")
+        ax.set_ylabel("p99 end-to-end latency (ms)\nx: 1% or more missed the deadline")
         ax.set_title(textwrap.fill(f"{workload}: {title}", 70), fontsize=10)  # the machine's name can be long
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
