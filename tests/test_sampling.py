@@ -129,6 +129,44 @@ def test_generation_ends_at_the_models_context(make_engine):
     assert out.prompt_tokens + out.completion_tokens == 24
 
 
+def test_ttft_counts_the_wait_for_the_step_the_engine_is_running(make_engine):
+    """A request handed to the engine while it runs a step waits for that step before the core takes
+    it (under load, a long prefill): its ttft_ms counts from the hand-over, so it is the time the
+    caller saw to its first token, not that less the wait."""
+    import threading
+    engine = make_engine()
+    backend = engine._core.backend
+    execute = backend.execute
+    running = threading.Event()
+
+    def slow(step):
+        running.set()
+        time.sleep(0.3)
+        return execute(step)
+    backend.execute = slow
+    first: dict[str, float] = {}
+    done = {name: threading.Event() for name in ("a", "b")}
+    finished: dict[str, object] = {}
+
+    def sink(name):
+        def put(out):
+            if out.token_ids and name not in first:
+                first[name] = time.perf_counter()
+            if out.finished:
+                finished[name] = out
+                done[name].set()
+        return put
+    engine.submit(GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4)), sink("a"))
+    assert running.wait(30)  # a's first step runs now
+    handed = time.perf_counter()
+    engine.submit(GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(2)), sink("b"))
+    assert done["a"].wait(60) and done["b"].wait(60)
+    seen_ms = (first["b"] - handed) * 1000
+    ttft = finished["b"].ttft_ms
+    assert seen_ms > 400  # the rest of a's step, then b's own
+    assert ttft is not None and seen_ms - 100 < ttft <= seen_ms, (ttft, seen_ms)
+
+
 def test_ttft_is_the_first_tokens_time_not_the_last(make_engine):
     """ttft_ms is when the first token came: with steps of 50 ms and 16 tokens, well under the
     request's whole time (it was the last token's time once)."""

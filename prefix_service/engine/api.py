@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -394,7 +395,8 @@ class Engine:
     def submit_many(self, requests: list[GenerateRequest], sinks: list[Callable[[RequestOutput], None]]) -> list[str]:
         """Queue requests together: they enter the engine in one command, before its next step (one
         submit after another would each wait for a step boundary). Returns their ids. Raises the first
-        validation error; then none of them runs."""
+        validation error; then none of them runs. Their ttft_ms counts from this call."""
+        arrival = time.perf_counter()
         prepared = []
         for req in requests:  # tokenizing and compiling constraints here, not on the engine's thread (structured.py)
             structured = req.sampling.structured
@@ -405,7 +407,7 @@ class Engine:
             added: list[str] = []
             try:
                 for (request_id, prompt_ids, req, matcher), sink in zip(prepared, sinks, strict=True):
-                    core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink, matcher)
+                    core.add_request(request_id, prompt_ids, req.prefix_name, req.sampling, sink, matcher, arrival)
                     added.append(request_id)
             except BaseException:
                 for request_id in added:

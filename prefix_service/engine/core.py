@@ -232,10 +232,14 @@ class EngineCore:
                 param="max_tokens")
 
     def add_request(self, request_id: str, prompt_ids: list[int], prefix_name: str | None,
-                    sampling: SamplingParams, sink: Sink, matcher: Any = None) -> None:
+                    sampling: SamplingParams, sink: Sink, matcher: Any = None, arrival: float | None = None) -> None:
         """Validate and queue. Raises InvalidRequest, PromptTooLong (CacheExhausted), TemplateNotFound or
         QueueFull (when scheduler.max_queue requests wait already). matcher: sampling.structured
-        compiled (StructuredOutputs.compile) off this thread; None: compiled here if needed."""
+        compiled (StructuredOutputs.compile) off this thread; None: compiled here if needed. arrival:
+        when the engine was handed the request (time.perf_counter(); default: now), which its ttft_ms
+        counts from: a submission waits for the loop's current step before it gets here, and under load
+        that step can be a long prefill."""
+        arrival = time.perf_counter() if arrival is None else arrival
         self._check_new_id(request_id)
         sink = self._guarded(request_id, sink)
         sampling.validate(max_tokens_cap=self.config.scheduler.max_tokens_cap, vocab_size=self.arch.vocab_size)
@@ -273,7 +277,7 @@ class EngineCore:
                                      f"KV cache beside the pinned templates, which has room for {capacity}; lower n or "
                                      f"max_tokens")
             parent = Sequence(f"{request_id}/prompt", token_ids, sampling, max_tokens, reused, None, fork_point=True)
-            group = _Samples(request_id, sink, parent, time.perf_counter(), prefix_name, sampling.n, compiled)
+            group = _Samples(request_id, sink, parent, arrival, prefix_name, sampling.n, compiled)
             self._samples[request_id] = group
             self._samples_of[id(parent)] = group
             self._hold_template(reused, handle)
@@ -284,7 +288,7 @@ class EngineCore:
             seq.matcher = start(compiled)
         self._hold_template(reused, handle)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, sampling.stop)
-        self._tracked[request_id] = _Tracked(seq, sink, detok, time.perf_counter(), prefix_name=prefix_name)
+        self._tracked[request_id] = _Tracked(seq, sink, detok, arrival, prefix_name=prefix_name)
         self.scheduler.add(seq)
 
     def _generator(self, sampling: SamplingParams, offset: int = 0) -> np.random.Generator | None:
