@@ -21,7 +21,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from prefix_service import Engine  # noqa: E402
 from prefix_service.bench.systems.grpc import wait_serving  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
-from prefix_service.fleet.launcher import CONTROLLER_DEPLOYMENT  # noqa: E402
+from prefix_service.fleet.launcher import (CONTROLLER_DEPLOYMENT, RAY_LOCAL_START_ATTEMPTS,  # noqa: E402
+                                           RAY_START_TIMEOUT_TEXTS)
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, collect, greedy_request, make_config,  # noqa: E402
                              wait_until)
@@ -32,10 +33,29 @@ TEMPLATES = {f"t{i}": f"{DOCUMENT} and note {i} of the table" for i in range(4)}
 APP = "prefix-service-cluster"
 
 
+def start_head(attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
+    """A Cluster with its head node up. Ray gives the head's start fixed windows (its GCS server
+    writing its port, the raylet registering), which a machine busy with the rest of the suite can
+    miss: the GCS window is widened to 120 s, and a start that still misses one is tried again, as
+    the fleet's own local start is (init_ray)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_gcs_server_port_wait_time_s", "120")
+        for attempt in range(1, attempts + 1):
+            c = Cluster(initialize_head=False)
+            try:
+                c.add_node(num_cpus=1, include_dashboard=False)
+                return c
+            except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
+                c.shutdown()
+                if attempt == attempts or not any(t in str(e) for t in RAY_START_TIMEOUT_TEXTS):
+                    raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     assert not ray.is_initialized(), "a Ray session from another test is still up"
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c = start_head()
     c.add_node(num_cpus=1)
     c.wait_for_nodes()
     c.connect()
