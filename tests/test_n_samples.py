@@ -185,3 +185,43 @@ def test_a_finished_request_for_n_samples_frees_its_request_id(make_engine):
     assert engine._run(lambda core: dict(core._samples)) == {}
     again = engine.generate(GenerateRequest(prompt_token_ids=PROMPT, sampling=greedy(4, n=2), request_id="x"))[0]
     assert again.token_ids == first.token_ids
+
+
+def test_a_sample_that_cannot_start_ends_its_request_and_no_other(make_engine):
+    """Making the samples at the fork fails (here sample 1's generator): that request ends with the
+    error, each of its n samples once, and a request in the same steps answers as it does alone."""
+    engine = make_engine()
+    engine.add_template("t", token_ids=TEMPLATE)
+    alone = engine.generate(request(1, "t"))[0].token_ids
+    pinned = engine.kv_stats()["used"]  # the template's blocks
+    core = engine._core
+    generator = core._generator
+
+    def failing(sampling, offset=0):
+        if offset == 1:
+            raise RuntimeError("no generator for sample 1")
+        return generator(sampling, offset)
+    core._generator = failing
+    got = []
+    done = threading.Event()
+
+    def sink(out):
+        got.append(out)
+        if sum(o.finished for o in got) == 4:
+            done.set()
+
+    def add(c):
+        c.add_request("bad", PROMPT, "t", SamplingParams(n=3, max_tokens=10, ignore_eos=True, temperature=1.0,
+                                                         seed=5), sink)
+        c.add_request("good", PROMPT, "t", greedy(10), sink)
+    engine._run(add)
+    assert done.wait(60)
+    bad = [o for o in got if o.request_id == "bad"]
+    assert sorted(o.index for o in bad) == [0, 1, 2] and all(o.finished for o in bad)
+    assert all("no generator for sample 1" in str(o.error) and not o.token_ids for o in bad)
+    good = [o for o in got if o.request_id == "good"]
+    assert good[-1].finished and good[-1].error is None
+    assert [t for o in good for t in o.token_ids] == alone
+    engine.check_integrity()
+    assert engine.kv_stats()["used"] == pinned
+    assert engine.generate(request(1, "t"))[0].token_ids == alone  # the engine serves on

@@ -336,22 +336,33 @@ class EngineCore:
 
     def _fork_samples(self, parent: Sequence) -> None:
         """A request's prompt is computed: its n samples continue it, each with its own generator
-        (seeded seed + i when the request has a seed) and, for a structured output, its own matcher."""
-        group = self._samples_of.pop(id(parent))
+        (seeded seed + i when the request has a seed) and, for a structured output, its own matcher.
+        Each sample's parts are made before any is registered: where making one fails (a matcher's
+        start, a detokenizer), the request ends with the error, unforked, and the step and every other
+        request go on."""
+        group = self._samples_of[id(parent)]
         p = parent.sampling
-        children = []
-        for i in range(p.n):
-            # a NUL in the id: no request id a client can send collides with it
-            child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens, parent.template,
-                             self._generator(p, i))
+        made: list[tuple[Sequence, IncrementalDetokenizer]] = []
+        try:
+            for i in range(p.n):
+                # a NUL in the id: no request id a client can send collides with it
+                child = Sequence(f"{group.request_id}\x00{i}", parent.token_ids, p, parent.max_tokens,
+                                 parent.template, self._generator(p, i))
+                if group.matcher is not None:
+                    child.matcher = start(group.matcher)
+                made.append((child, IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop)))
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise
+            log.error("request %s: starting its %d samples failed; ending it", group.request_id, p.n, exc_info=e)
+            self._end_unforked(group, FinishReason.ABORT, e)
+            return
+        del self._samples_of[id(parent)]
+        for i, (child, detok) in enumerate(made):
             group.children.append(child.request_id)
-            if group.matcher is not None:
-                child.matcher = start(group.matcher)
-            detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop)
             self._tracked[child.request_id] = _Tracked(child, self._sample_sink(group, i), detok, group.arrival,
                                                        prefix_name=group.prefix_name)
-            children.append(child)
-        self._fork(parent, children)
+        self._fork(parent, [child for child, _ in made])
         group.parent = None
 
     def _sample_sink(self, group: _Samples, index: int) -> Sink:
