@@ -225,3 +225,46 @@ def test_a_sample_that_cannot_start_ends_its_request_and_no_other(make_engine):
     engine.check_integrity()
     assert engine.kv_stats()["used"] == pinned
     assert engine.generate(request(1, "t"))[0].token_ids == alone  # the engine serves on
+
+
+@pytest.mark.parametrize("where", ["block copy", "scheduler"])
+def test_a_fork_that_fails_half_way_ends_every_request_and_frees_every_block(make_engine, where):
+    """Handing a computed prompt's blocks to its samples fails (the backend's copy of the prompt's
+    last block, or the scheduler's fork itself): the step fails, so every request in flight ends
+    with the error, each sample once; every block comes back, the forked prompt's too; the engine
+    serves on."""
+    engine = make_engine()
+    engine.add_template("t", token_ids=TEMPLATE)
+    alone = engine.generate(request(1, "t"))[0].token_ids
+    pinned = engine.kv_stats()["used"]
+    core = engine._core
+
+    def fail(*args):
+        raise RuntimeError("the fork failed")
+    owner = core.backend if where == "block copy" else core.scheduler
+    setattr(owner, "copy_blocks" if where == "block copy" else "fork", fail)
+    got = []
+    done = threading.Event()
+
+    def sink(out):
+        got.append(out)
+        if sum(o.finished for o in got) == 4:
+            done.set()
+
+    def add(c):  # 7 prompt tokens in blocks of 4: each sample copies the prompt's partial last block
+        c.add_request("bad", PROMPT, None, SamplingParams(n=3, max_tokens=10, ignore_eos=True, temperature=1.0,
+                                                          seed=5), sink)
+        c.add_request("good", PROMPT, "t", greedy(10), sink)
+    engine._run(add)
+    assert done.wait(60)
+    assert sum(o.finished for o in got) == 4
+    assert sorted((o.request_id, o.index) for o in got if o.finished) == [("bad", 0), ("bad", 1), ("bad", 2),
+                                                                         ("good", 0)]
+    ends = {(o.request_id, o.index): o.error for o in got if o.finished}
+    assert "the fork failed" in str(ends["good", 0])
+    assert any("the fork failed" in str(ends["bad", i]) for i in range(3))  # its other samples end with it
+    engine._run(lambda c: delattr(owner, "copy_blocks" if where == "block copy" else "fork"))
+    engine.check_integrity()
+    assert engine.kv_stats()["used"] == pinned and engine.kv_stats()["running"] == 0
+    assert engine.generate(request(1, "t"))[0].token_ids == alone
+    assert engine.generate(request(2))[0].samples[1].token_ids == engine.generate(request(1))[0].token_ids

@@ -239,3 +239,32 @@ def test_candidates_that_each_fit_are_scored_on_a_tight_cache(make_engine):
     expected = roomy.score(ScoreRequest(candidates, prompt_token_ids=prompt))
     assert [c.token_ids for c in out.candidates] == [c.token_ids for c in expected.candidates]
     assert [c.logprob for c in out.candidates] == pytest.approx([c.logprob for c in expected.candidates], abs=1e-4)
+
+
+@pytest.mark.parametrize("where", ["block copy", "scheduler"])
+def test_a_score_whose_fork_fails_half_way_ends_with_the_error_and_frees_every_block(make_engine, where):
+    """Handing the computed prompt's blocks to the candidates fails (the backend's copy of its
+    partial last block, or the scheduler's fork): the Score request ends with the error, every
+    block comes back, the fork point's too, and the same request scores as before afterwards."""
+    engine = make_engine()
+    engine.add_template("t", token_ids=TEMPLATE)
+    want = engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
+    pinned = engine.kv_stats()["used"]
+    core = engine._core
+    owner, name = (core.backend, "copy_blocks") if where == "block copy" else (core.scheduler, "fork")
+
+    def fail(*args):
+        raise RuntimeError("the fork failed")
+    setattr(owner, name, fail)
+    got = []
+    done = threading.Event()
+    # 22 + 5 tokens in blocks of 4: each candidate copies the fork point's partial last block
+    engine._run(lambda c: c.add_score("s", PROMPT, "t", CANDIDATES, lambda out: (got.append(out), done.set())))
+    assert done.wait(60)
+    assert len(got) == 1 and "the fork failed" in str(got[0].error) and got[0].candidates == []
+    engine._run(lambda c: delattr(owner, name))
+    engine.check_integrity()
+    assert engine.kv_stats()["used"] == pinned and engine.kv_stats()["running"] == 0
+    again = engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
+    for a, b in zip(again.candidates, want.candidates, strict=True):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)

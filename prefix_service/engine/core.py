@@ -6,6 +6,7 @@ drives it from a background thread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -325,11 +326,12 @@ class EngineCore:
 
     def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Start children on the computed parent's KV (Scheduler.fork) and end the parent. Each child
-        holds the template too; the request was counted as served once, by the parent."""
-        for child in children:
+        holds the template too; the request was counted as served once, by the parent. Where this
+        fails the step fails, and abort_all ends the children and, by its sweep, the parent."""
+        copies = self.scheduler.fork(parent, children)
+        for child in children:  # queued now: each releases its template when it ends (Scheduler.finish)
             if child.template is not None:
                 self.templates.acquire(child.template, served=False)
-        copies = self.scheduler.fork(parent, children)
         if copies:  # now, while the parent's blocks are still held
             self.backend.copy_blocks(copies)
         self.scheduler.finish(parent, FinishReason.STOP)
@@ -362,8 +364,8 @@ class EngineCore:
             group.children.append(child.request_id)
             self._tracked[child.request_id] = _Tracked(child, self._sample_sink(group, i), detok, group.arrival,
                                                        prefix_name=group.prefix_name)
+        group.parent = None  # its samples end the request from here on, each through its sink
         self._fork(parent, [child for child, _ in made])
-        group.parent = None
 
     def _sample_sink(self, group: _Samples, index: int) -> Sink:
         def sink(out: RequestOutput) -> None:
@@ -520,14 +522,31 @@ class EngineCore:
         return True
 
     def abort_all(self, error: BaseException | None = None) -> None:
-        for request_id, tracked in list(self._tracked.items()):
-            if request_id in self._tracked:  # not ended with a sibling sample before its turn (_sample_sink)
-                self._finish(tracked, FinishReason.ABORT, error=error)
-        for scoring in list(self._scorings.values()):
-            self._end_scoring(scoring, FinishReason.ABORT, error or EngineStopped("the engine stopped"))
-        for group in list(self._samples.values()):
+        """End every request in flight (after a failed step, at shutdown). Each ends on its own: one
+        whose end fails is logged and the others still end. Then every sequence the scheduler still
+        holds is ended too, freeing its blocks: such a one belongs to no request any more (the prompt
+        of a fork that failed half-way)."""
+        ends: list[tuple[str, Callable[[], None]]] = []
+        for request_id, tracked in self._tracked.items():
+            ends.append((request_id, functools.partial(self._abort_tracked, request_id, tracked, error)))
+        for scoring in self._scorings.values():
+            ends.append((scoring.request_id, functools.partial(
+                self._end_scoring, scoring, FinishReason.ABORT, error or EngineStopped("the engine stopped"))))
+        for group in self._samples.values():
             if group.parent is not None:
-                self._end_unforked(group, FinishReason.ABORT, error)
+                ends.append((group.request_id, functools.partial(self._end_unforked, group, FinishReason.ABORT,
+                                                                 error)))
+        for request_id, end in ends:
+            try:
+                end()
+            except Exception:  # noqa: BLE001 - every other request must still end
+                log.exception("request %s: ending it failed", request_id)
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def _abort_tracked(self, request_id: str, tracked: _Tracked, error: BaseException | None) -> None:
+        if request_id in self._tracked:  # not ended with a sibling sample before its turn (_sample_sink)
+            self._finish(tracked, FinishReason.ABORT, error=error)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:

@@ -152,10 +152,10 @@ class Scheduler:
         no free block is left for starts unattached and computes its prompt itself."""
         reuse = parent.num_computed_tokens - 1
         assert parent.num_uncomputed == 0 and reuse >= 0, "fork of a sequence whose prompt is not computed"
+        assert all(c.token_ids[:reuse + 1] == parent.token_ids and c.block_table == [] for c in children)
         num_shared, tail = divmod(reuse, self.block_size)
         copies: list[tuple[int, int]] = []
         for child in children:
-            assert child.token_ids[:reuse + 1] == parent.token_ids and child.block_table == []
             child.forked = True
             if tail and self.allocator.num_free < 1:
                 continue
@@ -318,9 +318,9 @@ class Scheduler:
         """End a sequence (finished, aborted or failed): free its blocks, release its template."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SeqStatus.WAITING:
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        else:
+        else:  # ended already, or never queued (a fork's child where the fork failed): nothing held
             return
         self._free_blocks(seq)
         seq.status = SeqStatus.FINISHED
