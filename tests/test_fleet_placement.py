@@ -31,6 +31,25 @@ def test_holders_are_the_top_weights_and_deterministic():
     assert holders("x", [], 2) == []
 
 
+def test_a_replica_listed_twice_holds_a_template_once():
+    """A member list that names a replica twice still gives R distinct holders, the same as without
+    the repeat."""
+    for t in TEMPLATES[:50]:
+        doubled = holders(t, REPLICAS + REPLICAS[:4], 3)
+        assert len(set(doubled)) == len(doubled) == 3
+        assert doubled == holders(t, REPLICAS, 3)
+    assert holders("x", ["a", "a"], 2) == ["a"]
+
+
+def test_weights_keep_template_and_replica_apart_and_span_64_bits():
+    """("ab", "c") and ("a", "bc") are different pairs, weighed independently; the weights are 64-bit
+    numbers (a narrower hash would tie far more often)."""
+    assert weight("ab", "c") != weight("a", "bc")
+    assert weight("template-1", "0") != weight("template-", "10")
+    weights = [weight(t, r) for t in TEMPLATES for r in REPLICAS]
+    assert all(0 <= w < 2**64 for w in weights)
+    assert max(weights) >= 2**63
+
 def test_placement_spreads_templates_evenly():
     counts = collections.Counter(r for hs in placement(TEMPLATES, REPLICAS, 1).values() for r in hs)
     assert set(counts) == set(REPLICAS)
@@ -88,6 +107,14 @@ def test_router_asks_ray_serve_to_back_off_when_no_holder_can_take_a_call():
     assert asyncio.run(route({"holders": ("gone",)})) == ([], True)  # its holder is down: wait, backing off
     assert asyncio.run(route({"holders": ("b", "a")})) == ([["b"], ["a"]], True)  # both full: wait too
     assert asyncio.run(route({})) == ([["a"], ["b"]], True)
+
+
+def test_router_without_a_pending_request_offers_every_replica_in_its_own_rank():
+    pytest.importorskip("ray.serve", reason="the router module needs ray[serve] (pip install -e '.[ray]')")
+    from prefix_service.fleet.router import TemplateRouter
+    cands = [types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id=i)) for i in ("a", "b", "c")]
+    ranks = asyncio.run(TemplateRouter.choose_replicas(None, cands, None))
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["a"], ["b"], ["c"]]
 
 
 def test_ray_config_section(tmp_path):

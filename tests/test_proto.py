@@ -115,3 +115,31 @@ def test_template_to_proto_carries_the_default_output():
     assert msg.HasField("structured_output") and list(msg.structured_output.choice.choices) == ["yes", "no"]
     plain = template_to_proto(TemplateInfo("doc", 9, 3, 0, 0, {"content": "x"}), "config")
     assert plain.kind == "content" and not plain.HasField("structured_output")
+
+
+@pytest.mark.parametrize("kind, spec, choices", [
+    ("json_schema", '{"type": "object"}', ()), ("json_object", "", ()), ("regex", "[a-z]+", ()),
+    ("choice", "", ("order", "refund", "shipping")), ("grammar", 'start: "yes" | "no"', ()), ("text", "", ())])
+def test_structured_output_survives_the_trip_to_proto_and_back_for_every_kind(kind, spec, choices):
+    """A template's default output as ListPrefixTemplates shows it reads back as the same constraint
+    (every choice, in order); an error about it names the field and its kind."""
+    from prefix_service.sampling_params import StructuredOutput
+    from prefix_service.server.convert import structured_from_proto, structured_to_proto
+    original = StructuredOutput(kind, spec, choices)
+    msg = structured_to_proto(original)
+    assert msg.WhichOneof("kind") == kind
+    back = structured_from_proto(msg, "structured_output")
+    assert back == original and back.choices == choices
+    assert back.param == f"structured_output.{kind}"
+    assert structured_to_proto(None) is None
+    assert structured_from_proto(pb.StructuredOutput(), "structured_output") is None  # no kind set
+
+
+def test_chat_messages_from_proto_keep_their_order_and_an_empty_role_is_refused_by_its_index():
+    from prefix_service.errors import InvalidRequest
+    from prefix_service.server.convert import messages_from_proto
+    msgs = [pb.ChatMessage(role="system", content="be brief"), pb.ChatMessage(role="user", content="hi")]
+    assert messages_from_proto(msgs) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequest, match=r"^messages\[2\]\.role is empty") as e:
+        messages_from_proto(msgs + [pb.ChatMessage(role="", content="y")])
+    assert e.value.param == "messages[2].role"

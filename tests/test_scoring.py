@@ -268,3 +268,12 @@ def test_a_score_whose_fork_fails_half_way_ends_with_the_error_and_frees_every_b
     again = engine.score(ScoreRequest(CANDIDATES, prompt_token_ids=PROMPT, prefix_name="t"))
     for a, b in zip(again.candidates, want.candidates, strict=True):
         assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-5)
+
+
+def test_a_candidate_with_many_bad_token_ids_is_refused_quoting_its_first_four(make_engine):
+    engine = make_engine()
+    vocab_size = engine._core.arch.vocab_size
+    bad = [vocab_size + k for k in range(6)]
+    with pytest.raises(InvalidRequest, match=rf"candidates\[0\]: token ids must be in \[0, {vocab_size}\)") as e:
+        engine.score(ScoreRequest([[17, *bad, 5]], prompt_token_ids=PROMPT))
+    assert str(e.value).endswith(f"got {bad[:4]}")
