@@ -35,6 +35,8 @@ def test_the_rule_keeps_matrix_products_only_when_faster_on_both_and_by_the_marg
     # of two kernels the fastest on the sum among those faster on both
     assert tuning.choose(ms((40, 12), amx=(20, 12.1), dot=(30, 9)))[0] == "dot"
     assert tuning.choose(ms((40, 12), amx=(20, 8), dot=(30, 9)))[0] == "amx"
+    # the least sum, not the fastest prefill: amx is faster on the prefill, dot on the two together
+    assert tuning.choose(ms((40, 12), amx=(25, 11.9), dot=(30, 5))) == ("dot", "67% of the native kernels' time")
     assert tuning.choose(ms((40, 12)))[0] == "native"  # nothing else timed
 
 
@@ -169,6 +171,71 @@ def test_a_cache_with_room_for_exactly_the_smallest_template_is_timed(make_engin
     assert not timing.ms and timing.why.startswith(f"not timed: {blocks - 1} blocks of {BS} tokens")
 
 
+@needs_bf16
+@needs_units
+@pytest.mark.parametrize("faster", ["matrix", "native"])
+def test_the_stack_keeps_the_way_its_timings_favour_and_packs_templates_for_it(make_engine, monkeypatch, faster):
+    """Timings that favour one way (each way's steps run, their times replaced: the matrix products
+    twice as fast as the native kernels, or twice as slow): the stack keeps that way, with the
+    kernel and the cap that packs templates for it where it keeps the products, says so at start-up,
+    and serves on it (prefix equals no prefix, or first differs at a near tie). The products' timed
+    prefill and decode step each attend over the packed template through them, the native kernels' not."""
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    monkeypatch.setattr(tuning, "TIMED_LAYERS", 1)
+    real_rounds = tuning._timed_rounds
+    kernel = min(KERNELS)  # the one given the least times among the products' kernels
+    attended: dict[tuple[str, str], bool] = {}
+
+    def favouring(ways, cases, step, failed, rounds=tuning.ROUNDS):
+        def counted(way, case):
+            calls = onednn.template_attend_calls()
+            step(way, case)
+            attended[way, case] = onednn.template_attend_calls() > calls
+        timed = real_rounds(ways, cases, counted, failed, rounds=1)
+        scale = {"native": 1.0, kernel: 0.5 if faster == "matrix" else 2.0}
+        return {w: {"prefill": 40 * scale.get(w, 3.0), "decode": 12 * scale.get(w, 3.0)} for w in timed}
+    monkeypatch.setattr(tuning, "_timed_rounds", favouring)
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu")
+    stack = stack_of(engine)
+    timing = stack.template_timing
+    assert set(timing.ms) == {"native", *KERNELS} and timing.ms["native"] == {"prefill": 40, "decode": 12}
+    assert attended == {(w, c): w != "native" for w in timing.ms for c in ("prefill", "decode")}
+    if faster == "matrix":
+        assert (timing.choice, timing.kernel, timing.products) == ("matrix", kernel, KERNELS[kernel])
+        assert timing.why == "50% of the native kernels' time" and timing.summary().startswith(f"{kernel} (50%")
+        assert stack.template_matrix and stack.template_fn != 0 and stack.template_products == KERNELS[kernel]
+    else:
+        assert (timing.choice, timing.kernel, timing.products) == ("native", None, None)
+        assert timing.why == "no matrix products were faster on both the prefill and the decode step"
+        assert not stack.template_matrix and stack.template_fn == 0
+        assert timing.summary().startswith("native kernels (no matrix products were faster")
+    assert "timed each way: " + timing.why in engine._core.backend.describe()
+    assert all(not k.any() and not v.any() for k, v in stack.kv_layers)
+    engine.add_template("t", token_ids=list(range(3, 40)))
+    (packed,) = engine._core.backend.templates.values()
+    assert [m.kernel for m in packed.matrix] == ([kernel] * stack.num_layers if faster == "matrix" else [])
+    assert_templates_equal_no_template(engine, (BS, 2 * BS + 1, 20 * BS + 3), 24)
+
+
+@needs_bf16
+@needs_units
+def test_a_template_timed_on_a_short_context_fits_its_positions(make_engine, monkeypatch):
+    """A model served with a context shorter than the cache's room for a template (max_model_len 300):
+    the timed template leaves positions for the test's prompt and decode token after it, in whole
+    blocks, and the engine is built and serves."""
+    monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
+    monkeypatch.setattr(tuning, "TIMED_LAYERS", 1)
+    engine = make_engine(block_size=BS, dtype="bfloat16", backend="cpu", max_model_len=300)
+    stack = stack_of(engine)
+    positions = stack.cos.shape[0]
+    own = -(-tuning.PREFILL_TOKENS // BS) + tuning.DECODE_SEQUENCES
+    assert (stack.num_blocks - own) * BS > positions - tuning.PREFILL_TOKENS - 1  # the context bounds it
+    assert stack.template_timing.template_tokens == (positions - tuning.PREFILL_TOKENS - 1) // BS * BS
+    assert set(stack.template_timing.ms) == {"native", *KERNELS}
+    engine.add_template("t", token_ids=list(range(3, 40)))
+    assert len(run_ids(engine, [5, 6, 7], prefix="t", max_tokens=4)) == 4
+
+
 def swap_pairs(o):
     """o [rows, D] with each pair of dimensions (0 and 1, 2 and 3, ...) swapped."""
     return o.view(o.shape[0], -1, 2).flip(-1).reshape(o.shape)
@@ -188,6 +255,8 @@ class Swapped:
             o = swap_pairs(o)
         elif self.how == "rows":
             o = o.roll(1, 0)
+        elif self.how == "last tile":  # rows past 64 (the fifth tile of 16) read in the wrong order
+            o = torch.cat([o[:64], swap_pairs(o[64:])]) if o.shape[0] > 64 else o
         else:
             m = m + 0.5
         return o, m, l
@@ -198,7 +267,7 @@ class Swapped:
 def test_the_kernel_check_passes_each_real_kernel_and_catches_a_wrong_one(products, key_rows, monkeypatch):
     """tuning.disagreement: None for the kernels the products run on here (both walks, on 3, 24, 40
     and 80 rows over 1,000 keys), a message for outputs with their VNNI pairs swapped, rows shifted by one,
-    or maxima off by 0.5."""
+    or maxima off by 0.5, and for outputs wrong only past 64 rows (checked on 80 rows)."""
     if products == "dot" and "AVX512-BF16 dot products" not in KERNELS:
         pytest.skip("no AVX512-BF16 dot products here")
     monkeypatch.setenv(onednn.TEMPLATE_PRODUCTS_ENV, products)
@@ -209,13 +278,16 @@ def test_the_kernel_check_passes_each_real_kernel_and_catches_a_wrong_one(produc
     assert "outside bf16's rounding" in tuning.disagreement(Swapped(template, "pairs"), k, v, g)
     assert "outputs up to" in tuning.disagreement(Swapped(template, "rows"), k, v, g)
     assert "maxima of the scores" in tuning.disagreement(Swapped(template, "max"), k, v, g)
+    wrong = tuning.disagreement(Swapped(template, "last tile"), k, v, g)
+    assert wrong.startswith("gave outputs up to") and "on head 0 of 80 rows, outside bf16's rounding" in wrong
 
 
 @needs_bf16
 @needs_units
-def test_a_kernel_that_gives_wrong_outputs_is_not_timed(make_engine, monkeypatch):
+def test_a_kernel_that_gives_wrong_outputs_is_not_timed(make_engine, monkeypatch, caplog):
     """Matrix products whose outputs are wrong (here, swapped pairs) are checked out before they are
-    timed, whatever their speed: the native kernels are kept and the reason given."""
+    timed, whatever their speed: the native kernels are kept, the reason given, and each such kernel
+    warned of at start-up."""
     monkeypatch.setenv(onednn.TEMPLATE_ATTENTION_ENV, "measure")
     real_attend = onednn.OneDnnTemplate.attend
 
@@ -227,6 +299,9 @@ def test_a_kernel_that_gives_wrong_outputs_is_not_timed(make_engine, monkeypatch
     timing = stack.template_timing
     assert timing.choice == "native" and stack.template_fn == 0 and set(timing.ms) == {"native"}
     assert all(f"{kernel} gave outputs up to" in timing.why for kernel in KERNELS)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert all(any(w.startswith(f"template attention: the matrix products on {kernel} gave outputs up to")
+                   for w in warned) for kernel in KERNELS), warned
 
 
 @needs_bf16
@@ -348,6 +423,62 @@ def test_a_failure_of_the_reference_way_is_raised_and_of_another_way_drops_it():
     assert failed == {"dot": "failed: dot refused prefill"}
 
 
+def test_the_timing_rounds_alternate_the_order_leave_out_the_first_round_and_keep_each_median(monkeypatch):
+    """The timing rounds: one untimed round, then `rounds` timed with the ways' order reversed every
+    other round (neither way always runs on what the other left in the caches), and each way's and
+    case's median of the timed rounds. A clock that the steps advance stands in for the time taken:
+    the first, untimed round takes a second, the timed ones a few milliseconds each."""
+    clock = [0.0]
+    monkeypatch.setattr(tuning, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    took_ms = {("native", "prefill"): [1000, 10, 30, 11], ("native", "decode"): [1000, 4, 3, 9],
+               ("dot", "prefill"): [1000, 7, 8, 20], ("dot", "decode"): [1000, 2, 6, 5]}
+    calls: list[tuple[str, str]] = []
+
+    def step(way, case):
+        clock[0] += took_ms[way, case][sum(c == (way, case) for c in calls)] / 1e3
+        calls.append((way, case))
+    got = tuning._timed_rounds(["native", "dot"], ("prefill", "decode"), step, {}, rounds=3)
+    assert [way for way, case in calls[::2]] == ["native", "dot", "dot", "native", "native", "dot", "dot", "native"]
+    assert all(case == "prefill" for way, case in calls[::2]) and all(case == "decode" for way, case in calls[1::2])
+    assert got == {"native": {"prefill": pytest.approx(11), "decode": pytest.approx(4)},
+                   "dot": {"prefill": pytest.approx(8), "decode": pytest.approx(5)}}
+
+
+def test_the_candidates_are_each_bf16_kernel_within_the_cap_never_the_fallback(monkeypatch):
+    """tuning.candidates on a CPU with AMX tiles and AVX512-BF16 dot products (the library's rule
+    stood in for: the most capable kernel within the number asked for, for heads of a multiple of
+    16): each kernel at the number that picks it, within template_products()' cap; never torch's
+    fallback GEMM (nothing to time for heads the units do not take)."""
+    def kernel(head_size, products=None):
+        return onednn.TEMPLATE_KERNELS[products if head_size % 16 == 0 else 0]
+    monkeypatch.setattr(onednn, "template_kernel", kernel)
+    monkeypatch.setattr(onednn, "template_products", lambda: 2)
+    assert tuning.candidates(64) == {"AMX brgemm": 2, "AVX512-BF16 dot products": 1}
+    assert tuning.candidates(72) == {}
+    monkeypatch.setattr(onednn, "template_products", lambda: 1)
+    assert tuning.candidates(64) == {"AVX512-BF16 dot products": 1}
+    monkeypatch.setattr(onednn, "template_products", lambda: 0)
+    assert tuning.candidates(64) == {}
+
+
+def test_the_start_up_lines_name_the_kernel_kept_and_each_ways_times():
+    """TemplateTiming.summary and Float32Timing.summary: the way kept first (the products' kernel, or
+    the native kernels), why, then every way's times; the float32 line's row counts in increasing
+    order whatever order they were timed in."""
+    dot = "AVX512-BF16 dot products"
+    timed = ms((40, 12), **{dot: (30, 9)})
+    line = tuning.TemplateTiming("matrix", "75% of the native kernels' time", dot, 1, 256, timed).summary()
+    assert line.startswith(f"{dot} (75% of the native kernels' time); on a 256-token template")
+    assert line.endswith(f"took: native 40.0 and 12.0 ms; {dot} 30.0 and 9.0 ms")
+    line = tuning.TemplateTiming("native", "too close", None, None, 256, timed).summary()
+    assert line.startswith("native kernels (too close); on a 256-token template")
+    assert tuning.TemplateTiming("native", "not timed: no room").summary() == "native (not timed: no room)"
+    by_rows = {"native": {512: 8.0, 1: 0.5, 16: 1.25}, "inner_product": {512: 4.0, 1: 0.75, 16: 1.5}}
+    line = tuning.Float32Timing(16, "chosen", by_rows).summary()
+    assert line.startswith(f"{linear.float32_choice(16)} (chosen); ")
+    assert line.endswith("took: 1 rows 0.50 and 0.75 ms; 16 rows 1.25 and 1.50 ms; 512 rows 8.00 and 4.00 ms")
+
+
 @needs_lib
 def test_products_capped_at_the_dot_products_leave_them_to_time_where_the_cpu_has_them(monkeypatch):
     """PREFIX_SERVICE_BF16_TEMPLATE_PRODUCTS=dot (the most the products may use: kernel number 1): the
@@ -423,6 +554,58 @@ def test_a_prompt_timed_on_a_short_context_fits_its_positions(make_engine, monke
     assert len(run_ids(engine, ids_of(150), max_tokens=3)) == 3
 
 
+class PromptStack:
+    """A decoder stack as the timing reads and runs it (tuning.TimedStack) without a model: each
+    forward writes ones into its rows' slots of the layers it runs and advances a stand-in clock by
+    `took_ms` of the way its causal_fn stands for (the dot products' function, else the native kernels)."""
+
+    def __init__(self, num_blocks: int, positions: int, clock: list[float], took_ms: dict[str, float]):
+        self.block_size, self.num_blocks, self.hkv, self.head_dim, self.hidden = BS, num_blocks, 1, 16, 8
+        self.num_layers, self.cos = 3, torch.zeros(positions, 16)
+        self.kv_layers = [(torch.zeros(num_blocks, BS, 1, 16), torch.zeros(num_blocks, BS, 1, 16)) for _ in range(3)]
+        self.template_fn, self.causal_fn = 0, 7  # what the stack ran before timing
+        self.clock, self.took_ms, self.runs = clock, took_ms, []
+
+    def forward(self, x, plan):
+        way = "dot" if self.causal_fn == onednn.causal_attend_fn() else "native"
+        self.runs.append((way, self.num_layers, x.shape[0], plan.slots.tolist()))
+        for k, v in self.kv_layers[:self.num_layers]:
+            k.view(-1, 1, 16)[plan.slots] = 1.0
+            v.view(-1, 1, 16)[plan.slots] = 1.0
+        self.clock[0] += self.took_ms[way] / 1e3
+        return x
+
+
+@needs_lib
+@pytest.mark.parametrize("dot_ms,kept", [(15.0, "dot"), (19.5, "native")])
+def test_a_prompts_own_attention_is_timed_in_whole_blocks_and_the_stack_left_as_it_was(monkeypatch, dot_ms, kept):
+    """measure_prompt_attention on a stack whose steps take a known time: a cache of exactly the
+    shortest prompt timed (128 tokens) is timed on it, from slot 0 on, through the first
+    TIMED_LAYERS layers alone, each way in every round; the way kept follows choose_prompt from those
+    times; the stack's causal_fn and layer count are what they were and the blocks used are zero
+    again. One block fewer, or fewer positions than a prompt, is not timed."""
+    clock = [0.0]
+    monkeypatch.setattr(tuning, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(tuning, "TIMED_LAYERS", 2)
+    took = {"native": 20.0, "dot": dot_ms}
+    stack = PromptStack(onednn.PROMPT_ATTENTION_MIN_TOKENS // BS, 512, clock, took)
+    timing = tuning.measure_prompt_attention(stack)
+    assert (timing.choice, timing.why) == ((kept, "75% of the native kernels' time") if kept == "dot" else
+                                           (kept, "the dot products took 98% of the native time, not 95% or less"))
+    assert timing.tokens == 128 and timing.ms == pytest.approx(took)
+    assert sorted(way for way, *_ in stack.runs) == ["dot"] * (tuning.ROUNDS + 1) + ["native"] * (tuning.ROUNDS + 1)
+    assert all((layers, rows, slots) == (2, 128, list(range(128))) for _, layers, rows, slots in stack.runs)
+    assert (stack.causal_fn, stack.num_layers) == (7, 3)
+    assert all(not k.any() and not v.any() for k, v in stack.kv_layers)
+    for blocks, positions in ((128 // BS - 1, 512), (64, 127)):
+        short = PromptStack(blocks, positions, clock, took)
+        timing = tuning.measure_prompt_attention(short)
+        assert timing.choice == "native" and not timing.ms and not short.runs
+        assert timing.why.startswith(f"not timed: {blocks} blocks of {BS} tokens and {positions} positions")
+    # positions for 130 tokens: a prompt of the whole blocks among them
+    assert tuning.measure_prompt_attention(PromptStack(64, 130, clock, took)).tokens == 128
+
+
 # --- a float32 model's linears: the native kernel, or oneDNN's inner product above a row count ---------
 
 def f32_ms(native_ms, library_ms):
@@ -484,6 +667,25 @@ def test_float32_timings_are_kept_per_thread_count(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert tuning.measure_float32_linears(layers) is first
+
+
+@needs_lib
+def test_a_float32_inner_product_that_fails_keeps_the_native_kernel_and_says_why(monkeypatch, caplog):
+    """oneDNN's inner product raising its error while the float32 linears are timed: the native kernel
+    for every call (native_rows None), the error in `why` and in a warning, and nothing timed kept."""
+    monkeypatch.setattr(tuning, "_FLOAT32_TIMINGS", {})
+    monkeypatch.setattr(tuning, "FLOAT32_ROUNDS", 1)
+
+    def refuse(self, x, out=None):
+        raise onednn.OneDnnError("ps_onednn_linear: refused here")
+    monkeypatch.setattr(onednn.OneDnnLinear, "__call__", refuse)
+    g = torch.Generator().manual_seed(3)
+    timing = tuning.measure_float32_linears([[torch.randn(32, 16, generator=g), torch.randn(16, 32, generator=g)]])
+    assert (timing.native_rows, timing.ms) == (None, {})
+    assert timing.why == "oneDNN's inner product failed: ps_onednn_linear: refused here"
+    assert timing.summary().startswith(f"{linear.float32_choice(None)} (oneDNN's inner product failed")
+    assert "float32 linears: oneDNN's inner product failed: ps_onednn_linear: refused here" in [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
 
 
 @needs_lib
