@@ -2,9 +2,11 @@
 call give, bit for bit, the hidden states and cache of the same kernels called one by one from
 Python (the linear layers, elementwise.add_rms_norm and native_harness.py's wrappers, in the C++
 loop's order), on every step of a mixed engine workload: decodes and prefills, on a packed template or not, chunked, in one step.
+A step's plan lists its decodes, then its prefills, each with its packed template or none.
 Bad input is refused with nothing written; the copy-on-write copies blocks in every layer; the
 kernel timers observe the served path without changing it."""
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from helpers import generate_together, greedy, mixed_generate
 from native_harness import Rotation, decode_attention, head_rms_norm, prefill_attention, silu_mul
 from prefix_service import GenerateRequest
+from prefix_service.backends.base import StepTensors
 from prefix_service.backends.cpu import native
 from prefix_service.backends.cpu import linear as linear_mod
 from prefix_service.backends.cpu import stack as stack_mod
@@ -20,6 +23,7 @@ from prefix_service.backends.cpu.native import NativeKernelError
 from prefix_service.backends.cpu.plan import StackPlan
 from prefix_service.backends.cpu.stack import DecoderStack
 from prefix_service.bench.profiling import kernel_times
+from prefix_service.engine.step import ScheduledRow, StepBatch
 from prefix_service.model.loader import load_model
 
 REASON = native.load()[1]
@@ -168,6 +172,44 @@ def test_stack_releases_the_models_linear_weights(llama_dir):
     assert all(layer.self_attn.qkv_proj.weight is None and layer.mlp.down_proj.weight is None
                for layer in model.layers)
     assert len(stack.layers) == arch.num_layers and stack.weights.shape == (arch.num_layers, 8)
+
+
+def test_a_steps_plan_lists_decodes_then_prefills_each_with_its_packed_template_or_none():
+    """StackPlan.build on a step of two decodes and three prefills, some continuing a packed template
+    (stood in for: its pointers for each of 2 layers, 8 tokens in 2 blocks): the decodes' tables,
+    context lengths and blocks read from the template (decode_skip, 0 for a decode without one);
+    each prefill's new tokens, cached tokens and, of those, the template's packed ones; the prefills'
+    tables; each row's template pointers, decodes first, zeros for a row without one. Where no decode
+    continues a template there is no decode_skip, where no row does no pointers, and a step of
+    decodes alone has an empty [0, 3] prefill_info."""
+    template = SimpleNamespace(pointers=torch.tensor([[11, 12, 13], [21, 22, 23]]), num_tokens=8, num_blocks=2)
+    rows = (ScheduledRow("d0", True, (5,), 9, (1, 2, 3), template_id=1, num_template_blocks=2),
+            ScheduledRow("d1", True, (6,), 2, (7,)),
+            ScheduledRow("p0", False, (1, 2, 3), 8, (1, 2, 4), template_id=1, num_template_blocks=2),
+            ScheduledRow("p1", False, (4, 5), 0, (8,)),
+            ScheduledRow("p2", False, (6,), 10, (1, 2, 9), template_id=1, num_template_blocks=2))
+
+    def plan_of(*chosen):
+        step = StepBatch(chosen)
+        host = StepTensors.build(step, BS)
+        plan = StackPlan.build(step, host, 2, lambda row: template if row.template_id is not None else None)
+        assert torch.equal(plan.slots, host.slots) and torch.equal(plan.positions, host.positions)
+        return plan
+    plan = plan_of(*rows)
+    assert plan.num_decodes == 2
+    assert plan.decode_tables.tolist() == [[1, 2, 3], [7, -1, -1]] and plan.decode_context.tolist() == [10, 3]
+    assert plan.decode_skip.dtype == torch.int32 and plan.decode_skip.tolist() == [2, 0]
+    assert plan.prefill_info.dtype == torch.int32 and plan.prefill_info.tolist() == [[3, 8, 8], [2, 0, 0], [1, 10, 8]]
+    assert plan.prefill_tables.tolist() == [[1, 2, 4], [8, -1, -1], [1, 2, 9]]
+    none, packed = [[0, 0, 0]] * 2, template.pointers.tolist()
+    assert plan.templates.dtype == torch.int64 and plan.templates.tolist() == [packed, none, packed, none, packed]
+    plan = plan_of(rows[1], *rows[2:])  # the template's rows all prefills
+    assert plan.decode_skip is None and plan.templates.tolist() == [none, packed, none, packed]
+    plan = plan_of(rows[1], rows[3])
+    assert plan.decode_skip is None and plan.templates is None and plan.prefill_info.tolist() == [[2, 0, 0]]
+    plan = plan_of(*rows[:2])
+    assert plan.prefill_info.shape == (0, 3) and plan.prefill_tables.shape[0] == 0
+    assert plan.decode_skip.tolist() == [2, 0] and plan.templates.tolist() == [packed, none]
 
 
 @needs_native
