@@ -138,3 +138,73 @@ def test_a_probe_that_raises_a_runtime_error_is_reported_in_its_place_and_fails_
     assert report["environment"]["check"] == f"{env_report.ERROR}the check broke"
     assert "machine" in report and "cpu_kernels" in report
     assert env_report.failed(report) == ["environment.check: error: the check broke"]
+
+
+def _kernel_libraries():
+    from prefix_service.backends.cpu import native, onednn
+    if native.load()[0] is None or onednn.load()[0] is None:
+        pytest.skip(f"no native CPU kernels or no oneDNN library here: {native.load()[1] or onednn.load()[1]}")
+    return native, onednn
+
+
+def test_the_kernel_report_for_a_bf16_model_gives_the_attention_choices_for_its_head_size(monkeypatch):
+    """A bfloat16 model with heads of 64: each attention choice is the one the library's function
+    gives for that head size (stood in for, each saying what it was asked), the bf16 units' flags
+    each their own, the native library's line names what it is built for, and none of a float32
+    model's choices; a float16 model (which the cpu backend does not run) gets the libraries alone."""
+    from prefix_service.backends import cpu_kernel_choices
+    native, onednn = _kernel_libraries()
+    monkeypatch.setattr(onednn, "template_attention", lambda head_size: f"template attention for {head_size}")
+    monkeypatch.setattr(onednn, "template_kernel", lambda head_size, products=None: f"{head_size} within {products}")
+    monkeypatch.setattr(onednn, "prompt_attention", lambda head_size: f"prompt attention for {head_size}")
+    monkeypatch.setattr(onednn, "bf16_native", lambda: True)
+    monkeypatch.setattr(onednn, "brgemm_vnni", lambda: False)
+    kernels = cpu_kernel_choices(torch.bfloat16, 64, env_report._probe)
+    assert kernels["bf16_template_attention"] == "template attention for 64"
+    assert kernels["bf16_template_products"] == "64 within None"  # the cap the settings give, not one of its own
+    assert kernels["bf16_prompt_attention"] == "prompt attention for 64"
+    assert (kernels["onednn_multiplies_bf16"], kernels["amx_brgemm"]) == (True, False)
+    assert kernels["native_library"] == f"loads ({native.isa()})" and kernels["onednn_library"] == "loads"
+    assert not {"float32_linears", "float32_panels"} & set(kernels)
+    assert set(cpu_kernel_choices(torch.float16, 64, env_report._probe)) == {
+        "native_library", "native_built_for", "onednn_library", "decode_prefetch"}
+
+
+@pytest.mark.parametrize("setting,rows", [("native", "64"), ("inner_product", "64"), ("inner_product", "0"),
+                                          ("measure", "64")])
+def test_the_kernel_report_says_what_a_float32_models_linears_run_under_each_setting(monkeypatch, setting, rows):
+    """PREFIX_SERVICE_F32_LINEAR and PREFIX_SERVICE_F32_NATIVE_ROWS: the native kernel alone (the row
+    count not read), the native kernel up to that many rows with oneDNN's inner product above (0:
+    the inner product for every call), or timed when the model is built; and no bf16 choices."""
+    from prefix_service.backends import cpu_kernel_choices
+    from prefix_service.backends.cpu import linear
+    _kernel_libraries()
+    monkeypatch.setenv(linear.FLOAT32_ENV, setting)
+    monkeypatch.setenv(linear.FLOAT32_ROWS_ENV, rows)
+    kernels = cpu_kernel_choices(torch.float32, 64, env_report._probe)
+    want = {"native": linear.float32_choice(None), "inner_product": linear.float32_choice(int(rows)),
+            "measure": "timed when the model is built (measure)"}[setting]
+    assert kernels["float32_linears"] == want
+    assert not [k for k in kernels if "bf16" in k or k == "amx_brgemm" or "attention" in k]
+
+
+def test_without_a_library_the_kernel_report_leaves_out_the_choices_that_need_it(monkeypatch):
+    """The native library not loading: the libraries' lines alone, the reason in the native one's place
+    (and the build target, where none is set, the CPU it runs on). oneDNN's not loading: the native
+    kernels' choices for both dtypes, none of bf16's, and the reason in oneDNN's place."""
+    from prefix_service import cpuinfo
+    from prefix_service.backends import cpu_kernel_choices
+    native, onednn = _kernel_libraries()
+    with monkeypatch.context() as m:
+        m.setattr(native, "load", lambda: (None, "no C++ compiler found (set CXX)"))
+        m.setattr(cpuinfo, "target", lambda: None)
+        kernels = cpu_kernel_choices(None, 64, env_report._probe)
+        assert kernels == {"native_library": "no C++ compiler found (set CXX)", "native_built_for": "native (this CPU)",
+                           "onednn_library": "loads"}
+        m.setattr(cpuinfo, "target", lambda: "x86-64-v3")
+        assert cpu_kernel_choices(None, 64, env_report._probe)["native_built_for"] == "x86-64-v3"
+    monkeypatch.setattr(onednn, "load", lambda: (None, "no oneDNN library here: not built"))
+    kernels = cpu_kernel_choices(None, 64, env_report._probe)
+    assert kernels["onednn_library"] == "no oneDNN library here: not built"
+    assert {"decode_prefetch", "float32_linears", "float32_panels"} <= set(kernels)
+    assert not [k for k in kernels if "bf16" in k or k == "amx_brgemm" or "attention" in k]
