@@ -20,6 +20,28 @@ def request(n, prefix=None, **kw):
     return GenerateRequest(prompt_token_ids=PROMPT, prefix_name=prefix, sampling=SamplingParams(**params))
 
 
+def collector(ends: int):
+    """(outputs, event, sink): the sink keeps every output and sets the event at the ends-th finished one."""
+    got = []
+    done = threading.Event()
+
+    def sink(out):
+        got.append(out)
+        if sum(o.finished for o in got) == ends:
+            done.set()
+    return got, done, sink
+
+
+def add_bad_and_good(engine, bad_prefix, sink):
+    """In one command: "bad", 3 seeded samples of PROMPT (on bad_prefix), and "good", one greedy answer
+    on the template "t"; both run in the same steps."""
+    def add(c):
+        c.add_request("bad", PROMPT, bad_prefix, SamplingParams(n=3, max_tokens=10, ignore_eos=True,
+                                                                temperature=1.0, seed=5), sink)
+        c.add_request("good", PROMPT, "t", greedy(10), sink)
+    engine._run(add)
+
+
 @pytest.mark.parametrize("prefix", [None, "t"])
 def test_seeded_samples_equal_single_requests_of_seed_plus_i(make_engine, prefix):
     engine = make_engine()
@@ -80,13 +102,7 @@ def test_bad_n_is_refused(make_engine, kw, error, field):
 
 def test_abort_before_and_after_the_fork_frees_everything(make_engine):
     engine = make_engine(max_num_batched_tokens=2)  # the prompt takes several steps: abort it mid-way
-    got = []
-    done = threading.Event()
-
-    def sink(out):
-        got.append(out)
-        if sum(o.finished for o in got) == 3:
-            done.set()
+    got, done, sink = collector(3)
     engine._run(lambda core: core.add_request("r", PROMPT, None, SamplingParams(n=3, max_tokens=50), sink))
     assert engine.abort("r") is True
     assert done.wait(30) and sorted(o.index for o in got if o.finished) == [0, 1, 2]
@@ -202,19 +218,8 @@ def test_a_sample_that_cannot_start_ends_its_request_and_no_other(make_engine):
             raise RuntimeError("no generator for sample 1")
         return generator(sampling, offset)
     core._generator = failing
-    got = []
-    done = threading.Event()
-
-    def sink(out):
-        got.append(out)
-        if sum(o.finished for o in got) == 4:
-            done.set()
-
-    def add(c):
-        c.add_request("bad", PROMPT, "t", SamplingParams(n=3, max_tokens=10, ignore_eos=True, temperature=1.0,
-                                                         seed=5), sink)
-        c.add_request("good", PROMPT, "t", greedy(10), sink)
-    engine._run(add)
+    got, done, sink = collector(4)
+    add_bad_and_good(engine, "t", sink)
     assert done.wait(60)
     bad = [o for o in got if o.request_id == "bad"]
     assert sorted(o.index for o in bad) == [0, 1, 2] and all(o.finished for o in bad)
@@ -243,19 +248,8 @@ def test_a_fork_that_fails_half_way_ends_every_request_and_frees_every_block(mak
         raise RuntimeError("the fork failed")
     owner = core.backend if where == "block copy" else core.scheduler
     setattr(owner, "copy_blocks" if where == "block copy" else "fork", fail)
-    got = []
-    done = threading.Event()
-
-    def sink(out):
-        got.append(out)
-        if sum(o.finished for o in got) == 4:
-            done.set()
-
-    def add(c):  # 7 prompt tokens in blocks of 4: each sample copies the prompt's partial last block
-        c.add_request("bad", PROMPT, None, SamplingParams(n=3, max_tokens=10, ignore_eos=True, temperature=1.0,
-                                                          seed=5), sink)
-        c.add_request("good", PROMPT, "t", greedy(10), sink)
-    engine._run(add)
+    got, done, sink = collector(4)
+    add_bad_and_good(engine, None, sink)  # 7 prompt tokens in blocks of 4: each sample copies the last block
     assert done.wait(60)
     assert sum(o.finished for o in got) == 4
     assert sorted((o.request_id, o.index) for o in got if o.finished) == [("bad", 0), ("bad", 1), ("bad", 2),
