@@ -610,3 +610,35 @@ def test_an_open_loop_p99_that_reaches_a_missed_request_is_no_figure():
         assert (point["e2e_p99_ms"], point["under_slo"]) == (None, False), finished
     point = rate(100)
     assert (point["e2e_p99_ms"], point["under_slo"], point["num_failed"]) == (100.0, True, 1)
+
+
+def test_each_open_loop_panel_draws_its_missed_rates_at_its_own_top(tmp_path, monkeypatch):
+    """The open-loop plot, one panel per workload: a rate with no p99 is an x at the top of its own
+    panel (above its own highest p99 and the SLO's 1.5x), not at another workload's, and each panel's
+    ticks are its own rates."""
+    import matplotlib.axes
+    from prefix_service.bench import report
+    drawn = []
+    plot, set_xticks = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.set_xticks
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda ax, *a, **k: drawn.append((id(ax), "plot", list(a[0]), list(a[1]), k.get("marker")))
+                        or plot(ax, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xticks",
+                        lambda ax, ticks, *a, **k: drawn.append((id(ax), "ticks", list(ticks), None, None))
+                        or set_xticks(ax, ticks, *a, **k))
+
+    def record(workload, points):
+        return {"mode": "open_loop", "workload": workload, "system": "grpc_prefix",
+                "points": [{"offered_qps": q, "e2e_p99_ms": p99} for q, p99 in points]}
+    records = [record("intent", [(1.0, 500.0), (2.0, 2500.0), (4.0, None)]),
+               record("doc_qa", [(0.5, 40_000.0), (1.5, None)])]
+    assert report.plot_open_loop(tmp_path / "open.png", records, 2000.0, "title")
+    assert (tmp_path / "open.png").stat().st_size > 0
+    panels = list(dict.fromkeys(a for a, *_ in drawn))
+    assert len(panels) == 2  # doc_qa, then intent (sorted)
+    misses = {a: (xs, ys) for a, kind, xs, ys, marker in drawn if kind == "plot" and marker == "x"}
+    ticks = {a: xs for a, kind, xs, *_ in drawn if kind == "ticks"}
+    doc_qa, intent = panels
+    assert misses[doc_qa] == ([1.5], [pytest.approx(40_000.0 * 1.1)])
+    assert misses[intent] == ([4.0], [pytest.approx(3000.0 * 1.1)])  # the SLO's 1.5x is above 2,500
+    assert ticks == {doc_qa: [0.5, 1.5], intent: [1.0, 2.0, 4.0]}

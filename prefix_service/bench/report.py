@@ -171,8 +171,9 @@ def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: 
     workloads = sorted({r["workload"] for r in rows})
     fig, axes = plt.subplots(1, len(workloads), figsize=(6.5 * len(workloads), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
-        top = max([slo_ms * 1.5] + [p["e2e_p99_ms"] for r in rows for p in r["points"] if p["e2e_p99_ms"]]) * 1.1
-        for r in (r for r in rows if r["workload"] == workload):
+        own = [r for r in rows if r["workload"] == workload]  # the panel's scale is its own
+        top = max([slo_ms * 1.5] + [p["e2e_p99_ms"] for r in own for p in r["points"] if p["e2e_p99_ms"]]) * 1.1
+        for r in own:
             label = "with prefix" if "no_prefix" not in r["system"] else "without prefix"
             pts = r["points"]
             line, = ax.plot([p["offered_qps"] for p in pts if p["e2e_p99_ms"] is not None],
@@ -184,7 +185,7 @@ def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: 
         ax.axhline(slo_ms, color="grey", linestyle="--", label=f"SLO {slo_ms:.0f} ms")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
-        ax.set_xticks(sorted({p["offered_qps"] for r in rows for p in r["points"]}))
+        ax.set_xticks(sorted({p["offered_qps"] for r in own for p in r["points"]}))
         ax.set_xlabel("offered load (requests/s, Poisson arrivals)")
         ax.set_ylabel("p99 end-to-end latency (ms)\nx: 1% or more missed the deadline")
         ax.set_title(textwrap.fill(f"{workload}: {title}", 70), fontsize=10)  # the machine's name can be long
