@@ -21,8 +21,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from prefix_service import Engine  # noqa: E402
 from prefix_service.bench.systems.grpc import wait_serving  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
-from prefix_service.fleet.launcher import (CONTROLLER_DEPLOYMENT, RAY_LOCAL_START_ATTEMPTS,  # noqa: E402
-                                           RAY_START_TIMEOUT_TEXTS)
+from prefix_service.fleet.launcher import (CONTROLLER_DEPLOYMENT, RAY_GCS_PORT_WAIT_ENV,  # noqa: E402
+                                           RAY_GCS_PORT_WAIT_S, RAY_LOCAL_START_ATTEMPTS, RAY_START_TIMEOUT_TEXTS)
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, collect, greedy_request, make_config,  # noqa: E402
                              wait_until)
@@ -36,10 +36,10 @@ APP = "prefix-service-cluster"
 def start_head(attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
     """A Cluster with its head node up. Ray gives the head's start fixed windows (its GCS server
     writing its port, the raylet registering), which a machine busy with the rest of the suite can
-    miss: the GCS window is widened to 120 s, and a start that still misses one is tried again, as
-    the fleet's own local start is (init_ray)."""
+    miss: the GCS window is widened and a start that still misses one is tried again, as the fleet's
+    own local start does (init_ray)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_gcs_server_port_wait_time_s", "120")
+        mp.setenv(RAY_GCS_PORT_WAIT_ENV, str(RAY_GCS_PORT_WAIT_S))
         for attempt in range(1, attempts + 1):
             c = Cluster(initialize_head=False)
             try:

@@ -4,6 +4,8 @@ the failed try left is shut down, up to RAY_LOCAL_START_ATTEMPTS times; any othe
 failure to join a running cluster, is raised as it comes."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("ray")
@@ -20,10 +22,12 @@ class FakeRay:
     def __init__(self, failures: list[Exception]) -> None:
         self.failures = failures
         self.inits: list[dict] = []
+        self.gcs_waits: list[str | None] = []  # the GCS server's window each init saw
         self.shutdowns = 0
 
     def init(self, **kwargs) -> None:
         self.inits.append(kwargs)
+        self.gcs_waits.append(os.environ.get(launcher.RAY_GCS_PORT_WAIT_ENV))
         if self.failures:
             raise self.failures.pop(0)
 
@@ -34,6 +38,8 @@ class FakeRay:
 @pytest.fixture
 def fake_ray(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv(launcher.RAY_GCS_PORT_WAIT_ENV, "")  # restored after the test, whatever init_ray sets
+    monkeypatch.delenv(launcher.RAY_GCS_PORT_WAIT_ENV)
 
     def install(failures: list[Exception]) -> FakeRay:
         fake = FakeRay(failures)
@@ -84,3 +90,20 @@ def test_other_failures_and_joining_a_cluster_are_raised_at_once(fake_ray, monke
     with pytest.raises(Exception, match="timed out during startup"):
         launcher.init_ray(None)
     assert len(fake.inits) == 1 and fake.shutdowns == 0
+
+
+def test_a_local_start_gives_the_gcs_server_a_wider_window_unless_the_environment_sets_one(fake_ray, monkeypatch):
+    """Ray's GCS server has 30 s to write its port by default, which a busy machine can miss: a local
+    start sets $RAY_gcs_server_port_wait_time_s to RAY_GCS_PORT_WAIT_S for every try; an operator's
+    own value is kept, and joining a cluster sets nothing."""
+    fake = fake_ray([RuntimeError(PORT_TIMEOUT)])
+    launcher.init_ray(None)
+    assert fake.gcs_waits == [str(launcher.RAY_GCS_PORT_WAIT_S)] * 2 and launcher.RAY_GCS_PORT_WAIT_S > 30
+    monkeypatch.setenv(launcher.RAY_GCS_PORT_WAIT_ENV, "45")
+    fake = fake_ray([])
+    launcher.init_ray(None)
+    assert fake.gcs_waits == ["45"]
+    monkeypatch.delenv(launcher.RAY_GCS_PORT_WAIT_ENV)
+    fake = fake_ray([])
+    launcher.init_ray("10.0.0.7:6379")
+    assert fake.gcs_waits == [None]

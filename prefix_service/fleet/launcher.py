@@ -151,25 +151,31 @@ def restore_signal_handlers() -> None:
             signal.signal(sig, handler)
 
 
-# Ray gives a local start fixed windows of 30 s, and raises with one of these texts when it misses one
+# Ray gives a local start windows of 30 s, and raises with one of these texts when it misses one
 # (a loaded machine, a slow disk): its GCS server writing its port (a RuntimeError from
 # wait_for_persisted_port), then the node registering with the GCS (a bare Exception). A local start
 # is tried this many times.
 RAY_START_TIMEOUT_TEXTS = ("Timed out waiting for file", "timed out during startup")
 RAY_LOCAL_START_ATTEMPTS = 3
+# The GCS server's window is a setting: a local start widens it where the environment does not set it.
+RAY_GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
+RAY_GCS_PORT_WAIT_S = 120
 
 
 def init_ray(address: str | None, **options: Any) -> bool:
     """ray.init for the fleet: join the cluster at `address` (or $RAY_ADDRESS), else start a local one,
     again (after tearing down what the try left) where Ray's own start-up window ran out, up to
-    RAY_LOCAL_START_ATTEMPTS times in all. Joining a cluster is not retried: its failure is the
-    cluster's to report. options: more of ray.init's arguments, or other values for the fleet's.
+    RAY_LOCAL_START_ATTEMPTS times in all, each giving the GCS server RAY_GCS_PORT_WAIT_S (120 s) to
+    come up unless $RAY_gcs_server_port_wait_time_s says otherwise. Joining a cluster is not retried:
+    its failure is the cluster's to report. options: more of ray.init's arguments, or other values for the fleet's.
     Returns whether it joined a running cluster (False: it started a local one).
 
     A local start asks Ray for a new instance ("local"): given no address, ray.init joins the cluster
     last started on this machine (Ray records it in /tmp/ray/ray_current_cluster) where one runs, and
     the fleet, taking it for its own, would shut down that cluster's Ray Serve and Ray at its stop."""
     local = address is None and not os.environ.get("RAY_ADDRESS")
+    if local:
+        os.environ.setdefault(RAY_GCS_PORT_WAIT_ENV, str(RAY_GCS_PORT_WAIT_S))
     kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
     kwargs |= options
     attempt = 1
