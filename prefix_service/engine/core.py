@@ -6,7 +6,6 @@ drives it from a background thread.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import random
 import time
@@ -526,27 +525,25 @@ class EngineCore:
         whose end fails is logged and the others still end. Then every sequence the scheduler still
         holds is ended too, freeing its blocks: such a one belongs to no request any more (the prompt
         of a fork that failed half-way)."""
-        ends: list[tuple[str, Callable[[], None]]] = []
-        for request_id, tracked in self._tracked.items():
-            ends.append((request_id, functools.partial(self._abort_tracked, request_id, tracked, error)))
-        for scoring in self._scorings.values():
-            ends.append((scoring.request_id, functools.partial(
-                self._end_scoring, scoring, FinishReason.ABORT, error or EngineStopped("the engine stopped"))))
-        for group in self._samples.values():
+        for request_id, tracked in list(self._tracked.items()):
+            if request_id in self._tracked:  # not ended with a sibling sample before its turn (_sample_sink)
+                self._end_alone(request_id, self._finish, tracked, FinishReason.ABORT, error=error)
+        for scoring in list(self._scorings.values()):
+            self._end_alone(scoring.request_id, self._end_scoring, scoring, FinishReason.ABORT,
+                            error or EngineStopped("the engine stopped"))
+        for group in list(self._samples.values()):
             if group.parent is not None:
-                ends.append((group.request_id, functools.partial(self._end_unforked, group, FinishReason.ABORT,
-                                                                 error)))
-        for request_id, end in ends:
-            try:
-                end()
-            except Exception:  # noqa: BLE001 - every other request must still end
-                log.exception("request %s: ending it failed", request_id)
+                self._end_alone(group.request_id, self._end_unforked, group, FinishReason.ABORT, error)
         for seq in self.scheduler.running + list(self.scheduler.waiting):
             self.scheduler.finish(seq, FinishReason.ABORT)
 
-    def _abort_tracked(self, request_id: str, tracked: _Tracked, error: BaseException | None) -> None:
-        if request_id in self._tracked:  # not ended with a sibling sample before its turn (_sample_sink)
-            self._finish(tracked, FinishReason.ABORT, error=error)
+    @staticmethod
+    def _end_alone(request_id: str, end: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """end(*args, **kwargs) for one request of abort_all: a failure is logged, not raised."""
+        try:
+            end(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - every other request must still end
+            log.exception("request %s: ending it failed", request_id)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
