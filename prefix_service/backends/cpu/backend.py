@@ -151,9 +151,9 @@ class CpuBackend(Backend):
         groups: dict[str, list[str]] = {}
         for name, m in self.named_linears().items():
             kernel, rows, few = getattr(m, "kernel", "float32"), getattr(m, "brgemm_rows", 0), getattr(m, "few_rows", 0)
+            above = "" if few == onednn.FEW_ROWS_EVERY_CALL else ", the inner product above"
             what = (f"brgemm up to {rows} rows, the inner product above" if rows
-                    else "AVX512-BF16 dot products for every call" if few == onednn.FEW_ROWS_EVERY_CALL
-                    else f"AVX512-BF16 dot products up to {few} rows, the inner product above" if few
+                    else f"AVX512-BF16 dot products {onednn.few_rows_words(few)}{above}" if few
                     else kernel.replace("_", " "))
             groups.setdefault(what, []).append(name)
         return "; ".join(f"{', '.join(names)}: {what}" for what, names in groups.items())

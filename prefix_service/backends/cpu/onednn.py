@@ -358,7 +358,6 @@ class OneDnnLinear:
         if brgemm_rows is not None and brgemm_rows < 0:
             raise OneDnnError(f"brgemm_rows: 0 or more is needed, got {brgemm_rows}")
         self.invariant = invariant
-        every_call = False  # the few-row kernel for every call, asked for by `invariant`
         if invariant:
             if self.dtype == torch.float32:
                 raise OneDnnError("invariant: oneDNN's float32 inner product depends on a call's rows; the native "
@@ -366,8 +365,8 @@ class OneDnnLinear:
             one, why = invariant_kernel()
             if one is None:
                 raise OneDnnError(f"invariant: {why}")
-            kernel, few_rows, brgemm_rows, every_call = ("brgemm", FEW_ROWS_NONE, 0, False) if one == "brgemm" \
-                else ("inner_product", FEW_ROWS_ALL, 0, True)
+            kernel, few_rows, brgemm_rows = ("brgemm", FEW_ROWS_NONE, 0) if one == "brgemm" \
+                else ("inner_product", FEW_ROWS_ALL, 0)
         # float32: oneDNN's float32 inner product, whatever `kernel` says
         self.kernel = "float32" if self.dtype == torch.float32 else kernel or default_kernel()
         self.timing: LinearTiming | None = None
@@ -400,7 +399,7 @@ class OneDnnLinear:
             raise OneDnnError(lib.ps_onednn_last_error().decode(errors="replace"))
         self.handle: int = handle
         self.few_rows = int(lib.ps_onednn_few_rows(handle))
-        if every_call and self.few_rows != FEW_ROWS_EVERY_CALL:
+        if invariant and self.kernel == "inner_product" and self.few_rows != FEW_ROWS_EVERY_CALL:
             lib.ps_onednn_free(handle)
             raise OneDnnError("invariant: the library packed no few-row kernel for this weight")
         self.brgemm_rows = int(lib.ps_onednn_brgemm_rows(handle))
