@@ -22,7 +22,7 @@ from prefix_service import Engine  # noqa: E402
 from prefix_service.bench.systems.grpc import wait_serving  # noqa: E402
 from prefix_service.engine.sequence import GenerateRequest  # noqa: E402
 from prefix_service.fleet.launcher import (CONTROLLER_DEPLOYMENT, RAY_GCS_PORT_WAIT_ENV,  # noqa: E402
-                                           RAY_GCS_PORT_WAIT_S, RAY_LOCAL_START_ATTEMPTS, RAY_START_TIMEOUT_TEXTS)
+                                           RAY_GCS_PORT_WAIT_S, RAY_LOCAL_START_ATTEMPTS, start_timed_out)
 from prefix_service.sampling_params import SamplingParams  # noqa: E402
 from server_fixtures import (DOCUMENT, TOKEN_ENV, Clients, collect, greedy_request, make_config,  # noqa: E402
                              wait_until)
@@ -47,7 +47,7 @@ def start_head(attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
                 return c
             except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
                 c.shutdown()
-                if attempt == attempts or not any(t in str(e) for t in RAY_START_TIMEOUT_TEXTS):
+                if attempt == attempts or not start_timed_out(e):
                     raise
     raise AssertionError("unreachable")
 

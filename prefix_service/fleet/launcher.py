@@ -162,6 +162,11 @@ RAY_GCS_PORT_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"
 RAY_GCS_PORT_WAIT_S = 120
 
 
+def start_timed_out(error: BaseException) -> bool:
+    """Whether a start of Ray failed by running out of one of its start-up windows."""
+    return any(t in str(error) for t in RAY_START_TIMEOUT_TEXTS)
+
+
 def init_ray(address: str | None, **options: Any) -> bool:
     """ray.init for the fleet: join the cluster at `address` (or $RAY_ADDRESS), else start a local one,
     again (after tearing down what the try left) where Ray's own start-up window ran out, up to
@@ -184,8 +189,7 @@ def init_ray(address: str | None, **options: Any) -> bool:
             ray.init(address="local" if local else address, **kwargs)
             return not local
         except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
-            timed_out = any(t in str(e) for t in RAY_START_TIMEOUT_TEXTS)
-            if not local or not timed_out or attempt == RAY_LOCAL_START_ATTEMPTS:
+            if not local or not start_timed_out(e) or attempt == RAY_LOCAL_START_ATTEMPTS:
                 raise
             log.warning("the local Ray cluster did not start in time (try %d of %d: %s); starting it again",
                         attempt, RAY_LOCAL_START_ATTEMPTS, e)
