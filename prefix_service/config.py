@@ -176,6 +176,9 @@ class SchedulerConfig:
     # an error (about 14k a millisecond), so no constraint can stall the batch
     grammar_compile_fuel: int = 1_000_000
     grammar_step_fuel: int = 200_000
+    # a structured output's forced tokens (the one token its mask allows, position after position)
+    # are appended at once, without a step each; the same tokens as without (README, "scheduler")
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
@@ -187,6 +190,8 @@ class SchedulerConfig:
             _check_int("scheduler.max_prompt_tokens", self.max_prompt_tokens, 1)
         _check_int("scheduler.grammar_compile_fuel", self.grammar_compile_fuel, 1)
         _check_int("scheduler.grammar_step_fuel", self.grammar_step_fuel, 1)
+        if not isinstance(self.jump_forward, bool):
+            raise ConfigError(f"scheduler.jump_forward: expected true or false, got {self.jump_forward!r}")
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 template, each constrained to a JSON intent record, against the same requests unconstrained; ours
 (llguidance) and vLLM's (xgrammar) on the same machine, token ids and schema.
 
-The record: {"intent": one of the template's 11 labels, "confidence": a number in [0, 1], "reason":
-a string of at most --reason-chars characters}, compact JSON (no whitespace between tokens: our
-engine's default, vLLM's `disable_any_whitespace`), greedy. The 939-token intent template is pinned
+The record (`--constraint record`): {"intent": one of the template's 11 labels, "confidence": a number
+in [0, 1], "reason": a string of at most --reason-chars characters}, compact JSON (no whitespace
+between tokens: our engine's default, vLLM's `disable_any_whitespace`), greedy. `--constraint labels`:
+one of the 11 labels after a space, the intent template's default output in configs/default.yaml
+(outputs of 1-4 tokens: its end-to-end time and requests/s say more than TPOT). The 939-token intent template is pinned
 (vLLM: cached by an untimed request); every batch sends 100-token messages never sent before.
 
 A pair is one constrained batch, then one unconstrained batch of as many requests (EOS ignored)
@@ -16,7 +18,8 @@ Decode tok/s: the tokens after each request's first, over the time from the batc
 
 | system | how it runs |
 | --- | --- |
-| `engine` | our Engine in --dtype, the requests submitted together from a thread each (Engine.submit); the constraint through llguidance, masked in the sampler |
+| `engine` | our Engine in --dtype, the requests submitted together from a thread each (Engine.submit); the constraint through llguidance, masked in the sampler; the tokens it forces taken without a step each (`scheduler.jump_forward`, the default) |
+| `engine-step-each` | the same with `scheduler.jump_forward: false`: every token sampled in a step of its own |
 | `vllm-<dtype>` | vLLM's offline `LLM.generate` over the same token ids, automatic prefix caching on, `structured_outputs_config` backend xgrammar (make bench-peers) |
 
 The two write different tokens for the same record: where the schema forces text (`{"intent":"`)
@@ -79,6 +82,7 @@ def workload(args: argparse.Namespace) -> dict:
     per_round = 2 * (args.pairs + 1) * args.concurrency
     return {"model": model, "prefix_name": work.prefix_name, "prefix": list(work.prefix_ids),
             "schema": json.dumps(intent_schema(list(INTENT_LABELS), args.reason_chars)),
+            "labels": [" " + label for label in INTENT_LABELS],
             "messages": {str(r): [list(work.request(r * 100_000 + i).prompt_ids) for i in range(per_round)]
                          for r in range(args.rounds)}}
 
@@ -91,10 +95,12 @@ def batches(args: argparse.Namespace, ids: dict) -> list[tuple[list[list[int]], 
 
 
 def batch_result(tpot_ms: list[float | None], ttft_ms: list[float | None], token_ids: list[list[int]],
-                 texts: list[str], finish: list[str], wall_s: float, decode_s: float) -> dict:
+                 texts: list[str], finish: list[str], wall_s: float, decode_s: float,
+                 e2e_ms: list[float | None] | None = None) -> dict:
     decode_tokens = sum(max(len(t) - 1, 0) for t in token_ids)
-    return {"tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "tokens": [len(t) for t in token_ids], "token_ids": token_ids,
-            "texts": texts, "finish": finish, "wall_s": wall_s,
+    return {"tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "e2e_ms": e2e_ms or [None] * len(token_ids),
+            "tokens": [len(t) for t in token_ids], "token_ids": token_ids, "texts": texts, "finish": finish,
+            "wall_s": wall_s, "requests_per_s": len(token_ids) / wall_s if wall_s > 0 else None,
             "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else None}
 
 
@@ -156,9 +162,11 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
     timers.wrap(core, "start", "matcher")  # the name the core calls: a sequence's copy of the compiled matcher
     engine = Engine(EngineConfig(ModelConfig(path=ids["model"], dtype=args.dtype, device="cpu"),
                                  CacheConfig(block_size=16, kv_cache_memory=1 << 30),
-                                 SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096)))
+                                 SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096,
+                                                 jump_forward=args.system != "engine-step-each")))
     engine.add_template(ids["prefix_name"], token_ids=ids["prefix"])
-    constraint = StructuredOutput("json_schema", ids["schema"])
+    constraint = (StructuredOutput("json_schema", ids["schema"]) if args.constraint == "record"
+                  else StructuredOutput("choice", choices=tuple(ids["labels"])))
 
     def run(messages: list[list[int]], params: list[Any]) -> dict:
         """The requests submitted together, one thread each, as concurrent clients."""
@@ -207,7 +215,8 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
         firsts = [t.first for t in timings if t.first is not None]
         ends = [t.end for t in timings if t.end is not None]
         out = batch_result([t.tpot_ms for t in timings], [t.ttft_ms for t in timings], tokens, texts, finish,
-                           max(ends) - min(t.start for t in timings), max(ends) - min(firsts))
+                           max(ends) - min(t.start for t in timings), max(ends) - min(firsts),
+                           [t.e2e_ms for t in timings])
         out["engine_ms"] = delta(timers.snapshot(), before)
         return out
 
@@ -231,7 +240,8 @@ def vllm_child(args: argparse.Namespace, ids: dict) -> dict:
               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
               disable_log_stats=False)  # per-request metrics (first and last token times)
     prefix, sources = ids["prefix"], set()
-    constraint = StructuredOutputsParams(json=ids["schema"])
+    constraint = (StructuredOutputsParams(json=ids["schema"]) if args.constraint == "record"
+                  else StructuredOutputsParams(choice=ids["labels"]))
 
     def run(messages: list[list[int]], params: list[Any]) -> dict:
         t0 = time.perf_counter()
@@ -268,7 +278,9 @@ def vllm_child(args: argparse.Namespace, ids: dict) -> dict:
             "tpot_source": "+".join(sorted(sources))}
 
 
-def valid_record(text: str, labels: set[str], reason_chars: int) -> bool:
+def valid_record(text: str, labels: set[str], reason_chars: int, constraint: str = "record") -> bool:
+    if constraint == "labels":
+        return text.startswith(" ") and text[1:] in labels
     try:
         record = json.loads(text)
     except ValueError:
@@ -284,7 +296,7 @@ def median(xs: list[Any]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarize(runs: list[dict], labels: set[str], reason_chars: int) -> dict:
+def summarize(runs: list[dict], labels: set[str], reason_chars: int, constraint: str = "record") -> dict:
     """A system's medians over its pairs (of every round), and for ours where the constrained steps'
     time went."""
     pairs = [p for run in runs for p in run["pairs"]]
@@ -294,17 +306,20 @@ def summarize(runs: list[dict], labels: set[str], reason_chars: int) -> dict:
         tc, tu = median(c["tpot_ms"]), median(u["tpot_ms"])
         per_pair.append({"tpot_constrained_ms": tc, "tpot_unconstrained_ms": tu,
                          "overhead": tc / tu - 1 if tc and tu else None,
+                         "e2e_constrained_ms": median(c["e2e_ms"]),
+                         "requests_per_s_constrained": c["requests_per_s"],
                          "decode_tok_s_constrained": c["decode_tok_s"],
                          "decode_tok_s_unconstrained": u["decode_tok_s"]})
     out: dict[str, Any] = {k: median([q[k] for q in per_pair]) for k in per_pair[0]}
     constrained = [p["constrained"] for p in pairs]
     texts = [t for c in constrained for t in c["texts"]]
     out.update(pairs=len(pairs), tokens_per_request=statistics.mean(n for c in constrained for n in c["tokens"]),
-               valid_records=sum(valid_record(t, labels, reason_chars) for t in texts) / len(texts),
+               valid_records=sum(valid_record(t, labels, reason_chars, constraint) for t in texts) / len(texts),
                ttft_constrained_ms=median([x for c in constrained for x in c["ttft_ms"]]),
                ttft_unconstrained_ms=median([x for p in pairs for x in p["unconstrained"]["ttft_ms"]]),
                per_pair=per_pair)
     if all("engine_ms" in p["constrained"] for p in pairs):  # ours: where each mode's steps went
+        out["steps_per_batch_constrained"] = median([p["constrained"]["engine_ms"]["calls"]["step"] for p in pairs])
         out["step_ms"] = {mode: step_split([p[mode]["engine_ms"] for p in pairs])
                           for mode in ("constrained", "unconstrained")}
         masked = sum(p["constrained"]["engine_ms"]["mask_rows"] for p in pairs)
@@ -333,9 +348,11 @@ def print_table(table: dict, info: dict, args: argparse.Namespace) -> None:
     from prefix_service.bench.main import isa_label
     print(f"{info['cpu']} ({isa_label(info)}), {info['cpu_count']} CPUs; {args.concurrency} concurrent "
           f"requests, medians of {args.rounds} rounds x {args.pairs} pairs")
+    print(f"constraint: {args.constraint}")
     print("| system | TPOT constrained ms | TPOT unconstrained ms | overhead | decode tok/s constrained | "
-          "unconstrained | tokens/request | valid records | mask ms/step (share of step) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "unconstrained | e2e constrained ms | requests/s constrained | steps/batch | tokens/request | "
+          "valid records | mask ms/step (share of step) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, s in table.items():
         if "skipped" in s:
             print(f"| {name} | skipped: {s['skipped']} |")
@@ -343,13 +360,15 @@ def print_table(table: dict, info: dict, args: argparse.Namespace) -> None:
         mask = (f"{s['mask_ms_per_step']:.2f} ({s['mask_share_of_step']:.1%})" if "mask_ms_per_step" in s else "-")
         print(f"| {name} | {fmt(s['tpot_constrained_ms'])} | {fmt(s['tpot_unconstrained_ms'])} | "
               f"{fmt(s['overhead'], '+.1%')} | {fmt(s['decode_tok_s_constrained'])} | "
-              f"{fmt(s['decode_tok_s_unconstrained'])} | {s['tokens_per_request']:.1f} | {s['valid_records']:.0%} | "
-              f"{mask} |")
-    engine = table.get("engine", {})
-    if engine.get("overhead") is not None:
-        met = "met" if engine["overhead"] <= TARGET else "not met"
-        print(f"target: constrained TPOT <= {1 + TARGET:.2f}x unconstrained at {args.concurrency} requests: {met} "
-              f"({engine['overhead']:+.1%})")
+              f"{fmt(s['decode_tok_s_unconstrained'])} | {fmt(s['e2e_constrained_ms'])} | "
+              f"{fmt(s['requests_per_s_constrained'], '.2f')} | {fmt(s.get('steps_per_batch_constrained'), '.0f')} | "
+              f"{s['tokens_per_request']:.1f} | {s['valid_records']:.0%} | {mask} |")
+    for name in ("engine", "engine-step-each"):
+        overhead = table.get(name, {}).get("overhead")
+        if overhead is not None:
+            met = "met" if overhead <= TARGET else "not met"
+            print(f"target: constrained TPOT <= {1 + TARGET:.2f}x unconstrained at {args.concurrency} requests, "
+                  f"{name}: {met} ({overhead:+.1%})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reason-chars", type=int, default=80, help="the record's reason: at most this many chars")
     ap.add_argument("--prompt-tokens", type=int, default=100, help="tokens of each message after the template")
     ap.add_argument("--max-prefix-tokens", type=int, help="cut the template to at most this many tokens")
+    ap.add_argument("--constraint", choices=("record", "labels"), default="record",
+                    help="record: the JSON intent record; labels: one of the template's labels (default: %(default)s)")
+    ap.add_argument("--systems", default="engine,engine-step-each",
+                    help="ours: engine (jump-forward on, the default) and/or engine-step-each (default: %(default)s)")
     ap.add_argument("--vllm-dtypes", default="", help="vLLM systems, e.g. bfloat16,float32 (make bench-peers)")
     ap.add_argument("--child-timeout-s", type=float, default=1800,
                     help="a vLLM child still running after this long is stopped and that system skipped")
@@ -371,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", help=argparse.SUPPRESS)
     ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    ours = [name for name in args.systems.split(",") if name]
+    if not args.system and (not ours or set(ours) - {"engine", "engine-step-each"}):
+        ap.error(f"--systems: engine and/or engine-step-each, got {args.systems!r}")
     for flag in ("concurrency", "rounds", "pairs", "max_tokens", "reason_chars", "prompt_tokens"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -390,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = workload(args)
     ids_file.write_text(json.dumps(ids))
     systems: list[tuple[str, str, str, str, dict[str, str] | None]] = [
-        ("engine", sys.executable, "engine", args.dtype, None)]
+        (name, sys.executable, name, args.dtype, None) for name in ours]
     if args.vllm_dtypes:
         from prefix_service.bench.systems.vllm import child_systems
         systems += child_systems(args.vllm_dtypes)
@@ -403,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cmd = [python, __file__, "--system", system, "--dtype", dtype, "--ids", str(ids_file), "--round", str(r),
                    "--concurrency", str(args.concurrency), "--pairs", str(args.pairs),
-                   "--max-tokens", str(args.max_tokens)]
+                   "--max-tokens", str(args.max_tokens), "--constraint", args.constraint]
             t0 = time.monotonic()
             try:
                 run = child_result(cmd, env, f"{name} (round {r})",
@@ -420,12 +446,19 @@ def main(argv: list[str] | None = None) -> int:
         if name in skipped and not rs:
             table[name] = {"skipped": skipped[name]}
             continue
-        table[name] = summarize(rs, labels, args.reason_chars)
+        table[name] = summarize(rs, labels, args.reason_chars, args.constraint)
         table[name]["tpot_source"] = rs[0]["tpot_source"]
         if name in skipped:
             table[name]["stopped_early"] = skipped[name]
     info["load_average_end"] = list(os.getloadavg())
     print_table(table, info, args)
+    if runs.get("engine") and runs.get("engine-step-each"):  # the same messages, round by round
+        def written(name: str) -> list[list[int]]:
+            return [ids for run in runs[name] for p in run["pairs"] for ids in p["constrained"]["token_ids"]]
+        pairs = list(zip(written("engine"), written("engine-step-each")))
+        table["engine"]["same_tokens_as_step_each"] = sum(a == b for a, b in pairs) / len(pairs)
+        print(f"engine wrote the tokens engine-step-each did for {table['engine']['same_tokens_as_step_each']:.0%} "
+              f"of {len(pairs)} constrained requests")
     duration = round(time.monotonic() - started, 1)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({

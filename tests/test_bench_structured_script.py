@@ -28,8 +28,14 @@ def test_bench_structured_script(llama_dir, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {"machine", "date", "git_commit", "command", "args", "schema", "medians", "per_pair", "runs"} <= set(data)
     assert data["schema"]["properties"]["intent"]["enum"] == list(INTENT_LABELS)
-    assert list(data["medians"]) == ["engine"] and len(data["runs"]["engine"]) == 1
+    assert list(data["medians"]) == ["engine", "engine-step-each"] and len(data["runs"]["engine"]) == 1
     assert data["runs"]["engine"][0]["child_s"] > 0
+    # jump-forward: the same tokens as a step each, in fewer steps
+    [step_each] = data["runs"]["engine-step-each"][0]["pairs"]
+    assert data["medians"]["engine"]["same_tokens_as_step_each"] == 1.0
+    assert step_each["constrained"]["token_ids"] == data["runs"]["engine"][0]["pairs"][0]["constrained"]["token_ids"]
+    assert data["medians"]["engine"]["steps_per_batch_constrained"] < \
+        data["medians"]["engine-step-each"]["steps_per_batch_constrained"]
 
     [pair] = data["runs"]["engine"][0]["pairs"]
     c, u = pair["constrained"], pair["unconstrained"]
@@ -58,3 +64,29 @@ def test_bench_structured_script(llama_dir, tmp_path, capsys):
 def test_bench_structured_script_rejects_bad_values():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--pairs", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--pairs" in proc.stderr
+
+
+def test_bench_structured_script_with_the_templates_labels(llama_dir, tmp_path, capsys):
+    """--constraint labels: each answer is one of the labels after a space (the intent template's
+    default output), with its end-to-end time and the batch's requests/s."""
+    script = load_script("bench_structured")
+    out = tmp_path / "labels.json"
+    assert script.main(["--model", str(llama_dir), "--max-prefix-tokens", "120", "--prompt-tokens", "20",
+                        "--concurrency", "3", "--rounds", "1", "--pairs", "1", "--constraint", "labels",
+                        "--systems", "engine", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    [pair] = data["runs"]["engine"][0]["pairs"]
+    c = pair["constrained"]
+    assert set(c["finish"]) == {"stop"} and all(t[1:] in INTENT_LABELS and t[0] == " " for t in c["texts"])
+    m = data["medians"]["engine"]
+    assert m["valid_records"] == 1.0 and list(data["medians"]) == ["engine"]
+    assert m["e2e_constrained_ms"] == pytest.approx(sorted(c["e2e_ms"])[1])
+    assert m["requests_per_s_constrained"] == pytest.approx(3 / c["wall_s"])
+    assert "constraint: labels" in printed and "requests/s constrained" in printed
+
+
+def test_bench_structured_script_rejects_unknown_systems():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--systems", "engine,vllm"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--systems" in proc.stderr

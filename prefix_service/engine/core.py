@@ -29,7 +29,7 @@ from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, Te
 from prefix_service.engine.sampler import sample, uniforms
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
-from prefix_service.engine.structured import StructuredOutputs, start
+from prefix_service.engine.structured import StructuredOutputs, only_token, start
 from prefix_service.engine.snapshots import SnapshotReader
 from prefix_service.engine.template_snapshots import TemplateSnapshots
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
@@ -724,22 +724,47 @@ class EngineCore:
             tracked.on_pinned(handle.info())
 
     def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None, now: float) -> None:
-        """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop."""
+        """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop. Then,
+        while its structured output forces the next token (_forced_tokens), that one is appended and
+        handled the same way, without a step of its own: they go out together, and the next step
+        computes their K/V as one chunk (none when they complete the output)."""
         seq, sink, detok = tracked.seq, tracked.sink, tracked.detok
         assert sink is not None and detok is not None  # a request's (a warmup samples no token)
         if tracked.first_token_time is None:
             tracked.first_token_time = now
-        reason = None
+        tokens, texts = [token], []
+        reason, text = self._take_token(seq, detok, token)
+        forced = iter(self._forced_tokens(seq) if reason is None else ())
+        while reason is None:
+            texts.append(text)
+            token = next(forced, -1)
+            if token < 0 or only_token(seq.matcher, self.arch.vocab_size) != token:
+                break  # not forced after all: the next step samples it
+            self.scheduler.append_token(seq, token)
+            uniforms([seq])  # the draw a step of its own would have taken: later ones stay the same
+            tokens.append(token)
+            reason, text = self._take_token(seq, detok, token)
+        if reason is FinishReason.ABORT:  # its mask hit a bound (grammar_step_fuel)
+            self._finish(tracked, reason, text="".join(texts), token_ids=tokens, error=self._structured_error(seq))
+            return
+        logprobs = [logprob] if logprob is not None else None
+        if reason is None:
+            sink(RequestOutput(seq.request_id, "".join(texts), tokens, logprobs=logprobs))
+        else:
+            self._finish(tracked, reason, text="".join(texts) + text, token_ids=tokens, logprobs=logprobs)
+
+    def _take_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> tuple[FinishReason | None, str]:
+        """Feed one new token (the last of seq.token_ids) to the matcher and the detokenizer ->
+        (why the sequence ends with it, or None; its text). ABORT: the matcher failed."""
         p = seq.sampling
         if seq.matcher is not None:  # the mask allowed the token
             seq.matcher.consume_token(token)
-        if seq.matcher is not None and seq.matcher.is_error():  # its mask hit a bound (grammar_step_fuel)
-            self._finish(tracked, FinishReason.ABORT, token_ids=[token], error=self._structured_error(seq))
-            return
+            if seq.matcher.is_error():  # its mask hit a bound (grammar_step_fuel)
+                return FinishReason.ABORT, ""
+        reason, text = None, ""
         may_stop = seq.num_output_tokens > p.min_tokens  # the sampler masks stop tokens until then
         if may_stop and ((not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids):
             reason = FinishReason.STOP
-            text = ""
         else:
             text, hit_stop = detok.add(token, check_stop=may_stop)
             if hit_stop:
@@ -748,11 +773,16 @@ class EngineCore:
             reason = FinishReason.STOP  # the structured output is complete
         if reason is None and (seq.num_output_tokens >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = FinishReason.LENGTH
-        logprobs = [logprob] if logprob is not None else None
-        if reason is None:
-            sink(RequestOutput(seq.request_id, text, [token], logprobs=logprobs))
-        else:
-            self._finish(tracked, reason, text=text, token_ids=[token], logprobs=logprobs)
+        return reason, text
+
+    def _forced_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens seq's structured output forces next, where scheduler.jump_forward is on:
+        llguidance's fast-forward tokens, each checked against the mask before it is taken
+        (_after_token). None for a request that asked for logprobs: a forced token's would need
+        its own row of logits."""
+        if seq.matcher is None or seq.sampling.logprobs is not None or not self.config.scheduler.jump_forward:
+            return []
+        return list(seq.matcher.compute_ff_tokens())
 
     def _structured_error(self, seq: Sequence) -> InvalidRequest:
         spec = seq.sampling.structured

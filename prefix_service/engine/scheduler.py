@@ -314,6 +314,12 @@ class Scheduler:
         for seq, token in zip(sampled, tokens):
             seq.token_ids.append(token)
 
+    def append_token(self, seq: Sequence, token: int) -> None:
+        """A running sequence's next token that was not sampled (a structured output forced it): its
+        K/V is computed with the sequence's other uncomputed tokens, as a chunk."""
+        assert seq.status is SeqStatus.RUNNING and seq.samples
+        seq.token_ids.append(token)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (finished, aborted or failed): free its blocks, release its template."""
         if seq.status is SeqStatus.RUNNING:

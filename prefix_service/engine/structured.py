@@ -21,6 +21,7 @@ import json
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefix_service.errors import InvalidRequest
@@ -88,6 +89,20 @@ class StructuredOutputs:
 def start(compiled: Any) -> Any:
     """A sequence's own matcher from a compiled one (StructuredOutputs.compile)."""
     return compiled.deep_copy()
+
+
+def only_token(matcher: Any, vocab_size: int) -> int | None:
+    """The one token matcher's mask allows next, or None where it allows more than one (or none)."""
+    import llguidance.numpy as ln
+    bitmask = ln.allocate_token_bitmask(1, vocab_size)
+    ln.fill_next_token_bitmask(matcher, bitmask, 0)
+    words = np.flatnonzero(bitmask[0])
+    if len(words) != 1:
+        return None
+    word = int(bitmask[0, words[0]]) & 0xFFFFFFFF
+    if word & (word - 1):  # more than one bit
+        return None
+    return int(words[0]) * 32 + word.bit_length() - 1
 
 
 def _grammar(spec: StructuredOutput) -> str:

@@ -1,0 +1,193 @@
+"""Jump-forward decoding (scheduler.jump_forward): where a structured output allows one token only,
+position after position, those tokens are taken without a step each: they go out with the token
+sampled before them, and the next step computes their K/V as one chunk, or none is computed when
+they complete the output. The tokens, the text and the finish are those of decoding them one step
+each, on every backend, with a stop string, max_tokens or a step budget inside the forced run, for
+n samples and for seeded draws; a request that asks for logprobs decodes each token in its own
+step; a token the constraint proposes that its mask does not allow alone is not taken."""
+import json
+
+import pytest
+
+from prefix_service import FinishReason, GenerateRequest, SamplingParams
+from prefix_service.config import SchedulerConfig
+from prefix_service.errors import ConfigError
+from prefix_service.engine import structured
+from prefix_service.sampling_params import StructuredOutput
+
+PROMPT = [41, 77, 301, 12, 9, 130]
+TEMPLATE = [(5 * i + 11) % 480 + 20 for i in range(21)]
+CHOICES = ("order status please", "refund of the shipping value", "shipping value")
+SCHEMA = {"type": "object", "properties": {"intent": {"enum": ["order", "refund"]}, "urgent": {"type": "boolean"},
+                                           "note": {"type": "string", "maxLength": 12}},
+          "required": ["intent", "urgent", "note"], "additionalProperties": False}
+CONSTRAINTS = {"choice": StructuredOutput("choice", choices=CHOICES),
+               "json_schema": StructuredOutput("json_schema", json.dumps(SCHEMA))}
+
+
+def request(structured_output, prefix=None, **kw):
+    params = dict(max_tokens=60, structured=structured_output)
+    params.update(kw)
+    return GenerateRequest(prompt_token_ids=PROMPT, prefix_name=prefix, sampling=SamplingParams(**params))
+
+
+def counting(engine):
+    """Each step's rows as (new tokens, tokens already computed), appended as the engine runs them."""
+    steps = []
+    backend = engine._core.backend
+    execute = backend.execute
+    backend.execute = lambda step: steps.append([(r.num_new_tokens, r.num_computed) for r in step.rows]) \
+        or execute(step)
+    return steps
+
+
+def run(make_engine, requests, jump_forward, **engine_kw):
+    """-> (the outputs as (text, token ids, finish reason, samples), the steps) of one engine."""
+    engine = make_engine(jump_forward=jump_forward, **engine_kw)
+    engine.add_template("t", token_ids=TEMPLATE)
+    steps = counting(engine)
+    outs = engine.generate(requests)
+    return [(o.text, o.token_ids, o.finish_reason, [(s.text, s.token_ids) for s in o.samples or ()]) for o in outs], steps
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_the_forced_tokens_take_no_step_and_change_nothing(make_engine, backend):
+    requests = [request(spec, prefix) for spec in CONSTRAINTS.values() for prefix in (None, "t")]
+    off, off_steps = run(make_engine, requests, False, backend=backend)
+    on, on_steps = run(make_engine, requests, True, backend=backend)
+    assert on == off
+    assert all(reason is FinishReason.STOP for _, _, reason, _ in on)
+    assert json.loads(on[2][0])["intent"] in ("order", "refund")
+    # the choices' tails and the record's keys are forced: far fewer steps, some with forced chunks
+    assert len(on_steps) < len(off_steps) - 5
+    assert sum(len(s) for s in on_steps) < sum(len(s) for s in off_steps)
+    assert any(n > 1 and computed > len(PROMPT) + len(TEMPLATE) for s in on_steps for n, computed in s)
+
+
+def test_a_choice_whose_tail_is_forced_ends_at_its_first_token(make_engine):
+    """The whole answer is known once its first token is: no step after the prompt's."""
+    spec = StructuredOutput("choice", choices=("refund of the shipping value", "order status please"))
+    (out,), steps = run(make_engine, [request(spec, "t")], True)
+    assert out[0] in spec.choices and len(out[1]) > 3 and out[2] is FinishReason.STOP
+    assert steps == [[(len(PROMPT), len(TEMPLATE))]]
+
+
+def streamed(engine, req):
+    import threading
+    got, done = [], threading.Event()
+
+    def sink(out):
+        got.append(out)
+        if out.finished:
+            done.set()
+    engine.submit(req, sink)
+    assert done.wait(60)
+    return got
+
+
+def test_a_forced_run_is_streamed_with_the_token_before_it(make_engine):
+    engine = make_engine(jump_forward=True)
+    got = streamed(engine, request(CONSTRAINTS["json_schema"]))
+    alone = engine.generate(request(CONSTRAINTS["json_schema"]))[0]
+    assert "".join(o.text for o in got) == alone.text
+    assert [t for o in got for t in o.token_ids] == alone.token_ids
+    assert max(len(o.token_ids) for o in got) > 2  # a forced run came with the token sampled before it
+
+
+@pytest.mark.parametrize("limit", [
+    dict(stop=("shipping",)),  # a stop string inside the forced tail
+    dict(max_tokens=3),  # the length inside the forced tail
+])
+def test_a_stop_inside_the_forced_run_ends_it_where_a_step_each_would(make_engine, limit):
+    spec = StructuredOutput("choice", choices=("refund of the shipping value",))
+    off, _ = run(make_engine, [request(spec, "t", **limit)], False)
+    on, steps = run(make_engine, [request(spec, "t", **limit)], True)
+    assert on == off
+    assert len(steps) == 1
+    if "stop" in limit:
+        assert on[0][0] == "refund of the " and on[0][2] is FinishReason.STOP
+    else:
+        assert len(on[0][1]) == 3 and on[0][2] is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("min_tokens", [0, 6])
+def test_a_forced_token_that_is_a_stop_token(make_engine, tokenizer_dir, min_tokens):
+    """It stops the output as a sampled one would, or, before min_tokens, is taken as text (the
+    constraint wins over min_tokens)."""
+    from transformers import AutoTokenizer
+    spec = StructuredOutput("choice", choices=("refund of the shipping value",))
+    tail = AutoTokenizer.from_pretrained(tokenizer_dir).encode("refund of the shipping value", add_special_tokens=False)
+    req = request(spec, "t", stop_token_ids=(tail[2],), min_tokens=min_tokens)
+    off, _ = run(make_engine, [req], False)
+    on, steps = run(make_engine, [req], True)
+    assert on == off and len(steps) == 1
+    assert len(on[0][1]) == (3 if min_tokens == 0 else len(tail))
+
+
+def test_a_step_budget_smaller_than_the_forced_run(make_engine):
+    requests = [request(CONSTRAINTS["json_schema"], "t"), request(CONSTRAINTS["json_schema"])]
+    off, _ = run(make_engine, requests, False, max_num_batched_tokens=3)
+    on, steps = run(make_engine, requests, True, max_num_batched_tokens=3)
+    assert on == off
+    assert max(sum(n for n, _ in s) for s in steps) <= 3
+
+
+def test_n_samples_and_seeded_draws_are_those_of_a_step_each(make_engine):
+    requests = [request(CONSTRAINTS["json_schema"], "t", n=3, temperature=1.0, seed=11),
+                request(CONSTRAINTS["choice"], None, temperature=0.8, seed=5)]
+    off, _ = run(make_engine, requests, False)
+    on, _ = run(make_engine, requests, True)
+    assert on == off
+    assert len({tuple(ids) for _, ids in on[0][3]}) > 1  # the samples drew apart
+
+
+def test_a_request_for_logprobs_decodes_each_token_in_its_own_step(make_engine):
+    req = request(CONSTRAINTS["json_schema"], "t", logprobs=2)
+    engine = make_engine(jump_forward=True)
+    engine.add_template("t", token_ids=TEMPLATE)
+    steps = counting(engine)
+    out = engine.generate(req)[0]
+    assert len(out.logprobs) == len(out.token_ids) and len(steps) == len(out.token_ids)
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert json.loads(out.text)["intent"] in ("order", "refund")
+
+
+def test_a_proposed_token_the_mask_does_not_allow_alone_is_not_taken(make_engine, monkeypatch):
+    """llguidance's fast-forward tokens are checked against the mask: a proposal it does not force
+    (here: every proposal moved to the next token id) leaves each token to its step."""
+    req = request(CONSTRAINTS["json_schema"], "t")
+    off, off_steps = run(make_engine, [req], False)
+    proposed = []
+
+    def only_token(matcher, vocab_size):
+        token = real(matcher, vocab_size)
+        proposed.append(token)
+        return None if token is None else token + 1  # never the one proposed
+    real = structured.only_token
+    monkeypatch.setattr("prefix_service.engine.core.only_token", only_token)
+    on, on_steps = run(make_engine, [req], True)
+    assert on == off and len(on_steps) == len(off_steps)
+    assert any(t is not None for t in proposed)  # there were proposals to turn down
+
+
+def test_only_token_reads_the_one_allowed_token_off_the_mask(tokenizer_dir):
+    from transformers import AutoTokenizer
+    outputs = structured.StructuredOutputs(AutoTokenizer.from_pretrained(tokenizer_dir))
+    choice = StructuredOutput("choice", choices=("refund of the shipping value", "order"))
+    matcher = structured.start(outputs.compile(choice))
+    vocab = len(outputs._hf)
+    assert structured.only_token(matcher, vocab) is None  # two choices: more than one first token
+    first = outputs._hf.encode("refund of the shipping value", add_special_tokens=False)
+    matcher.consume_token(first[0])
+    forced = matcher.compute_ff_tokens()
+    assert forced and structured.only_token(matcher, vocab) == forced[0]
+    for token in forced:
+        assert structured.only_token(matcher, vocab) == token
+        matcher.consume_token(token)
+    assert matcher.is_stopped()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_jump_forward_must_be_a_boolean(value):
+    with pytest.raises(ConfigError, match="scheduler.jump_forward: expected true or false"):
+        SchedulerConfig(jump_forward=value)
