@@ -1,10 +1,11 @@
 """Jump-forward decoding (scheduler.jump_forward): where a structured output allows one token only,
 position after position, those tokens are taken without a step each: they go out with the token
-sampled before them, and the next step computes their K/V as one chunk, or none is computed when
-they complete the output. The tokens, the text and the finish are those of decoding them one step
-each, on every backend, with a stop string, max_tokens or a step budget inside the forced run, for
-n samples and for seeded draws; a request that asks for logprobs decodes each token in its own
-step; a token the constraint proposes that its mask does not allow alone is not taken."""
+sampled before them, and the next step computes their K/V as decode rows at consecutive
+positions, or none is computed when they complete the output. The tokens, the text and the finish
+are those of decoding them one step each, on every backend, with a stop string, a stop token,
+max_tokens or a step budget inside the forced run, for n samples and for seeded draws; a request
+that asks for logprobs decodes each token in its own step; a token the constraint proposes that
+its mask does not allow alone is not taken."""
 import json
 
 import pytest
@@ -32,13 +33,27 @@ def request(structured_output, prefix=None, **kw):
 
 
 def counting(engine):
-    """Each step's rows as (new tokens, tokens already computed), appended as the engine runs them."""
+    """Each step's rows as (request id, new tokens, tokens already computed, decode), appended as the
+    engine runs them."""
     steps = []
     backend = engine._core.backend
     execute = backend.execute
-    backend.execute = lambda step: steps.append([(r.num_new_tokens, r.num_computed) for r in step.rows]) \
-        or execute(step)
+    backend.execute = lambda step: steps.append(
+        [(r.request_id, r.num_new_tokens, r.num_computed, r.is_decode) for r in step.rows]) or execute(step)
     return steps
+
+
+def forced_runs(steps):
+    """Per step, each request's decode rows when it has more than one: [(first position, rows)]."""
+    runs = []
+    for step in steps:
+        positions: dict[str, list[int]] = {}
+        for request_id, n, computed, decode in step:
+            if decode:
+                assert n == 1
+                positions.setdefault(request_id, []).append(computed)
+        runs += [(p[0], len(p)) for p in positions.values() if len(p) > 1 and p == list(range(p[0], p[0] + len(p)))]
+    return runs
 
 
 def run(make_engine, requests, jump_forward, **engine_kw):
@@ -47,7 +62,8 @@ def run(make_engine, requests, jump_forward, **engine_kw):
     engine.add_template("t", token_ids=TEMPLATE)
     steps = counting(engine)
     outs = engine.generate(requests)
-    return [(o.text, o.token_ids, o.finish_reason, [(s.text, s.token_ids) for s in o.samples or ()]) for o in outs], steps
+    outs = [(o.text, o.token_ids, o.finish_reason, [(s.text, s.token_ids) for s in o.samples or ()]) for o in outs]
+    return outs, steps
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -58,10 +74,11 @@ def test_the_forced_tokens_take_no_step_and_change_nothing(make_engine, backend)
     assert on == off
     assert all(reason is FinishReason.STOP for _, _, reason, _ in on)
     assert json.loads(on[2][0])["intent"] in ("order", "refund")
-    # the choices' tails and the record's keys are forced: far fewer steps, some with forced chunks
+    # the choices' tails and the record's keys are forced: far fewer steps, some with a forced run
+    # as decode rows of one request at consecutive positions, and no step with a prefill after the prompts
     assert len(on_steps) < len(off_steps) - 5
-    assert sum(len(s) for s in on_steps) < sum(len(s) for s in off_steps)
-    assert any(n > 1 and computed > len(PROMPT) + len(TEMPLATE) for s in on_steps for n, computed in s)
+    assert forced_runs(on_steps) and not forced_runs(off_steps)
+    assert all(decode or computed <= len(TEMPLATE) for s in on_steps for _, _, computed, decode in s)
 
 
 def test_a_choice_whose_tail_is_forced_ends_at_its_first_token(make_engine):
@@ -69,7 +86,7 @@ def test_a_choice_whose_tail_is_forced_ends_at_its_first_token(make_engine):
     spec = StructuredOutput("choice", choices=("refund of the shipping value", "order status please"))
     (out,), steps = run(make_engine, [request(spec, "t")], True)
     assert out[0] in spec.choices and len(out[1]) > 3 and out[2] is FinishReason.STOP
-    assert steps == [[(len(PROMPT), len(TEMPLATE))]]
+    assert [[row[1:] for row in step] for step in steps] == [[(len(PROMPT), len(TEMPLATE), False)]]
 
 
 def streamed(engine, req):
@@ -129,7 +146,9 @@ def test_a_step_budget_smaller_than_the_forced_run(make_engine):
     off, _ = run(make_engine, requests, False, max_num_batched_tokens=3)
     on, steps = run(make_engine, requests, True, max_num_batched_tokens=3)
     assert on == off
-    assert max(sum(n for n, _ in s) for s in steps) <= 3
+    assert max(sum(n for _, n, _, _ in s) for s in steps) <= 3
+    runs = forced_runs(steps)
+    assert any((first + 3, n) in runs for first, _ in runs for n in (2, 3))  # a forced run cut at the budget
 
 
 def test_n_samples_and_seeded_draws_are_those_of_a_step_each(make_engine):

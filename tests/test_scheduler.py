@@ -109,6 +109,48 @@ def test_step_is_plain_data_per_row():
     alloc.check_integrity(pins.held_refs())
 
 
+def test_a_forced_run_is_a_decode_row_per_token_within_the_budget():
+    """A running sequence's tokens after its prompt that are not computed yet (a structured output's
+    forced run, appended without a step each) run as decode rows at consecutive positions, each with
+    the blocks up to its own token and only the last with logits, before the prefills; within the
+    budget (the rest next step); a run over MAX_DECODE_RUN, and a prompt's chunk, as prefill rows."""
+    from prefix_service.engine.scheduler import MAX_DECODE_RUN
+    alloc, pins, sched = setup(num_blocks=64, budget=8)
+    a, b = seq("a", [1] * 6), seq("b", [2] * 2)
+    sched.add(a)
+    sched.postprocess(sched.schedule(), [a], [40])  # a's prompt in, its first token sampled
+    for token in (41, 42, 43, 44):
+        sched.append_token(a, token)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(r.request_id, r.is_decode, r.token_ids, r.num_computed, r.block_ids, r.num_logits)
+            for r in out.step.rows] == [
+        ("a", True, (40,), 6, (0, 1), 0), ("a", True, (41,), 7, (0, 1), 0), ("a", True, (42,), 8, (0, 1, 2), 0),
+        ("a", True, (43,), 9, (0, 1, 2), 0), ("a", True, (44,), 10, (0, 1, 2), 1),
+        ("b", False, (2, 2), 0, (3,), 1)]
+    assert out.step.num_decodes == 5 and [s.seq for s in out.with_logits] == [a, b]
+    sched.postprocess(out, [a, b], [45, 50])
+    assert a.num_computed_tokens == 11 and a.num_uncomputed == 1
+    for token in range(60, 68):  # a run of 9 after a's sampled token 45: over the budget of 8
+        sched.append_token(a, token)
+    out = sched.schedule()
+    assert [(r.request_id, r.num_computed, r.num_logits) for r in out.step.rows] == [
+        ("a", p, 0) for p in range(11, 19)]  # b's decode waits: the budget went to a, the oldest
+    sched.postprocess(out, [], [])
+    out = sched.schedule()
+    assert [(r.request_id, r.is_decode, r.num_computed, r.num_logits) for r in out.step.rows] == [
+        ("a", True, 19, 1), ("b", True, 2, 1)]
+    sched.postprocess(out, [a, b], [70, 71])
+    for token in range(MAX_DECODE_RUN):  # a run of MAX_DECODE_RUN + 1: one prefill chunk
+        sched.append_token(a, 100 + token)
+    out = sched.schedule()
+    assert [(r.request_id, r.is_decode, r.num_new_tokens) for r in out.step.rows] == [
+        ("b", True, 1), ("a", False, 7)]
+    for s in (a, b):
+        sched.finish(s, FinishReason.ABORT)
+    alloc.check_integrity(pins.held_refs())
+
+
 def test_step_tensors_pad_block_tables_once():
     """StepTensors flattens a step for every backend: ids, positions and slots per token (decode
     rows first), one -1 padded block table per row, context lengths, and the tokens whose logits

@@ -727,7 +727,7 @@ class EngineCore:
         """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop. Then,
         while its structured output forces the next token (_forced_tokens), that one is appended and
         handled the same way, without a step of its own: they go out together, and the next step
-        computes their K/V as one chunk (none when they complete the output)."""
+        computes their K/V, a decode row each (Scheduler.schedule), or none when they complete the output."""
         seq, sink, detok = tracked.seq, tracked.sink, tracked.detok
         assert sink is not None and detok is not None  # a request's (a warmup samples no token)
         if tracked.first_token_time is None:

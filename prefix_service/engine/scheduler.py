@@ -1,7 +1,8 @@
 """Scheduler: continuous batching with a per-step token budget.
 
-Each step: running sequences with one uncomputed token (decodes) first, oldest first; then
-running sequences part-way through their prompt (chunked prefill); then waiting requests in
+Each step: running sequences with one uncomputed token (decodes) first, oldest first, and those
+with a short run of tokens after their prompt (a structured output's forced tokens: a decode row
+each); then running sequences part-way through their prompt (chunked prefill); then waiting requests in
 FCFS order while the budget, `max_num_seqs` and free blocks allow. When a decode needs a block
 and none is free, the blocks forked sequences hold while they wait are freed first (newest
 first), then the newest running sequence is preempted (its own blocks freed, recomputed later);
@@ -20,20 +21,34 @@ from prefix_service.engine.sequence import FinishReason, Sequence, SeqStatus
 from prefix_service.engine.step import ScheduledRow, StepBatch
 
 
+# A running sequence's tokens after its prompt that are not computed yet, when more than one (a
+# structured output's forced run, engine/core.py), run as that many decode rows up to this many
+# (each row attends the template once with the step's other decodes), else as a prefill chunk.
+MAX_DECODE_RUN = 16
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens [num_computed, num_computed + num_new_tokens) run this step
-    is_decode: bool = False  # scheduled as a decode: one new token after its cached context
+    is_decode: bool = False  # scheduled as decodes: a row per new token, each after the ones before it
 
-    def row(self) -> ScheduledRow:
-        """This sequence's part of the step, as the backend reads it."""
+    def rows(self, block_size: int) -> list[ScheduledRow]:
+        """This sequence's part of the step, as the backend reads it: one prefill row, or a decode row
+        per new token (a forced run: each reads the cache up to its own token, which the step stores
+        before any row attends; only the last has logits)."""
         seq, start = self.seq, self.seq.num_computed_tokens
         template = seq.template
-        return ScheduledRow(
-            seq.request_id, self.is_decode, tuple(seq.token_ids[start:start + self.num_new_tokens]), start,
-            tuple(seq.block_table), template.template_id if template is not None else None, seq.num_shared_blocks,
-            num_logits=self.num_logits)
+        template_id = template.template_id if template is not None else None
+        if not self.is_decode:
+            return [ScheduledRow(
+                seq.request_id, False, tuple(seq.token_ids[start:start + self.num_new_tokens]), start,
+                tuple(seq.block_table), template_id, seq.num_shared_blocks, num_logits=self.num_logits)]
+        last = start + self.num_new_tokens - 1
+        return [ScheduledRow(
+            seq.request_id, True, (seq.token_ids[p],), p, tuple(seq.block_table[:p // block_size + 1]),
+            template_id, seq.num_shared_blocks, num_logits=self.num_logits if p == last else 0)
+            for p in range(start, last + 1)]
 
     @property
     def num_logits(self) -> int:
@@ -210,13 +225,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
 
-        # 1. decodes, oldest first; preempt the newest running sequence for blocks
+        # 1. decodes (a forced run: a decode row per token), oldest first; preempt the newest running
+        #    sequence for blocks
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or seq.num_uncomputed != 1:
+            n = min(self._decode_rows(seq), budget) if seq.status is SeqStatus.RUNNING else 0
+            if n == 0:
                 continue
-            need = self._blocks_needed(seq, 1)
+            need = self._blocks_needed(seq, n)
             if need > self.allocator.num_free and len(seq.own_blocks) + need > self.capacity_blocks():
                 # Preempting it would only recompute it into the same wall, forever.
                 out.unschedulable.append(seq)
@@ -232,16 +249,17 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.block_table += self.allocator.allocate(need)
-            out.scheduled.append(ScheduledSeq(seq, 1, is_decode=True))
+            out.scheduled.append(ScheduledSeq(seq, n, is_decode=True))
             scheduled_ids.add(id(seq))
-            budget -= 1
+            budget -= n
 
         # 2. running sequences part-way through their prompt (chunked prefill); newer ones
         #    yield their blocks to older ones
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or id(seq) in scheduled_ids or seq.num_uncomputed <= 1:
+            if (seq.status is not SeqStatus.RUNNING or id(seq) in scheduled_ids or seq.num_uncomputed <= 1
+                    or self._decode_rows(seq)):
                 continue
             want = min(seq.num_uncomputed, budget)
             n = self._fit_chunk(seq, want)
@@ -292,8 +310,17 @@ class Scheduler:
             stuck = self.running[0] if self.running else (self.waiting[0] if self.waiting else None)
             if stuck is not None:
                 out.unschedulable.append(stuck)
-        out.step = StepBatch(tuple(s.row() for s in out.scheduled), tuple(out.copies))
+        out.step = StepBatch(tuple(r for s in out.scheduled for r in s.rows(self.block_size)), tuple(out.copies))
         return out
+
+    @staticmethod
+    def _decode_rows(seq: Sequence) -> int:
+        """The decode rows a running sequence takes this step: 1 for its next token; its tokens after
+        its prompt that are not computed yet, up to MAX_DECODE_RUN; 0: none (a prompt's chunk)."""
+        n = seq.num_uncomputed
+        if n == 1 or (1 < n <= MAX_DECODE_RUN and seq.num_computed_tokens >= seq.num_prompt_tokens):
+            return n
+        return 0
 
     def capacity_blocks(self) -> int:
         """Blocks a sequence could own if it ran alone: every block no template pins."""
@@ -316,7 +343,7 @@ class Scheduler:
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """A running sequence's next token that was not sampled (a structured output forced it): its
-        K/V is computed with the sequence's other uncomputed tokens, as a chunk."""
+        K/V is computed with the sequence's other uncomputed tokens in its next step (_decode_rows)."""
         assert seq.status is SeqStatus.RUNNING and seq.samples
         seq.token_ids.append(token)
 
