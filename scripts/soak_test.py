@@ -3,7 +3,8 @@
 
 --concurrency workers send requests back to back for --duration seconds, each drawing one kind:
 
-    probe         gRPC Generate of one of a few fixed prompts on a template, greedy or seeded: its
+    probe         gRPC Generate of one of a few fixed prompts on a template, greedy or seeded, free text
+                  or a JSON record (the tokens its schema forces taken without a step each): its
                   tokens must equal the ones the same request gave alone before the load
     stream        gRPC Generate, streamed: n 1-3, logprobs, penalties, temperature, stop strings
     completion    HTTP POST /v1/completions (streamed or not, n, logprobs, penalties)
@@ -170,10 +171,15 @@ class Soak:
         """The probes' tokens, each request sent alone (nothing else runs yet)."""
         rng = random.Random(1234)
         for i in range(count):
-            if i % 2 == 0:
+            if i % 3 == 0:
                 req = pb.GenerateRequest(prefix_name=self.args.template, prompt=message(rng),
                                          sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True,
                                                                     structured_output=pb.StructuredOutput(text=True)))
+            elif i % 3 == 2:  # a record: its forced runs are computed as chunks, with whatever else runs
+                record = pb.StructuredOutput(json_schema=json.dumps(SCHEMA))
+                req = pb.GenerateRequest(prefix_name=self.args.template, prompt=message(rng),
+                                         sampling=pb.SamplingParams(max_tokens=32, temperature=0.7, seed=i,
+                                                                    structured_output=record))
             else:
                 req = pb.GenerateRequest(prefix_name=self.args.qa_template, prompt=question(rng),
                                          sampling=pb.SamplingParams(max_tokens=16, temperature=0.8, seed=i,

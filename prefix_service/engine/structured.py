@@ -9,7 +9,8 @@ queued, and a compiled constraint, kept per constraint, is a matcher that has co
 Each sequence takes a copy of it (microseconds). Each step the sampler masks every constrained
 row's logits to the tokens its matcher allows, in the same batch as free rows, and the engine
 feeds the sampled token back; once the matcher can take nothing more, the output is complete
-(finish reason stop).
+(finish reason stop). Where the mask allows one token only, position after position, the engine
+takes those tokens without a step each (scheduler.jump_forward; only_token checks each).
 
 Work is bounded (scheduler.grammar_compile_fuel, scheduler.grammar_step_fuel: llguidance's lexer
 fuel): a constraint whose compile needs more is refused at admission; a sequence whose mask would
