@@ -151,6 +151,25 @@ def test_a_step_budget_smaller_than_the_forced_run(make_engine):
     assert any((first + 3, n) in runs for first, _ in runs for n in (2, 3))  # a forced run cut at the budget
 
 
+def test_preempted_in_a_forced_run_it_computes_it_again_and_changes_nothing(make_engine):
+    """A cache too small for every request at once: sequences with forced tokens not yet computed
+    are preempted, and computed again from the prompt on when they are back."""
+    requests = [request(CONSTRAINTS["json_schema"], "t", temperature=0.9, seed=k) for k in range(8)]
+    off, _ = run(make_engine, requests, False, num_blocks=40, prefix_budget_blocks=8)
+    engine = make_engine(jump_forward=True, num_blocks=40, prefix_budget_blocks=8)
+    engine.add_template("t", token_ids=TEMPLATE)
+    sched = engine._core.scheduler
+    preempt, in_a_run = sched._preempt, []
+
+    def preempting(seq, out):
+        in_a_run.append(seq.num_uncomputed > 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+        preempt(seq, out)
+    sched._preempt = preempting
+    on = [(o.text, o.token_ids, o.finish_reason, []) for o in engine.generate(requests)]
+    assert on == off
+    assert any(in_a_run)  # some were preempted with forced tokens waiting for their K/V
+
+
 def test_n_samples_and_seeded_draws_are_those_of_a_step_each(make_engine):
     requests = [request(CONSTRAINTS["json_schema"], "t", n=3, temperature=1.0, seed=11),
                 request(CONSTRAINTS["choice"], None, temperature=0.8, seed=5)]
