@@ -7,8 +7,11 @@ max_tokens or a step budget inside the forced run, for n samples and for seeded 
 that asks for logprobs decodes each token in its own step; a token the constraint proposes that
 its mask does not allow alone is not taken."""
 import json
+import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prefix_service import FinishReason, GenerateRequest, SamplingParams
 from prefix_service.config import SchedulerConfig
@@ -229,3 +232,53 @@ def test_only_token_reads_the_one_allowed_token_off_the_mask(tokenizer_dir):
 def test_jump_forward_must_be_a_boolean(value):
     with pytest.raises(ConfigError, match="scheduler.jump_forward: expected true or false"):
         SchedulerConfig(jump_forward=value)
+
+
+WORDS = ("order", "refund", "ship", "the value", "a_b", "status please", "x")
+
+
+@st.composite
+def constrained_requests(draw):
+    """A request on the template or not, under a choice, a regex or a JSON schema of random words,
+    with random limits and sampling; some ask for logprobs or n samples."""
+    words = draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=3, unique=True))
+    kind = draw(st.sampled_from(["choice", "regex", "json_schema"]))
+    if kind == "choice":
+        tails = draw(st.lists(st.sampled_from(WORDS), min_size=len(words), max_size=len(words)))
+        spec = StructuredOutput("choice", choices=tuple(dict.fromkeys(f"{w} {t}" for w, t in zip(words, tails))))
+    elif kind == "regex":
+        spec = StructuredOutput("regex", f"({'|'.join(map(re.escape, words))}) [0-9]{{1,3}} (yes|no)")
+    else:
+        schema = {"type": "object", "properties": {"pick": {"enum": words}, "n": {"type": "integer"}},
+                  "required": ["pick", "n"], "additionalProperties": False}
+        spec = StructuredOutput("json_schema", json.dumps(schema))
+    sampled = draw(st.booleans())
+    params = dict(max_tokens=draw(st.integers(1, 30)), structured=spec,
+                  temperature=0.9 if sampled else 0.0, seed=draw(st.integers(0, 50)) if sampled else None,
+                  stop=tuple(draw(st.lists(st.sampled_from(["val", "s ", "1"]), max_size=1))),
+                  min_tokens=draw(st.integers(0, 3)), n=draw(st.sampled_from([1, 1, 2])),
+                  logprobs=draw(st.sampled_from([None, None, 2])))
+    return GenerateRequest(prompt_token_ids=PROMPT[:draw(st.integers(1, len(PROMPT)))],
+                           prefix_name=draw(st.sampled_from([None, "t"])), sampling=SamplingParams(**params))
+
+
+def test_random_constrained_batches_are_the_same_with_and_without_jump_forward(make_engine):
+    """Batches of random constrained requests (random words, limits, stops, draws, samples and
+    logprobs) give the same texts, tokens, finishes and logprobs with jump-forward as a step each."""
+    engines = {}
+    for on in (True, False):
+        engines[on] = make_engine(jump_forward=on, max_num_batched_tokens=24)
+        engines[on].add_template("t", token_ids=TEMPLATE)
+    steps = counting(engines[True])
+
+    def outputs(engine, batch):
+        return [[(r.text, r.token_ids, r.finish_reason, [(lp.token_id, lp.logprob, lp.top) for lp in r.logprobs or ()])
+                 for r in (o.samples or [o])] for o in engine.generate(batch)]
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(constrained_requests(), min_size=1, max_size=4))
+    def check(batch):
+        assert outputs(engines[True], batch) == outputs(engines[False], batch)
+    check()
+    assert forced_runs(steps)  # the batches had forced runs to take
