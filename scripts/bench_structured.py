@@ -120,6 +120,14 @@ class EngineTimers:
         self.ms: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.mask_rows = 0  # constrained rows masked
+        self.active = 0  # wrapped calls running now
+
+    def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait for the wrapped calls running now to return: a batch's last output reaches its sink
+        from inside the step that made it, before that step's time and call are counted."""
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def wrap(self, owner: Any, attr: str, key: str) -> None:
         inner: Callable[..., Any] = getattr(owner, attr)
@@ -127,11 +135,13 @@ class EngineTimers:
 
         def timed(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
+            self.active += 1
             try:
                 return inner(*a, **kw)
             finally:
                 self.ms[key] += (time.perf_counter() - t0) * 1e3
                 self.calls[key] += 1
+                self.active -= 1
                 if key == "mask":
                     self.mask_rows += len(a[1])  # mask_rows(logits, rows, matchers)
         setattr(owner, attr, timed)
@@ -210,6 +220,7 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
         for th in threads:
             th.join()
         done.wait()
+        timers.settle()  # the step that sent the last output counted
         if errors:
             raise errors[0]
         firsts = [t.first for t in timings if t.first is not None]
