@@ -4,8 +4,9 @@ sampled before them, and the next step computes their K/V as decode rows at cons
 positions, or none is computed when they complete the output. The tokens, the text and the finish
 are those of decoding them one step each, on every backend, with a stop string, a stop token,
 max_tokens or a step budget inside the forced run, for n samples and for seeded draws; a request
-that asks for logprobs decodes each token in its own step; a token the constraint proposes that
-its mask does not allow alone is not taken."""
+that asks for logprobs gets the forced tokens with theirs, from the step that computes them, and
+nothing is lost when it ends before; a token the constraint proposes that its mask does not allow
+alone is not taken."""
 import json
 import re
 
@@ -144,14 +145,50 @@ def test_a_forced_token_that_is_a_stop_token(make_engine, tokenizer_dir, min_tok
     assert len(on[0][1]) == (3 if min_tokens == 0 else len(tail))
 
 
-def test_a_step_budget_smaller_than_the_forced_run(make_engine):
-    requests = [request(CONSTRAINTS["json_schema"], "t"), request(CONSTRAINTS["json_schema"])]
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_a_step_budget_smaller_than_the_forced_run(make_engine, logprobs):
+    """Cut by the budget, a run is computed over several steps (a held one gives its logprobs as
+    they come)."""
+    requests = [request(CONSTRAINTS["json_schema"], "t", logprobs=logprobs),
+                request(CONSTRAINTS["json_schema"], logprobs=logprobs)]
     off, _ = run(make_engine, requests, False, max_num_batched_tokens=3)
     on, steps = run(make_engine, requests, True, max_num_batched_tokens=3)
     assert on == off
+    if logprobs:
+        assert lps(make_engine, requests, True, max_num_batched_tokens=3) == \
+            lps(make_engine, requests, False, max_num_batched_tokens=3)
     assert max(sum(n for _, n, _, _ in s) for s in steps) <= 3
     runs = forced_runs(steps)
     assert any((first + 3, n) in runs for first, _ in runs for n in (2, 3))  # a forced run cut at the budget
+
+
+def lps(make_engine, requests, jump_forward, **engine_kw):
+    engine = make_engine(jump_forward=jump_forward, **engine_kw)
+    engine.add_template("t", token_ids=TEMPLATE)
+    return [[(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] for o in engine.generate(requests)]
+
+
+def test_a_held_run_goes_with_the_end_of_a_request_that_fails_before_its_logprobs(make_engine):
+    """A step that fails ends the requests in flight: a forced run still waiting for its logprobs
+    goes out with the end, so the caller has every token its usage counts."""
+    engine = make_engine(jump_forward=True)
+    engine.add_template("t", token_ids=TEMPLATE)
+    backend = engine._core.backend
+    execute, calls = backend.execute, []
+
+    def failing(step):
+        calls.append(step)
+        if len(calls) == 2:
+            raise RuntimeError("the second step fails")
+        return execute(step)
+    backend.execute = failing
+    got = streamed(engine, request(StructuredOutput("choice", choices=("refund of the shipping value",)), "t",
+                                   logprobs=1))
+    end = got[-1]
+    assert end.finished and end.error is not None and len(got) == 2
+    assert got[0].token_ids and len(end.token_ids) > 3  # the first token went; the held tail with the end
+    assert "".join(o.text for o in got) == "refund of the shipping value"
+    assert sum(len(o.token_ids) for o in got) == end.completion_tokens
 
 
 def test_preempted_in_a_forced_run_it_computes_it_again_and_changes_nothing(make_engine):
@@ -182,15 +219,47 @@ def test_n_samples_and_seeded_draws_are_those_of_a_step_each(make_engine):
     assert len({tuple(ids) for _, ids in on[0][3]}) > 1  # the samples drew apart
 
 
-def test_a_request_for_logprobs_decodes_each_token_in_its_own_step(make_engine):
-    req = request(CONSTRAINTS["json_schema"], "t", logprobs=2)
+@pytest.mark.parametrize("spec", ["json_schema", "choice"])
+def test_a_request_for_logprobs_gets_each_forced_tokens_logprob_from_one_step(make_engine, spec, monkeypatch):
+    """The forced run goes out once the step that computes it has given its tokens' logprobs: the
+    same logprobs as a step each, in fewer steps; a run that completes the output ends then."""
+    req = request(CONSTRAINTS[spec], "t", logprobs=2)
+    (off,), off_steps = run(make_engine, [req], False)
     engine = make_engine(jump_forward=True)
     engine.add_template("t", token_ids=TEMPLATE)
     steps = counting(engine)
-    out = engine.generate(req)[0]
-    assert len(out.logprobs) == len(out.token_ids) and len(steps) == len(out.token_ids)
-    assert [lp.token_id for lp in out.logprobs] == out.token_ids
-    assert json.loads(out.text)["intent"] in ("order", "refund")
+    got = streamed(engine, req)
+    steps.clear()
+    on = engine.generate(req)[0]
+    on_steps = len(steps)
+    assert (on.text, on.token_ids, on.finish_reason) == off[:3]
+    assert [lp.token_id for lp in on.logprobs] == on.token_ids
+    assert [(lp.token_id, lp.logprob, lp.top) for lp in on.logprobs] == [
+        (lp.token_id, lp.logprob, lp.top) for lp in logprobs_of(make_engine, req)]
+    assert forced_runs(steps) and on_steps < len(off_steps)
+    # streamed: each output's logprobs with its tokens; a forced run comes after the token before it
+    assert all(len(o.logprobs) == len(o.token_ids) for o in got if o.token_ids)
+    assert [t for o in got for t in o.token_ids] == on.token_ids
+    # each token's logprob read once: a forced token's from its run's rows, a drawn one's in sampling
+    from prefix_service.engine import core
+    counted = {"held": 0, "drawn": 0}
+    for name, key in (("token_logprobs", "held"), ("sample", "drawn")):
+        def wrap(*a, _real=getattr(core, name), _key=key, **kw):
+            counted[_key] += len(a[1])  # (logits, tokens or sequences, ...)
+            return _real(*a, **kw)
+        monkeypatch.setattr(core, name, wrap)
+    again = engine.generate(req)[0]
+    assert again.token_ids == on.token_ids and counted["held"] + counted["drawn"] == len(on.token_ids)
+    assert counted["held"] > 0
+    if spec == "choice":  # the prompt's step, then the one that gives the tail's logprobs
+        assert on_steps == 2 and len(off_steps) > 2 and [len(o.token_ids) for o in got if o.token_ids][0] == 1
+
+
+def logprobs_of(make_engine, req):
+    """req's logprobs decoded a step each."""
+    engine = make_engine(jump_forward=False)
+    engine.add_template("t", token_ids=TEMPLATE)
+    return engine.generate(req)[0].logprobs
 
 
 def test_a_proposed_token_the_mask_does_not_allow_alone_is_not_taken(make_engine, monkeypatch):

@@ -26,7 +26,7 @@ from prefix_service.errors import (CacheExhausted, ConfigError, EngineStopped, I
 from prefix_service.model.loader import choose_dtype, dummy_model, load_model, load_tokenizer, read_arch
 from prefix_service.model.quantize import quantize_model, release_int8
 from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, TemplateInfo
-from prefix_service.engine.sampler import sample, uniforms
+from prefix_service.engine.sampler import sample, token_logprobs, uniforms
 from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
 from prefix_service.engine.structured import StructuredOutputs, only_token, start
@@ -69,6 +69,18 @@ class _Tracked:
     source: dict[str, str] | None = None
     prefix_name: str | None = None  # a warmup's template (always set), or the template a request names
     default_output: tuple[StructuredOutput, Any] | None = None  # a warmup's template's: spec, compiled matcher
+    held: _Held | None = None  # a forced run waiting for its logprobs
+
+
+@dataclass
+class _Held:
+    """A forced run taken after a sampled token, for a request that asked for logprobs: it goes to the
+    caller once the steps that compute its tokens have given their logprobs (Sequence.held_from),
+    with their texts, and ends the request then if one of them did (reason)."""
+    tokens: list[int]
+    texts: list[str]
+    reason: FinishReason | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -642,22 +654,59 @@ class EngineCore:
 
     def _score_rows(self, with_logits: list[ScheduledSeq], logits: torch.Tensor | None
                     ) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Record the logits of scoring rows; -> the sequences to sample and their logits."""
-        if all(s.seq.samples for s in with_logits):
+        """Record the logits of scoring rows and of held forced runs (_held_logprobs); -> the
+        sequences to sample and their logits."""
+        if all(s.seq.samples and s.seq.held_from is None for s in with_logits):
             return [s.seq for s in with_logits], logits
         assert logits is not None  # rows that score have logits
         sample_seqs: list[Sequence] = []
         rows: list[int] = []
+        held: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, the token it gives the logprob of)
         start = 0
         for s in with_logits:
-            n = s.num_logits
-            if s.seq.samples:
-                sample_seqs.append(s.seq)
-                rows.append(start)
+            n, seq = s.num_logits, s.seq
+            if seq.samples:
+                first = seq.num_computed_tokens + s.num_new_tokens - n  # the position of its first row
+                for j in range(n):
+                    if first + j + 1 < len(seq.token_ids):  # a held token's logprob
+                        held.append((seq, start + j, seq.token_ids[first + j + 1]))
+                if first + n == len(seq.token_ids):  # its last token's row: the next draw
+                    sample_seqs.append(seq)
+                    rows.append(start + n - 1)
             else:
                 self._record_scores(s, logits[start:start + n])
             start += n
+        if held:
+            ended = self._held_logprobs(held, logits)
+            keep = [i for i, seq in enumerate(sample_seqs) if id(seq) not in ended]
+            sample_seqs, rows = [sample_seqs[i] for i in keep], [rows[i] for i in keep]
         return sample_seqs, logits[rows] if rows else None
+
+    def _held_logprobs(self, held: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> set[int]:
+        """The logprobs of held forced tokens, from the step's logits rows; a held run whose every
+        logprob is known goes to its caller, and ends its request where one of its tokens did ->
+        id() of the sequences that ended (they sample nothing more)."""
+        raw = logits[[row for _, row, _ in held]].float()
+        lps = token_logprobs(raw, [token for _, _, token in held],
+                             [seq.sampling.logprobs or 0 for seq, _, _ in held], self.backend.sampler_ops)
+        ended: set[int] = set()
+        for (seq, _, _), lp in zip(held, lps):
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is None or tracked.held is None:  # ended by this step already
+                continue
+            run = tracked.held
+            run.logprobs.append(lp)
+            if len(run.logprobs) < len(run.tokens):
+                continue
+            tracked.held, seq.held_from = None, None
+            if run.reason is None:
+                assert tracked.sink is not None  # a request's
+                tracked.sink(RequestOutput(seq.request_id, "".join(run.texts), run.tokens, logprobs=run.logprobs))
+            else:
+                ended.add(id(seq))
+                self._finish(tracked, run.reason, text="".join(run.texts), token_ids=run.tokens,
+                             logprobs=run.logprobs)
+        return ended
 
     def _record_scores(self, s: ScheduledSeq, logits: torch.Tensor) -> None:
         """A scoring row's logits go to its Score request; where that fails, the request ends with the
@@ -748,6 +797,14 @@ class EngineCore:
             self._finish(tracked, reason, text="".join(texts), token_ids=tokens, error=self._structured_error(seq))
             return
         logprobs = [logprob] if logprob is not None else None
+        if logprob is not None and len(tokens) > 1:
+            # the sampled token goes now, the forced ones once a step has given their logprobs
+            if reason is not None:
+                texts.append(text)
+            tracked.held = _Held(tokens[1:], texts[1:], reason)
+            seq.held_from = len(seq.token_ids) - len(tokens)  # the sampled token's row gives the first
+            sink(RequestOutput(seq.request_id, texts[0], tokens[:1], logprobs=logprobs))
+            return
         if reason is None:
             sink(RequestOutput(seq.request_id, "".join(texts), tokens, logprobs=logprobs))
         else:
@@ -778,9 +835,8 @@ class EngineCore:
     def _forced_tokens(self, seq: Sequence) -> list[int]:
         """The tokens seq's structured output forces next, where scheduler.jump_forward is on:
         llguidance's fast-forward tokens, each checked against the mask before it is taken
-        (_after_token). None for a request that asked for logprobs: a forced token's would need
-        its own row of logits."""
-        if seq.matcher is None or seq.sampling.logprobs is not None or not self.config.scheduler.jump_forward:
+        (_after_token); with logprobs asked for, the run is held until a step gives theirs."""
+        if seq.matcher is None or not self.config.scheduler.jump_forward:
             return []
         return list(seq.matcher.compute_ff_tokens())
 
@@ -795,6 +851,10 @@ class EngineCore:
                 error: BaseException | None = None, logprobs: list[TokenLogprob] | None = None) -> None:
         seq = tracked.seq
         reused = seq.cached_tokens
+        if tracked.held is not None:  # a forced run not sent yet goes with the end, its logprobs as far as known
+            run, tracked.held = tracked.held, None
+            text, token_ids = "".join(run.texts) + text, run.tokens + (token_ids or [])
+            logprobs = run.logprobs + (logprobs or [])
         self.scheduler.finish(seq, reason)
         del self._tracked[seq.request_id]
         if tracked.sink is None:  # a warmup that did not complete

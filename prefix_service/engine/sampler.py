@@ -65,18 +65,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[i
         for i, token in zip(drawn, draw(logits, drawn, seqs, ops, [drawn_uniforms[i] for i in drawn])):
             tokens[i] = token
     out: list[TokenLogprob | None] = [None] * len(seqs)
-    if raw is not None:  # every row's at once: the host reads the device twice, not twice a row
-        # log-probabilities as the log-softmax gives them, x - log(sum(e^x)), read where needed only
-        norm = ops.logsumexp(raw).unsqueeze(1)
-        picked = torch.tensor([tokens[i] for i in want], dtype=torch.int64, device=logits.device).unsqueeze(1)
-        chosen = (raw.gather(1, picked) - norm).squeeze(1).tolist()
-        most = max(seqs[i].sampling.logprobs or 0 for i in want)
-        values, ids = ops.top_k(raw, most) if most else (raw[:, :0], picked[:, :0])
-        values_l, ids_l = (values - norm).tolist(), ids.tolist()
-        for j, i in enumerate(want):
-            k = seqs[i].sampling.logprobs or 0
-            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(ids_l[j][:k], values_l[j][:k])))
+    if raw is not None:
+        for i, lp in zip(want, token_logprobs(raw, [tokens[i] for i in want],
+                                              [seqs[i].sampling.logprobs or 0 for i in want], ops)):
+            out[i] = lp
     return tokens, out
+
+
+def token_logprobs(raw: torch.Tensor, tokens: list[int], alternatives: list[int],
+                   ops: SamplerOps = TORCH_SAMPLER_OPS) -> list[TokenLogprob]:
+    """Each row's token's log-probability under the model's logits raw [N, vocab] (float32, before any
+    adjustment), and its alternatives[i] most likely tokens. Every row's at once: the host reads the
+    device twice, not twice a row."""
+    # log-probabilities as the log-softmax gives them, x - log(sum(e^x)), read where needed only
+    norm = ops.logsumexp(raw).unsqueeze(1)
+    picked = torch.tensor(tokens, dtype=torch.int64, device=raw.device).unsqueeze(1)
+    chosen = (raw.gather(1, picked) - norm).squeeze(1).tolist()
+    most = max(alternatives, default=0)
+    values, ids = ops.top_k(raw, most) if most else (raw[:, :0], picked[:, :0])
+    values_l, ids_l = (values - norm).tolist(), ids.tolist()
+    return [TokenLogprob(t, chosen[j], tuple(zip(ids_l[j][:k], values_l[j][:k])))
+            for j, (t, k) in enumerate(zip(tokens, alternatives))]
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], eos: tuple[int, ...], *,

@@ -44,11 +44,11 @@ class ScheduledSeq:
             return [ScheduledRow(
                 seq.request_id, False, tuple(seq.token_ids[start:start + self.num_new_tokens]), start,
                 tuple(seq.block_table), template_id, seq.num_shared_blocks, num_logits=self.num_logits)]
-        last = start + self.num_new_tokens - 1
+        first = seq.first_logit_position
         return [ScheduledRow(
             seq.request_id, True, (seq.token_ids[p],), p, tuple(seq.block_table[:p // block_size + 1]),
-            template_id, seq.num_shared_blocks, num_logits=self.num_logits if p == last else 0)
-            for p in range(start, last + 1)]
+            template_id, seq.num_shared_blocks, num_logits=int(first is not None and p >= first))
+            for p in range(start, start + self.num_new_tokens)]
 
     @property
     def num_logits(self) -> int:

@@ -134,6 +134,9 @@ class Sequence:
         self.score_from = score_from
         self.score_targets = score_targets
         self.matcher: Any = None  # a structured output's matcher (engine/structured.py), fed each token
+        # a forced run that waits for its logprobs (engine/core.py): the logits of each position from
+        # this one on give the next token's, those of the run's tokens, then the next draw's
+        self.held_from: int | None = None
         self.status = SeqStatus.WAITING
         self.block_table: list[BlockId] = []
         self.num_shared_blocks = 0
@@ -175,6 +178,8 @@ class Sequence:
         none otherwise."""
         if self.score_from is not None:
             return self.score_from
+        if self.held_from is not None:
+            return self.held_from
         return len(self.token_ids) - 1 if self.samples else None
 
     @property
