@@ -184,6 +184,7 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
         timings = [Timing(start=0.0) for _ in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
         texts, finish = [""] * n, [""] * n
+        logprobs: list[list[float]] = [[] for _ in range(n)]
         left, lock, done, errors = [n], threading.Lock(), threading.Event(), []
         barrier = threading.Barrier(n)
 
@@ -193,6 +194,7 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
                 timings[i].add_tokens(len(out.token_ids), t)
                 tokens[i] += out.token_ids
                 texts[i] += out.text
+                logprobs[i] += [lp.logprob for lp in out.logprobs or ()]
                 if out.finished:
                     timings[i].end, finish[i] = t, out.finish_reason.value if out.finish_reason else ""
                     if out.error is not None:
@@ -229,10 +231,12 @@ def child(args: argparse.Namespace, ids: dict) -> dict:
                            max(ends) - min(t.start for t in timings), max(ends) - min(firsts),
                            [t.e2e_ms for t in timings])
         out["engine_ms"] = delta(timers.snapshot(), before)
+        out["logprobs"] = logprobs  # each token's, where the requests asked for them
         return out
 
     def pair(c_messages: list[list[int]], u_messages: list[list[int]]) -> dict:
-        c = run(c_messages, [SamplingParams(max_tokens=args.max_tokens, structured=constraint)] * len(c_messages))
+        c = run(c_messages, [SamplingParams(max_tokens=args.max_tokens, structured=constraint,
+                                            logprobs=args.logprobs)] * len(c_messages))
         u = run(u_messages, [SamplingParams(max_tokens=k, ignore_eos=True) for k in c["tokens"]])
         return same_work(c, u)
 
@@ -274,7 +278,7 @@ def vllm_child(args: argparse.Namespace, ids: dict) -> dict:
                             [str(o.outputs[0].finish_reason) for o in outs], wall, decode_s)
 
     def pair(c_messages: list[list[int]], u_messages: list[list[int]]) -> dict:
-        c = run(c_messages, [SamplingParams(max_tokens=args.max_tokens, temperature=0,
+        c = run(c_messages, [SamplingParams(max_tokens=args.max_tokens, temperature=0, logprobs=args.logprobs,
                                             structured_outputs=constraint)] * len(c_messages))
         u = run(u_messages, [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in c["tokens"]])
         return same_work(c, u)
@@ -395,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prefix-tokens", type=int, help="cut the template to at most this many tokens")
     ap.add_argument("--constraint", choices=("record", "labels"), default="record",
                     help="record: the JSON intent record; labels: one of the template's labels (default: %(default)s)")
+    ap.add_argument("--logprobs", type=int, help="the constrained requests ask for each token's logprob and "
+                    "this many alternatives (default: none)")
     ap.add_argument("--systems", default="engine,engine-step-each",
                     help="ours: engine (jump-forward on, the default) and/or engine-step-each (default: %(default)s)")
     ap.add_argument("--vllm-dtypes", default="", help="vLLM systems, e.g. bfloat16,float32 (make bench-peers)")
@@ -441,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [python, __file__, "--system", system, "--dtype", dtype, "--ids", str(ids_file), "--round", str(r),
                    "--concurrency", str(args.concurrency), "--pairs", str(args.pairs),
                    "--max-tokens", str(args.max_tokens), "--constraint", args.constraint]
+            if args.logprobs is not None:
+                cmd += ["--logprobs", str(args.logprobs)]
             t0 = time.monotonic()
             try:
                 run = child_result(cmd, env, f"{name} (round {r})",
@@ -464,12 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     info["load_average_end"] = list(os.getloadavg())
     print_table(table, info, args)
     if runs.get("engine") and runs.get("engine-step-each"):  # the same messages, round by round
-        def written(name: str) -> list[list[int]]:
-            return [ids for run in runs[name] for p in run["pairs"] for ids in p["constrained"]["token_ids"]]
+        def written(name: str) -> list[tuple[list[int], list[float]]]:  # each request's tokens and logprobs
+            return [(ids, lps) for run in runs[name] for p in run["pairs"]
+                    for ids, lps in zip(p["constrained"]["token_ids"], p["constrained"]["logprobs"])]
         pairs = list(zip(written("engine"), written("engine-step-each")))
         table["engine"]["same_tokens_as_step_each"] = sum(a == b for a, b in pairs) / len(pairs)
-        print(f"engine wrote the tokens engine-step-each did for {table['engine']['same_tokens_as_step_each']:.0%} "
-              f"of {len(pairs)} constrained requests")
+        print(f"engine wrote the tokens (and logprobs) engine-step-each did for "
+              f"{table['engine']['same_tokens_as_step_each']:.0%} of {len(pairs)} constrained requests")
     duration = round(time.monotonic() - started, 1)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({

@@ -68,19 +68,22 @@ def test_bench_structured_script_rejects_bad_values():
 
 def test_bench_structured_script_with_the_templates_labels(llama_dir, tmp_path, capsys):
     """--constraint labels: each answer is one of the labels after a space (the intent template's
-    default output), with its end-to-end time and the batch's requests/s."""
+    default output), with its end-to-end time and the batch's requests/s; with --logprobs, each
+    token's logprob, the same from both engines."""
     script = load_script("bench_structured")
     out = tmp_path / "labels.json"
     assert script.main(["--model", str(llama_dir), "--max-prefix-tokens", "120", "--prompt-tokens", "20",
                         "--concurrency", "3", "--rounds", "1", "--pairs", "1", "--constraint", "labels",
-                        "--systems", "engine", "--json", str(out)]) == 0
+                        "--logprobs", "1", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     [pair] = data["runs"]["engine"][0]["pairs"]
     c = pair["constrained"]
     assert set(c["finish"]) == {"stop"} and all(t[1:] in INTENT_LABELS and t[0] == " " for t in c["texts"])
     m = data["medians"]["engine"]
-    assert m["valid_records"] == 1.0 and list(data["medians"]) == ["engine"]
+    assert m["valid_records"] == 1.0 and list(data["medians"]) == ["engine", "engine-step-each"]
+    assert [len(lps) for lps in c["logprobs"]] == c["tokens"] and m["same_tokens_as_step_each"] == 1.0
+    assert c["logprobs"] == data["runs"]["engine-step-each"][0]["pairs"][0]["constrained"]["logprobs"]
     assert m["e2e_constrained_ms"] == pytest.approx(sorted(c["e2e_ms"])[1])
     assert m["requests_per_s_constrained"] == pytest.approx(3 / c["wall_s"])
     assert "constraint: labels" in printed and "requests/s constrained" in printed
