@@ -36,7 +36,8 @@ class ScheduledSeq:
     def rows(self, block_size: int) -> list[ScheduledRow]:
         """This sequence's part of the step, as the backend reads it: one prefill row, or a decode row
         per new token (a forced run: each reads the cache up to its own token, which the step stores
-        before any row attends; only the last has logits)."""
+        before any row attends; those from the sequence's first_logit_position on have logits: the last,
+        or every one of a run held for its logprobs)."""
         seq, start = self.seq, self.seq.num_computed_tokens
         template = seq.template
         template_id = template.template_id if template is not None else None
