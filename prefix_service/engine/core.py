@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -781,34 +781,35 @@ class EngineCore:
         assert sink is not None and detok is not None  # a request's (a warmup samples no token)
         if tracked.first_token_time is None:
             tracked.first_token_time = now
-        tokens, texts = [token], []
-        reason, text = self._take_token(seq, detok, token)
-        forced = iter(self._forced_tokens(seq) if reason is None else ())
-        while reason is None:
+        tokens: list[int] = []
+        texts: list[str] = []  # each token's text
+        forced: Iterator[int] | None = None
+        while True:
+            tokens.append(token)
+            reason, text = self._take_token(seq, detok, token)
             texts.append(text)
+            if reason is not None:
+                break
+            if forced is None:
+                forced = iter(self._forced_tokens(seq))
             token = next(forced, -1)
             if token < 0 or only_token(seq.matcher, self.arch.vocab_size) != token:
                 break  # not forced after all: the next step samples it
             self.scheduler.append_token(seq, token)
             uniforms([seq])  # the draw a step of its own would have taken: later ones stay the same
-            tokens.append(token)
-            reason, text = self._take_token(seq, detok, token)
         if reason is FinishReason.ABORT:  # its mask hit a bound (grammar_step_fuel)
             self._finish(tracked, reason, text="".join(texts), token_ids=tokens, error=self._structured_error(seq))
             return
         logprobs = [logprob] if logprob is not None else None
         if logprob is not None and len(tokens) > 1:
             # the sampled token goes now, the forced ones once a step has given their logprobs
-            if reason is not None:
-                texts.append(text)
             tracked.held = _Held(tokens[1:], texts[1:], reason)
             seq.held_from = len(seq.token_ids) - len(tokens)  # the sampled token's row gives the first
             sink(RequestOutput(seq.request_id, texts[0], tokens[:1], logprobs=logprobs))
-            return
-        if reason is None:
+        elif reason is None:
             sink(RequestOutput(seq.request_id, "".join(texts), tokens, logprobs=logprobs))
         else:
-            self._finish(tracked, reason, text="".join(texts) + text, token_ids=tokens, logprobs=logprobs)
+            self._finish(tracked, reason, text="".join(texts), token_ids=tokens, logprobs=logprobs)
 
     def _take_token(self, seq: Sequence, detok: IncrementalDetokenizer, token: int) -> tuple[FinishReason | None, str]:
         """Feed one new token (the last of seq.token_ids) to the matcher and the detokenizer ->
