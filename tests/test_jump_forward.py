@@ -60,14 +60,20 @@ def forced_runs(steps):
     return runs
 
 
+def written(results):
+    """Each result as the tests compare them: (text, token ids, finish reason, logprobs as (token id,
+    logprob, alternatives), and with n > 1 each sample so)."""
+    def one(r):
+        return r.text, r.token_ids, r.finish_reason, [(lp.token_id, lp.logprob, lp.top) for lp in r.logprobs or ()]
+    return [(*one(o), [one(s) for s in o.samples or ()]) for o in results]
+
+
 def run(make_engine, requests, jump_forward, **engine_kw):
-    """-> (the outputs as (text, token ids, finish reason, samples), the steps) of one engine."""
+    """-> (the outputs, written(), the steps) of one engine."""
     engine = make_engine(jump_forward=jump_forward, **engine_kw)
     engine.add_template("t", token_ids=TEMPLATE)
     steps = counting(engine)
-    outs = engine.generate(requests)
-    outs = [(o.text, o.token_ids, o.finish_reason, [(s.text, s.token_ids) for s in o.samples or ()]) for o in outs]
-    return outs, steps
+    return written(engine.generate(requests)), steps
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -76,7 +82,7 @@ def test_the_forced_tokens_take_no_step_and_change_nothing(make_engine, backend)
     off, off_steps = run(make_engine, requests, False, backend=backend)
     on, on_steps = run(make_engine, requests, True, backend=backend)
     assert on == off
-    assert all(reason is FinishReason.STOP for _, _, reason, _ in on)
+    assert all(reason is FinishReason.STOP for _, _, reason, *_ in on)
     assert json.loads(on[2][0])["intent"] in ("order", "refund")
     # the choices' tails and the record's keys are forced: far fewer steps, some with a forced run
     # as decode rows of one request at consecutive positions, and no step with a prefill after the prompts
@@ -154,18 +160,9 @@ def test_a_step_budget_smaller_than_the_forced_run(make_engine, logprobs):
     off, _ = run(make_engine, requests, False, max_num_batched_tokens=3)
     on, steps = run(make_engine, requests, True, max_num_batched_tokens=3)
     assert on == off
-    if logprobs:
-        assert lps(make_engine, requests, True, max_num_batched_tokens=3) == \
-            lps(make_engine, requests, False, max_num_batched_tokens=3)
     assert max(sum(n for _, n, _, _ in s) for s in steps) <= 3
     runs = forced_runs(steps)
     assert any((first + 3, n) in runs for first, _ in runs for n in (2, 3))  # a forced run cut at the budget
-
-
-def lps(make_engine, requests, jump_forward, **engine_kw):
-    engine = make_engine(jump_forward=jump_forward, **engine_kw)
-    engine.add_template("t", token_ids=TEMPLATE)
-    return [[(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs] for o in engine.generate(requests)]
 
 
 def test_a_held_run_goes_with_the_end_of_a_request_that_fails_before_its_logprobs(make_engine):
@@ -205,7 +202,7 @@ def test_preempted_in_a_forced_run_it_computes_it_again_and_changes_nothing(make
         in_a_run.append(seq.num_uncomputed > 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
         preempt(seq, out)
     sched._preempt = preempting
-    on = [(o.text, o.token_ids, o.finish_reason, []) for o in engine.generate(requests)]
+    on = written(engine.generate(requests))
     assert on == off
     assert any(in_a_run)  # some were preempted with forced tokens waiting for their K/V
 
@@ -216,7 +213,7 @@ def test_n_samples_and_seeded_draws_are_those_of_a_step_each(make_engine):
     off, _ = run(make_engine, requests, False)
     on, _ = run(make_engine, requests, True)
     assert on == off
-    assert len({tuple(ids) for _, ids in on[0][3]}) > 1  # the samples drew apart
+    assert len({tuple(ids) for _, ids, *_ in on[0][4]}) > 1  # the samples drew apart
 
 
 @pytest.mark.parametrize("spec", ["json_schema", "choice"])
@@ -232,10 +229,8 @@ def test_a_request_for_logprobs_gets_each_forced_tokens_logprob_from_one_step(ma
     steps.clear()
     on = engine.generate(req)[0]
     on_steps = len(steps)
-    assert (on.text, on.token_ids, on.finish_reason) == off[:3]
+    assert written([on]) == [off]  # the tokens and the logprobs of a step each
     assert [lp.token_id for lp in on.logprobs] == on.token_ids
-    assert [(lp.token_id, lp.logprob, lp.top) for lp in on.logprobs] == [
-        (lp.token_id, lp.logprob, lp.top) for lp in logprobs_of(make_engine, req)]
     assert forced_runs(steps) and on_steps < len(off_steps)
     # streamed: each output's logprobs with its tokens; a forced run comes after the token before it
     assert all(len(o.logprobs) == len(o.token_ids) for o in got if o.token_ids)
@@ -253,13 +248,6 @@ def test_a_request_for_logprobs_gets_each_forced_tokens_logprob_from_one_step(ma
     assert counted["held"] > 0
     if spec == "choice":  # the prompt's step, then the one that gives the tail's logprobs
         assert on_steps == 2 and len(off_steps) > 2 and [len(o.token_ids) for o in got if o.token_ids][0] == 1
-
-
-def logprobs_of(make_engine, req):
-    """req's logprobs decoded a step each."""
-    engine = make_engine(jump_forward=False)
-    engine.add_template("t", token_ids=TEMPLATE)
-    return engine.generate(req)[0].logprobs
 
 
 def test_a_proposed_token_the_mask_does_not_allow_alone_is_not_taken(make_engine, monkeypatch):
@@ -322,10 +310,11 @@ def constrained_requests(draw):
                   "required": ["pick", "n"], "additionalProperties": False}
         spec = StructuredOutput("json_schema", json.dumps(schema))
     sampled = draw(st.booleans())
-    params = dict(max_tokens=draw(st.integers(1, 30)), structured=spec,
+    max_tokens = draw(st.integers(1, 30))
+    params = dict(max_tokens=max_tokens, structured=spec,
                   temperature=0.9 if sampled else 0.0, seed=draw(st.integers(0, 50)) if sampled else None,
                   stop=tuple(draw(st.lists(st.sampled_from(["val", "s ", "1"]), max_size=1))),
-                  min_tokens=draw(st.integers(0, 3)), n=draw(st.sampled_from([1, 1, 2])),
+                  min_tokens=draw(st.integers(0, min(3, max_tokens))), n=draw(st.sampled_from([1, 1, 2])),
                   logprobs=draw(st.sampled_from([None, None, 2])))
     return GenerateRequest(prompt_token_ids=PROMPT[:draw(st.integers(1, len(PROMPT)))],
                            prefix_name=draw(st.sampled_from([None, "t"])), sampling=SamplingParams(**params))
@@ -340,14 +329,10 @@ def test_random_constrained_batches_are_the_same_with_and_without_jump_forward(m
         engines[on].add_template("t", token_ids=TEMPLATE)
     steps = counting(engines[True])
 
-    def outputs(engine, batch):
-        return [[(r.text, r.token_ids, r.finish_reason, [(lp.token_id, lp.logprob, lp.top) for lp in r.logprobs or ()])
-                 for r in (o.samples or [o])] for o in engine.generate(batch)]
-
     @settings(max_examples=40, deadline=None, database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow])
     @given(st.lists(constrained_requests(), min_size=1, max_size=4))
     def check(batch):
-        assert outputs(engines[True], batch) == outputs(engines[False], batch)
+        assert written(engines[True].generate(batch)) == written(engines[False].generate(batch))
     check()
     assert forced_runs(steps)  # the batches had forced runs to take
