@@ -18,14 +18,18 @@ from helpers import load_script
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_structured.py"
 
 
-def test_bench_structured_script(llama_dir, tmp_path, capsys):
+def run_script(llama_dir, out, capsys, *more):
+    """The script's main() on the tiny model, small: 3 requests a batch, 1 round of 1 pair, 20-token
+    messages after a 120-token template -> (what it printed, its JSON)."""
     script = load_script("bench_structured")
-    out = tmp_path / "structured.json"
     assert script.main(["--model", str(llama_dir), "--max-prefix-tokens", "120", "--prompt-tokens", "20",
-                        "--concurrency", "3", "--rounds", "1", "--pairs", "1", "--max-tokens", "80",
-                        "--reason-chars", "8", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    data = json.loads(out.read_text())
+                        "--concurrency", "3", "--rounds", "1", "--pairs", "1", *more, "--json", str(out)]) == 0
+    return capsys.readouterr().out, json.loads(out.read_text())
+
+
+def test_bench_structured_script(llama_dir, tmp_path, capsys):
+    printed, data = run_script(llama_dir, tmp_path / "structured.json", capsys,
+                               "--max-tokens", "80", "--reason-chars", "8")
     assert {"machine", "date", "git_commit", "command", "args", "schema", "medians", "per_pair", "runs"} <= set(data)
     assert data["schema"]["properties"]["intent"]["enum"] == list(INTENT_LABELS)
     assert list(data["medians"]) == ["engine", "engine-step-each"] and len(data["runs"]["engine"]) == 1
@@ -70,13 +74,7 @@ def test_bench_structured_script_with_the_templates_labels(llama_dir, tmp_path, 
     """--constraint labels: each answer is one of the labels after a space (the intent template's
     default output), with its end-to-end time and the batch's requests/s; with --logprobs, each
     token's logprob, the same from both engines."""
-    script = load_script("bench_structured")
-    out = tmp_path / "labels.json"
-    assert script.main(["--model", str(llama_dir), "--max-prefix-tokens", "120", "--prompt-tokens", "20",
-                        "--concurrency", "3", "--rounds", "1", "--pairs", "1", "--constraint", "labels",
-                        "--logprobs", "1", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    data = json.loads(out.read_text())
+    printed, data = run_script(llama_dir, tmp_path / "labels.json", capsys, "--constraint", "labels", "--logprobs", "1")
     [pair] = data["runs"]["engine"][0]["pairs"]
     c = pair["constrained"]
     assert set(c["finish"]) == {"stop"} and all(t[1:] in INTENT_LABELS and t[0] == " " for t in c["texts"])
