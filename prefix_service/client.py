@@ -9,7 +9,8 @@ certificate chains to a root the system trusts).
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping
+import json
+from typing import Any, Iterable, Iterator, Mapping
 
 import grpc
 
@@ -31,6 +32,24 @@ def make_channel(address: str, *, tls: bool = False, tls_ca_file: str | None = N
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=roots))
 
 
+def structured_output_message(value: pb.StructuredOutput | Mapping[str, Any]) -> pb.StructuredOutput:
+    """A pb.StructuredOutput from itself or from a one-entry mapping of its kind to its value
+    ({"choice": ["yes", "no"]}, {"json_schema": {...}}, ...); ValueError naming what is wrong."""
+    if isinstance(value, pb.StructuredOutput):
+        return value
+    kinds = [f.name for f in pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields]
+    if not isinstance(value, Mapping) or len(value) != 1 or next(iter(value)) not in kinds:
+        raise ValueError(f"structured_output: expected one of {', '.join(kinds)} as the only key, got {value!r}")
+    (kind, spec), = value.items()
+    if kind == "choice":
+        if isinstance(spec, str):
+            raise ValueError("structured_output: choice takes a list of strings, not one string")
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(spec)))
+    if kind == "json_schema" and not isinstance(spec, str):
+        spec = json.dumps(spec)
+    return pb.StructuredOutput(**{kind: spec})
+
+
 class PrefixServiceClient:
     def __init__(self, address: str = DEFAULT_ADDRESS, token: str | None = None, *, tls: bool = False,
                  tls_ca_file: str | None = None) -> None:
@@ -44,13 +63,20 @@ class PrefixServiceClient:
                  messages: Iterable[Mapping[str, str]] | None = None, max_tokens: int = 0,
                  temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
                  stop: Iterable[str] = (), ignore_eos: bool = False, request_id: str = "",
+                 structured_output: pb.StructuredOutput | Mapping[str, Any] | None = None,
                  timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
         """Stream the responses; the last one has finish_reason and usage. Raises grpc.RpcError.
-        Closing the iterator early cancels the call (the server frees the request's blocks)."""
+        Closing the iterator early cancels the call (the server frees the request's blocks).
+
+        structured_output: what the output must be (unset: the template's default output, if it has
+        one), a pb.StructuredOutput or one of {"choice": [...]}, {"json_schema": schema (a dict or its
+        JSON text)}, {"regex": "..."}, {"grammar": "..."}, {"json_object": True}, {"text": True}."""
         sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                      stop=list(stop), ignore_eos=ignore_eos)
         if seed is not None:
             sampling.seed = seed
+        if structured_output is not None:
+            sampling.structured_output.CopyFrom(structured_output_message(structured_output))
         request = pb.GenerateRequest(
             prefix_name=template or "", prompt=prompt, sampling=sampling, request_id=request_id,
             messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in (messages or ())])

@@ -57,3 +57,27 @@ def test_a_client_asked_for_tls_does_not_fall_back_to_plaintext(make_server):
     with PrefixServiceClient(st.address, tls=True) as client, pytest.raises(grpc.RpcError) as info:
         client.server_info(timeout=30)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_structured_output_from_a_mapping_constrains_the_output(make_server):
+    """structured_output={"choice": [...]} is the request's choice (the same message as a raw
+    pb.StructuredOutput gives); a json_schema given as a dict is sent as its JSON text."""
+    st = make_server()
+    choices = [" yes", " no", " maybe later"]
+    with PrefixServiceClient(st.address) as client:
+        text, tokens, last = collect(client.generate(" the", "doc", max_tokens=12, temperature=1.0, seed=3,
+                                                     structured_output={"choice": choices}))
+        assert text in choices and last.finish_reason == pb.FINISH_REASON_STOP
+        raw = pb.StructuredOutput(choice=pb.Choices(choices=choices))
+        again = collect(client.generate(" the", "doc", max_tokens=12, temperature=1.0, seed=3, structured_output=raw))
+        assert (again[0], again[1]) == (text, tokens)
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        text, _, _ = collect(client.generate(" the", "doc", max_tokens=16, structured_output={"json_schema": schema}))
+        assert text in ('{"ok":true}', '{"ok":false}')
+
+
+@pytest.mark.parametrize("bad", [{"choices": ["a"]}, {"choice": "yes"}, {"regex": "a", "text": True}, ["choice"]])
+def test_client_structured_output_refuses_what_is_not_one_kind(bad):
+    with PrefixServiceClient("127.0.0.1:1") as client, pytest.raises(ValueError, match="structured_output"):
+        next(client.generate(" the", "doc", structured_output=bad))
