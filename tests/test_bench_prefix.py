@@ -75,6 +75,43 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
     assert "engine_prefix" in printed and "targets" in printed and "skipped vllm_apc: no vLLM environment" in printed
 
 
+def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama_dir, monkeypatch):
+    """intent_labels beside intent: the systems that can constrain an output (our engine with and
+    without the prefix, the gRPC server, which holds the template both share once) answer every
+    request with one of the template's labels, the same labels on the same messages (float32, greedy),
+    ending where the label does; transformers' systems are left out of it."""
+    from prefix_service.bench.workloads import INTENT_LABELS
+    monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "bin" / "python"))
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"model: {{path: {llama_dir}, device: cpu, dtype: float32}}\n"
+                      "cache: {block_size: 4, num_blocks: 256}\n"
+                      "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 256}\n")
+    out = tmp_path / "labels.json"
+    assert load_script("bench_prefix").main([
+        "--config", str(config), "--json", str(out), "--no-progress", "--workloads", "intent,intent_labels",
+        "--systems", "engine_prefix,engine_no_prefix,grpc_prefix,hf_generate", "--modes", "single,closed_loop",
+        "--max-prefix-tokens", "60", "--prompt-tokens", "30", "--output-tokens", "4", "--warmup", "0",
+        "--single-requests", "3", "--concurrency", "3", "--closed-min-requests", "3", "--idle-wait-s", "0"]) == 0
+    report = json.loads(out.read_text())
+    labels = report["workloads"]["intent_labels"]
+    assert labels["labels"] == [" " + label for label in INTENT_LABELS] and labels["prefix_name"] == "intent_classifier"
+    assert report["workloads"]["intent"]["output_tokens"] == 4 and "labels" not in report["workloads"]["intent"]
+    records = [r for r in report["records"] if r["workload"] == "intent_labels"]
+    assert {(r["system"], r["mode"]) for r in records} == {
+        (s, m) for s in ("engine_prefix", "engine_no_prefix", "grpc_prefix") for m in ("single", "closed_loop")}
+    for r in records:
+        assert r["num_failed"] == 0 and r["answers_not_labels"] == 0, r
+        assert sum(r["label_counts"].values()) == r["num_requests"] == 3
+        assert set(r["label_counts"]) <= set(INTENT_LABELS)
+        assert r["req_s"] > 0
+    for mode in ("single", "closed_loop"):
+        counts = [r["label_counts"] for r in records if r["mode"] == mode]
+        assert counts[0] == counts[1] == counts[2], counts
+    assert report["grpc_usage_mismatches"] == {"grpc_prefix": 0}
+    intent = [r for r in report["records"] if r["workload"] == "intent"]
+    assert "hf_generate" in {r["system"] for r in intent} and all("answers_not_labels" not in r for r in intent)
+
+
 def test_the_time_outside_the_engine_is_a_median_of_each_requests_difference():
     from prefix_service.bench.metrics import Timing, summarize
     # client TTFTs 100, 50, 300 ms; the engine's 90, 20, 295: outside it 10, 30, 5 ms (median 10),
@@ -124,7 +161,7 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
     from prefix_service.bench.runner import Runner
     from prefix_service.bench.systems import System, now
 
-    assert {s.workload: s.turns for s in FULL.closed} == {"intent": 0, "no_shared": 4}
+    assert {s.workload: s.turns for s in FULL.closed} == {"intent": 0, "no_shared": 4, "intent_labels": 0}
     log, lock = [], threading.Lock()
 
     class Fake(System):
@@ -149,7 +186,7 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
             return 7
 
     class Workload:
-        name = "no_shared"
+        name, labels = "no_shared", ()
 
         def request(self, index):
             return type("Req", (), {"index": index})()
@@ -251,7 +288,7 @@ def test_open_loop_runs_the_systems_rate_by_rate_in_turns():
             return t
 
     class Workload:
-        name = "intent"
+        name, labels = "intent", ()
 
         def request(self, index):
             return type("Req", (), {"index": index})()
@@ -430,7 +467,7 @@ def test_closed_loop_turns_of_unequal_size_send_every_request():
             return t
 
     class Workload:
-        name = "no_shared"
+        name, labels = "no_shared", ()
 
         def request(self, index):
             return type("Req", (), {"index": index})()
@@ -483,7 +520,7 @@ def test_warm_up_requests_are_not_the_timed_ones_and_the_batch_baseline_gets_the
             seen.append(req.index)
 
     class Workload:
-        name = "intent"
+        name, labels = "intent", ()
 
         def request(self, index):
             return type("Req", (), {"index": index})()

@@ -2,7 +2,8 @@
 its OpenAI-compatible server (streamed /v1/completions with token ids and usage) gives the timing
 the other systems give; a refused request, a broken stream and a usage that disagrees with the ids
 are counted; the server's environment preloads tcmalloc and Intel OpenMP and binds every core;
-where vLLM is not installed the peers are skipped with the way to install it; a peer in a stated
+where vLLM is not installed the peers are skipped with the way to install it; a labels workload asks
+for vLLM's choice constraint; a peer in a stated
 dtype (vllm_apc_bf16, ...); the peer targets, for each dtype measured, and the concurrency plot."""
 import http.server
 import json
@@ -32,9 +33,16 @@ class FakeOpenAI(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
         n = body["max_tokens"]
-        for i in range(n):
-            chunk = {"choices": [{"index": 0, "text": f" t{i}", "token_ids": [100 + i],
-                                  "finish_reason": "length" if i == n - 1 else None}]}
+        choices = (body.get("structured_outputs") or {}).get("choice")
+        if choices:  # the last choice in two chunks of one token each, then EOS (a token without text)
+            label = choices[-1]
+            parts = [(label[:3], [100]), (label[3:], [101]), ("", [2])]
+            n = len(parts)
+        else:
+            parts = [(f" t{i}", [100 + i]) for i in range(n)]
+        for i, (text, ids) in enumerate(parts):
+            chunk = {"choices": [{"index": 0, "text": text, "token_ids": ids,
+                                  "finish_reason": ("stop" if choices else "length") if i == n - 1 else None}]}
             self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             self.wfile.flush()
         if FakeOpenAI.mode == "cut":
@@ -58,7 +66,7 @@ def fake_server():
 
 
 class Workload:
-    name, has_prefix, output_tokens, prefix_ids = "intent", True, 5, (1, 2, 3)
+    name, has_prefix, output_tokens, prefix_ids, labels = "intent", True, 5, (1, 2, 3), ()
 
     def full_ids(self, req):
         return list(self.prefix_ids) + list(req.prompt_ids)
@@ -87,6 +95,21 @@ def test_a_request_streams_its_token_ids_and_checks_the_usage(fake_server):
     FakeOpenAI.mode = "cut"
     timing = system.run(Workload(), Workload().request(3))
     assert not timing.ok and "without its usage" in timing.error
+
+
+def test_a_labels_request_asks_vllm_for_a_choice_and_keeps_the_answer(fake_server):
+    """On a labels workload the request carries vLLM's structured_outputs choice and honours EOS (no
+    ignore_eos); the timing keeps the answer's text for the runner's check. Free text keeps none."""
+    class Labels(Workload):
+        name, output_tokens, labels = "intent_labels", 4, (" billing", " account")
+
+    system = vllm.VllmSystem(fake_server, prefix_caching=True)
+    timing = system.run(Labels(), Labels().request(0))
+    body = FakeOpenAI.bodies[-1]
+    assert body["structured_outputs"] == {"choice": [" billing", " account"]} and "ignore_eos" not in body
+    assert timing.ok and timing.text == " account" and timing.output_tokens == 3 and system.usage_mismatches == 0
+    timing = system.run(Workload(), Workload().request(1))
+    assert timing.ok and timing.text == "" and "structured_outputs" not in FakeOpenAI.bodies[-1]
 
 
 def test_a_server_that_is_not_there_is_an_error_not_a_hang():

@@ -21,7 +21,7 @@ from typing import Sequence
 from prefix_service.bench import report
 from prefix_service.bench.plan import FULL, MODES, QUICK, Plan, with_overrides
 from prefix_service.bench.systems import KNOWN_SYSTEMS, SYSTEMS
-from prefix_service.bench.workloads import WORKLOADS
+from prefix_service.bench.workloads import KNOWN_WORKLOADS, WORKLOADS
 
 REPO = Path(__file__).resolve().parents[2]
 DESCRIPTION = ("Benchmark operator-named prefixes: our engine with and without them, transformers baselines, "
@@ -35,6 +35,7 @@ examples:
   prefix-service bench --systems engine_prefix,engine_no_prefix --workloads intent --concurrency 1,16
   prefix-service bench --systems grpc_prefix,vllm_apc --workloads intent --modes closed_loop  # ours vs vLLM
   prefix-service bench --systems grpc_prefix,vllm_apc_bf16,vllm_apc_f32 --workloads intent  # vLLM in each dtype
+  prefix-service bench --systems engine_prefix,grpc_prefix,vllm_apc_bf16 --workloads intent_labels  # labels as answers
 """
 
 
@@ -86,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="bench_out/bench_prefix.json", metavar="PATH", help="default: %(default)s")
     p.add_argument("--plot", metavar="PATH", help="PNG of p99 latency vs offered QPS (default: the JSON path, .png)")
     p.add_argument("--markdown", metavar="PATH", help="also write the tables as markdown (for docs/benchmarks.md)")
-    p.add_argument("--workloads", type=lambda v: _names(v, WORKLOADS, "workload"), help=",".join(WORKLOADS))
+    p.add_argument("--workloads", type=lambda v: _names(v, KNOWN_WORKLOADS, "workload"),
+                   help=f"default: {','.join(WORKLOADS)}; also the intent template's labels as its answers: "
+                        f"{','.join(w for w in KNOWN_WORKLOADS if w not in WORKLOADS)}")
     p.add_argument("--systems", type=lambda v: _names(v, KNOWN_SYSTEMS, "system"),
                    help=f"default: {','.join(SYSTEMS)}; also vLLM in a stated dtype: "
                         f"{','.join(s for s in KNOWN_SYSTEMS if s not in SYSTEMS)}")
@@ -94,11 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--modes", type=lambda v: _names(v, MODES, "mode"), help=",".join(MODES) + " (default: all)")
     g.add_argument("--warmup", type=int, dest="warmup_requests", metavar="N", help="untimed requests per system")
     g.add_argument("--single-requests", type=int, metavar="N", help="single mode: requests per system and workload")
-    g.add_argument("--concurrency", type=_ints, metavar="LIST", help="closed loop on the intent workload, e.g. 1,4,16,64")
+    g.add_argument("--concurrency", type=_ints, metavar="LIST",
+                   help="closed loop on the intent workloads (intent, intent_labels), e.g. 1,4,16,64")
     g.add_argument("--closed-min-requests", type=int, metavar="N", help="requests per closed-loop run (at least)")
     g.add_argument("--closed-rounds", type=int, metavar="N", help="closed loop: requests per client")
     g.add_argument("--closed-turns", type=int, metavar="N",
-                   help="closed loop on intent: the requests in N parts, the systems taking turns part by part "
+                   help="closed loop on the intent workloads: the requests in N parts, the systems taking turns "
+                        "part by part "
                         "(A B, B A, ...), so that the machine's slow spells hit every system alike")
     g.add_argument("--qps", type=_floats, metavar="LIST", help="open loop: offered rates, tried in increasing order")
     g.add_argument("--open-duration-s", type=float, metavar="S", help="open loop: seconds of arrivals per rate")
@@ -123,10 +128,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         max_prefix_tokens=args.max_prefix_tokens).items() if v is not None})
     closed = base.closed
     if args.concurrency or args.closed_turns:
-        intent = next(c for c in closed if c.workload == "intent")
-        intent = dataclasses.replace(intent, concurrencies=args.concurrency or intent.concurrencies,
-                                     turns=args.closed_turns if args.closed_turns is not None else intent.turns)
-        closed = (intent,) + tuple(c for c in closed if c.workload != "intent")
+        closed = tuple(dataclasses.replace(c, concurrencies=args.concurrency or c.concurrencies,
+                                           turns=args.closed_turns if args.closed_turns is not None else c.turns)
+                       if c.workload in ("intent", "intent_labels") else c for c in closed)
     return with_overrides(base, workloads=args.workloads, systems=args.systems, modes=args.modes, sizes=sizes,
                           closed=closed,
                           warmup_requests=args.warmup_requests, single_requests=args.single_requests,

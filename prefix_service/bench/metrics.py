@@ -21,13 +21,16 @@ class Timing:
     output_tokens: int = 0
     error: str | None = None  # set when the request failed or was cut off (open loop)
     engine_ttft_ms: float | None = None  # the engine's own TTFT, where the system reports it
+    text: str = ""  # the answer, where the workload checks it (labels); "" otherwise
 
-    def add_tokens(self, count: int, at: float) -> None:
-        """`count` streamed tokens arrived at `at`; the first arrival with any is the first token."""
+    def add_tokens(self, count: int, at: float, text: str = "") -> None:
+        """`count` streamed tokens (and their `text`) arrived at `at`; the first arrival with any is
+        the first token."""
         if count:
             if self.first is None:
                 self.first = at
             self.output_tokens += count
+        self.text += text
 
     @property
     def ok(self) -> bool:

@@ -15,6 +15,12 @@ takes (the gRPC API takes text only):
               user segment so that prefix : prompt = 0.32 : 1
   no_shared   `total_tokens` of text unique to each request, no prefix at all
 
+and, asked for by name (not in a full run):
+
+  intent_labels  the intent workload as its users run it: the same template and form of message,
+                 each answer one of the template's labels (a choice constraint), ending where the
+                 label does (EOS honoured); the measure is requests/s, not tokens
+
 Templates are the files of configs/prompts/ with their trailing blank lines reduced to one newline.
 """
 from __future__ import annotations
@@ -26,7 +32,10 @@ from typing import Callable, Iterator
 from prefix_service.bench import corpus
 
 WORKLOADS = ("intent", "doc_qa", "ratio_0_32", "no_shared")
-PREFIX_NAMES = {"intent": "intent_classifier", "doc_qa": "table_qa", "ratio_0_32": "ratio_0_32_prefix"}
+LABEL_WORKLOADS = ("intent_labels",)  # answers constrained to labels: asked for by name, not in a full run
+KNOWN_WORKLOADS = WORKLOADS + LABEL_WORKLOADS  # what --workloads takes
+PREFIX_NAMES = {"intent": "intent_classifier", "doc_qa": "table_qa", "ratio_0_32": "ratio_0_32_prefix",
+                "intent_labels": "intent_classifier"}
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "prompts"
 # the labels the intent template defines ("Labels and when to use them"), in its order
 INTENT_LABELS = ("order_status", "order_change", "cancel_order", "return_refund", "billing", "product_question",
@@ -37,7 +46,7 @@ INTENT_LABELS = ("order_status", "order_change", "cancel_order", "return_refund"
 class Sizes:
     prompt_tokens: int = 100  # intent: the user segment
     total_tokens: int = 1000  # ratio_0_32 and no_shared: the whole prompt
-    output_tokens: int = 30  # every workload (EOS ignored, so every request makes exactly this many)
+    output_tokens: int = 30  # every free-text workload (EOS ignored, so every request makes exactly this many)
     max_prefix_tokens: int | None = None  # cut the templates (at a line end) to at most this many tokens
     ratio: float = 0.32  # ratio_0_32: prefix tokens / total prompt tokens
 
@@ -58,6 +67,9 @@ class Workload:
     output_tokens: int
     make_text: Callable[[int], str]  # request index -> prompt text
     encode: Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> ids
+    # set: every answer is one of these (a choice constraint), EOS ends it, output_tokens is its cap;
+    # empty: free text, EOS ignored, exactly output_tokens tokens
+    labels: tuple[str, ...] = ()
     _cache: dict[int, BenchRequest] = field(default_factory=dict, repr=False)
 
     @property
@@ -83,8 +95,9 @@ class Workload:
 
     def describe(self, sample: int = 8) -> dict:
         lens = [len(self.request(i).prompt_ids) for i in range(sample)]
-        return {"prefix_name": self.prefix_name, "prefix_tokens": len(self.prefix_ids),
-                "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens), "output_tokens": self.output_tokens}
+        out = {"prefix_name": self.prefix_name, "prefix_tokens": len(self.prefix_ids),
+               "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens), "output_tokens": self.output_tokens}
+        return {**out, "labels": list(self.labels), "output_tokens_is": "at most"} if self.labels else out
 
 
 def cut_to_tokens(text: str, max_tokens: int | None, count: Callable[[str], int]) -> str:
@@ -163,10 +176,15 @@ def build_workload(name: str, tokenizer, sizes: Sizes = Sizes(), prompts_dir: Pa
 
     intent_text = (prompts_dir / "intent_classifier.txt").read_text(encoding="utf-8")
     out = sizes.output_tokens
-    if name == "intent":
+    labels: tuple[str, ...] = ()
+    if name in ("intent", "intent_labels"):
         prefix = _one_newline(cut_to_tokens(intent_text, sizes.max_prefix_tokens, count_after_prefix))
-        make = lambda i: fit_text(count_after_prefix, '\nMessage: "', corpus.sentences(f"intent-{i}"),
+        key = "intent" if name == "intent" else "labels"  # messages of their own: no peer's cache sees one twice
+        make = lambda i: fit_text(count_after_prefix, '\nMessage: "', corpus.sentences(f"{key}-{i}"),
                                   '"\nIntent:', sizes.prompt_tokens)
+        if name == "intent_labels":
+            labels = tuple(" " + label for label in INTENT_LABELS)
+            out = max(count_after_prefix(label) for label in labels) + 1  # the longest label, then room for EOS
     elif name == "doc_qa":
         doc = (prompts_dir / "lisbon_departures.md").read_text(encoding="utf-8")
         prefix = _one_newline(cut_to_tokens(doc, sizes.max_prefix_tokens, count_after_prefix))
@@ -188,8 +206,8 @@ def build_workload(name: str, tokenizer, sizes: Sizes = Sizes(), prompts_dir: Pa
                         lambda i: fit_text(count_alone, f"Support ticket {1000 + i}: ", corpus.sentences(f"none-{i}"),
                                            "\nSummary:", sizes.total_tokens), encode)
     else:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
-    return Workload(name, PREFIX_NAMES[name], prefix, tuple(encode(prefix, True)), out, make, encode)
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(KNOWN_WORKLOADS)}")
+    return Workload(name, PREFIX_NAMES[name], prefix, tuple(encode(prefix, True)), out, make, encode, labels)
 
 
 def _one_newline(text: str) -> str:

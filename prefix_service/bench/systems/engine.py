@@ -9,7 +9,7 @@ from prefix_service.bench.systems import System, now
 from prefix_service.bench.workloads import BenchRequest, Workload
 from prefix_service.config import EngineConfig
 from prefix_service.engine import Engine
-from prefix_service.sampling_params import SamplingParams
+from prefix_service.sampling_params import SamplingParams, StructuredOutput
 from prefix_service.engine.sequence import GenerateRequest, RequestOutput
 
 
@@ -32,16 +32,19 @@ class EngineSystem(System):
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         by_name = self.uses_prefix and workload.has_prefix
+        labels = workload.labels
+        sampling = (SamplingParams(max_tokens=workload.output_tokens,
+                                   structured=StructuredOutput("choice", choices=labels)) if labels
+                    else SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True))
         request = GenerateRequest(
             prompt_token_ids=list(req.prompt_ids) if by_name else workload.full_ids(req),
-            prefix_name=workload.prefix_name if by_name else None,
-            sampling=SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True))
+            prefix_name=workload.prefix_name if by_name else None, sampling=sampling)
         timing = Timing(start=now())
         done = threading.Event()
 
         def sink(out: RequestOutput) -> None:  # on the engine's loop thread: keep it short
             t = now()
-            timing.add_tokens(len(out.token_ids), t)
+            timing.add_tokens(len(out.token_ids), t, out.text if labels else "")
             if out.finished:
                 timing.end = t
                 timing.engine_ttft_ms = out.ttft_ms

@@ -71,7 +71,9 @@ class ServerProcess:
             "scheduler": dataclasses.asdict(engine_config.scheduler),
             "server": {"address": self.address, "http_address": "", "state_file": str(folder / "state.json"),
                        "grace_period_s": 1},
-            "prefixes": [{"name": w.prefix_name, "content": w.prefix_text} for w in workloads if w.has_prefix],
+            # one template per name (intent and intent_labels share the intent template)
+            "prefixes": [{"name": name, "content": text}
+                         for name, text in {w.prefix_name: w.prefix_text for w in workloads if w.has_prefix}.items()],
             **(extra or {}),
         }
         config_path = folder / "bench.yaml"
@@ -120,12 +122,14 @@ class GrpcSystem(System):
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         by_name = self.uses_prefix and workload.has_prefix
         text = req.prompt_text if by_name else workload.full_text(req)
+        labels = workload.labels
+        constraint = {"structured_output": {"choice": list(labels)}} if labels else {"ignore_eos": True}
         timing = Timing(start=now())
         try:
             for msg in self.client.generate(text, workload.prefix_name if by_name else None,
-                                            max_tokens=workload.output_tokens, ignore_eos=True, timeout=timeout_s):
+                                            max_tokens=workload.output_tokens, timeout=timeout_s, **constraint):
                 t = now()
-                timing.add_tokens(len(msg.token_ids), t)
+                timing.add_tokens(len(msg.token_ids), t, msg.text if labels else "")
                 if msg.finish_reason:
                     timing.end = t
                     timing.engine_ttft_ms = msg.usage.ttft_ms or None  # 0: no token was sampled

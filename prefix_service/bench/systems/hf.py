@@ -14,7 +14,7 @@ throughput at any concurrency is the sequential throughput; latency includes the
 first token comes from a streamer whose second `put` is the first generated token (the first
 is the prompt). Greedy, EOS ignored (`min_new_tokens` = `max_new_tokens`), sdpa attention, the
 engine's device and dtype (model.dtype as the engine resolves it), the same torch threads as our
-engine.
+engine. None of them runs a labels workload: they have no constraint to choose a label with.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class HFGenerate(System):
         self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def supports(self, workload: Workload) -> bool:
-        return workload.has_prefix or not self.uses_prefix
+        return not workload.labels and (workload.has_prefix or not self.uses_prefix)  # labels: no constraints here
 
     @torch.inference_mode()
     def prepare(self, workload: Workload) -> None:
@@ -131,6 +131,9 @@ class HFGenerateBatch(System):
                 fut = self._pending.pop(result.request_id, None)
             if fut is not None:
                 fut.set_result(result)
+
+    def supports(self, workload: Workload) -> bool:
+        return not workload.labels  # no structured outputs in transformers' batching
 
     def prepare(self, workload: Workload) -> None:
         """One untimed request on the workload, so its prefix pages are cached like our pinned ones."""

@@ -43,11 +43,12 @@ class WorkloadView:
     prefix_ids: tuple[int, ...]
     output_tokens: int
     requests: dict[int, BenchRequest]  # made in this process: the ones `prepare` asks for
+    labels: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, workload: Workload) -> WorkloadView:
         return cls(workload.name, workload.prefix_name, workload.prefix_text, workload.prefix_ids,
-                   workload.output_tokens, {-1: workload.request(-1)})
+                   workload.output_tokens, {-1: workload.request(-1)}, workload.labels)
 
     @property
     def has_prefix(self) -> bool:

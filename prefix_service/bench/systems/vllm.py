@@ -180,9 +180,12 @@ class VllmSystem(System):
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         ids = workload.full_ids(req)
+        labels = workload.labels
+        # a labels workload: vLLM's structured outputs (xgrammar on its CPU build) choose the label
+        constraint = {"structured_outputs": {"choice": list(labels)}} if labels else {"ignore_eos": True}
         body = json.dumps({"model": SERVED_NAME, "prompt": ids, "max_tokens": workload.output_tokens,
-                           "temperature": 0.0, "ignore_eos": True, "stream": True, "return_token_ids": True,
-                           "stream_options": {"include_usage": True}})
+                           "temperature": 0.0, "stream": True, "return_token_ids": True,
+                           "stream_options": {"include_usage": True}, **constraint})
         timing = Timing(start=now())
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=timeout_s or 600)
@@ -206,9 +209,8 @@ class VllmSystem(System):
                 t = now()
                 for choice in chunk.get("choices") or []:
                     n = len(choice.get("token_ids") or [])
-                    if n:
-                        timing.add_tokens(n, t)
-                        tokens += n
+                    timing.add_tokens(n, t, (choice.get("text") or "") if labels else "")
+                    tokens += n
                 usage = chunk.get("usage")
                 if usage:
                     timing.end = t
