@@ -110,7 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="stream a completion to stdout (usage to stderr)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="examples:\n  prefix-service generate --template table_qa --max-tokens 32 'Q: ...\\nA:'\n"
-                              "  echo 'Tell me a joke' | prefix-service generate --chat -\n")
+                              "  echo 'Tell me a joke' | prefix-service generate --chat -\n"
+                              "  prefix-service generate --template intent_classifier --text "
+                              "'Message: \"Hi\"\\nIntent:'\n"
+                              "  prefix-service generate --template table_qa --json-schema @answer.schema.json "
+                              "'Q: ...\\nA:'\n")
     p.add_argument("prompt", metavar="PROMPT", help="text continuing the template ('-' reads stdin)")
     p.add_argument("--template", "--prefix", dest="template", metavar="NAME",
                    help="pinned template to continue (default: none; --prefix is another name for it)")
@@ -125,7 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0 (default) or -1 means no limit")
     p.add_argument("--seed", type=_integer(0, 2**64 - 1), default=None, help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline for the whole call")
+    g = p.add_argument_group("structured output (one of; default: the template's own output, if it has one)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--choice", action="append", metavar="TEXT",
+                     help="the output is exactly one of these (repeatable: --choice ' yes' --choice ' no')")
+    one.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema the output conforms to (JSON, or @FILE)")
+    one.add_argument("--json-object", action="store_true", help="any JSON object")
+    one.add_argument("--regex", metavar="RE", help="the output matches this regular expression, whole")
+    one.add_argument("--grammar", metavar="LARK", help="a Lark grammar (or @FILE)")
+    one.add_argument("--text", action="store_true", help="free text, even on a template with an output of its own")
     _add_address(p)
     _add_tls(p)
 
@@ -287,11 +301,17 @@ def _generate(args: argparse.Namespace) -> int:
     elif args.system:
         print("error: --system needs --chat", file=sys.stderr)
         return 2
+    try:
+        structured_output = _structured_output(args)
+    except _Unreadable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     last = None
     with PrefixServiceClient(args.address, tls=args.tls, tls_ca_file=args.tls_ca) as client:
         for msg in client.generate(prompt, args.template, messages=messages, max_tokens=args.max_tokens,
                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                   seed=args.seed, stop=args.stop, timeout=args.timeout):
+                                   seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                                   structured_output=structured_output, timeout=args.timeout):
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             last = msg
@@ -302,6 +322,38 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[{reason}] prompt {u.prompt_tokens} tokens ({u.prefix_tokens} reused from the template), "
               f"{u.completion_tokens} completion tokens, ttft {u.ttft_ms:.0f} ms", file=sys.stderr)
     return 0
+
+
+class _Unreadable(Exception):
+    """A flag's @FILE that cannot be read."""
+
+
+def _structured_output(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The structured output the flags ask for (client.structured_output_message's form), None for
+    none; a value starting with @ is read from that file (_Unreadable when it cannot be). The server
+    checks the constraint itself (INVALID_ARGUMENT naming it)."""
+    def text(value: str) -> str:
+        if not value.startswith("@"):
+            return value
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:  # a file that is not UTF-8 text too
+            raise _Unreadable(f"cannot read {value[1:]}: {e}") from None
+
+    if args.choice:
+        return {"choice": args.choice}
+    if args.json_schema is not None:
+        return {"json_schema": text(args.json_schema)}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar is not None:
+        return {"grammar": text(args.grammar)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.text:
+        return {"text": True}
+    return None
 
 
 def _info(args: argparse.Namespace) -> int:

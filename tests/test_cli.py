@@ -479,3 +479,60 @@ def test_the_address_defaults_to_the_environment_variable_for_every_client_comma
     assert {build_parser().parse_args(c).address for c in commands} == {"127.0.0.1:50051"}
     monkeypatch.setenv("PREFIX_SERVICE_ADDRESS", "10.1.2.3:6000")
     assert {build_parser().parse_args(c).address for c in commands} == {"10.1.2.3:6000"}
+
+
+def test_generate_structured_output_flags_reach_the_request(server, capsys, tmp_path):
+    """--choice, --json-schema (inline or @FILE), --regex and --text each become the request's
+    structured output: the answer is the engine's for that constraint; the server's own check names a
+    bad one (exit 1), an unreadable @FILE is a usage error (exit 2), and two kinds at once are refused."""
+    from prefix_service.sampling_params import StructuredOutput
+
+    def engine_text(structured, template="doc"):
+        request = GenerateRequest(prompt=" the order", prefix_name=template,
+                                  sampling=SamplingParams(max_tokens=12, structured=structured))
+        return server.engine.generate([request])[0].text
+
+    def cli(*flags, template="doc", code=0):
+        assert main(["generate", "--address", server.address, "--template", template, "--max-tokens", "12", *flags,
+                     " the order"]) == code, capsys.readouterr().err
+        return capsys.readouterr()
+
+    choices = (" yes", " no", " maybe later")
+    out = cli(*[a for c in choices for a in ("--choice", c)]).out
+    assert out[:-1] in choices and out == engine_text(StructuredOutput("choice", choices=choices)) + "\n"
+    schema = ('{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], '
+              '"additionalProperties": false}')
+    (tmp_path / "ok.json").write_text(schema)
+    out = cli("--json-schema", f"@{tmp_path / 'ok.json'}").out
+    assert out[:-1] in ('{"ok":true}', '{"ok":false}')
+    assert out == engine_text(StructuredOutput("json_schema", schema)) + "\n"
+    assert cli("--json-schema", schema).out == out
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}\n", cli("--regex", "[0-9]{3}-[a-z]{2}").out)
+
+    server.engine.add_template("labelled", DOCUMENT, structured=StructuredOutput("choice", choices=(" a", " b")))
+    try:
+        assert cli(template="labelled").out[:-1] in (" a", " b")  # the template's own output
+        free = engine_text(StructuredOutput("text"), template="labelled")
+        assert free not in (" a", " b") and cli("--text", template="labelled").out == free + "\n"
+    finally:
+        server.engine.remove_template("labelled")
+
+    assert "error: INVALID_ARGUMENT" in cli("--regex", "[0-9", code=1).err
+    assert f"error: cannot read {tmp_path / 'none.json'}" in cli("--json-schema", f"@{tmp_path / 'none.json'}",
+                                                                 code=2).err
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--address", server.address, "--choice", "a", "--regex", "b", "x"])
+    assert info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_generate_passes_ignore_eos_to_the_client(monkeypatch, capsys):
+    from prefix_service import client as client_module
+    calls = []
+
+    def generate(self, prompt, template=None, **kwargs):
+        calls.append(kwargs)
+        return iter(())
+    monkeypatch.setattr(client_module.PrefixServiceClient, "generate", generate)
+    assert main(["generate", "--address", "127.0.0.1:1", "--ignore-eos", "x"]) == 0
+    assert main(["generate", "--address", "127.0.0.1:1", "x"]) == 0
+    assert [c["ignore_eos"] for c in calls] == [True, False] and calls[0]["structured_output"] is None
