@@ -679,3 +679,29 @@ def test_each_open_loop_panel_draws_its_missed_rates_at_its_own_top(tmp_path, mo
     assert misses[doc_qa] == ([1.5], [pytest.approx(40_000.0 * 1.1)])
     assert misses[intent] == ([4.0], [pytest.approx(3000.0 * 1.1)])  # the SLO's 1.5x is above 2,500
     assert ticks == {doc_qa: [0.5, 1.5], intent: [1.0, 2.0, 4.0]}
+
+
+def test_the_labels_concurrency_plot_draws_requests_and_end_to_end_times(tmp_path, monkeypatch):
+    """plot_concurrency on intent_labels draws requests/s and e2e p50 against the clients (a label is a
+    few tokens: tokens/s and the first token say little), on intent tokens/s and TTFT; each from its
+    own workload's records only."""
+    import matplotlib.axes
+    from prefix_service.bench import report
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda ax, *a, **k: drawn.append((list(a[0]), list(a[1]))) or plot(ax, *a, **k))
+
+    def rec(workload, c, **fields):
+        return {"system": "grpc_prefix", "workload": workload, "mode": "closed_loop", "concurrency": c, **fields}
+    labels = dict(label_counts={"billing": 1})
+    records = [rec("intent_labels", 16, req_s=12.0, e2e_p50_ms=1300.0, output_tok_s=40.0, ttft_p50_ms=1290.0,
+                   **labels),
+               rec("intent_labels", 1, req_s=11.0, e2e_p50_ms=90.0, output_tok_s=30.0, ttft_p50_ms=89.0, **labels),
+               rec("intent", 1, req_s=0.5, e2e_p50_ms=900.0, output_tok_s=33.0, ttft_p50_ms=88.0),
+               rec("intent", 4, req_s=1.0, e2e_p50_ms=1500.0, output_tok_s=90.0, ttft_p50_ms=200.0)]
+    assert report.plot_concurrency(tmp_path / "labels.png", records, "t", workload="intent_labels")
+    assert drawn == [([1, 16], [11.0, 12.0]), ([1, 16], [90.0, 1300.0])]
+    drawn.clear()
+    assert report.plot_concurrency(tmp_path / "intent.png", records, "t")
+    assert drawn == [([1, 4], [33.0, 90.0]), ([1, 4], [88.0, 200.0])]

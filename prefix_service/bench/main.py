@@ -229,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plotted = report.plot_open_loop(plot, result["records"], plan.slo_ms, title)
     by_concurrency = str(Path(plot).with_name(Path(plot).stem + "-concurrency.png"))
     plotted_c = report.plot_concurrency(by_concurrency, result["records"], title)
+    labels_plot = str(Path(plot).with_name(Path(plot).stem + "-labels-concurrency.png"))
+    plotted_l = report.plot_concurrency(labels_plot, result["records"], title, workload="intent_labels")
     print(report.records_table(result["records"]))
     if any(r["mode"] == "open_loop" for r in result["records"]):
         print(f"\nopen loop (SLO: p99 end-to-end < {plan.slo_ms:.0f} ms)")
@@ -238,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, why in result["extra"].get("skipped_systems", {}).items():
         print(f"skipped {name}: {why}")
     print(f"\nJSON: {args.json}" + (f"\nplot: {plot}" if plotted else "")
-          + (f"\nplot: {by_concurrency}" if plotted_c else "") + f"\ntook {out['duration_s']:.0f} s")
+          + (f"\nplot: {by_concurrency}" if plotted_c else "") + (f"\nplot: {labels_plot}" if plotted_l else "")
+          + f"\ntook {out['duration_s']:.0f} s")
     return 0
 
 

@@ -198,10 +198,11 @@ def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: 
     return True
 
 
-def plot_concurrency(path: str | Path, records: list[dict], title: str) -> bool:
-    """Closed loop on intent: output tok/s and TTFT p50 against concurrency, one line per system. False
-    when there are fewer than two concurrencies to draw."""
-    rows = [r for r in records if r["mode"] == "closed_loop" and r["workload"] == "intent"]
+def plot_concurrency(path: str | Path, records: list[dict], title: str, workload: str = "intent") -> bool:
+    """Closed loop on a workload: output tok/s and TTFT p50 against concurrency, one line per system
+    (a labels workload: requests/s and e2e p50, its answers being a few tokens). False when there are
+    fewer than two concurrencies to draw."""
+    rows = [r for r in records if r["mode"] == "closed_loop" and r["workload"] == workload]
     if len({r["concurrency"] for r in rows}) < 2:
         return False
     import matplotlib
@@ -209,14 +210,17 @@ def plot_concurrency(path: str | Path, records: list[dict], title: str) -> bool:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    measures = ((("req_s", "requests/s (closed loop)"), ("e2e_p50_ms", "end to end p50 (ms)"))
+                if any("label_counts" in r for r in rows)
+                else (("output_tok_s", "output tokens/s (closed loop)"), ("ttft_p50_ms", "TTFT p50 (ms)")))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for system in dict.fromkeys(r["system"] for r in rows):
-        pts = sorted((r["concurrency"], r) for r in rows if r["system"] == system)
+        pts = sorted(((r["concurrency"], r) for r in rows if r["system"] == system), key=lambda p: p[0])
         style = "--" if system.startswith("vllm") else "-"
-        for ax, key in zip(axes, ("output_tok_s", "ttft_p50_ms")):
+        for ax, (key, _) in zip(axes, measures):
             xy = [(c, r[key]) for c, r in pts if r.get(key) is not None]
             ax.plot([c for c, _ in xy], [y for _, y in xy], style, marker="o", label=system)
-    for ax, label in zip(axes, ("output tokens/s (closed loop)", "TTFT p50 (ms)")):
+    for ax, (_, label) in zip(axes, measures):
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
         ax.set_xticks(sorted({r["concurrency"] for r in rows}))
@@ -225,7 +229,7 @@ def plot_concurrency(path: str | Path, records: list[dict], title: str) -> bool:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     axes[1].set_yscale("log")
-    fig.suptitle(f"intent: {title}")
+    fig.suptitle(f"{workload}: {title}")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
