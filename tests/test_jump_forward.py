@@ -166,8 +166,9 @@ def test_a_step_budget_smaller_than_the_forced_run(make_engine, logprobs):
 
 
 def test_a_held_run_goes_with_the_end_of_a_request_that_fails_before_its_logprobs(make_engine):
-    """A step that fails ends the requests in flight: a forced run still waiting for its logprobs
-    goes out with the end, so the caller has every token its usage counts."""
+    """A request whose steps fail (the one after its first token, and then its step alone: the
+    fault is its own) ends with the error: a forced run still waiting for its logprobs goes out with
+    the end, so the caller has every token its usage counts."""
     engine = make_engine(jump_forward=True)
     engine.add_template("t", token_ids=TEMPLATE)
     backend = engine._core.backend
@@ -175,8 +176,8 @@ def test_a_held_run_goes_with_the_end_of_a_request_that_fails_before_its_logprob
 
     def failing(step):
         calls.append(step)
-        if len(calls) == 2:
-            raise RuntimeError("the second step fails")
+        if len(calls) >= 2:
+            raise RuntimeError("every step from the second fails")
         return execute(step)
     backend.execute = failing
     got = streamed(engine, request(StructuredOutput("choice", choices=("refund of the shipping value",)), "t",

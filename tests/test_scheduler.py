@@ -473,3 +473,66 @@ def test_a_request_larger_than_the_cache_beside_the_pinned_templates_is_refused(
         engine.submit(GenerateRequest(prompt_token_ids=list(range(100, 150)), sampling=greedy(4)), lambda out: None)
     out = engine.generate([GenerateRequest(prompt_token_ids=list(range(100, 135)), sampling=greedy(4))])[0]
     assert out.completion_tokens == 4
+
+
+def test_a_failed_steps_sequences_each_run_a_step_alone_oldest_first():
+    """quarantine: the failed step's sequences go back to the queue with their blocks freed, then
+    each runs one step alone, oldest first (the others wait, a sampled token included); the one that
+    fails alone is handed back to be ended; then the usual steps."""
+    alloc, pins, sched = setup()
+    a, b, c = seq("a", list(range(8))), seq("b", [1, 2, 3]), seq("c", [4, 5, 6, 7, 8])
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert [x.seq.request_id for x in out.scheduled] == ["a", "b", "c"]
+    assert sched.quarantine(out) == [] and sched.num_failed_steps == 1
+    assert alloc.num_free == 16 and list(sched.waiting) == [a, b, c] and sched.running == []
+    assert all(s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 for s in (a, b, c))
+    assert sched.num_preemptions == 0  # not preempted for blocks
+
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 8)]
+    sched.postprocess(out, [a], [9])
+    out = sched.schedule()  # a has a token to compute, but b's step is alone
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 3)]
+    assert sched.quarantine(out) == [b] and sched.num_failed_steps == 2
+    sched.finish(b, FinishReason.ABORT)
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("c", 5)]
+    sched.postprocess(out, [c], [9])
+    out = sched.schedule()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("c", 1)]
+
+
+def test_a_sequence_in_its_third_failed_step_is_handed_back_whether_or_not_it_failed_alone():
+    from prefix_service.engine.scheduler import MAX_FAILED_STEPS
+    alloc, pins, sched = setup()
+    a, b = seq("a", [1, 2, 3]), seq("b", [4, 5])
+    sched.add(a)
+    sched.add(b)
+    for k in range(1, MAX_FAILED_STEPS + 1):
+        out = sched.schedule()
+        while len(out.scheduled) == 1:  # each alone: ok
+            sched.postprocess(out, [out.scheduled[0].seq], [9])
+            out = sched.schedule()
+        assert [x.seq.request_id for x in out.scheduled] == ["a", "b"]
+        guilty = sched.quarantine(out)
+        assert guilty == ([] if k < MAX_FAILED_STEPS else [a, b]), k
+    assert a.num_failed_steps == b.num_failed_steps == MAX_FAILED_STEPS
+
+
+def test_a_suspect_that_does_not_fit_alone_rejoins_the_queue_as_any_sequence():
+    """After the failed step a waiting fork took every free block: the suspect's step alone cannot
+    start (the fork's hold is not its to free), so it takes its turn in the usual step, which frees the
+    hold first."""
+    alloc, pins, sched = setup(num_blocks=4)
+    a = seq("a", list(range(8)))
+    sched.add(a)
+    out = sched.schedule()
+    assert sched.quarantine(out) == [] and alloc.num_free == 4
+    fork = seq("fork", [1, 2, 3])
+    fork.block_table = alloc.allocate(4)  # a forked sample waiting its turn with its blocks
+    sched.waiting.append(fork)
+    out = sched.schedule()
+    assert out.preempted == [fork]  # its hold freed (it computes its prompt again)
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 8), ("fork", 3)]

@@ -27,7 +27,7 @@ from prefix_service.model.loader import choose_dtype, dummy_model, load_model, l
 from prefix_service.model.quantize import quantize_model, release_int8
 from prefix_service.engine.template_pins import TemplatePins, TemplateHandle, TemplateInfo
 from prefix_service.engine.sampler import sample, token_logprobs, uniforms
-from prefix_service.engine.scheduler import ScheduledSeq, Scheduler
+from prefix_service.engine.scheduler import MAX_FAILED_STEPS, ScheduledSeq, Scheduler, SchedulerOutput
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
 from prefix_service.engine.structured import StructuredOutputs, only_token, start
 from prefix_service.engine.snapshots import SnapshotReader
@@ -569,19 +569,16 @@ class EngineCore:
             err = CacheExhausted(f"request {stuck.request_id} needs more KV blocks than the cache has beside the "
                                  f"pinned templates ({self.allocator.num_blocks} blocks in all); shorten the prompt, "
                                  f"or raise cache.kv_cache_memory (server operator)")
-            scoring = self._scoring_of.get(id(stuck))
-            if scoring is not None:
-                self._end_scoring(scoring, FinishReason.LENGTH, err)
-                continue
-            group = self._samples_of.get(id(stuck))
-            if group is not None:
-                self._end_unforked(group, FinishReason.LENGTH, err)
-                continue
-            self._finish(self._tracked[stuck.request_id], FinishReason.LENGTH,
-                         error=err if stuck.num_output_tokens == 0 else None)
+            self._end_sequence(stuck, FinishReason.LENGTH, err, error_with_output=False)
         if out.is_empty:
             return
-        logits = self.backend.execute(out.step)
+        try:
+            logits = self.backend.execute(out.step)
+        except Exception as e:
+            if is_fatal_device_error(e):
+                raise
+            self._step_failed(out, e)
+            return
         sample_seqs, sample_logits = self._score_rows(out.with_logits, logits)
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
@@ -612,6 +609,36 @@ class EngineCore:
                 if is_fatal_device_error(e):
                     raise
                 self._fail_row(seq, e, "handling its new token failed")
+
+    def _end_sequence(self, seq: Sequence, reason: FinishReason, error: Exception,
+                      error_with_output: bool = True) -> None:
+        """End the request `seq` belongs to (a score, a request for n samples before its fork, a
+        request or sample, a template's warmup) with `error`; error_with_output false: a sequence
+        that has output already finishes with `reason` and without the error."""
+        scoring = self._scoring_of.get(id(seq))
+        if scoring is not None:
+            self._end_scoring(scoring, reason, error)
+            return
+        group = self._samples_of.get(id(seq))
+        if group is not None:
+            self._end_unforked(group, reason, error)
+            return
+        tracked = self._tracked.get(seq.request_id)
+        if tracked is not None:
+            self._finish(tracked, reason, error=error if error_with_output or seq.num_output_tokens == 0 else None)
+
+    def _step_failed(self, out: SchedulerOutput, error: Exception) -> None:
+        """The backend failed to compute the step (not the device itself: is_fatal_device_error). Its
+        sequences are computed again, each in a step alone first (Scheduler.quarantine); the one
+        that fails alone ends with the error (INTERNAL at the API), and the others go on."""
+        guilty = self.scheduler.quarantine(out)
+        if not guilty:
+            log.error("a step of %d sequences failed; each runs a step alone to find the one it fails on",
+                      len(out.scheduled), exc_info=error)
+        how = "with it alone" if len(out.scheduled) == 1 else f"with it ({MAX_FAILED_STEPS} failed steps)"
+        for seq in guilty:
+            log.error("request %s: a step failed %s; ending it", seq.request_id, how, exc_info=error)
+            self._end_sequence(seq, FinishReason.ABORT, error)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]
                 ) -> tuple[list[Sequence], list[int], list[TokenLogprob | None]]:
@@ -900,5 +927,6 @@ class EngineCore:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "waiting_requests": self.scheduler.waiting_requests(),
                 "preemptions": self.scheduler.num_preemptions,
+                "failed_steps": self.scheduler.num_failed_steps,  # the backend failed to compute (quarantine)
                 # host memory the backend holds for pinned templates (packed K/V copies), outside the KV cache
                 "packed_template_bytes": self.backend.packed_template_bytes()}

@@ -8,6 +8,10 @@ and none is free, the blocks forked sequences hold while they wait are freed fir
 first), then the newest running sequence is preempted (its own blocks freed, recomputed later);
 pinned template blocks are never touched. The step goes to the backend as plain data
 (`StepBatch`, step.py); the backend builds the tensors.
+
+A step the backend fails to compute (quarantine) is isolated: each of its sequences goes back to
+the queue, its KV dropped, and then runs one step alone before it shares a step again. One that
+fails alone, or in MAX_FAILED_STEPS failed steps, is the one to end; the others go on.
 """
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ from prefix_service.engine.step import ScheduledRow, StepBatch
 # structured output's forced run, engine/core.py), run as that many decode rows up to this many
 # (each row attends the template once with the step's other decodes), else as a prefill chunk.
 MAX_DECODE_RUN = 16
+# A sequence in this many failed steps ends with the error even where it never failed alone: a fault
+# that needs two sequences together would otherwise fail their shared steps again and again.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -94,6 +101,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the newest
         self.num_preemptions = 0
+        self.num_failed_steps = 0  # steps the backend failed to compute (quarantine)
+        self._suspects: deque[Sequence] = deque()  # of a failed step, each to run one step alone, oldest first
+        self._alone: Sequence | None = None  # the suspect the step just scheduled holds alone
 
     # --- queue ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -212,16 +222,29 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the sequence's KV; it re-enters the queue at the front."""
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_blocks(seq)
         seq.status = SeqStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
 
     # --- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step: every sequence that fits, or, while a failed step's sequences remain to be
+        tried alone (quarantine), the oldest of them alone."""
+        self._alone = None
+        while self._suspects and self._suspects[0].status is SeqStatus.FINISHED:  # ended while it waited
+            self._suspects.popleft()
+        if self._suspects:
+            return self._schedule_alone(self._suspects[0])
+        return self._schedule()
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[int] = set()
@@ -303,7 +326,7 @@ class Scheduler:
         if not out.scheduled and not out.unschedulable and self._release_a_waiting_hold(out):
             # forked sequences waiting their turn held the blocks the next one needs: try again
             # without them (each release frees one for good, so this ends)
-            again = self.schedule()
+            again = self._schedule()
             again.preempted[:0] = out.preempted
             return again
         if not out.scheduled and not out.unschedulable:
@@ -313,6 +336,52 @@ class Scheduler:
                 out.unschedulable.append(stuck)
         out.step = StepBatch(tuple(r for s in out.scheduled for r in s.rows(self.block_size)), tuple(out.copies))
         return out
+
+    def _schedule_alone(self, seq: Sequence) -> SchedulerOutput:
+        """A step of `seq` alone (a suspect, waiting with its KV dropped by quarantine), scheduled as
+        if the queue held nothing else. Only suspects run until each has had its step, so the
+        running ones are fewer than before the failed step and the blocks its step takes were its
+        own then; where it does not fit all the same (blocks a fork took meanwhile), it rejoins the
+        queue as any sequence and the next suspect, or the usual step, follows: a fault it brings
+        fails its next shared step, which counts too (MAX_FAILED_STEPS)."""
+        running, waiting = self.running, self.waiting
+        self.running, self.waiting = [], deque([seq])
+        try:
+            out = self._schedule()
+        finally:
+            started = self.running  # [seq] where it was scheduled
+            self.running = running + started
+            self.waiting = deque(s for s in waiting if not (s is seq and started))
+        if out.scheduled:
+            self._alone = seq
+            return out
+        self._suspects.popleft()
+        return self.schedule()
+
+    def quarantine(self, out: SchedulerOutput) -> list[Sequence]:
+        """The backend failed to compute the step `out` (nothing after it ran: no sequence moved on, its
+        K/V perhaps part-written) -> the sequences to end with the error: the one that failed in a step
+        of its own (schedule ran it alone), and any in its MAX_FAILED_STEPS-th failed step. Each other
+        sequence of the step goes back to the queue with its KV dropped, to be computed again (as a
+        preempted one), and runs one step alone before it shares one again: a fault one request brings
+        ends that request, a fault of the moment ends none."""
+        self.num_failed_steps += 1
+        alone, self._alone = self._alone, None
+        seqs = [s.seq for s in out.scheduled if s.seq.status is SeqStatus.RUNNING]
+        if alone is not None:
+            if self._suspects and self._suspects[0] is alone:
+                self._suspects.popleft()
+            return [alone]
+        for seq in seqs:
+            seq.num_failed_steps += 1
+        guilty = [seq for seq in seqs if seq.num_failed_steps >= MAX_FAILED_STEPS]
+        retry = [seq for seq in seqs if seq.num_failed_steps < MAX_FAILED_STEPS]
+        order = {id(seq): i for i, seq in enumerate(self.running)}
+        retry.sort(key=lambda seq: order[id(seq)])  # oldest first
+        for seq in reversed(retry):  # the newest first to the queue's front: the oldest ends up first
+            self._requeue(seq)
+        self._suspects.extend(retry)
+        return guilty
 
     @staticmethod
     def _decode_rows(seq: Sequence) -> int:
@@ -341,6 +410,10 @@ class Scheduler:
             s.seq.num_computed_tokens += s.num_new_tokens
         for seq, token in zip(sampled, tokens):
             seq.token_ids.append(token)
+        if self._alone is not None:  # a suspect's step alone ran: it shares steps again
+            if self._suspects and self._suspects[0] is self._alone:
+                self._suspects.popleft()
+            self._alone = None
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """A running sequence's next token that was not sampled (a structured output forced it): its

@@ -143,6 +143,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.cached_tokens = 0  # set at admission; reported in usage
         self.num_preemptions = 0
+        self.num_failed_steps = 0  # steps the backend failed to compute with it (Scheduler.quarantine)
         self.finish_reason: FinishReason | None = None
         self._id_array = array("q")  # token_ids as int64, converted once each as they come (ids_tensor)
 

@@ -331,3 +331,5 @@ def _kv_gauges(stats: dict[str, int]) -> Iterator[Metric]:
                             "candidate of a score)", value=stats["running"])
     yield CounterMetricFamily("prefix_service_preemptions", "Requests preempted for KV blocks (recomputed "
                               "later)", value=stats["preemptions"])
+    yield CounterMetricFamily("prefix_service_failed_steps", "Engine steps the backend failed to compute (their "
+                              "requests computed again, each alone first)", value=stats.get("failed_steps", 0))
