@@ -77,9 +77,10 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
 
 def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama_dir, monkeypatch):
     """intent_labels beside intent: the systems that can constrain an output (our engine with and
-    without the prefix, the gRPC server, which holds the template both share once) answer every
-    request with one of the template's labels, the same labels on the same messages (float32, greedy),
-    ending where the label does; transformers' systems are left out of it."""
+    without the prefix, the server through gRPC and through its OpenAI HTTP API; the server holds the
+    template both workloads share once) answer every request with one of the template's labels, the
+    same labels on the same messages (float32, greedy), ending where the label does; transformers'
+    systems are left out of it. http_prefix streams the intent workload's tokens too."""
     from prefix_service.bench.workloads import INTENT_LABELS
     monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "bin" / "python"))
     config = tmp_path / "bench.yaml"
@@ -89,7 +90,8 @@ def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama
     out = tmp_path / "labels.json"
     assert load_script("bench_prefix").main([
         "--config", str(config), "--json", str(out), "--no-progress", "--workloads", "intent,intent_labels",
-        "--systems", "engine_prefix,engine_no_prefix,grpc_prefix,hf_generate", "--modes", "single,closed_loop",
+        "--systems", "engine_prefix,engine_no_prefix,grpc_prefix,http_prefix,hf_generate",
+        "--modes", "single,closed_loop",
         "--max-prefix-tokens", "60", "--prompt-tokens", "30", "--output-tokens", "4", "--warmup", "0",
         "--single-requests", "3", "--concurrency", "3", "--closed-min-requests", "3", "--idle-wait-s", "0"]) == 0
     report = json.loads(out.read_text())
@@ -97,8 +99,8 @@ def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama
     assert labels["labels"] == [" " + label for label in INTENT_LABELS] and labels["prefix_name"] == "intent_classifier"
     assert report["workloads"]["intent"]["output_tokens"] == 4 and "labels" not in report["workloads"]["intent"]
     records = [r for r in report["records"] if r["workload"] == "intent_labels"]
-    assert {(r["system"], r["mode"]) for r in records} == {
-        (s, m) for s in ("engine_prefix", "engine_no_prefix", "grpc_prefix") for m in ("single", "closed_loop")}
+    ours = ("engine_prefix", "engine_no_prefix", "grpc_prefix", "http_prefix")
+    assert {(r["system"], r["mode"]) for r in records} == {(s, m) for s in ours for m in ("single", "closed_loop")}
     for r in records:
         assert r["num_failed"] == 0 and r["answers_not_labels"] == 0, r
         assert sum(r["label_counts"].values()) == r["num_requests"] == 3
@@ -106,10 +108,14 @@ def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama
         assert r["req_s"] > 0
     for mode in ("single", "closed_loop"):
         counts = [r["label_counts"] for r in records if r["mode"] == mode]
-        assert counts[0] == counts[1] == counts[2], counts
-    assert report["grpc_usage_mismatches"] == {"grpc_prefix": 0}
+        assert all(c == counts[0] for c in counts), counts
+    assert report["grpc_usage_mismatches"] == {"grpc_prefix": 0, "http_prefix": 0}
     intent = [r for r in report["records"] if r["workload"] == "intent"]
     assert "hf_generate" in {r["system"] for r in intent} and all("answers_not_labels" not in r for r in intent)
+    http = [r for r in intent if r["system"] == "http_prefix"]
+    assert {r["mode"] for r in http} == {"single", "closed_loop"}
+    for r in http:  # the OpenAI HTTP API's stream: every token of every request, counted as it came
+        assert r["num_failed"] == 0 and r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] > 0
 
 
 def test_the_time_outside_the_engine_is_a_median_of_each_requests_difference():

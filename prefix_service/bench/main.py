@@ -20,7 +20,7 @@ from typing import Sequence
 
 from prefix_service.bench import report
 from prefix_service.bench.plan import FULL, MODES, QUICK, Plan, with_overrides
-from prefix_service.bench.systems import KNOWN_SYSTEMS, SYSTEMS
+from prefix_service.bench.systems import BY_NAME, KNOWN_SYSTEMS, SYSTEMS
 from prefix_service.bench.workloads import KNOWN_WORKLOADS, WORKLOADS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +36,7 @@ examples:
   prefix-service bench --systems grpc_prefix,vllm_apc --workloads intent --modes closed_loop  # ours vs vLLM
   prefix-service bench --systems grpc_prefix,vllm_apc_bf16,vllm_apc_f32 --workloads intent  # vLLM in each dtype
   prefix-service bench --systems engine_prefix,grpc_prefix,vllm_apc_bf16 --workloads intent_labels  # labels as answers
+  prefix-service bench --systems grpc_prefix,http_prefix,vllm_apc_bf16 --workloads intent  # both servers over HTTP
 """
 
 
@@ -91,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"default: {','.join(WORKLOADS)}; also the intent template's labels as its answers: "
                         f"{','.join(w for w in KNOWN_WORKLOADS if w not in WORKLOADS)}")
     p.add_argument("--systems", type=lambda v: _names(v, KNOWN_SYSTEMS, "system"),
-                   help=f"default: {','.join(SYSTEMS)}; also vLLM in a stated dtype: "
-                        f"{','.join(s for s in KNOWN_SYSTEMS if s not in SYSTEMS)}")
+                   help=f"default: {','.join(SYSTEMS)}; also our server's HTTP API: {','.join(BY_NAME)}; vLLM in a "
+                        f"stated dtype: {','.join(s for s in KNOWN_SYSTEMS if s not in SYSTEMS + BY_NAME)}")
     g = p.add_argument_group("modes")
     g.add_argument("--modes", type=lambda v: _names(v, MODES, "mode"), help=",".join(MODES) + " (default: all)")
     g.add_argument("--warmup", type=int, dest="warmup_requests", metavar="N", help="untimed requests per system")

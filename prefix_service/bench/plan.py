@@ -77,7 +77,7 @@ class Plan:
     caps: Pairs = (("hf_generate", 4), ("hf_prompt_cache", 4), ("engine_no_prefix", 16), ("grpc_no_prefix", 16),
                    ("hf_generate_batch", 16), ("vllm_no_apc", 16))
     open_workloads: tuple[str, ...] = ("intent", "intent_labels")  # those of them the run has
-    open_systems: tuple[str, ...] = ("grpc_prefix", "grpc_no_prefix", "vllm_apc", "vllm_no_apc")
+    open_systems: tuple[str, ...] = ("grpc_prefix", "grpc_no_prefix", "http_prefix", "vllm_apc", "vllm_no_apc")
     qps: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
     open_duration_s: float = 30.0  # arrivals per rate; the rate's requests then drain
     open_min_requests: int = 4

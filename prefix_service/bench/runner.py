@@ -74,14 +74,16 @@ def build_systems(plan: Plan, engine_config: EngineConfig, workloads: list[Workl
                        output_tokens=plan.sizes.output_tokens)
         later.append(start("hf_generate_batch", _hf_batch_group, (cfg.model.path, device, dtype, threads, options),
                            serial=False))
-    if {"grpc_prefix", "grpc_no_prefix"} & set(names):
-        from prefix_service.bench.systems.grpc import GrpcSystem, ServerProcess
+    if {"grpc_prefix", "grpc_no_prefix", "http_prefix"} & set(names):
+        from prefix_service.bench.systems.grpc import GrpcSystem, HttpSystem, ServerProcess
         status("starting the gRPC server (model load + template warmup)")
-        server = ServerProcess(engine_config, workloads)
+        server = ServerProcess(engine_config, workloads, http="http_prefix" in names)
         stack.callback(server.stop)
         for use_prefix, name in ((True, "grpc_prefix"), (False, "grpc_no_prefix")):
             if name in names:
                 built[name] = stack.enter_context(contextlib.closing(GrpcSystem(server, use_prefix)))
+        if "http_prefix" in names:
+            built["http_prefix"] = HttpSystem(server)
     if later:
         status(f"loading {', '.join(proc.label for proc in later)}")
     for proc in later:

@@ -7,6 +7,8 @@
     hf_generate_batch  transformers continuous batching (its paged cache, with prefix block sharing)
     grpc_prefix        our gRPC server (a separate process) through prefix_service.client, naming the prefix
     grpc_no_prefix     the same server, the full prompt text and no prefix
+    http_prefix        the same server's OpenAI HTTP API (/v1/completions, streamed), the template as the
+                       model: the calls vLLM's server gets; asked for by name with --systems
     vllm_apc           vLLM's OpenAI server (a separate process), the full ids, automatic prefix caching on,
                        in the dtype our engine resolves (both compute alike)
     vllm_no_apc        the same with prefix caching off
@@ -28,7 +30,8 @@ SYSTEMS = ("engine_prefix", "engine_no_prefix", "hf_generate", "hf_prompt_cache"
 PEERS = ("vllm_apc", "vllm_no_apc")  # other serving systems: run where their environment is installed
 PEER_DTYPES = {"bf16": "bfloat16", "f32": "float32"}  # a peer name's suffix: the dtype it runs
 DTYPE_PEERS = tuple(f"{peer}_{suffix}" for peer in PEERS for suffix in PEER_DTYPES)
-KNOWN_SYSTEMS = SYSTEMS + DTYPE_PEERS  # what --systems takes; a full run measures SYSTEMS
+BY_NAME = ("http_prefix",)  # ours, asked for by name: not in a full run
+KNOWN_SYSTEMS = SYSTEMS + BY_NAME + DTYPE_PEERS  # what --systems takes; a full run measures SYSTEMS
 
 
 def peer_of(system: str) -> tuple[str, str | None] | None:

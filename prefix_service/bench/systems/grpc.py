@@ -1,6 +1,7 @@
 """Our real gRPC server, in its own process (`python -m prefix_service serve`), called through
 prefix_service.client from this one, so the numbers include protobuf, HTTP/2, the servicer's
-asyncio loop and tokenization of the text.
+asyncio loop and tokenization of the text. http_prefix calls the same server's OpenAI HTTP API
+(`/v1/completions`, streamed, the template named as the model) as the vLLM peers are called.
 
 The API takes text, not token ids: a prefix request sends the prompt text, a no-prefix request
 sends prefix text + prompt text. The workload checked that these tokenize to exactly the ids the
@@ -23,6 +24,7 @@ import yaml
 
 from prefix_service.bench.metrics import Timing
 from prefix_service.bench.systems import System, now
+from prefix_service.bench.systems.openai_http import completion_body, stream_completion
 from prefix_service.bench.workloads import BenchRequest, Workload
 from prefix_service.client import PrefixServiceClient
 from prefix_service.config import EngineConfig
@@ -58,19 +60,21 @@ class ServerProcess:
     """`prefix-service serve` on a config written from the benchmark's engine config, with the
     workloads' prefixes as templates; started, waited on until health reports SERVING, stopped.
     extra: more top-level config sections (e.g. `ray`, to serve as a fleet); env: environment
-    variables set for the server beside this process's."""
+    variables set for the server beside this process's; http: serve the OpenAI HTTP API too, on
+    http_port."""
 
     def __init__(self, engine_config: EngineConfig, workloads: list[Workload], start_timeout_s: float = 900,
-                 extra: dict | None = None, env: dict[str, str] | None = None) -> None:
+                 extra: dict | None = None, env: dict[str, str] | None = None, http: bool = False) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="bench-grpc-")
         folder = Path(self._dir.name)
         self.address = f"127.0.0.1:{_free_port()}"
+        self.http_port = _free_port() if http else None
         config = {
             "model": dataclasses.asdict(engine_config.model),
             "cache": dataclasses.asdict(engine_config.cache),
             "scheduler": dataclasses.asdict(engine_config.scheduler),
-            "server": {"address": self.address, "http_address": "", "state_file": str(folder / "state.json"),
-                       "grace_period_s": 1},
+            "server": {"address": self.address, "http_address": f"127.0.0.1:{self.http_port}" if http else "",
+                       "state_file": str(folder / "state.json"), "grace_period_s": 1},
             # one template per name (intent and intent_labels share the intent template)
             "prefixes": [{"name": name, "content": text}
                          for name, text in {w.prefix_name: w.prefix_text for w in workloads if w.has_prefix}.items()],
@@ -106,6 +110,30 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         self._dir.cleanup()
+
+
+class HttpSystem(System):
+    """http_prefix: the server's OpenAI HTTP API, one streamed /v1/completions call per request with
+    the prompt's text and the workload's template as the model (its prefix_name), greedy, EOS
+    ignored, token ids returned, the usage checked: the requests vLLM's server gets, by text."""
+    name = "http_prefix"
+    uses_prefix = True
+
+    def __init__(self, server: ServerProcess) -> None:
+        assert server.http_port is not None, "the server was started without its HTTP API"
+        self.port = server.http_port
+        self.usage_mismatches = 0  # answers whose token counts differ from the ids the others get
+
+    def supports(self, workload: Workload) -> bool:
+        return workload.has_prefix
+
+    def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
+        assert workload.prefix_name is not None
+        body = completion_body(workload.prefix_name, req.prompt_text, workload.output_tokens, workload.labels)
+        timing, mismatch = stream_completion(self.port, body, len(workload.prefix_ids) + len(req.prompt_ids),
+                                             bool(workload.labels), timeout_s)
+        self.usage_mismatches += mismatch
+        return timing
 
 
 class GrpcSystem(System):

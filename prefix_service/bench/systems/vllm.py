@@ -13,7 +13,6 @@ the vLLM systems are skipped, with a message saying how to create it.
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import subprocess
 import tempfile
@@ -23,7 +22,8 @@ from typing import Any
 
 from prefix_service import envs
 from prefix_service.bench.metrics import Timing
-from prefix_service.bench.systems import System, now
+from prefix_service.bench.systems import System
+from prefix_service.bench.systems.openai_http import completion_body, stream_completion
 from prefix_service.bench.workloads import BenchRequest, Workload
 from prefix_service.config import EngineConfig
 
@@ -180,46 +180,8 @@ class VllmSystem(System):
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         ids = workload.full_ids(req)
-        labels = workload.labels
         # a labels workload: vLLM's structured outputs (xgrammar on its CPU build) choose the label
-        constraint = {"structured_outputs": {"choice": list(labels)}} if labels else {"ignore_eos": True}
-        body = json.dumps({"model": SERVED_NAME, "prompt": ids, "max_tokens": workload.output_tokens,
-                           "temperature": 0.0, "stream": True, "return_token_ids": True,
-                           "stream_options": {"include_usage": True}, **constraint})
-        timing = Timing(start=now())
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=timeout_s or 600)
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            if resp.status != 200:
-                timing.error = f"HTTP {resp.status}: {resp.read(500).decode(errors='replace')}"
-                return timing
-            tokens = 0
-            while True:
-                line = resp.readline()
-                if not line:
-                    break
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                t = now()
-                for choice in chunk.get("choices") or []:
-                    n = len(choice.get("token_ids") or [])
-                    timing.add_tokens(n, t, (choice.get("text") or "") if labels else "")
-                    tokens += n
-                usage = chunk.get("usage")
-                if usage:
-                    timing.end = t
-                    if usage.get("prompt_tokens") != len(ids) or usage.get("completion_tokens") != tokens:
-                        self.usage_mismatches += 1
-            conn.close()
-            if timing.end is None:
-                timing.error = "the stream ended without its usage"
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            timing.error = f"{type(e).__name__}: {e}"
+        body = completion_body(SERVED_NAME, ids, workload.output_tokens, workload.labels)
+        timing, mismatch = stream_completion(self.server.port, body, len(ids), bool(workload.labels), timeout_s)
+        self.usage_mismatches += mismatch
         return timing
-
