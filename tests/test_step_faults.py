@@ -208,3 +208,60 @@ def test_a_fault_two_requests_bring_together_ends_the_requests_of_its_steps_with
     assert got["c"][-1].finished
     assert fault.failed == MAX_FAILED_STEPS
     assert engine.kv_stats()["used"] == 0
+
+
+def test_through_the_servers_the_request_a_fault_comes_with_fails_internal_and_the_others_answer(
+        model_dir, tmp_path, monkeypatch):
+    """On a real server: a gRPC call and an HTTP completion whose rows the backend cannot compute end
+    with INTERNAL (500 over HTTP, OpenAI's error body); the calls that shared their steps answer what
+    they answer alone."""
+    import concurrent.futures
+
+    import grpc
+
+    from server_fixtures import DOCUMENT, Clients, collect, greedy_request, raw, started_servers
+
+    from prefix_service.config import TemplateSpec
+    with started_servers(model_dir, tmp_path, monkeypatch, prefixes=(TemplateSpec("doc", content=DOCUMENT),)) as make:
+        st = make(http_address="127.0.0.1:0")
+        clients = Clients(st.address)
+        try:
+            def grpc_call(prompt, request_id):
+                request = greedy_request(prompt, "doc", max_tokens=8)
+                request.request_id = request_id
+                try:
+                    return collect(clients.generation.Generate(request, timeout=60))[:2]
+                except grpc.RpcError as e:
+                    return e.code(), e.details()
+
+            def http_call(prompt, request_id):
+                return raw(st, "POST", "/v1/completions", {"model": "doc", "prompt": prompt, "max_tokens": 8,
+                                                           "temperature": 0, "ignore_eos": True},
+                           headers={"x-request-id": request_id})
+
+            want_grpc, want_http = grpc_call(" the order", "ok-1"), http_call(" the price", "ok-2")
+            assert want_http[0] == 200
+            core = st.engine._core
+            execute = core.backend.execute
+
+            def failing(step):
+                if any(row.request_id.startswith("bad") for row in step.rows):
+                    raise RuntimeError("the kernel broke on this input")
+                return execute(step)
+            st.engine._run(lambda core: setattr(core.backend, "execute", failing))
+            try:
+                with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                    calls = [pool.submit(grpc_call, " the order", "ok-3"), pool.submit(grpc_call, " shipping", "bad-1"),
+                             pool.submit(http_call, " the price", "ok-4"), pool.submit(http_call, " refund", "bad-2")]
+                    good_grpc, bad_grpc, good_http, bad_http = [c.result(120) for c in calls]
+            finally:
+                st.engine._run(lambda core: core.backend.__dict__.pop("execute", None))
+            assert good_grpc == want_grpc
+            # the server names the error's kind and keeps its text to the log
+            assert bad_grpc == (grpc.StatusCode.INTERNAL,
+                                "internal error (RuntimeError); the server log has the details")
+            assert good_http[0] == 200 and good_http[1]["choices"][0]["text"] == want_http[1]["choices"][0]["text"]
+            assert bad_http[0] == 500 and bad_http[1]["error"]["code"] == "internal_error", bad_http
+            assert st.engine.kv_stats()["failed_steps"] >= 2
+        finally:
+            clients.close()
