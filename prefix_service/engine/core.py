@@ -675,9 +675,7 @@ class EngineCore:
     def _fail_row(self, seq: Sequence, error: Exception, what: str) -> None:
         """One row of a step failed: its request ends with the error; the step and the rest go on."""
         log.error("request %s: %s; ending it", seq.request_id, what, exc_info=error)
-        tracked = self._tracked.get(seq.request_id)
-        if tracked is not None:
-            self._finish(tracked, FinishReason.ABORT, error=error)
+        self._end_sequence(seq, FinishReason.ABORT, error)
 
     def _score_rows(self, with_logits: list[ScheduledSeq], logits: torch.Tensor | None
                     ) -> tuple[list[Sequence], torch.Tensor | None]:

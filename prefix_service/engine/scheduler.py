@@ -367,11 +367,11 @@ class Scheduler:
         ends that request, a fault of the moment ends none."""
         self.num_failed_steps += 1
         alone, self._alone = self._alone, None
-        seqs = [s.seq for s in out.scheduled if s.seq.status is SeqStatus.RUNNING]
         if alone is not None:
             if self._suspects and self._suspects[0] is alone:
                 self._suspects.popleft()
             return [alone]
+        seqs = [s.seq for s in out.scheduled if s.seq.status is SeqStatus.RUNNING]
         for seq in seqs:
             seq.num_failed_steps += 1
         guilty = [seq for seq in seqs if seq.num_failed_steps >= MAX_FAILED_STEPS]
