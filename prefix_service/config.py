@@ -163,6 +163,9 @@ class CacheConfig:
                 raise ConfigError(f"cache.{key}: expected true or false, got {getattr(self, key)!r}")
 
 
+MAX_SPECULATIVE_TOKENS = 15  # draft tokens a sequence may have checked in one step
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # running sequences at once
@@ -179,6 +182,14 @@ class SchedulerConfig:
     # a structured output's forced tokens (the one token its mask allows, position after position)
     # are appended at once, without a step each; the same tokens as without (README, "scheduler")
     jump_forward: bool = True
+    # speculative decoding by prompt lookup (engine/speculation.py): a decoding sequence drafts up to
+    # this many tokens, those that followed the latest earlier occurrence of its last n tokens
+    # (n from speculative_max_ngram down to speculative_min_ngram), and one step checks them all;
+    # the same tokens as without (README, "scheduler"). 0: off
+    speculative_tokens: int = 0
+    speculative_max_ngram: int = 4
+    speculative_min_ngram: int = 2
+    speculative_max_running: int = 8  # drafts only while at most this many sequences run
 
     def __post_init__(self) -> None:
         _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
@@ -192,6 +203,10 @@ class SchedulerConfig:
         _check_int("scheduler.grammar_step_fuel", self.grammar_step_fuel, 1)
         if not isinstance(self.jump_forward, bool):
             raise ConfigError(f"scheduler.jump_forward: expected true or false, got {self.jump_forward!r}")
+        _check_int("scheduler.speculative_tokens", self.speculative_tokens, 0, MAX_SPECULATIVE_TOKENS)
+        _check_int("scheduler.speculative_min_ngram", self.speculative_min_ngram, 1)
+        _check_int("scheduler.speculative_max_ngram", self.speculative_max_ngram, self.speculative_min_ngram)
+        _check_int("scheduler.speculative_max_running", self.speculative_max_running, 1)
 
 
 @dataclass(frozen=True)

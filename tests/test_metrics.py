@@ -115,6 +115,8 @@ def test_scrape_counts_requests_latencies_and_engine_state(make_server, caplog):
     assert value(m, "prefix_service_running_requests") == 0
     assert value(m, "prefix_service_preemptions_total") == stats["preemptions"]
     assert value(m, "prefix_service_failed_steps_total") == stats["failed_steps"] == 0
+    assert value(m, "prefix_service_draft_tokens_total") == stats["draft_tokens"] == 0  # speculation off
+    assert value(m, "prefix_service_accepted_draft_tokens_total") == stats["accepted_draft_tokens"] == 0
     assert value(m, "prefix_service_templates") == 2
     assert value(m, "prefix_service_template_tokens", template="doc") == doc_tokens
     assert value(m, "prefix_service_template_from_snapshot", template="doc") == 0  # a first start: prefilled

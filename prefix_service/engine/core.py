@@ -31,6 +31,7 @@ from prefix_service.engine.scheduler import MAX_FAILED_STEPS, ScheduledSeq, Sche
 from prefix_service.engine.scoring import Scoring, ScoreSink, check_candidates
 from prefix_service.engine.structured import StructuredOutputs, only_token, start
 from prefix_service.engine.snapshots import SnapshotReader
+from prefix_service.engine.speculation import Drafter
 from prefix_service.engine.template_snapshots import TemplateSnapshots
 from prefix_service.engine.sequence import FinishReason, RequestOutput, Sequence, SeqStatus, TokenLogprob
 from prefix_service.sampling_params import SamplingParams, StructuredOutput
@@ -81,6 +82,20 @@ class _Held:
     texts: list[str]
     reason: FinishReason | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class _Drafted:
+    """A drafted sequence's step while its rows are drawn from (EngineCore._verify_drafts): the
+    draft, its rows' logits, and the tokens drawn so far with their texts and logprobs."""
+    tracked: _Tracked
+    draft: tuple[int, ...]
+    rows: torch.Tensor
+    tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    kept: int = 0  # draft tokens drawn at their places
+    reason: FinishReason | None = None
 
 
 @dataclass
@@ -167,7 +182,8 @@ class EngineCore:
         self.allocator = BlockAllocator(self.backend.num_blocks)
         self.templates = TemplatePins(self.allocator, self.block_size, self._prefix_budget(config.cache),
                                       hooks=self.backend)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, self.templates, self.block_size)
+        self.drafter = Drafter(config.scheduler, self.max_model_len) if config.scheduler.speculative_tokens else None
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.templates, self.block_size, self.drafter)
         self._tracked: dict[str, _Tracked] = {}
         self._scorings: dict[str, Scoring] = {}
         self._scoring_of: dict[int, Scoring] = {}  # id(sequence) -> the Score request it belongs to
@@ -579,7 +595,7 @@ class EngineCore:
                 raise
             self._step_failed(out, e)
             return
-        sample_seqs, sample_logits = self._score_rows(out.with_logits, logits)
+        sample_seqs, sample_logits, drafted = self._score_rows(out.with_logits, logits)
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         if sample_seqs:
@@ -609,6 +625,8 @@ class EngineCore:
                 if is_fatal_device_error(e):
                     raise
                 self._fail_row(seq, e, "handling its new token failed")
+        if drafted:
+            self._verify_drafts(drafted, now)
 
     def _end_sequence(self, seq: Sequence, reason: FinishReason, error: Exception,
                       error_with_output: bool = True) -> None:
@@ -678,19 +696,22 @@ class EngineCore:
         self._end_sequence(seq, FinishReason.ABORT, error)
 
     def _score_rows(self, with_logits: list[ScheduledSeq], logits: torch.Tensor | None
-                    ) -> tuple[list[Sequence], torch.Tensor | None]:
+                    ) -> tuple[list[Sequence], torch.Tensor | None, list[tuple[ScheduledSeq, torch.Tensor]]]:
         """Record the logits of scoring rows and of held forced runs (_held_logprobs); -> the
-        sequences to sample and their logits."""
-        if all(s.seq.samples and s.seq.held_from is None for s in with_logits):
-            return [s.seq for s in with_logits], logits
+        sequences to sample and their logits, and each drafted sequence with its rows' logits."""
+        if all(s.seq.samples and s.seq.held_from is None and not s.draft for s in with_logits):
+            return [s.seq for s in with_logits], logits, []
         assert logits is not None  # rows that score have logits
         sample_seqs: list[Sequence] = []
         rows: list[int] = []
         held: list[tuple[Sequence, int, int]] = []  # (sequence, logits row, the token it gives the logprob of)
+        drafted: list[tuple[ScheduledSeq, torch.Tensor]] = []
         start = 0
         for s in with_logits:
             n, seq = s.num_logits, s.seq
-            if seq.samples:
+            if s.draft:
+                drafted.append((s, logits[start:start + n]))
+            elif seq.samples:
                 first = seq.num_computed_tokens + s.num_new_tokens - n  # the position of its first row
                 for j in range(n):
                     if first + j + 1 < len(seq.token_ids):  # a held token's logprob
@@ -705,7 +726,53 @@ class EngineCore:
             ended = self._held_logprobs(held, logits)
             keep = [i for i, seq in enumerate(sample_seqs) if id(seq) not in ended]
             sample_seqs, rows = [sample_seqs[i] for i in keep], [rows[i] for i in keep]
-        return sample_seqs, logits[rows] if rows else None
+        return sample_seqs, logits[rows] if rows else None, drafted
+
+    def _verify_drafts(self, drafted: list[tuple[ScheduledSeq, torch.Tensor]], now: float) -> None:
+        """Each drafted sequence's rows are drawn from in turn, as steps of their own would: row r
+        gives the token after the r tokens before it (sampled as any row, its penalties and
+        min_tokens seeing those tokens, its seeded draw the next of its generator), and the next row
+        is drawn from while that token is the draft's at its place. The drawn tokens go out
+        together; the first that is not the draft's, or the one after the whole draft, is computed
+        by the next step. The tokens are those of a step each wherever the rows' logits are."""
+        assert self.drafter is not None  # drafts come from it
+        runs = []
+        for s, rows in drafted:
+            tracked = self._tracked.get(s.seq.request_id)
+            if tracked is not None:  # else ended by this step already
+                runs.append(_Drafted(tracked, s.draft, rows))
+                if tracked.first_token_time is None:  # a sample's first step (its prompt's last token a decode row)
+                    tracked.first_token_time = now
+        done: list[_Drafted] = []
+        r = 0
+        while runs:
+            kept, tokens, logprobs = self._sample(torch.stack([run.rows[r] for run in runs]),
+                                                  [run.tracked.seq for run in runs])
+            by_seq = {id(run.tracked.seq): run for run in runs}
+            runs = []
+            for seq, token, logprob in zip(kept, tokens, logprobs):
+                run = by_seq[id(seq)]
+                hit = r < len(run.draft) and token == run.draft[r]
+                try:
+                    self.scheduler.take_drafted(seq, token, computed=hit)
+                    assert run.tracked.detok is not None  # a request's
+                    run.reason, text = self._take_token(seq, run.tracked.detok, token)
+                except Exception as e:
+                    if is_fatal_device_error(e):
+                        raise
+                    self._fail_row(seq, e, "handling its new token failed")
+                    continue
+                run.tokens.append(token)
+                run.texts.append(text)
+                run.logprobs.append(logprob)
+                run.kept += hit
+                (runs if hit and run.reason is None else done).append(run)
+            r += 1
+        for run in done:
+            self.drafter.learn(run.tracked.seq, len(run.draft), run.kept)
+            self.scheduler.trim_blocks(run.tracked.seq)
+            wanted = run.tracked.seq.sampling.logprobs is not None
+            self._deliver(run.tracked, run.tokens, run.texts, run.logprobs if wanted else None, run.reason)
 
     def _held_logprobs(self, held: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> set[int]:
         """The logprobs of held forced tokens, from the step's logits rows; a held run whose every
@@ -831,8 +898,16 @@ class EngineCore:
             tracked.held = _Held(tokens[1:], texts[1:], reason)
             seq.held_from = len(seq.token_ids) - len(tokens)  # the sampled token's row gives the first
             sink(RequestOutput(seq.request_id, texts[0], tokens[:1], logprobs=logprobs))
-        elif reason is None:
-            sink(RequestOutput(seq.request_id, "".join(texts), tokens, logprobs=logprobs))
+        else:
+            self._deliver(tracked, tokens, texts, logprobs, reason)
+
+    def _deliver(self, tracked: _Tracked, tokens: list[int], texts: list[str], logprobs: list[Any] | None,
+                 reason: FinishReason | None) -> None:
+        """A step's new tokens of one request (each token's text, their logprobs where asked for) to
+        its caller, with its end where `reason` says it ends."""
+        if reason is None:
+            assert tracked.sink is not None  # a request's
+            tracked.sink(RequestOutput(tracked.seq.request_id, "".join(texts), tokens, logprobs=logprobs))
         else:
             self._finish(tracked, reason, text="".join(texts), token_ids=tokens, logprobs=logprobs)
 
@@ -926,5 +1001,8 @@ class EngineCore:
                 "waiting_requests": self.scheduler.waiting_requests(),
                 "preemptions": self.scheduler.num_preemptions,
                 "failed_steps": self.scheduler.num_failed_steps,  # the backend failed to compute (quarantine)
+                # speculative decoding: draft tokens steps checked, and those kept
+                "draft_tokens": self.drafter.drafted if self.drafter else 0,
+                "accepted_draft_tokens": self.drafter.accepted if self.drafter else 0,
                 # host memory the backend holds for pinned templates (packed K/V copies), outside the KV cache
                 "packed_template_bytes": self.backend.packed_template_bytes()}

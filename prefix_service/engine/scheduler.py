@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prefix_service.engine.block_allocator import BlockAllocator, BlockId
 from prefix_service.config import SchedulerConfig
@@ -39,6 +40,9 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens [num_computed, num_computed + num_new_tokens) run this step
     is_decode: bool = False  # scheduled as decodes: a row per new token, each after the ones before it
+    # draft tokens after the sequence's last (speculation.py), the last len(draft) of its decode rows;
+    # the engine keeps those its rows' draws confirm (EngineCore._verify_drafts)
+    draft: tuple[int, ...] = ()
 
     def rows(self, block_size: int) -> list[ScheduledRow]:
         """This sequence's part of the step, as the backend reads it: one prefill row, or a decode row
@@ -53,8 +57,9 @@ class ScheduledSeq:
                 seq.request_id, False, tuple(seq.token_ids[start:start + self.num_new_tokens]), start,
                 tuple(seq.block_table), template_id, seq.num_shared_blocks, num_logits=self.num_logits)]
         first = seq.first_logit_position
+        ids = seq.token_ids + list(self.draft) if self.draft else seq.token_ids
         return [ScheduledRow(
-            seq.request_id, True, (seq.token_ids[p],), p, tuple(seq.block_table[:p // block_size + 1]),
+            seq.request_id, True, (ids[p],), p, tuple(seq.block_table[:p // block_size + 1]),
             template_id, seq.num_shared_blocks, num_logits=int(first is not None and p >= first))
             for p in range(start, start + self.num_new_tokens)]
 
@@ -93,8 +98,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, templates: TemplatePins,
-                 block_size: int) -> None:
+                 block_size: int, draft: Callable[[Sequence, int], tuple[int, ...]] | None = None) -> None:
         self.config = config
+        # (seq, most tokens) -> draft tokens to check after seq's last (speculation.Drafter); None: none
+        self.draft = draft
         self.allocator = allocator
         self.templates = templates
         self.block_size = block_size
@@ -251,12 +258,16 @@ class Scheduler:
 
         # 1. decodes (a forced run: a decode row per token), oldest first; preempt the newest running
         #    sequence for blocks
-        for seq in list(self.running):
+        running = list(self.running)
+        for i, seq in enumerate(running):
             if budget == 0:
                 break
             n = min(self._decode_rows(seq), budget) if seq.status is SeqStatus.RUNNING else 0
             if n == 0:
                 continue
+            # a draft leaves a token of the budget to each sequence after this one
+            draft = self._draft(seq, budget - len(running) + i) if n == 1 else ()
+            n += len(draft)
             need = self._blocks_needed(seq, n)
             if need > self.allocator.num_free and len(seq.own_blocks) + need > self.capacity_blocks():
                 # Preempting it would only recompute it into the same wall, forever.
@@ -273,7 +284,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.block_table += self.allocator.allocate(need)
-            out.scheduled.append(ScheduledSeq(seq, n, is_decode=True))
+            out.scheduled.append(ScheduledSeq(seq, n, is_decode=True, draft=draft))
             scheduled_ids.add(id(seq))
             budget -= n
 
@@ -383,6 +394,19 @@ class Scheduler:
         self._suspects.extend(retry)
         return guilty
 
+    def _draft(self, seq: Sequence, limit: int) -> tuple[int, ...]:
+        """Draft tokens to run after a decoding sequence's last token, at most `limit`: only while few
+        sequences run (scheduler.speculative_max_running; a larger batch is bound by its products,
+        where extra rows cost what they could save), and only into blocks no running sequence may
+        need this step (one each at most): a draft never preempts a sequence. The blocks a draft's
+        rejected tokens took are freed after the step (trim_blocks)."""
+        if self.draft is None or limit < 1 or len(self.running) > self.config.speculative_max_running:
+            return ()
+        draft = self.draft(seq, limit)
+        if draft and self._blocks_needed(seq, 1 + len(draft)) > self.allocator.num_free - len(self.running):
+            return ()
+        return draft
+
     @staticmethod
     def _decode_rows(seq: Sequence) -> int:
         """The decode rows a running sequence takes this step: 1 for its next token; its tokens after
@@ -406,14 +430,30 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput, sampled: list[Sequence], tokens: list[int]) -> None:
         """The step ran: each scheduled chunk's K/V is in the cache now, and each sampled sequence
         gets its new token (the next step computes its K/V)."""
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+        for s in out.scheduled:  # a draft's rows are computed, but count once their tokens are kept
+            s.seq.num_computed_tokens += s.num_new_tokens - len(s.draft)
         for seq, token in zip(sampled, tokens):
             seq.token_ids.append(token)
         if self._alone is not None:  # a suspect's step alone ran: it shares steps again
             if self._suspects and self._suspects[0] is self._alone:
                 self._suspects.popleft()
             self._alone = None
+
+    def take_drafted(self, seq: Sequence, token: int, computed: bool) -> None:
+        """A token drawn from a drafted sequence's rows (EngineCore._verify_drafts); computed: it is
+        the draft token at its position, whose K/V the step stored, else the next step computes it."""
+        assert seq.status is SeqStatus.RUNNING and seq.num_uncomputed == 0
+        seq.token_ids.append(token)
+        if computed:
+            seq.num_computed_tokens += 1
+
+    def trim_blocks(self, seq: Sequence) -> None:
+        """Free a running sequence's own blocks past those its tokens fill (a draft's rejected tokens
+        took them), so that a draft holds no block another sequence needs."""
+        keep = max(-(-len(seq.token_ids) // self.block_size), seq.num_shared_blocks)
+        if seq.status is SeqStatus.RUNNING and len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def append_token(self, seq: Sequence, token: int) -> None:
         """A running sequence's next token that was not sampled (a structured output forced it): its

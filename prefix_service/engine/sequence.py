@@ -6,14 +6,13 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from prefix_service.engine.block_allocator import BlockId
 from prefix_service.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from prefix_service.engine.template_pins import TemplateHandle
 
 
@@ -137,6 +136,7 @@ class Sequence:
         # a forced run that waits for its logprobs (engine/core.py): the logits of each position from
         # this one on give the next token's, those of the run's tokens, then the next draw's
         self.held_from: int | None = None
+        self.draft_length: int | None = None  # the most draft tokens its next draft may have (speculation.Drafter)
         self.status = SeqStatus.WAITING
         self.block_table: list[BlockId] = []
         self.num_shared_blocks = 0
@@ -151,14 +151,22 @@ class Sequence:
         """token_ids[start:] as a new int64 tensor. The penalties read every token of a sequence at
         every step: converted from Python ints once each, as token_ids grows, the step's cost does
         not grow with the sequence."""
+        held = self._synced_ids()
+        if start >= len(held):
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.frombuffer(held, dtype=torch.int64)[start:].clone()  # the view dies here
+
+    def ids_array(self) -> np.ndarray:
+        """token_ids as a new int64 array, converted as ids_tensor's are."""
+        return np.array(self._synced_ids(), dtype=np.int64)
+
+    def _synced_ids(self) -> array[int]:
         ids, held = self.token_ids, self._id_array
         if len(held) > len(ids):  # token_ids only grows; a shorter list put in its place starts again
             del held[:]
         if len(held) < len(ids):
             held.extend(ids[len(held):])
-        if start >= len(ids):
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.frombuffer(held, dtype=torch.int64)[start:len(ids)].clone()  # the view dies here
+        return held
 
     @property
     def num_output_tokens(self) -> int:

@@ -83,7 +83,7 @@ class EngineClient(Protocol):
 
     def kv_stats(self) -> dict[str, int]:
         """KV blocks and queue: num_blocks, used, peak_used, free, pinned, running, waiting,
-        preemptions, failed_steps, packed_template_bytes.
+        preemptions, failed_steps, draft_tokens, accepted_draft_tokens, packed_template_bytes.
 
         Fleet: the replicas' counters summed, as of their last reports (at most a poll old)."""
         ...

@@ -333,3 +333,7 @@ def _kv_gauges(stats: dict[str, int]) -> Iterator[Metric]:
                               "later)", value=stats["preemptions"])
     yield CounterMetricFamily("prefix_service_failed_steps", "Engine steps the backend failed to compute (their "
                               "requests computed again, each alone first)", value=stats.get("failed_steps", 0))
+    yield CounterMetricFamily("prefix_service_draft_tokens", "Draft tokens steps checked (speculative decoding, "
+                              "scheduler.speculative_tokens)", value=stats.get("draft_tokens", 0))
+    yield CounterMetricFamily("prefix_service_accepted_draft_tokens", "Draft tokens kept: drawn at their "
+                              "places, so taken without a step each", value=stats.get("accepted_draft_tokens", 0))

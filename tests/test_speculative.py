@@ -1,0 +1,270 @@
+"""Speculative decoding by prompt lookup (scheduler.speculative_tokens): a decoding sequence's draft
+(the tokens that followed the latest earlier occurrence of its last few tokens) runs as decode rows
+after its last token, and the engine draws from each row in turn while the draft holds. The tokens,
+texts, logprobs and finishes are those of decoding a step each, greedy or seeded, with penalties, a
+stop inside a draft, n samples and a template; fewer steps where drafts are kept; a draft never
+preempts another sequence and never runs past max_tokens, the context or the step's budget."""
+import numpy as np
+import pytest
+
+from prefix_service import FinishReason, GenerateRequest, SamplingParams
+from prefix_service.config import SchedulerConfig
+from prefix_service.engine.block_allocator import BlockAllocator
+from prefix_service.engine.scheduler import Scheduler
+from prefix_service.engine.sequence import Sequence
+from prefix_service.engine.speculation import propose
+from prefix_service.engine.template_pins import TemplatePins
+from prefix_service.errors import ConfigError
+
+# a prompt that repeats itself, and a bias towards five of its tokens: the random model then writes
+# loops and repeats of a small alphabet, which drafts foresee in part (as a model quoting its context)
+BASE = [41, 77, 301, 12, 9, 130, 55, 402, 17]
+PROMPT = BASE * 3 + BASE[:4]
+TEMPLATE = [(5 * i + 11) % 480 + 20 for i in range(21)]
+LOOP_BIAS = tuple((token, 5.0) for token in BASE[:5])
+
+
+def counting(engine):
+    """Each step's rows as (request id, new tokens, tokens already computed, decode)."""
+    steps = []
+    backend = engine._core.backend
+    execute = backend.execute
+    backend.execute = lambda step: steps.append(
+        [(r.request_id, r.num_new_tokens, r.num_computed, r.is_decode) for r in step.rows]) or execute(step)
+    return steps
+
+
+def holding_no_block_past_their_tokens(engine):
+    """After each step, every running sequence holds the blocks its tokens fill and no more (a
+    rejected draft's are freed)."""
+    core = engine._core
+    step = core.step
+
+    def checked():
+        step()
+        block = core.block_size
+        assert all(len(s.block_table) <= -(-len(s.token_ids) // block) for s in core.scheduler.running)
+    core.step = checked
+
+
+def written(results, exact=True):
+    """Each result as the tests compare them; exact=False: log-probabilities to 1e-4 (where a row's
+    arithmetic depends on the rows beside it: torch's float32 products)."""
+    def value(x):
+        return x if exact else pytest.approx(x, abs=1e-4)
+
+    def one(r):
+        return (r.text, r.token_ids, r.finish_reason, r.completion_tokens,
+                [(lp.token_id, value(lp.logprob), tuple((t, value(v)) for t, v in lp.top)) for lp in r.logprobs or ()])
+    return [(*one(o), [one(s) for s in o.samples or ()]) for o in results]
+
+
+def run(make_engine, requests, speculative_tokens, exact=True, **kw):
+    """-> (written outputs, steps, kv_stats) of one engine with the template "t" pinned."""
+    kw.setdefault("speculative_max_running", 64)
+    engine = make_engine(speculative_tokens=speculative_tokens, **kw)
+    engine.add_template("t", token_ids=TEMPLATE)
+    steps = counting(engine)
+    holding_no_block_past_their_tokens(engine)
+    out = written(engine.generate(requests), exact)
+    return out, steps, engine.kv_stats()
+
+
+def req(prefix=None, prompt=PROMPT, **params):
+    params.setdefault("max_tokens", 40)
+    params.setdefault("ignore_eos", True)
+    params.setdefault("logit_bias", LOOP_BIAS)
+    return GenerateRequest(prompt_token_ids=prompt, prefix_name=prefix, sampling=SamplingParams(**params))
+
+
+KINDS = {
+    "greedy": dict(),
+    "seeded": dict(temperature=0.9, seed=7),
+    "top_p": dict(temperature=1.3, top_p=0.8, top_k=50, seed=11),
+    "penalties": dict(repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=0.3),
+    "logprobs": dict(logprobs=2),
+    "min_tokens": dict(ignore_eos=False, min_tokens=20, stop_token_ids=(77, 130)),
+    "n": dict(n=3, temperature=0.8, seed=3),
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_drafts_change_no_token(make_engine, backend):
+    # the cpu backend's rows are their own to the bit in float32: every kind, logprobs exact; torch's
+    # products move a row's logits by a rounding with the rows beside it (as any batch does), which
+    # can move a random draw to the next token: its greedy kinds, logprobs to 1e-4
+    exact = backend == "auto"
+    kinds = KINDS if exact else [k for k in KINDS if "temperature" not in KINDS[k]]
+    requests = [req(prefix, **KINDS[kind]) for kind in kinds for prefix in (None, "t")]
+    # blocks for every request at once: a preempted sequence's prompt computed again (as a prefill) moves
+    # its logits by a rounding, in either engine
+    off, off_steps, off_stats = run(make_engine, requests, 0, backend=backend, num_blocks=512)
+    on, on_steps, on_stats = run(make_engine, requests, 5, exact, backend=backend, num_blocks=512)
+    assert off_stats["preemptions"] == on_stats["preemptions"] == 0
+    assert on == off
+    assert off_stats["draft_tokens"] == 0
+    assert 0 < on_stats["accepted_draft_tokens"] <= on_stats["draft_tokens"]
+    # the requests whose drafts were kept take fewer steps (the batch as many: others draw at random)
+    assert sum(map(len, map(requests_in, on_steps))) < sum(map(len, map(requests_in, off_steps))) - 10
+    # a drafted step: a sequence's decode rows at consecutive positions
+    assert any(n > 1 for n in rows_per_decode(on_steps)) and all(n == 1 for n in rows_per_decode(off_steps))
+
+
+def requests_in(step):
+    return {request_id.split("\0")[0] for request_id, *_ in step}
+
+
+def rows_per_decode(steps):
+    counts = []
+    for step in steps:
+        per: dict[str, int] = {}
+        for request_id, _, _, decode in step:
+            if decode:
+                per[request_id] = per.get(request_id, 0) + 1
+        counts += per.values()
+    return counts
+
+
+@pytest.mark.parametrize("limit", [dict(max_tokens=7), dict(stop=("x",)), dict(max_tokens=23)])
+def test_an_end_inside_a_draft_is_where_a_step_each_ends(make_engine, tokenizer_text_of_loop, limit):
+    """max_tokens and a stop string that fall inside a kept draft end the output at the same token."""
+    stop = limit.get("stop")
+    if stop:
+        limit = dict(stop=(tokenizer_text_of_loop,))
+    requests = [req(prefix, **limit) for prefix in (None, "t")]
+    off, _, _ = run(make_engine, requests, 0)
+    on, _, stats = run(make_engine, requests, 6)
+    assert on == off
+    assert stats["accepted_draft_tokens"] > 0
+
+
+@pytest.fixture
+def tokenizer_text_of_loop(make_engine):
+    """A piece of the text PROMPT's greedy output writes first in its last third (a stop string
+    that falls after drafts were kept)."""
+    text = make_engine().generate(req())[0].text
+    for start in range(2 * len(text) // 3, len(text)):
+        for end in range(start + 1, min(start + 6, len(text)) + 1):
+            if text.find(text[start:end]) == start:
+                return text[start:end]
+    raise AssertionError(f"no piece of {text!r} first written in its last third")
+
+
+def test_no_draft_above_max_running_or_when_off(make_engine):
+    requests = [req(prefix) for prefix in (None, "t", None)]
+    _, steps, stats = run(make_engine, requests, 4, speculative_max_running=2)
+    # three requests run at once: none drafts until one ends (they end together: never)
+    assert stats["draft_tokens"] == 0 and all(n == 1 for n in rows_per_decode(steps))
+    _, steps, stats = run(make_engine, requests[:2], 4, speculative_max_running=2)
+    assert stats["draft_tokens"] > 0
+
+
+def scheduler(num_blocks, draft):
+    alloc = BlockAllocator(num_blocks)
+    pins = TemplatePins(alloc, 4, budget_blocks=4)
+    return alloc, Scheduler(SchedulerConfig(speculative_tokens=8), alloc, pins, 4, draft)
+
+
+def decoding(sched, *prompts):
+    """Sequences of these prompts, their prompts computed and a token sampled for each (7 of them)."""
+    seqs = [Sequence(f"s{i}", list(p), SamplingParams(max_tokens=50), 50, None, None) for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    sched.postprocess(out, seqs, [7] * len(seqs))
+    return seqs
+
+
+def test_a_draft_takes_no_block_a_running_sequence_may_need():
+    """A draft's blocks come from those left after one for each running sequence: a block the next
+    decode of another sequence needs is never taken (which would preempt it)."""
+    # a: 7 prompt tokens (2 blocks, its next token in them); b: 8 (2 blocks, its next token needs a 3rd)
+    alloc, sched = scheduler(6, lambda seq, limit: tuple(range(100, 100 + min(limit, 8))))
+    a, b = decoding(sched, range(7), range(8))
+    assert alloc.num_free == 2
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens, s.draft) for s in out.scheduled] == [("s0", 1, ()), ("s1", 1, ())]
+    assert not out.preempted and len(b.block_table) == 3
+
+
+def test_a_drafts_rows_and_what_its_kept_tokens_leave():
+    """The draft runs as decode rows after the last token, every one with logits; after the step only
+    the last token counts as computed until a drawn token matches the draft at its place; the blocks
+    past the kept tokens are freed."""
+    alloc, sched = scheduler(16, lambda seq, limit: (100, 101, 102, 103, 104, 105))
+    (a,) = decoding(sched, range(7))  # tokens 0..6 computed, 7 sampled
+    out = sched.schedule()
+    (s,) = out.scheduled
+    assert s.draft == (100, 101, 102, 103, 104, 105) and s.num_new_tokens == 7 and s.num_logits == 7
+    rows = out.step.rows
+    assert [r.token_ids for r in rows] == [(7,), (100,), (101,), (102,), (103,), (104,), (105,)]
+    assert [r.num_computed for r in rows] == list(range(7, 14)) and all(r.num_logits == 1 for r in rows)
+    assert len(a.block_table) == 4  # positions 0..13
+    sched.postprocess(out, [], [])
+    assert a.num_computed_tokens == 8 and a.num_uncomputed == 0
+    sched.take_drafted(a, 100, computed=True)
+    sched.take_drafted(a, 101, computed=True)
+    sched.take_drafted(a, 55, computed=False)  # not the draft's 102: the next step computes it
+    assert a.token_ids[-3:] == [100, 101, 55] and a.num_computed_tokens == 10 and a.num_uncomputed == 1
+    sched.trim_blocks(a)
+    assert len(a.block_table) == 3 and alloc.num_free == 13  # 11 tokens: 3 blocks
+    out = sched.schedule()
+    assert out.scheduled[0].num_new_tokens == 7 and out.step.rows[0].token_ids == (55,)
+
+
+@pytest.mark.parametrize("max_tokens, context", [(12, None), (None, 15)])
+def test_a_draft_never_runs_past_max_tokens_or_the_context(make_engine, max_tokens, context):
+    """A draft's rows stop before the last token max_tokens or the context allow (a token no step
+    computes): nothing is computed that the output cannot hold."""
+    length = max_tokens or context
+    kw = dict(max_model_len=len(PROMPT) + context) if context else {}
+    (out,), steps, stats = run(make_engine, [req(None, max_tokens=max_tokens)], 8, **kw)
+    assert out[2] is FinishReason.LENGTH and len(out[1]) == length
+    assert max(computed + n for step in steps for _, n, computed, _ in step) == len(PROMPT) + length - 1
+    assert stats["accepted_draft_tokens"] > 0
+
+
+def test_drafts_count_in_the_step_budget_and_leave_every_decode_its_row(make_engine):
+    requests = [req(None), req("t"), req(None, temperature=1.0, seed=5)]
+    off, off_steps, _ = run(make_engine, requests, 0, max_num_batched_tokens=6)
+    on, steps, stats = run(make_engine, requests, 8, max_num_batched_tokens=6)
+    assert on == off
+    assert all(sum(n for _, n, _, _ in step) <= 6 for step in steps)
+    assert stats["accepted_draft_tokens"] > 0
+    decoding = [step for step in steps if all(decode for *_, decode in step)]
+    assert any(sum(n for _, n, _, _ in step) == 6 for step in decoding)  # drafts filled a step
+    # no decode waits for another's draft: each request is in every step from its first to its last
+    spans = {}
+    for i, step in enumerate(steps):
+        for request_id in requests_in(step):
+            spans[request_id] = (spans.get(request_id, (i, i))[0], i)
+    assert all(request_id in requests_in(steps[i]) for request_id, (a, b) in spans.items() for i in range(a, b + 1))
+
+
+def test_propose_takes_the_longest_match_latest_first():
+    ids = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], dtype=np.int64)
+    # the last 2 tokens (2, 3) occur at 1 and 5: the latest with the tokens asked for after it
+    assert propose(ids, 3, max_ngram=2, min_ngram=2) == [7, 8, 5]
+    assert propose(ids, 5, max_ngram=2, min_ngram=2) == [7, 8, 5, 2, 3]  # as many as follow it
+    assert propose(ids, 6, max_ngram=2, min_ngram=2) == [9, 1, 2, 3, 7, 8]  # only the earliest has 6
+    # with 3-grams: (5, 2, 3) never occurred before; falls back to 2
+    assert propose(ids, 2, max_ngram=3, min_ngram=2) == [7, 8]
+    ids3 = np.array([5, 2, 3, 4, 1, 2, 3, 6, 5, 2, 3], dtype=np.int64)
+    assert propose(ids3, 2, max_ngram=3, min_ngram=2) == [4, 1]  # the 3-gram (5, 2, 3) wins over (2, 3)
+    assert propose(ids3, 2, max_ngram=3, min_ngram=3) == [4, 1]
+    assert propose(np.array([4, 5, 6], dtype=np.int64), 3, max_ngram=2, min_ngram=1) == []
+    # a run of one token: its first occurrence has the most after it
+    assert propose(np.array([8, 4, 4, 4, 4], dtype=np.int64), 3, max_ngram=2, min_ngram=1) == [4, 4]
+    assert propose(ids, 0, max_ngram=2, min_ngram=2) == []
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(speculative_tokens=-1), "speculative_tokens"),
+    (dict(speculative_tokens=16), "speculative_tokens"),
+    (dict(speculative_min_ngram=0), "speculative_min_ngram"),
+    (dict(speculative_max_ngram=1, speculative_min_ngram=2), "speculative_max_ngram"),
+    (dict(speculative_max_running=0), "speculative_max_running"),
+])
+def test_bad_speculative_settings_are_refused(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        SchedulerConfig(**bad)
