@@ -189,7 +189,7 @@ class SchedulerConfig:
     speculative_tokens: int = 0
     speculative_max_ngram: int = 4
     speculative_min_ngram: int = 2
-    speculative_max_running: int = 8  # drafts only while at most this many sequences run
+    speculative_max_running: int = 4  # drafts only while at most this many sequences run
 
     def __post_init__(self) -> None:
         _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
