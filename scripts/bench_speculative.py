@@ -12,13 +12,21 @@ Tasks, each on a pinned template (the benchmark's own, configs/prompts/):
 
 `doc_qa` answers partly from the table, `quote` copies it, `intent` writes text the template seldom
 holds (its drafts are mostly rejected: what they cost). Each (task, concurrency) batch is that many
-requests submitted together (Engine.generate), each never sent before. Every engine is built
-before the first round; in each round each engine runs every batch, the engines in turns (the
+requests submitted together (Engine.generate), each never sent before. Every engine of ours is
+built before the first round; in each round each engine runs every batch, the engines in turns (the
 order rotating by round). Per batch: the output tokens over the wall time, the draft tokens the
 steps checked and those kept (kv_stats), and each request's tokens, which must be the same for
-every engine (greedy; `same_tokens` in the JSON, per task).
+every engine of ours (greedy; `same_tokens` in the JSON, per task).
+
+With --vllm-tokens, vLLM (make bench-peers) runs the same batches in each round after ours, one
+child process per setting and round: its offline `LLM.generate` over the same token ids in
+--vllm-dtype, automatic prefix caching on (the templates cached by an untimed request), and for a
+setting K > 0 its n-gram speculative decoding (`speculative_config` method "ngram", K tokens, the
+same lookup lengths as ours); 0 is without. Its tokens are compared with ours
+(`same_tokens_as_ours`: the share of requests; its bf16 arithmetic is not ours).
 
     python scripts/bench_speculative.py --json bench_out/speculative.json
+    python scripts/bench_speculative.py --tokens 0,8 --vllm-tokens 0,8 --json bench_out/speculative-vllm.json
 """
 from __future__ import annotations
 
@@ -34,8 +42,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from prefix_service.bench.main import git_commit, machine_info  # noqa: E402
-
 TASKS = ("doc_qa", "quote", "intent")
 
 
@@ -43,12 +49,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "configs" / "default.yaml"), help="service YAML (its engine part)")
     p.add_argument("--tokens", default="0,8", help="scheduler.speculative_tokens of each engine (0: none)")
-    p.add_argument("--max-running", type=int, default=8, help="scheduler.speculative_max_running")
+    p.add_argument("--max-running", type=int, default=8,
+                   help="scheduler.speculative_max_running (8: drafts at every --concurrency below 9)")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--concurrency", default="1,4,8", help="requests submitted together per batch")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=48, help="doc_qa and quote: most output tokens")
+    p.add_argument("--vllm-tokens", default="", help="vLLM's n-gram speculative tokens per child (0: none; "
+                   "empty: no vLLM)")
+    p.add_argument("--vllm-dtype", default="bfloat16")
+    p.add_argument("--child-timeout-s", type=float, default=1800)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--vllm-child", help=argparse.SUPPRESS)  # the batches' file: run them in vLLM, print RESULT
+    p.add_argument("--vllm-round", type=int, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -83,6 +96,35 @@ def tasks(tokenizer, names: list[str], max_tokens: int) -> dict:
     return out
 
 
+def vllm_child(args: argparse.Namespace) -> dict:
+    """One vLLM setting, one round: the round's batches in the plan's order -> {key: batch result}."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+    plan = json.loads(Path(args.vllm_child).read_text())
+    k = int(args.vllm_tokens)
+    spec = ({"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": plan["max_ngram"],
+                                    "prompt_lookup_min": plan["min_ngram"]}} if k else {})
+    llm = LLM(model=plan["model"], dtype=args.vllm_dtype, enable_prefix_caching=True, max_num_seqs=64,
+              max_num_batched_tokens=4096, max_model_len=4096, seed=0, gpu_memory_utilization=0.3, **spec)
+
+    def params(p: dict) -> SamplingParams:
+        return SamplingParams(max_tokens=p["max_tokens"], temperature=0, ignore_eos=p["ignore_eos"])
+
+    for name, task in plan["tasks"].items():  # the templates cached, and the paths warmed, untimed
+        llm.generate([TokensPrompt(prompt_token_ids=task["template_ids"] + w) for w in task["warm"]],
+                     params(task["params"]), use_tqdm=False)
+    out = {}
+    for batch in plan["rounds"][args.vllm_round]:
+        task = plan["tasks"][batch["task"]]
+        prompts = [TokensPrompt(prompt_token_ids=task["template_ids"] + p) for p in batch["prompts"]]
+        start = time.perf_counter()
+        results = llm.generate(prompts, params(task["params"]), use_tqdm=False)
+        wall = time.perf_counter() - start
+        ids = [list(r.outputs[0].token_ids) for r in results]
+        tokens = sum(len(t) for t in ids)
+        out[batch["key"]] = {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall, "token_ids": ids}
+    return out
+
+
 def run_batch(engine, template: str, prompts: list[list[int]], params) -> dict:
     from prefix_service import GenerateRequest
     before = engine.kv_stats()
@@ -104,66 +146,126 @@ def median(xs: list[float]) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.vllm_child:
+        print("RESULT " + json.dumps(vllm_child(args)), flush=True)
+        return 0
+    import tempfile
+
     from prefix_service import Engine
+    from prefix_service.bench.main import child_result, git_commit, machine_info
     token_counts = [int(x) for x in args.tokens.split(",")]
+    vllm_counts = [int(x) for x in args.vllm_tokens.split(",") if x]
     names = [t for t in args.tasks.split(",") if t]
     unknown = set(names) - set(TASKS)
     if unknown:
         raise SystemExit(f"unknown tasks {sorted(unknown)}; known: {', '.join(TASKS)}")
     levels = [int(x) for x in args.concurrency.split(",")]
+    vllm_python, vllm_env = None, None
+    if vllm_counts:
+        from prefix_service.bench.systems.vllm import server_env, vllm_python as find_vllm
+        vllm_python, why = find_vllm()
+        if vllm_python is None:
+            raise SystemExit(why)
+        vllm_env = server_env(vllm_python)
     engines = {}
     for k in token_counts:
         engines[k] = Engine(engine_config(args.config, k, args.max_running))
-    work = tasks(next(iter(engines.values())).tokenizer, names, args.max_tokens)
+    first = next(iter(engines.values()))
+    work = tasks(first.tokenizer, names, args.max_tokens)
+    sched = engine_config(args.config, 0, args.max_running).scheduler
+    # every batch of every round, fixed before the first: each request's prompt never sent before
+    plan_rounds, index = [], 0
+    for rnd in range(args.rounds):
+        batches = []
+        for name, (_, _, make, _) in work.items():
+            for c in levels:
+                batches.append({"key": f"{name}/{c}", "task": name, "prompts": [make(index + i) for i in range(c)]})
+                index += c
+        plan_rounds.append(batches)
+    warm = {name: [make(10_000 + i) for i in range(2)] for name, (_, _, make, _) in work.items()}
+    plan = {"model": engine_config(args.config, 0, 1).model.path, "rounds": plan_rounds,
+            "max_ngram": sched.speculative_max_ngram, "min_ngram": sched.speculative_min_ngram,
+            "tasks": {name: {"template_ids": ids, "warm": warm[name],
+                             "params": {"max_tokens": params.max_tokens, "ignore_eos": params.ignore_eos}}
+                      for name, (_, ids, _, params) in work.items()}}
+    plan_dir = tempfile.TemporaryDirectory(prefix="bench-speculative-")
+    plan_file = Path(plan_dir.name) / "plan.json"
+    plan_file.write_text(json.dumps(plan))
     for engine in engines.values():
         for template, ids, _, _ in {w[0]: w for w in work.values()}.values():
             engine.add_template(template, token_ids=ids)
-    runs: dict[str, list[dict]] = {}
-    index = 0
-    warm = {name: [make(10_000 + i) for i in range(2)] for name, (_, _, make, _) in work.items()}
     for k, engine in engines.items():  # warm each engine's paths, untimed
         for name, (template, _, _, params) in work.items():
             run_batch(engine, template, warm[name], params)
-    for rnd in range(args.rounds):
+    systems = [f"ours-{k}" for k in token_counts] + [f"vllm-{k}" for k in vllm_counts]
+    runs: dict[str, list[dict]] = {}
+    skipped: dict[str, str] = {}
+    for rnd, batches in enumerate(plan_rounds):
         order = token_counts[rnd % len(token_counts):] + token_counts[:rnd % len(token_counts)]
-        for name, (template, _, make, params) in work.items():
-            for c in levels:
-                prompts = [make(index + i) for i in range(c)]
-                index += c
-                for k in order:
-                    r = run_batch(engines[k], template, prompts, params)
-                    runs.setdefault(f"{name}/{c}/{k}", []).append(r)
-                    print(f"round {rnd + 1} {name:7s} c={c:<3d} tokens={k:<2d} {r['tok_s']:7.1f} tok/s "
-                          f"kept {r['accepted_draft_tokens']}/{r['draft_tokens']}", flush=True)
+        for batch in batches:
+            template, _, _, params = work[batch["task"]]
+            for k in order:
+                r = run_batch(engines[k], template, batch["prompts"], params)
+                runs.setdefault(f"{batch['key']}/ours-{k}", []).append(r)
+                print(f"round {rnd + 1} {batch['key']:10s} ours-{k:<2d} {r['tok_s']:7.1f} tok/s "
+                      f"kept {r['accepted_draft_tokens']}/{r['draft_tokens']}", flush=True)
+        for k in vllm_counts:
+            if f"vllm-{k}" in skipped:
+                continue
+            assert vllm_python is not None
+            cmd = [vllm_python, __file__, "--vllm-child", str(plan_file), "--vllm-round", str(rnd),
+                   "--vllm-tokens", str(k), "--vllm-dtype", args.vllm_dtype]
+            try:
+                got = child_result(cmd, vllm_env, f"vllm-{k} (round {rnd + 1})", timeout_s=args.child_timeout_s)
+            except TimeoutError as e:
+                skipped[f"vllm-{k}"] = str(e)
+                continue
+            for key, r in got.items():
+                runs.setdefault(f"{key}/vllm-{k}", []).append(r)
+                print(f"round {rnd + 1} {key:10s} vllm-{k:<2d} {r['tok_s']:7.1f} tok/s", flush=True)
     for engine in engines.values():
         engine.shutdown()
+    plan_dir.cleanup()
+    base_name = f"ours-{token_counts[0]}"
     table = []
-    same = {}
+    same, same_vllm = {}, {}
     for name in work:
-        same[name] = all(runs[f"{name}/{c}/{k}"][i]["token_ids"] == runs[f"{name}/{c}/{token_counts[0]}"][i]["token_ids"]
-                         for c in levels for k in token_counts for i in range(args.rounds))
+        def ids_of(system: str) -> list[list[int]]:
+            return [ids for c in levels for r in runs.get(f"{name}/{c}/{system}", []) for ids in r["token_ids"]]
+        base_ids = ids_of(base_name)
+        same[name] = all(ids_of(f"ours-{k}") == base_ids for k in token_counts)
+        for k in vllm_counts:
+            got = ids_of(f"vllm-{k}")
+            if got:
+                same_vllm[f"{name}/vllm-{k}"] = sum(a == b for a, b in zip(got, base_ids)) / len(got)
         for c in levels:
-            base = median([r["tok_s"] for r in runs[f"{name}/{c}/{token_counts[0]}"]])
-            for k in token_counts:
-                rs = runs[f"{name}/{c}/{k}"]
+            base = median([r["tok_s"] for r in runs[f"{name}/{c}/{base_name}"]])
+            for system in systems:
+                rs = runs.get(f"{name}/{c}/{system}", [])
+                if not rs:
+                    continue
                 tok_s = median([r["tok_s"] for r in rs])
-                drafted = sum(r["draft_tokens"] for r in rs)
-                kept = sum(r["accepted_draft_tokens"] for r in rs)
-                table.append({"task": name, "concurrency": c, "speculative_tokens": k, "tok_s": tok_s,
+                drafted = sum(r.get("draft_tokens", 0) for r in rs)
+                kept = sum(r.get("accepted_draft_tokens", 0) for r in rs)
+                table.append({"task": name, "concurrency": c, "system": system, "tok_s": tok_s,
                               "tok_s_each": [r["tok_s"] for r in rs], "ratio": tok_s / base if base else None,
                               "draft_tokens": drafted, "accepted_draft_tokens": kept,
                               "kept_share": kept / drafted if drafted else None,
                               "output_tokens": sum(r["output_tokens"] for r in rs)})
-    print(f"\n{'task':8s} {'clients':>7s} {'drafts':>6s} {'tok/s':>8s} {'vs 0':>6s} {'kept':>12s}")
+    print(f"\n{'task':8s} {'clients':>7s} {'system':>9s} {'tok/s':>8s} {'vs ' + base_name:>10s} {'kept':>12s}")
     for row in table:
         kept = f"{row['accepted_draft_tokens']}/{row['draft_tokens']}" if row["draft_tokens"] else "-"
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
-        print(f"{row['task']:8s} {row['concurrency']:7d} {row['speculative_tokens']:6d} {row['tok_s']:8.1f} "
-              f"{ratio:>6s} {kept:>12s}")
-    print("same tokens per task:", same)
+        print(f"{row['task']:8s} {row['concurrency']:7d} {row['system']:>9s} {row['tok_s']:8.1f} {ratio:>10s} {kept:>12s}")
+    print("same tokens per task (ours):", same)
+    if same_vllm:
+        print("vLLM's requests with our tokens:", {k: round(v, 2) for k, v in same_vllm.items()})
+    if skipped:
+        print("skipped:", skipped)
     if args.json:
         doc = {"commit": git_commit(), "machine": machine_info(), "args": vars(args), "table": table,
-               "same_tokens": same, "load_average": os.getloadavg(),
+               "same_tokens": same, "same_tokens_as_ours": same_vllm, "skipped": skipped,
+               "load_average": os.getloadavg(),
                "runs": {key: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs] for key, rs in runs.items()}}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1))
