@@ -189,7 +189,8 @@ class SchedulerConfig:
     speculative_tokens: int = 0
     speculative_max_ngram: int = 4
     speculative_min_ngram: int = 2
-    speculative_max_running: int = 4  # drafts only while at most this many sequences run
+    speculative_max_running: int = 8  # drafts only while at most this many sequences run
+    speculative_step_tokens: int = 32  # the most draft tokens a step checks, shared evenly by the running sequences
 
     def __post_init__(self) -> None:
         _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
@@ -207,6 +208,7 @@ class SchedulerConfig:
         _check_int("scheduler.speculative_min_ngram", self.speculative_min_ngram, 1)
         _check_int("scheduler.speculative_max_ngram", self.speculative_max_ngram, self.speculative_min_ngram)
         _check_int("scheduler.speculative_max_running", self.speculative_max_running, 1)
+        _check_int("scheduler.speculative_step_tokens", self.speculative_step_tokens, 1)
 
 
 @dataclass(frozen=True)

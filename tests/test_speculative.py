@@ -159,6 +159,18 @@ def test_no_draft_above_max_running_or_when_off(make_engine):
     assert stats["draft_tokens"] > 0
 
 
+def test_a_steps_drafts_share_speculative_step_tokens(make_engine):
+    """Each running sequence drafts at most its share of speculative_step_tokens."""
+    requests = [req(prefix) for prefix in (None, "t", None, "t")]
+    off, _, _ = run(make_engine, requests, 0)
+    on, steps, stats = run(make_engine, requests, 8, speculative_step_tokens=8)
+    assert on == off and stats["accepted_draft_tokens"] > 0
+    # while all four run each drafts at most 2 (once fewer run, more); with the default share, more
+    assert all(n <= 1 + 8 // len(requests_in(step)) for step in steps for n in rows_per_decode([step]))
+    _, roomy, _ = run(make_engine, requests, 8)
+    assert max(n for step in roomy if len(requests_in(step)) == 4 for n in rows_per_decode([step])) > 3
+
+
 def scheduler(num_blocks, draft):
     alloc = BlockAllocator(num_blocks)
     pins = TemplatePins(alloc, 4, budget_blocks=4)
@@ -264,6 +276,7 @@ def test_propose_takes_the_longest_match_latest_first():
     (dict(speculative_min_ngram=0), "speculative_min_ngram"),
     (dict(speculative_max_ngram=1, speculative_min_ngram=2), "speculative_max_ngram"),
     (dict(speculative_max_running=0), "speculative_max_running"),
+    (dict(speculative_step_tokens=0), "speculative_step_tokens"),
 ])
 def test_bad_speculative_settings_are_refused(bad, message):
     with pytest.raises(ConfigError, match=message):

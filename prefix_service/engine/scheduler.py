@@ -397,10 +397,15 @@ class Scheduler:
     def _draft(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """Draft tokens to run after a decoding sequence's last token, at most `limit`: only while few
         sequences run (scheduler.speculative_max_running; a larger batch is bound by its products,
-        where extra rows cost what they could save), and only into blocks no running sequence may
-        need this step (one each at most): a draft never preempts a sequence. The blocks a draft's
-        rejected tokens took are freed after the step (trim_blocks)."""
-        if self.draft is None or limit < 1 or len(self.running) > self.config.speculative_max_running:
+        where extra rows cost what they could save), each its share of speculative_step_tokens, and
+        only into blocks no running sequence may need this step (one each at most): a draft never
+        preempts a sequence. The blocks a draft's rejected tokens took are freed after the step
+        (trim_blocks)."""
+        running = len(self.running)
+        if self.draft is None or running > self.config.speculative_max_running:
+            return ()
+        limit = min(limit, self.config.speculative_step_tokens // running)
+        if limit < 1:
             return ()
         draft = self.draft(seq, limit)
         if draft and self._blocks_needed(seq, 1 + len(draft)) > self.allocator.num_free - len(self.running):
