@@ -183,9 +183,9 @@ class SchedulerConfig:
     # are appended at once, without a step each; the same tokens as without (README, "scheduler")
     jump_forward: bool = True
     # speculative decoding by prompt lookup (engine/speculation.py): a decoding sequence drafts up to
-    # this many tokens, those that followed the latest earlier occurrence of its last n tokens
-    # (n from speculative_max_ngram down to speculative_min_ngram), and one step checks them all;
-    # the same tokens as without (README, "scheduler"). 0: off
+    # this many tokens, those that followed an earlier occurrence of its last n tokens (n from
+    # speculative_max_ngram down to speculative_min_ngram), and one step checks them all; the same
+    # tokens as without (README, "scheduler"). 0: off
     speculative_tokens: int = 0
     speculative_max_ngram: int = 4
     speculative_min_ngram: int = 2

@@ -4,11 +4,11 @@ and the same new requests, engine to engine.
 
 Tasks, each on a pinned template (the benchmark's own, configs/prompts/):
 
-| task | template | request | output |
+| task | template | request | output (greedy) |
 | --- | --- | --- | --- |
-| `doc_qa` | the departures board (doc_qa workload) | a question about one flight | greedy, EOS ends it, at most --max-tokens |
-| `quote` | the departures board | "copy the row of the flight to X as written" | greedy, EOS ends it, at most --max-tokens |
-| `intent` | the intent classifier (intent workload) | a 100-token customer message | greedy free text, EOS ignored, 30 tokens |
+| `doc_qa` | the departures board (doc_qa workload) | a question about one flight | EOS ends it, <= --max-tokens |
+| `quote` | the departures board | "copy the row of the flight to X as written" | EOS ends it, <= --max-tokens |
+| `intent` | the intent classifier (intent workload) | a 100-token customer message | free text, EOS ignored, 30 tokens |
 
 `doc_qa` answers partly from the table, `quote` copies it, `intent` writes text the template seldom
 holds (its drafts are mostly rejected: what they cost). Each (task, concurrency) batch is that many
@@ -48,7 +48,10 @@ TASKS = ("doc_qa", "quote", "intent")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(REPO / "configs" / "default.yaml"), help="service YAML (its engine part)")
+    p.add_argument("--model", help="a model directory instead of the config's (default engine settings)")
+    p.add_argument("--max-prefix-tokens", type=int, help="cut the templates to at most this many tokens")
     p.add_argument("--tokens", default="0,8", help="scheduler.speculative_tokens of each engine (0: none)")
+    p.add_argument("--min-ngram", type=int, help="scheduler.speculative_min_ngram (default: the config's)")
     p.add_argument("--max-running", type=int, default=8,
                    help="scheduler.speculative_max_running (8: drafts at every --concurrency below 9)")
     p.add_argument("--tasks", default=",".join(TASKS))
@@ -65,21 +68,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_config(path: str, tokens: int, max_running: int):
-    from prefix_service.config import load_config
-    ec = load_config(path).engine
+def engine_config(args: argparse.Namespace, tokens: int):
+    """The config's engine (or --model's with default settings) drafting `tokens`."""
+    from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config
+    ec = EngineConfig(ModelConfig(path=args.model), CacheConfig()) if args.model else load_config(args.config).engine
+    lookup = {"speculative_min_ngram": args.min_ngram} if args.min_ngram else {}
     return dataclasses.replace(ec, scheduler=dataclasses.replace(
-        ec.scheduler, speculative_tokens=tokens, speculative_max_running=max_running))
+        ec.scheduler, speculative_tokens=tokens, speculative_max_running=args.max_running, **lookup))
 
 
-def tasks(tokenizer, names: list[str], max_tokens: int) -> dict:
-    """name -> (template name, template ids, index -> (prompt ids, SamplingParams))."""
+def tasks(tokenizer, names: list[str], max_tokens: int, max_prefix_tokens: int | None) -> dict:
+    """name -> (template name, template ids, request index -> prompt ids, SamplingParams)."""
     from prefix_service import SamplingParams
     from prefix_service.bench import corpus
-    from prefix_service.bench.workloads import build_workload
+    from prefix_service.bench.workloads import Sizes, build_workload
     out = {}
     for name in names:
-        work = build_workload("intent" if name == "intent" else "doc_qa", tokenizer)
+        work = build_workload("intent" if name == "intent" else "doc_qa", tokenizer,
+                              Sizes(max_prefix_tokens=max_prefix_tokens))
         if name == "intent":
             params = SamplingParams(max_tokens=work.output_tokens, ignore_eos=True)
             make = (lambda w: lambda i: list(w.request(i).prompt_ids))(work)
@@ -101,8 +107,9 @@ def vllm_child(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
     plan = json.loads(Path(args.vllm_child).read_text())
     k = int(args.vllm_tokens)
-    spec = ({"speculative_config": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": plan["max_ngram"],
-                                    "prompt_lookup_min": plan["min_ngram"]}} if k else {})
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": plan["max_ngram"],
+             "prompt_lookup_min": plan["min_ngram"]}
+    spec = {"speculative_config": ngram} if k else {}
     llm = LLM(model=plan["model"], dtype=args.vllm_dtype, enable_prefix_caching=True, max_num_seqs=64,
               max_num_batched_tokens=4096, max_model_len=4096, seed=0, gpu_memory_utilization=0.3, **spec)
 
@@ -169,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         vllm_env = server_env(vllm_python)
     engines = {}
     for k in token_counts:
-        engines[k] = Engine(engine_config(args.config, k, args.max_running))
+        engines[k] = Engine(engine_config(args, k))
     first = next(iter(engines.values()))
-    work = tasks(first.tokenizer, names, args.max_tokens)
-    sched = engine_config(args.config, 0, args.max_running).scheduler
+    work = tasks(first.tokenizer, names, args.max_tokens, args.max_prefix_tokens)
+    sched = engine_config(args, 0).scheduler
     # every batch of every round, fixed before the first: each request's prompt never sent before
     plan_rounds, index = [], 0
     for rnd in range(args.rounds):
@@ -183,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 index += c
         plan_rounds.append(batches)
     warm = {name: [make(10_000 + i) for i in range(2)] for name, (_, _, make, _) in work.items()}
-    plan = {"model": engine_config(args.config, 0, 1).model.path, "rounds": plan_rounds,
+    plan = {"model": engine_config(args, 0).model.path, "rounds": plan_rounds,
             "max_ngram": sched.speculative_max_ngram, "min_ngram": sched.speculative_min_ngram,
             "tasks": {name: {"template_ids": ids, "warm": warm[name],
                              "params": {"max_tokens": params.max_tokens, "ignore_eos": params.ignore_eos}}
@@ -256,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in table:
         kept = f"{row['accepted_draft_tokens']}/{row['draft_tokens']}" if row["draft_tokens"] else "-"
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
-        print(f"{row['task']:8s} {row['concurrency']:7d} {row['system']:>9s} {row['tok_s']:8.1f} {ratio:>10s} {kept:>12s}")
+        print(f"{row['task']:8s} {row['concurrency']:7d} {row['system']:>9s} {row['tok_s']:8.1f} {ratio:>10s} "
+              f"{kept:>12s}")
     print("same tokens per task (ours):", same)
     if same_vllm:
         print("vLLM's requests with our tokens:", {k: round(v, 2) for k, v in same_vllm.items()})
@@ -266,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"commit": git_commit(), "machine": machine_info(), "args": vars(args), "table": table,
                "same_tokens": same, "same_tokens_as_ours": same_vllm, "skipped": skipped,
                "load_average": os.getloadavg(),
-               "runs": {key: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs] for key, rs in runs.items()}}
+               "runs": {key: [{k: v for k, v in r.items() if k != "token_ids"} for r in rs]
+                        for key, rs in runs.items()}}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print("JSON:", args.json)

@@ -37,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The config's engine (or --model's with default settings), --threads and --backend applied,
-    prefix support on."""
+    prefix support on, speculative decoding off (a timed decode step computes one token a request;
+    scripts/bench_speculative.py times drafts)."""
     if args.model:
         cfg = EngineConfig(ModelConfig(path=args.model, load_format=args.load_format), CacheConfig())
     else:
@@ -57,7 +58,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{field: getattr(args, field)}))
     if getattr(args, "cuda_fused_layers", None) is not None:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, cuda_fused_layers=bool(args.cuda_fused_layers)))
-    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix=True))
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, enable_prefix=True),
+                               scheduler=dataclasses.replace(cfg.scheduler, speculative_tokens=0))
 
 
 def with_scheduler(cfg: EngineConfig, **at_least: int) -> EngineConfig:

@@ -408,7 +408,7 @@ class Scheduler:
         if limit < 1:
             return ()
         draft = self.draft(seq, limit)
-        if draft and self._blocks_needed(seq, 1 + len(draft)) > self.allocator.num_free - len(self.running):
+        if draft and self._blocks_needed(seq, 1 + len(draft)) > self.allocator.num_free - running:
             return ()
         return draft
 
