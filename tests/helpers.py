@@ -12,6 +12,17 @@ import torch
 from prefix_service import GenerateRequest, SamplingParams
 
 
+def counting(engine) -> list[list[tuple[str, int, int, bool]]]:
+    """Each step's rows as (request id, new tokens, tokens already computed, decode), appended as the
+    engine runs them."""
+    steps: list[list[tuple[str, int, int, bool]]] = []
+    backend = engine._core.backend
+    execute = backend.execute
+    backend.execute = lambda step: steps.append(
+        [(r.request_id, r.num_new_tokens, r.num_computed, r.is_decode) for r in step.rows]) or execute(step)
+    return steps
+
+
 def greedy(max_tokens: int = 32, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
 

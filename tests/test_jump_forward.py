@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import counting
 from prefix_service import FinishReason, GenerateRequest, SamplingParams
 from prefix_service.config import SchedulerConfig
 from prefix_service.errors import ConfigError
@@ -34,17 +35,6 @@ def request(structured_output, prefix=None, **kw):
     params = dict(max_tokens=60, structured=structured_output)
     params.update(kw)
     return GenerateRequest(prompt_token_ids=PROMPT, prefix_name=prefix, sampling=SamplingParams(**params))
-
-
-def counting(engine):
-    """Each step's rows as (request id, new tokens, tokens already computed, decode), appended as the
-    engine runs them."""
-    steps = []
-    backend = engine._core.backend
-    execute = backend.execute
-    backend.execute = lambda step: steps.append(
-        [(r.request_id, r.num_new_tokens, r.num_computed, r.is_decode) for r in step.rows]) or execute(step)
-    return steps
 
 
 def forced_runs(steps):

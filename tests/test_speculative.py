@@ -7,6 +7,7 @@ preempts another sequence and never runs past max_tokens, the context or the ste
 import numpy as np
 import pytest
 
+from helpers import counting
 from prefix_service import FinishReason, GenerateRequest, SamplingParams
 from prefix_service.config import SchedulerConfig
 from prefix_service.engine.block_allocator import BlockAllocator
@@ -22,16 +23,6 @@ BASE = [41, 77, 301, 12, 9, 130, 55, 402, 17]
 PROMPT = BASE * 3 + BASE[:4]
 TEMPLATE = [(5 * i + 11) % 480 + 20 for i in range(21)]
 LOOP_BIAS = tuple((token, 5.0) for token in BASE[:5])
-
-
-def counting(engine):
-    """Each step's rows as (request id, new tokens, tokens already computed, decode)."""
-    steps = []
-    backend = engine._core.backend
-    execute = backend.execute
-    backend.execute = lambda step: steps.append(
-        [(r.request_id, r.num_new_tokens, r.num_computed, r.is_decode) for r in step.rows]) or execute(step)
-    return steps
 
 
 def holding_no_block_past_their_tokens(engine):
