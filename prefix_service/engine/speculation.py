@@ -48,7 +48,6 @@ class Drafter:
     def __init__(self, config: SchedulerConfig, max_model_len: int) -> None:
         self.num_tokens = config.speculative_tokens
         self.max_ngram, self.min_ngram = config.speculative_max_ngram, config.speculative_min_ngram
-        self.max_running = config.speculative_max_running
         self.max_model_len = max_model_len
         self.drafted = 0  # draft tokens a step checked
         self.accepted = 0  # of them, those drawn there and kept
