@@ -272,3 +272,53 @@ def test_propose_takes_the_longest_match_latest_first():
 def test_bad_speculative_settings_are_refused(bad, message):
     with pytest.raises(ConfigError, match=message):
         SchedulerConfig(**bad)
+
+
+def test_a_fault_while_a_draft_is_drawn_from_ends_that_request_alone(make_engine):
+    """A token of a drafted run that cannot be handled ends its request with the error (INTERNAL at the
+    API); the other request goes on with the tokens it writes alone, and the blocks come back (the
+    fixture checks the allocator)."""
+    import threading
+
+    engine = make_engine(speculative_tokens=8, speculative_max_running=64)
+    engine.add_template("t", token_ids=TEMPLATE)
+    alone = engine.generate(req("t"))[0]
+    core = engine._core
+    verify, take = core._verify_drafts, core._take_token
+    state = {"in_draft": False, "fired": False}
+
+    def verifying(*args):
+        state["in_draft"] = True
+        try:
+            verify(*args)
+        finally:
+            state["in_draft"] = False
+
+    def taking(seq, detok, token):
+        if seq.prefix_name_fault and state["in_draft"] and seq.num_output_tokens >= 6 and not state["fired"]:
+            state["fired"] = True
+            raise RuntimeError("detokenizer broke")
+        return take(seq, detok, token)
+    core._verify_drafts, core._take_token = verifying, taking
+    outs: dict[str, list] = {"bad": [], "good": []}
+    done = {k: threading.Event() for k in outs}
+
+    def sink(key):
+        def put(out):
+            outs[key].append(out)
+            if out.finished:
+                done[key].set()
+        return put
+    core_add = core.add_request
+
+    def add_request(request_id, prompt_ids, prefix_name, *rest, **kw):
+        core_add(request_id, prompt_ids, prefix_name, *rest, **kw)
+        core._tracked[request_id].seq.prefix_name_fault = prefix_name is None
+    core.add_request = add_request
+    engine.submit(req(None), sink("bad"))
+    engine.submit(req("t"), sink("good"))
+    assert done["bad"].wait(60) and done["good"].wait(60)
+    assert state["fired"]
+    assert outs["bad"][-1].error is not None and "detokenizer broke" in str(outs["bad"][-1].error)
+    good = outs["good"]
+    assert good[-1].error is None and [t for o in good for t in o.token_ids] == alone.token_ids
