@@ -23,6 +23,20 @@ def counting(engine) -> list[list[tuple[str, int, int, bool]]]:
     return steps
 
 
+def streamed(engine, request: GenerateRequest, timeout_s: float = 60) -> list:
+    """The outputs a request's sink gets (Engine.submit), in order, the last the finished one."""
+    import threading
+    got, done = [], threading.Event()
+
+    def sink(out):
+        got.append(out)
+        if out.finished:
+            done.set()
+    engine.submit(request, sink)
+    assert done.wait(timeout_s)
+    return got
+
+
 def greedy(max_tokens: int = 32, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
 

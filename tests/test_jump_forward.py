@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import counting
+from helpers import counting, streamed
 from prefix_service import FinishReason, GenerateRequest, SamplingParams
 from prefix_service.config import SchedulerConfig
 from prefix_service.errors import ConfigError
@@ -87,19 +87,6 @@ def test_a_choice_whose_tail_is_forced_ends_at_its_first_token(make_engine):
     (out,), steps = run(make_engine, [request(spec, "t")], True)
     assert out[0] in spec.choices and len(out[1]) > 3 and out[2] is FinishReason.STOP
     assert [[row[1:] for row in step] for step in steps] == [[(len(PROMPT), len(TEMPLATE), False)]]
-
-
-def streamed(engine, req):
-    import threading
-    got, done = [], threading.Event()
-
-    def sink(out):
-        got.append(out)
-        if out.finished:
-            done.set()
-    engine.submit(req, sink)
-    assert done.wait(60)
-    return got
 
 
 def test_a_forced_run_is_streamed_with_the_token_before_it(make_engine):
