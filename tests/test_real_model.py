@@ -203,22 +203,30 @@ def test_smollm2_float32_over_a_bf16_cache_against_transformers(smollm2_dir, mak
         assert engine.remove_template("header")
 
 
+@pytest.mark.parametrize("record", [False, True], ids=["text", "json_schema"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_smollm2_quoting_a_template_with_drafts(smollm2_dir, make_engine, dtype):
+def test_smollm2_quoting_a_template_with_drafts(smollm2_dir, make_engine, dtype, record):
     """Speculative decoding by prompt lookup on the real model: asked to copy a sentence of the
-    document its template holds, the engine with drafts writes the same tokens as without, and
-    most of them come from kept drafts (steps of several tokens)."""
+    document its template holds, as text or as a JSON record's field (a structured output), the
+    engine with drafts writes the same tokens as without, and most of them come from kept drafts
+    (steps of several tokens)."""
+    import json
+
     from transformers import AutoTokenizer
 
     from prefix_service import GenerateRequest, SamplingParams
+    from prefix_service.sampling_params import StructuredOutput
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     doc = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
            "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
            "Locally nicknamed La dame de fer, it was constructed as the centrepiece of the 1889 World's Fair.")
     system = [{"role": "system", "content": "You answer questions about this document.\n\n" + doc}]
     template = tok.encode(tok.apply_chat_template(system, tokenize=False), add_special_tokens=False)
-    full = tok.apply_chat_template(system + [{"role": "user", "content": "Copy the second sentence of the "
-                                              "document word for word."}], add_generation_prompt=True, tokenize=False)
+    ask = "Copy the second sentence of the document word for word" + (", as a JSON record." if record else ".")
+    schema = {"type": "object", "properties": {"sentence": {"type": "string"}}, "required": ["sentence"]}
+    structured = StructuredOutput("json_schema", json.dumps(schema)) if record else None
+    full = tok.apply_chat_template(system + [{"role": "user", "content": ask}], add_generation_prompt=True,
+                                   tokenize=False)
     ids = tok.encode(full, add_special_tokens=False)
     assert ids[:len(template)] == template
     outs, stats = [], []
@@ -226,11 +234,11 @@ def test_smollm2_quoting_a_template_with_drafts(smollm2_dir, make_engine, dtype)
         engine = make_engine(smollm2_dir, block_size=16, num_blocks=64, dtype=dtype, speculative_tokens=tokens)
         engine.add_template("doc", token_ids=template)
         req = GenerateRequest(prompt_token_ids=ids[len(template):], prefix_name="doc",
-                              sampling=SamplingParams(max_tokens=40))
+                              sampling=SamplingParams(max_tokens=40, structured=structured))
         outs.append(engine.generate(req)[0])
         stats.append(engine.kv_stats())
     off, on = outs
     assert on.token_ids == off.token_ids and on.text == off.text and on.finish_reason is off.finish_reason
-    assert "Gustave Eiffel" in on.text
+    assert "Gustave Eiffel" in on.text and on.text.startswith('{"sentence":"') == record
     assert stats[1]["accepted_draft_tokens"] >= len(on.token_ids) // 2
     assert stats[1]["accepted_draft_tokens"] >= 0.6 * stats[1]["draft_tokens"]

@@ -4,18 +4,23 @@ after its last token, and the engine draws from each row in turn while the draft
 texts, logprobs and finishes are those of decoding a step each, greedy or seeded, with penalties, a
 stop inside a draft, n samples and a template; fewer steps where drafts are kept; a draft never
 preempts another sequence and never runs past max_tokens, the context or the step's budget."""
+import json
+import re
+
 import numpy as np
 import pytest
 
-from helpers import counting
+from helpers import counting, streamed
 from prefix_service import FinishReason, GenerateRequest, SamplingParams
 from prefix_service.config import SchedulerConfig
+from prefix_service.engine import structured
 from prefix_service.engine.block_allocator import BlockAllocator
 from prefix_service.engine.scheduler import Scheduler
 from prefix_service.engine.sequence import Sequence
 from prefix_service.engine.speculation import propose
 from prefix_service.engine.template_pins import TemplatePins
-from prefix_service.errors import ConfigError
+from prefix_service.errors import ConfigError, InvalidRequest
+from prefix_service.sampling_params import StructuredOutput
 
 # a prompt that repeats itself, and a bias towards five of its tokens: the random model then writes
 # loops and repeats of a small alphabet, which drafts foresee in part (as a model quoting its context)
@@ -99,6 +104,73 @@ def test_drafts_change_no_token(make_engine, backend):
     assert sum(map(len, map(requests_in, on_steps))) < sum(map(len, map(requests_in, off_steps))) - 10
     # a drafted step: a sequence's decode rows at consecutive positions
     assert any(n > 1 for n in rows_per_decode(on_steps)) and all(n == 1 for n in rows_per_decode(off_steps))
+
+
+# constraints the biased model fills with its loops: a run of the loop's characters, a literal the
+# constraint forces, more of them; a record whose first field's length closes it and forces the next key
+STRUCTURED = {
+    "regex": StructuredOutput("regex", "[Gkca*' ]{12}0123456789[Gkca*' ]{0,60}"),
+    "json_schema": StructuredOutput("json_schema", json.dumps({
+        "type": "object", "properties": {"a": {"type": "string", "maxLength": 14}, "b": {"type": "string"}},
+        "required": ["a", "b"], "additionalProperties": False})),
+}
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "logprobs", "penalties", "min_tokens", "n"])
+def test_drafts_under_a_structured_output_change_no_token(make_engine, kind):
+    """A structured output's draft stops where its constraint refuses a token; each row is masked as
+    the matcher stands after the tokens before it; the tokens the constraint forces after a drafted
+    run are taken with it (jump-forward), their logprobs from the next step: the outputs are those of
+    a step each."""
+    requests = [req(prefix, structured=spec, max_tokens=50, **KINDS[kind])
+                for spec in STRUCTURED.values() for prefix in (None, "t")]
+    off, _, _ = run(make_engine, requests, 0, num_blocks=512)
+    on, _, stats = run(make_engine, requests, 8, num_blocks=512)
+    assert on == off
+    assert 0 < stats["accepted_draft_tokens"] <= stats["draft_tokens"]
+    texts = [text for text, *_, samples in on for text in [text] + [sample[0] for sample in samples]]
+    regex, record = texts[:len(texts) // 2], texts[len(texts) // 2:]
+    assert all(re.fullmatch(r"[Gkca*' ]{12}0123456789[Gkca*' ]*", text) for text in regex), regex
+    assert all(re.match(r'\{"a":"[^"]*","b":"', text) for text in record), record
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_drafted_run_takes_the_tokens_its_constraint_forces_after_it(make_engine, logprobs):
+    """The tokens a constraint forces after a drafted run come with it, as after a token of a step
+    alone: no output ends where its constraint forces the next token, or, with logprobs, the next
+    output is that forced run, once the next step has given their logprobs."""
+    engine = make_engine(speculative_tokens=8, speculative_max_running=64)
+    vocab = engine._core.arch.vocab_size
+    for spec in STRUCTURED.values():
+        outputs = streamed(engine, req(structured=spec, max_tokens=50, logprobs=logprobs))
+        matcher = structured.start(engine._core.structured.compile(spec))
+        held = False  # the last output ended where the constraint forces the next token
+        for out in outputs[:-1]:
+            assert logprobs is None or len(out.logprobs) == len(out.token_ids)
+            for token in out.token_ids:
+                assert not held or structured.only_token(matcher, vocab) == token  # a held run: each forced
+                matcher.consume_token(token)
+            held = structured.only_token(matcher, vocab) is not None
+            assert not held or logprobs is not None
+        assert any(len(out.token_ids) > 1 for out in outputs)
+    assert engine.kv_stats()["accepted_draft_tokens"] > 0
+
+
+def test_a_structured_outputs_draft_stops_before_a_token_its_constraint_refuses(make_engine):
+    """The draft is the lookup's tokens as far as the sequence's matcher takes them in turn (it is
+    left as it stands): a token the mask would refuse could not be drawn at its row."""
+    from prefix_service.engine.speculation import Drafter
+    engine = make_engine()
+    # 41 12 77: "G" "*" "k", which the constraint allows; 9: "'", which it refuses
+    prompt, output = [41, 77, 12, 41, 9, 5, 6], [41, 77]
+    seq = Sequence("s", prompt, SamplingParams(max_tokens=50), 512, None, None)
+    seq.token_ids += output
+    drafter = Drafter(SchedulerConfig(speculative_tokens=8), 512)
+    assert drafter(seq, 8) == (12, 41, 9, 5, 6, 41, 77)  # what followed the earlier "G" "k"
+    seq.matcher = structured.start(engine._core.structured.compile(StructuredOutput("regex", "[Gk*]{0,5}")))
+    seq.matcher.consume_tokens(output)
+    assert drafter(seq, 8) == (12, 41)
+    assert drafter(seq, 8) == (12, 41)  # the matcher consumed none of them (it takes 3 more characters)
 
 
 def requests_in(step):
@@ -274,10 +346,12 @@ def test_bad_speculative_settings_are_refused(bad, message):
         SchedulerConfig(**bad)
 
 
-def test_a_fault_while_a_draft_is_drawn_from_ends_that_request_alone(make_engine):
+@pytest.mark.parametrize("fault", ["raises", "matcher"])
+def test_a_fault_while_a_draft_is_drawn_from_ends_that_request_alone(make_engine, fault):
     """A token of a drafted run that cannot be handled ends its request with the error (INTERNAL at the
-    API); the other request goes on with the tokens it writes alone, and the blocks come back (the
-    fixture checks the allocator)."""
+    API), or, where its structured output's matcher fails on it, with the error naming the constraint
+    (INVALID_ARGUMENT); the other request goes on with the tokens it writes alone, and the blocks
+    come back (the fixture checks the allocator)."""
     import threading
 
     engine = make_engine(speculative_tokens=8, speculative_max_running=64)
@@ -297,7 +371,10 @@ def test_a_fault_while_a_draft_is_drawn_from_ends_that_request_alone(make_engine
     def taking(seq, detok, token):
         if seq.prefix_name_fault and state["in_draft"] and seq.num_output_tokens >= 6 and not state["fired"]:
             state["fired"] = True
-            raise RuntimeError("detokenizer broke")
+            if fault == "raises":
+                raise RuntimeError("detokenizer broke")
+            seq.matcher.consume_token(token)
+            return FinishReason.ABORT, ""  # as for a mask over scheduler.grammar_step_fuel
         return take(seq, detok, token)
     core._verify_drafts, core._take_token = verifying, taking
     outs: dict[str, list] = {"bad": [], "good": []}
@@ -315,10 +392,15 @@ def test_a_fault_while_a_draft_is_drawn_from_ends_that_request_alone(make_engine
         core_add(request_id, prompt_ids, prefix_name, *rest, **kw)
         core._tracked[request_id].seq.prefix_name_fault = prefix_name is None
     core.add_request = add_request
-    engine.submit(req(None), sink("bad"))
+    engine.submit(req(None, structured=STRUCTURED["regex"] if fault == "matcher" else None), sink("bad"))
     engine.submit(req("t"), sink("good"))
     assert done["bad"].wait(60) and done["good"].wait(60)
     assert state["fired"]
-    assert outs["bad"][-1].error is not None and "detokenizer broke" in str(outs["bad"][-1].error)
+    error = outs["bad"][-1].error
+    if fault == "raises":
+        assert error is not None and "detokenizer broke" in str(error)
+    else:
+        assert isinstance(error, InvalidRequest) and "grammar_step_fuel" in str(error), error
+        assert outs["bad"][-1].finish_reason is FinishReason.ABORT
     good = outs["good"]
     assert good[-1].error is None and [t for o in good for t in o.token_ids] == alone.token_ids

@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -769,10 +769,20 @@ class EngineCore:
                 (runs if hit and run.reason is None else done).append(run)
             r += 1
         for run in done:
-            self.drafter.learn(run.tracked.seq, len(run.draft), run.kept)
-            self.scheduler.trim_blocks(run.tracked.seq)
-            wanted = run.tracked.seq.sampling.logprobs is not None
-            self._deliver(run.tracked, run.tokens, run.texts, run.logprobs if wanted else None, run.reason)
+            seq = run.tracked.seq
+            self.drafter.learn(seq, len(run.draft), run.kept)
+            self.scheduler.trim_blocks(seq)
+            if run.reason is None:  # the tokens a structured output forces after the run
+                try:
+                    assert run.tracked.detok is not None  # a request's
+                    run.reason = self._jump_forward(seq, run.tracked.detok, run.tokens, run.texts)
+                except Exception as e:
+                    if is_fatal_device_error(e):
+                        raise
+                    self._fail_row(seq, e, "handling its new token failed")
+                    continue
+            wanted = seq.sampling.logprobs is not None
+            self._send(run.tracked, run.tokens, run.texts, run.logprobs if wanted else None, run.reason)
 
     def _held_logprobs(self, held: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> set[int]:
         """The logprobs of held forced tokens, from the step's logits rows; a held run whose every
@@ -866,38 +876,53 @@ class EngineCore:
 
     def _after_token(self, tracked: _Tracked, token: int, logprob: TokenLogprob | None, now: float) -> None:
         """A sequence got `token` (the scheduler appended it): stream it, or finish on a stop. Then,
-        while its structured output forces the next token (_forced_tokens), that one is appended and
+        while its structured output forces the next token (_jump_forward), that one is appended and
         handled the same way, without a step of its own: they go out together, and the next step
         computes their K/V, a decode row each (Scheduler.schedule), or none when they complete the output."""
-        seq, sink, detok = tracked.seq, tracked.sink, tracked.detok
-        assert sink is not None and detok is not None  # a request's (a warmup samples no token)
+        seq, detok = tracked.seq, tracked.detok
+        assert detok is not None  # a request's (a warmup samples no token)
         if tracked.first_token_time is None:
             tracked.first_token_time = now
-        tokens: list[int] = []
-        texts: list[str] = []  # each token's text
-        forced: Iterator[int] | None = None
-        while True:
-            tokens.append(token)
-            reason, text = self._take_token(seq, detok, token)
-            texts.append(text)
-            if reason is not None:
-                break
-            if forced is None:
-                forced = iter(self._forced_tokens(seq))
-            token = next(forced, -1)
-            if token < 0 or only_token(seq.matcher, self.arch.vocab_size) != token:
+        reason, text = self._take_token(seq, detok, token)
+        tokens, texts = [token], [text]
+        if reason is None:
+            reason = self._jump_forward(seq, detok, tokens, texts)
+        self._send(tracked, tokens, texts, [logprob] if logprob is not None else None, reason)
+
+    def _jump_forward(self, seq: Sequence, detok: IncrementalDetokenizer, tokens: list[int], texts: list[str]
+                      ) -> FinishReason | None:
+        """While seq's structured output forces the token after its last (_forced_tokens, each checked
+        against the mask), take it without a step: appended to seq (the next step computes its K/V)
+        and to tokens and texts -> why the sequence ends with one, or None."""
+        for token in self._forced_tokens(seq):
+            if only_token(seq.matcher, self.arch.vocab_size) != token:
                 break  # not forced after all: the next step samples it
             self.scheduler.append_token(seq, token)
             uniforms([seq])  # the draw a step of its own would have taken: later ones stay the same
+            reason, text = self._take_token(seq, detok, token)
+            tokens.append(token)
+            texts.append(text)
+            if reason is not None:
+                return reason
+        return None
+
+    def _send(self, tracked: _Tracked, tokens: list[int], texts: list[str], logprobs: list[Any] | None,
+              reason: FinishReason | None) -> None:
+        """A step's new tokens of one request to its caller: those drawn from rows (as many as
+        `logprobs` where it asked for them), then those its structured output forced after them.
+        Forced tokens wait for the logprobs the next step gives them (a held run); ABORT: its
+        matcher failed (_take_token), and the request ends with the error naming its constraint."""
+        seq = tracked.seq
         if reason is FinishReason.ABORT:  # its mask hit a bound (grammar_step_fuel)
-            self._finish(tracked, reason, text="".join(texts), token_ids=tokens, error=self._structured_error(seq))
-            return
-        logprobs = [logprob] if logprob is not None else None
-        if logprob is not None and len(tokens) > 1:
-            # the sampled token goes now, the forced ones once a step has given their logprobs
-            tracked.held = _Held(tokens[1:], texts[1:], reason)
-            seq.held_from = len(seq.token_ids) - len(tokens)  # the sampled token's row gives the first
-            sink(RequestOutput(seq.request_id, texts[0], tokens[:1], logprobs=logprobs))
+            self._finish(tracked, reason, text="".join(texts), token_ids=tokens, logprobs=logprobs,
+                         error=self._structured_error(seq))
+        elif logprobs is not None and len(tokens) > len(logprobs):
+            # the drawn tokens go now, the forced ones once a step has given their logprobs
+            drawn = len(logprobs)
+            tracked.held = _Held(tokens[drawn:], texts[drawn:], reason)
+            seq.held_from = len(seq.token_ids) - len(tokens) + drawn - 1  # the last drawn token's row gives the first
+            assert tracked.sink is not None  # a request's
+            tracked.sink(RequestOutput(seq.request_id, "".join(texts[:drawn]), tokens[:drawn], logprobs=logprobs))
         else:
             self._deliver(tracked, tokens, texts, logprobs, reason)
 

@@ -54,17 +54,20 @@ class Drafter:
 
     def __call__(self, seq: Sequence, limit: int) -> tuple[int, ...]:
         """A draft for `seq`, a running sequence whose one uncomputed token is its last, of at most
-        `limit` tokens and of the length its drafts earn (learn): none for a structured output (its
-        forced tokens are taken without a step, jump-forward) or a run held for its logprobs; no more
-        tokens than max_tokens and the context leave after the one the draft's last row draws."""
-        if seq.matcher is not None or seq.held_from is not None or not seq.samples:
+        `limit` tokens and of the length its drafts earn (learn): for a structured output, as far as
+        its matcher allows the tokens in turn; none for a run held for its logprobs; no more tokens
+        than max_tokens and the context leave after the one the draft's last row draws."""
+        if seq.held_from is not None or not seq.samples:
             return ()
         length = len(seq.token_ids)
         earned = self.num_tokens if seq.draft_length is None else seq.draft_length
         limit = min(limit, earned, seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - length - 1)
         if limit < 1:
             return ()
-        return tuple(propose(seq.ids_array(), limit, self.max_ngram, self.min_ngram))
+        draft = propose(seq.ids_array(), limit, self.max_ngram, self.min_ngram)
+        if draft and seq.matcher is not None:  # a token its constraint refuses would not be drawn there
+            draft = draft[:seq.matcher.validate_tokens(draft)]
+        return tuple(draft)
 
     def learn(self, seq: Sequence, drafted: int, kept: int) -> None:
         """A step checked `drafted` tokens of seq's draft and kept `kept`: its next draft is twice as
