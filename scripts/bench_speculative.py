@@ -8,10 +8,12 @@ Tasks, each on a pinned template (the benchmark's own, configs/prompts/):
 | --- | --- | --- | --- |
 | `doc_qa` | the departures board (doc_qa workload) | a question about one flight | EOS ends it, <= --max-tokens |
 | `quote` | the departures board | "copy the row of the flight to X as written" | EOS ends it, <= --max-tokens |
+| `extract` | the departures board | "give the row of the flight to X as a JSON record" | a JSON schema of 6 of the columns (structured output), <= 96 |
 | `intent` | the intent classifier (intent workload) | a 100-token customer message | free text, EOS ignored, 30 tokens |
 
-`doc_qa` answers partly from the table, `quote` copies it, `intent` writes text the template seldom
-holds (its drafts are mostly rejected: what they cost). Each (task, concurrency) batch is that many
+`doc_qa` answers partly from the table, `quote` copies it, `extract` copies its fields into a
+record whose keys and punctuation the schema forces (jump-forward), `intent` writes text the
+template seldom holds (its drafts are mostly rejected: what they cost). Each (task, concurrency) batch is that many
 requests submitted together (Engine.generate), each never sent before. Every engine of ours is
 built before the first round; in each round each engine runs every batch, the engines in turns (the
 order rotating by round). Per batch: the output tokens over the wall time, the draft tokens the
@@ -42,7 +44,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-TASKS = ("doc_qa", "quote", "intent")
+TASKS = ("doc_qa", "quote", "extract", "intent")
+EXTRACT_FIELDS = ("flight", "airline", "destination", "departs", "gate", "status")
+EXTRACT_SCHEMA = {"type": "object", "properties": {f: {"type": "string", "maxLength": 40} for f in EXTRACT_FIELDS},
+                  "required": list(EXTRACT_FIELDS), "additionalProperties": False}
+EXTRACT_MAX_TOKENS = 96
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -82,6 +88,9 @@ def tasks(tokenizer, names: list[str], max_tokens: int, max_prefix_tokens: int |
     from prefix_service import SamplingParams
     from prefix_service.bench import corpus
     from prefix_service.bench.workloads import Sizes, build_workload
+    from prefix_service.sampling_params import StructuredOutput
+    asks = {"quote": "Copy the table's row of the flight to {}, exactly as written.",
+            "extract": "Give the table's row of the flight to {} as a JSON record."}
     out = {}
     for name in names:
         work = build_workload("intent" if name == "intent" else "doc_qa", tokenizer,
@@ -95,9 +104,11 @@ def tasks(tokenizer, names: list[str], max_tokens: int, max_prefix_tokens: int |
             if name == "doc_qa":
                 make = (lambda w: lambda i: list(w.request(i).prompt_ids))(work)
             else:
-                make = (lambda w, d: lambda i: w.encode(
-                    f"\nQ: Copy the table's row of the flight to {d[i % len(d)]}, exactly as written.\nA:", False))(
-                        work, dests)
+                make = (lambda w, d, ask: lambda i: w.encode(f"\nQ: {ask.format(d[i % len(d)])}\nA:", False))(
+                    work, dests, asks[name])
+            if name == "extract":
+                params = SamplingParams(max_tokens=EXTRACT_MAX_TOKENS,
+                                        structured=StructuredOutput("json_schema", json.dumps(EXTRACT_SCHEMA)))
         out[name] = (work.prefix_name, list(work.prefix_ids), make, params)
     return out
 
@@ -114,7 +125,12 @@ def vllm_child(args: argparse.Namespace) -> dict:
               max_num_batched_tokens=4096, max_model_len=4096, seed=0, gpu_memory_utilization=0.3, **spec)
 
     def params(p: dict) -> SamplingParams:
-        return SamplingParams(max_tokens=p["max_tokens"], temperature=0, ignore_eos=p["ignore_eos"])
+        structured = {}
+        if p.get("json_schema"):  # compact JSON, as ours writes it
+            from vllm.sampling_params import StructuredOutputsParams
+            structured["structured_outputs"] = StructuredOutputsParams(json=p["json_schema"],
+                                                                       disable_any_whitespace=True)
+        return SamplingParams(max_tokens=p["max_tokens"], temperature=0, ignore_eos=p["ignore_eos"], **structured)
 
     for name, task in plan["tasks"].items():  # the templates cached, and the paths warmed, untimed
         llm.generate([TokensPrompt(prompt_token_ids=task["template_ids"] + w) for w in task["warm"]],
@@ -193,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = {"model": engine_config(args, 0).model.path, "rounds": plan_rounds,
             "max_ngram": sched.speculative_max_ngram, "min_ngram": sched.speculative_min_ngram,
             "tasks": {name: {"template_ids": ids, "warm": warm[name],
-                             "params": {"max_tokens": params.max_tokens, "ignore_eos": params.ignore_eos}}
+                             "params": {"max_tokens": params.max_tokens, "ignore_eos": params.ignore_eos,
+                                        "json_schema": params.structured.spec if params.structured else None}}
                       for name, (_, ids, _, params) in work.items()}}
     plan_dir = tempfile.TemporaryDirectory(prefix="bench-speculative-")
     plan_file = Path(plan_dir.name) / "plan.json"

@@ -16,16 +16,18 @@ def test_bench_speculative_script(llama_dir, tmp_path, capsys):
                         "--concurrency", "1,2", "--rounds", "2", "--max-tokens", "12", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
-    assert data["same_tokens"] == {"doc_qa": True, "quote": True, "intent": True}
+    tasks = ("doc_qa", "quote", "extract", "intent")
+    assert data["same_tokens"] == dict.fromkeys(tasks, True)
     rows = {(r["task"], r["concurrency"], r["system"]): r for r in data["table"]}
-    assert set(rows) == {(t, c, s) for t in ("doc_qa", "quote", "intent") for c in (1, 2) for s in ("ours-0", "ours-4")}
+    assert set(rows) == {(t, c, s) for t in tasks for c in (1, 2) for s in ("ours-0", "ours-4")}
     assert all(r["draft_tokens"] == 0 for key, r in rows.items() if key[2] == "ours-0")
     assert sum(r["draft_tokens"] for key, r in rows.items() if key[2] == "ours-4") > 0
     for (task, c, system), r in rows.items():
         assert len(r["tok_s_each"]) == 2 and r["tok_s"] > 0 and r["accepted_draft_tokens"] <= r["draft_tokens"]
         assert r["ratio"] == (1.0 if system == "ours-0" else r["tok_s"] / rows[(task, c, "ours-0")]["tok_s"])
         assert f"{r['tok_s']:8.1f}" in printed
-    # intent: EOS ignored, 30 tokens a request; the rest at most --max-tokens
+    # intent: EOS ignored, 30 tokens a request; extract: at most 96 (its record); the rest at most --max-tokens
+    most = {"intent": 30, "extract": script.EXTRACT_MAX_TOKENS}
     assert all(r["output_tokens"] == 2 * c * 30 for (task, c, _), r in rows.items() if task == "intent")
-    assert all(r["output_tokens"] <= 2 * c * 12 for (task, c, _), r in rows.items() if task != "intent")
+    assert all(r["output_tokens"] <= 2 * c * most.get(task, 12) for (task, c, _), r in rows.items())
     assert data["machine"]["cpu_count"] > 0 and data["args"]["tokens"] == "0,4"
