@@ -8,7 +8,7 @@ Tasks, each on a pinned template (the benchmark's own, configs/prompts/):
 | --- | --- | --- | --- |
 | `doc_qa` | the departures board (doc_qa workload) | a question about one flight | EOS ends it, <= --max-tokens |
 | `quote` | the departures board | "copy the row of the flight to X as written" | EOS ends it, <= --max-tokens |
-| `extract` | the departures board | "give the row of the flight to X as a JSON record" | a JSON schema of 6 of the columns (structured output), <= 96 |
+| `extract` | the departures board | "give the row of the flight to X as a JSON record" (doc_records workload) | a JSON schema of 6 of the columns (structured output), <= 96 |
 | `intent` | the intent classifier (intent workload) | a 100-token customer message | free text, EOS ignored, 30 tokens |
 
 `doc_qa` answers partly from the table, `quote` copies it, `extract` copies its fields into a
@@ -45,10 +45,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 TASKS = ("doc_qa", "quote", "extract", "intent")
-EXTRACT_FIELDS = ("flight", "airline", "destination", "departs", "gate", "status")
-EXTRACT_SCHEMA = {"type": "object", "properties": {f: {"type": "string", "maxLength": 40} for f in EXTRACT_FIELDS},
-                  "required": list(EXTRACT_FIELDS), "additionalProperties": False}
-EXTRACT_MAX_TOKENS = 96
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,11 +85,9 @@ def tasks(tokenizer, names: list[str], max_tokens: int, max_prefix_tokens: int |
     from prefix_service.bench import corpus
     from prefix_service.bench.workloads import Sizes, build_workload
     from prefix_service.sampling_params import StructuredOutput
-    asks = {"quote": "Copy the table's row of the flight to {}, exactly as written.",
-            "extract": "Give the table's row of the flight to {} as a JSON record."}
     out = {}
     for name in names:
-        work = build_workload("intent" if name == "intent" else "doc_qa", tokenizer,
+        work = build_workload({"intent": "intent", "extract": "doc_records"}.get(name, "doc_qa"), tokenizer,
                               Sizes(max_prefix_tokens=max_prefix_tokens))
         if name == "intent":
             params = SamplingParams(max_tokens=work.output_tokens, ignore_eos=True)
@@ -101,14 +95,15 @@ def tasks(tokenizer, names: list[str], max_tokens: int, max_prefix_tokens: int |
         else:
             params = SamplingParams(max_tokens=max_tokens)
             dests = corpus.destinations(work.prefix_text)
-            if name == "doc_qa":
-                make = (lambda w: lambda i: list(w.request(i).prompt_ids))(work)
+            if name == "quote":
+                make = (lambda w, d: lambda i: w.encode(
+                    f"\nQ: Copy the table's row of the flight to {d[i % len(d)]}, exactly as written.\nA:", False))(
+                        work, dests)
             else:
-                make = (lambda w, d, ask: lambda i: w.encode(f"\nQ: {ask.format(d[i % len(d)])}\nA:", False))(
-                    work, dests, asks[name])
+                make = (lambda w: lambda i: list(w.request(i).prompt_ids))(work)
             if name == "extract":
-                params = SamplingParams(max_tokens=EXTRACT_MAX_TOKENS,
-                                        structured=StructuredOutput("json_schema", json.dumps(EXTRACT_SCHEMA)))
+                params = SamplingParams(max_tokens=work.output_tokens,
+                                        structured=StructuredOutput.from_dict(work.structured_output()))
         out[name] = (work.prefix_name, list(work.prefix_ids), make, params)
     return out
 

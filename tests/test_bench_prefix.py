@@ -10,6 +10,7 @@ import json
 import pytest
 
 from helpers import load_script
+from prefix_service.bench.workloads import Answers
 
 pytest.importorskip("matplotlib")
 
@@ -122,6 +123,60 @@ def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama
         assert r["tpot_p50_ms"] is not None and r["tpot_p50_ms"] >= 0
 
 
+def test_bench_records_workload_answers_with_json_records(tmp_path, llama_dir, monkeypatch):
+    """doc_records: our engine and server (gRPC and HTTP) answer each flight's ask with a JSON record
+    of the schema's fields (a record's strings a few letters here, so that the random model ends its
+    records within the cap), the same records (as many tokens) on every path, the closed loop's
+    plot drawn; transformers' systems are left out of it."""
+    from prefix_service.bench import workloads
+    short = {f: {"type": "string", "pattern": "^[a-z0-9 ]{0,3}$"} for f in workloads.RECORD_FIELDS}
+    monkeypatch.setattr(workloads, "RECORD_SCHEMA", {**workloads.RECORD_SCHEMA, "properties": short})
+    monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "bin" / "python"))
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"model: {{path: {llama_dir}, device: cpu, dtype: float32}}\n"
+                      "cache: {block_size: 4, num_blocks: 256}\n"
+                      "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 256, speculative_tokens: 4}\n")
+    out = tmp_path / "records.json"
+    assert load_script("bench_prefix").main([
+        "--config", str(config), "--json", str(out), "--no-progress", "--workloads", "doc_records",
+        "--systems", "engine_prefix,grpc_prefix,http_prefix,hf_generate", "--modes", "single,closed_loop",
+        "--max-prefix-tokens", "60", "--warmup", "0", "--single-requests", "3", "--concurrency", "1,3",
+        "--closed-min-requests", "3", "--idle-wait-s", "0"]) == 0
+    report = json.loads(out.read_text())
+    described = report["workloads"]["doc_records"]
+    assert described["record_fields"] == list(workloads.RECORD_FIELDS) and described["prefix_name"] == "table_qa"
+    assert (described["output_tokens"], described["output_tokens_is"]) == (workloads.RECORD_MAX_TOKENS, "at most")
+    records = report["records"]
+    ours = ("engine_prefix", "grpc_prefix", "http_prefix")
+    assert {(r["system"], r["mode"], r["concurrency"]) for r in records} == {
+        (s, m, c) for s in ours for m, c in (("single", 1), ("closed_loop", 1), ("closed_loop", 3))}
+    for r in records:
+        assert r["num_failed"] == 0 and r["answers_not_records"] == 0 and r["num_requests"] == 3, r
+        assert "answers_not_labels" not in r and r["req_s"] > 0
+    for key in {(r["mode"], r["concurrency"]) for r in records}:  # the same records: as many tokens (to the
+        # rounding of tok/s and wall time)
+        tokens = [r["output_tok_s"] * r["wall_s"] for r in records if (r["mode"], r["concurrency"]) == key]
+        assert max(tokens) - min(tokens) < 0.03 * max(tokens), (key, tokens)
+    assert report["grpc_usage_mismatches"] == {"grpc_prefix": 0, "http_prefix": 0}
+    plot = out.with_name("records-records-concurrency.png")
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_records_answer_is_a_json_object_of_the_schemas_string_fields(llama_dir):
+    from prefix_service.bench.workloads import RECORD_FIELDS, Sizes, build_workload
+    from prefix_service.model.loader import load_tokenizer
+    work = build_workload("doc_records", load_tokenizer(llama_dir), Sizes(max_prefix_tokens=60))
+    whole = json.dumps({f: "x" for f in RECORD_FIELDS})
+    wrong = [json.dumps({f: "x" for f in RECORD_FIELDS[:-1]}), json.dumps({**json.loads(whole), "gate": 7}),
+             json.dumps({**json.loads(whole), "extra": "x"}), whole[:-1], "[]", ""]
+    assert work.wrong_answers([whole, whole]) == {"answers_not_records": 0}
+    assert work.wrong_answers([whole] + wrong) == {"answers_not_records": len(wrong)}
+    assert work.structured_outputs() == {"json": work.record_schema, "disable_any_whitespace": True}
+    assert work.structured_output() == {"json_schema": work.record_schema} and work.constrained
+    ask = work.request(0).prompt_text
+    assert ask.startswith("\nQ: ") and ask.endswith("\nA:") and "JSON" in ask
+
+
 def test_the_time_outside_the_engine_is_a_median_of_each_requests_difference():
     from prefix_service.bench.metrics import Timing, summarize
     # client TTFTs 100, 50, 300 ms; the engine's 90, 20, 295: outside it 10, 30, 5 ms (median 10),
@@ -171,7 +226,8 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
     from prefix_service.bench.runner import Runner
     from prefix_service.bench.systems import System, now
 
-    assert {s.workload: s.turns for s in FULL.closed} == {"intent": 0, "no_shared": 4, "intent_labels": 0}
+    assert {s.workload: s.turns for s in FULL.closed} == {"intent": 0, "no_shared": 4, "intent_labels": 0,
+                                                         "doc_records": 0}
     log, lock = [], threading.Lock()
 
     class Fake(System):
@@ -195,8 +251,8 @@ def test_closed_loop_in_turns_alternates_the_systems_bursts():
         def kv_blocks_peak(self):
             return 7
 
-    class Workload:
-        name, labels = "no_shared", ()
+    class Workload(Answers):
+        name, labels, record_schema = "no_shared", (), None
 
         def request(self, index):
             return type("Req", (), {"index": index})()
@@ -297,8 +353,8 @@ def test_open_loop_runs_the_systems_rate_by_rate_in_turns():
             t.end = now()
             return t
 
-    class Workload:
-        name, labels = "intent", ()
+    class Workload(Answers):
+        name, labels, record_schema = "intent", (), None
 
         def request(self, index):
             return type("Req", (), {"index": index})()
@@ -476,8 +532,8 @@ def test_closed_loop_turns_of_unequal_size_send_every_request():
             t.end = now()
             return t
 
-    class Workload:
-        name, labels = "no_shared", ()
+    class Workload(Answers):
+        name, labels, record_schema = "no_shared", (), None
 
         def request(self, index):
             return type("Req", (), {"index": index})()
@@ -529,8 +585,8 @@ def test_warm_up_requests_are_not_the_timed_ones_and_the_batch_baseline_gets_the
         def run(self, workload, req, timeout_s=None):
             seen.append(req.index)
 
-    class Workload:
-        name, labels = "intent", ()
+    class Workload(Answers):
+        name, labels, record_schema = "intent", (), None
 
         def request(self, index):
             return type("Req", (), {"index": index})()
@@ -704,7 +760,7 @@ def test_the_labels_concurrency_plot_draws_requests_and_end_to_end_times(tmp_pat
 
     def rec(workload, c, **fields):
         return {"system": "grpc_prefix", "workload": workload, "mode": "closed_loop", "concurrency": c, **fields}
-    labels = dict(label_counts={"billing": 1})
+    labels = dict(answers_not_labels=0, label_counts={"billing": 1})
     records = [rec("intent_labels", 16, req_s=12.0, e2e_p50_ms=1300.0, output_tok_s=40.0, ttft_p50_ms=1290.0,
                    **labels),
                rec("intent_labels", 1, req_s=11.0, e2e_p50_ms=90.0, output_tok_s=30.0, ttft_p50_ms=89.0, **labels),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from helpers import load_script
+from prefix_service.bench.workloads import RECORD_MAX_TOKENS
 
 
 def test_bench_speculative_script(llama_dir, tmp_path, capsys):
@@ -27,7 +28,7 @@ def test_bench_speculative_script(llama_dir, tmp_path, capsys):
         assert r["ratio"] == (1.0 if system == "ours-0" else r["tok_s"] / rows[(task, c, "ours-0")]["tok_s"])
         assert f"{r['tok_s']:8.1f}" in printed
     # intent: EOS ignored, 30 tokens a request; extract: at most 96 (its record); the rest at most --max-tokens
-    most = {"intent": 30, "extract": script.EXTRACT_MAX_TOKENS}
+    most = {"intent": 30, "extract": RECORD_MAX_TOKENS}
     assert all(r["output_tokens"] == 2 * c * 30 for (task, c, _), r in rows.items() if task == "intent")
     assert all(r["output_tokens"] <= 2 * c * most.get(task, 12) for (task, c, _), r in rows.items())
     assert data["machine"]["cpu_count"] > 0 and data["args"]["tokens"] == "0,4"

@@ -14,6 +14,7 @@ import pytest
 
 from prefix_service.bench import report
 from prefix_service.bench.systems import vllm
+from prefix_service.bench.workloads import Answers
 
 
 class FakeOpenAI(http.server.BaseHTTPRequestHandler):
@@ -65,8 +66,8 @@ def fake_server():
     httpd.shutdown()
 
 
-class Workload:
-    name, has_prefix, output_tokens, prefix_ids, labels = "intent", True, 5, (1, 2, 3), ()
+class Workload(Answers):
+    name, has_prefix, output_tokens, prefix_ids, labels, record_schema = "intent", True, 5, (1, 2, 3), (), None
 
     def full_ids(self, req):
         return list(self.prefix_ids) + list(req.prompt_ids)
@@ -110,6 +111,14 @@ def test_a_labels_request_asks_vllm_for_a_choice_and_keeps_the_answer(fake_serve
     assert timing.ok and timing.text == " account" and timing.output_tokens == 3 and system.usage_mismatches == 0
     timing = system.run(Workload(), Workload().request(1))
     assert timing.ok and timing.text == "" and "structured_outputs" not in FakeOpenAI.bodies[-1]
+
+    class Records(Workload):  # a JSON schema, compact JSON as ours writes it
+        name, output_tokens, record_schema = "doc_records", 4, {"type": "object"}
+
+    timing = system.run(Records(), Records().request(2))
+    body = FakeOpenAI.bodies[-1]
+    assert body["structured_outputs"] == {"json": {"type": "object"}, "disable_any_whitespace": True}
+    assert "ignore_eos" not in body and timing.ok and timing.text == " t0 t1 t2 t3"
 
 
 def test_a_server_that_is_not_there_is_an_error_not_a_hang():

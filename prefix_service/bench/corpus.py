@@ -75,10 +75,21 @@ def destinations(document: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found)) or FALLBACK_DESTINATIONS
 
 
-def question(index: int, dests: tuple[str, ...]) -> str:
+# asks for a flight's row as a record (the doc_records workload; its schema names the fields)
+RECORD_FORMS = (
+    "Give the table's row of the flight to {dest} as a JSON record.",
+    "Write the departure to {dest} as a JSON record.",
+    "As a JSON record: the board's entry for the flight to {dest}.",
+    "Fill in the JSON record of the flight to {dest} from the table.",
+    "Return the flight to {dest} as JSON.",
+    "What does the board say about the flight to {dest}? Answer with a JSON record.",
+)
+
+
+def question(index: int, dests: tuple[str, ...], forms: tuple[str, ...] = QUESTION_FORMS) -> str:
     """Question `index`: every (form, destination) pair once before any repeats."""
-    form = QUESTION_FORMS[index % len(QUESTION_FORMS)]
-    return form.format(dest=dests[(index // len(QUESTION_FORMS)) % len(dests)])
+    form = forms[index % len(forms)]
+    return form.format(dest=dests[(index // len(forms)) % len(dests)])
 
 
 def sentences(seed: str) -> Iterator[str]:

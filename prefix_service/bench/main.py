@@ -21,7 +21,7 @@ from typing import Sequence
 from prefix_service.bench import report
 from prefix_service.bench.plan import FULL, MODES, QUICK, Plan, with_overrides
 from prefix_service.bench.systems import BY_NAME, KNOWN_SYSTEMS, SYSTEMS
-from prefix_service.bench.workloads import KNOWN_WORKLOADS, WORKLOADS
+from prefix_service.bench.workloads import CONSTRAINED_WORKLOADS, KNOWN_WORKLOADS, WORKLOADS
 
 REPO = Path(__file__).resolve().parents[2]
 DESCRIPTION = ("Benchmark operator-named prefixes: our engine with and without them, transformers baselines, "
@@ -36,6 +36,7 @@ examples:
   prefix-service bench --systems grpc_prefix,vllm_apc --workloads intent --modes closed_loop  # ours vs vLLM
   prefix-service bench --systems grpc_prefix,vllm_apc_bf16,vllm_apc_f32 --workloads intent  # vLLM in each dtype
   prefix-service bench --systems engine_prefix,grpc_prefix,vllm_apc_bf16 --workloads intent_labels  # labels as answers
+  prefix-service bench --systems grpc_prefix,http_prefix,vllm_apc_bf16 --workloads doc_records  # JSON records
   prefix-service bench --systems grpc_prefix,http_prefix,vllm_apc_bf16 --workloads intent  # both servers over HTTP
 """
 
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PATH", help="PNG of p99 latency vs offered QPS (default: the JSON path, .png)")
     p.add_argument("--markdown", metavar="PATH", help="also write the tables as markdown (for docs/benchmarks.md)")
     p.add_argument("--workloads", type=lambda v: _names(v, KNOWN_WORKLOADS, "workload"),
-                   help=f"default: {','.join(WORKLOADS)}; also the intent template's labels as its answers: "
+                   help=f"default: {','.join(WORKLOADS)}; also answers under a constraint (the intent template's "
+                        f"labels, the departures board's rows as JSON records): "
                         f"{','.join(w for w in KNOWN_WORKLOADS if w not in WORKLOADS)}")
     p.add_argument("--systems", type=lambda v: _names(v, KNOWN_SYSTEMS, "system"),
                    help=f"default: {','.join(SYSTEMS)}; also our server's HTTP API: {','.join(BY_NAME)}; vLLM in a "
@@ -99,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=int, dest="warmup_requests", metavar="N", help="untimed requests per system")
     g.add_argument("--single-requests", type=int, metavar="N", help="single mode: requests per system and workload")
     g.add_argument("--concurrency", type=_ints, metavar="LIST",
-                   help="closed loop on the intent workloads (intent, intent_labels), e.g. 1,4,16,64")
+                   help="closed loop on intent and the constrained workloads (intent_labels, doc_records), "
+                        "e.g. 1,4,16,64")
     g.add_argument("--closed-min-requests", type=int, metavar="N", help="requests per closed-loop run (at least)")
     g.add_argument("--closed-rounds", type=int, metavar="N", help="closed loop: requests per client")
     g.add_argument("--closed-turns", type=int, metavar="N",
@@ -131,7 +134,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     if args.concurrency or args.closed_turns:
         closed = tuple(dataclasses.replace(c, concurrencies=args.concurrency or c.concurrencies,
                                            turns=args.closed_turns if args.closed_turns is not None else c.turns)
-                       if c.workload in ("intent", "intent_labels") else c for c in closed)
+                       if c.workload in ("intent",) + CONSTRAINED_WORKLOADS else c for c in closed)
     return with_overrides(base, workloads=args.workloads, systems=args.systems, modes=args.modes, sizes=sizes,
                           closed=closed,
                           warmup_requests=args.warmup_requests, single_requests=args.single_requests,
@@ -230,8 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     plotted = report.plot_open_loop(plot, result["records"], plan.slo_ms, title)
     by_concurrency = str(Path(plot).with_name(Path(plot).stem + "-concurrency.png"))
     plotted_c = report.plot_concurrency(by_concurrency, result["records"], title)
-    labels_plot = str(Path(plot).with_name(Path(plot).stem + "-labels-concurrency.png"))
-    plotted_l = report.plot_concurrency(labels_plot, result["records"], title, workload="intent_labels")
+    answer_plots = []  # the constrained workloads': requests/s and e2e p50
+    for workload, suffix in (("intent_labels", "labels"), ("doc_records", "records")):
+        path = str(Path(plot).with_name(f"{Path(plot).stem}-{suffix}-concurrency.png"))
+        if report.plot_concurrency(path, result["records"], title, workload=workload):
+            answer_plots.append(path)
     print(report.records_table(result["records"]))
     if any(r["mode"] == "open_loop" for r in result["records"]):
         print(f"\nopen loop (SLO: p99 end-to-end < {plan.slo_ms:.0f} ms)")
@@ -241,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, why in result["extra"].get("skipped_systems", {}).items():
         print(f"skipped {name}: {why}")
     print(f"\nJSON: {args.json}" + (f"\nplot: {plot}" if plotted else "")
-          + (f"\nplot: {by_concurrency}" if plotted_c else "") + (f"\nplot: {labels_plot}" if plotted_l else "")
+          + (f"\nplot: {by_concurrency}" if plotted_c else "") + "".join(f"\nplot: {p}" for p in answer_plots)
           + f"\ntook {out['duration_s']:.0f} s")
     return 0
 

@@ -22,6 +22,8 @@ comparisons are:
   * intent_labels (asked for by name: `--workloads intent_labels`): the intent workload's messages
     answered with one of the template's labels; single mode, the closed loop at 1, 16 and 64, and
     the open loop, for the systems that can constrain an output (our engine and server, vLLM).
+  * doc_records (asked for by name): a flight's row of the departures board as a JSON record;
+    single mode and the closed loop at 1, 4 and 16, for the same systems.
   * open loop: through the gRPC server, with and without the prefix, the rates of `qps` in
     increasing order while p99 latency stays under the SLO, or under `open_stop_factor` x the
     p99 at the first rate with no request missing its deadline (so the curve shows where each
@@ -67,11 +69,11 @@ class Plan:
     sizes: Sizes = field(default_factory=Sizes)
     warmup_requests: int = 1  # per system, untimed, before anything is measured
     single_requests: int = 2  # per system and workload, unless single_by_workload says otherwise
-    single_by_workload: Pairs = (("intent", 12), ("no_shared", 12), ("intent_labels", 12))
+    single_by_workload: Pairs = (("intent", 12), ("no_shared", 12), ("intent_labels", 12), ("doc_records", 12))
     closed: tuple[ClosedSpec, ...] = (ClosedSpec("intent", (1, 4, 16, 64)),
                                       ClosedSpec("no_shared", (4,), ("engine_prefix", "engine_no_prefix"),
                                                  min_rounds=8, turns=4),
-                                      ClosedSpec("intent_labels", (1, 16, 64)))
+                                      ClosedSpec("intent_labels", (1, 16, 64)), ClosedSpec("doc_records", (1, 4, 16)))
     closed_min_requests: int = 2
     closed_rounds: int = 1
     caps: Pairs = (("hf_generate", 4), ("hf_prompt_cache", 4), ("engine_no_prefix", 16), ("grpc_no_prefix", 16),

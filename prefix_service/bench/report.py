@@ -200,7 +200,7 @@ def plot_open_loop(path: str | Path, records: list[dict], slo_ms: float, title: 
 
 def plot_concurrency(path: str | Path, records: list[dict], title: str, workload: str = "intent") -> bool:
     """Closed loop on a workload: output tok/s and TTFT p50 against concurrency, one line per system
-    (a labels workload: requests/s and e2e p50, its answers being a few tokens). False when there are
+    (a constrained workload: requests/s and e2e p50, each answer one label or record). False when there are
     fewer than two concurrencies to draw."""
     rows = [r for r in records if r["mode"] == "closed_loop" and r["workload"] == workload]
     if len({r["concurrency"] for r in rows}) < 2:
@@ -211,7 +211,7 @@ def plot_concurrency(path: str | Path, records: list[dict], title: str, workload
     import matplotlib.ticker
 
     measures = ((("req_s", "requests/s (closed loop)"), ("e2e_p50_ms", "end to end p50 (ms)"))
-                if any("label_counts" in r for r in rows)
+                if any("answers_not_labels" in r or "answers_not_records" in r for r in rows)
                 else (("output_tok_s", "output tokens/s (closed loop)"), ("ttft_p50_ms", "TTFT p50 (ms)")))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for system in dict.fromkeys(r["system"] for r in rows):

@@ -177,10 +177,8 @@ class Runner:
         errors = sorted({t.error for t in result.timings if t.error})
         if errors:
             rec["errors"] = errors[:5]
-        if workload.labels:  # each finished answer must be a label; how often each came
-            answers = [t.text for t in result.timings if t.ok]
-            rec["answers_not_labels"] = sum(a not in workload.labels for a in answers)
-            rec["label_counts"] = {label.strip(): answers.count(label) for label in workload.labels if label in answers}
+        # each finished answer must be a label (how often each came) or a record of the schema
+        rec.update(workload.wrong_answers([t.text for t in result.timings if t.ok]))
         self.records.append(rec)
         return rec
 

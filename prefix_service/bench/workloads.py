@@ -20,26 +20,38 @@ and, asked for by name (not in a full run):
   intent_labels  the intent workload as its users run it: the same template and form of message,
                  each answer one of the template's labels (a choice constraint), ending where the
                  label does (EOS honoured); the measure is requests/s, not tokens
+  doc_records    the departures-board template + `\nQ: <a flight's row asked for as JSON>\nA:`,
+                 each answer a JSON record of six of the board's columns (a JSON schema, compact
+                 JSON), ending where the record does, at most 96 tokens
 
 Templates are the files of configs/prompts/ with their trailing blank lines reduced to one newline.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from prefix_service.bench import corpus
 
 WORKLOADS = ("intent", "doc_qa", "ratio_0_32", "no_shared")
-LABEL_WORKLOADS = ("intent_labels",)  # answers constrained to labels: asked for by name, not in a full run
-KNOWN_WORKLOADS = WORKLOADS + LABEL_WORKLOADS  # what --workloads takes
+# answers under a constraint (labels, records): asked for by name, not in a full run
+CONSTRAINED_WORKLOADS = ("intent_labels", "doc_records")
+KNOWN_WORKLOADS = WORKLOADS + CONSTRAINED_WORKLOADS  # what --workloads takes
 PREFIX_NAMES = {"intent": "intent_classifier", "doc_qa": "table_qa", "ratio_0_32": "ratio_0_32_prefix",
-                "intent_labels": "intent_classifier"}
+                "intent_labels": "intent_classifier", "doc_records": "table_qa"}
 PROMPTS_DIR = Path(__file__).resolve().parents[2] / "configs" / "prompts"
 # the labels the intent template defines ("Labels and when to use them"), in its order
 INTENT_LABELS = ("order_status", "order_change", "cancel_order", "return_refund", "billing", "product_question",
                  "damaged_item", "account", "warranty_repair", "feedback", "other")
+
+# doc_records: a flight's row as a record of these columns of the board, each a string
+RECORD_FIELDS = ("flight", "airline", "destination", "departs", "gate", "status")
+RECORD_SCHEMA: dict[str, Any] = {
+    "type": "object", "properties": {f: {"type": "string", "maxLength": 40} for f in RECORD_FIELDS},
+    "required": list(RECORD_FIELDS), "additionalProperties": False}
+RECORD_MAX_TOKENS = 96  # a record of the board's row is 40-80 tokens
 
 
 @dataclass(frozen=True)
@@ -58,8 +70,54 @@ class BenchRequest:
     prompt_ids: tuple[int, ...]
 
 
+class Answers:
+    """What a workload's answers must be, for the systems and the records (Workload and the view a
+    child process gets): one of `labels`, a JSON record of `record_schema`, or free text."""
+    labels: tuple[str, ...]
+    record_schema: dict[str, Any] | None
+
+    @property
+    def constrained(self) -> bool:
+        """Answers under a constraint, EOS honoured, output_tokens a cap; else free text with EOS
+        ignored, exactly output_tokens tokens."""
+        return bool(self.labels) or self.record_schema is not None
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """The constraint as vLLM's `structured_outputs` field (our HTTP API takes it too), or None."""
+        if self.labels:
+            return {"choice": list(self.labels)}
+        if self.record_schema is not None:  # compact JSON, as ours writes it
+            return {"json": self.record_schema, "disable_any_whitespace": True}
+        return None
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The constraint as our Python client's `structured_output` (one key), or None."""
+        if self.labels:
+            return {"choice": list(self.labels)}
+        return {"json_schema": self.record_schema} if self.record_schema is not None else None
+
+    def wrong_answers(self, answers: list[str]) -> dict[str, Any]:
+        """The record fields that check answers: labels, how many are none of them and how often each
+        came; records, how many are not a JSON object of the schema's fields."""
+        if self.labels:
+            return {"answers_not_labels": sum(a not in self.labels for a in answers),
+                    "label_counts": {label.strip(): answers.count(label) for label in self.labels if label in answers}}
+        if self.record_schema is not None:
+            return {"answers_not_records": sum(not _is_record(a, self.record_schema) for a in answers)}
+        return {}
+
+
+def _is_record(text: str, schema: dict[str, Any]) -> bool:
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and set(record) == set(schema["required"]) and \
+        all(isinstance(v, str) for v in record.values())
+
+
 @dataclass
-class Workload:
+class Workload(Answers):
     name: str
     prefix_name: str | None
     prefix_text: str
@@ -67,9 +125,11 @@ class Workload:
     output_tokens: int
     make_text: Callable[[int], str]  # request index -> prompt text
     encode: Callable[[str, bool], list[int]]  # (text, add_special_tokens) -> ids
-    # set: every answer is one of these (a choice constraint), EOS ends it, output_tokens is its cap;
-    # empty: free text, EOS ignored, exactly output_tokens tokens
+    # set: every answer is one of these (a choice constraint), EOS ends it, output_tokens is its cap
     labels: tuple[str, ...] = ()
+    # set: every answer is a JSON record of this schema, EOS ends it, output_tokens is its cap
+    # (neither set: free text, EOS ignored, exactly output_tokens tokens)
+    record_schema: dict[str, Any] | None = None
     _cache: dict[int, BenchRequest] = field(default_factory=dict, repr=False)
 
     @property
@@ -97,7 +157,11 @@ class Workload:
         lens = [len(self.request(i).prompt_ids) for i in range(sample)]
         out = {"prefix_name": self.prefix_name, "prefix_tokens": len(self.prefix_ids),
                "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens), "output_tokens": self.output_tokens}
-        return {**out, "labels": list(self.labels), "output_tokens_is": "at most"} if self.labels else out
+        if self.labels:
+            return {**out, "labels": list(self.labels), "output_tokens_is": "at most"}
+        if self.record_schema is not None:
+            return {**out, "record_fields": list(self.record_schema["required"]), "output_tokens_is": "at most"}
+        return out
 
 
 def cut_to_tokens(text: str, max_tokens: int | None, count: Callable[[str], int]) -> str:
@@ -177,6 +241,7 @@ def build_workload(name: str, tokenizer, sizes: Sizes = Sizes(), prompts_dir: Pa
     intent_text = (prompts_dir / "intent_classifier.txt").read_text(encoding="utf-8")
     out = sizes.output_tokens
     labels: tuple[str, ...] = ()
+    schema: dict[str, Any] | None = None
     if name in ("intent", "intent_labels"):
         prefix = _one_newline(cut_to_tokens(intent_text, sizes.max_prefix_tokens, count_after_prefix))
         key = "intent" if name == "intent" else "labels"  # messages of their own: no peer's cache sees one twice
@@ -185,11 +250,14 @@ def build_workload(name: str, tokenizer, sizes: Sizes = Sizes(), prompts_dir: Pa
         if name == "intent_labels":
             labels = tuple(" " + label for label in INTENT_LABELS)
             out = max(count_after_prefix(label) for label in labels) + 1  # the longest label, then room for EOS
-    elif name == "doc_qa":
+    elif name in ("doc_qa", "doc_records"):
         doc = (prompts_dir / "lisbon_departures.md").read_text(encoding="utf-8")
         prefix = _one_newline(cut_to_tokens(doc, sizes.max_prefix_tokens, count_after_prefix))
         dests = corpus.destinations(prefix)
-        make = lambda i: f"\nQ: {corpus.question(i, dests)}\nA:"
+        forms = corpus.QUESTION_FORMS if name == "doc_qa" else corpus.RECORD_FORMS
+        make = lambda i: f"\nQ: {corpus.question(i, dests, forms)}\nA:"
+        if name == "doc_records":
+            schema, out = RECORD_SCHEMA, RECORD_MAX_TOKENS
     elif name == "ratio_0_32":
         budget = round(sizes.ratio * sizes.total_tokens)
         if sizes.max_prefix_tokens is not None:
@@ -207,7 +275,7 @@ def build_workload(name: str, tokenizer, sizes: Sizes = Sizes(), prompts_dir: Pa
                                            "\nSummary:", sizes.total_tokens), encode)
     else:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(KNOWN_WORKLOADS)}")
-    return Workload(name, PREFIX_NAMES[name], prefix, tuple(encode(prefix, True)), out, make, encode, labels)
+    return Workload(name, PREFIX_NAMES[name], prefix, tuple(encode(prefix, True)), out, make, encode, labels, schema)
 
 
 def _one_newline(text: str) -> str:

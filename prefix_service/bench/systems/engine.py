@@ -32,10 +32,10 @@ class EngineSystem(System):
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         by_name = self.uses_prefix and workload.has_prefix
-        labels = workload.labels
-        sampling = (SamplingParams(max_tokens=workload.output_tokens,
-                                   structured=StructuredOutput("choice", choices=labels)) if labels
-                    else SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True))
+        constrained = workload.constrained
+        constraint = workload.structured_output()
+        sampling = (SamplingParams(max_tokens=workload.output_tokens, structured=StructuredOutput.from_dict(constraint))
+                    if constraint else SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True))
         request = GenerateRequest(
             prompt_token_ids=list(req.prompt_ids) if by_name else workload.full_ids(req),
             prefix_name=workload.prefix_name if by_name else None, sampling=sampling)
@@ -44,7 +44,7 @@ class EngineSystem(System):
 
         def sink(out: RequestOutput) -> None:  # on the engine's loop thread: keep it short
             t = now()
-            timing.add_tokens(len(out.token_ids), t, out.text if labels else "")
+            timing.add_tokens(len(out.token_ids), t, out.text if constrained else "")
             if out.finished:
                 timing.end = t
                 timing.engine_ttft_ms = out.ttft_ms

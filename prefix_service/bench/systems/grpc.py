@@ -129,9 +129,10 @@ class HttpSystem(System):
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         assert workload.prefix_name is not None
-        body = completion_body(workload.prefix_name, req.prompt_text, workload.output_tokens, workload.labels)
+        body = completion_body(workload.prefix_name, req.prompt_text, workload.output_tokens,
+                               workload.structured_outputs())
         timing, mismatch = stream_completion(self.port, body, len(workload.prefix_ids) + len(req.prompt_ids),
-                                             bool(workload.labels), timeout_s)
+                                             workload.constrained, timeout_s)
         self.usage_mismatches += mismatch
         return timing
 
@@ -150,14 +151,14 @@ class GrpcSystem(System):
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         by_name = self.uses_prefix and workload.has_prefix
         text = req.prompt_text if by_name else workload.full_text(req)
-        labels = workload.labels
-        constraint = {"structured_output": {"choice": list(labels)}} if labels else {"ignore_eos": True}
+        constrained = workload.constrained
+        constraint = {"structured_output": workload.structured_output()} if constrained else {"ignore_eos": True}
         timing = Timing(start=now())
         try:
             for msg in self.client.generate(text, workload.prefix_name if by_name else None,
                                             max_tokens=workload.output_tokens, timeout=timeout_s, **constraint):
                 t = now()
-                timing.add_tokens(len(msg.token_ids), t, msg.text if labels else "")
+                timing.add_tokens(len(msg.token_ids), t, msg.text if constrained else "")
                 if msg.finish_reason:
                     timing.end = t
                     timing.engine_ttft_ms = msg.usage.ttft_ms or None  # 0: no token was sampled

@@ -14,7 +14,7 @@ throughput at any concurrency is the sequential throughput; latency includes the
 first token comes from a streamer whose second `put` is the first generated token (the first
 is the prompt). Greedy, EOS ignored (`min_new_tokens` = `max_new_tokens`), sdpa attention, the
 engine's device and dtype (model.dtype as the engine resolves it), the same torch threads as our
-engine. None of them runs a labels workload: they have no constraint to choose a label with.
+engine. None of them runs a constrained workload (labels, records): they have no constraints.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class HFGenerate(System):
         self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def supports(self, workload: Workload) -> bool:
-        return not workload.labels and (workload.has_prefix or not self.uses_prefix)  # labels: no constraints here
+        return not workload.constrained and (workload.has_prefix or not self.uses_prefix)  # no constraints here
 
     @torch.inference_mode()
     def prepare(self, workload: Workload) -> None:
@@ -133,7 +133,7 @@ class HFGenerateBatch(System):
                 fut.set_result(result)
 
     def supports(self, workload: Workload) -> bool:
-        return not workload.labels  # no structured outputs in transformers' batching
+        return not workload.constrained  # no structured outputs in transformers' batching
 
     def prepare(self, workload: Workload) -> None:
         """One untimed request on the workload, so its prefix pages are cached like our pinned ones."""

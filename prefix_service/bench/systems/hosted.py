@@ -31,11 +31,11 @@ from typing import Any, Callable
 
 from prefix_service.bench.metrics import Timing
 from prefix_service.bench.systems import System, now
-from prefix_service.bench.workloads import BenchRequest, Workload
+from prefix_service.bench.workloads import Answers, BenchRequest, Workload
 
 
 @dataclasses.dataclass
-class WorkloadView:
+class WorkloadView(Answers):
     """What a system reads from a Workload, without the tokenizer: it pickles to the child."""
     name: str
     prefix_name: str | None
@@ -44,11 +44,12 @@ class WorkloadView:
     output_tokens: int
     requests: dict[int, BenchRequest]  # made in this process: the ones `prepare` asks for
     labels: tuple[str, ...] = ()
+    record_schema: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, workload: Workload) -> WorkloadView:
         return cls(workload.name, workload.prefix_name, workload.prefix_text, workload.prefix_ids,
-                   workload.output_tokens, {-1: workload.request(-1)}, workload.labels)
+                   workload.output_tokens, {-1: workload.request(-1)}, workload.labels, workload.record_schema)
 
     @property
     def has_prefix(self) -> bool:

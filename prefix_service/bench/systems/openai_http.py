@@ -13,10 +13,11 @@ from prefix_service.bench.metrics import Timing
 from prefix_service.bench.systems import now
 
 
-def completion_body(model: str, prompt: Any, max_tokens: int, labels: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A greedy streamed completion of `prompt` (text or token ids): free text with EOS ignored, or,
-    with labels, one of them (vLLM's `structured_outputs` choice; ours takes the same field)."""
-    constraint = {"structured_outputs": {"choice": list(labels)}} if labels else {"ignore_eos": True}
+def completion_body(model: str, prompt: Any, max_tokens: int, structured_outputs: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """A greedy streamed completion of `prompt` (text or token ids): free text with EOS ignored, or
+    an answer under vLLM's `structured_outputs` (ours takes the same field; Answers.structured_outputs)."""
+    constraint = {"structured_outputs": structured_outputs} if structured_outputs else {"ignore_eos": True}
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "return_token_ids": True, "stream_options": {"include_usage": True}, **constraint}
 
@@ -25,7 +26,7 @@ def stream_completion(port: int, body: dict[str, Any], prompt_tokens: int, keep_
                       timeout_s: float | None = None) -> tuple[Timing, bool]:
     """POST body to 127.0.0.1:port/v1/completions and read its stream -> (the timing, whether the
     usage disagreed with prompt_tokens or with the tokens that came). keep_text: the timing keeps
-    the answer's text (a labels workload checks it). A refused call, a broken stream or one
+    the answer's text (a constrained workload checks it). A refused call, a broken stream or one
     without its usage is the timing's error."""
     timing = Timing(start=now())
     mismatch = False

@@ -180,8 +180,8 @@ class VllmSystem(System):
 
     def run(self, workload: Workload, req: BenchRequest, timeout_s: float | None = None) -> Timing:
         ids = workload.full_ids(req)
-        # a labels workload: vLLM's structured outputs (xgrammar on its CPU build) choose the label
-        body = completion_body(SERVED_NAME, ids, workload.output_tokens, workload.labels)
-        timing, mismatch = stream_completion(self.server.port, body, len(ids), bool(workload.labels), timeout_s)
+        # a constrained workload: vLLM's structured outputs (xgrammar on its CPU build)
+        body = completion_body(SERVED_NAME, ids, workload.output_tokens, workload.structured_outputs())
+        timing, mismatch = stream_completion(self.server.port, body, len(ids), workload.constrained, timeout_s)
         self.usage_mismatches += mismatch
         return timing
