@@ -191,6 +191,9 @@ class SchedulerConfig:
     speculative_min_ngram: int = 2
     speculative_max_running: int = 8  # drafts only while at most this many sequences run
     speculative_step_tokens: int = 32  # the most draft tokens a step checks, shared evenly by the running sequences
+    # a decode row's cost over a decode step's fixed cost, which decides how many draft tokens are
+    # worth their rows (speculation.Drafter.worth); None: fitted to the engine's own decode steps
+    speculative_row_cost: float | None = None
 
     def __post_init__(self) -> None:
         _check_int("scheduler.max_num_seqs", self.max_num_seqs, 1)
@@ -209,6 +212,11 @@ class SchedulerConfig:
         _check_int("scheduler.speculative_max_ngram", self.speculative_max_ngram, self.speculative_min_ngram)
         _check_int("scheduler.speculative_max_running", self.speculative_max_running, 1)
         _check_int("scheduler.speculative_step_tokens", self.speculative_step_tokens, 1)
+        if self.speculative_row_cost is not None and (
+                isinstance(self.speculative_row_cost, bool) or not isinstance(self.speculative_row_cost, (int, float))
+                or not 0 <= self.speculative_row_cost <= 1):
+            raise ConfigError(f"scheduler.speculative_row_cost: expected a number from 0 to 1 (a decode row's cost "
+                              f"over a step's fixed cost), or null to measure it, got {self.speculative_row_cost!r}")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefix-tokens", type=int, help="cut the templates to at most this many tokens")
     p.add_argument("--tokens", default="0,8", help="scheduler.speculative_tokens of each engine (0: none)")
     p.add_argument("--min-ngram", type=int, help="scheduler.speculative_min_ngram (default: the config's)")
+    p.add_argument("--row-costs", default="", help="scheduler.speculative_row_cost of each drafting engine, e.g. "
+                   "auto,0 (auto: measured; 0: every draft worth its rows); one engine per value and draft length "
+                   "above 0, named ours-K@VALUE (default: the config's, ours-K)")
     p.add_argument("--max-running", type=int, default=8,
                    help="scheduler.speculative_max_running (8: drafts at every --concurrency below 9)")
     p.add_argument("--tasks", default=",".join(TASKS))
@@ -70,13 +73,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_config(args: argparse.Namespace, tokens: int):
-    """The config's engine (or --model's with default settings) drafting `tokens`."""
+def engine_config(args: argparse.Namespace, tokens: int, row_cost: str | None = None):
+    """The config's engine (or --model's with default settings) drafting `tokens`; row_cost: its
+    speculative_row_cost ("auto": measured), None: the config's."""
     from prefix_service.config import CacheConfig, EngineConfig, ModelConfig, load_config
     ec = EngineConfig(ModelConfig(path=args.model), CacheConfig()) if args.model else load_config(args.config).engine
-    lookup = {"speculative_min_ngram": args.min_ngram} if args.min_ngram else {}
+    lookup: dict = {"speculative_min_ngram": args.min_ngram} if args.min_ngram else {}
+    if row_cost is not None:
+        lookup["speculative_row_cost"] = None if row_cost == "auto" else float(row_cost)
     return dataclasses.replace(ec, scheduler=dataclasses.replace(
         ec.scheduler, speculative_tokens=tokens, speculative_max_running=args.max_running, **lookup))
+
+
+def our_engines(args: argparse.Namespace) -> dict[str, tuple[int, str | None]]:
+    """Our systems: name -> (draft tokens, row cost or None for the config's)."""
+    costs = [c for c in args.row_costs.split(",") if c]
+    out: dict[str, tuple[int, str | None]] = {}
+    for k in (int(x) for x in args.tokens.split(",")):
+        for cost in (costs if k and costs else [None]):
+            out[f"ours-{k}" + (f"@{cost}" if cost is not None else "")] = (k, cost)
+    return out
 
 
 def tasks(tokenizer, names: list[str], max_tokens: int, max_prefix_tokens: int | None) -> dict:
@@ -171,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from prefix_service import Engine
     from prefix_service.bench.main import child_result, git_commit, machine_info
-    token_counts = [int(x) for x in args.tokens.split(",")]
+    ours = our_engines(args)
     vllm_counts = [int(x) for x in args.vllm_tokens.split(",") if x]
     names = [t for t in args.tasks.split(",") if t]
     unknown = set(names) - set(TASKS)
@@ -185,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         if vllm_python is None:
             raise SystemExit(why)
         vllm_env = server_env(vllm_python)
-    engines = {}
-    for k in token_counts:
-        engines[k] = Engine(engine_config(args, k))
+    engines = {system: Engine(engine_config(args, k, cost)) for system, (k, cost) in ours.items()}
     first = next(iter(engines.values()))
     work = tasks(first.tokenizer, names, args.max_tokens, args.max_prefix_tokens)
     sched = engine_config(args, 0).scheduler
@@ -213,20 +227,21 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines.values():
         for template, ids, _, _ in {w[0]: w for w in work.values()}.values():
             engine.add_template(template, token_ids=ids)
-    for k, engine in engines.items():  # warm each engine's paths, untimed
+    for engine in engines.values():  # warm each engine's paths, untimed
         for name, (template, _, _, params) in work.items():
             run_batch(engine, template, warm[name], params)
-    systems = [f"ours-{k}" for k in token_counts] + [f"vllm-{k}" for k in vllm_counts]
+    systems = list(ours) + [f"vllm-{k}" for k in vllm_counts]
     runs: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
     for rnd, batches in enumerate(plan_rounds):
-        order = token_counts[rnd % len(token_counts):] + token_counts[:rnd % len(token_counts)]
+        names_now = list(ours)
+        order = names_now[rnd % len(names_now):] + names_now[:rnd % len(names_now)]
         for batch in batches:
             template, _, _, params = work[batch["task"]]
-            for k in order:
-                r = run_batch(engines[k], template, batch["prompts"], params)
-                runs.setdefault(f"{batch['key']}/ours-{k}", []).append(r)
-                print(f"round {rnd + 1} {batch['key']:10s} ours-{k:<2d} {r['tok_s']:7.1f} tok/s "
+            for system in order:
+                r = run_batch(engines[system], template, batch["prompts"], params)
+                runs.setdefault(f"{batch['key']}/{system}", []).append(r)
+                print(f"round {rnd + 1} {batch['key']:10s} {system:10s} {r['tok_s']:7.1f} tok/s "
                       f"kept {r['accepted_draft_tokens']}/{r['draft_tokens']}", flush=True)
         for k in vllm_counts:
             if f"vllm-{k}" in skipped:
@@ -245,14 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines.values():
         engine.shutdown()
     plan_dir.cleanup()
-    base_name = f"ours-{token_counts[0]}"
+    base_name = next(iter(ours))
     table = []
     same, same_vllm = {}, {}
     for name in work:
         def ids_of(system: str) -> list[list[int]]:
             return [ids for c in levels for r in runs.get(f"{name}/{c}/{system}", []) for ids in r["token_ids"]]
         base_ids = ids_of(base_name)
-        same[name] = all(ids_of(f"ours-{k}") == base_ids for k in token_counts)
+        same[name] = all(ids_of(system) == base_ids for system in ours)
         for k in vllm_counts:
             got = ids_of(f"vllm-{k}")
             if got:
@@ -271,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
                               "draft_tokens": drafted, "accepted_draft_tokens": kept,
                               "kept_share": kept / drafted if drafted else None,
                               "output_tokens": sum(r["output_tokens"] for r in rs)})
-    print(f"\n{'task':8s} {'clients':>7s} {'system':>9s} {'tok/s':>8s} {'vs ' + base_name:>10s} {'kept':>12s}")
+    print(f"\n{'task':8s} {'clients':>7s} {'system':>12s} {'tok/s':>8s} {'vs ' + base_name:>10s} {'kept':>12s}")
     for row in table:
         kept = f"{row['accepted_draft_tokens']}/{row['draft_tokens']}" if row["draft_tokens"] else "-"
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] else "-"
-        print(f"{row['task']:8s} {row['concurrency']:7d} {row['system']:>9s} {row['tok_s']:8.1f} {ratio:>10s} "
+        print(f"{row['task']:8s} {row['concurrency']:7d} {row['system']:>12s} {row['tok_s']:8.1f} {ratio:>10s} "
               f"{kept:>12s}")
     print("same tokens per task (ours):", same)
     if same_vllm:

@@ -14,15 +14,17 @@ def test_bench_speculative_script(llama_dir, tmp_path, capsys):
     script = load_script("bench_speculative")
     # one-token lookups: the random model's text repeats few pairs of its context
     assert script.main(["--model", str(llama_dir), "--max-prefix-tokens", "120", "--tokens", "0,4", "--min-ngram", "1",
-                        "--concurrency", "1,2", "--rounds", "2", "--max-tokens", "12", "--json", str(out)]) == 0
+                        "--concurrency", "1,2", "--rounds", "2", "--max-tokens", "12", "--row-costs", "auto,0",
+                        "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     tasks = ("doc_qa", "quote", "extract", "intent")
     assert data["same_tokens"] == dict.fromkeys(tasks, True)
     rows = {(r["task"], r["concurrency"], r["system"]): r for r in data["table"]}
-    assert set(rows) == {(t, c, s) for t in tasks for c in (1, 2) for s in ("ours-0", "ours-4")}
+    systems = ("ours-0", "ours-4@auto", "ours-4@0")  # a row cost per drafting engine
+    assert set(rows) == {(t, c, s) for t in tasks for c in (1, 2) for s in systems}
     assert all(r["draft_tokens"] == 0 for key, r in rows.items() if key[2] == "ours-0")
-    assert sum(r["draft_tokens"] for key, r in rows.items() if key[2] == "ours-4") > 0
+    assert sum(r["draft_tokens"] for key, r in rows.items() if key[2] == "ours-4@0") > 0
     for (task, c, system), r in rows.items():
         assert len(r["tok_s_each"]) == 2 and r["tok_s"] > 0 and r["accepted_draft_tokens"] <= r["draft_tokens"]
         assert r["ratio"] == (1.0 if system == "ours-0" else r["tok_s"] / rows[(task, c, "ours-0")]["tok_s"])

@@ -58,6 +58,7 @@ def written(results, exact=True):
 def run(make_engine, requests, speculative_tokens, exact=True, **kw):
     """-> (written outputs, steps, kv_stats) of one engine with the template "t" pinned."""
     kw.setdefault("speculative_max_running", 64)
+    kw.setdefault("speculative_row_cost", 0.0)  # every draft worth its rows: as long as its lookup and earnings allow
     engine = make_engine(speculative_tokens=speculative_tokens, **kw)
     engine.add_template("t", token_ids=TEMPLATE)
     steps = counting(engine)
@@ -139,7 +140,7 @@ def test_a_drafted_run_takes_the_tokens_its_constraint_forces_after_it(make_engi
     """The tokens a constraint forces after a drafted run come with it, as after a token of a step
     alone: no output ends where its constraint forces the next token, or, with logprobs, the next
     output is that forced run, once the next step has given their logprobs."""
-    engine = make_engine(speculative_tokens=8, speculative_max_running=64)
+    engine = make_engine(speculative_tokens=8, speculative_max_running=64, speculative_row_cost=0.0)
     vocab = engine._core.arch.vocab_size
     for spec in STRUCTURED.values():
         outputs = streamed(engine, req(structured=spec, max_tokens=50, logprobs=logprobs))
@@ -165,7 +166,7 @@ def test_a_structured_outputs_draft_stops_before_a_token_its_constraint_refuses(
     prompt, output = [41, 77, 12, 41, 9, 5, 6], [41, 77]
     seq = Sequence("s", prompt, SamplingParams(max_tokens=50), 512, None, None)
     seq.token_ids += output
-    drafter = Drafter(SchedulerConfig(speculative_tokens=8), 512)
+    drafter = Drafter(SchedulerConfig(speculative_tokens=8, speculative_row_cost=0.0), 512)
     assert drafter(seq, 8) == (12, 41, 9, 5, 6, 41, 77)  # what followed the earlier "G" "k"
     seq.matcher = structured.start(engine._core.structured.compile(StructuredOutput("regex", "[Gk*]{0,5}")))
     seq.matcher.consume_tokens(output)
@@ -254,7 +255,7 @@ def test_a_draft_takes_no_block_a_running_sequence_may_need():
     """A draft's blocks come from those left after one for each running sequence: a block the next
     decode of another sequence needs is never taken (which would preempt it)."""
     # a: 7 prompt tokens (2 blocks, its next token in them); b: 8 (2 blocks, its next token needs a 3rd)
-    alloc, sched = scheduler(6, lambda seq, limit: tuple(range(100, 100 + min(limit, 8))))
+    alloc, sched = scheduler(6, lambda seq, limit, running: tuple(range(100, 100 + min(limit, 8))))
     a, b = decoding(sched, range(7), range(8))
     assert alloc.num_free == 2
     out = sched.schedule()
@@ -266,7 +267,7 @@ def test_a_drafts_rows_and_what_its_kept_tokens_leave():
     """The draft runs as decode rows after the last token, every one with logits; after the step only
     the last token counts as computed until a drawn token matches the draft at its place; the blocks
     past the kept tokens are freed."""
-    alloc, sched = scheduler(16, lambda seq, limit: (100, 101, 102, 103, 104, 105))
+    alloc, sched = scheduler(16, lambda seq, limit, running: (100, 101, 102, 103, 104, 105))
     (a,) = decoding(sched, range(7))  # tokens 0..6 computed, 7 sampled
     out = sched.schedule()
     (s,) = out.scheduled
@@ -340,6 +341,10 @@ def test_propose_takes_the_longest_match_latest_first():
     (dict(speculative_max_ngram=1, speculative_min_ngram=2), "speculative_max_ngram"),
     (dict(speculative_max_running=0), "speculative_max_running"),
     (dict(speculative_step_tokens=0), "speculative_step_tokens"),
+    (dict(speculative_row_cost=-0.1), "speculative_row_cost"),
+    (dict(speculative_row_cost=1.5), "speculative_row_cost"),
+    (dict(speculative_row_cost="auto"), "speculative_row_cost"),
+    (dict(speculative_row_cost=True), "speculative_row_cost"),
 ])
 def test_bad_speculative_settings_are_refused(bad, message):
     with pytest.raises(ConfigError, match=message):
@@ -354,7 +359,7 @@ def test_a_fault_while_a_draft_is_drawn_from_ends_that_request_alone(make_engine
     come back (the fixture checks the allocator)."""
     import threading
 
-    engine = make_engine(speculative_tokens=8, speculative_max_running=64)
+    engine = make_engine(speculative_tokens=8, speculative_max_running=64, speculative_row_cost=0.0)
     engine.add_template("t", token_ids=TEMPLATE)
     alone = engine.generate(req("t"))[0]
     core = engine._core
@@ -404,3 +409,63 @@ def test_a_fault_while_a_draft_is_drawn_from_ends_that_request_alone(make_engine
         assert outs["bad"][-1].finish_reason is FinishReason.ABORT
     good = outs["good"]
     assert good[-1].error is None and [t for o in good for t in o.token_ids] == alone.token_ids
+
+
+def test_a_step_cost_is_fitted_to_the_steps_rows_and_times():
+    """row_cost: a row's time over a step's fixed time, by least squares over recent steps; the
+    default until the steps' rows differ; a fixed value where the config gives one."""
+    from prefix_service.engine.speculation import DEFAULT_ROW_COST, StepCost
+    cost = StepCost()
+    assert cost.row_cost == DEFAULT_ROW_COST
+    for _ in range(20):
+        cost.observe(4, 0.012)
+    assert cost.row_cost == DEFAULT_ROW_COST  # every step of 4 rows: no slope
+    for rows in [1, 9, 4, 33, 17, 2, 40, 8] * 5:
+        cost.observe(rows, 0.010 + 0.0005 * rows)  # a 10 ms step, 0.5 ms a row
+    assert cost.row_cost == pytest.approx(0.05, rel=1e-6)
+    for rows in [1, 9, 4, 33, 17, 2, 40, 8] * 40:  # the machine changed: the older steps fade
+        cost.observe(rows, 0.004 + 0.002 * rows)
+    assert cost.row_cost == pytest.approx(0.5, rel=0.02) and cost.observed == 380
+    assert StepCost(0.2).row_cost == 0.2
+    flat = StepCost()
+    for rows in [1, 40] * 10:
+        flat.observe(rows, 0.01 - 0.0001 * rows)  # more rows, less time: noise, rows cost nothing
+    assert flat.row_cost == 0.0
+
+
+def test_a_draft_is_as_long_as_its_tokens_are_worth_their_rows():
+    """The k-th draft token is kept with the sequence's acceptance^k; it is worth its row while that is
+    at least n r / (1 + n r) (n running, r a row's cost): a sequence whose drafts are kept drafts long
+    even in a large batch, one whose drafts are missed drafts short alone and none in a batch."""
+    from prefix_service.engine.speculation import Drafter
+    drafter = Drafter(SchedulerConfig(speculative_tokens=8, speculative_row_cost=0.08), 512)
+    quoting, writing = (Sequence(name, list(PROMPT), SamplingParams(max_tokens=50), 512, None, None)
+                        for name in ("q", "w"))
+    assert drafter.acceptance(quoting) == 0.5  # nothing drafted yet: the engine's rate, from 1 of 2
+    for _ in range(6):
+        drafter.learn(quoting, 8, 8)
+        drafter.learn(quoting, 8, 7)
+        for _ in range(3):
+            drafter.learn(writing, 2, 0)
+        drafter.learn(writing, 1, 1)
+    p, q = drafter.acceptance(quoting), drafter.acceptance(writing)
+    assert 0.9 < p < 1 and 0.25 < q < 0.35 and p > drafter.acceptance(Sequence("new", [1], SamplingParams(), 9, None, None))
+    for n, want_p, want_q in ((1, 8, 2), (8, 8, 0), (64, 2, 0)):
+        bar = n * 0.08 / (1 + n * 0.08)
+        assert p ** want_p >= bar and (want_p == 8 or p ** (want_p + 1) < bar)
+        assert drafter.worth(quoting, n) == want_p and drafter.worth(writing, n) == want_q
+    assert Drafter(SchedulerConfig(speculative_tokens=8, speculative_row_cost=0.0), 512).worth(writing, 64) == 8
+
+
+def test_drafts_not_worth_their_rows_are_not_made(make_engine):
+    """Where a row costs as much as a step (row cost 1), no draft whose tokens are kept at most half the
+    time is worth it: none is made, and the tokens are the same; with the cost measured, the engine
+    fits it to its own decode steps."""
+    requests = [req(prefix) for prefix in (None, "t")]
+    off, _, _ = run(make_engine, requests, 0)
+    dear, _, stats = run(make_engine, requests, 8, speculative_row_cost=1.0)
+    assert dear == off and stats["draft_tokens"] == 0
+    engine = make_engine(speculative_tokens=8, speculative_max_running=64)  # measured
+    engine.add_template("t", token_ids=TEMPLATE)
+    assert written(engine.generate(requests)) == off
+    assert engine._core.drafter.cost.observed >= 10  # the decode steps of 2 x 40 tokens

@@ -577,6 +577,7 @@ class EngineCore:
     def step(self) -> None:
         while self._undeliverable:  # requests whose sink raised (_guarded): nobody can read them
             self.abort(self._undeliverable.pop())
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         for stuck in out.unschedulable:
             # Ended, never retried: with no output yet it fails (CacheExhausted, RESOURCE_EXHAUSTED at
@@ -627,6 +628,9 @@ class EngineCore:
                 self._fail_row(seq, e, "handling its new token failed")
         if drafted:
             self._verify_drafts(drafted, now)
+        if self.drafter is not None and all(s.is_decode for s in out.scheduled):
+            # what a decode step costs by its rows decides how many draft tokens are worth theirs
+            self.drafter.cost.observe(out.num_tokens, time.perf_counter() - start)
 
     def _end_sequence(self, seq: Sequence, reason: FinishReason, error: Exception,
                       error_with_output: bool = True) -> None:

@@ -98,9 +98,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, templates: TemplatePins,
-                 block_size: int, draft: Callable[[Sequence, int], tuple[int, ...]] | None = None) -> None:
+                 block_size: int, draft: Callable[[Sequence, int, int], tuple[int, ...]] | None = None) -> None:
         self.config = config
-        # (seq, most tokens) -> draft tokens to check after seq's last (speculation.Drafter); None: none
+        # (seq, most tokens, running sequences) -> draft tokens to check after seq's last
+        # (speculation.Drafter); None: none
         self.draft = draft
         self.allocator = allocator
         self.templates = templates
@@ -407,7 +408,7 @@ class Scheduler:
         limit = min(limit, self.config.speculative_step_tokens // running)
         if limit < 1:
             return ()
-        draft = self.draft(seq, limit)
+        draft = self.draft(seq, limit, running)
         if draft and self._blocks_needed(seq, 1 + len(draft)) > self.allocator.num_free - running:
             return ()
         return draft

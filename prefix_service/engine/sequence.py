@@ -137,6 +137,8 @@ class Sequence:
         # this one on give the next token's, those of the run's tokens, then the next draw's
         self.held_from: int | None = None
         self.draft_length: int | None = None  # the most draft tokens its next draft may have (speculation.Drafter)
+        self.draft_kept = 0  # its draft tokens kept so far
+        self.draft_missed = 0  # its drafts cut by a token drawn otherwise
         self.status = SeqStatus.WAITING
         self.block_table: list[BlockId] = []
         self.num_shared_blocks = 0

@@ -11,6 +11,7 @@ a step each wherever the rows' logits are (docs/architecture.md, "Speculative de
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,6 +43,46 @@ def propose(ids: np.ndarray, num_tokens: int, max_ngram: int, min_ngram: int) ->
     return []
 
 
+DEFAULT_ROW_COST = 0.08  # a decode row's time over a decode step's fixed time, until measured (StepCost)
+PRIOR_WEIGHT = 2.0  # a sequence's acceptance starts as this many draft tokens at the engine's rate
+
+
+class StepCost:
+    """What a decode step costs, fitted to the engine's own steps: time = fixed + per_row x rows, by
+    least squares over recent steps (each older one weighing `decay` times the next). row_cost is
+    per_row / fixed: what one more row adds to a step, as a share of a step's cost without rows."""
+
+    def __init__(self, fixed_row_cost: float | None = None, decay: float = 0.98) -> None:
+        self.fixed = fixed_row_cost  # set: row_cost is this, whatever the steps take
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows x seconds
+        self.observed = 0  # steps seen
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step of `rows` rows (drafts included) took `seconds`."""
+        d = self.decay
+        w, x, y, xx, xy = self._sums
+        self._sums = [d * w + 1, d * x + rows, d * y + seconds, d * xx + rows * rows, d * xy + rows * seconds]
+        self.observed += 1
+
+    @property
+    def row_cost(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        w, x, y, xx, xy = self._sums
+        if w == 0:
+            return DEFAULT_ROW_COST
+        mx, my = x / w, y / w
+        var = xx / w - mx * mx
+        if var < 1.0:  # the steps' rows hardly differ: no slope to fit yet
+            return DEFAULT_ROW_COST
+        per_row = (xy / w - mx * my) / var
+        fixed = my - per_row * mx
+        if per_row <= 0 or fixed <= 0:  # noise, or rows that cost nothing to speak of
+            return 0.0 if per_row <= 0 else 1.0
+        return min(per_row / fixed, 1.0)
+
+
 class Drafter:
     """The scheduler's source of drafts (Scheduler.draft), and the count of what they gave."""
 
@@ -49,19 +90,44 @@ class Drafter:
         self.num_tokens = config.speculative_tokens
         self.max_ngram, self.min_ngram = config.speculative_max_ngram, config.speculative_min_ngram
         self.max_model_len = max_model_len
+        self.cost = StepCost(config.speculative_row_cost)
         self.drafted = 0  # draft tokens a step checked
         self.accepted = 0  # of them, those drawn there and kept
+        self.missed = 0  # drafts cut by a token drawn otherwise
 
-    def __call__(self, seq: Sequence, limit: int) -> tuple[int, ...]:
-        """A draft for `seq`, a running sequence whose one uncomputed token is its last, of at most
-        `limit` tokens and of the length its drafts earn (learn): for a structured output, as far as
-        its matcher allows the tokens in turn; none for a run held for its logprobs; no more tokens
-        than max_tokens and the context leave after the one the draft's last row draws."""
+    def acceptance(self, seq: Sequence) -> float:
+        """The chance that a draft token of seq whose tokens before it were kept is kept too: its own
+        draft tokens kept over those looked at (a draft's tokens after its first miss are not), from
+        a start at the engine's rate so far."""
+        engine = (self.accepted + 1) / (self.accepted + self.missed + 2)
+        return (seq.draft_kept + PRIOR_WEIGHT * engine) / (seq.draft_kept + seq.draft_missed + PRIOR_WEIGHT)
+
+    def worth(self, seq: Sequence, running: int) -> int:
+        """The most draft tokens of seq worth their rows in a step of `running` sequences: the k-th
+        is kept with acceptance^k, and a row adds row_cost of a step's fixed time to each of the
+        running sequences' tokens, so it pays while acceptance^k >= n r / (1 + n r), the tokens a
+        step makes per unit of its time (n running, r = StepCost.row_cost)."""
+        p, nr = self.acceptance(seq), running * self.cost.row_cost
+        bar = nr / (1 + nr)
+        if bar <= 0 or p >= 1:
+            return self.num_tokens
+        if p <= bar:
+            return 0
+        return min(self.num_tokens, int(math.log(bar) / math.log(p)))
+
+    def __call__(self, seq: Sequence, limit: int, running: int = 1) -> tuple[int, ...]:
+        """A draft for `seq`, a running sequence whose one uncomputed token is its last, in a step of
+        `running` sequences: at most `limit` tokens, the length its drafts earn (learn) and the
+        number worth their rows (worth); for a structured output, as far as its matcher allows the
+        tokens in turn; none for a run held for its logprobs; no more tokens than max_tokens and the
+        context leave after the one the draft's last row draws."""
         if seq.held_from is not None or not seq.samples:
             return ()
         length = len(seq.token_ids)
         earned = self.num_tokens if seq.draft_length is None else seq.draft_length
         limit = min(limit, earned, seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - length - 1)
+        if limit >= 1:
+            limit = min(limit, self.worth(seq, running))
         if limit < 1:
             return ()
         draft = propose(seq.ids_array(), limit, self.max_ngram, self.min_ngram)
@@ -76,4 +142,7 @@ class Drafter:
         row a step, while one that quotes its context soon drafts the most."""
         self.drafted += drafted
         self.accepted += kept
+        self.missed += kept < drafted
+        seq.draft_kept += kept
+        seq.draft_missed += kept < drafted
         seq.draft_length = min(self.num_tokens, 2 * drafted if kept == drafted else kept + 1)
