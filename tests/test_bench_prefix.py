@@ -76,6 +76,19 @@ def test_bench_prefix_smoke(tmp_path, llama_dir, capsys, monkeypatch):
     assert "engine_prefix" in printed and "targets" in printed and "skipped vllm_apc: no vLLM environment" in printed
 
 
+def bench_float32(tmp_path, llama_dir, monkeypatch, scheduler: str, args: list[str]):
+    """scripts/bench_prefix.py's main() with `args` on the tiny model in float32 (the vLLM peers
+    skipped; `scheduler`: more scheduler settings, ", key: value") -> (the JSON report, its path)."""
+    monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "bin" / "python"))
+    config = tmp_path / "bench.yaml"
+    config.write_text(f"model: {{path: {llama_dir}, device: cpu, dtype: float32}}\n"
+                      "cache: {block_size: 4, num_blocks: 256}\n"
+                      f"scheduler: {{max_num_seqs: 8, max_num_batched_tokens: 256{scheduler}}}\n")
+    out = tmp_path / "report.json"
+    assert load_script("bench_prefix").main(["--config", str(config), "--json", str(out), "--no-progress", *args]) == 0
+    return json.loads(out.read_text()), out
+
+
 def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama_dir, monkeypatch):
     """intent_labels beside intent: the systems that can constrain an output (our engine with and
     without the prefix, the server through gRPC and through its OpenAI HTTP API; the server holds the
@@ -83,19 +96,12 @@ def test_bench_labels_workload_answers_with_the_templates_labels(tmp_path, llama
     same labels on the same messages (float32, greedy), ending where the label does; transformers'
     systems are left out of it. http_prefix streams the intent workload's tokens too."""
     from prefix_service.bench.workloads import INTENT_LABELS
-    monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "bin" / "python"))
-    config = tmp_path / "bench.yaml"
-    config.write_text(f"model: {{path: {llama_dir}, device: cpu, dtype: float32}}\n"
-                      "cache: {block_size: 4, num_blocks: 256}\n"
-                      "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 256}\n")
-    out = tmp_path / "labels.json"
-    assert load_script("bench_prefix").main([
-        "--config", str(config), "--json", str(out), "--no-progress", "--workloads", "intent,intent_labels",
+    report, _ = bench_float32(tmp_path, llama_dir, monkeypatch, "", [
+        "--workloads", "intent,intent_labels",
         "--systems", "engine_prefix,engine_no_prefix,grpc_prefix,http_prefix,hf_generate",
         "--modes", "single,closed_loop",
         "--max-prefix-tokens", "60", "--prompt-tokens", "30", "--output-tokens", "4", "--warmup", "0",
-        "--single-requests", "3", "--concurrency", "3", "--closed-min-requests", "3", "--idle-wait-s", "0"]) == 0
-    report = json.loads(out.read_text())
+        "--single-requests", "3", "--concurrency", "3", "--closed-min-requests", "3", "--idle-wait-s", "0"])
     labels = report["workloads"]["intent_labels"]
     assert labels["labels"] == [" " + label for label in INTENT_LABELS] and labels["prefix_name"] == "intent_classifier"
     assert report["workloads"]["intent"]["output_tokens"] == 4 and "labels" not in report["workloads"]["intent"]
@@ -131,18 +137,11 @@ def test_bench_records_workload_answers_with_json_records(tmp_path, llama_dir, m
     from prefix_service.bench import workloads
     short = {f: {"type": "string", "pattern": "^[a-z0-9 ]{0,3}$"} for f in workloads.RECORD_FIELDS}
     monkeypatch.setattr(workloads, "RECORD_SCHEMA", {**workloads.RECORD_SCHEMA, "properties": short})
-    monkeypatch.setenv("PREFIX_SERVICE_VLLM_PYTHON", str(tmp_path / "no-vllm" / "bin" / "python"))
-    config = tmp_path / "bench.yaml"
-    config.write_text(f"model: {{path: {llama_dir}, device: cpu, dtype: float32}}\n"
-                      "cache: {block_size: 4, num_blocks: 256}\n"
-                      "scheduler: {max_num_seqs: 8, max_num_batched_tokens: 256, speculative_tokens: 4}\n")
-    out = tmp_path / "records.json"
-    assert load_script("bench_prefix").main([
-        "--config", str(config), "--json", str(out), "--no-progress", "--workloads", "doc_records",
+    report, out = bench_float32(tmp_path, llama_dir, monkeypatch, ", speculative_tokens: 4", [
+        "--workloads", "doc_records",
         "--systems", "engine_prefix,grpc_prefix,http_prefix,hf_generate", "--modes", "single,closed_loop",
         "--max-prefix-tokens", "60", "--warmup", "0", "--single-requests", "3", "--concurrency", "1,3",
-        "--closed-min-requests", "3", "--idle-wait-s", "0"]) == 0
-    report = json.loads(out.read_text())
+        "--closed-min-requests", "3", "--idle-wait-s", "0"])
     described = report["workloads"]["doc_records"]
     assert described["record_fields"] == list(workloads.RECORD_FIELDS) and described["prefix_name"] == "table_qa"
     assert (described["output_tokens"], described["output_tokens_is"]) == (workloads.RECORD_MAX_TOKENS, "at most")
@@ -158,7 +157,7 @@ def test_bench_records_workload_answers_with_json_records(tmp_path, llama_dir, m
         tokens = [r["output_tok_s"] * r["wall_s"] for r in records if (r["mode"], r["concurrency"]) == key]
         assert max(tokens) - min(tokens) < 0.03 * max(tokens), (key, tokens)
     assert report["grpc_usage_mismatches"] == {"grpc_prefix": 0, "http_prefix": 0}
-    plot = out.with_name("records-records-concurrency.png")
+    plot = out.with_name("report-records-concurrency.png")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
