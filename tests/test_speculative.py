@@ -9,6 +9,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import counting, streamed
 from prefix_service import FinishReason, GenerateRequest, SamplingParams
@@ -332,6 +334,30 @@ def test_propose_takes_the_longest_match_latest_first():
     # a run of one token: its first occurrence has the most after it
     assert propose(np.array([8, 4, 4, 4, 4], dtype=np.int64), 3, max_ngram=2, min_ngram=1) == [4, 4]
     assert propose(ids, 0, max_ngram=2, min_ngram=2) == []
+
+
+def lookup(ids: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """propose's contract written plainly: for n from max_ngram down, the earlier occurrences of the
+    last n ids; of them the latest with num_tokens ids after it, else the earliest."""
+    total = len(ids)
+    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
+        starts = [s for s in range(total - n) if ids[s:s + n] == ids[total - n:]]
+        if starts and num_tokens > 0:
+            whole = [s for s in starts if s + n + num_tokens <= total]
+            first = (whole[-1] if whole else starts[0]) + n
+            return ids[first:first + num_tokens]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(ids=st.lists(st.integers(0, 4), min_size=1, max_size=40), num_tokens=st.integers(0, 9),
+       ngrams=st.tuples(st.integers(1, 5), st.integers(1, 5)))
+def test_propose_is_the_lookup_its_contract_says(ids, num_tokens, ngrams):
+    """propose (one comparison over the ids, then over the few matches) against the lookup written
+    plainly, on short runs of a small alphabet, where matches of every length abound."""
+    min_ngram, max_ngram = sorted(ngrams)
+    got = propose(np.array(ids, dtype=np.int64), num_tokens, max_ngram, min_ngram)
+    assert got == lookup(ids, num_tokens, max_ngram, min_ngram)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -15,7 +15,6 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 if TYPE_CHECKING:
     from prefix_service.config import SchedulerConfig
@@ -27,20 +26,26 @@ def propose(ids: np.ndarray, num_tokens: int, max_ngram: int, min_ngram: int) ->
     of its last n ids, for the largest n in [min_ngram, max_ngram] that occurs: the latest with
     num_tokens ids after it, else the earliest; [] where none occurs."""
     total = len(ids)
-    if num_tokens < 1:
+    longest = min(max_ngram, total - 1)
+    if num_tokens < 1 or longest < min_ngram:
         return []
-    for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
-        tail = ids[total - n:]
-        # windows starting at 0 .. total - n - 1: each earlier occurrence, with a token after it
-        windows = sliding_window_view(ids[:total - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if len(hits):
-            # the latest with num_tokens after it, else the earliest (in a loop, a recent occurrence
-            # has only the loop's last turn after it)
-            whole = hits[hits + n + num_tokens <= total]
-            start = int(whole[-1] if len(whole) else hits[0]) + n
-            return [int(token) for token in ids[start:start + num_tokens]]
-    return []
+    # where an earlier occurrence of the last n ids ends, for n = 1, 2, ...: each n keeps those of
+    # n - 1 whose id n - 1 places before matches (one pass over the ids, then over the few matches)
+    ends = np.flatnonzero(ids[:total - 1] == ids[total - 1])
+    n = 1
+    while n < longest and len(ends):
+        longer = ends[ends >= n]
+        longer = longer[ids[longer - n] == ids[total - 1 - n]]
+        if not len(longer):
+            break
+        ends, n = longer, n + 1
+    if not len(ends) or n < min_ngram:
+        return []
+    # the latest with num_tokens ids after it, else the earliest (in a loop, a recent occurrence has
+    # only the loop's last turn after it)
+    whole = ends[ends + 1 + num_tokens <= total]
+    start = int(whole[-1] if len(whole) else ends[0]) + 1
+    return ids[start:start + num_tokens].tolist()
 
 
 DEFAULT_ROW_COST = 0.08  # a decode row's time over a decode step's fixed time, until measured (StepCost)
