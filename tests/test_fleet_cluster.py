@@ -52,11 +52,26 @@ def start_head(attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
     raise AssertionError("unreachable")
 
 
+def start_cluster(attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
+    """A Cluster of the head and a second node. The second node's start has a window of its own
+    (its raylet registering), which a busy machine can miss too: such a cluster is shut down and
+    started again whole."""
+    for attempt in range(1, attempts + 1):
+        c = start_head()
+        try:
+            c.add_node(num_cpus=1)
+            return c
+        except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
+            c.shutdown()
+            if attempt == attempts or not start_timed_out(e):
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     assert not ray.is_initialized(), "a Ray session from another test is still up"
-    c = start_head()
-    c.add_node(num_cpus=1)
+    c = start_cluster()
     c.wait_for_nodes()
     c.connect()
     try:

@@ -45,7 +45,7 @@ def propose(ids: np.ndarray, num_tokens: int, max_ngram: int, min_ngram: int) ->
     # only the loop's last turn after it)
     whole = ends[ends + 1 + num_tokens <= total]
     start = int(whole[-1] if len(whole) else ends[0]) + 1
-    return ids[start:start + num_tokens].tolist()
+    return [int(token) for token in ids[start:start + num_tokens]]
 
 
 DEFAULT_ROW_COST = 0.08  # a decode row's time over a decode step's fixed time, until measured (StepCost)
