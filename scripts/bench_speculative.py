@@ -230,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines.values():  # warm each engine's paths, untimed
         for name, (template, _, _, params) in work.items():
             run_batch(engine, template, warm[name], params)
-    systems = list(ours) + [f"vllm-{k}" for k in vllm_counts]
+    our_systems = list(ours)
+    systems = our_systems + [f"vllm-{k}" for k in vllm_counts]
     runs: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
     for rnd, batches in enumerate(plan_rounds):
-        names_now = list(ours)
-        order = names_now[rnd % len(names_now):] + names_now[:rnd % len(names_now)]
+        order = our_systems[rnd % len(our_systems):] + our_systems[:rnd % len(our_systems)]
         for batch in batches:
             template, _, _, params = work[batch["task"]]
             for system in order:

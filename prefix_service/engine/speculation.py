@@ -83,8 +83,10 @@ class StepCost:
             return DEFAULT_ROW_COST
         per_row = (xy / w - mx * my) / var
         fixed = my - per_row * mx
-        if per_row <= 0 or fixed <= 0:  # noise, or rows that cost nothing to speak of
-            return 0.0 if per_row <= 0 else 1.0
+        if per_row <= 0:  # noise: rows that cost nothing to speak of
+            return 0.0
+        if fixed <= 0:  # a step's cost all in its rows
+            return 1.0
         return min(per_row / fixed, 1.0)
 
 
@@ -130,9 +132,8 @@ class Drafter:
             return ()
         length = len(seq.token_ids)
         earned = self.num_tokens if seq.draft_length is None else seq.draft_length
-        limit = min(limit, earned, seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - length - 1)
-        if limit >= 1:
-            limit = min(limit, self.worth(seq, running))
+        limit = min(limit, earned, seq.max_tokens - seq.num_output_tokens - 1, self.max_model_len - length - 1,
+                    self.worth(seq, running))
         if limit < 1:
             return ()
         draft = propose(seq.ids_array(), limit, self.max_ngram, self.min_ngram)
