@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Callable
 
 import pytest
 import yaml
@@ -33,39 +34,36 @@ TEMPLATES = {f"t{i}": f"{DOCUMENT} and note {i} of the table" for i in range(4)}
 APP = "prefix-service-cluster"
 
 
-def start_head(attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
-    """A Cluster with its head node up. Ray gives the head's start fixed windows (its GCS server
-    writing its port, the raylet registering), which a machine busy with the rest of the suite can
-    miss: the GCS window is widened and a start that still misses one is tried again, as the fleet's
-    own local start does (init_ray)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(RAY_GCS_PORT_WAIT_ENV, str(RAY_GCS_PORT_WAIT_S))
-        for attempt in range(1, attempts + 1):
-            c = Cluster(initialize_head=False)
-            try:
-                c.add_node(num_cpus=1, include_dashboard=False)
-                return c
-            except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
-                c.shutdown()
-                if attempt == attempts or not start_timed_out(e):
-                    raise
-    raise AssertionError("unreachable")
-
-
-def start_cluster(attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
-    """A Cluster of the head and a second node. The second node's start has a window of its own
-    (its raylet registering), which a busy machine can miss too: such a cluster is shut down and
-    started again whole."""
+def started(make: Callable[[], Cluster], add_node: Callable[[Cluster], object],
+            attempts: int = RAY_LOCAL_START_ATTEMPTS) -> Cluster:
+    """make() with add_node(it) done: Ray gives a node's start fixed windows (its GCS server writing
+    its port, the raylet registering), which a machine busy with the rest of the suite can miss; a
+    start that misses one is shut down and tried again whole, as the fleet's own local start does
+    (init_ray)."""
     for attempt in range(1, attempts + 1):
-        c = start_head()
+        c = make()
         try:
-            c.add_node(num_cpus=1)
+            add_node(c)
             return c
         except Exception as e:  # Ray's start-up timeouts: a bare Exception or a RuntimeError
             c.shutdown()
             if attempt == attempts or not start_timed_out(e):
                 raise
     raise AssertionError("unreachable")
+
+
+def start_head() -> Cluster:
+    """A Cluster with its head node up, the GCS server's window widened."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RAY_GCS_PORT_WAIT_ENV, str(RAY_GCS_PORT_WAIT_S))
+        return started(lambda: Cluster(initialize_head=False),
+                       lambda c: c.add_node(num_cpus=1, include_dashboard=False))
+
+
+def start_cluster() -> Cluster:
+    """A Cluster of the head and a second node, whose start has a window of its own (its raylet
+    registering): a cluster whose second node misses it is started again whole."""
+    return started(start_head, lambda c: c.add_node(num_cpus=1))
 
 
 @pytest.fixture(scope="module")
